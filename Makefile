@@ -1,0 +1,50 @@
+# Set-up and entry points. `make demo` and `make test` each create .venv if
+# it is missing and install the project into it first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch: kept as it is when the venv already has one. Otherwise the CPU build
+# is installed where no NVIDIA GPU is visible, the default (CUDA) build where
+# one is. TORCH_INDEX_URL points pip at another index for torch alone, e.g.
+# https://download.pytorch.org/whl/cpu on a CPU machine without a local wheel.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: installing the default (CUDA) torch build"; \
+		$(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
+	else \
+		echo "no GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
+		$(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)+cpu" \
+		  || $(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
+	fi
+	$(BIN)/pip install -e ".[dev]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(BIN)/shardps demo
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+# Regenerate the committed gRPC/protobuf stubs (tests/test_proto_stubs.py
+# fails when they are out of date).
+proto: venv
+	$(BIN)/python -m shardps.protos.codegen
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,125 @@
+"""LocalCluster: N parameter servers on free loopback ports, the embedded default.
+
+``LocalCluster(num_servers=2)`` runs the servers in this process (one gRPC
+server each, real sockets); ``processes=True`` starts each as its own
+``shardps server`` process. Either way ``addresses`` lists them in shard
+order, and leaving the ``with`` block stops everything it started.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from types import TracebackType
+
+import grpc
+from shardps.protos import codec
+from shardps.server.app import READY_PREFIX
+from shardps.server.service import create_server
+from shardps.server.store import ShardStore
+
+
+def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
+    """Wait (up to ``timeout``) for the process's ready line; return HOST:PORT."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"server (pid {proc.pid}) did not report ready within {timeout:.0f}s; "
+                               f"output: {''.join(seen)[-500:]!r}")
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            continue
+        if line is None:
+            raise RuntimeError(f"server (pid {proc.pid}) exited with {proc.wait()} before it was ready; "
+                               f"output: {''.join(seen)[-2000:]}")
+        seen.append(line)
+        if line.startswith(READY_PREFIX):
+            return line[len(READY_PREFIX):].split()[0]
+
+
+class LocalCluster:
+    """Parameter servers on loopback for one machine: tests, the demo, notebooks."""
+
+    def __init__(self, num_servers: int = 2, *, processes: bool = False, host: str = "127.0.0.1",
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, startup_timeout: float = 60.0,
+                 max_wait_s: float = 300.0) -> None:
+        if num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+        self.num_servers = num_servers
+        self.processes = processes
+        self.host = host
+        self.chunk_bytes = chunk_bytes
+        self.startup_timeout = startup_timeout
+        self.max_wait_s = max_wait_s
+        self.addresses: list[str] = []
+        self.stores: list[ShardStore] = []  # in-process mode only
+        self._servers: list[grpc.Server] = []
+        self._procs: list[subprocess.Popen[str]] = []
+
+    def start(self) -> LocalCluster:
+        try:
+            if self.processes:
+                self._start_processes()
+            else:
+                for i in range(self.num_servers):
+                    store = ShardStore(i, self.num_servers)
+                    server, port = create_server(store, f"{self.host}:0", chunk_bytes=self.chunk_bytes,
+                                                 max_wait_s=self.max_wait_s)
+                    self.stores.append(store)
+                    self._servers.append(server)
+                    self.addresses.append(f"{self.host}:{port}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_processes(self) -> None:
+        for i in range(self.num_servers):
+            cmd = [sys.executable, "-m", "shardps", "server", "--host", self.host, "--port", "0",
+                   "--shard-index", str(i), "--num-shards", str(self.num_servers),
+                   "--chunk-bytes", str(self.chunk_bytes), "--max-wait", str(self.max_wait_s)]
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
+                                    start_new_session=True)
+            self._procs.append(proc)
+        for proc in self._procs:
+            self.addresses.append(_read_ready(proc, self.startup_timeout))
+
+    def stop(self, grace: float = 5.0) -> None:
+        for s in self._servers:
+            s.stop(grace=None)
+        for p in self._procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self._procs:
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=grace)
+            if p.stdout is not None:
+                p.stdout.close()
+        self._servers, self._procs = [], []
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

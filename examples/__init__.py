@@ -1,0 +1,1 @@
+"""Real models on real data, runnable as shardps workers."""

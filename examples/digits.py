@@ -1,0 +1,126 @@
+"""An MLP on the UCI handwritten digits (8x8 pixels, 10 classes).
+
+The data ships with the package (``data/digits.csv.gz``, CC BY 4.0, see
+``data/README.md``). The train/test split is fixed (a permutation drawn with
+seed 0, 360 test images); ``--seed`` only changes the model's initial values
+and the batch order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+import numpy as np
+import torch
+from torch import nn
+
+SPLIT_SEED = 0
+NUM_TEST = 360
+
+
+@dataclass
+class Digits:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def load_digits() -> Digits:
+    """The fixed split, pixels scaled to [0, 1]."""
+    raw = resources.files("shardps.examples").joinpath("data/digits.csv.gz").read_bytes()
+    arr = np.loadtxt(gzip.decompress(raw).decode().splitlines(), delimiter=",", dtype=np.float32)
+    if arr.shape != (1797, 65):
+        raise ValueError(f"digits.csv.gz: expected 1797 rows of 65 columns, got {arr.shape}")
+    perm = np.random.default_rng(SPLIT_SEED).permutation(len(arr))
+    arr = arr[perm]
+    x = torch.from_numpy(arr[:, :64] / 16.0)
+    y = torch.from_numpy(arr[:, 64].astype(np.int64))
+    return Digits(x[NUM_TEST:], y[NUM_TEST:], x[:NUM_TEST], y[:NUM_TEST])
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+def batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch.Tensor]:
+    """The global batches of an epoch: the same on every worker."""
+    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    perm = torch.randperm(n, generator=g)
+    return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+
+
+def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync: str = "bsp",
+                 optimizer: str = "adam", lr: float | None = None, epochs: int = 20,
+                 batch_size: int = 64, seed: int = 0, progress: bool = False) -> dict[str, object]:
+    """One worker's training run; returns its summary (steps, last loss, seconds)."""
+    import shardps
+    from shardps.optim import spec_from_name
+
+    data = load_digits()
+    model = make_model(seed)
+    client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers)
+    kwargs = {"lr": lr if lr is not None else default_lr(optimizer)}
+    opt = shardps.DistributedOptimizer(model, client, optimizer=spec_from_name(optimizer, **kwargs), sync=sync)
+    loss_fn = nn.CrossEntropyLoss()
+    plan = [(e, b) for e in range(epochs) for b in batches(len(data.x_train), batch_size, e, seed)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(plan), desc=f"worker {worker_id} [{sync}]", unit="step", mininterval=0.5)
+    t0 = time.perf_counter()
+    loss_val = float("nan")
+    try:
+        for epoch, idx in plan:
+            mine = idx[worker_id::num_workers]
+            loss = loss_fn(model(data.x_train[mine]), data.y_train[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss_val = loss.item()
+            if bar is not None:
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss_val:.3f}", refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        client.close()
+    return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
+            "final_loss": loss_val, "seconds": time.perf_counter() - t0,
+            "train_accuracy": accuracy(model, data.x_train, data.y_train)}
+
+
+def default_lr(optimizer: str) -> float:
+    return {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1}.get(optimizer.lower(), 1e-3)
+
+
+def evaluate(addresses: list[str], seed: int = 0) -> float:
+    """Test accuracy of the weights the servers hold now."""
+    import shardps
+
+    data = load_digits()
+    model = make_model(seed)
+    with shardps.connect(addresses) as client:
+        client.attach()
+        client.pull(out=dict(model.named_parameters()))
+    return accuracy(model, data.x_test, data.y_test)
+
+
+def main_worker(args: object) -> int:
+    a = args
+    res = train_worker(a.addresses, a.worker_id, a.num_workers, sync=a.sync, optimizer=a.optimizer,  # type: ignore[attr-defined]
+                       lr=a.lr, epochs=a.epochs, batch_size=a.batch_size, seed=a.seed,  # type: ignore[attr-defined]
+                       progress=a.progress)  # type: ignore[attr-defined]
+    print(json.dumps(res), flush=True)
+    return 0

@@ -1,0 +1,100 @@
+"""Tensor <-> wire chunks: raw little-endian bytes, never pickle.
+
+A chunk covers a flat element range of a row-major tensor. ``encode_range``
+cuts a range into pieces of at most ``chunk_bytes``; ``decode`` turns a
+payload back into a 1-D tensor that shares the payload's memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+
+import torch
+from shardps.protos.shardps.v1 import ps_pb2
+
+if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
+    raise ImportError("shardps's wire format is little-endian; big-endian hosts are not supported")
+
+# torch.frombuffer warns that protobuf's bytes are read-only; decoded chunks
+# are only ever read (copied into staging or parameters), never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: the best message size for gRPC Python
+MAX_CHUNK_BYTES = 3 << 20  # stays under gRPC's default 4 MiB receive limit
+
+_TO_TORCH: dict[int, torch.dtype] = {
+    ps_pb2.FLOAT32: torch.float32,
+    ps_pb2.FLOAT16: torch.float16,
+    ps_pb2.BFLOAT16: torch.bfloat16,
+}
+_TO_WIRE: dict[torch.dtype, int] = {v: k for k, v in _TO_TORCH.items()}
+DTYPE_NAMES: dict[int, str] = {
+    ps_pb2.FLOAT32: "float32",
+    ps_pb2.FLOAT16: "float16",
+    ps_pb2.BFLOAT16: "bfloat16",
+}
+
+
+def to_wire_dtype(dtype: torch.dtype) -> int:
+    """The proto enum for a torch dtype; ValueError for unsupported ones."""
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {dtype}: shardps carries float32, float16 and bfloat16"
+        ) from None
+
+
+def to_torch_dtype(wire: int) -> torch.dtype:
+    """The torch dtype for a proto enum value; ValueError for unknown ones."""
+    try:
+        return _TO_TORCH[wire]
+    except KeyError:
+        raise ValueError(
+            f"unsupported wire dtype {wire}: expected one of {sorted(DTYPE_NAMES.values())}"
+        ) from None
+
+
+def dtype_name(wire: int) -> str:
+    return DTYPE_NAMES.get(wire, f"<unknown dtype {wire}>")
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    if not 1024 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [1024, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    return chunk_bytes
+
+
+def encode_range(
+    flat: torch.Tensor, start: int, stop: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(offset, payload)`` pieces covering ``flat[start:stop]``.
+
+    ``flat`` is a contiguous 1-D CPU tensor; each payload is one copy of its
+    elements' bytes. An empty range yields nothing.
+    """
+    step = max(1, chunk_bytes // flat.element_size())
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    size = flat.element_size()
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        yield a, raw[a * size : b * size].numpy().tobytes()
+
+
+def decode(data: bytes, wire_dtype: int) -> torch.Tensor:
+    """A read-only 1-D tensor viewing ``data``; ValueError if it does not fit."""
+    dtype = to_torch_dtype(wire_dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    if len(data) % size:
+        raise ValueError(
+            f"payload of {len(data)} bytes is not a whole number of {dtype_name(wire_dtype)} elements"
+        )
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
+
+
+def itemsize(wire_dtype: int) -> int:
+    return torch.empty((), dtype=to_torch_dtype(wire_dtype)).element_size()

@@ -1,0 +1,1 @@
+"""The parameter-server side: ShardStore (state), sync policies, optimizers, gRPC service."""

@@ -1,0 +1,51 @@
+"""Running one shard as a process: ``shardps server``.
+
+Prints ``shardps server listening on HOST:PORT`` on stdout once it serves
+(what LocalCluster waits for), and stops on SIGTERM or SIGINT: health goes
+NOT_SERVING, in-flight RPCs get a grace period, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+from grpc_health.v1 import health_pb2
+from shardps.protos import codec
+from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server
+from shardps.server.store import ShardStore
+
+log = logging.getLogger("shardps.server")
+
+READY_PREFIX = "shardps server listening on "
+
+
+def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, num_shards: int = 1,
+               sync: str | None = None, num_workers: int | None = None,
+               chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+               grace_s: float = 5.0) -> int:
+    store = ShardStore(shard_index, num_shards, sync=sync, num_workers=num_workers)
+    server, bound = create_server(store, f"{host}:{port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        log.info("shard %d: signal %d, shutting down", shard_index, signum)
+        for svc in ("", SERVICE_NAME):
+            server.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+        server.stop(grace_s)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards})", flush=True)
+    server.wait_for_termination()
+    log.info("shard %d: stopped at version %d", shard_index, store.version)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run_server())

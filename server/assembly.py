@@ -1,0 +1,104 @@
+"""Turning a stream of chunks into whole fp32 parts, validating every chunk.
+
+Used for pushed gradients and for initial values at registration. Nothing
+here touches the store's state: a stream that fails validation is dropped
+with an error that names the tensor, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+from shardps.protos import codec
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.errors import InvalidArgument
+from shardps.server.store import TensorSpec, fmt_shape
+from shardps.server.sync import PartKey
+
+
+class ChunkAssembler:
+    """Collects chunks into one fp32 staging buffer per part.
+
+    ``lookup(name)`` returns the spec the chunks must match (raising
+    NotFound for unknown names). Every part of a tensor that appears must
+    be covered exactly once by the time ``finish`` is called.
+    """
+
+    def __init__(self, lookup: Callable[[str], TensorSpec], what: str = "gradient") -> None:
+        self._lookup = lookup
+        self._what = what
+        self._specs: dict[str, TensorSpec] = {}
+        self._starts: dict[str, list[int]] = {}
+        self._stops: dict[str, dict[int, int]] = {}
+        self._buffers: dict[PartKey, torch.Tensor] = {}
+        self._covered: dict[PartKey, list[tuple[int, int]]] = {}
+        self.nbytes = 0
+
+    def add(self, chunk: ps_pb2.Chunk) -> None:
+        name = chunk.name
+        spec = self._specs.get(name)
+        if spec is None:
+            spec = self._lookup(name)
+            self._specs[name] = spec
+            self._starts[name] = sorted(a for a, _ in spec.parts)
+            self._stops[name] = dict(spec.parts)
+        if chunk.dtype != spec.dtype:
+            raise InvalidArgument(
+                f"tensor {name!r}: {self._what} dtype expected {codec.dtype_name(spec.dtype)}, "
+                f"got {codec.dtype_name(chunk.dtype)}"
+            )
+        if chunk.shape and tuple(chunk.shape) != spec.shape:
+            raise InvalidArgument(
+                f"tensor {name!r}: {self._what} shape expected {fmt_shape(spec.shape)}, "
+                f"got {fmt_shape(tuple(chunk.shape))}"
+            )
+        try:
+            values = codec.decode(chunk.data, chunk.dtype)
+        except ValueError as e:
+            raise InvalidArgument(f"tensor {name!r}: {e}") from None
+        n = values.numel()
+        a = chunk.offset
+        if n == 0:
+            raise InvalidArgument(f"tensor {name!r}: empty chunk at offset {a}")
+        starts = self._starts[name]
+        i = bisect.bisect_right(starts, a) - 1
+        part = self._stops[name].get(starts[i]) if i >= 0 else None
+        if part is None or not (starts[i] <= a and a + n <= part):
+            raise InvalidArgument(
+                f"tensor {name!r}: chunk [{a}, {a + n}) is out of range: shard owns "
+                f"{sorted(spec.parts)[:4]}{'...' if len(spec.parts) > 4 else ''} of "
+                f"{spec.numel} elements (shape {fmt_shape(spec.shape)})"
+            )
+        start = starts[i]
+        key = (name, start)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(part - start, dtype=torch.float32)
+            self._buffers[key] = buf
+            self._covered[key] = []
+        buf[a - start : a - start + n].copy_(values)
+        self._covered[key].append((a, a + n))
+        self.nbytes += len(chunk.data)
+
+    def finish(self) -> dict[PartKey, torch.Tensor]:
+        """The staged parts; InvalidArgument if any part is partly covered or overlapped."""
+        for name, spec in self._specs.items():
+            for a, b in spec.parts:
+                ranges = sorted(self._covered.get((name, a), []))
+                pos = a
+                for x, y in ranges:
+                    if x != pos:
+                        kind = "overlapping" if x < pos else "missing"
+                        raise InvalidArgument(
+                            f"tensor {name!r}: {self._what} has {kind} elements at {min(x, pos)} "
+                            f"in part [{a}, {b})"
+                        )
+                    pos = y
+                if pos != b:
+                    raise InvalidArgument(
+                        f"tensor {name!r}: {self._what} covers {pos - a} of the {b - a} elements "
+                        f"of part [{a}, {b})"
+                    )
+        return self._buffers

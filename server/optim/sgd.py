@@ -1,0 +1,37 @@
+"""SGD, step for step as torch.optim.SGD's single-tensor path.
+
+g += wd * theta; with momentum: buf = g on the first step, else
+buf = momentum * buf + (1 - dampening) * g; g = g + momentum * buf (Nesterov)
+or g = buf; theta -= lr * g.
+"""
+
+from __future__ import annotations
+
+import torch
+from shardps.protos.optim import SGD
+from shardps.server.optim.base import ServerOptimizer, State
+
+
+class SGDImpl(ServerOptimizer):
+    spec: SGD
+
+    def init_state(self, param: torch.Tensor) -> State:
+        state: State = {"step": torch.zeros((), dtype=torch.float32)}
+        if self.spec.momentum != 0:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        return state
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State) -> None:
+        s = self.spec
+        first = bool(state["step"].item() == 0)
+        state["step"] += 1
+        if s.weight_decay != 0:
+            grad = grad.add(param, alpha=s.weight_decay)
+        if s.momentum != 0:
+            buf = state["momentum_buffer"]
+            if first:
+                buf.copy_(grad)
+            else:
+                buf.mul_(s.momentum).add_(grad, alpha=1 - s.dampening)
+            grad = grad.add(buf, alpha=s.momentum) if s.nesterov else buf
+        param.add_(grad, alpha=-s.lr)

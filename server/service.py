@@ -1,0 +1,231 @@
+"""The gRPC face of a shard: decode, call the store, encode, map errors.
+
+``create_server(store, "127.0.0.1:0")`` returns a started server and the
+port it bound; ``grpc.health.v1`` is mounted beside ``ParameterServer``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from shardps.protos import codec
+from shardps.protos.optim import spec_from_proto
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.server.assembly import ChunkAssembler
+from shardps.server.errors import InvalidArgument, StoreError
+from shardps.server.store import ShardStore, TensorSpec
+
+log = logging.getLogger("shardps.server")
+
+SERVICE_NAME = "shardps.v1.ParameterServer"
+DEFAULT_MAX_WAIT_S = 300.0
+# Room for a chunk of MAX_CHUNK_BYTES plus its header.
+MAX_MESSAGE_BYTES = codec.MAX_CHUNK_BYTES + (64 << 10)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _status_code(err: StoreError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
+
+
+def _unary_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except StoreError as e:
+            context.abort(_status_code(e), str(e))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _stream_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(self, request, context)
+        except StoreError as e:
+            context.abort(_status_code(e), str(e))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def spec_from_wire(msg: ps_pb2.TensorSpec) -> TensorSpec:
+    try:
+        opt = spec_from_proto(msg.optimizer)
+    except ValueError as e:
+        raise InvalidArgument(f"tensor {msg.name!r}: {e}") from None
+    spec = TensorSpec(
+        name=msg.name,
+        shape=tuple(msg.shape),
+        dtype=msg.dtype,
+        optimizer=opt,
+        parts=tuple(sorted((p.start, p.stop) for p in msg.parts)),
+    )
+    spec.validate()
+    return spec
+
+
+def spec_to_wire(spec: TensorSpec) -> ps_pb2.TensorSpec:
+    return ps_pb2.TensorSpec(
+        name=spec.name,
+        shape=list(spec.shape),
+        dtype=spec.dtype,  # type: ignore[arg-type]
+        optimizer=spec.optimizer.to_proto(),
+        parts=[ps_pb2.Part(start=a, stop=b) for a, b in spec.parts],
+    )
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, store: ShardStore, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> None:
+        self.store = store
+        self.max_wait_s = max_wait_s
+        self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
+
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return self.max_wait_s if remaining is None else max(0.0, min(remaining, self.max_wait_s))
+
+    @_unary_errors
+    def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
+                 context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("Register stream was empty")
+        store = self.store
+        sync = store.configure(first.num_workers, first.sync)
+        store.check_worker_id(first.worker_id)
+        specs = [spec_from_wire(t) for t in first.tensors]
+        by_name = {s.name: s for s in specs}
+        if len(by_name) != len(specs):
+            raise InvalidArgument("Register names a tensor more than once")
+
+        def lookup(name: str) -> TensorSpec:
+            s = by_name.get(name)
+            if s is None:
+                raise InvalidArgument(f"initial values for tensor {name!r}, which this Register does not declare")
+            return s
+
+        created: list[str] = []
+        if first.provides_values:
+            asm = ChunkAssembler(lookup, what="initial value")
+            if first.HasField("chunk"):
+                asm.add(first.chunk)
+            for req in request_iterator:
+                asm.add(req.chunk)
+            created = store.register_tensors(specs, asm.finish())
+        else:
+            for _ in request_iterator:
+                raise InvalidArgument("chunks sent in a Register without provides_values")
+            store.wait_for_tensors(by_name, self._timeout(context))
+            store.register_tensors(specs, None)
+        store.register_worker(first.worker_id)
+        log.info("shard %d: worker %d registered (%d tensors, %d created)",
+                 store.shard_index, first.worker_id, len(specs), len(created))
+        return ps_pb2.RegisterResponse(
+            version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
+            sync=str(sync), created=created)
+
+    @_unary_errors
+    def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
+             context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("Push stream was empty")
+        store = self.store
+        asm = ChunkAssembler(store.spec, what="gradient")
+        header = (first.worker_id, first.step, first.base_version)
+        if first.HasField("chunk"):  # a header alone: no gradients this step
+            asm.add(first.chunk)
+        for req in request_iterator:
+            if (req.worker_id, req.step, req.base_version) != header:
+                raise InvalidArgument(
+                    f"Push stream mixes headers: (worker_id, step, base_version) {header} then "
+                    f"{(req.worker_id, req.step, req.base_version)}"
+                )
+            asm.add(req.chunk)
+        res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes)
+        return ps_pb2.PushResponse(version=res.version, applied=res.applied,
+                                   duplicate=res.duplicate, sync=str(store.sync or ""))
+
+    @_stream_errors
+    def Pull(self, request: ps_pb2.PullRequest,
+             context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
+        store = self.store
+        names = list(request.names) or store.names()
+        for n in names:
+            store.spec(n)  # NotFound before any wait
+        wire = None
+        if request.dtype != ps_pb2.DTYPE_UNSPECIFIED:
+            try:
+                codec.to_torch_dtype(request.dtype)
+            except ValueError as e:
+                raise InvalidArgument(f"Pull: {e}") from None
+            wire = request.dtype
+        chunk_bytes = request.chunk_bytes or self.chunk_bytes
+        try:
+            codec.check_chunk_bytes(chunk_bytes)
+        except ValueError as e:
+            raise InvalidArgument(f"Pull: {e}") from None
+        if request.min_version > store.version:
+            store.wait_version(request.min_version, self._timeout(context))
+        version, chunks = store.read(names, wire, chunk_bytes)
+        last = None
+        for name, offset, dt, payload in chunks:
+            shape = store.spec(name).shape if name != last else ()
+            last = name
+            yield ps_pb2.PullResponse(
+                version=version,
+                chunk=ps_pb2.Chunk(name=name, offset=offset, dtype=dt, data=payload, shape=shape))  # type: ignore[arg-type]
+
+    @_unary_errors
+    def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
+        s = self.store.stats()
+        return ps_pb2.StatsResponse(
+            shard_index=s["shard_index"], num_shards=s["num_shards"], version=s["version"],
+            sync=s["sync"], num_workers=s["num_workers"], registered_workers=s["registered_workers"],
+            tensors=[ps_pb2.TensorStats(spec=spec_to_wire(t["spec"]), weight_bytes=t["weight_bytes"],
+                                        optimizer_state_bytes=t["optimizer_state_bytes"])
+                     for t in s["tensors"]],
+            pushes_total=s["pushes_total"], applied_updates_total=s["applied_updates_total"],
+            gradients_applied_total=s["gradients_applied_total"],
+            push_bytes_total=s["push_bytes_total"], pull_bytes_total=s["pull_bytes_total"],
+            staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"])
+
+
+def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
+                  max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> tuple[grpc.Server, int]:
+    """Start a server for ``store`` on ``address``; return it and the bound port.
+
+    Binding port 0 picks a free port. Raises RuntimeError if the address
+    cannot be bound.
+    """
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix=f"shard{store.shard_index}"),
+                         options=options)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(
+        ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    server.start()
+    for svc in ("", SERVICE_NAME):
+        health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    server.health = health_servicer  # type: ignore[attr-defined]
+    return server, port

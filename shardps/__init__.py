@@ -1,0 +1,25 @@
+"""shardps: sharded gRPC parameter servers for PyTorch training.
+
+    import shardps
+    with shardps.LocalCluster(num_servers=2) as cluster:
+        client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1)
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-3), sync="bsp")
+        ...
+"""
+
+from shardps import optim
+from shardps.deploy.local import LocalCluster
+from shardps.worker.client import PSClient, PushResult, ShardError, connect
+from shardps.worker.optimizer import DistributedOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedOptimizer",
+    "LocalCluster",
+    "PSClient",
+    "PushResult",
+    "ShardError",
+    "connect",
+    "optim",
+]

@@ -1,0 +1,96 @@
+"""The ``shardps`` command: server, worker, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from shardps.protos import codec
+
+
+def _addresses(text: str) -> list[str]:
+    out = [a.strip() for a in text.split(",") if a.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("expected comma-separated HOST:PORT addresses")
+    return out
+
+
+def _sync(text: str) -> str:
+    from shardps.protos.syncspec import SyncSpec
+
+    try:
+        return str(SyncSpec.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
+    p.add_argument("--log-level", default=os.environ.get("SHARDPS_LOG_LEVEL", "WARNING"),
+                   help="logging level (env SHARDPS_LOG_LEVEL; default WARNING)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("server", help="run one parameter server (one shard)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    s.add_argument("--port", type=int, default=0, help="port to bind (0: a free one, printed on start)")
+    s.add_argument("--shard-index", type=int, default=0)
+    s.add_argument("--num-shards", type=int, default=1)
+    s.add_argument("--sync", type=_sync, default=None, help="fix the sync mode (default: the first worker's)")
+    s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
+    s.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_CHUNK_BYTES,
+                   help=f"bytes per streamed chunk on Pull (default {codec.DEFAULT_CHUNK_BYTES})")
+    s.add_argument("--max-wait", type=float, default=300.0,
+                   help="longest a barrier or version wait may block, in seconds (default 300)")
+
+    w = sub.add_parser("worker", help="run one worker of an example")
+    w.add_argument("--example", choices=["digits"], default="digits")
+    w.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    w.add_argument("--worker-id", type=int, required=True)
+    w.add_argument("--num-workers", type=int, required=True)
+    w.add_argument("--sync", type=_sync, default="bsp")
+    w.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
+    w.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    w.add_argument("--epochs", type=int, default=20)
+    w.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+
+    d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
+    d.add_argument("--servers", type=int, default=2)
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp or every:X (default bsp)")
+    d.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
+    d.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    d.add_argument("--epochs", type=int, default=20)
+    d.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    d.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
+    d.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "server":
+        from shardps.server.app import run_server
+
+        return run_server(host=args.host, port=args.port, shard_index=args.shard_index,
+                          num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
+                          chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait)
+    if args.command == "worker":
+        from shardps.examples.digits import main_worker
+
+        return main_worker(args)
+    if args.command == "demo":
+        from shardps.deploy.demo import run_demo
+
+        for name in ("servers", "workers", "epochs"):
+            if getattr(args, name) < 1:
+                print(f"shardps demo: --{name} must be >= 1", file=sys.stderr)
+                return 2
+        return run_demo(args)
+    return 2

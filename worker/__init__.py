@@ -1,0 +1,1 @@
+"""The training side: PSClient (routing, parallel push/pull) and DistributedOptimizer."""

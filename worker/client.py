@@ -1,0 +1,367 @@
+"""PSClient: one worker's connection to every shard.
+
+Routes tensors by the shard map, pushes and pulls over all shards in
+parallel (one thread per shard), and gives every RPC a deadline. Failures
+surface as ``ShardError`` carrying the gRPC status code and the shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from shardps.protos import codec
+from shardps.protos.optim import OptimizerSpec, spec_from_proto
+from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger("shardps.worker")
+
+DEFAULT_TIMEOUT_S = 120.0
+T = TypeVar("T")
+
+OptimizerChoice = OptimizerSpec | Callable[[str, torch.Tensor], OptimizerSpec]
+
+
+class ShardError(RuntimeError):
+    """An RPC to one shard failed: ``code`` is the grpc.StatusCode."""
+
+    def __init__(self, address: str, shard: int, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"shard {shard} ({address}): {code.name}: {details}")
+        self.address, self.shard, self.code, self.details = address, shard, code, details
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor travels: full shape, wire dtype, optimizer."""
+
+    shape: tuple[int, ...]
+    dtype: int
+    optimizer: OptimizerSpec
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    applied: bool
+    duplicate: bool
+    sync: str
+
+
+class PSClient:
+    """A worker's client for all shards. Use ``shardps.connect`` to make one.
+
+    Thread-safety: one thread drives a client at a time (it uses its own
+    pool to talk to the shards in parallel).
+    """
+
+    def __init__(self, addresses: Sequence[str], worker_id: int = 0, num_workers: int = 1, *,
+                 timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+                 part_bytes: int | None = None) -> None:
+        if not addresses:
+            raise ValueError("need at least one server address")
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id must be in [0, {num_workers}), got {worker_id}")
+        self.addresses = list(addresses)
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
+        self.part_bytes = part_bytes
+        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
+        self.shard_map: ShardMap | None = None
+        self.layouts: dict[str, Layout] = {}
+        self.versions = [0] * len(self.addresses)
+        self.sync = ""
+        self._lock = threading.Lock()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _call(self, shard: int, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+            details = e.details() if hasattr(e, "details") else str(e)
+            raise ShardError(self.addresses[shard], shard, code, details or "") from None
+
+    def _each(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
+        """Run ``fn(shard)`` for every shard in parallel; raise the first failure."""
+        idx = list(range(self.num_shards)) if shards is None else list(shards)
+        futs = [self._pool.submit(self._call, i, lambda i=i: fn(i)) for i in idx]
+        results, first_err = [], None
+        for f in futs:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
+                first_err = first_err or e
+                results.append(None)
+        if first_err is not None:
+            raise first_err
+        return results
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every shard's channel is connected (TimeoutError names the laggards)."""
+        t = self.timeout if timeout is None else timeout
+        futs = [grpc.channel_ready_future(c) for c in self._channels]
+        missing = []
+        for a, f in zip(self.addresses, futs):
+            try:
+                f.result(timeout=t)
+            except grpc.FutureTimeoutError:
+                missing.append(a)
+        if missing:
+            raise TimeoutError(f"no parameter server answered within {t:.0f}s at {missing}")
+
+    def _require_layout(self, names: Iterable[str]) -> None:
+        if self.shard_map is None:
+            raise RuntimeError("no tensors known yet: call register() or attach() first")
+        unknown = [n for n in names if n not in self.layouts]
+        if unknown:
+            raise KeyError(f"unknown tensors {unknown[:5]}; registered: {len(self.layouts)}")
+
+    # -- registration -------------------------------------------------------
+
+    def register(self, tensors: Mapping[str, torch.Tensor], optimizer: OptimizerChoice, *,
+                 sync: str = "bsp", provides_values: bool | None = None) -> list[str]:
+        """Register ``tensors`` on their shards (idempotent across workers).
+
+        Only a worker that provides values (by default worker 0) creates
+        tensors, from its values; the others wait until they exist. Returns
+        the names this call created.
+        """
+        if provides_values is None:
+            provides_values = self.worker_id == 0
+        layouts: dict[str, Layout] = {}
+        infos = []
+        for name, t in tensors.items():
+            opt = optimizer(name, t) if callable(optimizer) else optimizer
+            layouts[name] = Layout(tuple(t.shape), codec.to_wire_dtype(t.dtype), opt)
+            if t.numel() == 0:
+                continue
+            infos.append(TensorInfo(name, tuple(t.shape), t.element_size(), opt.elementwise))
+        smap = build_shard_map(infos, self.num_shards, part_bytes=self.part_bytes)
+        flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else {}
+
+        def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
+            parts = smap.parts_for(shard)
+            by_name: dict[str, list[tuple[int, int]]] = {}
+            for p in parts:
+                by_name.setdefault(p.name, []).append((p.start, p.stop))
+            specs = [
+                ps_pb2.TensorSpec(name=n, shape=list(layouts[n].shape), dtype=layouts[n].dtype,  # type: ignore[arg-type]
+                                  optimizer=layouts[n].optimizer.to_proto(),
+                                  parts=[ps_pb2.Part(start=a, stop=b) for a, b in rs])
+                for n, rs in by_name.items()
+            ]
+            yield ps_pb2.RegisterRequest(worker_id=self.worker_id, num_workers=self.num_workers,
+                                         sync=sync, tensors=specs, provides_values=provides_values)
+            if provides_values:
+                for p in parts:
+                    flat = flats[p.name]
+                    for off, data in codec.encode_range(flat, p.start, p.stop, self.chunk_bytes):
+                        yield ps_pb2.RegisterRequest(chunk=ps_pb2.Chunk(
+                            name=p.name, offset=off, dtype=layouts[p.name].dtype, data=data))  # type: ignore[arg-type]
+
+        responses = self._each(lambda i: self._stubs[i].Register(
+            requests(i), timeout=self.timeout, wait_for_ready=True))
+        created: list[str] = []
+        for i, r in enumerate(responses):
+            if (r.shard_index, r.num_shards) != (i, self.num_shards):
+                raise ValueError(
+                    f"server {self.addresses[i]} is shard {r.shard_index} of {r.num_shards}, but was "
+                    f"given as shard {i} of {self.num_shards}: list addresses in shard order"
+                )
+            self.versions[i] = r.version
+            created.extend(r.created)
+        self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
+        return created
+
+    def attach(self) -> None:
+        """Learn the tensors and their placement from the shards (for pull-only clients)."""
+        stats = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout,
+                                                          wait_for_ready=True))
+        from shardps.protos.shardmap import Part
+
+        parts, layouts = [], {}
+        for i, s in enumerate(stats):
+            for t in s.tensors:
+                spec = t.spec
+                layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer))
+                parts.extend(Part(spec.name, p.start, p.stop, i) for p in spec.parts)
+            self.versions[i] = s.version
+        infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
+        self.shard_map = ShardMap(self.num_shards, tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
+        self.layouts = layouts
+        self.sync = stats[0].sync
+
+    # -- data path ----------------------------------------------------------
+
+    def push(self, grads: Mapping[str, torch.Tensor], step: int,
+             base_versions: Sequence[int] | None = None) -> list[PushResult]:
+        """Send gradients (one per named tensor) to their shards; one result per shard.
+
+        Every shard gets a Push, an empty one if it owns none of ``grads``,
+        so barriers see every worker. ``base_versions`` defaults to the
+        versions of the last pull.
+        """
+        self._require_layout(grads)
+        assert self.shard_map is not None
+        bases = list(self.versions if base_versions is None else base_versions)
+        flats: dict[str, torch.Tensor] = {}
+        for name, g in grads.items():
+            lay = self.layouts[name]
+            if tuple(g.shape) != lay.shape:
+                raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
+            flats[name] = g.detach().to("cpu", codec.to_torch_dtype(lay.dtype)).contiguous().view(-1)
+
+        def requests(shard: int) -> Iterator[ps_pb2.PushRequest]:
+            header = dict(worker_id=self.worker_id, step=step, base_version=bases[shard])
+            sent = False
+            for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
+                flat = flats.get(p.name)
+                if flat is None:
+                    continue
+                shape = list(self.layouts[p.name].shape)
+                for off, data in codec.encode_range(flat, p.start, p.stop, self.chunk_bytes):
+                    yield ps_pb2.PushRequest(**header, chunk=ps_pb2.Chunk(
+                        name=p.name, offset=off, dtype=self.layouts[p.name].dtype, data=data, shape=shape))  # type: ignore[arg-type]
+                    shape = []
+                    sent = True
+            if not sent:
+                yield ps_pb2.PushRequest(**header)
+
+        responses = self._each(lambda i: self._stubs[i].Push(requests(i), timeout=self.timeout))
+        out = [PushResult(r.version, r.applied, r.duplicate, r.sync) for r in responses]
+        self.sync = out[0].sync or self.sync
+        return out
+
+    def pull(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
+             min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
+             ) -> dict[str, torch.Tensor]:
+        """Fetch weights from every shard in parallel.
+
+        ``out`` tensors (any device) are filled in place; otherwise new CPU
+        tensors are returned. ``min_versions`` makes each shard wait (up to
+        the client's timeout) until it has reached that version.
+        """
+        wanted = list(self.layouts if names is None else names)
+        self._require_layout(wanted)
+        assert self.shard_map is not None
+        if isinstance(min_versions, int) or min_versions is None:
+            mins = [min_versions or 0] * self.num_shards
+        else:
+            mins = list(min_versions)
+        wire = codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED
+        result: dict[str, torch.Tensor] = {}
+        staging: dict[str, torch.Tensor] = {}  # flat CPU views written by the shard threads
+        for n in wanted:
+            lay = self.layouts[n]
+            tdt = dtype or codec.to_torch_dtype(lay.dtype)
+            target = out.get(n) if out is not None else None
+            if target is None:
+                target = torch.empty(lay.shape, dtype=tdt)
+            elif tuple(target.shape) != lay.shape:
+                raise ValueError(f"out[{n!r}]: expected shape {lay.shape}, got {tuple(target.shape)}")
+            result[n] = target
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == tdt
+            staging[n] = target.detach().view(-1) if direct else torch.empty(lay.numel, dtype=tdt)
+        owners: dict[int, list[str]] = {}
+        for p in self.shard_map.parts:
+            if p.name in staging:
+                owners.setdefault(p.server, [])
+                if not owners[p.server] or owners[p.server][-1] != p.name:
+                    owners[p.server].append(p.name)
+
+        def fetch(shard: int) -> int:
+            req = ps_pb2.PullRequest(worker_id=self.worker_id, names=owners[shard],
+                                     min_version=mins[shard], dtype=wire, chunk_bytes=self.chunk_bytes)  # type: ignore[arg-type]
+            version = -1
+            with torch.no_grad():
+                for resp in self._stubs[shard].Pull(req, timeout=self.timeout):
+                    c = resp.chunk
+                    values = codec.decode(c.data, c.dtype)
+                    dst = staging[c.name]
+                    if c.offset < 0 or c.offset + values.numel() > dst.numel():
+                        raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
+                                         f"outside its {dst.numel()} elements")
+                    dst[c.offset : c.offset + values.numel()].copy_(values)
+                    version = resp.version
+            return version
+
+        shards = sorted(owners)
+        versions = self._each(fetch, shards)
+        for s, v in zip(shards, versions):
+            if v >= 0:
+                self.versions[s] = v
+        with torch.no_grad():
+            for n, target in result.items():
+                flat = staging[n]
+                if flat.data_ptr() != target.data_ptr() or target.device.type != "cpu":
+                    target.copy_(flat.view(target.shape))
+        return result
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-shard status: version, tensors, bytes, counters, staleness counts."""
+        from google.protobuf.json_format import MessageToDict
+
+        res = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+        out = []
+        for r in res:
+            d = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            d["staleness_counts"] = {int(k): int(v) for k, v in r.staleness_counts.items()}
+            d["worker_clocks"] = {int(k): int(v) for k, v in r.worker_clocks.items()}
+            for key in ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
+                        "push_bytes_total", "pull_bytes_total"):
+                d[key] = int(getattr(r, key))
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(addresses: Sequence[str] | str, worker_id: int = 0, num_workers: int = 1, *,
+            timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+            part_bytes: int | None = None, ready_timeout: float | None = 60.0) -> PSClient:
+    """Connect to the shards at ``addresses`` (in shard order; a comma-separated string works).
+
+    Waits up to ``ready_timeout`` seconds for every shard to accept a
+    connection (None: do not wait).
+    """
+    if isinstance(addresses, str):
+        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    client = PSClient(addresses, worker_id, num_workers, timeout=timeout, chunk_bytes=chunk_bytes,
+                      part_bytes=part_bytes)
+    if ready_timeout is not None:
+        try:
+            client.wait_ready(ready_timeout)
+        except BaseException:
+            client.close()
+            raise
+    return client

@@ -1,0 +1,90 @@
+"""DistributedOptimizer: what a PyTorch training loop touches.
+
+``step()`` pushes the gradients of the model's parameters to the shards and
+pulls fresh weights back into the parameters (in place); the optimizer math
+and its state live on the servers. Under ``every:X`` it sums X local steps'
+gradients and syncs once every X calls, like gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from shardps.protos.optim import Adam
+from shardps.protos.syncspec import SyncSpec
+from shardps.worker.client import OptimizerChoice, PSClient, PushResult
+from torch import nn
+
+log = logging.getLogger("shardps.worker")
+
+
+class DistributedOptimizer:
+    """Push gradients, pull weights, under a sync mode; optimizer state on the servers.
+
+    Registration (in ``__init__``) is idempotent across workers: worker 0's
+    initial values are kept, and every worker pulls them before its first
+    step, so all start equal (as DDP broadcasts rank 0's).
+
+    ``optimizer`` is a spec (``shardps.optim.Adam(lr=1e-3)``) or a callable
+    ``(name, tensor) -> spec`` to choose one per tensor.
+    """
+
+    def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
+                 optimizer: OptimizerChoice | None = None, sync: str = "bsp") -> None:
+        named = params.named_parameters() if isinstance(params, nn.Module) else params
+        self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
+        if not self.params:
+            raise ValueError("no parameters that require grad")
+        self.client = client
+        self.sync = SyncSpec.parse(sync)
+        self.optimizer = optimizer if optimizer is not None else Adam()
+        self.local_steps = 0  # calls of step()
+        self.round = 0  # syncs with the servers (the clock sent as `step`)
+        self.pushes = 0
+        self.last_push: list[PushResult] = []
+        self._acc: dict[str, torch.Tensor] = {}
+        client.register(self.params, self.optimizer, sync=str(self.sync))
+        client.pull(out=self.params)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One optimizer step: accumulate, or push + pull. Returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.local_steps += 1
+        grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        if self.sync.kind == "every":
+            for n, g in grads.items():
+                acc = self._acc.get(n)
+                if acc is None:
+                    self._acc[n] = g.detach().clone()
+                else:
+                    acc.add_(g)
+            if self.local_steps % self.sync.every:
+                return loss
+            grads = {n: a.div_(self.sync.every) for n, a in self._acc.items()}
+            self._acc = {}
+        bases = list(self.client.versions)
+        self.last_push = self.client.push(grads, step=self.round, base_versions=bases)
+        self.pushes += 1
+        self.round += 1
+        if self.sync.barrier:
+            mins = [b + 1 for b in bases]  # the step this push completes
+        else:
+            mins = [r.version for r in self.last_push]  # at least our own gradient
+        self.client.pull(out=self.params, min_versions=mins)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
