@@ -319,20 +319,9 @@ class PSClient:
         return result
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per-shard status: version, tensors, bytes, counters, staleness counts."""
-        from google.protobuf.json_format import MessageToDict
-
+        """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
         res = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
-        out = []
-        for r in res:
-            d = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            d["staleness_counts"] = {int(k): int(v) for k, v in r.staleness_counts.items()}
-            d["worker_clocks"] = {int(k): int(v) for k, v in r.worker_clocks.items()}
-            for key in ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
-                        "push_bytes_total", "pull_bytes_total"):
-                d[key] = int(getattr(r, key))
-            out.append(d)
-        return out
+        return [stats_to_dict(r) for r in res]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -365,3 +354,35 @@ def connect(addresses: Sequence[str] | str, worker_id: int = 0, num_workers: int
             client.close()
             raise
     return client
+
+
+_COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
+             "push_bytes_total", "pull_bytes_total")
+
+
+def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
+    """A StatsResponse as plain Python values (ints stay ints)."""
+    out: dict[str, Any] = {
+        "shard_index": r.shard_index,
+        "num_shards": r.num_shards,
+        "sync": r.sync,
+        "num_workers": r.num_workers,
+        "registered_workers": list(r.registered_workers),
+        "tensors": [
+            {
+                "name": t.spec.name,
+                "shape": tuple(t.spec.shape),
+                "dtype": codec.dtype_name(t.spec.dtype),
+                "optimizer": t.spec.optimizer.name,
+                "parts": [(p.start, p.stop) for p in t.spec.parts],
+                "weight_bytes": t.weight_bytes,
+                "optimizer_state_bytes": t.optimizer_state_bytes,
+            }
+            for t in r.tensors
+        ],
+        "staleness_counts": {int(k): int(v) for k, v in r.staleness_counts.items()},
+        "worker_clocks": {int(k): int(v) for k, v in r.worker_clocks.items()},
+    }
+    for key in _COUNTERS:
+        out[key] = int(getattr(r, key))
+    return out
