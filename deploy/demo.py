@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,45 +31,64 @@ def _worker_cmd(addresses: list[str], k: int, args: Any) -> list[str]:
     return cmd
 
 
+def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k in range(args.workers):
+        procs.append(subprocess.Popen(_worker_cmd(addresses, k, args), stdout=subprocess.PIPE,
+                                      text=True, env=env, start_new_session=True))
+    results = []
+    deadline = time.monotonic() + args.timeout
+    for k, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"worker {k} did not finish within {args.timeout:.0f}s") from None
+        if p.returncode != 0:
+            raise RuntimeError(f"worker {k} failed with exit code {p.returncode}")
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        results.append(json.loads(lines[-1]))
+    return results
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: Any) -> int:
     from shardps.examples.digits import evaluate
 
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     procs: list[subprocess.Popen[str]] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # stop children on SIGTERM as on Ctrl-C
     say(f"shardps demo: {args.servers} servers, {args.workers} workers, sync={args.sync}, "
         f"optimizer={args.optimizer}, {args.epochs} epochs on digits")
     try:
         with LocalCluster(args.servers, processes=True) as cluster:
             say(f"servers up at {', '.join(cluster.addresses)}")
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            for k in range(args.workers):
-                procs.append(subprocess.Popen(_worker_cmd(cluster.addresses, k, args), stdout=subprocess.PIPE,
-                                              text=True, env=env, start_new_session=True))
-            results = []
-            deadline = time.monotonic() + args.timeout
-            for k, p in enumerate(procs):
-                try:
-                    out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise TimeoutError(f"worker {k} did not finish within {args.timeout:.0f}s") from None
-                if p.returncode != 0:
-                    raise RuntimeError(f"worker {k} failed with exit code {p.returncode}")
-                lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-                results.append(json.loads(lines[-1]))
+            try:
+                results = _run_workers(cluster.addresses, args, procs)
+            finally:
+                _stop(procs)  # workers first, then the servers (leaving the with block)
             test_acc = evaluate(cluster.addresses, seed=args.seed)
     except KeyboardInterrupt:
-        say("interrupted: stopping workers and servers")
+        say("interrupted: stopped the workers and servers")
         return 130
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    except (RuntimeError, TimeoutError) as e:
+        print(f"shardps demo failed: {e}", file=sys.stderr, flush=True)
+        return 1
     seconds = time.perf_counter() - t0
     summary = {
         "test_accuracy": round(test_acc, 4),

@@ -1,7 +1,8 @@
 """ASP on the digits data converges and records real staleness."""
 
-import shardps
 from shardps.examples.digits import evaluate, train_worker
+
+import shardps
 from tests.helpers import run_workers
 
 

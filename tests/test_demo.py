@@ -1,8 +1,15 @@
 """The demo end to end: servers and workers as separate processes, as `make demo` runs it."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
+
+import shardps
 
 
 def run_demo(*args: str, timeout: float = 240) -> dict:
@@ -33,3 +40,46 @@ def test_demo_bad_flag_is_a_clear_error():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown sync mode 'sometimes'" in proc.stderr
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_stops_everything_it_started(sig):
+    proc = subprocess.Popen([sys.executable, "-m", "shardps", "demo", "--epochs", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        addresses = None
+        for line in proc.stderr:  # the demo reports its servers before starting the workers
+            if line.startswith("servers up at "):
+                addresses = line[len("servers up at "):].strip().split(", ")
+                break
+        assert addresses, "demo never reported its servers"
+        with shardps.connect(addresses) as client:  # wait until the workers have registered
+            deadline = time.monotonic() + 120
+            while not all(s["registered_workers"] == [0, 1] for s in client.stats()):
+                assert time.monotonic() < deadline, "workers never registered"
+                time.sleep(0.1)  # polling a remote state: nothing to wait on locally
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 130
+        assert "interrupted" in proc.stderr.read()
+        assert _processes_mentioning(addresses[0]) == []  # workers gone
+        for a in addresses:  # servers gone: nothing listens any more
+            with pytest.raises(TimeoutError):
+                shardps.connect([a], ready_timeout=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()

@@ -193,14 +193,16 @@ def test_wheel_holds_the_data_files_and_stubs(wheel_files: list[str]) -> None:
     assert not missing, f"missing from the wheel: {missing} (check [tool.setuptools.package-data])"
 
 
-def test_wheel_holds_every_source_module(wheel_files: list[str]) -> None:
-    # Every .py under the mapped source folders must be packaged: a new
-    # subpackage (e.g. server/foo/) needs an entry in [tool.setuptools] packages.
+def test_wheel_holds_every_source_module(wheel: Path, wheel_files: list[str]) -> None:
+    # Every .py under the mapped source folders (of the tree the wheel was
+    # built from) must be packaged: a new subpackage (e.g. server/foo/) needs
+    # an entry in [tool.setuptools] packages.
+    src = wheel.parent.parent / "src"
     expected = set()
     for pkg, folder in PACKAGE_DIRS.items():
         base = PurePosixPath(*pkg.split("."))
-        for py in (REPO / folder).rglob("*.py"):
-            rel = py.relative_to(REPO / folder)
+        for py in (src / folder).rglob("*.py"):
+            rel = py.relative_to(src / folder)
             if "__pycache__" in rel.parts:
                 continue
             expected.add(str(base / PurePosixPath(*rel.parts)))

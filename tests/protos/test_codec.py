@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 

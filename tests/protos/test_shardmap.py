@@ -1,7 +1,6 @@
 import random
 
 import pytest
-
 from shardps.protos.shardmap import TensorInfo, build_shard_map, part_shape
 
 

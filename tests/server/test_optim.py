@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from shardps.server.optim import make_optimizer
 
 from shardps import optim
-from shardps.server.optim import make_optimizer
 
 CASES = [
     (optim.Adam(), lambda p: torch.optim.Adam(p)),

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import FailedPrecondition
 from shardps.server.sync import AsyncPolicy, BarrierPolicy, Contribution, make_policy, staleness

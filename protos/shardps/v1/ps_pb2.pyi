@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -26,7 +24,7 @@ class OptimizerSpec(_message.Message):
     PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     params_json: str
-    def __init__(self, name: str | None = ..., params_json: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
 
 class Part(_message.Message):
     __slots__ = ("start", "stop")
@@ -34,7 +32,7 @@ class Part(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     start: int
     stop: int
-    def __init__(self, start: int | None = ..., stop: int | None = ...) -> None: ...
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "optimizer", "parts")
@@ -48,7 +46,7 @@ class TensorSpec(_message.Message):
     dtype: DType
     optimizer: OptimizerSpec
     parts: _containers.RepeatedCompositeFieldContainer[Part]
-    def __init__(self, name: str | None = ..., shape: _Iterable[int] | None = ..., dtype: DType | str | None = ..., optimizer: OptimizerSpec | _Mapping | None = ..., parts: _Iterable[Part | _Mapping] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("name", "offset", "dtype", "data", "shape")
@@ -62,7 +60,7 @@ class Chunk(_message.Message):
     dtype: DType
     data: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: str | None = ..., offset: int | None = ..., dtype: DType | str | None = ..., data: bytes | None = ..., shape: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values")
@@ -78,7 +76,7 @@ class RegisterRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     chunk: Chunk
     provides_values: bool
-    def __init__(self, worker_id: int | None = ..., num_workers: int | None = ..., sync: str | None = ..., tensors: _Iterable[TensorSpec | _Mapping] | None = ..., chunk: Chunk | _Mapping | None = ..., provides_values: bool | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("version", "shard_index", "num_shards", "sync", "created")
@@ -92,7 +90,7 @@ class RegisterResponse(_message.Message):
     num_shards: int
     sync: str
     created: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: int | None = ..., shard_index: int | None = ..., num_shards: int | None = ..., sync: str | None = ..., created: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "chunk")
@@ -104,7 +102,7 @@ class PushRequest(_message.Message):
     step: int
     base_version: int
     chunk: Chunk
-    def __init__(self, worker_id: int | None = ..., step: int | None = ..., base_version: int | None = ..., chunk: Chunk | _Mapping | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "applied", "duplicate", "sync")
@@ -116,7 +114,7 @@ class PushResponse(_message.Message):
     applied: bool
     duplicate: bool
     sync: str
-    def __init__(self, version: int | None = ..., applied: bool | None = ..., duplicate: bool | None = ..., sync: str | None = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes")
@@ -130,7 +128,7 @@ class PullRequest(_message.Message):
     min_version: int
     dtype: DType
     chunk_bytes: int
-    def __init__(self, worker_id: int | None = ..., names: _Iterable[str] | None = ..., min_version: int | None = ..., dtype: DType | str | None = ..., chunk_bytes: int | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "chunk")
@@ -138,7 +136,7 @@ class PullResponse(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk: Chunk
-    def __init__(self, version: int | None = ..., chunk: Chunk | _Mapping | None = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -152,7 +150,7 @@ class TensorStats(_message.Message):
     spec: TensorSpec
     weight_bytes: int
     optimizer_state_bytes: int
-    def __init__(self, spec: TensorSpec | _Mapping | None = ..., weight_bytes: int | None = ..., optimizer_state_bytes: int | None = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks")
@@ -162,14 +160,14 @@ class StatsResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: int
         value: int
-        def __init__(self, key: int | None = ..., value: int | None = ...) -> None: ...
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     class WorkerClocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: int
         value: int
-        def __init__(self, key: int | None = ..., value: int | None = ...) -> None: ...
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -198,4 +196,4 @@ class StatsResponse(_message.Message):
     pull_bytes_total: int
     staleness_counts: _containers.ScalarMap[int, int]
     worker_clocks: _containers.ScalarMap[int, int]
-    def __init__(self, shard_index: int | None = ..., num_shards: int | None = ..., version: int | None = ..., sync: str | None = ..., num_workers: int | None = ..., registered_workers: _Iterable[int] | None = ..., tensors: _Iterable[TensorStats | _Mapping] | None = ..., pushes_total: int | None = ..., applied_updates_total: int | None = ..., gradients_applied_total: int | None = ..., push_bytes_total: int | None = ..., pull_bytes_total: int | None = ..., staleness_counts: _Mapping[int, int] | None = ..., worker_clocks: _Mapping[int, int] | None = ...) -> None: ...
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ...) -> None: ...
