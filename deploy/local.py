@@ -17,6 +17,7 @@ import time
 from types import TracebackType
 
 import grpc
+
 from shardps.protos import codec
 from shardps.server.app import READY_PREFIX
 from shardps.server.service import create_server

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+
 from shardps.protos.shardps.v1 import ps_pb2
 
 if sys.byteorder != "little":  # pragma: no cover - no such machine in CI

@@ -13,6 +13,7 @@ import sys
 import threading
 
 from grpc_health.v1 import health_pb2
+
 from shardps.protos import codec
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server
 from shardps.server.store import ShardStore

@@ -11,6 +11,7 @@ import bisect
 from collections.abc import Callable
 
 import torch
+
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument

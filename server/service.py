@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from shardps.protos import codec
 from shardps.protos.optim import spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc

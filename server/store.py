@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from shardps.protos import codec
 from shardps.protos.optim import OptimizerSpec
-from shardps.protos.shardmap import part_shape
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import (
     DeadlineExceeded,
@@ -29,7 +29,7 @@ from shardps.server.errors import (
     InvalidArgument,
     NotFound,
 )
-from shardps.server.optim import ServerOptimizer, make_optimizer, state_bytes
+from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
 from shardps.server.sync import Contribution, Grads, PartKey, SyncPolicy, make_policy, staleness
 
 
@@ -93,6 +93,7 @@ class PartState:
     stop: int
     weight: torch.Tensor  # fp32 master weights, shaped as the part
     state: dict[str, torch.Tensor]
+    info: PartInfo
 
 
 @dataclass
@@ -242,8 +243,9 @@ class ShardStore:
                     v = values.get((s.name, a)) if values is not None else None
                     if v is None or v.numel() != b - a:
                         raise InvalidArgument(f"tensor {s.name!r}: no initial values for part [{a}, {b})")
-                    w = v.to(torch.float32).reshape(part_shape(s.shape, a, b)).contiguous()
-                    entry.parts[a] = PartState(a, b, w, opt.init_state(w))
+                    info = PartInfo(s.shape, a, b)
+                    w = v.to(torch.float32).reshape(info.shape).contiguous()
+                    entry.parts[a] = PartState(a, b, w, opt.init_state(w, info), info)
                 entries.append(entry)
             for e in entries:
                 self._tensors[e.spec.name] = e
@@ -305,7 +307,7 @@ class ShardStore:
                 for (name, start), g in update.grads.items():
                     entry = self._tensors[name]
                     part = entry.parts[start]
-                    entry.optimizer.step(part.weight, g.view(part.weight.shape), part.state)
+                    entry.optimizer.step(part.weight, g.view(part.weight.shape), part.state, part.info)
                 self.apply_seconds_total += time.perf_counter() - t0
                 self.staleness_counts.update(staleness(self.version, update.contributions))
                 self.gradients_applied_total += len(update.contributions)

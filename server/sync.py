@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import FailedPrecondition
 

@@ -1,8 +1,7 @@
 """ASP on the digits data converges and records real staleness."""
 
-from shardps.examples.digits import evaluate, train_worker
-
 import shardps
+from shardps.examples.digits import evaluate, train_worker
 from tests.helpers import run_workers
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-import shardps.server.errors
 import torch
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 
 import shardps
+import shardps.server.errors
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 
 
 @pytest.fixture

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from shardps.protos import codec
 
 import shardps
+from shardps.protos import codec
 
 
 def test_64mb_and_odd_sized_tensors_round_trip_through_2_shards(cluster2):

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from shardps.deploy.local import _read_ready
 
 import shardps
+from shardps.deploy.local import _read_ready
 
 
 def test_process_cluster_trains_and_stops(make_cluster):

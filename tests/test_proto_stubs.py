@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+
 from shardps.protos import codegen
 
 REPO = Path(__file__).resolve().parents[1]

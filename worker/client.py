@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+
 from shardps.protos import codec
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map

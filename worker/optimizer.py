@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
+
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.client import OptimizerChoice, PSClient, PushResult
-from torch import nn
 
 log = logging.getLogger("shardps.worker")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shardps.protos import optim as specs
 from shardps.server.optim.adam import AdamImpl
-from shardps.server.optim.base import ServerOptimizer, state_bytes
+from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, local_reduce, state_bytes
 from shardps.server.optim.sgd import SGDImpl
 
 _IMPLS: dict[type[specs.OptimizerSpec], type[ServerOptimizer]] = {
@@ -28,4 +28,4 @@ def make_optimizer(spec: specs.OptimizerSpec) -> ServerOptimizer:
     return impl(spec)
 
 
-__all__ = ["ServerOptimizer", "make_optimizer", "state_bytes"]
+__all__ = ["PartInfo", "Reduce", "ServerOptimizer", "local_reduce", "make_optimizer", "state_bytes"]

@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import torch
+
 from shardps.protos.optim import Adam, AdamW
-from shardps.server.optim.base import ServerOptimizer, State
+from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, State, local_reduce
 
 
 class AdamImpl(ServerOptimizer):
@@ -19,7 +20,7 @@ class AdamImpl(ServerOptimizer):
         super().__init__(spec)
         self.decoupled = isinstance(spec, AdamW)
 
-    def init_state(self, param: torch.Tensor) -> State:
+    def init_state(self, param: torch.Tensor, part: PartInfo) -> State:
         state: State = {
             "step": torch.zeros((), dtype=torch.float32),
             "exp_avg": torch.zeros_like(param, memory_format=torch.contiguous_format),
@@ -29,7 +30,8 @@ class AdamImpl(ServerOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         return state
 
-    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State) -> None:
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
+             reduce: Reduce = local_reduce) -> None:
         s = self.spec
         beta1, beta2 = s.betas
         state["step"] += 1

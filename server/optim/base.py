@@ -2,30 +2,66 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shardps.protos.shardmap import part_shape
+
 State = dict[str, torch.Tensor]
+
+#: ``reduce(tag, partial, op)`` combines a statistic over every part of a
+#: tensor: ``op`` is "sum" or "max", ``tag`` names the statistic (the same on
+#: every part, so split tensors can match them up). For a tensor held whole
+#: it returns ``partial`` itself.
+Reduce = Callable[[str, torch.Tensor, str], torch.Tensor]
+
+
+def local_reduce(tag: str, partial: torch.Tensor, op: str) -> torch.Tensor:
+    """The reduction for a tensor held whole by one shard: nothing to combine."""
+    return partial
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """Which piece of a tensor a shard steps: elements [start, stop) of ``full_shape``."""
+
+    full_shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return part_shape(self.full_shape, self.start, self.stop)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == math.prod(self.full_shape)
 
 
 class ServerOptimizer(ABC):
     """Steps one tensor part in place. Not thread-safe: the store holds its lock.
 
-    ``init_state`` receives the part with its shape (a row block keeps the
-    trailing dims), so optimizers with per-row/column state can size it;
-    those declare ``elementwise = False`` on their spec and are kept whole.
+    ``param`` and ``grad`` have the part's shape (a row block keeps the
+    trailing dims). Elementwise optimizers ignore ``part`` and ``reduce``;
+    optimizers with row/column or tensor-wide statistics compute their local
+    partial sums and pass them through ``reduce``, so the same code gives
+    the same result whether the tensor is whole or split across shards.
     """
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
 
     @abstractmethod
-    def init_state(self, param: torch.Tensor) -> State: ...
+    def init_state(self, param: torch.Tensor, part: PartInfo) -> State: ...
 
     @abstractmethod
-    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State) -> None: ...
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
+             reduce: Reduce = local_reduce) -> None: ...
 
 
 def state_bytes(state: State) -> int:

@@ -8,20 +8,22 @@ or g = buf; theta -= lr * g.
 from __future__ import annotations
 
 import torch
+
 from shardps.protos.optim import SGD
-from shardps.server.optim.base import ServerOptimizer, State
+from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, State, local_reduce
 
 
 class SGDImpl(ServerOptimizer):
     spec: SGD
 
-    def init_state(self, param: torch.Tensor) -> State:
+    def init_state(self, param: torch.Tensor, part: PartInfo) -> State:
         state: State = {"step": torch.zeros((), dtype=torch.float32)}
         if self.spec.momentum != 0:
             state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         return state
 
-    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State) -> None:
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
+             reduce: Reduce = local_reduce) -> None:
         s = self.spec
         first = bool(state["step"].item() == 0)
         state["step"] += 1

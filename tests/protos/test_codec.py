@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 

@@ -1,6 +1,7 @@
 import random
 
 import pytest
+
 from shardps.protos.shardmap import TensorInfo, build_shard_map, part_shape
 
 

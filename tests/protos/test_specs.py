@@ -1,9 +1,9 @@
 import pytest
+
+from shardps import optim
 from shardps.protos.optim import spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
-
-from shardps import optim
 
 
 def test_torch_defaults():

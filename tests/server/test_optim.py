@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from shardps.server.optim import make_optimizer
 
 from shardps import optim
+from shardps.server.optim import PartInfo, make_optimizer
 
 CASES = [
     (optim.Adam(), lambda p: torch.optim.Adam(p)),
@@ -27,17 +27,18 @@ def test_matches_torch(spec, make_torch, shape):
     topt = make_torch([ref])
     impl = make_optimizer(spec)
     w = w0.clone()
-    state = impl.init_state(w)
+    info = PartInfo(tuple(shape), 0, w.numel())
+    state = impl.init_state(w, info)
     for _ in range(50):
         grad = torch.randn(shape, generator=gen)
         ref.grad = grad.clone()
         topt.step()
-        impl.step(w, grad.clone(), state)
+        impl.step(w, grad.clone(), state, info)
     torch.testing.assert_close(w, ref.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_state_is_tensors_only_and_sized_as_the_part():
     impl = make_optimizer(optim.Adam(amsgrad=True))
-    st = impl.init_state(torch.zeros(3, 5))
+    st = impl.init_state(torch.zeros(3, 5), PartInfo((3, 5), 0, 15))
     assert set(st) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
     assert st["exp_avg"].shape == (3, 5)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import FailedPrecondition
 from shardps.server.sync import AsyncPolicy, BarrierPolicy, Contribution, make_policy, staleness
