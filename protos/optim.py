@@ -117,7 +117,98 @@ class SGD(OptimizerSpec):
             )
 
 
-SPECS: dict[str, type[OptimizerSpec]] = {c.name: c for c in (Adam, AdamW, SGD)}
+def _number(name: str, value: Any) -> None:
+    _check(not isinstance(value, bool), f"{name} must be a finite number, got {value!r}")
+    _finite(name, value)
+
+
+def _flag(name: str, value: Any) -> None:
+    _check(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Adafactor(OptimizerSpec):
+    """Adafactor (Shazeer & Stern 2018), as HuggingFace ``transformers.Adafactor``.
+
+    Names and defaults are HF's. With ``relative_step`` the step size is
+    ``min(1e-2, 1/sqrt(t))`` (``warmup_init``: ``min(1e-6 t, 1/sqrt(t))``) and
+    ``lr`` must be None; otherwise ``lr`` is required. ``scale_parameter``
+    multiplies it by ``max(eps[1], RMS(theta))``. ``eps[0]`` is added to the
+    squared gradient. Tensors of rank >= 2 keep factored second moments over
+    their last two dims; ``beta1`` (None: off) adds a first moment of the
+    update; ``weight_decay`` is HF's: ``theta -= weight_decay * alpha * theta``.
+
+    Not ``torch.optim.Adafactor``: that one clamps with ``eps[0]`` instead of
+    adding it, decays as ``theta *= 1 - lr * wd`` and has no ``beta1``.
+    """
+
+    name: ClassVar[str] = "adafactor"
+    elementwise: ClassVar[bool] = False
+    lr: float | None = None
+    eps: tuple[float, float] = (1e-30, 1e-3)
+    clip_threshold: float = 1.0
+    decay_rate: float = -0.8
+    beta1: float | None = None
+    weight_decay: float = 0.0
+    scale_parameter: bool = True
+    relative_step: bool = True
+    warmup_init: bool = False
+
+    def validate(self) -> None:
+        for k in ("scale_parameter", "relative_step", "warmup_init"):
+            _flag(k, getattr(self, k))
+        if self.lr is not None:
+            _number("lr", self.lr)
+            _check(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
+        _check(not (self.lr is not None and self.relative_step),
+               "Cannot combine manual `lr` and `relative_step=True` options")
+        _check(not (self.warmup_init and not self.relative_step),
+               "`warmup_init=True` requires `relative_step=True`")
+        _check(self.lr is not None or self.relative_step,
+               "`relative_step=False` requires a manual `lr`")
+        _check(isinstance(self.eps, tuple) and len(self.eps) == 2, f"eps must be a pair, got {self.eps!r}")
+        for i, e in enumerate(self.eps):
+            _number(f"eps[{i}]", e)
+            _check(e >= 0, f"eps[{i}] must be >= 0, got {e}")
+        _number("clip_threshold", self.clip_threshold)
+        _check(self.clip_threshold > 0, f"clip_threshold must be > 0, got {self.clip_threshold}")
+        _number("decay_rate", self.decay_rate)
+        _check(self.decay_rate <= 0, f"decay_rate must be <= 0, got {self.decay_rate}")
+        if self.beta1 is not None:
+            _number("beta1", self.beta1)
+            _check(0.0 <= self.beta1 < 1.0, f"beta1 must be None or in [0, 1), got {self.beta1}")
+        _number("weight_decay", self.weight_decay)
+        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True)
+class SM3(OptimizerSpec):
+    """SM3-II (Anil, Gupta, Koren & Singer 2019), as google-research ``sm3/sm3.py``.
+
+    One accumulator per axis for tensors of rank >= 2 (an Adagrad accumulator
+    for rank <= 1); update ``u = g / sqrt(nu + eps)``; with ``momentum`` m:
+    ``gbar = m * gbar + (1 - m) * u``, ``theta -= lr * gbar``. The default
+    ``lr = 0.1`` is the PyTorch SM3 port's (google-research takes no default);
+    the paper suggests a quadratic warmup of ``lr`` and no decay, which is the
+    caller's schedule.
+    """
+
+    name: ClassVar[str] = "sm3"
+    elementwise: ClassVar[bool] = False
+    lr: float = 0.1
+    momentum: float = 0.0
+    eps: float = 1e-30
+
+    def validate(self) -> None:
+        _number("lr", self.lr)
+        _check(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
+        _number("momentum", self.momentum)
+        _check(0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}")
+        _number("eps", self.eps)
+        _check(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+
+
+SPECS: dict[str, type[OptimizerSpec]] = {c.name: c for c in (Adam, AdamW, SGD, Adafactor, SM3)}
 
 
 def spec_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:

@@ -7,8 +7,11 @@ flat ranges for vectors), and parts are assigned to servers largest first,
 each to the least loaded server (longest-processing-time greedy), which keeps
 the most loaded server within a part's size of the mean.
 
-Tensors whose optimizer needs whole rows and columns (``splittable=False``)
-stay in one part up to ``max_whole_bytes``.
+Tensors whose optimizer combines statistics over the whole tensor
+(``splittable=False``: Adafactor, SM3) stay in one part up to
+``max_whole_bytes``. A larger one is cut into at most one row block per
+server, block i on server i (``ShardMap.holders``), so each holder steps
+exactly one part and the holders reduce their statistics among themselves.
 """
 
 from __future__ import annotations
@@ -84,6 +87,14 @@ class ShardMap:
     def parts_of(self, name: str) -> list[Part]:
         return [p for p in self.parts if p.name == name]
 
+    def holders(self, name: str) -> list[int]:
+        """For a split unsplittable tensor: its servers in row order; else []."""
+        info = next((t for t in self.tensors if t.name == name), None)
+        parts = self.parts_of(name)
+        if info is None or info.splittable or len(parts) < 2:
+            return []
+        return [p.server for p in parts]
+
     def server_bytes(self) -> list[int]:
         size = {t.name: t.itemsize for t in self.tensors}
         loads = [0] * self.num_servers
@@ -102,7 +113,7 @@ def _cut(t: TensorInfo, part_bytes: int, max_whole_bytes: int) -> list[tuple[int
     n = t.numel
     if n == 0:
         return []
-    if not t.splittable and t.nbytes <= max_whole_bytes:
+    if not t.splittable:
         return [(0, n)]
     unit = t.row_numel
     units_total = n // unit
@@ -141,13 +152,24 @@ def build_shard_map(
         raise ValueError(f"part_bytes must be positive, got {part_bytes}")
 
     pieces: list[tuple[int, str, int, int]] = []  # (bytes, name, start, stop)
+    parts: list[Part] = []
+    loads = [0] * num_servers
     for t in ordered:
+        if not t.splittable and t.nbytes > max_whole_bytes and num_servers > 1:
+            # One row block per server, block i on server i.
+            rows = t.numel // t.row_numel
+            k = min(num_servers, rows)
+            bounds = [(rows * i) // k * t.row_numel for i in range(k + 1)]
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                parts.append(Part(t.name, a, b, i))
+                loads[i] += (b - a) * t.itemsize
+            continue
         for a, b in _cut(t, part_bytes, max_whole_bytes):
             pieces.append(((b - a) * t.itemsize, t.name, a, b))
     # Largest first; ties broken by name and start so the order is total.
     pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
-    heap = [(0, s) for s in range(num_servers)]
-    parts: list[Part] = []
+    heap = [(loads[s], s) for s in range(num_servers)]
+    heapq.heapify(heap)
     for nbytes, name, a, b in pieces:
         load, server = heapq.heappop(heap)
         parts.append(Part(name, a, b, server))

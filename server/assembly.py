@@ -30,6 +30,7 @@ class ChunkAssembler:
     def __init__(self, lookup: Callable[[str], TensorSpec], what: str = "gradient") -> None:
         self._lookup = lookup
         self._what = what
+        self._gradient = what == "gradient"  # gradients travel in the spec's grad dtype
         self._specs: dict[str, TensorSpec] = {}
         self._starts: dict[str, list[int]] = {}
         self._stops: dict[str, dict[int, int]] = {}
@@ -45,9 +46,10 @@ class ChunkAssembler:
             self._specs[name] = spec
             self._starts[name] = sorted(a for a, _ in spec.parts)
             self._stops[name] = dict(spec.parts)
-        if chunk.dtype != spec.dtype:
+        expected = spec.push_dtype if self._gradient else spec.dtype
+        if chunk.dtype != expected:
             raise InvalidArgument(
-                f"tensor {name!r}: {self._what} dtype expected {codec.dtype_name(spec.dtype)}, "
+                f"tensor {name!r}: {self._what} dtype expected {codec.dtype_name(expected)}, "
                 f"got {codec.dtype_name(chunk.dtype)}"
             )
         if chunk.shape and tuple(chunk.shape) != spec.shape:

@@ -20,6 +20,8 @@ from shardps.protos.optim import spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument, StoreError
+from shardps.server.exchange import encode_partial
+from shardps.server.scaling import LossScaler
 from shardps.server.store import ShardStore, TensorSpec
 
 log = logging.getLogger("shardps.server")
@@ -69,6 +71,9 @@ def spec_from_wire(msg: ps_pb2.TensorSpec) -> TensorSpec:
         dtype=msg.dtype,
         optimizer=opt,
         parts=tuple(sorted((p.start, p.stop) for p in msg.parts)),
+        grad_dtype=msg.grad_dtype if msg.grad_dtype != msg.dtype else 0,
+        peers=tuple(msg.peers),
+        holders=tuple(msg.holders),
     )
     spec.validate()
     return spec
@@ -81,7 +86,20 @@ def spec_to_wire(spec: TensorSpec) -> ps_pb2.TensorSpec:
         dtype=spec.dtype,  # type: ignore[arg-type]
         optimizer=spec.optimizer.to_proto(),
         parts=[ps_pb2.Part(start=a, stop=b) for a, b in spec.parts],
+        grad_dtype=spec.push_dtype,  # type: ignore[arg-type]
+        peers=list(spec.peers),
+        holders=list(spec.holders),
     )
+
+
+def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
+    if not msg.enabled:
+        return None
+    try:
+        return LossScaler(init_scale=msg.init_scale, growth_factor=msg.growth_factor,
+                          backoff_factor=msg.backoff_factor, growth_interval=msg.growth_interval)
+    except ValueError as e:
+        raise InvalidArgument(f"loss scaling: {e}") from None
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -102,7 +120,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if first is None:
             raise InvalidArgument("Register stream was empty")
         store = self.store
-        sync = store.configure(first.num_workers, first.sync)
+        sync = store.configure(first.num_workers, first.sync, scaler_from_wire(first.loss_scaling))
         store.check_worker_id(first.worker_id)
         specs = [spec_from_wire(t) for t in first.tensors]
         by_name = {s.name: s for s in specs}
@@ -133,7 +151,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                  store.shard_index, first.worker_id, len(specs), len(created))
         return ps_pb2.RegisterResponse(
             version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
-            sync=str(sync), created=created)
+            sync=str(sync), created=created, loss_scale=store.loss_scale)
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
@@ -143,19 +161,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgument("Push stream was empty")
         store = self.store
         asm = ChunkAssembler(store.spec, what="gradient")
-        header = (first.worker_id, first.step, first.base_version)
+        header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
         if first.HasField("chunk"):  # a header alone: no gradients this step
             asm.add(first.chunk)
         for req in request_iterator:
-            if (req.worker_id, req.step, req.base_version) != header:
+            if (req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale) != header:
                 raise InvalidArgument(
-                    f"Push stream mixes headers: (worker_id, step, base_version) {header} then "
-                    f"{(req.worker_id, req.step, req.base_version)}"
+                    f"Push stream mixes headers: (worker_id, step, base_version, found_inf, loss_scale) "
+                    f"{header} then {(req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale)}"
                 )
             asm.add(req.chunk)
-        res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes)
-        return ps_pb2.PushResponse(version=res.version, applied=res.applied,
-                                   duplicate=res.duplicate, sync=str(store.sync or ""))
+        res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes,
+                           found_inf=first.found_inf, loss_scale=first.loss_scale)
+        return ps_pb2.PushResponse(version=res.version, applied=res.applied, duplicate=res.duplicate,
+                                   sync=str(store.sync or ""), loss_scale=res.loss_scale)
 
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
@@ -179,13 +198,44 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if request.min_version > store.version:
             store.wait_version(request.min_version, self._timeout(context))
         version, chunks = store.read(names, wire, chunk_bytes)
+        scale = store.loss_scale
         last = None
         for name, offset, dt, payload in chunks:
             shape = store.spec(name).shape if name != last else ()
             last = name
             yield ps_pb2.PullResponse(
-                version=version,
+                version=version, loss_scale=scale,
                 chunk=ps_pb2.Chunk(name=name, offset=offset, dtype=dt, data=payload, shape=shape))  # type: ignore[arg-type]
+
+    @_stream_errors
+    def PullState(self, request: ps_pb2.PullStateRequest,
+                  context: grpc.ServicerContext) -> Iterator[ps_pb2.StateChunk]:
+        store = self.store
+        names = list(request.names) or store.names()
+        chunk_bytes = request.chunk_bytes or self.chunk_bytes
+        try:
+            codec.check_chunk_bytes(chunk_bytes)
+        except ValueError as e:
+            raise InvalidArgument(f"PullState: {e}") from None
+        version, items = store.export_state(names)
+        for name, start, stop, key, t in items:
+            flat = t.detach().reshape(-1)
+            if flat.numel() == 0:
+                continue
+            shape = list(t.shape)  # [] for a 0-d tensor: the first chunk (offset 0) is authoritative
+            wire = codec.to_wire_dtype(flat.dtype)
+            for off, payload in codec.encode_range(flat, 0, flat.numel(), chunk_bytes):
+                yield ps_pb2.StateChunk(
+                    version=version, name=name, part_start=start, part_stop=stop, key=key,
+                    shape=shape if off == 0 else [],
+                    chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
+
+    @_unary_errors
+    def Exchange(self, request: ps_pb2.ExchangeRequest,
+                 context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
+        key = (request.tensor, request.round, request.tag)
+        partial = self.store.exchange.wait(key, self._timeout(context))
+        return ps_pb2.ExchangeResponse(partial=encode_partial(partial))
 
     @_unary_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
@@ -199,7 +249,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             pushes_total=s["pushes_total"], applied_updates_total=s["applied_updates_total"],
             gradients_applied_total=s["gradients_applied_total"],
             push_bytes_total=s["push_bytes_total"], pull_bytes_total=s["pull_bytes_total"],
-            staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"])
+            staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"],
+            skipped_steps_total=s["skipped_steps_total"], loss_scale=s["loss_scale"],
+            duplicate_pushes_total=s["duplicate_pushes_total"])
 
 
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,

@@ -29,8 +29,18 @@ from shardps.server.errors import (
     InvalidArgument,
     NotFound,
 )
+from shardps.server.exchange import ExchangeTable, PeerChannels, PeerReducer
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
-from shardps.server.sync import Contribution, Grads, PartKey, SyncPolicy, make_policy, staleness
+from shardps.server.scaling import LossScaler, inv_scale
+from shardps.server.sync import (
+    Contribution,
+    Grads,
+    PartKey,
+    SyncPolicy,
+    Update,
+    make_policy,
+    staleness,
+)
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
@@ -46,10 +56,22 @@ class TensorSpec:
     dtype: int
     optimizer: OptimizerSpec
     parts: tuple[tuple[int, int], ...]
+    grad_dtype: int = 0  # 0: the same as dtype
+    peers: tuple[str, ...] = ()  # split non-elementwise tensors: every shard's address
+    holders: tuple[int, ...] = ()  # ... and the shards holding one part each, in row order
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def push_dtype(self) -> int:
+        return self.grad_dtype or self.dtype
+
+    @property
+    def split(self) -> bool:
+        """Split across shards and stepped with cross-shard statistics."""
+        return len(self.holders) > 1
 
     def validate(self) -> None:
         """InvalidArgument naming the tensor when the spec is inconsistent."""
@@ -60,8 +82,16 @@ class TensorSpec:
             raise InvalidArgument(f"tensor {n!r}: negative dimension in shape {fmt_shape(self.shape)}")
         try:
             codec.to_torch_dtype(self.dtype)
+            codec.to_torch_dtype(self.push_dtype)
         except ValueError as e:
             raise InvalidArgument(f"tensor {n!r}: {e}") from None
+        if self.holders:
+            if len(self.parts) != 1 or len(set(self.holders)) != len(self.holders):
+                raise InvalidArgument(f"tensor {n!r}: a split tensor has one part per holder shard, "
+                                      f"got {len(self.parts)} parts and holders {list(self.holders)}")
+            if max(self.holders) >= len(self.peers):
+                raise InvalidArgument(f"tensor {n!r}: holders {list(self.holders)} but only "
+                                      f"{len(self.peers)} peer addresses")
         if not self.parts:
             raise InvalidArgument(f"tensor {n!r}: no parts assigned to this shard")
         prev = 0
@@ -80,6 +110,10 @@ class TensorSpec:
             out.append(f"shape {fmt_shape(self.shape)} vs {fmt_shape(other.shape)}")
         if self.dtype != other.dtype:
             out.append(f"dtype {codec.dtype_name(self.dtype)} vs {codec.dtype_name(other.dtype)}")
+        if self.push_dtype != other.push_dtype:
+            out.append(f"grad dtype {codec.dtype_name(self.push_dtype)} vs {codec.dtype_name(other.push_dtype)}")
+        if self.holders != other.holders:
+            out.append(f"holder shards {list(self.holders)} vs {list(other.holders)}")
         if self.optimizer != other.optimizer:
             out.append(f"optimizer {self.optimizer} vs {other.optimizer}")
         if tuple(sorted(self.parts)) != tuple(sorted(other.parts)):
@@ -101,6 +135,7 @@ class TensorEntry:
     spec: TensorSpec
     optimizer: ServerOptimizer
     parts: dict[int, PartState] = field(default_factory=dict)
+    rounds: int = 0  # optimizer steps applied to this tensor
 
 
 @dataclass
@@ -108,13 +143,14 @@ class PushResult:
     version: int
     applied: bool
     duplicate: bool
+    loss_scale: float = 0.0
 
 
 class ShardStore:
     """The state of one shard. See the module docstring for the contract."""
 
     def __init__(self, shard_index: int = 0, num_shards: int = 1, *, sync: str | None = None,
-                 num_workers: int | None = None) -> None:
+                 num_workers: int | None = None, exchange_timeout_s: float = 60.0) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
@@ -125,6 +161,11 @@ class ShardStore:
         self._sync: SyncSpec | None = None
         self._num_workers: int | None = None
         self._policy: SyncPolicy | None = None
+        self._scaler: LossScaler | None = None
+        self._scaling_config: tuple[float, float, float, int] | None = None
+        self.exchange = ExchangeTable()
+        self.peers = PeerChannels()
+        self.exchange_timeout_s = exchange_timeout_s
         self.version = 0
         # Counters, read by stats() (and by metrics in a later layer).
         self.pushes_total = 0
@@ -134,6 +175,7 @@ class ShardStore:
         self.push_bytes_total = 0
         self.pull_bytes_total = 0
         self.apply_seconds_total = 0.0
+        self.skipped_steps_total = 0
         self.staleness_counts: Counter[int] = Counter()
         self.worker_clocks: dict[int, int] = {}
         if sync is not None or num_workers is not None:
@@ -143,24 +185,39 @@ class ShardStore:
 
     # -- job and membership -------------------------------------------------
 
-    def configure(self, num_workers: int, sync: str) -> SyncSpec:
-        """Set the job's worker count and sync mode once; later calls must agree."""
+    def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None) -> SyncSpec:
+        """Set the job's worker count, sync mode and loss scaling once; later calls must agree."""
         try:
             spec = SyncSpec.parse(sync)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         if num_workers < 1:
             raise InvalidArgument(f"num_workers must be >= 1, got {num_workers}")
+        scaling = None
+        if loss_scaling is not None:
+            scaling = (loss_scaling.init_scale, loss_scaling.growth_factor, loss_scaling.backoff_factor,
+                       loss_scaling.growth_interval)
         with self._cond:
             if self._sync is None:
                 self._sync, self._num_workers = spec, num_workers
                 self._policy = make_policy(spec, num_workers)
+                self._scaler, self._scaling_config = loss_scaling, scaling
             elif (self._sync, self._num_workers) != (spec, num_workers):
                 raise FailedPrecondition(
                     f"shard {self.shard_index} runs sync={self._sync} with num_workers={self._num_workers}; "
                     f"a worker asked for sync={spec} with num_workers={num_workers}"
                 )
+            elif self._scaling_config != scaling:
+                raise FailedPrecondition(
+                    f"shard {self.shard_index} runs loss scaling {self._scaling_config or 'off'} "
+                    f"(init, growth, backoff, interval); a worker asked for {scaling or 'off'}"
+                )
             return spec
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale workers should use next; 0.0 when loss scaling is off."""
+        return self._scaler.scale if self._scaler is not None else 0.0
 
     def register_worker(self, worker_id: int) -> None:
         with self._cond:
@@ -217,7 +274,17 @@ class ShardStore:
         """
         for s in specs:
             s.validate()
+            if s.split and self.shard_index not in s.holders:
+                raise InvalidArgument(f"tensor {s.name!r}: shard {self.shard_index} is not among its "
+                                      f"holders {list(s.holders)}")
         with self._cond:
+            for s in specs:
+                if s.split and not (self._sync is not None and self._sync.barrier):
+                    raise FailedPrecondition(
+                        f"tensor {s.name!r} uses {s.optimizer.name}, whose statistics span the whole tensor, "
+                        f"and is split across shards {list(s.holders)}: that needs sync bsp or every:X, "
+                        f"not {self._sync}; keep it whole (a larger max_whole_bytes) or change the sync mode"
+                    )
             new = []
             for s in specs:
                 entry = self._tensors.get(s.name)
@@ -249,6 +316,8 @@ class ShardStore:
                 entries.append(entry)
             for e in entries:
                 self._tensors[e.spec.name] = e
+                if e.spec.split:
+                    self.peers.set_addresses(e.spec.peers)
             if entries:
                 self._cond.notify_all()
             return [e.spec.name for e in entries]
@@ -268,13 +337,19 @@ class ShardStore:
     # -- the data path ------------------------------------------------------
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Grads,
-               nbytes: int = 0) -> PushResult:
+               nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
-        and modify. Raises (changing nothing) for an unregistered worker, a
-        step or base version that cannot be, or a step the policy refuses.
+        and modify. A gradient computed with a loss scale is unscaled here
+        (x 1/loss_scale in fp32). An optimizer step any of whose gradients
+        had an inf/nan (flagged by the worker or found here) is skipped on
+        every shard alike, and the loss scale backs off. Raises (changing
+        nothing) for an unregistered worker, a step or base version that
+        cannot be, or a step the policy refuses.
         """
+        if not (loss_scale == 0.0 or (math.isfinite(loss_scale) and loss_scale > 0)):
+            raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
         with self._cond:
             self._check_registered(worker_id)
             if step < 0:
@@ -294,28 +369,62 @@ class ShardStore:
                         f"tensor {name!r}: gradient for part [{part.start}, {part.stop}) has "
                         f"{g.numel()} elements, expected {part.weight.numel()}"
                     )
+        # Unscale and check outside the lock: the buffers are this request's own.
+        if loss_scale:
+            inv = inv_scale(loss_scale)
+            for g in grads.values():
+                g.mul_(inv)
+        if not found_inf:
+            found_inf = not all(bool(torch.isfinite(g).all()) for g in grads.values())
+        with self._cond:
             assert self._policy is not None  # registered workers imply a job
-            offer = self._policy.offer(Contribution(worker_id, step, base_version), grads)
+            offer = self._policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
             self.pushes_total += 1
             if offer.duplicate:
                 self.duplicate_pushes_total += 1
-                return PushResult(self.version, applied=False, duplicate=True)
+                return PushResult(self.version, applied=False, duplicate=True, loss_scale=self.loss_scale)
             self.push_bytes_total += nbytes
             self.worker_clocks[worker_id] = max(step, self.worker_clocks.get(worker_id, -1))
+            applied = False
             for update in offer.updates:
-                t0 = time.perf_counter()
-                for (name, start), g in update.grads.items():
-                    entry = self._tensors[name]
-                    part = entry.parts[start]
-                    entry.optimizer.step(part.weight, g.view(part.weight.shape), part.state, part.info)
-                self.apply_seconds_total += time.perf_counter() - t0
-                self.staleness_counts.update(staleness(self.version, update.contributions))
-                self.gradients_applied_total += len(update.contributions)
-                self.applied_updates_total += 1
-                self.version += 1
+                applied |= self._apply(update)
             if offer.updates:
                 self._cond.notify_all()
-            return PushResult(self.version, applied=bool(offer.updates), duplicate=False)
+            return PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale)
+
+    def _apply(self, update: Update) -> bool:
+        """One optimizer step (or a skipped one); the version advances either way. Under the lock."""
+        t0 = time.perf_counter()
+        skip = any(c.found_inf for c in update.contributions)
+        if skip:
+            self.skipped_steps_total += 1
+        else:
+            groups: dict[OptimizerSpec, list[tuple[TensorEntry, PartState, torch.Tensor]]] = {}
+            for (name, start), g in update.grads.items():
+                entry = self._tensors[name]
+                part = entry.parts[start]
+                grad = g.view(part.weight.shape)
+                if entry.spec.split:
+                    reduce = PeerReducer(self.exchange, self.peers, name, entry.rounds, self.shard_index,
+                                         entry.spec.holders, self.exchange_timeout_s)
+                    entry.optimizer.step(part.weight, grad, part.state, part.info, reduce)
+                elif entry.spec.optimizer.elementwise or part.info.whole:
+                    groups.setdefault(entry.spec.optimizer, []).append((entry, part, grad))
+                else:
+                    entry.optimizer.step(part.weight, grad, part.state, part.info)
+            for items in groups.values():
+                impl = items[0][0].optimizer
+                impl.step_many([(p.weight, g, p.state, p.info) for _, p, g in items])
+            for name in {name for name, _ in update.grads}:
+                self._tensors[name].rounds += 1
+        if self._scaler is not None:
+            self._scaler.update(skip)
+        self.apply_seconds_total += time.perf_counter() - t0
+        self.staleness_counts.update(staleness(self.version, update.contributions))
+        self.gradients_applied_total += 0 if skip else len(update.contributions)
+        self.applied_updates_total += 0 if skip else 1
+        self.version += 1
+        return not skip
 
     def wait_version(self, min_version: int, timeout: float) -> int:
         """Block until the shard reaches ``min_version``; return the version then."""
@@ -354,6 +463,23 @@ class ShardStore:
                         out.append((e.spec.name, start + off, dt, payload))
                         nbytes += len(payload)
             self.pull_bytes_total += nbytes
+            return self.version, out
+
+    def export_state(self, names: Sequence[str]) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
+        """A consistent copy of weights and optimizer state: (version, [(name, start, stop, key, tensor)]).
+
+        ``key`` is "weight" for the fp32 master weights, else the optimizer
+        state's own key (e.g. "exp_avg", "step").
+        """
+        with self._cond:
+            for n in names:
+                self.spec(n)
+            out = []
+            for n in names:
+                for start, part in sorted(self._tensors[n].parts.items()):
+                    out.append((n, start, part.stop, "weight", part.weight.clone()))
+                    for key in sorted(part.state):
+                        out.append((n, start, part.stop, key, part.state[key].clone()))
             return self.version, out
 
     # -- inspection ---------------------------------------------------------
@@ -404,5 +530,8 @@ class ShardStore:
                 "push_bytes_total": self.push_bytes_total,
                 "pull_bytes_total": self.pull_bytes_total,
                 "staleness_counts": dict(self.staleness_counts),
+                "skipped_steps_total": self.skipped_steps_total,
+                "duplicate_pushes_total": self.duplicate_pushes_total,
+                "loss_scale": self.loss_scale,
                 "worker_clocks": dict(self.worker_clocks),
             }

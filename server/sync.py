@@ -34,6 +34,7 @@ class Contribution:
     worker_id: int
     step: int
     base_version: int
+    found_inf: bool = False  # an inf/nan somewhere in this worker's gradient of this step
 
 
 @dataclass

@@ -9,6 +9,7 @@
 
 from shardps import optim
 from shardps.deploy.local import LocalCluster
+from shardps.protos.amp import LossScaling
 from shardps.worker.client import PSClient, PushResult, ShardError, connect
 from shardps.worker.optimizer import DistributedOptimizer
 
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedOptimizer",
     "LocalCluster",
+    "LossScaling",
     "PSClient",
     "PushResult",
     "ShardError",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import grpc
 import torch
 
 from shardps.protos import codec
+from shardps.protos.amp import LossScaling
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
@@ -26,6 +26,7 @@ from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 log = logging.getLogger("shardps.worker")
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_MAX_WHOLE_BYTES = 256 << 20
 T = TypeVar("T")
 
 OptimizerChoice = OptimizerSpec | Callable[[str, torch.Tensor], OptimizerSpec]
@@ -41,11 +42,16 @@ class ShardError(RuntimeError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How a tensor travels: full shape, wire dtype, optimizer."""
+    """How a tensor travels: full shape, wire dtype, optimizer, gradient dtype."""
 
     shape: tuple[int, ...]
     dtype: int
     optimizer: OptimizerSpec
+    grad_dtype: int = 0  # 0: the same as dtype
+
+    @property
+    def push_dtype(self) -> int:
+        return self.grad_dtype or self.dtype
 
     @property
     def numel(self) -> int:
@@ -58,6 +64,7 @@ class PushResult:
     applied: bool
     duplicate: bool
     sync: str
+    loss_scale: float = 0.0
 
 
 class PSClient:
@@ -87,7 +94,7 @@ class PSClient:
         self.layouts: dict[str, Layout] = {}
         self.versions = [0] * len(self.addresses)
         self.sync = ""
-        self._lock = threading.Lock()
+        self.loss_scale = 0.0  # the scale the shards want next (0: loss scaling is off)
 
     @property
     def num_shards(self) -> int:
@@ -141,39 +148,55 @@ class PSClient:
     # -- registration -------------------------------------------------------
 
     def register(self, tensors: Mapping[str, torch.Tensor], optimizer: OptimizerChoice, *,
-                 sync: str = "bsp", provides_values: bool | None = None) -> list[str]:
+                 sync: str = "bsp", provides_values: bool | None = None,
+                 grad_dtype: torch.dtype | None = None, loss_scaling: LossScaling | None = None,
+                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES) -> list[str]:
         """Register ``tensors`` on their shards (idempotent across workers).
 
         Only a worker that provides values (by default worker 0) creates
-        tensors, from its values; the others wait until they exist. Returns
-        the names this call created.
+        tensors, from its values; the others wait until they exist. Every
+        worker of a job must pass the same tensors and settings. Returns the
+        names this call created.
+
+        ``grad_dtype`` (fp16/bf16) makes gradients travel in that dtype;
+        ``loss_scaling`` turns on dynamic loss scaling on the shards.
+        Tensors whose optimizer is not elementwise (Adafactor, SM3) stay on
+        one shard up to ``max_whole_bytes``; larger ones are split one row
+        block per shard and their statistics reduced across those shards.
         """
         if provides_values is None:
             provides_values = self.worker_id == 0
+        gwire = codec.to_wire_dtype(grad_dtype) if grad_dtype is not None else 0
         layouts: dict[str, Layout] = {}
         infos = []
         for name, t in tensors.items():
             opt = optimizer(name, t) if callable(optimizer) else optimizer
-            layouts[name] = Layout(tuple(t.shape), codec.to_wire_dtype(t.dtype), opt)
+            wire = codec.to_wire_dtype(t.dtype)
+            layouts[name] = Layout(tuple(t.shape), wire, opt, gwire if gwire != wire else 0)
             if t.numel() == 0:
                 continue
             infos.append(TensorInfo(name, tuple(t.shape), t.element_size(), opt.elementwise))
-        smap = build_shard_map(infos, self.num_shards, part_bytes=self.part_bytes)
+        smap = build_shard_map(infos, self.num_shards, part_bytes=self.part_bytes,
+                               max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else {}
+        scaling = loss_scaling.to_proto() if loss_scaling is not None else None
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
             parts = smap.parts_for(shard)
             by_name: dict[str, list[tuple[int, int]]] = {}
             for p in parts:
                 by_name.setdefault(p.name, []).append((p.start, p.stop))
-            specs = [
-                ps_pb2.TensorSpec(name=n, shape=list(layouts[n].shape), dtype=layouts[n].dtype,  # type: ignore[arg-type]
-                                  optimizer=layouts[n].optimizer.to_proto(),
-                                  parts=[ps_pb2.Part(start=a, stop=b) for a, b in rs])
-                for n, rs in by_name.items()
-            ]
+            specs = []
+            for n, rs in by_name.items():
+                lay = layouts[n]
+                holders = smap.holders(n)
+                specs.append(ps_pb2.TensorSpec(
+                    name=n, shape=list(lay.shape), dtype=lay.dtype, grad_dtype=lay.push_dtype,  # type: ignore[arg-type]
+                    optimizer=lay.optimizer.to_proto(), parts=[ps_pb2.Part(start=a, stop=b) for a, b in rs],
+                    peers=self.addresses if holders else [], holders=holders))
             yield ps_pb2.RegisterRequest(worker_id=self.worker_id, num_workers=self.num_workers,
-                                         sync=sync, tensors=specs, provides_values=provides_values)
+                                         sync=sync, tensors=specs, provides_values=provides_values,
+                                         loss_scaling=scaling)
             if provides_values:
                 for p in parts:
                     flat = flats[p.name]
@@ -193,6 +216,7 @@ class PSClient:
             self.versions[i] = r.version
             created.extend(r.created)
         self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
+        self.loss_scale = responses[0].loss_scale
         return created
 
     def attach(self) -> None:
@@ -205,23 +229,29 @@ class PSClient:
         for i, s in enumerate(stats):
             for t in s.tensors:
                 spec = t.spec
-                layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer))
+                gd = spec.grad_dtype if spec.grad_dtype != spec.dtype else 0
+                layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer), gd)
                 parts.extend(Part(spec.name, p.start, p.stop, i) for p in spec.parts)
             self.versions[i] = s.version
         infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
         self.shard_map = ShardMap(self.num_shards, tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
         self.layouts = layouts
         self.sync = stats[0].sync
+        self.loss_scale = stats[0].loss_scale
 
     # -- data path ----------------------------------------------------------
 
     def push(self, grads: Mapping[str, torch.Tensor], step: int,
-             base_versions: Sequence[int] | None = None) -> list[PushResult]:
+             base_versions: Sequence[int] | None = None, *, loss_scale: float = 0.0,
+             found_inf: bool | None = None) -> list[PushResult]:
         """Send gradients (one per named tensor) to their shards; one result per shard.
 
         Every shard gets a Push, an empty one if it owns none of ``grads``,
         so barriers see every worker. ``base_versions`` defaults to the
-        versions of the last pull.
+        versions of the last pull. ``loss_scale``: the scale the gradients
+        were computed with (the shards unscale them). ``found_inf`` defaults
+        to whether any gradient, as sent, holds an inf or nan; every shard is
+        told, so all skip such a step together.
         """
         self._require_layout(grads)
         assert self.shard_map is not None
@@ -231,10 +261,13 @@ class PSClient:
             lay = self.layouts[name]
             if tuple(g.shape) != lay.shape:
                 raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
-            flats[name] = g.detach().to("cpu", codec.to_torch_dtype(lay.dtype)).contiguous().view(-1)
+            flats[name] = g.detach().to("cpu", codec.to_torch_dtype(lay.push_dtype)).contiguous().view(-1)
+        if found_inf is None:
+            found_inf = not all(bool(torch.isfinite(f).all()) for f in flats.values())
 
         def requests(shard: int) -> Iterator[ps_pb2.PushRequest]:
-            header = dict(worker_id=self.worker_id, step=step, base_version=bases[shard])
+            header = dict(worker_id=self.worker_id, step=step, base_version=bases[shard],
+                          found_inf=found_inf, loss_scale=loss_scale)
             sent = False
             for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
                 flat = flats.get(p.name)
@@ -243,15 +276,16 @@ class PSClient:
                 shape = list(self.layouts[p.name].shape)
                 for off, data in codec.encode_range(flat, p.start, p.stop, self.chunk_bytes):
                     yield ps_pb2.PushRequest(**header, chunk=ps_pb2.Chunk(
-                        name=p.name, offset=off, dtype=self.layouts[p.name].dtype, data=data, shape=shape))  # type: ignore[arg-type]
+                        name=p.name, offset=off, dtype=self.layouts[p.name].push_dtype, data=data, shape=shape))  # type: ignore[arg-type]
                     shape = []
                     sent = True
             if not sent:
                 yield ps_pb2.PushRequest(**header)
 
         responses = self._each(lambda i: self._stubs[i].Push(requests(i), timeout=self.timeout))
-        out = [PushResult(r.version, r.applied, r.duplicate, r.sync) for r in responses]
+        out = [PushResult(r.version, r.applied, r.duplicate, r.sync, r.loss_scale) for r in responses]
         self.sync = out[0].sync or self.sync
+        self.loss_scale = out[0].loss_scale
         return out
 
     def pull(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
@@ -305,6 +339,7 @@ class PSClient:
                                          f"outside its {dst.numel()} elements")
                     dst[c.offset : c.offset + values.numel()].copy_(values)
                     version = resp.version
+                    self.loss_scale = resp.loss_scale
             return version
 
         shards = sorted(owners)
@@ -318,6 +353,50 @@ class PSClient:
                 if flat.data_ptr() != target.data_ptr() or target.device.type != "cpu":
                     target.copy_(flat.view(target.shape))
         return result
+
+    def export_state(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Weights and optimizer state from every shard, as a state_dict-style mapping.
+
+        ``{name: {"weight": full fp32 tensor, "optimizer": {part_start: {key: tensor}}, "version": {shard: v}}}``:
+        optimizer state stays per part (factored state is sized by the part).
+        """
+        wanted = list(self.layouts if names is None else names)
+        self._require_layout(wanted)
+        assert self.shard_map is not None
+        owners: dict[int, list[str]] = {}
+        for p in self.shard_map.parts:
+            if p.name in wanted and p.name not in owners.setdefault(p.server, []):
+                owners[p.server].append(p.name)
+
+        def fetch(shard: int) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
+            req = ps_pb2.PullStateRequest(names=owners[shard], chunk_bytes=self.chunk_bytes)
+            items: list[tuple[str, int, int, str, torch.Tensor]] = []
+            version = -1
+            for r in self._stubs[shard].PullState(req, timeout=self.timeout):
+                c = r.chunk
+                values = codec.decode(c.data, c.dtype)
+                if c.offset == 0:  # the first chunk of a state tensor carries its shape
+                    items.append((r.name, r.part_start, r.part_stop, r.key,
+                                  torch.empty(tuple(r.shape), dtype=values.dtype)))
+                dst = items[-1][4].view(-1)
+                dst[c.offset : c.offset + values.numel()].copy_(values)
+                version = r.version
+            return version, items
+
+        shards = sorted(owners)
+        out: dict[str, dict[str, Any]] = {
+            n: {"weight": torch.empty(self.layouts[n].shape, dtype=torch.float32), "optimizer": {}, "version": {}}
+            for n in wanted
+        }
+        for shard, (version, items) in zip(shards, self._each(fetch, shards)):
+            for name, start, stop, key, t in items:
+                entry = out[name]
+                entry["version"][shard] = version
+                if key == "weight":
+                    entry["weight"].view(-1)[start:stop].copy_(t.reshape(-1))
+                else:
+                    entry["optimizer"].setdefault(start, {})[key] = t
+        return out
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
@@ -383,6 +462,9 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         ],
         "staleness_counts": {int(k): int(v) for k, v in r.staleness_counts.items()},
         "worker_clocks": {int(k): int(v) for k, v in r.worker_clocks.items()},
+        "skipped_steps_total": int(r.skipped_steps_total),
+        "duplicate_pushes_total": int(r.duplicate_pushes_total),
+        "loss_scale": float(r.loss_scale),
     }
     for key in _COUNTERS:
         out[key] = int(getattr(r, key))

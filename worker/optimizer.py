@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
-from shardps.worker.client import OptimizerChoice, PSClient, PushResult
+from shardps.worker.client import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice, PSClient, PushResult
 
 log = logging.getLogger("shardps.worker")
 
@@ -30,11 +31,22 @@ class DistributedOptimizer:
     step, so all start equal (as DDP broadcasts rank 0's).
 
     ``optimizer`` is a spec (``shardps.optim.Adam(lr=1e-3)``) or a callable
-    ``(name, tensor) -> spec`` to choose one per tensor.
+    ``(name, tensor) -> spec`` to choose one per tensor (see
+    ``shardps.optim.Rules``).
+
+    Mixed precision: ``grad_dtype=torch.bfloat16`` (or float16) sends
+    gradients in that dtype; the servers keep fp32 master weights.
+    ``loss_scaling=True`` (or a ``shardps.LossScaling``) turns on dynamic loss
+    scaling run by the servers: multiply the loss by ``opt.loss_scale`` (or
+    call ``opt.scale(loss)``) before ``backward()``; a step in which any
+    worker's gradient holds an inf/nan is skipped on every shard, and every
+    worker gets the new scale with its next pull.
     """
 
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
-                 optimizer: OptimizerChoice | None = None, sync: str = "bsp") -> None:
+                 optimizer: OptimizerChoice | None = None, sync: str = "bsp",
+                 grad_dtype: torch.dtype | None = None, loss_scaling: bool | LossScaling = False,
+                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -47,8 +59,19 @@ class DistributedOptimizer:
         self.pushes = 0
         self.last_push: list[PushResult] = []
         self._acc: dict[str, torch.Tensor] = {}
-        client.register(self.params, self.optimizer, sync=str(self.sync))
+        scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
+        client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
+                        loss_scaling=scaling, max_whole_bytes=max_whole_bytes)
         client.pull(out=self.params)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 when loss scaling is off)."""
+        return self.client.loss_scale or 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``, as ``GradScaler.scale``: call ``backward()`` on the result."""
+        return loss * self.loss_scale
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -71,7 +94,8 @@ class DistributedOptimizer:
             grads = {n: a.div_(self.sync.every) for n, a in self._acc.items()}
             self._acc = {}
         bases = list(self.client.versions)
-        self.last_push = self.client.push(grads, step=self.round, base_versions=bases)
+        self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
+                                          loss_scale=self.client.loss_scale)
         self.pushes += 1
         self.round += 1
         if self.sync.barrier:

@@ -9,14 +9,18 @@ and keep their state as a dict of tensors, so it can be counted and saved.
 from __future__ import annotations
 
 from shardps.protos import optim as specs
+from shardps.server.optim.adafactor import AdafactorImpl
 from shardps.server.optim.adam import AdamImpl
 from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, local_reduce, state_bytes
 from shardps.server.optim.sgd import SGDImpl
+from shardps.server.optim.sm3 import SM3Impl
 
 _IMPLS: dict[type[specs.OptimizerSpec], type[ServerOptimizer]] = {
     specs.Adam: AdamImpl,
     specs.AdamW: AdamImpl,
     specs.SGD: SGDImpl,
+    specs.Adafactor: AdafactorImpl,
+    specs.SM3: SM3Impl,
 }
 
 

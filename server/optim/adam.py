@@ -3,9 +3,15 @@
 1. t += 1. 2. Adam: g += wd * theta; AdamW: theta *= 1 - lr * wd.
 3. m = lerp(m, g, 1 - b1). 4. v = b2 * v + (1 - b2) * g^2 (amsgrad: vmax = max(vmax, v)).
 5. denom = sqrt(v) / sqrt(1 - b2^t) + eps. 6. theta -= lr / (1 - b1^t) * m / denom.
+
+``step_many`` runs torch's fused multi-tensor CPU/CUDA kernel
+(``torch._fused_adam_``/``_fused_adamw_``, what ``torch.optim.Adam(fused=True)``
+calls) over all parts that share a spec: the same update, several times faster.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -55,3 +61,20 @@ class AdamImpl(ServerOptimizer):
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(s.eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def step_many(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, State, PartInfo]]) -> None:
+        fused = getattr(torch, "_fused_adamw_" if self.decoupled else "_fused_adam_", None)
+        if fused is None or len(items) == 0:
+            return super().step_many(items)
+        s = self.spec
+        params = [it[0] for it in items]
+        grads = [it[1] for it in items]
+        states = [it[2] for it in items]
+        steps = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1)
+        fused(
+            params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+            [st["max_exp_avg_sq"] for st in states] if s.amsgrad else [], steps,
+            lr=s.lr, beta1=s.betas[0], beta2=s.betas[1], weight_decay=s.weight_decay, eps=s.eps,
+            amsgrad=s.amsgrad, maximize=False,
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,11 @@ class ServerOptimizer(ABC):
     @abstractmethod
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
              reduce: Reduce = local_reduce) -> None: ...
+
+    def step_many(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, State, PartInfo]]) -> None:
+        """Step several whole-or-elementwise parts at once (a multi-tensor kernel if there is one)."""
+        for param, grad, state, part in items:
+            self.step(param, grad, state, part)
 
 
 def state_bytes(state: State) -> int:

@@ -55,8 +55,11 @@ def test_same_inputs_give_the_same_map_in_any_order():
 def test_unsplittable_tensors_stay_whole_up_to_the_limit():
     t = [TensorInfo("f", (1024, 1024), splittable=False), TensorInfo("big", (4096, 4096), splittable=False)]
     smap = build_shard_map(t, 4, part_bytes=1 << 20, max_whole_bytes=8 << 20)
-    assert len(smap.parts_of("f")) == 1
-    assert len(smap.parts_of("big")) > 1  # over the limit: split in row blocks
+    assert len(smap.parts_of("f")) == 1 and smap.holders("f") == []
+    # Over the limit: one row block per server, block i on server i.
+    assert [(p.start, p.stop, p.server) for p in smap.parts_of("big")] == [
+        (i * 1024 * 4096, (i + 1) * 1024 * 4096, i) for i in range(4)]
+    assert smap.holders("big") == [0, 1, 2, 3]
 
 
 def test_errors_name_the_problem():

@@ -35,18 +35,24 @@ class Part(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "optimizer", "parts")
+    __slots__ = ("name", "shape", "dtype", "optimizer", "parts", "grad_dtype", "peers", "holders")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     optimizer: OptimizerSpec
     parts: _containers.RepeatedCompositeFieldContainer[Part]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+    grad_dtype: DType
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., peers: _Optional[_Iterable[str]] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("name", "offset", "dtype", "data", "shape")
@@ -62,59 +68,83 @@ class Chunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class LossScaling(_message.Message):
+    __slots__ = ("enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values")
+    __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values", "loss_scaling")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PROVIDES_VALUES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALING_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     num_workers: int
     sync: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     chunk: Chunk
     provides_values: bool
-    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ...) -> None: ...
+    loss_scaling: LossScaling
+    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     num_shards: int
     sync: str
     created: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "chunk")
+    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FOUND_INF_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
     chunk: Chunk
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    found_inf: bool
+    loss_scale: float
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "applied", "duplicate", "sync")
+    __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied: bool
     duplicate: bool
     sync: str
-    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes")
@@ -131,12 +161,58 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "chunk")
+    __slots__ = ("version", "chunk", "loss_scale")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk: Chunk
-    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+
+class PullStateRequest(_message.Message):
+    __slots__ = ("names", "chunk_bytes")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    chunk_bytes: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("version", "name", "part_start", "part_stop", "key", "shape", "chunk")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PART_START_FIELD_NUMBER: _ClassVar[int]
+    PART_STOP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    name: str
+    part_start: int
+    part_stop: int
+    key: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    chunk: Chunk
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., part_start: _Optional[int] = ..., part_stop: _Optional[int] = ..., key: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("tensor", "round", "tag", "from_shard")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    round: int
+    tag: str
+    from_shard: int
+    def __init__(self, tensor: _Optional[str] = ..., round: _Optional[int] = ..., tag: _Optional[str] = ..., from_shard: _Optional[int] = ...) -> None: ...
+
+class ExchangeResponse(_message.Message):
+    __slots__ = ("partial",)
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    partial: Chunk
+    def __init__(self, partial: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -153,7 +229,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +258,9 @@ class StatsResponse(_message.Message):
     PULL_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STALENESS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     WORKER_CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PUSHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -196,4 +275,7 @@ class StatsResponse(_message.Message):
     pull_bytes_total: int
     staleness_counts: _containers.ScalarMap[int, int]
     worker_clocks: _containers.ScalarMap[int, int]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    skipped_steps_total: int
+    loss_scale: float
+    duplicate_pushes_total: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ...) -> None: ...

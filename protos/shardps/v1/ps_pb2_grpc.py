@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class ParameterServerStub:
-    """Missing associated documentation comment in .proto file."""
+    """One shard of the parameters. Errors are status codes whose message names
+    the tensor, what was expected and what came; a refused request changes
+    nothing.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -54,10 +57,23 @@ class ParameterServerStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.PullState = channel.unary_stream(
+                '/shardps.v1.ParameterServer/PullState',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.FromString,
+                _registered_method=True)
+        self.Exchange = channel.unary_unary(
+                '/shardps.v1.ParameterServer/Exchange',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """One shard of the parameters. Errors are status codes whose message names
+    the tensor, what was expected and what came; a refused request changes
+    nothing.
+    """
 
     def Register(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -78,6 +94,18 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exchange(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +134,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.SerializeToString,
             ),
+            'PullState': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.SerializeToString,
+            ),
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'shardps.v1.ParameterServer', rpc_method_handlers)
@@ -115,7 +153,10 @@ def add_ParameterServerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
-    """Missing associated documentation comment in .proto file."""
+    """One shard of the parameters. Errors are status codes whose message names
+    the tensor, what was expected and what came; a refused request changes
+    nothing.
+    """
 
     @staticmethod
     def Register(request_iterator,
@@ -215,6 +256,60 @@ class ParameterServer:
             '/shardps.v1.ParameterServer/Stats',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/PullState',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/Exchange',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,
