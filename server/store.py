@@ -375,7 +375,7 @@ class ShardStore:
             for g in grads.values():
                 g.mul_(inv)
         if not found_inf:
-            found_inf = not all(bool(torch.isfinite(g).all()) for g in grads.values())
+            found_inf = not all(codec.all_finite(g) for g in grads.values())
         with self._cond:
             assert self._policy is not None  # registered workers imply a job
             offer = self._policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)

@@ -263,7 +263,7 @@ class PSClient:
                 raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
             flats[name] = g.detach().to("cpu", codec.to_torch_dtype(lay.push_dtype)).contiguous().view(-1)
         if found_inf is None:
-            found_inf = not all(bool(torch.isfinite(f).all()) for f in flats.values())
+            found_inf = not all(codec.all_finite(f) for f in flats.values())
 
         def requests(shard: int) -> Iterator[ps_pb2.PushRequest]:
             header = dict(worker_id=self.worker_id, step=step, base_version=bases[shard],

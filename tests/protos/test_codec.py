@@ -41,3 +41,13 @@ def test_bad_payloads_and_dtypes():
         codec.to_wire_dtype(torch.int64)
     with pytest.raises(ValueError, match="chunk_bytes"):
         codec.check_chunk_bytes(64 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite(dtype):
+    x = torch.randn(1000).to(dtype)
+    assert codec.all_finite(x) and codec.all_finite(torch.empty(0, dtype=dtype))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        y = x.clone()
+        y[517] = bad
+        assert not codec.all_finite(y), bad
