@@ -2,9 +2,12 @@
 
 Hyperparameter names and defaults follow ``torch.optim`` (Adafactor: HF
 ``transformers.Adafactor``; SM3: google-research ``sm3``); the step runs on
-the parameter servers.
+the parameter servers. ``Rules`` picks an optimizer per tensor by name
+pattern or rank.
 """
 
 from shardps.protos.optim import SGD, SM3, Adafactor, Adam, AdamW, OptimizerSpec, spec_from_name
+from shardps.protos.rules import Rules, max_rank, min_rank
 
-__all__ = ["SGD", "SM3", "Adafactor", "Adam", "AdamW", "OptimizerSpec", "spec_from_name"]
+__all__ = ["SGD", "SM3", "Adafactor", "Adam", "AdamW", "OptimizerSpec", "Rules", "max_rank", "min_rank",
+           "spec_from_name"]
