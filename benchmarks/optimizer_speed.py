@@ -35,63 +35,52 @@ def shapes_for(params: float) -> list[tuple[int, ...]]:
     return block * n_blocks
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
-def bench_torch(shapes, grads, mode: str, repeats: int) -> float:
+def make_torch(shapes, grads, mode: str) -> torch.optim.Optimizer:
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     for p, g in zip(params, grads):
         p.grad = g
     kw = {"fused": True} if mode == "fused" else {"foreach": mode == "foreach"}
-    opt = torch.optim.Adam(params, lr=1e-3, **kw)
-    return median_ms(opt.step, repeats)
+    return torch.optim.Adam(params, lr=1e-3, **kw)
 
 
-def bench_shardps(shapes, grads, repeats: int) -> tuple[float, float]:
-    store = ShardStore(0, 1, sync="asp", num_workers=1)
-    infos = [TensorInfo(f"t{i}", s) for i, s in enumerate(shapes)]
-    smap = build_shard_map(infos, 1)
-    specs, values = [], {}
-    for i, s in enumerate(shapes):
-        name = f"t{i}"
-        parts = tuple((p.start, p.stop) for p in smap.parts_of(name))
-        specs.append(TensorSpec(name, s, codec.to_wire_dtype(torch.float32), optim.Adam(lr=1e-3), parts))
-        flat = torch.randn(s).view(-1)
-        for a, b in parts:
-            values[(name, a)] = flat[a:b]
-    store.register_tensors(specs, values)
-    store.register_worker(0)
-    flat_grads = {}
-    for i, g in enumerate(grads):
-        flat = g.view(-1)
-        for p in smap.parts_of(f"t{i}"):
-            flat_grads[(p.name, p.start)] = flat[p.start : p.stop]
-    step = [0]
-    apply_ms: list[float] = []
+class ShardpsStep:
+    """One ShardStore holding the same tensors; ``__call__`` is one submit (timed inside)."""
 
-    def submit() -> None:
-        # The store takes ownership of the buffers it is given: hand it fresh copies
-        # (made before the clock starts in the caller's loop is not possible here, so
-        # copying is timed separately and subtracted).
-        g = {k: v.clone() for k, v in flat_grads.items()}
+    def __init__(self, shapes, grads) -> None:
+        self.store = ShardStore(0, 1, sync="asp", num_workers=1)
+        smap = build_shard_map([TensorInfo(f"t{i}", s) for i, s in enumerate(shapes)], 1)
+        specs, values = [], {}
+        for i, s in enumerate(shapes):
+            name = f"t{i}"
+            parts = tuple((p.start, p.stop) for p in smap.parts_of(name))
+            specs.append(TensorSpec(name, s, codec.to_wire_dtype(torch.float32), optim.Adam(lr=1e-3), parts))
+            flat = torch.randn(s).view(-1)
+            for a, b in parts:
+                values[(name, a)] = flat[a:b]
+        self.store.register_tensors(specs, values)
+        self.store.register_worker(0)
+        self.grads = {}
+        for i, g in enumerate(grads):
+            for p in smap.parts_of(f"t{i}"):
+                self.grads[(p.name, p.start)] = g.view(-1)[p.start : p.stop]
+        self.step = 0
+        self.apply_ms: list[float] = []
+        self.submit_ms: list[float] = []
+
+    def __call__(self) -> None:
+        g = {k: v.clone() for k, v in self.grads.items()}  # the store owns what it is given; not timed
+        a0 = self.store.apply_seconds_total
         t0 = time.perf_counter()
-        a0 = store.apply_seconds_total
-        store.submit(0, step[0], store.version, g)
-        apply_ms.append((store.apply_seconds_total - a0) * 1000)
-        submit_ms.append((time.perf_counter() - t0) * 1000)
-        step[0] += 1
+        self.store.submit(0, self.step, self.store.version, g)
+        self.submit_ms.append((time.perf_counter() - t0) * 1000)
+        self.apply_ms.append((self.store.apply_seconds_total - a0) * 1000)
+        self.step += 1
 
-    submit_ms: list[float] = []
-    for _ in range(repeats + 1):
-        submit()
-    return statistics.median(apply_ms[1:]), statistics.median(submit_ms[1:])
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
 
 
 def main() -> None:
@@ -107,17 +96,23 @@ def main() -> None:
     grads = [torch.randn(s) for s in shapes]
     print(f"Adam step on {n / 1e6:.1f}M fp32 parameters in {len(shapes)} tensors, "
           f"{args.threads} threads, median of {args.repeats}", flush=True)
-    res = {"params": n}
-    res["torch_fused_ms"] = bench_torch(shapes, grads, "fused", args.repeats)
-    print(f"  torch.optim.Adam(fused=True)   {res['torch_fused_ms']:8.1f} ms", flush=True)
-    res["torch_foreach_ms"] = bench_torch(shapes, grads, "foreach", args.repeats)
-    print(f"  torch.optim.Adam(foreach=True) {res['torch_foreach_ms']:8.1f} ms", flush=True)
-    res["torch_loop_ms"] = bench_torch(shapes, grads, "loop", args.repeats)
-    print(f"  torch.optim.Adam (for-loop)    {res['torch_loop_ms']:8.1f} ms", flush=True)
-    res["shardps_apply_ms"], res["shardps_submit_ms"] = bench_shardps(shapes, grads, args.repeats)
-    print(f"  shardps server: optimizer step {res['shardps_apply_ms']:8.1f} ms", flush=True)
-    print(f"  shardps server: whole submit   {res['shardps_submit_ms']:8.1f} ms "
-          f"(+ unscale/inf check and sync policy)", flush=True)
+    res: dict[str, float] = {"params": n}
+    opts = {mode: make_torch(shapes, grads, mode) for mode in ("fused", "foreach", "loop")}
+    ours = ShardpsStep(shapes, grads)
+    times: dict[str, list[float]] = {mode: [] for mode in opts}
+    for _ in range(args.repeats + 1):  # interleaved, so drift in machine load hits all alike
+        for mode, opt in opts.items():
+            times[mode].append(timed(opt.step))
+        ours()
+    for mode in opts:
+        res[f"torch_{mode}_ms"] = statistics.median(times[mode][1:])
+    res["shardps_apply_ms"] = statistics.median(ours.apply_ms[1:])
+    res["shardps_submit_ms"] = statistics.median(ours.submit_ms[1:])
+    print(f"  torch.optim.Adam(fused=True)   {res['torch_fused_ms']:8.1f} ms")
+    print(f"  torch.optim.Adam(foreach=True) {res['torch_foreach_ms']:8.1f} ms")
+    print(f"  torch.optim.Adam (for-loop)    {res['torch_loop_ms']:8.1f} ms")
+    print(f"  shardps server: optimizer step {res['shardps_apply_ms']:8.1f} ms")
+    print(f"  shardps server: whole submit   {res['shardps_submit_ms']:8.1f} ms (+ inf/nan check and sync policy)")
     res["ratio_apply"] = res["torch_fused_ms"] / res["shardps_apply_ms"]
     res["ratio_submit"] = res["torch_fused_ms"] / res["shardps_submit_ms"]
     print(f"speed vs fused torch Adam: optimizer step {res['ratio_apply']:.2f}, "

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from shardps.protos.optim import Adafactor, OptimizerSpec, spec_from_name
+
 SPLIT_SEED = 0
 NUM_TEST = 360
 
@@ -65,13 +67,11 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
                  batch_size: int = 64, seed: int = 0, progress: bool = False) -> dict[str, object]:
     """One worker's training run; returns its summary (steps, last loss, seconds)."""
     import shardps
-    from shardps.optim import spec_from_name
 
     data = load_digits()
     model = make_model(seed)
     client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers)
-    kwargs = {"lr": lr if lr is not None else default_lr(optimizer)}
-    opt = shardps.DistributedOptimizer(model, client, optimizer=spec_from_name(optimizer, **kwargs), sync=sync)
+    opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync)
     loss_fn = nn.CrossEntropyLoss()
     plan = [(e, b) for e in range(epochs) for b in batches(len(data.x_train), batch_size, e, seed)]
     bar = None
@@ -101,8 +101,20 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
             "train_accuracy": accuracy(model, data.x_train, data.y_train)}
 
 
-def default_lr(optimizer: str) -> float:
-    return {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1}.get(optimizer.lower(), 1e-3)
+DEFAULT_LR = {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1, "sm3": 0.1}
+OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "sm3")
+
+
+def make_spec(optimizer: str, lr: float | None = None) -> OptimizerSpec:
+    """The spec the example trains with: per-optimizer default learning rates.
+
+    Adafactor without ``lr`` uses its relative step size; with ``lr`` it uses
+    that fixed step (relative_step and scale_parameter off).
+    """
+    name = optimizer.lower()
+    if name == "adafactor":
+        return Adafactor() if lr is None else Adafactor(lr=lr, relative_step=False, scale_parameter=False)
+    return spec_from_name(name, lr=lr if lr is not None else DEFAULT_LR.get(name, 1e-3))
 
 
 def evaluate(addresses: list[str], seed: int = 0) -> float:

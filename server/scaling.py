@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from shardps.protos.amp import LossScaling
+from shardps.protos.codec import all_finite
 
 
 @dataclass
@@ -47,3 +48,23 @@ class LossScaler:
 def inv_scale(scale: float) -> torch.Tensor:
     """1 / scale computed as GradScaler does: in float64, then rounded to fp32."""
     return torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+
+
+def unscale_and_check(grads: list[torch.Tensor], loss_scale: float) -> bool:
+    """Multiply fp32 ``grads`` by 1/loss_scale in place (0: leave them); True if any holds inf/nan.
+
+    With a scale this is GradScaler's own fused kernel (one pass for both);
+    without one, a read-only min/max pass.
+    """
+    if not grads:
+        return False
+    if loss_scale:
+        kernel = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+        inv = inv_scale(loss_scale)
+        if kernel is not None:
+            found = torch.zeros(1)
+            kernel(grads, found, inv.reshape(1))
+            return bool(found.item())
+        for g in grads:
+            g.mul_(inv)
+    return not all(all_finite(g) for g in grads)

@@ -31,7 +31,7 @@ from shardps.server.errors import (
 )
 from shardps.server.exchange import ExchangeTable, PeerChannels, PeerReducer
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
-from shardps.server.scaling import LossScaler, inv_scale
+from shardps.server.scaling import LossScaler, unscale_and_check
 from shardps.server.sync import (
     Contribution,
     Grads,
@@ -370,12 +370,7 @@ class ShardStore:
                         f"{g.numel()} elements, expected {part.weight.numel()}"
                     )
         # Unscale and check outside the lock: the buffers are this request's own.
-        if loss_scale:
-            inv = inv_scale(loss_scale)
-            for g in grads.values():
-                g.mul_(inv)
-        if not found_inf:
-            found_inf = not all(codec.all_finite(g) for g in grads.values())
+        found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
         with self._cond:
             assert self._policy is not None  # registered workers imply a job
             offer = self._policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from shardps.examples.digits import OPTIMIZERS
 from shardps.protos import codec
 
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", type=int, required=True)
     w.add_argument("--num-workers", type=int, required=True)
     w.add_argument("--sync", type=_sync, default="bsp")
-    w.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
+    w.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     w.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     w.add_argument("--epochs", type=int, default=20)
     w.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp or every:X (default bsp)")
-    d.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
+    d.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     d.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     d.add_argument("--epochs", type=int, default=20)
     d.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
