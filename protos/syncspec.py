@@ -1,4 +1,4 @@
-"""Synchronization modes as values: ``bsp``, ``asp``, ``every:X``.
+"""Synchronization modes as values: ``bsp``, ``asp``, ``every:X``, ``ssp:S``.
 
 Both sides parse the same strings: the worker to know when to push, the
 server to know when to apply.
@@ -8,23 +8,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("bsp", "asp", "every")
+KINDS = ("bsp", "asp", "every", "ssp")
 
 
 @dataclass(frozen=True)
 class SyncSpec:
-    """``kind`` is one of KINDS; ``every`` is X for ``every:X`` (1 otherwise)."""
+    """``kind`` is one of KINDS; ``every`` is X for ``every:X`` (1 otherwise);
+    ``staleness`` is S for ``ssp:S`` (0 otherwise)."""
 
     kind: str
     every: int = 1
+    staleness: int = 0
 
     @property
     def barrier(self) -> bool:
         """True when a shard waits for every worker before applying."""
         return self.kind in ("bsp", "every")
 
+    @property
+    def bounded(self) -> bool:
+        """True for ssp: workers wait for the slowest to be within S clocks."""
+        return self.kind == "ssp"
+
     def __str__(self) -> str:
-        return f"every:{self.every}" if self.kind == "every" else self.kind
+        if self.kind == "every":
+            return f"every:{self.every}"
+        if self.kind == "ssp":
+            return f"ssp:{self.staleness}"
+        return self.kind
 
     @classmethod
     def parse(cls, text: str) -> SyncSpec:
@@ -39,4 +50,12 @@ class SyncSpec:
             if x < 1:
                 raise ValueError(f"sync {text!r}: every:X needs a whole number X >= 1")
             return cls("every", x)
-        raise ValueError(f"unknown sync mode {text!r}; expected bsp, asp or every:X")
+        if t.startswith("ssp:"):
+            try:
+                s = int(t.split(":", 1)[1])
+            except ValueError:
+                s = -1
+            if s < 0:
+                raise ValueError(f"sync {text!r}: ssp:S needs a whole number S >= 0")
+            return cls("ssp", staleness=s)
+        raise ValueError(f"unknown sync mode {text!r}; expected bsp, asp, every:X or ssp:S")

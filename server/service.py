@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument, StoreError
 from shardps.server.exchange import encode_partial
+from shardps.server.metrics import ServerMetrics
 from shardps.server.scaling import LossScaler
 from shardps.server.store import ShardStore, TensorSpec
 
@@ -44,6 +46,8 @@ def _unary_errors(fn: F) -> F:
         try:
             return fn(self, request, context)
         except StoreError as e:
+            if self.metrics is not None:
+                self.metrics.rpc_error(fn.__name__, e.code)
             context.abort(_status_code(e), str(e))
 
     return wrapper  # type: ignore[return-value]
@@ -55,6 +59,8 @@ def _stream_errors(fn: F) -> F:
         try:
             yield from fn(self, request, context)
         except StoreError as e:
+            if self.metrics is not None:
+                self.metrics.rpc_error(fn.__name__, e.code)
             context.abort(_status_code(e), str(e))
 
     return wrapper  # type: ignore[return-value]
@@ -104,8 +110,9 @@ def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, store: ShardStore, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
         self.store = store
+        self.metrics = metrics
         self.max_wait_s = max_wait_s
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
 
@@ -174,7 +181,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes,
                            found_inf=first.found_inf, loss_scale=first.loss_scale)
         return ps_pb2.PushResponse(version=res.version, applied=res.applied, duplicate=res.duplicate,
-                                   sync=str(store.sync or ""), loss_scale=res.loss_scale)
+                                   sync=str(store.sync or ""), loss_scale=res.loss_scale,
+                                   ready_version=res.ready_version)
 
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
@@ -195,16 +203,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             codec.check_chunk_bytes(chunk_bytes)
         except ValueError as e:
             raise InvalidArgument(f"Pull: {e}") from None
+        timeout = self._timeout(context)
+        t0 = time.monotonic()
+        slowest = 0
         if request.min_version > store.version:
-            store.wait_version(request.min_version, self._timeout(context))
+            store.wait_version(request.min_version, timeout)
+        if request.min_clock > 0:
+            slowest = store.wait_clock(request.min_clock, max(0.0, timeout - (time.monotonic() - t0)))
+        waited = time.monotonic() - t0
+        if self.metrics is not None and (request.min_version or request.min_clock):
+            self.metrics.observe_wait(waited, str(store.sync or ""))
         version, chunks = store.read(names, wire, chunk_bytes)
-        scale = store.loss_scale
+        scale, sync = store.loss_scale, str(store.sync or "")
         last = None
         for name, offset, dt, payload in chunks:
             shape = store.spec(name).shape if name != last else ()
             last = name
             yield ps_pb2.PullResponse(
-                version=version, loss_scale=scale,
+                version=version, loss_scale=scale, sync=sync, slowest_clock=slowest,
                 chunk=ps_pb2.Chunk(name=name, offset=offset, dtype=dt, data=payload, shape=shape))  # type: ignore[arg-type]
 
     @_stream_errors
@@ -231,6 +247,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
 
     @_unary_errors
+    def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
+        spec = self.store.set_sync(request.sync)
+        return ps_pb2.SetSyncResponse(sync=str(spec), version=self.store.version)
+
+    @_unary_errors
     def Exchange(self, request: ps_pb2.ExchangeRequest,
                  context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
         key = (request.tensor, request.round, request.tag)
@@ -251,12 +272,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             push_bytes_total=s["push_bytes_total"], pull_bytes_total=s["pull_bytes_total"],
             staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"],
             skipped_steps_total=s["skipped_steps_total"], loss_scale=s["loss_scale"],
-            duplicate_pushes_total=s["duplicate_pushes_total"])
+            duplicate_pushes_total=s["duplicate_pushes_total"],
+            sync_switches_total=s["sync_switches_total"])
 
 
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
-                  max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> tuple[grpc.Server, int]:
+                  max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+                  metrics: ServerMetrics | None = None) -> tuple[grpc.Server, int]:
     """Start a server for ``store`` on ``address``; return it and the bound port.
 
     Binding port 0 picks a free port. Raises RuntimeError if the address
@@ -271,7 +293,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
                                                     thread_name_prefix=f"shard{store.shard_index}"),
                          options=options)
     ps_pb2_grpc.add_ParameterServerServicer_to_server(
-        ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes), server)
+        ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)

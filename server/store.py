@@ -10,11 +10,12 @@ applies (under BSP, one per step of the job; under ASP, one per gradient).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ from shardps.server.sync import (
     make_policy,
     staleness,
 )
+
+log = logging.getLogger("shardps.server")
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
@@ -140,10 +143,11 @@ class TensorEntry:
 
 @dataclass
 class PushResult:
-    version: int
+    version: int  # the shard's version now
     applied: bool
     duplicate: bool
     loss_scale: float = 0.0
+    ready_version: int = 0  # the first version that includes this gradient
 
 
 class ShardStore:
@@ -176,6 +180,9 @@ class ShardStore:
         self.pull_bytes_total = 0
         self.apply_seconds_total = 0.0
         self.skipped_steps_total = 0
+        self.sync_switches_total = 0
+        self.pulls_total = 0
+        self.on_apply: list[Callable[[float], None]] = []  # called with each step's seconds, under the lock
         self.staleness_counts: Counter[int] = Counter()
         self.worker_clocks: dict[int, int] = {}
         if sync is not None or num_workers is not None:
@@ -186,7 +193,12 @@ class ShardStore:
     # -- job and membership -------------------------------------------------
 
     def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None) -> SyncSpec:
-        """Set the job's worker count, sync mode and loss scaling once; later calls must agree."""
+        """Set the job's worker count, sync mode and loss scaling once; return the mode in force.
+
+        Later calls must agree on the worker count and loss scaling. The sync
+        mode is the job's (it may have been switched since): a worker asking
+        for another one is told the mode in force and follows it.
+        """
         try:
             spec = SyncSpec.parse(sync)
         except ValueError as e:
@@ -202,17 +214,17 @@ class ShardStore:
                 self._sync, self._num_workers = spec, num_workers
                 self._policy = make_policy(spec, num_workers)
                 self._scaler, self._scaling_config = loss_scaling, scaling
-            elif (self._sync, self._num_workers) != (spec, num_workers):
+            elif self._num_workers != num_workers:
                 raise FailedPrecondition(
-                    f"shard {self.shard_index} runs sync={self._sync} with num_workers={self._num_workers}; "
-                    f"a worker asked for sync={spec} with num_workers={num_workers}"
+                    f"shard {self.shard_index} runs a job of num_workers={self._num_workers}; "
+                    f"a worker registered with num_workers={num_workers}"
                 )
             elif self._scaling_config != scaling:
                 raise FailedPrecondition(
                     f"shard {self.shard_index} runs loss scaling {self._scaling_config or 'off'} "
                     f"(init, growth, backoff, interval); a worker asked for {scaling or 'off'}"
                 )
-            return spec
+            return self._sync
 
     @property
     def loss_scale(self) -> float:
@@ -373,19 +385,29 @@ class ShardStore:
         found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
         with self._cond:
             assert self._policy is not None  # registered workers imply a job
-            offer = self._policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
-            self.pushes_total += 1
-            if offer.duplicate:
+            last = self.worker_clocks.get(worker_id, -1)
+            if step <= last:  # a retry of a push already taken in
+                self.pushes_total += 1
                 self.duplicate_pushes_total += 1
-                return PushResult(self.version, applied=False, duplicate=True, loss_scale=self.loss_scale)
+                ready = self.version + (1 if self._policy.holds(worker_id) else 0)
+                return PushResult(self.version, applied=False, duplicate=True, loss_scale=self.loss_scale,
+                                  ready_version=ready)
+            if step != last + 1:
+                raise FailedPrecondition(
+                    f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
+                    f"was {last}: steps go up by one"
+                )
+            updates = self._policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
+            self.pushes_total += 1
             self.push_bytes_total += nbytes
-            self.worker_clocks[worker_id] = max(step, self.worker_clocks.get(worker_id, -1))
+            self.worker_clocks[worker_id] = step
             applied = False
-            for update in offer.updates:
+            for update in updates:
                 applied |= self._apply(update)
-            if offer.updates:
-                self._cond.notify_all()
-            return PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale)
+            ready = self.version + (1 if self._policy.holds(worker_id) else 0)
+            self._cond.notify_all()  # versions and clocks moved
+            return PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale,
+                              ready_version=ready)
 
     def _apply(self, update: Update) -> bool:
         """One optimizer step (or a skipped one); the version advances either way. Under the lock."""
@@ -414,7 +436,10 @@ class ShardStore:
                 self._tensors[name].rounds += 1
         if self._scaler is not None:
             self._scaler.update(skip)
-        self.apply_seconds_total += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.apply_seconds_total += seconds
+        for hook in self.on_apply:
+            hook(seconds)
         self.staleness_counts.update(staleness(self.version, update.contributions))
         self.gradients_applied_total += 0 if skip else len(update.contributions)
         self.applied_updates_total += 0 if skip else 1
@@ -431,6 +456,54 @@ class ShardStore:
                 f"shard {self.shard_index} is at version {self.version}, waited {timeout:.1f}s "
                 f"for version {min_version}: {waiting}"
             )
+
+    def clocks(self) -> dict[int, int]:
+        """Each worker's clock: the number of steps it has pushed (0 before its first)."""
+        with self._cond:
+            return self._clocks()
+
+    def _clocks(self) -> dict[int, int]:
+        return {w: self.worker_clocks.get(w, -1) + 1 for w in range(self._num_workers or 0)}
+
+    def wait_clock(self, min_clock: int, timeout: float) -> int:
+        """Block until every worker's clock is >= ``min_clock`` (SSP); return the slowest clock."""
+        with self._cond:
+            def slowest() -> int:
+                c = self._clocks()
+                return min(c.values()) if c else 0
+
+            if self._cond.wait_for(lambda: slowest() >= min_clock, timeout):
+                return slowest()
+            behind = {w: c for w, c in self._clocks().items() if c < min_clock}
+            raise DeadlineExceeded(
+                f"shard {self.shard_index}: waited {timeout:.1f}s for every worker to reach clock "
+                f"{min_clock} ({self._sync}); behind: {behind}"
+            )
+
+    def set_sync(self, sync: str) -> SyncSpec:
+        """Switch the running job's sync mode. Held gradients are applied first, none is lost."""
+        try:
+            spec = SyncSpec.parse(sync)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        with self._cond:
+            if self._sync is None or self._num_workers is None or self._policy is None:
+                raise FailedPrecondition(f"shard {self.shard_index} has no job yet: nothing to switch")
+            if spec == self._sync:
+                return spec
+            if not spec.barrier and any(e.spec.split for e in self._tensors.values()):
+                raise FailedPrecondition(
+                    f"shard {self.shard_index} holds tensors split with cross-shard statistics, which "
+                    f"need bsp or every:X; cannot switch to {spec}"
+                )
+            for update in self._policy.flush():
+                self._apply(update)
+            old = self._sync
+            self._sync, self._policy = spec, make_policy(spec, self._num_workers)
+            self.sync_switches_total += 1
+            self._cond.notify_all()
+        log.info("shard %d: sync %s -> %s", self.shard_index, old, spec)
+        return spec
 
     def read(self, names: Sequence[str], wire_dtype: int | None,
              chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> tuple[int, list[tuple[str, int, int, bytes]]]:
@@ -458,6 +531,7 @@ class ShardStore:
                         out.append((e.spec.name, start + off, dt, payload))
                         nbytes += len(payload)
             self.pull_bytes_total += nbytes
+            self.pulls_total += 1
             return self.version, out
 
     def export_state(self, names: Sequence[str]) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
@@ -524,8 +598,10 @@ class ShardStore:
                 "gradients_applied_total": self.gradients_applied_total,
                 "push_bytes_total": self.push_bytes_total,
                 "pull_bytes_total": self.pull_bytes_total,
+                "pulls_total": self.pulls_total,
                 "staleness_counts": dict(self.staleness_counts),
                 "skipped_steps_total": self.skipped_steps_total,
+                "sync_switches_total": self.sync_switches_total,
                 "duplicate_pushes_total": self.duplicate_pushes_total,
                 "loss_scale": self.loss_scale,
                 "worker_clocks": dict(self.worker_clocks),

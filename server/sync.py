@@ -1,24 +1,30 @@
 """Sync policies: when a shard applies the gradients it receives.
 
 Small objects with no network and no lock of their own (the store calls them
-under its lock), tested as tables in tests/server/test_sync.py.
+under its lock), tested as tables in tests/server/test_sync.py. The store
+drops retried pushes before they get here (a worker's steps are consecutive:
+a step it already sent is a duplicate), so a policy sees each gradient once.
 
-- ``AsyncPolicy`` (``asp``): every gradient is applied on arrival.
-- ``BarrierPolicy`` (``bsp`` and ``every:X``): the gradients of step t are
-  held until every one of ``num_workers`` workers has sent one, then their
-  mean is applied once. (For ``every:X`` the worker has already accumulated
-  X local steps into the gradient it sends; ``step`` counts sync rounds.)
+- ``AsyncPolicy`` (``asp`` and ``ssp:S``): every gradient is applied on
+  arrival. For ``ssp:S`` the store also makes a worker wait, before its next
+  step, until the slowest worker is at most S clocks behind (see
+  ``ShardStore.wait_clock``); that is a wait, not an application rule.
+- ``BarrierPolicy`` (``bsp`` and ``every:X``): gradients are held until every
+  one of ``num_workers`` workers has sent one for the current round, then
+  their mean is applied once. Rounds count arrivals, not step numbers, so a
+  job can switch into a barrier mode whatever its workers' clocks are. (For
+  ``every:X`` the worker has already accumulated X local steps into the
+  gradient it sends.)
 
-``offer`` returns an ``Offer``: whether the gradient was taken (or was a
-duplicate of one already taken: a retried push is acknowledged, not applied
-twice) and the updates that are now due, each with the contributions it
-averages so the store can record their staleness.
+``offer`` returns the updates now due, each with the contributions it
+averages so the store can record their staleness; ``flush`` hands over what
+is held (when the job switches sync mode), so no gradient is ever dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,17 +51,19 @@ class Update:
     contributions: list[Contribution]
 
 
-@dataclass
-class Offer:
-    duplicate: bool = False
-    updates: list[Update] = field(default_factory=list)
-
-
 class SyncPolicy:
     spec: SyncSpec
 
-    def offer(self, c: Contribution, grads: Grads) -> Offer:
+    def offer(self, c: Contribution, grads: Grads) -> list[Update]:
         raise NotImplementedError
+
+    def flush(self) -> list[Update]:
+        """Whatever is held, as updates (the job is leaving this mode)."""
+        return []
+
+    def holds(self, worker_id: int) -> bool:
+        """True when a gradient of ``worker_id`` waits for the current round."""
+        return False
 
     def waiting_on(self) -> str:
         """Who a waiter is waiting for, for deadline messages."""
@@ -65,24 +73,20 @@ class SyncPolicy:
 class AsyncPolicy(SyncPolicy):
     def __init__(self, spec: SyncSpec | None = None) -> None:
         self.spec = spec or SyncSpec("asp")
-        self._last_step: dict[int, int] = {}
 
-    def offer(self, c: Contribution, grads: Grads) -> Offer:
-        if c.step <= self._last_step.get(c.worker_id, -1):
-            return Offer(duplicate=True)
-        self._last_step[c.worker_id] = c.step
-        return Offer(updates=[Update(grads, [c])])
+    def offer(self, c: Contribution, grads: Grads) -> list[Update]:
+        return [Update(grads, [c])]
 
 
 class BarrierPolicy(SyncPolicy):
-    """Mean of every worker's gradient of a step, applied once when all are in."""
+    """Mean of every worker's next gradient, applied once when all are in."""
 
     def __init__(self, num_workers: int, spec: SyncSpec | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec = spec or SyncSpec("bsp")
         self.num_workers = num_workers
-        self.next_step = 0
+        self.rounds = 0  # completed rounds
         self._sum: Grads = {}
         self._counts: dict[PartKey, int] = {}
         self._pending: list[Contribution] = []
@@ -91,19 +95,19 @@ class BarrierPolicy(SyncPolicy):
     def pending_workers(self) -> list[int]:
         return sorted(c.worker_id for c in self._pending)
 
+    def holds(self, worker_id: int) -> bool:
+        return any(p.worker_id == worker_id for p in self._pending)
+
     def waiting_on(self) -> str:
         missing = sorted(set(range(self.num_workers)) - set(self.pending_workers))
-        return f"step {self.next_step} has gradients from workers {self.pending_workers}, missing {missing}"
+        return f"round {self.rounds} has gradients from workers {self.pending_workers}, missing {missing}"
 
-    def offer(self, c: Contribution, grads: Grads) -> Offer:
-        if c.step < self.next_step:
-            return Offer(duplicate=True)  # that step is applied already
-        if c.step == self.next_step and any(p.worker_id == c.worker_id for p in self._pending):
-            return Offer(duplicate=True)  # a retry of a gradient already held
-        if c.step > self.next_step:
+    def offer(self, c: Contribution, grads: Grads) -> list[Update]:
+        held = next((p for p in self._pending if p.worker_id == c.worker_id), None)
+        if held is not None:
             raise FailedPrecondition(
-                f"worker {c.worker_id} pushed step {c.step}, but the barrier is at step "
-                f"{self.next_step} ({self.waiting_on()})"
+                f"worker {c.worker_id} pushed step {c.step} while its step {held.step} still waits for "
+                f"the barrier ({self.waiting_on()}): pull the next version before pushing again"
             )
         for key, g in grads.items():
             acc = self._sum.get(key)
@@ -114,14 +118,19 @@ class BarrierPolicy(SyncPolicy):
             self._counts[key] = self._counts.get(key, 0) + 1
         self._pending.append(c)
         if len(self._pending) < self.num_workers:
-            return Offer()
+            return []
+        return self.flush()
+
+    def flush(self) -> list[Update]:
+        if not self._pending:
+            return []
         for key, n in self._counts.items():
             if n > 1:
                 self._sum[key].div_(n)
         update = Update(self._sum, self._pending)
         self._sum, self._counts, self._pending = {}, {}, []
-        self.next_step += 1
-        return Offer(updates=[update])
+        self.rounds += 1
+        return [update]
 
 
 def make_policy(spec: SyncSpec, num_workers: int) -> SyncPolicy:

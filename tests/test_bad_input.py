@@ -59,7 +59,7 @@ BAD_PUSHES = {
     "base version from the future": (dict(chunks=[chunk()], base_version=9), grpc.StatusCode.INVALID_ARGUMENT,
                                      ["base_version 9", "version 0"]),
     "step from the future": (dict(chunks=[chunk()], step=5), grpc.StatusCode.FAILED_PRECONDITION,
-                             ["step 5", "barrier is at step 0"]),
+                             ["worker 0 pushed step 5", "last step on shard 0 was -1", "steps go up by one"]),
     "negative step": (dict(chunks=[chunk()], step=-1), grpc.StatusCode.INVALID_ARGUMENT, ["step must be >= 0"]),
 }
 
@@ -102,9 +102,13 @@ def test_registering_a_different_spec_is_refused(setup):
         with pytest.raises(shardps.ShardError) as err:
             other.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.SGD(), sync="bsp")
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "optimizer" in err.value.details
-        with pytest.raises(shardps.ShardError) as err:
-            other.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.Adam(), sync="asp")
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "sync=bsp" in err.value.details
+        with shardps.connect(client.addresses, worker_id=0, num_workers=3) as third:
+            with pytest.raises(shardps.ShardError) as err:
+                third.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.Adam(), sync="bsp")
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "num_workers=2" in err.value.details
+        # A worker asking for another sync mode joins the job's (which may have been switched).
+        other.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.Adam(), sync="asp")
+        assert other.sync == "bsp"
         # The same spec again is fine (idempotent) and keeps the weights.
         assert other.register({"w": torch.zeros(4, 5), "b": torch.zeros(5)}, shardps.optim.Adam(), sync="bsp") == []
     assert store.state_hash() == before
@@ -129,7 +133,7 @@ def test_barrier_wait_names_missing_workers(setup):
     store, stub, _ = setup
     push(stub, chunk(), chunk(name="b", n=5, shape=(5,)))
     with pytest.raises(shardps.server.errors.DeadlineExceeded,
-                       match=r"waited 0.1s for version 1: step 0 has gradients from workers \[0\], missing \[1\]"):
+                       match=r"waited 0.1s for version 1: round 0 has gradients from workers \[0\], missing \[1\]"):
         store.wait_version(1, timeout=0.1)
 
 

@@ -65,6 +65,7 @@ class PushResult:
     duplicate: bool
     sync: str
     loss_scale: float = 0.0
+    ready_version: int = 0  # the first version that includes the gradient pushed
 
 
 class PSClient:
@@ -95,6 +96,7 @@ class PSClient:
         self.versions = [0] * len(self.addresses)
         self.sync = ""
         self.loss_scale = 0.0  # the scale the shards want next (0: loss scaling is off)
+        self.slowest_clock = 0  # the lowest worker clock seen by the last pull (ssp)
 
     @property
     def num_shards(self) -> int:
@@ -283,19 +285,21 @@ class PSClient:
                 yield ps_pb2.PushRequest(**header)
 
         responses = self._each(lambda i: self._stubs[i].Push(requests(i), timeout=self.timeout))
-        out = [PushResult(r.version, r.applied, r.duplicate, r.sync, r.loss_scale) for r in responses]
+        out = [PushResult(r.version, r.applied, r.duplicate, r.sync, r.loss_scale, r.ready_version)
+               for r in responses]
         self.sync = out[0].sync or self.sync
         self.loss_scale = out[0].loss_scale
         return out
 
     def pull(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
              min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
-             ) -> dict[str, torch.Tensor]:
+             min_clock: int = 0) -> dict[str, torch.Tensor]:
         """Fetch weights from every shard in parallel.
 
         ``out`` tensors (any device) are filled in place; otherwise new CPU
         tensors are returned. ``min_versions`` makes each shard wait (up to
-        the client's timeout) until it has reached that version.
+        the client's timeout) until it has reached that version;
+        ``min_clock`` until every worker has pushed that many steps (ssp).
         """
         wanted = list(self.layouts if names is None else names)
         self._require_layout(wanted)
@@ -327,7 +331,8 @@ class PSClient:
 
         def fetch(shard: int) -> int:
             req = ps_pb2.PullRequest(worker_id=self.worker_id, names=owners[shard],
-                                     min_version=mins[shard], dtype=wire, chunk_bytes=self.chunk_bytes)  # type: ignore[arg-type]
+                                     min_version=mins[shard], dtype=wire, chunk_bytes=self.chunk_bytes,  # type: ignore[arg-type]
+                                     min_clock=min_clock)
             version = -1
             with torch.no_grad():
                 for resp in self._stubs[shard].Pull(req, timeout=self.timeout):
@@ -340,6 +345,8 @@ class PSClient:
                     dst[c.offset : c.offset + values.numel()].copy_(values)
                     version = resp.version
                     self.loss_scale = resp.loss_scale
+                    self.sync = resp.sync or self.sync
+                    self.slowest_clock = resp.slowest_clock
             return version
 
         shards = sorted(owners)
@@ -397,6 +404,13 @@ class PSClient:
                 else:
                     entry["optimizer"].setdefault(start, {})[key] = t
         return out
+
+    def set_sync(self, sync: str) -> list[str]:
+        """Switch the running job's sync mode on every shard; workers follow from their next step."""
+        res = self._each(lambda i: self._stubs[i].SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=self.timeout,
+                                                          wait_for_ready=True))
+        self.sync = res[0].sync
+        return [r.sync for r in res]
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
@@ -465,6 +479,7 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         "skipped_steps_total": int(r.skipped_steps_total),
         "duplicate_pushes_total": int(r.duplicate_pushes_total),
         "loss_scale": float(r.loss_scale),
+        "sync_switches_total": int(r.sync_switches_total),
     }
     for key in _COUNTERS:
         out[key] = int(getattr(r, key))

@@ -3,12 +3,16 @@
 ``step()`` pushes the gradients of the model's parameters to the shards and
 pulls fresh weights back into the parameters (in place); the optimizer math
 and its state live on the servers. Under ``every:X`` it sums X local steps'
-gradients and syncs once every X calls, like gradient accumulation.
+gradients and syncs once every X calls, like gradient accumulation; under
+``ssp:S`` it waits before its next step until the slowest worker is at most
+S steps behind. The servers' sync mode is authoritative: when it is switched
+live (``shardps ctl set-sync``), workers follow from their next step.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +23,7 @@ from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.client import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice, PSClient, PushResult
+from shardps.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("shardps.worker")
 
@@ -46,7 +51,7 @@ class DistributedOptimizer:
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp",
                  grad_dtype: torch.dtype | None = None, loss_scaling: bool | LossScaling = False,
-                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES) -> None:
+                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -59,10 +64,28 @@ class DistributedOptimizer:
         self.pushes = 0
         self.last_push: list[PushResult] = []
         self._acc: dict[str, torch.Tensor] = {}
+        self._acc_steps = 0
+        self.metrics = metrics
+        self._last_step_end: float | None = None
+        self.sync_history: list[str] = []  # the mode each sync round ran under
         scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
         client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
                         loss_scaling=scaling, max_whole_bytes=max_whole_bytes)
         client.pull(out=self.params)
+        self._follow()
+
+    def _follow(self) -> None:
+        """Adopt the job's sync mode as the servers report it (it can be switched live)."""
+        if self.client.sync and self.client.sync != str(self.sync):
+            new = SyncSpec.parse(self.client.sync)
+            log.info("worker %d: sync %s -> %s from step %d", self.client.worker_id, self.sync, new,
+                     self.local_steps)
+            self.sync = new
+
+    def record_loss(self, loss: float) -> None:
+        """Report the training loss (exported as shardps_worker_loss when metrics are on)."""
+        if self.metrics is not None:
+            self.metrics.loss.set(loss)
 
     @property
     def loss_scale(self) -> float:
@@ -76,6 +99,12 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One optimizer step: accumulate, or push + pull. Returns ``closure()`` if given."""
+        if self.metrics is not None:
+            now = time.perf_counter()
+            if self._last_step_end is not None:
+                self.metrics.step_seconds.observe(now - self._last_step_end)
+            self._last_step_end = now
+            self.metrics.steps.inc()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -89,20 +118,33 @@ class DistributedOptimizer:
                     self._acc[n] = g.detach().clone()
                 else:
                     acc.add_(g)
-            if self.local_steps % self.sync.every:
+            self._acc_steps += 1
+            if self._acc_steps < self.sync.every:
                 return loss
-            grads = {n: a.div_(self.sync.every) for n, a in self._acc.items()}
-            self._acc = {}
+            grads = {n: a.div_(self._acc_steps) for n, a in self._acc.items()}
+            self._acc, self._acc_steps = {}, 0
+        mode = self.sync
         bases = list(self.client.versions)
+        t0 = time.perf_counter()
         self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                           loss_scale=self.client.loss_scale)
+        t1 = time.perf_counter()
         self.pushes += 1
         self.round += 1
-        if self.sync.barrier:
-            mins = [b + 1 for b in bases]  # the step this push completes
-        else:
-            mins = [r.version for r in self.last_push]  # at least our own gradient
-        self.client.pull(out=self.params, min_versions=mins)
+        self.sync_history.append(str(mode))
+        self._follow()
+        # Each shard says from which version on our gradient is in (under a
+        # barrier: once the round completes); ssp also waits for the slowest
+        # worker to be within S clocks.
+        mins = [r.ready_version for r in self.last_push]
+        min_clock = self.round - self.sync.staleness if self.sync.bounded else 0
+        self.client.pull(out=self.params, min_versions=mins, min_clock=max(0, min_clock))
+        self._follow()
+        if self.metrics is not None:
+            now = time.perf_counter()
+            self.metrics.push_seconds.observe(t1 - t0)
+            self.metrics.pull_seconds.observe(now - t1)
+            self.metrics.clock.set(self.round)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

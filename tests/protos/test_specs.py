@@ -38,14 +38,14 @@ def test_wire_errors():
         spec_from_proto(ps_pb2.OptimizerSpec(name="adam", params_json="{"))
 
 
-@pytest.mark.parametrize("text, kind, every", [("bsp", "bsp", 1), ("ASP", "asp", 1), ("every:4", "every", 4)])
+@pytest.mark.parametrize("text, kind, every", [("bsp", "bsp", 1), ("ASP", "asp", 1), ("every:4", "every", 4), ("ssp:2", "ssp", 1)])
 def test_sync_parse(text, kind, every):
     s = SyncSpec.parse(text)
     assert (s.kind, s.every) == (kind, every)
     assert SyncSpec.parse(str(s)) == s
 
 
-@pytest.mark.parametrize("text", ["every:0", "every:x", "sometimes", ""])
+@pytest.mark.parametrize("text", ["every:0", "every:x", "sometimes", "", "ssp:-1", "ssp:x"])
 def test_sync_parse_errors(text):
     with pytest.raises(ValueError):
         SyncSpec.parse(text)

@@ -12,63 +12,82 @@ def g(v):
     return {("w", 0): torch.tensor([float(v)])}
 
 
-# (worker, step) offered in order -> (duplicate, updates due, mean applied if any)
+# worker offered -> (updates due, mean applied, workers held afterwards)
 BSP_TABLE = [
-    ((0, 0), (False, 0, None)),
-    ((0, 0), (True, 0, None)),   # retry of a held gradient: acknowledged, not counted twice
-    ((2, 0), (False, 0, None)),
-    ((1, 0), (False, 1, 2.0)),   # all three in: one update, the mean of 1, 3 and 2
-    ((1, 0), (True, 0, None)),   # step 0 already applied
-    ((1, 1), (False, 0, None)),
+    (0, 0, None, [0]),
+    (2, 0, None, [0, 2]),
+    (1, 1, (1 + 3 + 2) / 3, []),  # all three in: one update, the mean of their values (worker id + 1)
+    (1, 0, None, [1]),            # the next round starts
 ]
 
 
 def test_bsp_table():
     p = BarrierPolicy(3)
-    for (w, step), (dup, n_updates, _) in BSP_TABLE:
-        o = p.offer(Contribution(w, step, step), g(w + 1))
-        assert o.duplicate == dup, (w, step)
-        assert len(o.updates) == n_updates, (w, step)
+    step = {0: 0, 1: 0, 2: 0}
+    for w, n_updates, mean, held in BSP_TABLE:
+        updates = p.offer(Contribution(w, step[w], step[w]), g(w + 1))
+        step[w] += 1
+        assert len(updates) == n_updates, w
         if n_updates:
-            u = o.updates[0]
-            assert u.grads[("w", 0)].item() == pytest.approx((1 + 3 + 2) / 3)
-            assert sorted(c.worker_id for c in u.contributions) == [0, 1, 2]
-    assert p.next_step == 1 and p.pending_workers == [1]
+            assert updates[0].grads[("w", 0)].item() == pytest.approx(mean)
+            assert sorted(c.worker_id for c in updates[0].contributions) == [0, 1, 2]
+        assert p.pending_workers == held
+    assert p.rounds == 1 and p.holds(1) and not p.holds(0)
 
 
-def test_bsp_refuses_a_step_from_the_future_and_changes_nothing():
+def test_bsp_refuses_a_second_gradient_in_one_round_and_changes_nothing():
     p = BarrierPolicy(2)
     p.offer(Contribution(0, 0, 0), g(1))
-    with pytest.raises(FailedPrecondition, match="worker 1 pushed step 3, but the barrier is at step 0"):
-        p.offer(Contribution(1, 3, 0), g(5))
+    with pytest.raises(FailedPrecondition, match="worker 0 pushed step 1 while its step 0 still waits"):
+        p.offer(Contribution(0, 1, 0), g(5))
     assert p.pending_workers == [0]
-    o = p.offer(Contribution(1, 0, 0), g(3))
-    assert o.updates[0].grads[("w", 0)].item() == 2.0
+    (u,) = p.offer(Contribution(1, 0, 0), g(3))
+    assert u.grads[("w", 0)].item() == 2.0
+
+
+def test_bsp_rounds_count_arrivals_not_step_numbers():
+    # After a switch from asp, workers' clocks differ: the barrier still pairs their next gradients.
+    p = BarrierPolicy(2)
+    assert p.offer(Contribution(0, 57, 100), g(1)) == []
+    (u,) = p.offer(Contribution(1, 31, 99), g(3))
+    assert u.grads[("w", 0)].item() == 2.0
 
 
 def test_bsp_mean_is_over_workers_that_sent_each_part():
     p = BarrierPolicy(2)
     p.offer(Contribution(0, 0, 0), {("a", 0): torch.tensor([2.0]), ("b", 0): torch.tensor([4.0])})
-    o = p.offer(Contribution(1, 0, 0), {("a", 0): torch.tensor([4.0])})
-    grads = o.updates[0].grads
-    assert grads[("a", 0)].item() == 3.0 and grads[("b", 0)].item() == 4.0
+    (u,) = p.offer(Contribution(1, 0, 0), {("a", 0): torch.tensor([4.0])})
+    assert u.grads[("a", 0)].item() == 3.0 and u.grads[("b", 0)].item() == 4.0
+
+
+def test_flush_hands_over_a_partial_round_once():
+    p = BarrierPolicy(3)
+    p.offer(Contribution(0, 0, 0), g(2))
+    p.offer(Contribution(1, 0, 0), g(4))
+    (u,) = p.flush()
+    assert u.grads[("w", 0)].item() == 3.0 and [c.worker_id for c in u.contributions] == [0, 1]
+    assert p.flush() == [] and p.pending_workers == []
+    assert AsyncPolicy().flush() == []
 
 
 def test_bsp_waiting_on_names_missing_workers():
     p = BarrierPolicy(3)
     p.offer(Contribution(1, 0, 0), g(1))
-    assert p.waiting_on() == "step 0 has gradients from workers [1], missing [0, 2]"
+    assert p.waiting_on() == "round 0 has gradients from workers [1], missing [0, 2]"
 
 
-def test_asp_applies_each_gradient_on_arrival_and_drops_retries():
+def test_asp_applies_each_gradient_on_arrival():
     p = AsyncPolicy()
-    assert len(p.offer(Contribution(0, 0, 0), g(1)).updates) == 1
-    assert len(p.offer(Contribution(1, 0, 0), g(1)).updates) == 1
-    assert p.offer(Contribution(0, 0, 0), g(1)).duplicate
-    assert len(p.offer(Contribution(0, 1, 1), g(1)).updates) == 1
+    assert len(p.offer(Contribution(0, 0, 0), g(1))) == 1
+    assert len(p.offer(Contribution(1, 0, 0), g(1))) == 1
+    assert not p.holds(0)
 
 
-def test_make_policy_and_staleness():
-    assert isinstance(make_policy(SyncSpec.parse("every:4"), 2), BarrierPolicy)
-    assert isinstance(make_policy(SyncSpec.parse("asp"), 2), AsyncPolicy)
+@pytest.mark.parametrize("text, cls", [("every:4", BarrierPolicy), ("bsp", BarrierPolicy), ("asp", AsyncPolicy),
+                                       ("ssp:3", AsyncPolicy)])
+def test_make_policy(text, cls):
+    assert isinstance(make_policy(SyncSpec.parse(text), 2), cls)
+
+
+def test_staleness():
     assert staleness(5, [Contribution(0, 0, 5), Contribution(1, 0, 3)]) == [0, 2]

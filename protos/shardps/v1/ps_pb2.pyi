@@ -133,42 +133,64 @@ class PushRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale")
+    __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale", "ready_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    READY_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied: bool
     duplicate: bool
     sync: str
     loss_scale: float
-    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    ready_version: int
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes")
+    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     min_version: int
     dtype: DType
     chunk_bytes: int
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    min_clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "chunk", "loss_scale")
+    __slots__ = ("version", "chunk", "loss_scale", "sync", "slowest_clock")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_CLOCK_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk: Chunk
     loss_scale: float
-    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    sync: str
+    slowest_clock: int
+    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., loss_scale: _Optional[float] = ..., sync: _Optional[str] = ..., slowest_clock: _Optional[int] = ...) -> None: ...
+
+class SetSyncRequest(_message.Message):
+    __slots__ = ("sync",)
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    sync: str
+    def __init__(self, sync: _Optional[str] = ...) -> None: ...
+
+class SetSyncResponse(_message.Message):
+    __slots__ = ("sync", "version")
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    sync: str
+    version: int
+    def __init__(self, sync: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullStateRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes")
@@ -229,7 +251,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +283,7 @@ class StatsResponse(_message.Message):
     SKIPPED_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_PUSHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SWITCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -278,4 +301,5 @@ class StatsResponse(_message.Message):
     skipped_steps_total: int
     loss_scale: float
     duplicate_pushes_total: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ...) -> None: ...
+    sync_switches_total: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,31 @@
+"""Prometheus metrics of one worker: training loss, step time, push/pull time.
+
+Created on the registry passed in; every sample carries the label ``worker``.
+``DistributedOptimizer(metrics=WorkerMetrics(registry, worker_id))`` records
+step, push and pull times itself; the loss comes from ``opt.record_loss``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, worker_id: int) -> None:
+        w = str(worker_id)
+        self.loss = Gauge("shardps_worker_loss", "The training loss last reported by the worker.",
+                          ["worker"], registry=registry).labels(w)
+        self.step_seconds = Histogram("shardps_worker_step_seconds",
+                                      "Wall time between consecutive optimizer steps (compute + sync).",
+                                      ["worker"], registry=registry, buckets=SECONDS_BUCKETS).labels(w)
+        self.push_seconds = Histogram("shardps_worker_push_seconds", "Time to push gradients to all shards.",
+                                      ["worker"], registry=registry, buckets=SECONDS_BUCKETS).labels(w)
+        self.pull_seconds = Histogram("shardps_worker_pull_seconds",
+                                      "Time to pull weights from all shards (barrier/SSP waits included).",
+                                      ["worker"], registry=registry, buckets=SECONDS_BUCKETS).labels(w)
+        self.steps = Counter("shardps_worker_steps_total", "Optimizer steps (calls of step()).",
+                             ["worker"], registry=registry).labels(w)
+        self.clock = Gauge("shardps_worker_clock_steps_pushed", "Steps this worker has pushed.",
+                           ["worker"], registry=registry).labels(w)
