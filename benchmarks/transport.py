@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import shardps
 
-    torch.set_num_threads(1)  # the client's copies; leaves the other core to the servers
+    if args.client_threads > 0:
+        torch.set_num_threads(args.client_threads)
     nbytes_target = int(args.mb * MB)
     shapes = model_shapes(nbytes_target)
     gen = torch.Generator().manual_seed(0)
@@ -371,7 +372,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "grpcio": grpc.__version__, "torch": torch.__version__},
+                    "grpcio": grpc.__version__, "torch": torch.__version__,
+                    "client_torch_threads": torch.get_num_threads()},
         "model": {"tensors": len(shapes), "bytes": nbytes, "MB": nbytes / MB},
         "shards": args.shards, "chunk_bytes": args.chunk_bytes,
         "warmup": args.warmup, "repeats": args.repeats, "bytes_per_shard": loads,
@@ -404,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--chunk-bytes", type=int, default=MiB, help="bytes per streamed message (default 1 MiB)")
     p.add_argument("--shards", type=int, default=2, help="server processes per system (default 2)")
+    p.add_argument("--client-threads", type=int, default=0,
+                   help="torch intra-op threads in this (client) process (default 0: torch's default)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of every RPC, seconds (default 60)")

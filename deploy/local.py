@@ -17,15 +17,18 @@ import time
 from types import TracebackType
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from shardps.protos import codec
+from shardps.protos.exposition import MetricsEndpoint, serve_metrics
 from shardps.server.app import READY_PREFIX
+from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server
 from shardps.server.store import ShardStore
 
 
 def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
-    """Wait (up to ``timeout``) for the process's ready line; return HOST:PORT."""
+    """Wait (up to ``timeout``) for the process's ready line; return the line after the prefix."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def reader() -> None:
@@ -51,7 +54,14 @@ def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
                                f"output: {''.join(seen)[-2000:]}")
         seen.append(line)
         if line.startswith(READY_PREFIX):
-            return line[len(READY_PREFIX):].split()[0]
+            return line[len(READY_PREFIX):].strip()
+
+
+def parse_ready(rest: str) -> tuple[str, str | None]:
+    """(gRPC address, metrics address or None) from a ready line's text after the prefix."""
+    words = rest.split()
+    metrics = words[words.index("metrics") + 1] if "metrics" in words else None
+    return words[0], metrics
 
 
 class LocalCluster:
@@ -59,7 +69,7 @@ class LocalCluster:
 
     def __init__(self, num_servers: int = 2, *, processes: bool = False, host: str = "127.0.0.1",
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, startup_timeout: float = 60.0,
-                 max_wait_s: float = 300.0) -> None:
+                 max_wait_s: float = 300.0, metrics: bool = False) -> None:
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
@@ -68,7 +78,11 @@ class LocalCluster:
         self.chunk_bytes = chunk_bytes
         self.startup_timeout = startup_timeout
         self.max_wait_s = max_wait_s
+        self.metrics = metrics
         self.addresses: list[str] = []
+        self.metrics_addresses: list[str] = []  # HOST:PORT of each shard's /metrics, with metrics=True
+        self.registries: list[CollectorRegistry] = []  # in-process mode with metrics=True
+        self._endpoints: list[MetricsEndpoint] = []
         self.stores: list[ShardStore] = []  # in-process mode only
         self._servers: list[grpc.Server] = []
         self._procs: list[subprocess.Popen[str]] = []
@@ -80,8 +94,16 @@ class LocalCluster:
             else:
                 for i in range(self.num_servers):
                     store = ShardStore(i, self.num_servers)
+                    metrics = None
+                    if self.metrics:
+                        registry = CollectorRegistry()
+                        metrics = ServerMetrics(store, registry)
+                        endpoint = serve_metrics(registry, self.host, 0)
+                        self.registries.append(registry)
+                        self._endpoints.append(endpoint)
+                        self.metrics_addresses.append(endpoint.address)
                     server, port = create_server(store, f"{self.host}:0", chunk_bytes=self.chunk_bytes,
-                                                 max_wait_s=self.max_wait_s)
+                                                 max_wait_s=self.max_wait_s, metrics=metrics)
                     self.stores.append(store)
                     self._servers.append(server)
                     self.addresses.append(f"{self.host}:{port}")
@@ -95,16 +117,26 @@ class LocalCluster:
             cmd = [sys.executable, "-m", "shardps", "server", "--host", self.host, "--port", "0",
                    "--shard-index", str(i), "--num-shards", str(self.num_servers),
                    "--chunk-bytes", str(self.chunk_bytes), "--max-wait", str(self.max_wait_s)]
+            if self.metrics:
+                cmd += ["--metrics-host", self.host, "--metrics-port", "0"]
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
                                     start_new_session=True)
             self._procs.append(proc)
         for proc in self._procs:
-            self.addresses.append(_read_ready(proc, self.startup_timeout))
+            address, metrics = parse_ready(_read_ready(proc, self.startup_timeout))
+            self.addresses.append(address)
+            if metrics is not None:
+                self.metrics_addresses.append(metrics)
 
     def stop(self, grace: float = 5.0) -> None:
         for s in self._servers:
             s.stop(grace=None)
+        for st in self.stores:
+            st.peers.close()
+        for e in self._endpoints:
+            e.close()
+        self._endpoints = []
         for p in self._procs:
             if p.poll() is None:
                 p.terminate()

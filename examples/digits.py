@@ -11,11 +11,13 @@ from __future__ import annotations
 import gzip
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 
 from shardps.protos.optim import Adafactor, OptimizerSpec, spec_from_name
@@ -64,14 +66,27 @@ def batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch.Tensor
 
 def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync: str = "bsp",
                  optimizer: str = "adam", lr: float | None = None, epochs: int = 20,
-                 batch_size: int = 64, seed: int = 0, progress: bool = False) -> dict[str, object]:
-    """One worker's training run; returns its summary (steps, last loss, seconds)."""
+                 batch_size: int = 64, seed: int = 0, progress: bool = False,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 on_step: Callable[[int, float], None] | None = None) -> dict[str, object]:
+    """One worker's training run; returns its summary (steps, last loss, seconds).
+
+    ``metrics_port`` serves the worker's Prometheus metrics; ``on_step(step,
+    loss)`` is called after every step (the demo's loss curve).
+    """
     import shardps
+    from shardps.protos.exposition import serve_metrics
+    from shardps.worker.metrics import WorkerMetrics
 
     data = load_digits()
     model = make_model(seed)
+    metrics = endpoint = None
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        metrics = WorkerMetrics(registry, worker_id)
+        endpoint = serve_metrics(registry, metrics_host, metrics_port)
     client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers)
-    opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync)
+    opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync, metrics=metrics)
     loss_fn = nn.CrossEntropyLoss()
     plan = [(e, b) for e in range(epochs) for b in batches(len(data.x_train), batch_size, e, seed)]
     bar = None
@@ -89,6 +104,9 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
             opt.step()
             opt.zero_grad()
             loss_val = loss.item()
+            opt.record_loss(loss_val)
+            if on_step is not None:
+                on_step(opt.local_steps, loss_val)
             if bar is not None:
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss_val:.3f}", refresh=False)
                 bar.update(1)
@@ -96,6 +114,8 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
         if bar is not None:
             bar.close()
         client.close()
+        if endpoint is not None:
+            endpoint.close()
     return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
             "final_loss": loss_val, "seconds": time.perf_counter() - t0,
             "train_accuracy": accuracy(model, data.x_train, data.y_train)}
@@ -133,6 +153,6 @@ def main_worker(args: object) -> int:
     a = args
     res = train_worker(a.addresses, a.worker_id, a.num_workers, sync=a.sync, optimizer=a.optimizer,  # type: ignore[attr-defined]
                        lr=a.lr, epochs=a.epochs, batch_size=a.batch_size, seed=a.seed,  # type: ignore[attr-defined]
-                       progress=a.progress)  # type: ignore[attr-defined]
+                       progress=a.progress, metrics_port=a.metrics_port, metrics_host=a.metrics_host)  # type: ignore[attr-defined]
     print(json.dumps(res), flush=True)
     return 0

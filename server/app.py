@@ -8,13 +8,18 @@ NOT_SERVING, in-flight RPCs get a grace period, the process exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 
+import torch
 from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 
 from shardps.protos import codec
+from shardps.protos.exposition import LOOPBACK, serve_metrics
+from shardps.server.metrics import ServerMetrics
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server
 from shardps.server.store import ShardStore
 
@@ -23,12 +28,27 @@ log = logging.getLogger("shardps.server")
 READY_PREFIX = "shardps server listening on "
 
 
+def default_torch_threads() -> int:
+    """Half the cores: the rest stay free for gRPC's threads (torch's idle threads spin)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, num_shards: int = 1,
                sync: str | None = None, num_workers: int | None = None,
                chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-               grace_s: float = 5.0) -> int:
+               grace_s: float = 5.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
+               torch_threads: int | None = None) -> int:
+    torch.set_num_threads(torch_threads or default_torch_threads())
+    if host not in LOOPBACK:
+        log.warning("shard %d binds %s: reachable from other machines, without TLS or a token", shard_index, host)
     store = ShardStore(shard_index, num_shards, sync=sync, num_workers=num_workers)
-    server, bound = create_server(store, f"{host}:{port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes)
+    metrics = endpoint = None
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        metrics = ServerMetrics(store, registry)
+        endpoint = serve_metrics(registry, metrics_host, metrics_port)
+    server, bound = create_server(store, f"{host}:{port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
+                                  metrics=metrics)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -42,8 +62,12 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards})", flush=True)
+    extra = f" metrics {endpoint.address}" if endpoint is not None else ""
+    print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards}){extra}", flush=True)
     server.wait_for_termination()
+    if endpoint is not None:
+        endpoint.close()
+    store.peers.close()
     log.info("shard %d: stopped at version %d", shard_index, store.version)
     return 0
 

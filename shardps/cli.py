@@ -27,6 +27,11 @@ def _sync(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
     p.add_argument("--log-level", default=os.environ.get("SHARDPS_LOG_LEVEL", "WARNING"),
@@ -44,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"bytes per streamed chunk on Pull (default {codec.DEFAULT_CHUNK_BYTES})")
     s.add_argument("--max-wait", type=float, default=300.0,
                    help="longest a barrier or version wait may block, in seconds (default 300)")
+    s.add_argument("--metrics-port", type=int, default=_env_int("SHARDPS_METRICS_PORT"),
+                   help="serve Prometheus /metrics on this port (0: a free one; default off; env SHARDPS_METRICS_PORT)")
+    s.add_argument("--metrics-host", default=os.environ.get("SHARDPS_METRICS_HOST", "127.0.0.1"),
+                   help="address the metrics endpoint binds (default loopback; env SHARDPS_METRICS_HOST)")
+    s.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads for the optimizer step (default: half the cores)")
 
     w = sub.add_parser("worker", help="run one worker of an example")
     w.add_argument("--example", choices=["digits"], default="digits")
@@ -57,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
 
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
     d.add_argument("--servers", type=int, default=2)
@@ -81,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_server(host=args.host, port=args.port, shard_index=args.shard_index,
                           num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
-                          chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait)
+                          chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
+                          metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                          torch_threads=args.torch_threads)
     if args.command == "worker":
         from shardps.examples.digits import main_worker
 

@@ -92,7 +92,7 @@ def test_switch_bsp_asp_bsp_loses_and_repeats_no_gradient(cluster2):
 
     results = run_workers(worker, workers)
     total = sum(p for p, _ in results)
-    for pushes, history in results:
+    for _, history in results:
         assert history[0] == "bsp" and history[-1] == "bsp"
     assert any("asp" in h for _, h in results)
     for store in cluster2.stores:
