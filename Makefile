@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint proto clean
+.PHONY: venv tools demo test lint proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,24 @@ venv: $(VENV)/.installed
 demo: venv
 	$(BIN)/shardps demo
 
-test: venv
+# Debian tools some tests use: a real Prometheus (scrape and PromQL tests) and
+# docker-compose (validates deploy/docker-compose.yml). Installed with apt
+# when missing and we are root; otherwise those tests say why they skip.
+DEBIAN_TOOLS := prometheus docker-compose
+
+tools:
+	@missing=""; \
+	for t in $(DEBIAN_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing Debian packages:$$missing"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		else \
+			echo "warning:$$missing not installed (needs root and apt-get): their tests will be skipped"; \
+		fi; \
+	fi
+
+test: venv tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: venv
