@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from shardps.deploy.local import LocalCluster
+from shardps.worker.client import connect
 
 
 def _worker_cmd(addresses: list[str], k: int, args: Any) -> list[str]:
@@ -62,6 +63,38 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
             p.wait(timeout=5)
 
 
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'shardps[plot]'") from None
+
+
+def save_plot(path: str, losses: list[list[float]], staleness: dict[int, int], title: str = "") -> None:
+    """Loss curve of every worker and the staleness histogram of the run, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, ls in enumerate(losses):
+        ax1.plot(range(1, len(ls) + 1), ls, label=f"worker {k}", linewidth=0.8)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss")
+    ax1.set_yscale("log")
+    ax1.set_title(f"loss ({title})")
+    ax1.legend()
+    xs = sorted(staleness)
+    ax2.bar([str(x) for x in xs], [staleness[x] for x in xs], color="tab:orange")
+    ax2.set_xlabel("staleness (versions)")
+    ax2.set_ylabel("gradients")
+    ax2.set_title("gradient staleness, all shards")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -73,6 +106,12 @@ def run_demo(args: Any) -> int:
     t0 = time.perf_counter()
     procs: list[subprocess.Popen[str]] = []
     signal.signal(signal.SIGTERM, _interrupt)  # stop children on SIGTERM as on Ctrl-C
+    if args.plot:
+        try:
+            _require_matplotlib()
+        except RuntimeError as e:
+            print(f"shardps demo: {e}", file=sys.stderr)
+            return 2
     say(f"shardps demo: {args.servers} servers, {args.workers} workers, sync={args.sync}, "
         f"optimizer={args.optimizer}, {args.epochs} epochs on digits")
     try:
@@ -83,6 +122,15 @@ def run_demo(args: Any) -> int:
             finally:
                 _stop(procs)  # workers first, then the servers (leaving the with block)
             test_acc = evaluate(cluster.addresses, seed=args.seed)
+            if args.plot:
+                with connect(cluster.addresses) as client:
+                    stats = client.stats()
+                staleness: dict[int, int] = {}
+                for st in stats:
+                    for k, v in st["staleness_counts"].items():
+                        staleness[k] = staleness.get(k, 0) + v
+                save_plot(args.plot, [r["losses"] for r in results], staleness, title=f"{args.sync}, {args.optimizer}")
+                say(f"plot saved to {args.plot}")
     except KeyboardInterrupt:
         say("interrupted: stopped the workers and servers")
         return 130

@@ -96,6 +96,7 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
         bar = tqdm(total=len(plan), desc=f"worker {worker_id} [{sync}]", unit="step", mininterval=0.5)
     t0 = time.perf_counter()
     loss_val = float("nan")
+    losses: list[float] = []
     try:
         for epoch, idx in plan:
             mine = idx[worker_id::num_workers]
@@ -104,6 +105,7 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
             opt.step()
             opt.zero_grad()
             loss_val = loss.item()
+            losses.append(round(loss_val, 5))
             opt.record_loss(loss_val)
             if on_step is not None:
                 on_step(opt.local_steps, loss_val)
@@ -118,7 +120,7 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
             endpoint.close()
     return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
             "final_loss": loss_val, "seconds": time.perf_counter() - t0,
-            "train_accuracy": accuracy(model, data.x_train, data.y_train)}
+            "train_accuracy": accuracy(model, data.x_train, data.y_train), "losses": losses}
 
 
 DEFAULT_LR = {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1, "sm3": 0.1}

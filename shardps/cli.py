@@ -1,4 +1,4 @@
-"""The ``shardps`` command: server, worker, demo."""
+"""The ``shardps`` command: server, worker, demo, stats, ctl."""
 
 from __future__ import annotations
 
@@ -71,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
 
+    st = sub.add_parser("stats", help="a table of the shards of a running job")
+    st.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
+                    help="refresh every N seconds (default 2) until Ctrl-C")
+    st.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+
+    c = sub.add_parser("ctl", help="control a running job")
+    c.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
+    csub = c.add_subparsers(dest="action", required=True)
+    ss = csub.add_parser("set-sync", help="switch the sync mode live: bsp, asp, every:X, ssp:S")
+    ss.add_argument("sync", type=_sync)
+
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=2)
@@ -83,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     d.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     d.add_argument("--quiet", action="store_true", help="no progress output")
+    d.add_argument("--plot", metavar="PNG", default=None,
+                   help="save the loss curve and staleness histogram (needs matplotlib: shardps[plot])")
     return p
 
 
@@ -101,6 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         from shardps.examples.digits import main_worker
 
         return main_worker(args)
+    if args.command in ("stats", "ctl"):
+        from shardps.deploy.ctl import run_set_sync, run_stats
+        from shardps.worker.client import ShardError
+
+        try:
+            if args.command == "stats":
+                return run_stats(args.addresses, watch=args.watch, timeout=args.timeout)
+            return run_set_sync(args.addresses, args.sync, timeout=args.timeout)
+        except (ShardError, TimeoutError) as e:
+            print(f"shardps {args.command}: {e}", file=sys.stderr)
+            return 1
     if args.command == "demo":
         from shardps.deploy.demo import run_demo
 

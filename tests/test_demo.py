@@ -28,8 +28,11 @@ def test_demo_bsp_default_flags():
     assert out["seconds"] > 0
 
 
-def test_demo_every_4_pushes_a_quarter():
-    out = run_demo("--sync", "every:4", "--epochs", "8", "--quiet", "--workers", "2", "--servers", "1")
+def test_demo_every_4_pushes_a_quarter_and_plots(tmp_path):
+    png = tmp_path / "run.png"
+    out = run_demo("--sync", "every:4", "--epochs", "8", "--quiet", "--workers", "2", "--servers", "1",
+                   "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert out["sync"] == "every:4"
     assert out["pushes_per_worker"] * 4 == out["steps"] == 8 * 22
     assert out["test_accuracy"] >= 0.8, out

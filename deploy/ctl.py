@@ -1,0 +1,84 @@
+"""Operating a running job: ``shardps ctl ... set-sync`` and ``shardps stats``.
+
+``stats_rows`` turns the shards' Stats into table rows; ``render_table``
+formats them for a terminal. Staleness percentiles come from the shards'
+exact staleness counts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from shardps.worker.client import connect
+
+COLUMNS = ("shard", "version", "sync", "tensors", "weights MiB", "opt state MiB", "stale p50", "stale p99",
+           "clock gap", "live workers", "pushes", "skipped")
+
+
+def percentile(counts: dict[int, int], q: float) -> int | None:
+    """The smallest staleness s with at least a fraction q of gradients at or below it."""
+    total = sum(counts.values())
+    if not total:
+        return None
+    seen = 0
+    for s in sorted(counts):
+        seen += counts[s]
+        if seen >= q * total:
+            return s
+    return max(counts)
+
+
+def stats_rows(stats: Sequence[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for s in stats:
+        clocks = {w: s["worker_clocks"].get(w, -1) + 1 for w in range(s["num_workers"])}
+        gap = max(clocks.values()) - min(clocks.values()) if clocks else 0
+        p50, p99 = percentile(s["staleness_counts"], 0.5), percentile(s["staleness_counts"], 0.99)
+        rows.append([
+            str(s["shard_index"]), str(s["version"]), s["sync"] or "-", str(len(s["tensors"])),
+            f"{sum(t['weight_bytes'] for t in s['tensors']) / 2**20:.2f}",
+            f"{sum(t['optimizer_state_bytes'] for t in s['tensors']) / 2**20:.2f}",
+            "-" if p50 is None else str(p50), "-" if p99 is None else str(p99), str(gap),
+            f"{len(s['registered_workers'])}/{s['num_workers']}", str(s["pushes_total"]),
+            str(s["skipped_steps_total"]),
+        ])
+    return rows
+
+
+def render_table(rows: list[list[str]], columns: Sequence[str] = COLUMNS) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def run_stats(addresses: list[str], *, watch: float | None = None, timeout: float = 10.0,
+              out: TextIO = sys.stdout, iterations: int | None = None) -> int:
+    """Print the shards' table once, or every ``watch`` seconds until Ctrl-C (or ``iterations``)."""
+    with connect(addresses, timeout=timeout, ready_timeout=timeout) as client:
+        n = 0
+        try:
+            while True:
+                table = render_table(stats_rows(client.stats()))
+                if watch:
+                    out.write("\x1b[2J\x1b[H" if out.isatty() else "")
+                    out.write(f"shardps stats  {time.strftime('%H:%M:%S')}  every {watch:g}s (Ctrl-C to stop)\n")
+                out.write(table + "\n")
+                out.flush()
+                n += 1
+                if not watch or (iterations is not None and n >= iterations):
+                    return 0
+                time.sleep(watch)  # the refresh interval of the display
+        except KeyboardInterrupt:
+            return 0
+
+
+def run_set_sync(addresses: list[str], sync: str, *, timeout: float = 30.0, out: TextIO = sys.stdout) -> int:
+    with connect(addresses, timeout=timeout, ready_timeout=timeout) as client:
+        modes = client.set_sync(sync)
+    out.write(f"sync is now {modes[0]} on {len(modes)} shards; workers follow from their next step\n")
+    return 0

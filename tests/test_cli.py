@@ -1,0 +1,66 @@
+"""`shardps stats` and `shardps ctl` against a running cluster."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import torch
+
+import shardps
+from shardps.deploy.ctl import percentile, render_table, run_stats, stats_rows
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardps", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_percentiles_from_exact_counts():
+    counts = {0: 50, 1: 30, 2: 15, 7: 5}
+    assert percentile(counts, 0.5) == 0 and percentile(counts, 0.51) == 1
+    assert percentile(counts, 0.95) == 2 and percentile(counts, 0.99) == 7
+    assert percentile({}, 0.5) is None
+
+
+def _job(cluster):
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=2)
+    client.register({"w": torch.zeros(256, 64), "b": torch.zeros(64)}, shardps.optim.Adam(), sync="asp")
+    for step in range(3):
+        client.push({"w": torch.ones(256, 64), "b": torch.ones(64)}, step=step)
+    return client
+
+
+def test_stats_table_once_and_watching(cluster2):
+    client = _job(cluster2)
+    proc = _cli("stats", "--addresses", ",".join(cluster2.addresses))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:3] == ["shard", "version", "sync"] and len(lines) == 4
+    rows = stats_rows(client.stats())
+    assert [r[:3] for r in rows] == [["0", "3", "asp"], ["1", "3", "asp"]]
+    assert all(r[8] == "3" and r[9] == "1/2" for r in rows)  # clock gap 3 (worker 1 at 0), 1 of 2 workers live
+    # staleness: base version 0 for every push, applied at versions 0, 1, 2 -> p50 1, p99 2
+    assert all((r[6], r[7]) == ("1", "2") for r in rows)
+    out = io.StringIO()
+    assert run_stats(cluster2.addresses, watch=0.01, iterations=2, out=out) == 0
+    assert out.getvalue().count("shardps stats") == 2
+    assert render_table(rows) in out.getvalue()
+    client.close()
+
+
+def test_ctl_set_sync_switches_every_shard(cluster2):
+    client = _job(cluster2)
+    proc = _cli("ctl", "--addresses", ",".join(cluster2.addresses), "set-sync", "ssp:2")
+    assert proc.returncode == 0, proc.stderr
+    assert "sync is now ssp:2 on 2 shards" in proc.stdout
+    assert [str(s.sync) for s in cluster2.stores] == ["ssp:2", "ssp:2"]
+    bad = _cli("ctl", "--addresses", ",".join(cluster2.addresses), "set-sync", "sometimes")
+    assert bad.returncode == 2 and "unknown sync mode" in bad.stderr
+    client.close()
+
+
+def test_stats_on_a_dead_address_is_a_clear_error():
+    proc = _cli("stats", "--addresses", "127.0.0.1:1", "--timeout", "1")
+    assert proc.returncode == 1
+    assert "127.0.0.1:1" in proc.stderr and "Traceback" not in proc.stderr
