@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.optim import spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.assembly import ChunkAssembler
@@ -213,15 +213,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         waited = time.monotonic() - t0
         if self.metrics is not None and (request.min_version or request.min_clock):
             self.metrics.observe_wait(waited, str(store.sync or ""))
-        version, chunks = store.read(names, wire, chunk_bytes)
-        scale, sync = store.loss_scale, str(store.sync or "")
-        last = None
-        for name, offset, dt, payload in chunks:
-            shape = store.spec(name).shape if name != last else ()
-            last = name
-            yield ps_pb2.PullResponse(
-                version=version, loss_scale=scale, sync=sync, slowest_clock=slowest,
-                chunk=ps_pb2.Chunk(name=name, offset=offset, dtype=dt, data=payload, shape=shape))  # type: ignore[arg-type]
+        # Whole PullResponse messages, framed under the store's lock straight
+        # from the weights (one copy, a consistent snapshot); they go out as
+        # they are (see add_servicer).
+        _, messages = store.read(names, wire, chunk_bytes, messages=True, slowest_clock=slowest)
+        for *_, msg in messages:
+            yield msg
 
     @_stream_errors
     def PullState(self, request: ps_pb2.PullStateRequest,
@@ -276,6 +273,40 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             sync_switches_total=s["sync_switches_total"])
 
 
+class _HandlerRecorder:
+    """Stands in for a grpc.Server to catch the generated method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+        self.handlers = dict(method_handlers)
+
+
+def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """As ps_pb2_grpc.add_ParameterServerServicer_to_server, with the data path's copies cut.
+
+    Every RPC keeps the generated handler; only Push's request deserializer
+    (framing.parse_push_request: chunk.data stays a view of the received
+    bytes) and Pull's response serializer (the servicer yields finished
+    PullResponse bytes) are replaced. The wire format is unchanged.
+    """
+    recorder = _HandlerRecorder()
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, recorder)  # type: ignore[arg-type]
+    handlers = recorder.handlers
+    handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)  # type: ignore[attr-defined]
+    handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)  # type: ignore[attr-defined]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
                   max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                   metrics: ServerMetrics | None = None) -> tuple[grpc.Server, int]:
@@ -292,8 +323,8 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix=f"shard{store.shard_index}"),
                          options=options)
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(
-        ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics), server)
+    add_servicer(ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics),
+                 server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)

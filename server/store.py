@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import (
@@ -506,11 +506,18 @@ class ShardStore:
         return spec
 
     def read(self, names: Sequence[str], wire_dtype: int | None,
-             chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> tuple[int, list[tuple[str, int, int, bytes]]]:
+             chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, *, messages: bool = False,
+             slowest_clock: int = 0) -> tuple[int, list[tuple[str, int, int, bytes]]]:
         """A consistent snapshot: (version, [(name, offset, wire dtype, payload)]).
 
         ``wire_dtype=None`` sends each tensor in its registered dtype. The
         payloads are taken under the lock, so they all belong to ``version``.
+
+        ``messages=True``: each payload is instead a whole serialized
+        ``PullResponse`` (version, the loss scale and sync mode of that
+        moment, ``slowest_clock`` as given, and the chunk, its tensor's shape
+        on the tensor's first chunk), framed straight from the weights: one
+        copy of the data.
         """
         with self._cond:
             entries = [self._tensors.get(n) for n in names]
@@ -519,14 +526,26 @@ class ShardStore:
                     self.spec(n)  # raises NotFound
             out = []
             nbytes = 0
+            if messages:
+                prefix, suffix = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""),
+                                                     slowest_clock)
             for e in entries:
                 assert e is not None
                 dt = e.spec.dtype if wire_dtype is None else wire_dtype
                 tdt = codec.to_torch_dtype(dt)
+                shape: tuple[int, ...] = e.spec.shape
                 for start in sorted(e.parts):
                     w = e.parts[start].weight.reshape(-1)
                     if tdt != torch.float32:
                         w = w.to(tdt)
+                    if messages:
+                        for off, n, msg in framing.chunk_messages(
+                                prefix, framing.PULL_CHUNK_FIELD, suffix, e.spec.name, dt, shape,
+                                w, 0, w.numel(), chunk_bytes, base=start):
+                            out.append((e.spec.name, off, dt, msg))
+                            nbytes += n
+                            shape = ()
+                        continue
                     for off, payload in codec.encode_range(w, 0, w.numel(), chunk_bytes):
                         out.append((e.spec.name, start + off, dt, payload))
                         nbytes += len(payload)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.amp import LossScaling
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
@@ -25,6 +25,7 @@ from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger("shardps.worker")
 
+SERVICE = "shardps.v1.ParameterServer"
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_MAX_WHOLE_BYTES = 256 << 20
 T = TypeVar("T")
@@ -90,6 +91,16 @@ class PSClient:
         self.part_bytes = part_bytes
         self._channels = [grpc.insecure_channel(a) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        # Push and Pull with chunk.data framed by hand (protos/framing.py): the
+        # same wire format, one copy of the data on each side.
+        self._push_raw = [c.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
+                                         response_deserializer=ps_pb2.PushResponse.FromString,
+                                         _registered_method=True)
+                          for c in self._channels]
+        self._pull_raw = [c.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                         response_deserializer=framing.parse_pull_response,
+                                         _registered_method=True)
+                          for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
         self.shard_map: ShardMap | None = None
         self.layouts: dict[str, Layout] = {}
@@ -267,24 +278,26 @@ class PSClient:
         if found_inf is None:
             found_inf = not all(codec.all_finite(f) for f in flats.values())
 
-        def requests(shard: int) -> Iterator[ps_pb2.PushRequest]:
-            header = dict(worker_id=self.worker_id, step=step, base_version=bases[shard],
-                          found_inf=found_inf, loss_scale=loss_scale)
+        def requests(shard: int) -> Iterator[bytes]:
+            # Serialized PushRequests, the data copied once from the gradient (framing.py).
+            prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
+                                            base_version=bases[shard], found_inf=found_inf,
+                                            loss_scale=loss_scale)
             sent = False
             for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
                 flat = flats.get(p.name)
                 if flat is None:
                     continue
-                shape = list(self.layouts[p.name].shape)
-                for off, data in codec.encode_range(flat, p.start, p.stop, self.chunk_bytes):
-                    yield ps_pb2.PushRequest(**header, chunk=ps_pb2.Chunk(
-                        name=p.name, offset=off, dtype=self.layouts[p.name].push_dtype, data=data, shape=shape))  # type: ignore[arg-type]
-                    shape = []
+                lay = self.layouts[p.name]
+                for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, p.name,
+                                                        lay.push_dtype, lay.shape, flat, p.start, p.stop,
+                                                        self.chunk_bytes):
+                    yield msg
                     sent = True
             if not sent:
-                yield ps_pb2.PushRequest(**header)
+                yield prefix + suffix
 
-        responses = self._each(lambda i: self._stubs[i].Push(requests(i), timeout=self.timeout))
+        responses = self._each(lambda i: self._push_raw[i](requests(i), timeout=self.timeout))
         out = [PushResult(r.version, r.applied, r.duplicate, r.sync, r.loss_scale, r.ready_version)
                for r in responses]
         self.sync = out[0].sync or self.sync
@@ -335,7 +348,9 @@ class PSClient:
                                      min_clock=min_clock)
             version = -1
             with torch.no_grad():
-                for resp in self._stubs[shard].Pull(req, timeout=self.timeout):
+                # chunk.data is a view of the received message: decode copies nothing,
+                # copy_ is the one copy on this side.
+                for resp in self._pull_raw[shard](req, timeout=self.timeout):
                     c = resp.chunk
                     values = codec.decode(c.data, c.dtype)
                     dst = staging[c.name]
