@@ -23,12 +23,15 @@ class ChunkAssembler:
     """Collects chunks into one fp32 staging buffer per part.
 
     ``lookup(name)`` returns the spec the chunks must match (raising
-    NotFound for unknown names). Every part of a tensor that appears must
+    NotFound for unknown names); ``alloc(key, numel)`` gives staging buffers
+    (the store recycles them: fresh pages cost more than the copy). Every part of a tensor that appears must
     be covered exactly once by the time ``finish`` is called.
     """
 
-    def __init__(self, lookup: Callable[[str], TensorSpec], what: str = "gradient") -> None:
+    def __init__(self, lookup: Callable[[str], TensorSpec], what: str = "gradient",
+                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None) -> None:
         self._lookup = lookup
+        self._alloc = alloc or (lambda key, n: torch.empty(n, dtype=torch.float32))
         self._what = what
         self._gradient = what == "gradient"  # gradients travel in the spec's grad dtype
         self._specs: dict[str, TensorSpec] = {}
@@ -78,7 +81,7 @@ class ChunkAssembler:
         key = (name, start)
         buf = self._buffers.get(key)
         if buf is None:
-            buf = torch.empty(part - start, dtype=torch.float32)
+            buf = self._alloc(key, part - start)
             self._buffers[key] = buf
             self._covered[key] = []
         buf[a - start : a - start + n].copy_(values)

@@ -167,7 +167,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if first is None:
             raise InvalidArgument("Push stream was empty")
         store = self.store
-        asm = ChunkAssembler(store.spec, what="gradient")
+        asm = ChunkAssembler(store.spec, what="gradient", alloc=store.staging)
         header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
         if first.HasField("chunk"):  # a header alone: no gradients this step
             asm.add(first.chunk)

@@ -167,6 +167,8 @@ class ShardStore:
         self._policy: SyncPolicy | None = None
         self._scaler: LossScaler | None = None
         self._scaling_config: tuple[float, float, float, int] | None = None
+        self._pool: dict[PartKey, torch.Tensor] = {}  # one spare staging buffer per part
+        self._pool_lock = threading.Lock()
         self.exchange = ExchangeTable()
         self.peers = PeerChannels()
         self.exchange_timeout_s = exchange_timeout_s
@@ -212,7 +214,7 @@ class ShardStore:
         with self._cond:
             if self._sync is None:
                 self._sync, self._num_workers = spec, num_workers
-                self._policy = make_policy(spec, num_workers)
+                self._policy = make_policy(spec, num_workers, self._recycle)
                 self._scaler, self._scaling_config = loss_scaling, scaling
             elif self._num_workers != num_workers:
                 raise FailedPrecondition(
@@ -409,6 +411,19 @@ class ShardStore:
             return PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale,
                               ready_version=ready)
 
+    def staging(self, key: PartKey, numel: int) -> torch.Tensor:
+        """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
+        with self._pool_lock:
+            buf = self._pool.pop(key, None)
+        if buf is None or buf.numel() != numel:
+            buf = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+    def _recycle(self, key: PartKey, buf: torch.Tensor) -> None:
+        """Keep one spare buffer per part (a gradient that nothing references any more)."""
+        with self._pool_lock:
+            self._pool.setdefault(key, buf.view(-1))
+
     def _apply(self, update: Update) -> bool:
         """One optimizer step (or a skipped one); the version advances either way. Under the lock."""
         t0 = time.perf_counter()
@@ -434,6 +449,8 @@ class ShardStore:
                 impl.step_many([(p.weight, g, p.state, p.info) for _, p, g in items])
             for name in {name for name, _ in update.grads}:
                 self._tensors[name].rounds += 1
+        for key, g in update.grads.items():
+            self._recycle(key, g)
         if self._scaler is not None:
             self._scaler.update(skip)
         seconds = time.perf_counter() - t0
@@ -499,7 +516,7 @@ class ShardStore:
             for update in self._policy.flush():
                 self._apply(update)
             old = self._sync
-            self._sync, self._policy = spec, make_policy(spec, self._num_workers)
+            self._sync, self._policy = spec, make_policy(spec, self._num_workers, self._recycle)
             self.sync_switches_total += 1
             self._cond.notify_all()
         log.info("shard %d: sync %s -> %s", self.shard_index, old, spec)

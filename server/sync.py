@@ -23,7 +23,7 @@ is held (when the job switches sync mode), so no gradient is ever dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +81,12 @@ class AsyncPolicy(SyncPolicy):
 class BarrierPolicy(SyncPolicy):
     """Mean of every worker's next gradient, applied once when all are in."""
 
-    def __init__(self, num_workers: int, spec: SyncSpec | None = None) -> None:
+    def __init__(self, num_workers: int, spec: SyncSpec | None = None,
+                 release: Callable[[PartKey, torch.Tensor], None] | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec = spec or SyncSpec("bsp")
+        self._release = release  # takes back a gradient buffer once it is summed in
         self.num_workers = num_workers
         self.rounds = 0  # completed rounds
         self._sum: Grads = {}
@@ -115,6 +117,8 @@ class BarrierPolicy(SyncPolicy):
                 self._sum[key] = g  # the store hands over a fresh buffer it no longer uses
             else:
                 acc.add_(g)
+                if self._release is not None:
+                    self._release(key, g)
             self._counts[key] = self._counts.get(key, 0) + 1
         self._pending.append(c)
         if len(self._pending) < self.num_workers:
@@ -133,9 +137,10 @@ class BarrierPolicy(SyncPolicy):
         return [update]
 
 
-def make_policy(spec: SyncSpec, num_workers: int) -> SyncPolicy:
+def make_policy(spec: SyncSpec, num_workers: int,
+                release: Callable[[PartKey, torch.Tensor], None] | None = None) -> SyncPolicy:
     if spec.barrier:
-        return BarrierPolicy(num_workers, spec)
+        return BarrierPolicy(num_workers, spec, release)
     return AsyncPolicy(spec)
 
 

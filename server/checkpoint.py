@@ -1,0 +1,130 @@
+"""Checkpoint files of one shard: safetensors for tensors, JSON for the rest. No pickle.
+
+Layout under the checkpoint directory ``D``::
+
+    D/shard-{i}/step-{version:010d}.safetensors   weights, optimizer state, held gradients
+    D/shard-{i}/step-{version:010d}.json          metadata; written last: its presence marks
+                                                  a complete checkpoint (with the tensors' sha256)
+
+Both files are written atomically: to a temporary name in the same
+directory, fsynced, renamed, and the directory fsynced. ``latest`` returns
+the newest complete checkpoint whose tensor file matches its recorded hash,
+so a crash mid-write leaves the previous one in force.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d{10})\.json$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    version: int
+    meta: dict[str, Any]
+    tensors_path: Path
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.tensors_path))
+
+
+def shard_dir(root: str | Path, shard_index: int) -> Path:
+    return Path(root) / f"shard-{shard_index}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write(root: str | Path, shard_index: int, version: int, meta: dict[str, Any],
+          tensors: dict[str, torch.Tensor], keep: int = 3) -> Path:
+    """Write one complete checkpoint; keep the newest ``keep``. Returns the JSON path."""
+    d = shard_dir(root, shard_index)
+    d.mkdir(parents=True, exist_ok=True)
+    base = d / f"step-{version:010d}"
+    st_path = base.with_suffix(".safetensors")
+    contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
+    _atomic_write(st_path, lambda tmp: save_file(contiguous, tmp))
+    full = dict(meta, format=FORMAT, version=version, shard_index=shard_index,
+                tensors_file=st_path.name, tensors_sha256=_sha256(st_path))
+    json_path = base.with_suffix(".json")
+    _atomic_write(json_path, lambda tmp: Path(tmp).write_text(json.dumps(full, indent=1, sort_keys=True)))
+    for old in list_versions(root, shard_index)[:-keep] if keep > 0 else []:
+        for suffix in (".json", ".safetensors"):
+            (d / f"step-{old:010d}{suffix}").unlink(missing_ok=True)
+    return json_path
+
+
+def list_versions(root: str | Path, shard_index: int) -> list[int]:
+    """Versions with a metadata file (complete checkpoints), oldest first."""
+    d = shard_dir(root, shard_index)
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _NAME.match(p.name)))
+
+
+def load(root: str | Path, shard_index: int, version: int) -> Checkpoint:
+    """One checkpoint; ValueError if it is incomplete or does not match its hash."""
+    d = shard_dir(root, shard_index)
+    json_path = d / f"step-{version:010d}.json"
+    try:
+        meta = json.loads(json_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {json_path}: unreadable metadata: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {json_path}: format {meta.get('format')}, expected {FORMAT}")
+    st_path = d / meta["tensors_file"]
+    if not st_path.is_file() or _sha256(st_path) != meta["tensors_sha256"]:
+        raise ValueError(f"checkpoint {json_path}: tensor file {st_path.name} is missing or does not match its hash")
+    return Checkpoint(version, meta, st_path)
+
+
+def latest(root: str | Path, shard_index: int, at_most: int | None = None) -> Checkpoint | None:
+    """The newest valid checkpoint (at or below ``at_most``), or None."""
+    for v in reversed(list_versions(root, shard_index)):
+        if at_most is not None and v > at_most:
+            continue
+        try:
+            return load(root, shard_index, v)
+        except ValueError:
+            continue
+    return None
