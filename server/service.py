@@ -127,7 +127,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if first is None:
             raise InvalidArgument("Register stream was empty")
         store = self.store
-        sync = store.configure(first.num_workers, first.sync, scaler_from_wire(first.loss_scaling))
+        sync = store.configure(first.num_workers, first.sync, scaler_from_wire(first.loss_scaling),
+                               first.staleness_remedy)
         store.check_worker_id(first.worker_id)
         specs = [spec_from_wire(t) for t in first.tensors]
         by_name = {s.name: s for s in specs}
@@ -216,7 +217,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # Whole PullResponse messages, framed under the store's lock straight
         # from the weights (one copy, a consistent snapshot); they go out as
         # they are (see add_servicer).
-        _, messages = store.read(names, wire, chunk_bytes, messages=True, slowest_clock=slowest)
+        _, messages = store.read(names, wire, chunk_bytes, messages=True, slowest_clock=slowest,
+                                 worker_id=request.worker_id)
         for *_, msg in messages:
             yield msg
 

@@ -10,6 +10,7 @@ applies (under BSP, one per step of the job; under ASP, one per gradient).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -32,6 +33,7 @@ from shardps.server.errors import (
 )
 from shardps.server.exchange import ExchangeTable, PeerChannels, PeerReducer
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
+from shardps.server.remedies import Remedy, compensate, lr_factor
 from shardps.server.scaling import LossScaler, unscale_and_check
 from shardps.server.sync import (
     Contribution,
@@ -167,6 +169,9 @@ class ShardStore:
         self._policy: SyncPolicy | None = None
         self._scaler: LossScaler | None = None
         self._scaling_config: tuple[float, float, float, int] | None = None
+        self.remedy = Remedy()
+        self._stale_weights: dict[int, dict[PartKey, torch.Tensor]] = {}  # dc-asgd: what each worker pulled
+        self._scaled_impls: dict[OptimizerSpec, ServerOptimizer] = {}
         self._pool: dict[PartKey, torch.Tensor] = {}  # one spare staging buffer per part
         self._pool_lock = threading.Lock()
         self.exchange = ExchangeTable()
@@ -194,7 +199,8 @@ class ShardStore:
 
     # -- job and membership -------------------------------------------------
 
-    def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None) -> SyncSpec:
+    def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None,
+                  remedy: str | None = None) -> SyncSpec:
         """Set the job's worker count, sync mode and loss scaling once; return the mode in force.
 
         Later calls must agree on the worker count and loss scaling. The sync
@@ -207,6 +213,10 @@ class ShardStore:
             raise InvalidArgument(str(e)) from None
         if num_workers < 1:
             raise InvalidArgument(f"num_workers must be >= 1, got {num_workers}")
+        try:
+            rem = Remedy.parse(remedy)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
         scaling = None
         if loss_scaling is not None:
             scaling = (loss_scaling.init_scale, loss_scaling.growth_factor, loss_scaling.backoff_factor,
@@ -216,10 +226,15 @@ class ShardStore:
                 self._sync, self._num_workers = spec, num_workers
                 self._policy = make_policy(spec, num_workers, self._recycle)
                 self._scaler, self._scaling_config = loss_scaling, scaling
+                self.remedy = rem
             elif self._num_workers != num_workers:
                 raise FailedPrecondition(
                     f"shard {self.shard_index} runs a job of num_workers={self._num_workers}; "
                     f"a worker registered with num_workers={num_workers}"
+                )
+            elif self.remedy != rem:
+                raise FailedPrecondition(
+                    f"shard {self.shard_index} runs staleness remedy {self.remedy}; a worker asked for {rem}"
                 )
             elif self._scaling_config != scaling:
                 raise FailedPrecondition(
@@ -299,6 +314,13 @@ class ShardStore:
                         f"and is split across shards {list(s.holders)}: that needs sync bsp or every:X, "
                         f"not {self._sync}; keep it whole (a larger max_whole_bytes) or change the sync mode"
                     )
+            if self.remedy.kind == "lr-scale":
+                for s in specs:
+                    if not isinstance(getattr(s.optimizer, "lr", None), (int, float)):
+                        raise FailedPrecondition(
+                            f"tensor {s.name!r}: staleness remedy lr-scale needs an optimizer with a fixed lr; "
+                            f"{s.optimizer.name} has lr={getattr(s.optimizer, 'lr', None)}"
+                        )
             new = []
             for s in specs:
                 entry = self._tensors.get(s.name)
@@ -411,6 +433,16 @@ class ShardStore:
             return PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale,
                               ready_version=ready)
 
+    def _impl(self, entry: TensorEntry, factor: float) -> ServerOptimizer:
+        """The tensor's optimizer, with its lr scaled by ``factor`` (lr-scale remedy)."""
+        if factor == 1.0:
+            return entry.optimizer
+        spec = dataclasses.replace(entry.spec.optimizer, lr=entry.spec.optimizer.lr * factor)  # type: ignore[attr-defined]
+        impl = self._scaled_impls.get(spec)
+        if impl is None:
+            impl = self._scaled_impls[spec] = make_optimizer(spec)
+        return impl
+
     def staging(self, key: PartKey, numel: int) -> torch.Tensor:
         """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
         with self._pool_lock:
@@ -432,10 +464,16 @@ class ShardStore:
             self.skipped_steps_total += 1
         else:
             groups: dict[OptimizerSpec, list[tuple[TensorEntry, PartState, torch.Tensor]]] = {}
+            stale = staleness(self.version, update.contributions)
+            factor = lr_factor(sum(stale) / len(stale)) if self.remedy.kind == "lr-scale" else 1.0
+            backup = (self._stale_weights.get(update.contributions[0].worker_id)
+                      if self.remedy.kind == "dc-asgd" and len(update.contributions) == 1 else None)
             for (name, start), g in update.grads.items():
                 entry = self._tensors[name]
                 part = entry.parts[start]
                 grad = g.view(part.weight.shape)
+                if backup is not None and (name, start) in backup:
+                    compensate(grad, part.weight, backup[(name, start)], self.remedy.dc_lambda)
                 if entry.spec.split:
                     reduce = PeerReducer(self.exchange, self.peers, name, entry.rounds, self.shard_index,
                                          entry.spec.holders, self.exchange_timeout_s)
@@ -443,9 +481,9 @@ class ShardStore:
                 elif entry.spec.optimizer.elementwise or part.info.whole:
                     groups.setdefault(entry.spec.optimizer, []).append((entry, part, grad))
                 else:
-                    entry.optimizer.step(part.weight, grad, part.state, part.info)
+                    self._impl(entry, factor).step(part.weight, grad, part.state, part.info)
             for items in groups.values():
-                impl = items[0][0].optimizer
+                impl = self._impl(items[0][0], factor)
                 impl.step_many([(p.weight, g, p.state, p.info) for _, p, g in items])
             for name in {name for name, _ in update.grads}:
                 self._tensors[name].rounds += 1
@@ -524,7 +562,7 @@ class ShardStore:
 
     def read(self, names: Sequence[str], wire_dtype: int | None,
              chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, *, messages: bool = False,
-             slowest_clock: int = 0) -> tuple[int, list[tuple[str, int, int, bytes]]]:
+             slowest_clock: int = 0, worker_id: int | None = None) -> tuple[int, list[tuple[str, int, int, bytes]]]:
         """A consistent snapshot: (version, [(name, offset, wire dtype, payload)]).
 
         ``wire_dtype=None`` sends each tensor in its registered dtype. The
@@ -543,6 +581,16 @@ class ShardStore:
                     self.spec(n)  # raises NotFound
             out = []
             nbytes = 0
+            if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self._workers:
+                mine = self._stale_weights.setdefault(worker_id, {})
+                for e in entries:
+                    assert e is not None
+                    for start, part in e.parts.items():
+                        kept = mine.get((e.spec.name, start))
+                        if kept is None:
+                            mine[(e.spec.name, start)] = part.weight.clone()
+                        else:
+                            kept.copy_(part.weight)
             if messages:
                 prefix, suffix = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""),
                                                      slowest_clock)
@@ -638,6 +686,7 @@ class ShardStore:
                 "staleness_counts": dict(self.staleness_counts),
                 "skipped_steps_total": self.skipped_steps_total,
                 "sync_switches_total": self.sync_switches_total,
+                "staleness_remedy": str(self.remedy),
                 "duplicate_pushes_total": self.duplicate_pushes_total,
                 "loss_scale": self.loss_scale,
                 "worker_clocks": dict(self.worker_clocks),

@@ -163,7 +163,7 @@ class PSClient:
     def register(self, tensors: Mapping[str, torch.Tensor], optimizer: OptimizerChoice, *,
                  sync: str = "bsp", provides_values: bool | None = None,
                  grad_dtype: torch.dtype | None = None, loss_scaling: LossScaling | None = None,
-                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES) -> list[str]:
+                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, staleness_remedy: str = "none") -> list[str]:
         """Register ``tensors`` on their shards (idempotent across workers).
 
         Only a worker that provides values (by default worker 0) creates
@@ -172,7 +172,9 @@ class PSClient:
         names this call created.
 
         ``grad_dtype`` (fp16/bf16) makes gradients travel in that dtype;
-        ``loss_scaling`` turns on dynamic loss scaling on the shards.
+        ``loss_scaling`` turns on dynamic loss scaling on the shards;
+        ``staleness_remedy`` ("lr-scale", "dc-asgd:LAMBDA") corrects stale
+        gradients under asp/ssp (see shardps.server.remedies).
         Tensors whose optimizer is not elementwise (Adafactor, SM3) stay on
         one shard up to ``max_whole_bytes``; larger ones are split one row
         block per shard and their statistics reduced across those shards.
@@ -209,7 +211,7 @@ class PSClient:
                     peers=self.addresses if holders else [], holders=holders))
             yield ps_pb2.RegisterRequest(worker_id=self.worker_id, num_workers=self.num_workers,
                                          sync=sync, tensors=specs, provides_values=provides_values,
-                                         loss_scaling=scaling)
+                                         loss_scaling=scaling, staleness_remedy=staleness_remedy)
             if provides_values:
                 for p in parts:
                     flat = flats[p.name]

@@ -51,7 +51,8 @@ class DistributedOptimizer:
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp",
                  grad_dtype: torch.dtype | None = None, loss_scaling: bool | LossScaling = False,
-                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None) -> None:
+                 max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None,
+                 staleness_remedy: str = "none") -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -70,7 +71,7 @@ class DistributedOptimizer:
         self.sync_history: list[str] = []  # the mode each sync round ran under
         scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
         client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
-                        loss_scaling=scaling, max_whole_bytes=max_whole_bytes)
+                        loss_scaling=scaling, max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy)
         client.pull(out=self.params)
         self._follow()
 

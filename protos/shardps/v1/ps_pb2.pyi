@@ -83,7 +83,7 @@ class LossScaling(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values", "loss_scaling")
+    __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values", "loss_scaling", "staleness_remedy")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class RegisterRequest(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PROVIDES_VALUES_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALING_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_REMEDY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     num_workers: int
     sync: str
@@ -98,7 +99,8 @@ class RegisterRequest(_message.Message):
     chunk: Chunk
     provides_values: bool
     loss_scaling: LossScaling
-    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ...) -> None: ...
+    staleness_remedy: str
+    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale")
