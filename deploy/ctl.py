@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from shardps.protos.security import Security
 from shardps.worker.client import connect
 
 COLUMNS = ("shard", "version", "sync", "tensors", "weights MiB", "opt state MiB", "stale p50", "stale p99",
@@ -57,9 +58,9 @@ def render_table(rows: list[list[str]], columns: Sequence[str] = COLUMNS) -> str
 
 
 def run_stats(addresses: list[str], *, watch: float | None = None, timeout: float = 10.0,
-              out: TextIO = sys.stdout, iterations: int | None = None) -> int:
+              out: TextIO = sys.stdout, iterations: int | None = None, security: Security | None = None) -> int:
     """Print the shards' table once, or every ``watch`` seconds until Ctrl-C (or ``iterations``)."""
-    with connect(addresses, timeout=timeout, ready_timeout=timeout) as client:
+    with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
         n = 0
         try:
             while True:
@@ -77,8 +78,18 @@ def run_stats(addresses: list[str], *, watch: float | None = None, timeout: floa
             return 0
 
 
-def run_set_sync(addresses: list[str], sync: str, *, timeout: float = 30.0, out: TextIO = sys.stdout) -> int:
-    with connect(addresses, timeout=timeout, ready_timeout=timeout) as client:
+def run_set_sync(addresses: list[str], sync: str, *, timeout: float = 30.0, out: TextIO = sys.stdout,
+                 security: Security | None = None) -> int:
+    with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
         modes = client.set_sync(sync)
     out.write(f"sync is now {modes[0]} on {len(modes)} shards; workers follow from their next step\n")
+    return 0
+
+
+def run_checkpoint(addresses: list[str], *, timeout: float = 60.0, out: TextIO = sys.stdout,
+                   security: Security | None = None) -> int:
+    with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
+        written = client.checkpoint()
+    for shard, (version, path) in enumerate(written):
+        out.write(f"shard {shard}: checkpoint at version {version}: {path}\n")
     return 0

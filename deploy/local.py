@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 import grpc
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from shardps.protos import codec
 from shardps.protos.exposition import MetricsEndpoint, serve_metrics
+from shardps.protos.security import Security
 from shardps.server.app import READY_PREFIX
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server
@@ -69,7 +71,9 @@ class LocalCluster:
 
     def __init__(self, num_servers: int = 2, *, processes: bool = False, host: str = "127.0.0.1",
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, startup_timeout: float = 60.0,
-                 max_wait_s: float = 300.0, metrics: bool = False) -> None:
+                 max_wait_s: float = 300.0, metrics: bool = False, security: Security | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
@@ -79,6 +83,10 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.max_wait_s = max_wait_s
         self.metrics = metrics
+        self.security = security or Security()
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.interceptors = list(interceptors)  # in-process mode: e.g. fault injection in tests
         self.addresses: list[str] = []
         self.metrics_addresses: list[str] = []  # HOST:PORT of each shard's /metrics, with metrics=True
         self.registries: list[CollectorRegistry] = []  # in-process mode with metrics=True
@@ -94,6 +102,9 @@ class LocalCluster:
             else:
                 for i in range(self.num_servers):
                     store = ShardStore(i, self.num_servers)
+                    if self.checkpoint_dir:
+                        store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every)
+                        store.restore_latest()
                     metrics = None
                     if self.metrics:
                         registry = CollectorRegistry()
@@ -103,7 +114,8 @@ class LocalCluster:
                         self._endpoints.append(endpoint)
                         self.metrics_addresses.append(endpoint.address)
                     server, port = create_server(store, f"{self.host}:0", chunk_bytes=self.chunk_bytes,
-                                                 max_wait_s=self.max_wait_s, metrics=metrics)
+                                                 max_wait_s=self.max_wait_s, metrics=metrics, security=self.security,
+                                                 interceptors=self.interceptors)
                     self.stores.append(store)
                     self._servers.append(server)
                     self.addresses.append(f"{self.host}:{port}")
@@ -119,7 +131,15 @@ class LocalCluster:
                    "--chunk-bytes", str(self.chunk_bytes), "--max-wait", str(self.max_wait_s)]
             if self.metrics:
                 cmd += ["--metrics-host", self.host, "--metrics-port", "0"]
+            sec = self.security
+            for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca)):
+                if value:
+                    cmd += [flag, value]
+            if self.checkpoint_dir:
+                cmd += ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every)]
             env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if sec.token:
+                env["SHARDPS_AUTH_TOKEN"] = sec.token
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
                                     start_new_session=True)
             self._procs.append(proc)

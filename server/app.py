@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from shardps.protos import codec
 from shardps.protos.exposition import LOOPBACK, serve_metrics
+from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server
 from shardps.server.store import ShardStore
@@ -37,18 +38,29 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
                sync: str | None = None, num_workers: int | None = None,
                chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
                grace_s: float = 5.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
-               torch_threads: int | None = None) -> int:
+               torch_threads: int | None = None, security: Security | None = None,
+               checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+               checkpoint_seconds: float = 0.0) -> int:
     torch.set_num_threads(torch_threads or default_torch_threads())
-    if host not in LOOPBACK:
-        log.warning("shard %d binds %s: reachable from other machines, without TLS or a token", shard_index, host)
+    security = security or Security()
+    if host not in LOOPBACK and not (security.tls and security.token):
+        missing = " and ".join(w for w, ok in (("TLS", security.tls), ("a token", security.token)) if not ok)
+        log.warning("shard %d binds %s, reachable from other machines, without %s: anyone who can reach it "
+                    "can read and change the model", shard_index, host, missing)
     store = ShardStore(shard_index, num_shards, sync=sync, num_workers=num_workers)
+    if checkpoint_dir:
+        store.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
+        restored = store.restore_latest()
+        if restored is not None:
+            log.warning("shard %d: restored from checkpoint at version %d in %s", shard_index, restored,
+                        checkpoint_dir)
     metrics = endpoint = None
     if metrics_port is not None:
         registry = CollectorRegistry()
         metrics = ServerMetrics(store, registry)
         endpoint = serve_metrics(registry, metrics_host, metrics_port)
     server, bound = create_server(store, f"{host}:{port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
-                                  metrics=metrics)
+                                  metrics=metrics, security=security)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -58,6 +70,7 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
         log.info("shard %d: signal %d, shutting down", shard_index, signum)
         for svc in ("", SERVICE_NAME):
             server.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+        store.close()  # waits in progress end with UNAVAILABLE; new requests are refused
         server.stop(grace_s)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -65,6 +78,9 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
     extra = f" metrics {endpoint.address}" if endpoint is not None else ""
     print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards}){extra}", flush=True)
     server.wait_for_termination()
+    if checkpoint_dir and stopping.is_set():
+        path = store.checkpoint_now()
+        log.warning("shard %d: checkpoint on shutdown at version %d: %s", shard_index, store.version, path)
     if endpoint is not None:
         endpoint.close()
     store.peers.close()

@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from shardps.protos import codec
+from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
@@ -105,6 +106,7 @@ class PeerChannels:
         self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
         self._channels: list[grpc.Channel] = []
         self.addresses: list[str] = []
+        self.security = Security()  # the shard's own settings: peers are served alike
 
     def set_addresses(self, addresses: Sequence[str]) -> None:
         with self._lock:
@@ -118,7 +120,7 @@ class PeerChannels:
             addr = self.addresses[shard]
             stub = self._stubs.get(addr)
             if stub is None:
-                ch = grpc.insecure_channel(addr)
+                ch = self.security.channel(addr)
                 self._channels.append(ch)
                 stub = self._stubs[addr] = ps_pb2_grpc.ParameterServerStub(ch)
             return stub

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -18,8 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.protos import codec, framing
 from shardps.protos.optim import spec_from_proto
+from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.assembly import ChunkAssembler
+from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.errors import InvalidArgument, StoreError
 from shardps.server.exchange import encode_partial
 from shardps.server.metrics import ServerMetrics
@@ -246,6 +248,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
 
     @_unary_errors
+    def Checkpoint(self, request: ps_pb2.CheckpointRequest,
+                   context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
+        path = self.store.checkpoint_now()
+        return ps_pb2.CheckpointResponse(version=self.store.version, path=path)
+
+    @_unary_errors
     def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
         spec = self.store.set_sync(request.sync)
         return ps_pb2.SetSyncResponse(sync=str(spec), version=self.store.version)
@@ -272,7 +280,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"],
             skipped_steps_total=s["skipped_steps_total"], loss_scale=s["loss_scale"],
             duplicate_pushes_total=s["duplicate_pushes_total"],
-            sync_switches_total=s["sync_switches_total"])
+            sync_switches_total=s["sync_switches_total"], checkpoint_versions=s["checkpoint_versions"])
 
 
 class _HandlerRecorder:
@@ -311,12 +319,20 @@ def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None
 
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
                   max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
-                  metrics: ServerMetrics | None = None) -> tuple[grpc.Server, int]:
+                  metrics: ServerMetrics | None = None, security: Security | None = None,
+                  interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
     """Start a server for ``store`` on ``address``; return it and the bound port.
 
     Binding port 0 picks a free port. Raises RuntimeError if the address
-    cannot be bound.
+    cannot be bound. ``security`` adds TLS (mutual with a CA) and token
+    auth; ``interceptors`` run before auth (tests inject faults there).
     """
+    security = security or Security()
+    chain = list(interceptors)
+    if security.token:
+        on_reject = (lambda m: metrics.rpc_error(m.rsplit("/", 1)[-1], "UNAUTHENTICATED")) if metrics else None
+        chain.append(TokenAuthInterceptor(security.token, on_reject))
+    store.peers.security = security
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -324,12 +340,13 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix=f"shard{store.shard_index}"),
-                         options=options)
+                         options=options, interceptors=chain)
     add_servicer(ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics),
                  server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    creds = security.server_credentials()
+    port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()

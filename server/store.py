@@ -25,17 +25,20 @@ import torch
 from shardps.protos import codec, framing
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.syncspec import SyncSpec
+from shardps.server import checkpoint
 from shardps.server.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from shardps.server.exchange import ExchangeTable, PeerChannels, PeerReducer
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
 from shardps.server.remedies import Remedy, compensate, lr_factor
 from shardps.server.scaling import LossScaler, unscale_and_check
 from shardps.server.sync import (
+    BarrierPolicy,
     Contribution,
     Grads,
     PartKey,
@@ -46,6 +49,9 @@ from shardps.server.sync import (
 )
 
 log = logging.getLogger("shardps.server")
+
+_COUNTERS = ("pushes_total", "duplicate_pushes_total", "applied_updates_total", "gradients_applied_total",
+             "push_bytes_total", "pull_bytes_total", "skipped_steps_total", "sync_switches_total", "pulls_total")
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
@@ -174,6 +180,13 @@ class ShardStore:
         self._scaled_impls: dict[OptimizerSpec, ServerOptimizer] = {}
         self._pool: dict[PartKey, torch.Tensor] = {}  # one spare staging buffer per part
         self._pool_lock = threading.Lock()
+        self._ckpt_dir: str | None = None
+        self._ckpt_every, self._ckpt_seconds, self._ckpt_keep = 0, 0.0, 3
+        self._ckpt_last = time.monotonic()
+        self._ckpt_version = -1
+        self._ckpt_lock = threading.Lock()
+        self.checkpoints_total = 0
+        self.closing = False
         self.exchange = ExchangeTable()
         self.peers = PeerChannels()
         self.exchange_timeout_s = exchange_timeout_s
@@ -430,8 +443,13 @@ class ShardStore:
                 applied |= self._apply(update)
             ready = self.version + (1 if self._policy.holds(worker_id) else 0)
             self._cond.notify_all()  # versions and clocks moved
-            return PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale,
-                              ready_version=ready)
+            result = PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale,
+                                ready_version=ready)
+            due = applied and self._checkpoint_due() and not self._policy.held()[2] \
+                if isinstance(self._policy, BarrierPolicy) else applied and self._checkpoint_due()
+        if due:
+            self.checkpoint_now()
+        return result
 
     def _impl(self, entry: TensorEntry, factor: float) -> ServerOptimizer:
         """The tensor's optimizer, with its lr scaled by ``factor`` (lr-scale remedy)."""
@@ -504,7 +522,9 @@ class ShardStore:
     def wait_version(self, min_version: int, timeout: float) -> int:
         """Block until the shard reaches ``min_version``; return the version then."""
         with self._cond:
-            if self._cond.wait_for(lambda: self.version >= min_version, timeout):
+            if self._cond.wait_for(lambda: self.version >= min_version or self.closing, timeout):
+                if self.closing:
+                    raise Unavailable(f"shard {self.shard_index} is shutting down")
                 return self.version
             waiting = self._policy.waiting_on() if self._policy else "no job configured"
             raise DeadlineExceeded(
@@ -527,7 +547,9 @@ class ShardStore:
                 c = self._clocks()
                 return min(c.values()) if c else 0
 
-            if self._cond.wait_for(lambda: slowest() >= min_clock, timeout):
+            if self._cond.wait_for(lambda: slowest() >= min_clock or self.closing, timeout):
+                if self.closing:
+                    raise Unavailable(f"shard {self.shard_index} is shutting down")
                 return slowest()
             behind = {w: c for w, c in self._clocks().items() if c < min_clock}
             raise DeadlineExceeded(
@@ -643,6 +665,164 @@ class ShardStore:
             self.spec(name)
             return {s: p.weight.clone() for s, p in self._tensors[name].parts.items()}
 
+    # -- checkpoints ----------------------------------------------------------
+
+    def enable_checkpoints(self, directory: str, *, every_steps: int = 0, every_seconds: float = 0.0,
+                           keep: int = 3) -> None:
+        """Checkpoint into ``directory`` every ``every_steps`` versions and/or after ``every_seconds``.
+
+        Under bsp and every:X all shards apply the same rounds, so step-based
+        checkpoints land on the same versions on every shard.
+        """
+        if every_steps < 0 or every_seconds < 0:
+            raise ValueError("checkpoint intervals must be >= 0")
+        self._ckpt_dir, self._ckpt_every, self._ckpt_seconds, self._ckpt_keep = (
+            directory, every_steps, every_seconds, keep)
+        self._ckpt_last = time.monotonic()
+
+    def _checkpoint_due(self) -> bool:
+        if not self._ckpt_dir or self._ckpt_version == self.version:
+            return False
+        if self._ckpt_every and self.version % self._ckpt_every == 0:
+            return True
+        return bool(self._ckpt_seconds) and time.monotonic() - self._ckpt_last >= self._ckpt_seconds
+
+    def checkpoint_now(self) -> str:
+        """Write a checkpoint of the current state; return the path of its metadata."""
+        if not self._ckpt_dir:
+            raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory (--checkpoint-dir)")
+        with self._ckpt_lock:
+            version, meta, tensors = self.snapshot()
+            path = checkpoint.write(self._ckpt_dir, self.shard_index, version, meta, tensors, keep=self._ckpt_keep)
+            self._ckpt_version, self._ckpt_last = version, time.monotonic()
+            self.checkpoints_total += 1
+        log.info("shard %d: checkpoint at version %d: %s", self.shard_index, version, path)
+        return str(path)
+
+    def checkpoint_versions(self) -> list[int]:
+        return checkpoint.list_versions(self._ckpt_dir, self.shard_index) if self._ckpt_dir else []
+
+    def restore_latest(self, at_most: int | None = None) -> int | None:
+        """Restore the newest complete checkpoint (at or below ``at_most``); its version, or None."""
+        if not self._ckpt_dir:
+            return None
+        c = checkpoint.latest(self._ckpt_dir, self.shard_index, at_most)
+        if c is None:
+            return None
+        self.restore(c.version, c.meta, c.tensors())
+        self._ckpt_version = c.version
+        return c.version
+
+    def close(self) -> None:
+        """Shutting down: waits in progress end with UNAVAILABLE, new requests are refused."""
+        with self._cond:
+            self.closing = True
+            self._cond.notify_all()
+
+    def snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        """Everything needed to restore this shard: (version, JSON-able meta, tensors).
+
+        Weights, optimizer state, the gradients a barrier round holds, the
+        version, each worker's last step (the exactly-once bookkeeping), the
+        loss scaler and the counters. Tensors are copies taken under the lock.
+        """
+        with self._cond:
+            return self._snapshot()
+
+    def _snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        tensors: dict[str, torch.Tensor] = {}
+        specs = []
+        for i, name in enumerate(sorted(self._tensors)):
+            e = self._tensors[name]
+            sp = e.spec
+            specs.append({"name": sp.name, "shape": list(sp.shape), "dtype": sp.dtype, "grad_dtype": sp.grad_dtype,
+                          "optimizer": {"name": sp.optimizer.name, "params": sp.optimizer.params()},
+                          "parts": [list(p) for p in sp.parts], "peers": list(sp.peers),
+                          "holders": list(sp.holders), "rounds": e.rounds})
+            for start, part in e.parts.items():
+                tensors[f"{i}/{start}/weight"] = part.weight.clone()
+                for key, t in part.state.items():
+                    tensors[f"{i}/{start}/state/{key}"] = t.clone()
+        index = {s["name"]: i for i, s in enumerate(specs)}
+        pending: dict[str, Any] = {}
+        if isinstance(self._policy, BarrierPolicy):
+            sums, counts, held = self._policy.held()
+            for (name, start), t in sums.items():
+                tensors[f"{index[name]}/{start}/held"] = t.clone()
+            pending = {"counts": [[index[n], st, c] for (n, st), c in counts.items()],
+                       "contributions": [[c.worker_id, c.step, c.base_version, c.found_inf] for c in held],
+                       "rounds": self._policy.rounds}
+        scaler = None
+        if self._scaler is not None:
+            sc = self._scaler
+            scaler = {"init_scale": sc.init_scale, "growth_factor": sc.growth_factor,
+                      "backoff_factor": sc.backoff_factor, "growth_interval": sc.growth_interval,
+                      "scale": sc.scale, "growth_tracker": sc.growth_tracker}
+        meta = {
+            "num_shards": self.num_shards, "sync": str(self._sync) if self._sync else None,
+            "num_workers": self._num_workers, "workers": sorted(self._workers),
+            "worker_clocks": {str(w): c for w, c in self.worker_clocks.items()},
+            "scaler": scaler, "remedy": str(self.remedy), "tensors": specs, "pending": pending,
+            "counters": {k: getattr(self, k) for k in _COUNTERS},
+            "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
+        }
+        return self.version, meta, tensors
+
+    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Replace this shard's whole state with a snapshot (see ``snapshot``)."""
+        from shardps.protos.optim import spec_from_name
+
+        if meta["num_shards"] != self.num_shards:
+            raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
+                                     f"{self.shard_index} of {self.num_shards}")
+        entries: dict[str, TensorEntry] = {}
+        names = []
+        for i, sp in enumerate(meta["tensors"]):
+            spec = TensorSpec(sp["name"], tuple(sp["shape"]), sp["dtype"],
+                              spec_from_name(sp["optimizer"]["name"], **sp["optimizer"]["params"]),
+                              tuple(tuple(p) for p in sp["parts"]), sp["grad_dtype"], tuple(sp["peers"]),
+                              tuple(sp["holders"]))
+            opt = make_optimizer(spec.optimizer)
+            entry = TensorEntry(spec, opt, rounds=sp["rounds"])
+            for a, b in spec.parts:
+                info = PartInfo(spec.shape, a, b)
+                state = {k.rsplit("/", 1)[1]: t.clone() for k, t in tensors.items()
+                         if k.startswith(f"{i}/{a}/state/")}
+                entry.parts[a] = PartState(a, b, tensors[f"{i}/{a}/weight"].clone(), state, info)
+            entries[spec.name] = entry
+            names.append(spec.name)
+        with self._cond:
+            self._tensors = entries
+            self._workers = set(meta["workers"])
+            self.worker_clocks = {int(w): c for w, c in meta["worker_clocks"].items()}
+            self._num_workers = meta["num_workers"]
+            self._sync = SyncSpec.parse(meta["sync"]) if meta["sync"] else None
+            self.remedy = Remedy.parse(meta["remedy"])
+            sc = meta["scaler"]
+            self._scaler = None if sc is None else LossScaler(
+                sc["init_scale"], sc["growth_factor"], sc["backoff_factor"], sc["growth_interval"], sc["scale"],
+                sc["growth_tracker"])
+            self._scaling_config = None if sc is None else (sc["init_scale"], sc["growth_factor"],
+                                                            sc["backoff_factor"], sc["growth_interval"])
+            self._policy = (make_policy(self._sync, self._num_workers, self._recycle)
+                            if self._sync is not None and self._num_workers else None)
+            pending = meta.get("pending") or {}
+            if isinstance(self._policy, BarrierPolicy) and pending:
+                sums = {(names[i], st): tensors[f"{i}/{st}/held"].clone() for i, st, _ in pending["counts"]}
+                counts = {(names[i], st): c for i, st, c in pending["counts"]}
+                held = [Contribution(w, s_, b, f) for w, s_, b, f in pending["contributions"]]
+                self._policy.restore(sums, counts, held, pending["rounds"])
+            for k, v in meta["counters"].items():
+                setattr(self, k, v)
+            self.staleness_counts = Counter({int(k): v for k, v in meta["staleness_counts"].items()})
+            self.version = version
+            self._stale_weights = {}
+            for e in entries.values():
+                if e.spec.split:
+                    self.peers.set_addresses(e.spec.peers)
+            self._cond.notify_all()
+        log.info("shard %d: restored version %d (%d tensors)", self.shard_index, version, len(entries))
+
     def state_hash(self) -> str:
         """A digest of weights, optimizer state and version: equal iff the state is."""
         import hashlib
@@ -687,6 +867,7 @@ class ShardStore:
                 "skipped_steps_total": self.skipped_steps_total,
                 "sync_switches_total": self.sync_switches_total,
                 "staleness_remedy": str(self.remedy),
+                "checkpoint_versions": self.checkpoint_versions(),
                 "duplicate_pushes_total": self.duplicate_pushes_total,
                 "loss_scale": self.loss_scale,
                 "worker_clocks": dict(self.worker_clocks),

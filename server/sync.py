@@ -100,6 +100,13 @@ class BarrierPolicy(SyncPolicy):
     def holds(self, worker_id: int) -> bool:
         return any(p.worker_id == worker_id for p in self._pending)
 
+    def held(self) -> tuple[Grads, dict[PartKey, int], list[Contribution]]:
+        """What the current round holds (sums, counts, contributions), for checkpoints."""
+        return self._sum, self._counts, self._pending
+
+    def restore(self, sums: Grads, counts: dict[PartKey, int], pending: list[Contribution], rounds: int) -> None:
+        self._sum, self._counts, self._pending, self.rounds = dict(sums), dict(counts), list(pending), rounds
+
     def waiting_on(self) -> str:
         missing = sorted(set(range(self.num_workers)) - set(self.pending_workers))
         return f"round {self.rounds} has gradients from workers {self.pending_workers}, missing {missing}"

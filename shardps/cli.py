@@ -9,6 +9,7 @@ import sys
 
 from shardps.examples.digits import OPTIMIZERS
 from shardps.protos import codec
+from shardps.protos.security import Security
 
 
 def _addresses(text: str) -> list[str]:
@@ -25,6 +26,22 @@ def _sync(text: str) -> str:
         return str(SyncSpec.parse(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (env SHARDPS_TLS_CERT, SHARDPS_TLS_KEY, SHARDPS_TLS_CA, "
+                             "SHARDPS_AUTH_TOKEN, SHARDPS_AUTH_TOKEN_FILE)")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate (a server's; a client's for mutual TLS)")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None,
+                   help="PEM CA: clients check servers with it; a server given one requires client certificates")
+    g.add_argument("--token-file", default=None, help="file holding the bearer token")
+    g.add_argument("--server-name", default=None, help="clients: the name the server certificate carries")
+
+
+def security_from(args: argparse.Namespace) -> Security:
+    return Security.from_env(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                             token_file=args.token_file, server_name=args.server_name)
 
 
 def _env_int(name: str) -> int | None:
@@ -55,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the metrics endpoint binds (default loopback; env SHARDPS_METRICS_HOST)")
     s.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads for the optimizer step (default: half the cores)")
+    s.add_argument("--checkpoint-dir", default=os.environ.get("SHARDPS_CHECKPOINT_DIR"),
+                   help="write checkpoints here and restore the newest complete one on start "
+                        "(env SHARDPS_CHECKPOINT_DIR)")
+    s.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N versions (steps)")
+    s.add_argument("--checkpoint-seconds", type=float, default=0.0,
+                   help="checkpoint at the first step after every T seconds")
+    _security_flags(s)
 
     w = sub.add_parser("worker", help="run one worker of an example")
     w.add_argument("--example", choices=["digits"], default="digits")
@@ -70,19 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    _security_flags(w)
 
     st = sub.add_parser("stats", help="a table of the shards of a running job")
     st.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
                     help="refresh every N seconds (default 2) until Ctrl-C")
     st.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    _security_flags(st)
 
     c = sub.add_parser("ctl", help="control a running job")
     c.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
     c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
+    _security_flags(c)
     csub = c.add_subparsers(dest="action", required=True)
     ss = csub.add_parser("set-sync", help="switch the sync mode live: bsp, asp, every:X, ssp:S")
     ss.add_argument("sync", type=_sync)
+    csub.add_parser("checkpoint", help="write a checkpoint on every shard now (servers with --checkpoint-dir)")
 
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
     d.add_argument("--servers", type=int, default=2)
@@ -111,19 +139,24 @@ def main(argv: list[str] | None = None) -> int:
                           num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
                           chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                          torch_threads=args.torch_threads)
+                          torch_threads=args.torch_threads, security=security_from(args),
+                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                          checkpoint_seconds=args.checkpoint_seconds)
     if args.command == "worker":
         from shardps.examples.digits import main_worker
 
-        return main_worker(args)
+        return main_worker(args, security_from(args))
     if args.command in ("stats", "ctl"):
-        from shardps.deploy.ctl import run_set_sync, run_stats
+        from shardps.deploy.ctl import run_checkpoint, run_set_sync, run_stats
         from shardps.worker.client import ShardError
 
         try:
+            sec = security_from(args)
             if args.command == "stats":
-                return run_stats(args.addresses, watch=args.watch, timeout=args.timeout)
-            return run_set_sync(args.addresses, args.sync, timeout=args.timeout)
+                return run_stats(args.addresses, watch=args.watch, timeout=args.timeout, security=sec)
+            if args.action == "checkpoint":
+                return run_checkpoint(args.addresses, timeout=args.timeout, security=sec)
+            return run_set_sync(args.addresses, args.sync, timeout=args.timeout, security=sec)
         except (ShardError, TimeoutError) as e:
             print(f"shardps {args.command}: {e}", file=sys.stderr)
             return 1

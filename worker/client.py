@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from shardps.protos import codec, framing
 from shardps.protos.amp import LossScaling
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
+from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 
@@ -27,6 +29,7 @@ log = logging.getLogger("shardps.worker")
 
 SERVICE = "shardps.v1.ParameterServer"
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_RECOVERY_TIMEOUT_S = 60.0
 DEFAULT_MAX_WHOLE_BYTES = 256 << 20
 T = TypeVar("T")
 
@@ -78,7 +81,8 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], worker_id: int = 0, num_workers: int = 1, *,
                  timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
-                 part_bytes: int | None = None) -> None:
+                 part_bytes: int | None = None, security: Security | None = None,
+                 recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S) -> None:
         if not addresses:
             raise ValueError("need at least one server address")
         if not 0 <= worker_id < num_workers:
@@ -89,7 +93,10 @@ class PSClient:
         self.timeout = timeout
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.part_bytes = part_bytes
-        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self.security = security or Security()
+        self.recovery_timeout = recovery_timeout
+        self.retries_total = 0
+        self._channels = [self.security.channel(a) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         # Push and Pull with chunk.data framed by hand (protos/framing.py): the
         # same wire format, one copy of the data on each side.
@@ -116,12 +123,37 @@ class PSClient:
     # -- plumbing -----------------------------------------------------------
 
     def _call(self, shard: int, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-            details = e.details() if hasattr(e, "details") else str(e)
-            raise ShardError(self.addresses[shard], shard, code, details or "") from None
+        """``fn()`` against one shard, retried while the shard is UNAVAILABLE.
+
+        Every call shardps makes is safe to repeat (pushes are deduplicated
+        per (worker, step) on the shard), so a lost reply or a restarting
+        server costs a retry, not a wrong result. Between tries it waits for
+        a back-off that grows from 50 ms to 2 s, for at most
+        ``recovery_timeout`` seconds, then raises naming the shard.
+        """
+        start = time.monotonic()
+        backoff = 0.05
+        tries = 0
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+                details = (e.details() if hasattr(e, "details") else str(e)) or ""
+                waited = time.monotonic() - start
+                if code != grpc.StatusCode.UNAVAILABLE or waited >= self.recovery_timeout:
+                    if code == grpc.StatusCode.UNAVAILABLE and tries:
+                        details = f"still unavailable after {waited:.0f}s and {tries} retries: {details}"
+                    raise ShardError(self.addresses[shard], shard, code, details) from None
+            tries += 1
+            self.retries_total += 1
+            if tries == 1:
+                log.warning("shard %d (%s) unavailable: retrying for up to %.0fs", shard, self.addresses[shard],
+                            self.recovery_timeout)
+            remaining = self.recovery_timeout - (time.monotonic() - start)
+            # The shard is another process (maybe restarting): nothing local to wait on.
+            time.sleep(max(0.0, min(backoff, remaining)))
+            backoff = min(2.0, backoff * 2)
 
     def _each(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
         """Run ``fn(shard)`` for every shard in parallel; raise the first failure."""
@@ -148,6 +180,8 @@ class PSClient:
                 f.result(timeout=t)
             except grpc.FutureTimeoutError:
                 missing.append(a)
+            finally:
+                f.cancel()
         if missing:
             raise TimeoutError(f"no parameter server answered within {t:.0f}s at {missing}")
 
@@ -422,6 +456,11 @@ class PSClient:
                     entry["optimizer"].setdefault(start, {})[key] = t
         return out
 
+    def checkpoint(self) -> list[tuple[int, str]]:
+        """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
+        res = self._each(lambda i: self._stubs[i].Checkpoint(ps_pb2.CheckpointRequest(), timeout=self.timeout))
+        return [(r.version, r.path) for r in res]
+
     def set_sync(self, sync: str) -> list[str]:
         """Switch the running job's sync mode on every shard; workers follow from their next step."""
         res = self._each(lambda i: self._stubs[i].SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=self.timeout,
@@ -448,7 +487,8 @@ class PSClient:
 
 def connect(addresses: Sequence[str] | str, worker_id: int = 0, num_workers: int = 1, *,
             timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
-            part_bytes: int | None = None, ready_timeout: float | None = 60.0) -> PSClient:
+            part_bytes: int | None = None, ready_timeout: float | None = 60.0,
+            security: Security | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S) -> PSClient:
     """Connect to the shards at ``addresses`` (in shard order; a comma-separated string works).
 
     Waits up to ``ready_timeout`` seconds for every shard to accept a
@@ -457,7 +497,7 @@ def connect(addresses: Sequence[str] | str, worker_id: int = 0, num_workers: int
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
     client = PSClient(addresses, worker_id, num_workers, timeout=timeout, chunk_bytes=chunk_bytes,
-                      part_bytes=part_bytes)
+                      part_bytes=part_bytes, security=security, recovery_timeout=recovery_timeout)
     if ready_timeout is not None:
         try:
             client.wait_ready(ready_timeout)
@@ -497,6 +537,7 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         "duplicate_pushes_total": int(r.duplicate_pushes_total),
         "loss_scale": float(r.loss_scale),
         "sync_switches_total": int(r.sync_switches_total),
+        "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
     }
     for key in _COUNTERS:
         out[key] = int(getattr(r, key))

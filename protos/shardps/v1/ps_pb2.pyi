@@ -253,7 +253,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class StatsResponse(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_PUSHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SYNC_SWITCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -304,4 +305,17 @@ class StatsResponse(_message.Message):
     loss_scale: float
     duplicate_pushes_total: int
     sync_switches_total: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ...) -> None: ...
+    checkpoint_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("version", "path")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    path: str
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...

@@ -72,6 +72,11 @@ class ParameterServerStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/shardps.v1.ParameterServer/Checkpoint',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -122,6 +127,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +170,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetSync,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +369,33 @@ class ParameterServer:
             '/shardps.v1.ParameterServer/SetSync',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/Checkpoint',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,78 @@
+"""A retried Push after a lost reply is acknowledged, not applied again."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import grpc
+import torch
+from torch import nn
+
+import shardps
+from tests.helpers import run_workers
+
+
+class DropPushReplies(grpc.ServerInterceptor):
+    """Fault injection: runs every Push, then loses the reply of every ``every``-th one."""
+
+    def __init__(self, every: int = 3) -> None:
+        self.every = every
+        self.count = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/Push"):
+            return handler
+        inner = handler.stream_unary
+
+        def push(request_iterator, context):
+            response = inner(request_iterator, context)  # applied (or held) on the shard
+            with self._lock:
+                self.count += 1
+                drop = self.count % self.every == 0
+                self.dropped += drop
+            if drop:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: reply lost")
+            return response
+
+        return grpc.stream_unary_rpc_method_handler(push, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+
+
+STEPS, WORKERS = 15, 2
+
+
+def _train(addresses, base, sync):
+    def worker(k):
+        model = copy.deepcopy(base)
+        with shardps.connect(addresses, worker_id=k, num_workers=WORKERS, part_bytes=256) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), sync=sync)
+            for step in range(STEPS):
+                g = torch.Generator().manual_seed(step * 10 + k)
+                model(torch.randn(8, 12, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            return {n: p.detach().clone() for n, p in model.named_parameters()}, client.retries_total
+    return run_workers(worker, WORKERS)
+
+
+def test_lost_replies_are_retried_and_applied_once(make_cluster):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
+    clean = make_cluster(2)
+    expected = _train(clean.addresses, base, "bsp")
+    faults = [DropPushReplies(3)]
+    faulty = make_cluster(2, interceptors=faults)
+    got = _train(faulty.addresses, base, "bsp")
+    assert faults[0].dropped >= STEPS  # a third of all pushes lost their reply
+    assert sum(r for _, r in got) >= faults[0].dropped  # ... and were retried
+    for (w_exp, _), (w_got, _) in zip(expected, got):
+        for n in w_exp:
+            assert torch.equal(w_got[n], w_exp[n]), n  # bitwise: every gradient applied exactly once
+    for store in faulty.stores:
+        assert store.duplicate_pushes_total > 0
+        assert store.gradients_applied_total == WORKERS * STEPS
+        assert store.version == STEPS
