@@ -161,7 +161,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                  store.shard_index, first.worker_id, len(specs), len(created))
         return ps_pb2.RegisterResponse(
             version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
-            sync=str(sync), created=created, loss_scale=store.loss_scale)
+            sync=str(sync), created=created, loss_scale=store.loss_scale,
+            worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1)
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],

@@ -115,6 +115,7 @@ class PSClient:
         self.sync = ""
         self.loss_scale = 0.0  # the scale the shards want next (0: loss scaling is off)
         self.slowest_clock = 0  # the lowest worker clock seen by the last pull (ssp)
+        self.clock = 0  # steps this worker had pushed when it registered
 
     @property
     def num_shards(self) -> int:
@@ -266,6 +267,7 @@ class PSClient:
             created.extend(r.created)
         self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
         self.loss_scale = responses[0].loss_scale
+        self.clock = max(r.worker_clock for r in responses)
         return created
 
     def attach(self) -> None:

@@ -73,6 +73,7 @@ class DistributedOptimizer:
         client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
                         loss_scaling=scaling, max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy)
         client.pull(out=self.params)
+        self.round = client.clock  # a worker (re)joining a running job goes on from its clock
         self._follow()
 
     def _follow(self) -> None:

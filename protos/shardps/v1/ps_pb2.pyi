@@ -103,20 +103,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CLOCK_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     num_shards: int
     sync: str
     created: _containers.RepeatedScalarFieldContainer[str]
     loss_scale: float
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    worker_clock: int
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale")

@@ -1,0 +1,121 @@
+"""Fuzzing a live server: malformed and random requests get a proper status and change nothing.
+
+tests/fuzzgen.py builds the requests and judges the answers (its docstring
+has the rules); hypothesis drives its choices here, derandomized, so every
+run sends the same ~300 cases. benchmarks/fuzz.py runs the same generators
+for 10,000+ cases.
+
+The bugs the fuzzer found are listed in fuzzgen.KNOWN_BUGS, and the
+generators steer clear of them here (avoid_known_bugs=True), except that
+bytes which are not protobuf at all cannot avoid the first one. Each has a
+reproducer below, marked xfail(strict=True): when a bug is fixed its test
+passes, and fails as XPASS until the bug leaves KNOWN_BUGS and this list
+(and the generators stop avoiding it).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardps.protos.shardps.v1 import ps_pb2
+from tests import fuzzgen
+
+EXAMPLES = 150  # per job below: 300 cases in all
+
+
+@st.composite
+def cases(draw, target):
+    return fuzzgen.make_case(fuzzgen.HypothesisSource(draw), target, avoid_known_bugs=True)
+
+
+@pytest.mark.parametrize("sync, num_servers", [("asp", 1), ("bsp", 2)])
+def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sync, num_servers):
+    cluster = make_cluster(num_servers)
+    weights = fuzzgen.prepare_job(cluster.addresses, sync)
+    seen: collections.Counter[str] = collections.Counter()
+    with fuzzgen.Fuzzer(cluster.addresses) as fz, fuzzgen.capture_server_errors() as errors:
+        target = fz.describe()
+        before, local = fz.fingerprint(), fuzzgen.local_state(cluster.stores)
+
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(cases(target))
+        def check(case):
+            mark = len(errors.records)
+            out = fz.send(case)
+            verdict = fuzzgen.judge(case, out, errors.since(mark))
+            assert verdict.kind != "violation", f"{verdict.reason}\n{case!r}"
+            assert verdict.bug in (None, "malformed-protobuf"), f"known bug {verdict.bug}: {verdict.reason}\n{case!r}"
+            assert fuzzgen.local_state(cluster.stores) == local, f"the shard's state changed:\n{case!r}"
+            seen[verdict.kind] += 1
+
+        check()
+        assert fz.fingerprint() == before
+    # The generators reach past the first checks: most cases are refused, some succeed (no-ops).
+    assert seen["refused"] > EXAMPLES // 2 and seen["ok"] > 0, seen
+    assert fuzzgen.serving(cluster.addresses)
+    assert fuzzgen.same_weights(fuzzgen.pull_all(cluster.addresses), weights)
+
+
+# -- reproducers of the known bugs ---------------------------------------------
+
+
+def _register(*messages: ps_pb2.RegisterRequest) -> fuzzgen.Case:
+    return fuzzgen.Case("register", "Register", 0, messages=list(messages))
+
+
+def _new_tensor(params_json: str = "", n: int = 2) -> ps_pb2.TensorSpec:
+    return ps_pb2.TensorSpec(name="x", shape=[n], dtype=ps_pb2.FLOAT32,
+                             optimizer=ps_pb2.OptimizerSpec(name="sgd", params_json=params_json),
+                             parts=[ps_pb2.Part(start=0, stop=n)])
+
+
+def _repro(bug: str, target: fuzzgen.Target) -> tuple[fuzzgen.Case, set[str]]:
+    """The smallest case that shows ``bug`` (the job of prepare_job(..., "asp"), one shard) and the codes it should get."""
+    job = dict(worker_id=0, num_workers=2, sync="asp")
+    if bug == "malformed-protobuf":
+        return fuzzgen.Case("raw", "SetSync", 0, raw=[b"\xff"], malformed=True), {"INVALID_ARGUMENT"}
+    if bug == "malformed-stream-prefix-applied":
+        # A valid header-only push of worker 0's next step, then a message that does not parse.
+        step = target.shards[0].clocks[0] + 1
+        raw = [ps_pb2.PushRequest(worker_id=0, step=step).SerializeToString(), b"\xff"]
+        return fuzzgen.Case("raw", "Push", 0, raw=raw, malformed=True), {"INVALID_ARGUMENT", "INTERNAL"}
+    if bug == "json-int-overflow":
+        return _register(ps_pb2.RegisterRequest(**job, tensors=[_new_tensor('{"lr": 1' + "0" * 400 + "}")])), \
+            {"INVALID_ARGUMENT"}
+    if bug == "json-recursion":
+        return _register(ps_pb2.RegisterRequest(**job, tensors=[_new_tensor("[" * 100000)])), {"INVALID_ARGUMENT"}
+    if bug == "huge-part-allocation":
+        n = 2**40  # 4 TiB of fp32
+        first = ps_pb2.RegisterRequest(**job, tensors=[_new_tensor(n=n)], provides_values=True)
+        values = ps_pb2.RegisterRequest(chunk=ps_pb2.Chunk(name="x", offset=0, dtype=ps_pb2.FLOAT32, data=b"\0" * 4))
+        return _register(first, values), {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+    if bug == "oversized-error-details":
+        return fuzzgen.Case("pull", "Pull", 0, messages=[ps_pb2.PullRequest(names=["n" * 20000])]), {"NOT_FOUND"}
+    raise AssertionError(bug)
+
+
+@pytest.mark.parametrize("bug", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"known bug {name}: {bug.summary}"))
+    for name, bug in fuzzgen.KNOWN_BUGS.items()
+])
+def test_known_bug(make_cluster, bug):
+    cluster = make_cluster(1)
+    fuzzgen.prepare_job(cluster.addresses, "asp")
+    with fuzzgen.Fuzzer(cluster.addresses) as fz:
+        case, codes = _repro(bug, fz.describe())
+        local = fuzzgen.local_state(cluster.stores)
+        out = fz.send(case)
+        assert fuzzgen.serving(cluster.addresses)
+        # The handler of a stream the client saw fail may still be running: give it a moment.
+        deadline = time.monotonic() + (1.0 if case.malformed else 0.0)
+        changed = fuzzgen.local_state(cluster.stores) != local
+        while not changed and time.monotonic() < deadline:
+            time.sleep(0.02)
+            changed = fuzzgen.local_state(cluster.stores) != local
+        assert out.code in codes and not changed, f"{out.code}: {out.details[:200]}; state changed: {changed}"
