@@ -26,7 +26,7 @@ from shardps.protos.security import Security
 from shardps.server.app import READY_PREFIX
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server
-from shardps.server.store import ShardStore
+from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 
 def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
@@ -73,7 +73,7 @@ class LocalCluster:
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, startup_timeout: float = 60.0,
                  max_wait_s: float = 300.0, metrics: bool = False, security: Security | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.ServerInterceptor] = (), lease_s: float = DEFAULT_LEASE_S) -> None:
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
@@ -87,6 +87,7 @@ class LocalCluster:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.interceptors = list(interceptors)  # in-process mode: e.g. fault injection in tests
+        self.lease_s = lease_s
         self.addresses: list[str] = []
         self.metrics_addresses: list[str] = []  # HOST:PORT of each shard's /metrics, with metrics=True
         self.registries: list[CollectorRegistry] = []  # in-process mode with metrics=True
@@ -101,7 +102,7 @@ class LocalCluster:
                 self._start_processes()
             else:
                 for i in range(self.num_servers):
-                    store = ShardStore(i, self.num_servers)
+                    store = ShardStore(i, self.num_servers, lease_s=self.lease_s)
                     if self.checkpoint_dir:
                         store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every)
                         store.restore_latest()
@@ -131,6 +132,7 @@ class LocalCluster:
                    "--chunk-bytes", str(self.chunk_bytes), "--max-wait", str(self.max_wait_s)]
             if self.metrics:
                 cmd += ["--metrics-host", self.host, "--metrics-port", "0"]
+            cmd += ["--lease-seconds", str(self.lease_s)]
             sec = self.security
             for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca)):
                 if value:

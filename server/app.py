@@ -22,7 +22,7 @@ from shardps.protos.exposition import LOOPBACK, serve_metrics
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server
-from shardps.server.store import ShardStore
+from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 log = logging.getLogger("shardps.server")
 
@@ -40,14 +40,14 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
                grace_s: float = 5.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
                torch_threads: int | None = None, security: Security | None = None,
                checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-               checkpoint_seconds: float = 0.0) -> int:
+               checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S) -> int:
     torch.set_num_threads(torch_threads or default_torch_threads())
     security = security or Security()
     if host not in LOOPBACK and not (security.tls and security.token):
         missing = " and ".join(w for w, ok in (("TLS", security.tls), ("a token", security.token)) if not ok)
         log.warning("shard %d binds %s, reachable from other machines, without %s: anyone who can reach it "
                     "can read and change the model", shard_index, host, missing)
-    store = ShardStore(shard_index, num_shards, sync=sync, num_workers=num_workers)
+    store = ShardStore(shard_index, num_shards, sync=sync, num_workers=num_workers, lease_s=lease_s)
     if checkpoint_dir:
         store.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
         restored = store.restore_latest()

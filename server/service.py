@@ -162,7 +162,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.RegisterResponse(
             version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
             sync=str(sync), created=created, loss_scale=store.loss_scale,
-            worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1)
+            worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1, lease_seconds=store.lease_s)
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
@@ -192,6 +192,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request: ps_pb2.PullRequest,
              context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
         store = self.store
+        store.touch(request.worker_id)
         names = list(request.names) or store.names()
         for n in names:
             store.spec(n)  # NotFound before any wait
@@ -215,6 +216,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if request.min_clock > 0:
             slowest = store.wait_clock(request.min_clock, max(0.0, timeout - (time.monotonic() - t0)))
         waited = time.monotonic() - t0
+        store.touch(request.worker_id)
         if self.metrics is not None and (request.min_version or request.min_clock):
             self.metrics.observe_wait(waited, str(store.sync or ""))
         # Whole PullResponse messages, framed under the store's lock straight
@@ -249,6 +251,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
 
     @_unary_errors
+    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        self.store._check_registered(request.worker_id)  # an evicted worker learns it here
+        self.store.touch(request.worker_id)
+        return ps_pb2.HeartbeatResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()))
+
+    @_unary_errors
     def Checkpoint(self, request: ps_pb2.CheckpointRequest,
                    context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
         path = self.store.checkpoint_now()
@@ -281,7 +289,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"],
             skipped_steps_total=s["skipped_steps_total"], loss_scale=s["loss_scale"],
             duplicate_pushes_total=s["duplicate_pushes_total"],
-            sync_switches_total=s["sync_switches_total"], checkpoint_versions=s["checkpoint_versions"])
+            sync_switches_total=s["sync_switches_total"], checkpoint_versions=s["checkpoint_versions"],
+            evicted_workers=s["evicted_workers"], evictions_total=s["evictions_total"])
 
 
 class _HandlerRecorder:
@@ -351,6 +360,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()
+    store.start_reaper()
     for svc in ("", SERVICE_NAME):
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     server.health = health_servicer  # type: ignore[attr-defined]

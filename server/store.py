@@ -50,6 +50,8 @@ from shardps.server.sync import (
 
 log = logging.getLogger("shardps.server")
 
+DEFAULT_LEASE_S = 10.0
+
 _COUNTERS = ("pushes_total", "duplicate_pushes_total", "applied_updates_total", "gradients_applied_total",
              "push_bytes_total", "pull_bytes_total", "skipped_steps_total", "sync_switches_total", "pulls_total")
 
@@ -162,14 +164,21 @@ class ShardStore:
     """The state of one shard. See the module docstring for the contract."""
 
     def __init__(self, shard_index: int = 0, num_shards: int = 1, *, sync: str | None = None,
-                 num_workers: int | None = None, exchange_timeout_s: float = 60.0) -> None:
+                 num_workers: int | None = None, exchange_timeout_s: float = 60.0,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
         self.num_shards = num_shards
         self._cond = threading.Condition(threading.Lock())
         self._tensors: dict[str, TensorEntry] = {}
-        self._workers: set[int] = set()
+        self._workers: set[int] = set()  # registered and live
+        self._evicted: set[int] = set()
+        self._last_seen: dict[int, float] = {}
+        self.lease_s = lease_s
+        self.evictions_total = 0
+        self._reaper: threading.Thread | None = None
+        self._stop_reaper = threading.Event()
         self._sync: SyncSpec | None = None
         self._num_workers: int | None = None
         self._policy: SyncPolicy | None = None
@@ -262,9 +271,60 @@ class ShardStore:
         return self._scaler.scale if self._scaler is not None else 0.0
 
     def register_worker(self, worker_id: int) -> None:
+        """A worker joins (or rejoins after an eviction): it holds a lease from now on."""
         with self._cond:
             self.check_worker_id(worker_id)
             self._workers.add(worker_id)
+            self._last_seen[worker_id] = time.monotonic()
+            if worker_id in self._evicted:
+                self._evicted.discard(worker_id)
+                log.warning("shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,
+                            self.worker_clocks.get(worker_id, -1) + 1)
+                self._live_changed()
+
+    def touch(self, worker_id: int) -> None:
+        """The worker is alive (any Push, Pull or Heartbeat renews its lease)."""
+        with self._cond:
+            if worker_id in self._workers:
+                self._last_seen[worker_id] = time.monotonic()
+
+    def live_workers(self) -> set[int]:
+        """Workers that count for barriers and SSP clocks: all of the job's but the evicted."""
+        return set(range(self._num_workers or 0)) - self._evicted
+
+    def _live_changed(self) -> None:
+        if isinstance(self._policy, BarrierPolicy):
+            for update in self._policy.set_expected(self.live_workers()):
+                self._apply(update)
+        self._cond.notify_all()
+
+    def evict_expired(self, now: float | None = None) -> list[int]:
+        """Evict registered workers whose lease expired; barriers complete with the live ones."""
+        now = time.monotonic() if now is None else now
+        with self._cond:
+            expired = [w for w in sorted(self._workers) if now - self._last_seen.get(w, now) > self.lease_s]
+            for w in expired:
+                self._workers.discard(w)
+                self._evicted.add(w)
+                self.evictions_total += 1
+                log.warning("shard %d: evicted worker %d: no Push, Pull or Heartbeat for %.1fs (lease %.1fs); "
+                            "steps now complete with workers %s", self.shard_index, w,
+                            now - self._last_seen.get(w, now), self.lease_s, sorted(self.live_workers()))
+            if expired:
+                self._live_changed()
+            return expired
+
+    def start_reaper(self) -> None:
+        """Check leases in the background, a few times per lease."""
+        if self._reaper is not None or self.lease_s <= 0:
+            return
+
+        def loop() -> None:
+            while not self._stop_reaper.wait(max(0.05, self.lease_s / 4)):
+                self.evict_expired()
+
+        self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_index}-leases", daemon=True)
+        self._reaper.start()
 
     def check_worker_id(self, worker_id: int) -> None:
         if self._num_workers is None:
@@ -275,6 +335,11 @@ class ShardStore:
             )
 
     def _check_registered(self, worker_id: int) -> None:
+        if worker_id in self._evicted:
+            raise FailedPrecondition(
+                f"worker {worker_id} was evicted from shard {self.shard_index} (its lease of {self.lease_s:.1f}s "
+                f"expired): register again to rejoin"
+            )
         if worker_id not in self._workers:
             raise FailedPrecondition(
                 f"worker {worker_id} is not registered on shard {self.shard_index} "
@@ -401,6 +466,7 @@ class ShardStore:
             raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
         with self._cond:
             self._check_registered(worker_id)
+            self._last_seen[worker_id] = time.monotonic()
             if step < 0:
                 raise InvalidArgument(f"step must be >= 0, got {step}")
             if not 0 <= base_version <= self.version:
@@ -538,7 +604,8 @@ class ShardStore:
             return self._clocks()
 
     def _clocks(self) -> dict[int, int]:
-        return {w: self.worker_clocks.get(w, -1) + 1 for w in range(self._num_workers or 0)}
+        """Clocks of the live workers (evicted ones do not hold SSP back)."""
+        return {w: self.worker_clocks.get(w, -1) + 1 for w in sorted(self.live_workers())}
 
     def wait_clock(self, min_clock: int, timeout: float) -> int:
         """Block until every worker's clock is >= ``min_clock`` (SSP); return the slowest clock."""
@@ -577,6 +644,8 @@ class ShardStore:
                 self._apply(update)
             old = self._sync
             self._sync, self._policy = spec, make_policy(spec, self._num_workers, self._recycle)
+            if isinstance(self._policy, BarrierPolicy):
+                self._policy.expected = self.live_workers()
             self.sync_switches_total += 1
             self._cond.notify_all()
         log.info("shard %d: sync %s -> %s", self.shard_index, old, spec)
@@ -715,6 +784,7 @@ class ShardStore:
 
     def close(self) -> None:
         """Shutting down: waits in progress end with UNAVAILABLE, new requests are refused."""
+        self._stop_reaper.set()
         with self._cond:
             self.closing = True
             self._cond.notify_all()
@@ -760,7 +830,7 @@ class ShardStore:
                       "scale": sc.scale, "growth_tracker": sc.growth_tracker}
         meta = {
             "num_shards": self.num_shards, "sync": str(self._sync) if self._sync else None,
-            "num_workers": self._num_workers, "workers": sorted(self._workers),
+            "num_workers": self._num_workers, "workers": sorted(self._workers), "evicted": sorted(self._evicted),
             "worker_clocks": {str(w): c for w, c in self.worker_clocks.items()},
             "scaler": scaler, "remedy": str(self.remedy), "tensors": specs, "pending": pending,
             "counters": {k: getattr(self, k) for k in _COUNTERS},
@@ -794,6 +864,9 @@ class ShardStore:
         with self._cond:
             self._tensors = entries
             self._workers = set(meta["workers"])
+            self._evicted = set(meta.get("evicted", []))
+            now = time.monotonic()
+            self._last_seen = {w: now for w in self._workers}  # a fresh lease after a restart
             self.worker_clocks = {int(w): c for w, c in meta["worker_clocks"].items()}
             self._num_workers = meta["num_workers"]
             self._sync = SyncSpec.parse(meta["sync"]) if meta["sync"] else None
@@ -812,6 +885,8 @@ class ShardStore:
                 counts = {(names[i], st): c for i, st, c in pending["counts"]}
                 held = [Contribution(w, s_, b, f) for w, s_, b, f in pending["contributions"]]
                 self._policy.restore(sums, counts, held, pending["rounds"])
+            if isinstance(self._policy, BarrierPolicy):
+                self._policy.expected = self.live_workers()
             for k, v in meta["counters"].items():
                 setattr(self, k, v)
             self.staleness_counts = Counter({int(k): v for k, v in meta["staleness_counts"].items()})
@@ -856,6 +931,8 @@ class ShardStore:
                 "sync": str(self._sync) if self._sync else "",
                 "num_workers": self._num_workers or 0,
                 "registered_workers": sorted(self._workers),
+                "evicted_workers": sorted(self._evicted),
+                "evictions_total": self.evictions_total,
                 "tensors": tensors,
                 "pushes_total": self.pushes_total,
                 "applied_updates_total": self.applied_updates_total,

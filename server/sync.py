@@ -88,6 +88,7 @@ class BarrierPolicy(SyncPolicy):
         self.spec = spec or SyncSpec("bsp")
         self._release = release  # takes back a gradient buffer once it is summed in
         self.num_workers = num_workers
+        self.expected: set[int] = set(range(num_workers))  # live workers: a round needs each of them
         self.rounds = 0  # completed rounds
         self._sum: Grads = {}
         self._counts: dict[PartKey, int] = {}
@@ -108,8 +109,15 @@ class BarrierPolicy(SyncPolicy):
         self._sum, self._counts, self._pending, self.rounds = dict(sums), dict(counts), list(pending), rounds
 
     def waiting_on(self) -> str:
-        missing = sorted(set(range(self.num_workers)) - set(self.pending_workers))
+        missing = sorted(self.expected - set(self.pending_workers))
         return f"round {self.rounds} has gradients from workers {self.pending_workers}, missing {missing}"
+
+    def set_expected(self, live: set[int]) -> list[Update]:
+        """The live workers changed (an eviction, a rejoin): the round may be complete now."""
+        self.expected = set(live)
+        if self._pending and self.expected <= set(self.pending_workers):
+            return self.flush()
+        return []
 
     def offer(self, c: Contribution, grads: Grads) -> list[Update]:
         held = next((p for p in self._pending if p.worker_id == c.worker_id), None)
@@ -128,7 +136,7 @@ class BarrierPolicy(SyncPolicy):
                     self._release(key, g)
             self._counts[key] = self._counts.get(key, 0) + 1
         self._pending.append(c)
-        if len(self._pending) < self.num_workers:
+        if not self.expected <= set(self.pending_workers):
             return []
         return self.flush()
 

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write checkpoints here and restore the newest complete one on start "
                         "(env SHARDPS_CHECKPOINT_DIR)")
     s.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N versions (steps)")
+    s.add_argument("--lease-seconds", type=float, default=10.0,
+                   help="evict a worker silent for this long; barriers then complete without it (default 10)")
     s.add_argument("--checkpoint-seconds", type=float, default=0.0,
                    help="checkpoint at the first step after every T seconds")
     _security_flags(s)
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           torch_threads=args.torch_threads, security=security_from(args),
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                          checkpoint_seconds=args.checkpoint_seconds)
+                          checkpoint_seconds=args.checkpoint_seconds, lease_s=args.lease_seconds)
     if args.command == "worker":
         from shardps.examples.digits import main_worker
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -116,6 +117,9 @@ class PSClient:
         self.loss_scale = 0.0  # the scale the shards want next (0: loss scaling is off)
         self.slowest_clock = 0  # the lowest worker clock seen by the last pull (ssp)
         self.clock = 0  # steps this worker had pushed when it registered
+        self.lease_s = 0.0  # the job's worker lease (0: none)
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
 
     @property
     def num_shards(self) -> int:
@@ -268,6 +272,7 @@ class PSClient:
         self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
         self.loss_scale = responses[0].loss_scale
         self.clock = max(r.worker_clock for r in responses)
+        self.lease_s = max(r.lease_seconds for r in responses)
         return created
 
     def attach(self) -> None:
@@ -475,7 +480,31 @@ class PSClient:
         res = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
         return [stats_to_dict(r) for r in res]
 
+    def start_heartbeats(self, interval: float | None = None) -> None:
+        """Renew this worker's lease on every shard in the background (every lease / 3 by default).
+
+        Push and Pull renew it too; heartbeats keep a worker that computes
+        for longer than its lease from being evicted.
+        """
+        if self._hb_thread is not None or not self.lease_s:
+            return
+        every = interval or self.lease_s / 3
+
+        def loop() -> None:
+            while not self._hb_stop.wait(every):
+                for i, stub in enumerate(self._stubs):
+                    try:
+                        stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every)
+                    except grpc.RpcError as e:  # the data path reports failures; here only log them
+                        log.debug("heartbeat to shard %d failed: %s", i, e.code())
+
+        self._hb_thread = threading.Thread(target=loop, name=f"worker{self.worker_id}-heartbeat", daemon=True)
+        self._hb_thread.start()
+
     def close(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=10)
         self._pool.shutdown(wait=True)
         for c in self._channels:
             c.close()
@@ -540,6 +569,8 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         "loss_scale": float(r.loss_scale),
         "sync_switches_total": int(r.sync_switches_total),
         "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
+        "evicted_workers": list(r.evicted_workers),
+        "evictions_total": int(r.evictions_total),
     }
     for key in _COUNTERS:
         out[key] = int(getattr(r, key))

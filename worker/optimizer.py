@@ -16,13 +16,20 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import grpc
 import torch
 from torch import nn
 
 from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
-from shardps.worker.client import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice, PSClient, PushResult
+from shardps.worker.client import (
+    DEFAULT_MAX_WHOLE_BYTES,
+    OptimizerChoice,
+    PSClient,
+    PushResult,
+    ShardError,
+)
 from shardps.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("shardps.worker")
@@ -70,10 +77,19 @@ class DistributedOptimizer:
         self._last_step_end: float | None = None
         self.sync_history: list[str] = []  # the mode each sync round ran under
         scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
-        client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
-                        loss_scaling=scaling, max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy)
-        client.pull(out=self.params)
-        self.round = client.clock  # a worker (re)joining a running job goes on from its clock
+        self._register = lambda: client.register(
+            self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype, loss_scaling=scaling,
+            max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy)
+        self.rejoins = 0
+        self._join()
+        client.start_heartbeats()
+
+    def _join(self) -> None:
+        """Register (idempotent), pull the current weights and go on from this worker's clock."""
+        self._register()
+        self.client.pull(out=self.params)
+        self.round = self.client.clock  # a worker (re)joining a running job goes on from its clock
+        self._acc, self._acc_steps = {}, 0
         self._follow()
 
     def _follow(self) -> None:
@@ -128,8 +144,18 @@ class DistributedOptimizer:
         mode = self.sync
         bases = list(self.client.versions)
         t0 = time.perf_counter()
-        self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
-                                          loss_scale=self.client.loss_scale)
+        try:
+            self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
+                                              loss_scale=self.client.loss_scale)
+        except ShardError as e:
+            if e.code != grpc.StatusCode.FAILED_PRECONDITION or "was evicted" not in e.details:
+                raise
+            # Our lease expired (we were too slow, or cut off): the others went on without us.
+            # Rejoin with the current weights; this step's gradient is too stale to keep.
+            log.warning("worker %d: %s; rejoining", self.client.worker_id, e.details)
+            self.rejoins += 1
+            self._join()
+            return loss
         t1 = time.perf_counter()
         self.pushes += 1
         self.round += 1
