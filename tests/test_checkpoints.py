@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
+import grpc
 import torch
 from torch import nn
 
@@ -76,3 +78,28 @@ def test_ctl_checkpoint_without_a_directory_is_a_clear_error(cluster2):
                            "checkpoint"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "FAILED_PRECONDITION" in proc.stderr and "--checkpoint-dir" in proc.stderr
+
+
+def test_sigterm_ends_waiting_rpcs_with_unavailable_checkpoints_and_exits_0(make_cluster, tmp_path):
+    cluster = make_cluster(1, processes=True, checkpoint_dir=str(tmp_path))
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=2, recovery_timeout=0) as client:
+        client.register({"w": torch.zeros(8)}, shardps.optim.SGD(), sync="bsp")
+        client.push({"w": torch.ones(8)}, step=0)  # worker 1 never comes: the round stays open
+        errors = []
+
+        def wait_for_round():
+            try:
+                client.pull(min_versions=1)
+            except shardps.ShardError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=wait_for_round)
+        t.start()  # parked in the server's barrier wait, or (if SIGTERM wins the race) refused: UNAVAILABLE both ways
+        proc = cluster._procs[0]
+        proc.terminate()
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert proc.wait(timeout=30) == 0
+    assert errors and errors[0].code == grpc.StatusCode.UNAVAILABLE, errors
+    c = ck.latest(tmp_path, 0)
+    assert c is not None and c.meta["pending"]["contributions"][0][:2] == [0, 0]  # the held gradient is kept
