@@ -105,7 +105,8 @@ class LocalCluster:
                     store = ShardStore(i, self.num_servers, lease_s=self.lease_s)
                     if self.checkpoint_dir:
                         store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every)
-                        store.restore_latest()
+                        if store.restore_latest() is not None:
+                            store.recovering = True
                     metrics = None
                     if self.metrics:
                         registry = CollectorRegistry()

@@ -52,6 +52,7 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
         store.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
         restored = store.restore_latest()
         if restored is not None:
+            store.recovering = True  # data RPCs answer ABORTED until the job rolls back consistently
             log.warning("shard %d: restored from checkpoint at version %d in %s", shard_index, restored,
                         checkpoint_dir)
     metrics = endpoint = None

@@ -33,3 +33,9 @@ class DeadlineExceeded(StoreError):
 
 class Unavailable(StoreError):
     code = "UNAVAILABLE"
+
+
+class Aborted(StoreError):
+    """The job was rolled back (or this shard restarted): resync and redo from the rollback step."""
+
+    code = "ABORTED"

@@ -95,6 +95,10 @@ class StoreCollector(Collector):
                     sum(t["optimizer_state_bytes"] for t in st["tensors"]))
         yield gauge("shardps_live_workers", "Workers registered and live on this shard.",
                     len(st["registered_workers"]))
+        yield gauge("shardps_waiting_pulls", "Pulls parked in a barrier, SSP or version wait right now.",
+                    st["waiting_pulls"])
+        yield counter("shardps_evictions_total", "Workers evicted because their lease expired.",
+                      st["evictions_total"])
         yield gauge("shardps_loss_scale", "Current dynamic loss scale (0: loss scaling off).", st["loss_scale"])
         mode = GaugeMetricFamily("shardps_sync_mode", "The job's sync mode (1 for the mode in force).",
                                  labels=["shard", "sync"])

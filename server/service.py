@@ -162,7 +162,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.RegisterResponse(
             version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
             sync=str(sync), created=created, loss_scale=store.loss_scale,
-            worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1, lease_seconds=store.lease_s)
+            worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1, lease_seconds=store.lease_s,
+            epoch=store.epoch)
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
@@ -183,7 +184,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 )
             asm.add(req.chunk)
         res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes,
-                           found_inf=first.found_inf, loss_scale=first.loss_scale)
+                           found_inf=first.found_inf, loss_scale=first.loss_scale, epoch=first.epoch)
         return ps_pb2.PushResponse(version=res.version, applied=res.applied, duplicate=res.duplicate,
                                    sync=str(store.sync or ""), loss_scale=res.loss_scale,
                                    ready_version=res.ready_version)
@@ -192,6 +193,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request: ps_pb2.PullRequest,
              context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
         store = self.store
+        store.check_epoch(request.epoch)
         store.touch(request.worker_id)
         names = list(request.names) or store.names()
         for n in names:
@@ -212,7 +214,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         t0 = time.monotonic()
         slowest = 0
         if request.min_version > store.version:
-            store.wait_version(request.min_version, timeout)
+            store.wait_version(request.min_version, timeout, request.epoch)
         if request.min_clock > 0:
             slowest = store.wait_clock(request.min_clock, max(0.0, timeout - (time.monotonic() - t0)))
         waited = time.monotonic() - t0
@@ -257,6 +259,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.HeartbeatResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()))
 
     @_unary_errors
+    def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
+        version, epoch = self.store.rollback(request.version, request.epoch)
+        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
+
+    @_unary_errors
     def Checkpoint(self, request: ps_pb2.CheckpointRequest,
                    context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
         path = self.store.checkpoint_now()
@@ -290,7 +297,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             skipped_steps_total=s["skipped_steps_total"], loss_scale=s["loss_scale"],
             duplicate_pushes_total=s["duplicate_pushes_total"],
             sync_switches_total=s["sync_switches_total"], checkpoint_versions=s["checkpoint_versions"],
-            evicted_workers=s["evicted_workers"], evictions_total=s["evictions_total"])
+            evicted_workers=s["evicted_workers"], evictions_total=s["evictions_total"], epoch=s["epoch"],
+            recovering=s["recovering"], waiting_pulls=s["waiting_pulls"])
 
 
 class _HandlerRecorder:

@@ -27,6 +27,7 @@ from shardps.protos.optim import OptimizerSpec
 from shardps.protos.syncspec import SyncSpec
 from shardps.server import checkpoint
 from shardps.server.errors import (
+    Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -196,6 +197,9 @@ class ShardStore:
         self._ckpt_lock = threading.Lock()
         self.checkpoints_total = 0
         self.closing = False
+        self.waiting = 0  # Pulls parked in a barrier/SSP/version wait right now
+        self.epoch = 0  # rollbacks of the job so far
+        self.recovering = False  # restarted from a checkpoint: data RPCs wait for the job's rollback
         self.exchange = ExchangeTable()
         self.peers = PeerChannels()
         self.exchange_timeout_s = exchange_timeout_s
@@ -451,7 +455,8 @@ class ShardStore:
     # -- the data path ------------------------------------------------------
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Grads,
-               nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0) -> PushResult:
+               nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
+               epoch: int | None = None) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
@@ -465,6 +470,7 @@ class ShardStore:
         if not (loss_scale == 0.0 or (math.isfinite(loss_scale) and loss_scale > 0)):
             raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
         with self._cond:
+            self.check_epoch(epoch)
             self._check_registered(worker_id)
             self._last_seen[worker_id] = time.monotonic()
             if step < 0:
@@ -487,6 +493,7 @@ class ShardStore:
         # Unscale and check outside the lock: the buffers are this request's own.
         found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
         with self._cond:
+            self.check_epoch(epoch)
             assert self._policy is not None  # registered workers imply a job
             last = self.worker_clocks.get(worker_id, -1)
             if step <= last:  # a retry of a push already taken in
@@ -585,12 +592,34 @@ class ShardStore:
         self.version += 1
         return not skip
 
-    def wait_version(self, min_version: int, timeout: float) -> int:
+    def check_epoch(self, epoch: int | None) -> None:
+        """ABORTED when the job was rolled back since the worker's epoch, or this shard awaits it."""
+        if self.recovering:
+            raise Aborted(f"shard {self.shard_index} restarted from its checkpoint at version {self.version}: "
+                          f"the job must roll back to a checkpoint all shards hold "
+                          f"(versions here: {self.checkpoint_versions()})")
+        if epoch is not None and epoch != self.epoch:
+            raise Aborted(f"the job was rolled back (shard {self.shard_index} is in epoch {self.epoch}, "
+                          f"the request in {epoch}): resync")
+
+    def wait_version(self, min_version: int, timeout: float, epoch: int | None = None) -> int:
         """Block until the shard reaches ``min_version``; return the version then."""
         with self._cond:
-            if self._cond.wait_for(lambda: self.version >= min_version or self.closing, timeout):
+            start_epoch = self.epoch
+
+            def done() -> bool:
+                return self.version >= min_version or self.closing or self.epoch != start_epoch
+
+            self.waiting += 1
+            try:
+                ok = self._cond.wait_for(done, timeout)
+            finally:
+                self.waiting -= 1
+                self._cond.notify_all()
+            if ok:
                 if self.closing:
                     raise Unavailable(f"shard {self.shard_index} is shutting down")
+                self.check_epoch(start_epoch if epoch is None else epoch)
                 return self.version
             waiting = self._policy.waiting_on() if self._policy else "no job configured"
             raise DeadlineExceeded(
@@ -614,9 +643,18 @@ class ShardStore:
                 c = self._clocks()
                 return min(c.values()) if c else 0
 
-            if self._cond.wait_for(lambda: slowest() >= min_clock or self.closing, timeout):
+            start_epoch = self.epoch
+            self.waiting += 1
+            try:
+                ok = self._cond.wait_for(lambda: slowest() >= min_clock or self.closing or self.epoch != start_epoch,
+                                         timeout)
+            finally:
+                self.waiting -= 1
+                self._cond.notify_all()
+            if ok:
                 if self.closing:
                     raise Unavailable(f"shard {self.shard_index} is shutting down")
+                self.check_epoch(start_epoch)
                 return slowest()
             behind = {w: c for w, c in self._clocks().items() if c < min_clock}
             raise DeadlineExceeded(
@@ -771,6 +809,30 @@ class ShardStore:
     def checkpoint_versions(self) -> list[int]:
         return checkpoint.list_versions(self._ckpt_dir, self.shard_index) if self._ckpt_dir else []
 
+    def rollback(self, version: int, epoch: int) -> tuple[int, int]:
+        """Restore the checkpoint at ``version`` and enter ``epoch`` (no-op if already there).
+
+        Waits in progress end with ABORTED, so their workers resync too.
+        """
+        with self._ckpt_lock:
+            if epoch <= self.epoch and not self.recovering:
+                return self.version, self.epoch
+            if not self._ckpt_dir:
+                raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory")
+            try:
+                c = checkpoint.load(self._ckpt_dir, self.shard_index, version)
+            except ValueError as e:
+                raise FailedPrecondition(f"shard {self.shard_index} cannot roll back to version {version}: {e} "
+                                         f"(checkpoints: {self.checkpoint_versions()})") from None
+            self.restore(c.version, c.meta, c.tensors())
+            with self._cond:
+                self.epoch = max(epoch, self.epoch + 1)
+                self.recovering = False
+                self._ckpt_version = c.version
+                self._cond.notify_all()
+        log.warning("shard %d: rolled back to version %d, epoch %d", self.shard_index, version, self.epoch)
+        return self.version, self.epoch
+
     def restore_latest(self, at_most: int | None = None) -> int | None:
         """Restore the newest complete checkpoint (at or below ``at_most``); its version, or None."""
         if not self._ckpt_dir:
@@ -788,6 +850,7 @@ class ShardStore:
         with self._cond:
             self.closing = True
             self._cond.notify_all()
+            self._cond.wait_for(lambda: self.waiting == 0, timeout=5.0)  # parked waits have left
 
     def snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
         """Everything needed to restore this shard: (version, JSON-able meta, tensors).
@@ -832,7 +895,7 @@ class ShardStore:
             "num_shards": self.num_shards, "sync": str(self._sync) if self._sync else None,
             "num_workers": self._num_workers, "workers": sorted(self._workers), "evicted": sorted(self._evicted),
             "worker_clocks": {str(w): c for w, c in self.worker_clocks.items()},
-            "scaler": scaler, "remedy": str(self.remedy), "tensors": specs, "pending": pending,
+            "scaler": scaler, "remedy": str(self.remedy), "epoch": self.epoch, "tensors": specs, "pending": pending,
             "counters": {k: getattr(self, k) for k in _COUNTERS},
             "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
         }
@@ -891,6 +954,7 @@ class ShardStore:
                 setattr(self, k, v)
             self.staleness_counts = Counter({int(k): v for k, v in meta["staleness_counts"].items()})
             self.version = version
+            self.epoch = max(self.epoch, meta.get("epoch", 0))
             self._stale_weights = {}
             for e in entries.values():
                 if e.spec.split:
@@ -933,6 +997,9 @@ class ShardStore:
                 "registered_workers": sorted(self._workers),
                 "evicted_workers": sorted(self._evicted),
                 "evictions_total": self.evictions_total,
+                "epoch": self.epoch,
+                "recovering": self.recovering,
+                "waiting_pulls": self.waiting,
                 "tensors": tensors,
                 "pushes_total": self.pushes_total,
                 "applied_updates_total": self.applied_updates_total,

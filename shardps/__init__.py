@@ -11,7 +11,7 @@ from shardps import optim
 from shardps.deploy.local import LocalCluster
 from shardps.protos.amp import LossScaling
 from shardps.worker.client import PSClient, PushResult, ShardError, connect
-from shardps.worker.optimizer import DistributedOptimizer
+from shardps.worker.optimizer import DistributedOptimizer, RolledBack
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "LossScaling",
     "PSClient",
     "PushResult",
+    "RolledBack",
     "ShardError",
     "connect",
     "optim",

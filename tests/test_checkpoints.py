@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +59,9 @@ def test_sigterm_checkpoints_and_a_restart_restores_everything(make_cluster, tmp
     again = make_cluster(2, processes=True, checkpoint_dir=str(tmp_path))
     with shardps.connect(again.addresses) as client:
         client.attach()
+        with pytest.raises(shardps.ShardError, match="restarted from its checkpoint at version 7"):
+            client.pull()  # restored shards wait for the job to agree on a version
+        assert client.recover() == 7  # all hold 7: every shard rolls back to it (epoch 1); worker 0 goes on at 7
         after = client.pull()
         stats_after = client.stats()
     for n in before:
@@ -64,6 +69,7 @@ def test_sigterm_checkpoints_and_a_restart_restores_everything(make_cluster, tmp
         assert torch.equal(after[n], weights[n]), n
     for a, b in zip(stats_before, stats_after):
         for key in ("version", "sync", "worker_clocks", "registered_workers", "gradients_applied_total"):
+            assert b["epoch"] == 1
             assert a[key] == b[key], key
     # The exactly-once bookkeeping came back too: training continues from step 7 on both shards.
     _train(again.addresses, 3, start=7)
@@ -94,7 +100,12 @@ def test_sigterm_ends_waiting_rpcs_with_unavailable_checkpoints_and_exits_0(make
                 errors.append(e)
 
         t = threading.Thread(target=wait_for_round)
-        t.start()  # parked in the server's barrier wait, or (if SIGTERM wins the race) refused: UNAVAILABLE both ways
+        t.start()
+        with shardps.connect(cluster.addresses, recovery_timeout=0) as watch:
+            deadline = time.monotonic() + 30
+            while watch.stats()[0]["waiting_pulls"] == 0:  # until the Pull is parked in the barrier wait
+                assert time.monotonic() < deadline
+                time.sleep(0.02)  # polling another process
         proc = cluster._procs[0]
         proc.terminate()
         t.join(timeout=30)

@@ -118,6 +118,7 @@ class PSClient:
         self.slowest_clock = 0  # the lowest worker clock seen by the last pull (ssp)
         self.clock = 0  # steps this worker had pushed when it registered
         self.lease_s = 0.0  # the job's worker lease (0: none)
+        self.epoch = 0  # the job's rollback epoch this client is in
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -273,6 +274,7 @@ class PSClient:
         self.loss_scale = responses[0].loss_scale
         self.clock = max(r.worker_clock for r in responses)
         self.lease_s = max(r.lease_seconds for r in responses)
+        self.epoch = max(r.epoch for r in responses)
         return created
 
     def attach(self) -> None:
@@ -294,6 +296,7 @@ class PSClient:
         self.layouts = layouts
         self.sync = stats[0].sync
         self.loss_scale = stats[0].loss_scale
+        self.epoch = max(s.epoch for s in stats)
 
     # -- data path ----------------------------------------------------------
 
@@ -325,7 +328,7 @@ class PSClient:
             # Serialized PushRequests, the data copied once from the gradient (framing.py).
             prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
                                             base_version=bases[shard], found_inf=found_inf,
-                                            loss_scale=loss_scale)
+                                            loss_scale=loss_scale, epoch=self.epoch)
             sent = False
             for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
                 flat = flats.get(p.name)
@@ -388,7 +391,7 @@ class PSClient:
         def fetch(shard: int) -> int:
             req = ps_pb2.PullRequest(worker_id=self.worker_id, names=owners[shard],
                                      min_version=mins[shard], dtype=wire, chunk_bytes=self.chunk_bytes,  # type: ignore[arg-type]
-                                     min_clock=min_clock)
+                                     min_clock=min_clock, epoch=self.epoch)
             version = -1
             with torch.no_grad():
                 # chunk.data is a view of the received message: decode copies nothing,
@@ -462,6 +465,34 @@ class PSClient:
                 else:
                     entry["optimizer"].setdefault(start, {})[key] = t
         return out
+
+    def recover(self) -> int:
+        """After an ABORTED answer: bring every shard to one rollback epoch; return our next step.
+
+        If a shard restarted from its checkpoint (it says ``recovering``), or
+        the shards are in different epochs (a rollback in progress), every
+        shard rolls back to the newest checkpoint version that all of them
+        hold. Idempotent: workers may do this concurrently. Then this client
+        takes the shards' epoch, versions and its own clock.
+        """
+        stats = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+        epochs = [s.epoch for s in stats]
+        recovering = any(s.recovering for s in stats)
+        if recovering or len(set(epochs)) > 1:
+            common = set.intersection(*(set(s.checkpoint_versions) for s in stats))
+            if not common:
+                held = {i: list(s.checkpoint_versions) for i, s in enumerate(stats)}
+                raise RuntimeError(f"cannot recover: no checkpoint version is held by every shard ({held})")
+            version, epoch = max(common), max(epochs) + (1 if recovering else 0)
+            log.warning("worker %d: rolling the job back to version %d (epoch %d)", self.worker_id, version, epoch)
+            self._each(lambda i: self._stubs[i].Rollback(ps_pb2.RollbackRequest(version=version, epoch=epoch),
+                                                         timeout=self.timeout))
+            stats = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+        self.epoch = max(s.epoch for s in stats)
+        self.versions = [s.version for s in stats]
+        self.sync = stats[0].sync or self.sync
+        self.loss_scale = stats[0].loss_scale
+        return max(s.worker_clocks.get(self.worker_id, -1) for s in stats) + 1
 
     def checkpoint(self) -> list[tuple[int, str]]:
         """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
@@ -571,6 +602,9 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
         "evicted_workers": list(r.evicted_workers),
         "evictions_total": int(r.evictions_total),
+        "epoch": int(r.epoch),
+        "recovering": bool(r.recovering),
+        "waiting_pulls": int(r.waiting_pulls),
     }
     for key in _COUNTERS:
         out[key] = int(getattr(r, key))

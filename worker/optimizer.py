@@ -35,6 +35,26 @@ from shardps.worker.metrics import WorkerMetrics
 log = logging.getLogger("shardps.worker")
 
 
+class RolledBack(Exception):
+    """The job was rolled back to a checkpoint: redo training from optimizer step ``step``.
+
+    The model already holds the weights of that step. Catch it in the
+    training loop and move the data back::
+
+        step = 0
+        while step < total:
+            try:
+                train_one_step(step)   # forward, backward, opt.step()
+                step += 1
+            except shardps.RolledBack as e:
+                step = e.step
+    """
+
+    def __init__(self, step: int, worker_id: int) -> None:
+        super().__init__(f"worker {worker_id}: the job rolled back; go on from step {step}")
+        self.step = step
+
+
 class DistributedOptimizer:
     """Push gradients, pull weights, under a sync mode; optimizer state on the servers.
 
@@ -81,16 +101,34 @@ class DistributedOptimizer:
             self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype, loss_scaling=scaling,
             max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy)
         self.rejoins = 0
+        self.rollbacks = 0
         self._join()
         client.start_heartbeats()
 
     def _join(self) -> None:
         """Register (idempotent), pull the current weights and go on from this worker's clock."""
         self._register()
-        self.client.pull(out=self.params)
         self.round = self.client.clock  # a worker (re)joining a running job goes on from its clock
+        try:
+            self.client.pull(out=self.params)
+        except ShardError as e:
+            if e.code != grpc.StatusCode.ABORTED:
+                raise
+            self.round = self.client.recover()  # joining a job whose shards restarted
+            self.client.pull(out=self.params)
         self._acc, self._acc_steps = {}, 0
+        self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
         self._follow()
+
+    def _recover(self) -> RolledBack:
+        """The job rolled back: resync weights and clock; the exception to raise to the loop."""
+        self.round = self.client.recover()
+        self.client.pull(out=self.params)
+        self._acc, self._acc_steps = {}, 0
+        self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
+        self.rollbacks += 1
+        self._follow()
+        return RolledBack(self.local_steps, self.client.worker_id)
 
     def _follow(self) -> None:
         """Adopt the job's sync mode as the servers report it (it can be switched live)."""
@@ -148,6 +186,8 @@ class DistributedOptimizer:
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                               loss_scale=self.client.loss_scale)
         except ShardError as e:
+            if e.code == grpc.StatusCode.ABORTED:
+                raise self._recover() from None
             if e.code != grpc.StatusCode.FAILED_PRECONDITION or "was evicted" not in e.details:
                 raise
             # Our lease expired (we were too slow, or cut off): the others went on without us.
@@ -166,7 +206,12 @@ class DistributedOptimizer:
         # worker to be within S clocks.
         mins = [r.ready_version for r in self.last_push]
         min_clock = self.round - self.sync.staleness if self.sync.bounded else 0
-        self.client.pull(out=self.params, min_versions=mins, min_clock=max(0, min_clock))
+        try:
+            self.client.pull(out=self.params, min_versions=mins, min_clock=max(0, min_clock))
+        except ShardError as e:
+            if e.code != grpc.StatusCode.ABORTED:
+                raise
+            raise self._recover() from None
         self._follow()
         if self.metrics is not None:
             now = time.perf_counter()

@@ -82,6 +82,11 @@ class ParameterServerStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/shardps.v1.ParameterServer/Rollback',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -144,6 +149,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollback(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +202,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +455,33 @@ class ParameterServer:
             '/shardps.v1.ParameterServer/Heartbeat',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/Rollback',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
             options,
             channel_credentials,
             insecure,

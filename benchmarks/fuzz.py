@@ -1,0 +1,314 @@
+#!/usr/bin/env python
+"""Fuzz a live shardps job with 10,000+ malformed and random requests.
+
+The generators and the rules are tests/fuzzgen.py's (tests/test_fuzz.py
+runs ~300 of the same cases under hypothesis): random and damaged Push,
+Register, Pull, PullState, Exchange, SetSync and Stats requests, and raw
+bytes that may not be protobuf at all, sent one at a time to a job of
+``--workers`` registered workers that have pushed ``--steps`` valid steps
+each. Every Push, and every Register that could create a tensor, carries at
+least one deliberate defect, so no case may change the shards' state.
+
+Reported: cases sent, answers per status code and per kind of case, the
+known bugs hit (fuzzgen.KNOWN_BUGS) and any violation (a status outside
+fuzzgen.REFUSALS such as UNKNOWN or INTERNAL that no known bug explains, a
+success where a refusal was due, an exception the server logged, a state
+change), whether the servers still serve, whether their state is unchanged
+and a valid pull gives the weights of before, and the elapsed time.
+
+State checks: with in-process servers (the default) after every case; with
+``--processes`` (each shard its own ``shardps server``) from the outside,
+every ``--check-every`` cases. A state change is reported with the case (and
+the one before it, whose stream the server may still have been handling),
+then the fuzzer re-reads the shards' state and goes on.
+
+``--avoid-known-bugs`` keeps the generators away from the known bugs (as the
+test does); raw bytes that are not protobuf still get gRPC's INTERNAL
+(known bug malformed-protobuf).
+
+Exit status: 0 clean; 2 known bugs hit, nothing else; 1 a violation, a
+server down or state changed by something no known bug explains.
+
+    .venv/bin/python benchmarks/fuzz.py --cases 10000 [--seed 0] [--processes] [--shards 2 --sync bsp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.fuzzgen
+
+import grpc  # noqa: E402
+
+import shardps  # noqa: E402
+from tests import fuzzgen  # noqa: E402
+
+_CLUSTERS: list[shardps.LocalCluster] = []  # for the watchdog's last resort
+
+
+def _log(args: argparse.Namespace, msg: str) -> None:
+    if not args.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.monotonic()
+    codes: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    codes_by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    verdicts: collections.Counter[str] = collections.Counter()
+    known: collections.Counter[str] = collections.Counter()
+    known_examples: dict[str, str] = {}
+    violations: list[dict[str, Any]] = []
+    state_changes: list[dict[str, Any]] = []
+    n_violations = 0
+    seconds_by_kind: collections.Counter[str] = collections.Counter()
+
+    def violation(i: int, reason: str, case: fuzzgen.Case | None) -> None:
+        nonlocal n_violations
+        n_violations += 1
+        if len(violations) < args.keep:
+            violations.append({"case": i, "reason": reason, "request": repr(case)[:3000] if case else None})
+        _log(args, f"VIOLATION at case {i}: {reason}")
+
+    cluster = shardps.LocalCluster(args.shards, processes=args.processes, startup_timeout=args.startup_timeout)
+    _CLUSTERS.append(cluster)
+    server_log = None
+    stack = contextlib.ExitStack()
+    stack.callback(cluster.stop)
+    if args.processes:  # the servers' stderr (gRPC logs a failing handler's traceback there) goes to a file
+        server_log = tempfile.NamedTemporaryFile("w+", prefix="shardps-fuzz-servers-", suffix=".log", delete=False)
+        saved = os.dup(2)
+        os.dup2(server_log.fileno(), 2)
+        try:
+            cluster.start()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    else:
+        cluster.start()
+    with stack, fuzzgen.capture_server_errors() as errors, fuzzgen.Fuzzer(cluster.addresses) as fz:
+        _log(args, f"fuzz.py: {args.shards} shard(s) {'as processes' if args.processes else 'in process'}, "
+                   f"sync {args.sync}, {args.workers} workers; {args.cases} cases, seed {args.seed}")
+        weights = fuzzgen.prepare_job(cluster.addresses, args.sync, num_workers=args.workers, steps=args.steps,
+                                      timeout=args.rpc_timeout)
+        target = fz.describe()
+        first_fp = baseline_fp = fz.fingerprint(args.rpc_timeout)
+        local = fuzzgen.local_state(cluster.stores) if cluster.stores else None
+        src = fuzzgen.RandomSource(random.Random(args.seed))
+        prev: fuzzgen.Case | None = None
+        checked_at = 0
+        t0 = time.monotonic()
+
+        def state_changed(i: int, case: fuzzgen.Case, suspects: list[fuzzgen.Case | None]) -> None:
+            nonlocal target, baseline_fp, local
+            culprits = [c for c in suspects if c is not None and c.malformed and c.method in fuzzgen.CLIENT_STREAM]
+            bug = "malformed-stream-prefix-applied" if culprits else None
+            entry = {"case": i, "known_bug": bug,
+                     "request": repr(culprits[-1] if culprits else case)[:3000]}
+            state_changes.append(entry)
+            if bug:
+                known[bug] += 1
+                known_examples.setdefault(bug, entry["request"])
+                _log(args, f"state changed at case {i}: known bug {bug}")
+            else:
+                violation(i, "the shards' state changed", case)
+            time.sleep(0.05)  # let a still-running handler finish before the state is read again
+            target = fz.describe()
+            baseline_fp = fz.fingerprint(args.rpc_timeout)
+            local = fuzzgen.local_state(cluster.stores) if cluster.stores else None
+
+        for i in range(1, args.cases + 1):
+            case = fuzzgen.make_case(src, target, avoid_known_bugs=args.avoid_known_bugs)
+            mark = len(errors.records)
+            out = fz.send(case)
+            v = fuzzgen.judge(case, out, errors.since(mark) if cluster.stores else ())
+            codes[out.code] += 1
+            kinds[case.kind] += 1
+            codes_by_kind[case.kind][out.code] += 1
+            seconds_by_kind[case.kind] += out.seconds
+            verdicts[v.kind] += 1
+            if v.kind == "known" and v.bug is not None:
+                known[v.bug] += 1
+                known_examples.setdefault(v.bug, repr(case)[:3000])
+            elif v.kind == "violation":
+                violation(i, v.reason, case)
+            if cluster.stores:
+                if fuzzgen.local_state(cluster.stores) != local:
+                    state_changed(i, case, [prev, case])
+            elif i - checked_at >= args.check_every or i == args.cases:
+                if fz.fingerprint(args.rpc_timeout) != baseline_fp:
+                    state_changed(i, case, [case])
+                checked_at = i
+            prev = case
+            if i % args.progress_every == 0 or i == args.cases:
+                el = time.monotonic() - t0
+                top = ", ".join(f"{k} {n}" for k, n in codes.most_common())
+                _log(args, f"[{i}/{args.cases}] {el:.1f}s ({i / el:.0f} cases/s): {top}; "
+                           f"violations {n_violations}, known bugs {sum(known.values())}")
+        elapsed = time.monotonic() - t0
+        time.sleep(0.1)
+        final_fp = fz.fingerprint(args.rpc_timeout)
+        up = fuzzgen.serving(cluster.addresses)
+        try:
+            pulled = fuzzgen.pull_all(cluster.addresses, timeout=args.rpc_timeout)
+            pull_ok, same = True, fuzzgen.same_weights(pulled, weights)
+        except (grpc.RpcError, shardps.ShardError) as e:
+            pull_ok, same = False, False
+            violation(args.cases, f"a valid pull failed at the end: {e}", None)
+        alive = all(p.poll() is None for p in getattr(cluster, "_procs", []))
+    logged: collections.Counter[str] = collections.Counter()
+    if server_log is not None:
+        server_log.flush()
+        with open(server_log.name, errors="replace") as f:
+            lines = [line.strip() for line in f]
+        server_log.close()
+        for line in lines:
+            m = re.search(r"(Exception calling application: .{0,80}|Exception deserializing message!)", line)
+            if m:
+                logged[m.group(1)] += 1
+        unexplained = [m for m in logged if not any(re.search(pat, m) for pat in fuzzgen.LOG_PATTERNS.values())]
+        for msg in unexplained:
+            violation(args.cases, f"a server logged an exception no known bug explains: {msg}", None)
+        if not unexplained:
+            os.unlink(server_log.name)
+            server_log = None
+    else:
+        for msg in errors.records:
+            logged[msg.splitlines()[0][:120]] += 1
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__,
+                    "platform": platform.platform()},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "json")},
+        "cases": args.cases,
+        "elapsed_s": round(elapsed, 2),
+        "total_s": round(time.monotonic() - t_start, 2),
+        "cases_per_s": round(args.cases / elapsed, 1) if elapsed else None,
+        "status_codes": dict(codes.most_common()),
+        "kinds": dict(kinds.most_common()),
+        "status_codes_by_kind": {k: dict(c.most_common()) for k, c in sorted(codes_by_kind.items())},
+        "seconds_by_kind": {k: round(s, 2) for k, s in seconds_by_kind.most_common()},
+        "verdicts": dict(verdicts),
+        "unknown_or_internal": codes["UNKNOWN"] + codes["INTERNAL"],
+        "known_bugs": dict(known.most_common()),
+        "known_bug_examples": known_examples,
+        "server_logged_exceptions": dict(logged.most_common()),
+        "server_log": server_log.name if server_log is not None else None,  # kept when it shows something new
+        "violations": n_violations,
+        "violation_examples": violations,
+        "state_changes": state_changes,
+        "state_unchanged": not state_changes and final_fp == first_fp,
+        "final_state_equals_last_baseline": final_fp == baseline_fp,
+        "serving": up and alive,
+        "valid_pull_ok": pull_ok,
+        "weights_unchanged": same,
+    }
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = [f"fuzz.py {res['date']}: {res['cases']} cases in {res['elapsed_s']} s "
+             f"({res['cases_per_s']} cases/s), seed {res['settings']['seed']}, "
+             f"{res['settings']['shards']} shard(s) {'as processes' if res['settings']['processes'] else 'in process'}, "
+             f"sync {res['settings']['sync']}, avoid known bugs: {res['settings']['avoid_known_bugs']}", "",
+             "status code           count"]
+    for code, n in res["status_codes"].items():
+        lines.append(f"  {code:<20}{n:>6}")
+    lines += ["", "kind        cases  seconds  status codes"]
+    for kind, n in res["kinds"].items():
+        by = ", ".join(f"{c} {k}" for c, k in res["status_codes_by_kind"][kind].items())
+        lines.append(f"  {kind:<10}{n:>6}  {res['seconds_by_kind'].get(kind, 0):>7}  {by}")
+    lines += ["", f"UNKNOWN or INTERNAL answers: {res['unknown_or_internal']}"]
+    for bug, n in res["known_bugs"].items():
+        lines.append(f"  known bug {bug}: {n}  ({fuzzgen.KNOWN_BUGS[bug].summary})")
+    lines.append(f"exceptions the servers logged: {sum(res['server_logged_exceptions'].values())}")
+    for msg, n in res["server_logged_exceptions"].items():
+        lines.append(f"  {n:>6}  {msg}")
+    lines.append(f"violations: {res['violations']}")
+    for v in res["violation_examples"]:
+        lines.append(f"  case {v['case']}: {v['reason']}\n    {(v['request'] or '')[:800]}")
+    lines.append(f"state changes: {len(res['state_changes'])} "
+                 f"({', '.join(str(s['known_bug'] or 'UNEXPLAINED') for s in res['state_changes'][:10])})")
+    lines.append(f"state unchanged: {res['state_unchanged']}; servers serving: {res['serving']}; "
+                 f"valid pull: {res['valid_pull_ok']}, weights as before: {res['weights_unchanged']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", type=int, default=10000, help="cases to send (default 10000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")
+    p.add_argument("--shards", type=int, default=1, help="servers in the job (default 1)")
+    p.add_argument("--sync", default="asp", help="the job's sync mode (default asp)")
+    p.add_argument("--workers", type=int, default=2, help="registered workers (default 2)")
+    p.add_argument("--steps", type=int, default=2, help="valid steps each worker pushes first (default 2)")
+    p.add_argument("--processes", action="store_true", help="run each shard as a `shardps server` process")
+    p.add_argument("--avoid-known-bugs", action="store_true", help="keep the generators away from KNOWN_BUGS")
+    p.add_argument("--check-every", type=int, default=250,
+                   help="with --processes: compare the state every N cases (default 250)")
+    p.add_argument("--progress-every", type=int, default=1000, help="a progress line every N cases (default 1000)")
+    p.add_argument("--keep", type=int, default=20, help="violations kept in the report (default 20)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of the set-up and check RPCs (default 30)")
+    p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for servers to come up (default 60)")
+    p.add_argument("--max-seconds", type=float, default=1800.0,
+                   help="watchdog: abort the whole run after this many seconds (default 1800)")
+    args = p.parse_args(argv)
+    if args.cases < 1 or args.shards < 1 or args.workers < 1 or args.steps < 0 or args.check_every < 1 \
+            or args.progress_every < 1:
+        p.error("need --cases, --shards, --workers, --check-every, --progress-every >= 1 and --steps >= 0")
+
+    # SIGTERM and the watchdog unwind through the LocalCluster's `with`, which stops the servers.
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if done.wait(args.max_seconds):
+            return
+        print(f"fuzz.py: over --max-seconds {args.max_seconds:.0f}s, aborting", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not done.wait(30):  # the unwinding hung: kill the server processes (own sessions) ourselves
+            for c in _CLUSTERS:
+                for proc in getattr(c, "_procs", []):
+                    if proc.poll() is None:
+                        proc.kill()
+            os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        res = run(args)
+    except KeyboardInterrupt as e:
+        print(f"fuzz.py: interrupted ({e})", file=sys.stderr)
+        return 130
+    finally:
+        done.set()
+    print(json.dumps(res, indent=2) if args.json else report(res))
+    unexplained = res["violations"] or not res["serving"] or not res["valid_pull_ok"] \
+        or any(s["known_bug"] is None for s in res["state_changes"]) \
+        or (not res["state_changes"] and not res["state_unchanged"])
+    if unexplained:
+        return 1
+    return 2 if res["known_bugs"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
