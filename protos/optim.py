@@ -216,13 +216,18 @@ def spec_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
     cls = SPECS.get(msg.name)
     if cls is None:
         raise ValueError(f"unknown optimizer {msg.name!r}; known: {sorted(SPECS)}")
+    if len(msg.params_json) > 10_000:
+        raise ValueError(f"{msg.name}: params_json of {len(msg.params_json)} characters is too long (10000 at most)")
     try:
         params = json.loads(msg.params_json) if msg.params_json else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{msg.name}: params_json is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{msg.name}: params_json is not valid JSON: {type(e).__name__}") from None
     if not isinstance(params, dict):
         raise ValueError(f"{msg.name}: params_json must be a JSON object, got {type(params).__name__}")
-    return cls.from_params(params)
+    try:
+        return cls.from_params(params)
+    except (OverflowError, TypeError, RecursionError) as e:
+        raise ValueError(f"{msg.name}: bad hyperparameters: {type(e).__name__}: {e}") from None
 
 
 def spec_from_name(name: str, **params: Any) -> OptimizerSpec:

@@ -14,9 +14,12 @@ import torch
 
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.server.errors import InvalidArgument
+from shardps.server.errors import InvalidArgument, ResourceExhausted
 from shardps.server.store import TensorSpec, fmt_shape
 from shardps.server.sync import PartKey
+
+#: Largest part (in elements) a shard accepts: 16 GiB of fp32.
+MAX_PART_ELEMENTS = 1 << 32
 
 
 class ChunkAssembler:
@@ -39,6 +42,7 @@ class ChunkAssembler:
         self._stops: dict[str, dict[int, int]] = {}
         self._buffers: dict[PartKey, torch.Tensor] = {}
         self._covered: dict[PartKey, list[tuple[int, int]]] = {}
+        self.all_finite = True  # gradients: no inf/nan in any chunk so far
         self.nbytes = 0
 
     def add(self, chunk: ps_pb2.Chunk) -> None:
@@ -81,9 +85,17 @@ class ChunkAssembler:
         key = (name, start)
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._alloc(key, part - start)
+            if part - start > MAX_PART_ELEMENTS:
+                raise ResourceExhausted(f"tensor {name!r}: part [{start}, {part}) of {part - start} elements is "
+                                        f"over the {MAX_PART_ELEMENTS} a shard takes")
+            try:
+                buf = self._alloc(key, part - start)
+            except RuntimeError as e:  # the allocation failed: out of memory
+                raise ResourceExhausted(f"tensor {name!r}: cannot allocate {part - start} elements: {e}") from None
             self._buffers[key] = buf
             self._covered[key] = []
+        if self._gradient and self.all_finite and not codec.all_finite(values):
+            self.all_finite = False  # checked while the chunk is in cache, not in a pass of its own later
         buf[a - start : a - start + n].copy_(values)
         self._covered[key].append((a, a + n))
         self.nbytes += len(chunk.data)

@@ -42,15 +42,55 @@ def _status_code(err: StoreError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
 
 
+MAX_DETAILS = 2000  # error messages echo request fields: keep them well under gRPC's metadata limits
+
+
+class Malformed:
+    """What the request deserializers hand over for bytes that do not parse (never an exception:
+    gRPC would answer INTERNAL, and in a stream silently stop, applying what came before)."""
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.message = f"{method}: the request does not parse as a protobuf message: {error}"
+
+
+def _safe_deserializer(method: str, deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure becomes INVALID_ARGUMENT in the handler
+            return Malformed(method, e)
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    """The request, or for a stream an iterator that refuses malformed messages as they come."""
+    if isinstance(request, Malformed):
+        raise InvalidArgument(request.message)
+    if hasattr(request, "__next__"):
+        def messages() -> Iterator[Any]:
+            for m in request:
+                if isinstance(m, Malformed):
+                    raise InvalidArgument(m.message)
+                yield m
+        return messages()
+    return request
+
+
+def _details(e: StoreError) -> str:
+    text = str(e)
+    return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 20] + " ... (truncated)"
+
+
 def _unary_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(self, request, context)
+            return fn(self, _checked(request), context)
         except StoreError as e:
             if self.metrics is not None:
                 self.metrics.rpc_error(fn.__name__, e.code)
-            context.abort(_status_code(e), str(e))
+            context.abort(_status_code(e), _details(e))
 
     return wrapper  # type: ignore[return-value]
 
@@ -59,11 +99,11 @@ def _stream_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from fn(self, request, context)
+            yield from fn(self, _checked(request), context)
         except StoreError as e:
             if self.metrics is not None:
                 self.metrics.rpc_error(fn.__name__, e.code)
-            context.abort(_status_code(e), str(e))
+            context.abort(_status_code(e), _details(e))
 
     return wrapper  # type: ignore[return-value]
 
@@ -184,7 +224,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 )
             asm.add(req.chunk)
         res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes,
-                           found_inf=first.found_inf, loss_scale=first.loss_scale, epoch=first.epoch)
+                           found_inf=first.found_inf or not asm.all_finite, loss_scale=first.loss_scale,
+                           epoch=first.epoch, checked=True)
         return ps_pb2.PushResponse(version=res.version, applied=res.applied, duplicate=res.duplicate,
                                    sync=str(store.sync or ""), loss_scale=res.loss_scale,
                                    ready_version=res.ready_version)
@@ -331,6 +372,8 @@ def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None
     handlers = recorder.handlers
     handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)  # type: ignore[attr-defined]
     handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)  # type: ignore[attr-defined]
+    for name, h in list(handlers.items()):
+        handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

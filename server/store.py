@@ -456,11 +456,12 @@ class ShardStore:
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Grads,
                nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
-               epoch: int | None = None) -> PushResult:
+               epoch: int | None = None, checked: bool = False) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
-        and modify. A gradient computed with a loss scale is unscaled here
+        and modify (``checked``: the caller has already set ``found_inf`` for
+        any inf/nan in them). A gradient computed with a loss scale is unscaled here
         (x 1/loss_scale in fp32). An optimizer step any of whose gradients
         had an inf/nan (flagged by the worker or found here) is skipped on
         every shard alike, and the loss scale backs off. Raises (changing
@@ -490,8 +491,10 @@ class ShardStore:
                         f"tensor {name!r}: gradient for part [{part.start}, {part.stop}) has "
                         f"{g.numel()} elements, expected {part.weight.numel()}"
                     )
-        # Unscale and check outside the lock: the buffers are this request's own.
-        found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
+        # Unscale and check outside the lock: the buffers are this request's own. ``checked``:
+        # the caller already looked at every value (the Push assembly does, chunk by chunk).
+        if loss_scale or not checked:
+            found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
         with self._cond:
             self.check_epoch(epoch)
             assert self._policy is not None  # registered workers imply a job

@@ -144,3 +144,17 @@ def test_duplicate_push_is_acknowledged_once(setup):
     r2 = push(stub, chunk(), chunk(name="b", n=5, shape=(5,)))
     assert not r1.duplicate and r2.duplicate
     assert store.state_hash() == before and store.pushes_total == 2 and store.duplicate_pushes_total == 1
+
+
+def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_skipped(make_cluster):
+    cluster = make_cluster(1)
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client:
+        client.register({"w": torch.ones(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+    store = cluster.stores[0]
+    bad = torch.ones(6)
+    bad[3] = float("nan")
+    with grpc.insecure_channel(cluster.addresses[0]) as ch:
+        stub = ps_pb2_grpc.ParameterServerStub(ch)
+        r = push(stub, chunk(n=6, shape=(6,), data=bad.numpy().tobytes()))  # found_inf not set
+    assert r.version == 1 and not r.applied
+    assert store.skipped_steps_total == 1 and torch.equal(store.weights("w")[0], torch.ones(6))
