@@ -94,6 +94,9 @@ class TensorSpec:
             raise InvalidArgument("tensor spec without a name")
         if any(d < 0 for d in self.shape):
             raise InvalidArgument(f"tensor {n!r}: negative dimension in shape {fmt_shape(self.shape)}")
+        if len(self.shape) > 16 or self.numel >= 1 << 48:
+            raise InvalidArgument(f"tensor {n!r}: shape {fmt_shape(self.shape)[:200]} is beyond what a shard "
+                                  f"holds (at most 16 dims and 2**48 elements)")
         try:
             codec.to_torch_dtype(self.dtype)
             codec.to_torch_dtype(self.push_dtype)

@@ -158,3 +158,18 @@ def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_sk
         r = push(stub, chunk(n=6, shape=(6,), data=bad.numpy().tobytes()))  # found_inf not set
     assert r.version == 1 and not r.applied
     assert store.skipped_steps_total == 1 and torch.equal(store.weights("w")[0], torch.ones(6))
+
+
+def test_shapes_beyond_int64_element_counts_are_refused(make_cluster):
+    # Found by the fuzzer: (2**62, 2**62) with a one-element part used to be accepted.
+    cluster = make_cluster(1)
+    with grpc.insecure_channel(cluster.addresses[0]) as ch:
+        stub = ps_pb2_grpc.ParameterServerStub(ch)
+        spec = ps_pb2.TensorSpec(name="huge", shape=[2**62, 2**62], dtype=ps_pb2.FLOAT32,
+                                 optimizer=shardps.optim.SGD().to_proto(), parts=[ps_pb2.Part(start=0, stop=1)])
+        req = ps_pb2.RegisterRequest(worker_id=0, num_workers=1, sync="asp", tensors=[spec], provides_values=True,
+                                     chunk=ps_pb2.Chunk(name="huge", offset=0, dtype=ps_pb2.FLOAT32, data=b"\0" * 4))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(iter([req]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'huge'" in err.value.details()
+    assert cluster.stores[0].names() == []
