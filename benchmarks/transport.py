@@ -150,17 +150,10 @@ class RawServers:
             raise
 
     def stop(self, grace: float = 5.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=grace)
-            if p.stdout is not None:
-                p.stdout.close()
+        # Imported here: the raw-server children import no torch.
+        from shardps.deploy.local import stop_processes
+
+        stop_processes(self.procs, grace)
         self.procs = []
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from shardps.deploy.local import LocalCluster
+from shardps.deploy.local import LocalCluster, stop_processes
 from shardps.worker.client import connect
 
 
@@ -49,18 +49,6 @@ def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[s
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         results.append(json.loads(lines[-1]))
     return results
-
-
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=5)
 
 
 def _require_matplotlib() -> None:
@@ -120,7 +108,7 @@ def run_demo(args: Any) -> int:
             try:
                 results = _run_workers(cluster.addresses, args, procs)
             finally:
-                _stop(procs)  # workers first, then the servers (leaving the with block)
+                stop_processes(procs)  # workers first, then the servers (leaving the with block)
             test_acc = evaluate(cluster.addresses, seed=args.seed)
             if args.plot:
                 with connect(cluster.addresses) as client:

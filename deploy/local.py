@@ -59,6 +59,21 @@ def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
             return line[len(READY_PREFIX):].strip()
 
 
+def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 5.0) -> None:
+    """SIGTERM every process, wait up to ``grace`` seconds each, then SIGKILL; close their stdout."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=grace)
+        if p.stdout is not None and not p.stdout.closed:
+            p.stdout.close()
+
+
 def parse_ready(rest: str) -> tuple[str, str | None]:
     """(gRPC address, metrics address or None) from a ready line's text after the prefix."""
     words = rest.split()
@@ -160,17 +175,7 @@ class LocalCluster:
         for e in self._endpoints:
             e.close()
         self._endpoints = []
-        for p in self._procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self._procs:
-            try:
-                p.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=grace)
-            if p.stdout is not None:
-                p.stdout.close()
+        stop_processes(self._procs, grace)
         self._servers, self._procs = [], []
 
     def __enter__(self) -> LocalCluster:
