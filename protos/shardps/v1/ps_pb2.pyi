@@ -103,7 +103,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class RegisterResponse(_message.Message):
     WORKER_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     num_shards: int
@@ -122,7 +123,8 @@ class RegisterResponse(_message.Message):
     worker_clock: int
     lease_seconds: float
     epoch: int
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    backup: str
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("version", "epoch")
@@ -293,7 +295,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +334,11 @@ class StatsResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECOVERING_FIELD_NUMBER: _ClassVar[int]
     WAITING_PULLS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_OPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_LAG_OPS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -356,7 +363,12 @@ class StatsResponse(_message.Message):
     epoch: int
     recovering: bool
     waiting_pulls: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ...) -> None: ...
+    role: str
+    backup: str
+    replica_state: str
+    replicated_ops_total: int
+    replication_lag_ops: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
@@ -369,3 +381,61 @@ class CheckpointResponse(_message.Message):
     version: int
     path: str
     def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("seq", "op", "args_json", "tensors", "shard_index", "num_shards", "primary")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    op: str
+    args_json: str
+    tensors: bytes
+    shard_index: int
+    num_shards: int
+    primary: str
+    def __init__(self, seq: _Optional[int] = ..., op: _Optional[str] = ..., args_json: _Optional[str] = ..., tensors: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., primary: _Optional[str] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("seq", "version")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    version: int
+    def __init__(self, seq: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PromoteRequest(_message.Message):
+    __slots__ = ("reason", "force")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    force: bool
+    def __init__(self, reason: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class PromoteResponse(_message.Message):
+    __slots__ = ("shard_index", "version", "epoch")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    version: int
+    epoch: int
+    def __init__(self, shard_index: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class AttachReplicaRequest(_message.Message):
+    __slots__ = ("address", "timeout_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    timeout_seconds: float
+    def __init__(self, address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class AttachReplicaResponse(_message.Message):
+    __slots__ = ("replica_state",)
+    REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
+    replica_state: str
+    def __init__(self, replica_state: _Optional[str] = ...) -> None: ...

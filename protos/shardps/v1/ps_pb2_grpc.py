@@ -87,6 +87,21 @@ class ParameterServerStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/shardps.v1.ParameterServer/Replicate',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/shardps.v1.ParameterServer/Promote',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
+                _registered_method=True)
+        self.AttachReplica = channel.unary_unary(
+                '/shardps.v1.ParameterServer/AttachReplica',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -155,6 +170,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Promote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +240,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.SerializeToString,
+            ),
+            'AttachReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachReplica,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +530,87 @@ class ParameterServer:
             '/shardps.v1.ParameterServer/Rollback',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shardps.v1.ParameterServer/Replicate',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Promote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/Promote',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/AttachReplica',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,
