@@ -3,6 +3,12 @@
 Prints ``shardps server listening on HOST:PORT`` on stdout once it serves
 (what LocalCluster waits for), and stops on SIGTERM or SIGINT: health goes
 NOT_SERVING, in-flight RPCs get a grace period, the process exits 0.
+
+With ``--replicas 2`` the process also serves, on ``--replica-port``, the
+backup of the previous shard (shard i-1 mod N: each server backs up its
+neighbour); the ready line then ends with ``replica HOST:PORT``. Its own
+shard forwards every change to ``--replica-target`` (the next server's
+replica port), or to where ``shardps ctl attach-replica`` points it later.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -34,13 +41,32 @@ def default_torch_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+def check_replicas(replicas: int, num_shards: int, replica_target: str | None) -> None:
+    """ValueError for a replication setting that cannot work."""
+    if replicas not in (1, 2):
+        raise ValueError(f"--replicas must be 1 or 2, got {replicas}")
+    if replicas == 2 and num_shards < 2:
+        raise ValueError("--replicas 2 needs at least 2 servers (--num-shards): the backup lives on another one")
+    if replica_target and replicas != 2:
+        raise ValueError("--replica-target needs --replicas 2")
+
+
+def advertised(host: str, port: int) -> str:
+    """How other servers reach this one: HOST:PORT, the machine's name for a wildcard bind."""
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, num_shards: int = 1,
                sync: str | None = None, num_workers: int | None = None,
                chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
                grace_s: float = 5.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
                torch_threads: int | None = None, security: Security | None = None,
                checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-               checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S) -> int:
+               checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S, replicas: int = 1,
+               replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None) -> int:
+    check_replicas(replicas, num_shards, replica_target)
     torch.set_num_threads(torch_threads or default_torch_threads())
     security = security or Security()
     if host not in LOOPBACK and not (security.tls and security.token):
@@ -55,13 +81,28 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
             store.recovering = True  # data RPCs answer ABORTED until the job rolls back consistently
             log.warning("shard %d: restored from checkpoint at version %d in %s", shard_index, restored,
                         checkpoint_dir)
+    backup = None
+    if replicas == 2:  # this process keeps the copy of the previous shard
+        backup = ShardStore((shard_index - 1) % num_shards, num_shards, lease_s=lease_s, role="backup")
+        if checkpoint_dir:  # used once it takes over
+            backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
     metrics = endpoint = None
     if metrics_port is not None:
         registry = CollectorRegistry()
-        metrics = ServerMetrics(store, registry)
+        metrics = ServerMetrics(store, registry, backups=[backup] if backup else [])
         endpoint = serve_metrics(registry, metrics_host, metrics_port)
     server, bound = create_server(store, f"{host}:{port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
                                   metrics=metrics, security=security)
+    servers = [server]
+    store.address = advertise or advertised(host, bound)  # what its backup checks before taking over
+    extra = f" metrics {endpoint.address}" if endpoint is not None else ""
+    if backup is not None:
+        backup_server, backup_port = create_server(backup, f"{host}:{replica_port}", max_wait_s=max_wait_s,
+                                                   chunk_bytes=chunk_bytes, security=security)
+        servers.append(backup_server)
+        extra += f" replica {host}:{backup_port}"
+        if replica_target:
+            store.attach_replica(replica_target)  # the sender retries until the backup answers
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -69,21 +110,28 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
             return
         stopping.set()
         log.info("shard %d: signal %d, shutting down", shard_index, signum)
-        for svc in ("", SERVICE_NAME):
-            server.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
-        store.close()  # waits in progress end with UNAVAILABLE; new requests are refused
-        server.stop(grace_s)
+        for srv in servers:
+            for svc in ("", SERVICE_NAME):
+                srv.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+        for st in (store, backup):
+            if st is not None:
+                st.close()  # waits in progress end with UNAVAILABLE; new requests are refused
+        for srv in servers:
+            srv.stop(grace_s)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    extra = f" metrics {endpoint.address}" if endpoint is not None else ""
     print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards}){extra}", flush=True)
-    server.wait_for_termination()
+    for srv in servers:
+        srv.wait_for_termination()
     if checkpoint_dir and stopping.is_set():
-        path = store.checkpoint_now()
-        log.warning("shard %d: checkpoint on shutdown at version %d: %s", shard_index, store.version, path)
+        for st in (store, backup):
+            if st is not None and st.role == "primary":
+                path = st.checkpoint_now()
+                log.warning("shard %d: checkpoint on shutdown at version %d: %s", st.shard_index, st.version, path)
     if endpoint is not None:
         endpoint.close()
+    store.stop_replication()
     store.peers.close()
     log.info("shard %d: stopped at version %d", shard_index, store.version)
     return 0

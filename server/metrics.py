@@ -10,7 +10,8 @@ sample carries the label ``shard``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -38,80 +39,104 @@ def staleness_buckets(counts: dict[int, int]) -> tuple[list[tuple[str, float]], 
 
 
 class StoreCollector(Collector):
-    """Reads the store at scrape time."""
+    """Reads the stores at scrape time: the server's own shard, and a backup it holds once that took over."""
 
-    def __init__(self, store: ShardStore) -> None:
+    def __init__(self, store: ShardStore, backups: Sequence[ShardStore] = ()) -> None:
         self.store = store
+        self.backups = list(backups)
 
     def collect(self) -> Iterator[Metric]:
-        st = self.store.stats()
-        clocks = self.store.clocks()
-        shard = str(st["shard_index"])
+        serving = [st for st in [self.store, *self.backups] if st.role == "primary"] or [self.store]
+        snaps = [(str(st.shard_index), st.stats(), st.clocks()) for st in serving]
         lab = ["shard"]
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(name, doc, labels=lab)
-            m.add_metric([shard], value)
+        def family(kind: type, name: str, doc: str, value: Callable[[dict[str, Any], dict[int, int]], float]) -> Metric:
+            m = kind(name, doc, labels=lab)
+            for shard, st, clocks in snaps:
+                m.add_metric([shard], value(st, clocks))
             return m
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            m = GaugeMetricFamily(name, doc, labels=lab)
-            m.add_metric([shard], value)
-            return m
+        def counter(name: str, doc: str, key: str) -> Metric:
+            return family(CounterMetricFamily, name, doc, lambda st, _: st[key])
+
+        def gauge(name: str, doc: str, value: Callable[[dict[str, Any], dict[int, int]], float]) -> Metric:
+            return family(GaugeMetricFamily, name, doc, value)
 
         h = HistogramMetricFamily(
             "shardps_gradient_staleness_steps",
             "Staleness of each gradient taken in: shard version at apply minus the version it was computed from.",
             labels=lab)
-        buckets, total = staleness_buckets(st["staleness_counts"])
-        h.add_metric([shard], buckets, total)
+        for shard, st, _ in snaps:
+            buckets, total = staleness_buckets(st["staleness_counts"])
+            h.add_metric([shard], buckets, total)
         yield h
         wc = GaugeMetricFamily("shardps_worker_clock_steps", "Steps each worker has pushed to this shard.",
                                labels=["shard", "worker"])
-        for w, c in sorted(clocks.items()):
-            wc.add_metric([shard, str(w)], c)
+        for shard, _, clocks in snaps:
+            for w, c in sorted(clocks.items()):
+                wc.add_metric([shard, str(w)], c)
         yield wc
-        gap = (max(clocks.values()) - min(clocks.values())) if clocks else 0
-        yield gauge("shardps_clock_gap_steps", "Fastest minus slowest worker clock on this shard.", gap)
-        yield counter("shardps_pushes_total", "Push RPCs taken in (duplicates included).", st["pushes_total"])
+        yield gauge("shardps_clock_gap_steps", "Fastest minus slowest worker clock on this shard.",
+                    lambda _, c: (max(c.values()) - min(c.values())) if c else 0)
+        yield counter("shardps_pushes_total", "Push RPCs taken in (duplicates included).", "pushes_total")
         yield counter("shardps_duplicate_pushes_total", "Retried pushes acknowledged without applying.",
-                      st["duplicate_pushes_total"])
-        yield counter("shardps_push_bytes_total", "Gradient payload bytes taken in.", st["push_bytes_total"])
-        yield counter("shardps_pulls_total", "Pull RPCs served.", st["pulls_total"])
-        yield counter("shardps_pull_bytes_total", "Weight payload bytes served.", st["pull_bytes_total"])
-        yield counter("shardps_applied_updates_total", "Optimizer steps applied.", st["applied_updates_total"])
+                      "duplicate_pushes_total")
+        yield counter("shardps_push_bytes_total", "Gradient payload bytes taken in.", "push_bytes_total")
+        yield counter("shardps_pulls_total", "Pull RPCs served.", "pulls_total")
+        yield counter("shardps_pull_bytes_total", "Weight payload bytes served.", "pull_bytes_total")
+        yield counter("shardps_applied_updates_total", "Optimizer steps applied.", "applied_updates_total")
         yield counter("shardps_gradients_applied_total", "Worker gradients folded into applied steps.",
-                      st["gradients_applied_total"])
+                      "gradients_applied_total")
         yield counter("shardps_skipped_steps_total", "Steps skipped because a gradient held inf/nan.",
-                      st["skipped_steps_total"])
-        yield counter("shardps_sync_switches_total", "Sync mode switches of the running job.",
-                      st["sync_switches_total"])
+                      "skipped_steps_total")
+        yield counter("shardps_sync_switches_total", "Sync mode switches of the running job.", "sync_switches_total")
         yield gauge("shardps_shard_version", "Optimizer steps this shard has completed (skipped included).",
-                    st["version"])
-        yield gauge("shardps_tensors", "Tensors (with at least one part) held by this shard.", len(st["tensors"]))
+                    lambda st, _: st["version"])
+        yield gauge("shardps_tensors", "Tensors (with at least one part) held by this shard.",
+                    lambda st, _: len(st["tensors"]))
         yield gauge("shardps_weight_bytes", "Bytes of fp32 master weights held.",
-                    sum(t["weight_bytes"] for t in st["tensors"]))
+                    lambda st, _: sum(t["weight_bytes"] for t in st["tensors"]))
         yield gauge("shardps_optimizer_state_bytes", "Bytes of optimizer state held.",
-                    sum(t["optimizer_state_bytes"] for t in st["tensors"]))
+                    lambda st, _: sum(t["optimizer_state_bytes"] for t in st["tensors"]))
         yield gauge("shardps_live_workers", "Workers registered and live on this shard.",
-                    len(st["registered_workers"]))
+                    lambda st, _: len(st["registered_workers"]))
         yield gauge("shardps_waiting_pulls", "Pulls parked in a barrier, SSP or version wait right now.",
-                    st["waiting_pulls"])
-        yield counter("shardps_evictions_total", "Workers evicted because their lease expired.",
-                      st["evictions_total"])
-        yield gauge("shardps_loss_scale", "Current dynamic loss scale (0: loss scaling off).", st["loss_scale"])
+                    lambda st, _: st["waiting_pulls"])
+        yield counter("shardps_evictions_total", "Workers evicted because their lease expired.", "evictions_total")
+        yield gauge("shardps_loss_scale", "Current dynamic loss scale (0: loss scaling off).",
+                    lambda st, _: st["loss_scale"])
         mode = GaugeMetricFamily("shardps_sync_mode", "The job's sync mode (1 for the mode in force).",
                                  labels=["shard", "sync"])
-        mode.add_metric([shard, st["sync"] or "none"], 1)
+        for shard, st, _ in snaps:
+            mode.add_metric([shard, st["sync"] or "none"], 1)
         yield mode
+        rs = GaugeMetricFamily("shardps_replica_state",
+                               "Replication of this shard (--replicas 2): 1 for the state it is in "
+                               "(none, resync, syncing, synced, degraded, deposed).", labels=["shard", "state"])
+        for shard, st, _ in snaps:
+            rs.add_metric([shard, st["replica_state"]], 1)
+        yield rs
+        yield counter("shardps_replicated_ops_total", "State changes the shard's backup has confirmed.",
+                      "replicated_ops_total")
+        yield gauge("shardps_replication_lag_ops", "State changes made but not yet confirmed by the backup.",
+                    lambda st, _: st["replication_lag_ops"])
+        yield counter("shardps_promotions_total", "Times this server's backup of the shard took over serving it.",
+                      "promotions_total")
+        standby = GaugeMetricFamily("shardps_backup_replayed_ops",
+                                    "Backups this server holds and does not serve yet: the last op replayed.",
+                                    labels=["shard"])
+        for b in self.backups:
+            if b.role == "backup":
+                standby.add_metric([str(b.shard_index)], b.replica_seq)
+        yield standby
 
 
 class ServerMetrics:
     """A shard's metrics on ``registry``: the store collector plus event metrics."""
 
-    def __init__(self, store: ShardStore, registry: CollectorRegistry) -> None:
+    def __init__(self, store: ShardStore, registry: CollectorRegistry, backups: Sequence[ShardStore] = ()) -> None:
         self.shard = str(store.shard_index)
-        registry.register(StoreCollector(store))
+        registry.register(StoreCollector(store, backups))
         self.apply_seconds = Histogram(
             "shardps_apply_seconds", "Time to apply one optimizer step to all parts held.",
             ["shard"], registry=registry, buckets=SECONDS_BUCKETS)
@@ -121,6 +146,10 @@ class ServerMetrics:
         self.rpc_errors = Counter(
             "shardps_rpc_errors_total", "RPCs answered with an error status.",
             ["shard", "method", "code"], registry=registry)
+        self.replication_seconds = Histogram(
+            "shardps_replication_wait_seconds",
+            "Time a Push waited for its backup to confirm the change before it was acknowledged (--replicas 2).",
+            ["shard"], registry=registry, buckets=SECONDS_BUCKETS)
         store.on_apply.append(self.apply_seconds.labels(self.shard).observe)
 
     def observe_wait(self, seconds: float, sync: str) -> None:

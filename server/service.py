@@ -25,6 +25,7 @@ from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.errors import InvalidArgument, StoreError
 from shardps.server.exchange import encode_partial
 from shardps.server.metrics import ServerMetrics
+from shardps.server.replication import read_ops
 from shardps.server.scaling import LossScaler
 from shardps.server.store import ShardStore, TensorSpec
 
@@ -165,6 +166,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_unary_errors
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
                  context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
+        self.store.check_serving()
         first = next(request_iterator, None)
         if first is None:
             raise InvalidArgument("Register stream was empty")
@@ -197,17 +199,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             store.wait_for_tensors(by_name, self._timeout(context))
             store.register_tensors(specs, None)
         store.register_worker(first.worker_id)
+        store.replicated()
         log.info("shard %d: worker %d registered (%d tensors, %d created)",
                  store.shard_index, first.worker_id, len(specs), len(created))
         return ps_pb2.RegisterResponse(
             version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
             sync=str(sync), created=created, loss_scale=store.loss_scale,
             worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1, lease_seconds=store.lease_s,
-            epoch=store.epoch)
+            epoch=store.epoch, backup=store.replicator.address if store.replicator else "")
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        self.store.check_serving()
         first = next(request_iterator, None)
         if first is None:
             raise InvalidArgument("Push stream was empty")
@@ -226,6 +230,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes,
                            found_inf=first.found_inf or not asm.all_finite, loss_scale=first.loss_scale,
                            epoch=first.epoch, checked=True)
+        t0 = time.perf_counter()
+        store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
+        if self.metrics is not None and store.replicator is not None:
+            self.metrics.replication_seconds.labels(self.metrics.shard).observe(time.perf_counter() - t0)
         return ps_pb2.PushResponse(version=res.version, applied=res.applied, duplicate=res.duplicate,
                                    sync=str(store.sync or ""), loss_scale=res.loss_scale,
                                    ready_version=res.ready_version)
@@ -234,6 +242,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request: ps_pb2.PullRequest,
              context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
         store = self.store
+        store.check_serving()
         store.check_epoch(request.epoch)
         store.touch(request.worker_id)
         names = list(request.names) or store.names()
@@ -267,6 +276,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # they are (see add_servicer).
         _, messages = store.read(names, wire, chunk_bytes, messages=True, slowest_clock=slowest,
                                  worker_id=request.worker_id)
+        store.replicated()  # workers see only weights the backup holds too (--replicas 2)
         for *_, msg in messages:
             yield msg
 
@@ -274,6 +284,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def PullState(self, request: ps_pb2.PullStateRequest,
                   context: grpc.ServicerContext) -> Iterator[ps_pb2.StateChunk]:
         store = self.store
+        store.check_serving()
         names = list(request.names) or store.names()
         chunk_bytes = request.chunk_bytes or self.chunk_bytes
         try:
@@ -295,24 +306,30 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        self.store.check_serving()
         self.store._check_registered(request.worker_id)  # an evicted worker learns it here
         self.store.touch(request.worker_id)
         return ps_pb2.HeartbeatResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()))
 
     @_unary_errors
     def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
+        self.store.check_serving()
         version, epoch = self.store.rollback(request.version, request.epoch)
+        self.store.replicated()
         return ps_pb2.RollbackResponse(version=version, epoch=epoch)
 
     @_unary_errors
     def Checkpoint(self, request: ps_pb2.CheckpointRequest,
                    context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
+        self.store.check_serving()
         path = self.store.checkpoint_now()
         return ps_pb2.CheckpointResponse(version=self.store.version, path=path)
 
     @_unary_errors
     def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
+        self.store.check_serving()
         spec = self.store.set_sync(request.sync)
+        self.store.replicated()
         return ps_pb2.SetSyncResponse(sync=str(spec), version=self.store.version)
 
     @_unary_errors
@@ -321,6 +338,25 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         key = (request.tensor, request.round, request.tag)
         partial = self.store.exchange.wait(key, self._timeout(context))
         return ps_pb2.ExchangeResponse(partial=encode_partial(partial))
+
+    @_unary_errors
+    def Replicate(self, request_iterator: Iterator[ps_pb2.ReplicateRequest],
+                  context: grpc.ServicerContext) -> ps_pb2.ReplicateResponse:
+        seq, version = self.store.apply_replica(read_ops(request_iterator))
+        return ps_pb2.ReplicateResponse(seq=seq, version=version)
+
+    @_unary_errors
+    def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
+        self.store.promote(request.reason, request.force)
+        return ps_pb2.PromoteResponse(shard_index=self.store.shard_index, version=self.store.version,
+                                      epoch=self.store.epoch)
+
+    @_unary_errors
+    def AttachReplica(self, request: ps_pb2.AttachReplicaRequest,
+                      context: grpc.ServicerContext) -> ps_pb2.AttachReplicaResponse:
+        timeout = min(max(0.0, request.timeout_seconds), self._timeout(context))
+        state = self.store.attach_replica(request.address, timeout)
+        return ps_pb2.AttachReplicaResponse(replica_state=state)
 
     @_unary_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
@@ -339,7 +375,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             duplicate_pushes_total=s["duplicate_pushes_total"],
             sync_switches_total=s["sync_switches_total"], checkpoint_versions=s["checkpoint_versions"],
             evicted_workers=s["evicted_workers"], evictions_total=s["evictions_total"], epoch=s["epoch"],
-            recovering=s["recovering"], waiting_pulls=s["waiting_pulls"])
+            recovering=s["recovering"], waiting_pulls=s["waiting_pulls"], role=s["role"], backup=s["backup"],
+            replica_state=s["replica_state"], replicated_ops_total=s["replicated_ops_total"],
+            replication_lag_ops=s["replication_lag_ops"])
 
 
 class _HandlerRecorder:
@@ -411,6 +449,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()
+    store.address = f"{address.rsplit(':', 1)[0]}:{port}"
     store.start_reaper()
     for svc in ("", SERVICE_NAME):
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)

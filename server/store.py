@@ -32,11 +32,20 @@ from shardps.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    StoreError,
     Unavailable,
 )
 from shardps.server.exchange import ExchangeTable, PeerChannels, PeerReducer
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
 from shardps.server.remedies import Remedy, compensate, lr_factor
+from shardps.server.replication import (
+    DEFAULT_REPLICA_TIMEOUT_S,
+    Deposed,
+    Op,
+    Replicator,
+    pack,
+    primary_serving,
+)
 from shardps.server.scaling import LossScaler, unscale_and_check
 from shardps.server.sync import (
     BarrierPolicy,
@@ -138,6 +147,20 @@ class TensorSpec:
         return "; ".join(out)
 
 
+def spec_to_json(sp: TensorSpec) -> dict[str, Any]:
+    return {"name": sp.name, "shape": list(sp.shape), "dtype": sp.dtype, "grad_dtype": sp.grad_dtype,
+            "optimizer": {"name": sp.optimizer.name, "params": sp.optimizer.params()},
+            "parts": [list(p) for p in sp.parts], "peers": list(sp.peers), "holders": list(sp.holders)}
+
+
+def spec_from_json(d: dict[str, Any]) -> TensorSpec:
+    from shardps.protos.optim import spec_from_name
+
+    return TensorSpec(d["name"], tuple(d["shape"]), d["dtype"],
+                      spec_from_name(d["optimizer"]["name"], **d["optimizer"]["params"]),
+                      tuple(tuple(p) for p in d["parts"]), d["grad_dtype"], tuple(d["peers"]), tuple(d["holders"]))
+
+
 @dataclass
 class PartState:
     start: int
@@ -169,7 +192,9 @@ class ShardStore:
 
     def __init__(self, shard_index: int = 0, num_shards: int = 1, *, sync: str | None = None,
                  num_workers: int | None = None, exchange_timeout_s: float = 60.0,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, role: str = "primary") -> None:
+        if role not in ("primary", "backup"):
+            raise ValueError(f"role must be 'primary' or 'backup', got {role!r}")
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
@@ -221,6 +246,18 @@ class ShardStore:
         self.on_apply: list[Callable[[float], None]] = []  # called with each step's seconds, under the lock
         self.staleness_counts: Counter[int] = Counter()
         self.worker_clocks: dict[int, int] = {}
+        # Replication (server/replication.py). A primary with a backup records every change of its
+        # state into ``replicator``; a backup ("backup" role) replays them and serves after a Promote.
+        self.role = role
+        self.address = ""  # this shard's own address, once served
+        self.replicator: Replicator | None = None
+        self.replica_timeout_s = DEFAULT_REPLICA_TIMEOUT_S
+        self.moved_to = ""  # deposed: the backup that took over
+        self.primary_address = ""  # backup role: the primary it copies
+        self.replica_seq = 0  # backup role: the last op applied
+        self.replica_synced = False
+        self.promotions_total = 0
+        self._replay_lock = threading.Lock()
         if sync is not None or num_workers is not None:
             if sync is None or num_workers is None:
                 raise ValueError("give both sync and num_workers, or neither")
@@ -256,6 +293,8 @@ class ShardStore:
                 self._policy = make_policy(spec, num_workers, self._recycle)
                 self._scaler, self._scaling_config = loss_scaling, scaling
                 self.remedy = rem
+                self._record("configure", {"num_workers": num_workers, "sync": str(spec), "remedy": str(rem),
+                                           "scaling": list(scaling) if scaling else None})
             elif self._num_workers != num_workers:
                 raise FailedPrecondition(
                     f"shard {self.shard_index} runs a job of num_workers={self._num_workers}; "
@@ -283,6 +322,7 @@ class ShardStore:
             self.check_worker_id(worker_id)
             self._workers.add(worker_id)
             self._last_seen[worker_id] = time.monotonic()
+            self._record("register_worker", {"worker": worker_id})
             if worker_id in self._evicted:
                 self._evicted.discard(worker_id)
                 log.warning("shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,
@@ -309,17 +349,24 @@ class ShardStore:
         """Evict registered workers whose lease expired; barriers complete with the live ones."""
         now = time.monotonic() if now is None else now
         with self._cond:
+            if self.role != "primary":  # a backup replays its primary's evictions
+                return []
             expired = [w for w in sorted(self._workers) if now - self._last_seen.get(w, now) > self.lease_s]
-            for w in expired:
-                self._workers.discard(w)
-                self._evicted.add(w)
-                self.evictions_total += 1
-                log.warning("shard %d: evicted worker %d: no Push, Pull or Heartbeat for %.1fs (lease %.1fs); "
-                            "steps now complete with workers %s", self.shard_index, w,
-                            now - self._last_seen.get(w, now), self.lease_s, sorted(self.live_workers()))
-            if expired:
-                self._live_changed()
+            self._evict(expired, now)
             return expired
+
+    def _evict(self, expired: list[int], now: float) -> None:
+        if expired:
+            self._record("evict", {"workers": expired})
+        for w in expired:
+            self._workers.discard(w)
+            self._evicted.add(w)
+            self.evictions_total += 1
+            log.warning("shard %d: evicted worker %d: no Push, Pull or Heartbeat for %.1fs (lease %.1fs); "
+                        "steps now complete with workers %s", self.shard_index, w,
+                        now - self._last_seen.get(w, now), self.lease_s, sorted(self.live_workers()))
+        if expired:
+            self._live_changed()
 
     def start_reaper(self) -> None:
         """Check leases in the background, a few times per lease."""
@@ -332,6 +379,9 @@ class ShardStore:
 
         self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_index}-leases", daemon=True)
         self._reaper.start()
+
+    def stop_reaper(self) -> None:
+        self._stop_reaper.set()
 
     def check_worker_id(self, worker_id: int) -> None:
         if self._num_workers is None:
@@ -393,6 +443,11 @@ class ShardStore:
                                       f"holders {list(s.holders)}")
         with self._cond:
             for s in specs:
+                if s.split and self.replicator is not None:
+                    raise FailedPrecondition(
+                        f"tensor {s.name!r} uses {s.optimizer.name}, whose statistics span the whole tensor, and is "
+                        f"split across shards {list(s.holders)}: shards with a backup (--replicas 2) keep such "
+                        f"tensors whole; pass a larger max_whole_bytes")
                 if s.split and not (self._sync is not None and self._sync.barrier):
                     raise FailedPrecondition(
                         f"tensor {s.name!r} uses {s.optimizer.name}, whose statistics span the whole tensor, "
@@ -440,6 +495,8 @@ class ShardStore:
                 if e.spec.split:
                     self.peers.set_addresses(e.spec.peers)
             if entries:
+                self._record("register_tensors", {"specs": [spec_to_json(e.spec) for e in entries]},
+                             {f"{a}/{e.spec.name}": p.weight.clone() for e in entries for a, p in e.parts.items()})
                 self._cond.notify_all()
             return [e.spec.name for e in entries]
 
@@ -498,6 +555,9 @@ class ShardStore:
         # the caller already looked at every value (the Push assembly does, chunk by chunk).
         if loss_scale or not checked:
             found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
+        # The backup replays the gradient as taken in here (unscaled); packed (copied) before the sync
+        # policy may sum other workers' gradients into these buffers.
+        packed = pack({f"{start}/{name}": g for (name, start), g in grads.items()}) if self.replicator else None
         with self._cond:
             self.check_epoch(epoch)
             assert self._policy is not None  # registered workers imply a job
@@ -513,6 +573,11 @@ class ShardStore:
                     f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
                     f"was {last}: steps go up by one"
                 )
+            if self.replicator is not None:
+                if packed is None:  # a backup was attached in between
+                    packed = pack({f"{start}/{name}": g for (name, start), g in grads.items()})
+                self.replicator.record("submit", {"worker": worker_id, "step": step, "base_version": base_version,
+                                                  "found_inf": found_inf, "nbytes": nbytes}, packed=packed)
             updates = self._policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
             self.pushes_total += 1
             self.push_bytes_total += nbytes
@@ -598,6 +663,12 @@ class ShardStore:
         self.version += 1
         return not skip
 
+    def _check_halted(self) -> None:
+        if self.closing:
+            raise Unavailable(f"shard {self.shard_index} is shutting down")
+        if self.moved_to:
+            raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {self.moved_to}")
+
     def check_epoch(self, epoch: int | None) -> None:
         """ABORTED when the job was rolled back since the worker's epoch, or this shard awaits it."""
         if self.recovering:
@@ -614,7 +685,7 @@ class ShardStore:
             start_epoch = self.epoch
 
             def done() -> bool:
-                return self.version >= min_version or self.closing or self.epoch != start_epoch
+                return self.version >= min_version or self.closing or self.epoch != start_epoch or self.moved_to != ""
 
             self.waiting += 1
             try:
@@ -623,8 +694,7 @@ class ShardStore:
                 self.waiting -= 1
                 self._cond.notify_all()
             if ok:
-                if self.closing:
-                    raise Unavailable(f"shard {self.shard_index} is shutting down")
+                self._check_halted()
                 self.check_epoch(start_epoch if epoch is None else epoch)
                 return self.version
             waiting = self._policy.waiting_on() if self._policy else "no job configured"
@@ -652,14 +722,13 @@ class ShardStore:
             start_epoch = self.epoch
             self.waiting += 1
             try:
-                ok = self._cond.wait_for(lambda: slowest() >= min_clock or self.closing or self.epoch != start_epoch,
-                                         timeout)
+                ok = self._cond.wait_for(lambda: slowest() >= min_clock or self.closing or self.epoch != start_epoch
+                                         or self.moved_to != "", timeout)
             finally:
                 self.waiting -= 1
                 self._cond.notify_all()
             if ok:
-                if self.closing:
-                    raise Unavailable(f"shard {self.shard_index} is shutting down")
+                self._check_halted()
                 self.check_epoch(start_epoch)
                 return slowest()
             behind = {w: c for w, c in self._clocks().items() if c < min_clock}
@@ -684,6 +753,7 @@ class ShardStore:
                     f"shard {self.shard_index} holds tensors split with cross-shard statistics, which "
                     f"need bsp or every:X; cannot switch to {spec}"
                 )
+            self._record("set_sync", {"sync": str(spec)})
             for update in self._policy.flush():
                 self._apply(update)
             old = self._sync
@@ -717,15 +787,7 @@ class ShardStore:
             out = []
             nbytes = 0
             if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self._workers:
-                mine = self._stale_weights.setdefault(worker_id, {})
-                for e in entries:
-                    assert e is not None
-                    for start, part in e.parts.items():
-                        kept = mine.get((e.spec.name, start))
-                        if kept is None:
-                            mine[(e.spec.name, start)] = part.weight.clone()
-                        else:
-                            kept.copy_(part.weight)
+                self._remember_pulled(worker_id, list(names))
             if messages:
                 prefix, suffix = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""),
                                                      slowest_clock)
@@ -753,6 +815,18 @@ class ShardStore:
             self.pulls_total += 1
             return self.version, out
 
+    def _remember_pulled(self, worker_id: int, names: list[str]) -> None:
+        """dc-asgd: keep the weights ``worker_id`` pulled, to compensate its next gradient."""
+        self._record("pulled", {"worker": worker_id, "names": names})
+        mine = self._stale_weights.setdefault(worker_id, {})
+        for n in names:
+            for start, part in self._tensors[n].parts.items():
+                kept = mine.get((n, start))
+                if kept is None:
+                    mine[(n, start)] = part.weight.clone()
+                else:
+                    kept.copy_(part.weight)
+
     def export_state(self, names: Sequence[str]) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
         """A consistent copy of weights and optimizer state: (version, [(name, start, stop, key, tensor)]).
 
@@ -778,6 +852,174 @@ class ShardStore:
             self.spec(name)
             return {s: p.weight.clone() for s, p in self._tensors[name].parts.items()}
 
+    # -- replication (server/replication.py) ----------------------------------
+
+    def _record(self, kind: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Under the lock: a change of state the backup must replay (nothing without a backup)."""
+        if self.replicator is not None:
+            self.replicator.record(kind, args, tensors)
+
+    def _record_snapshot(self) -> None:
+        if self.replicator is not None:
+            version, meta, tensors = self._snapshot()
+            self.replicator.record("snapshot", {"version": version, "meta": meta}, tensors)
+
+    def _replica_snapshot(self) -> None:
+        with self._cond:
+            assert self.replicator is not None
+            self.replicator.begin_sync()
+            self._record_snapshot()
+
+    def attach_replica(self, address: str, timeout: float = 0.0) -> str:
+        """Keep a backup of this shard at ``address`` from now on; the replica state after ``timeout``."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 255:
+            raise InvalidArgument(f"AttachReplica: expected HOST:PORT, got {address[:300]!r}")
+        if address == self.address:
+            raise InvalidArgument(f"AttachReplica: {address} is shard {self.shard_index}'s own address")
+        with self._cond:
+            self.check_serving()
+            split = [n for n, e in self._tensors.items() if e.spec.split]
+            if split:
+                raise FailedPrecondition(f"shard {self.shard_index} holds tensors split with cross-shard statistics "
+                                         f"({split[:3]}), which cannot be replicated; keep them whole")
+            if self.replicator is None:
+                self.replicator = Replicator(self.shard_index, self.num_shards, security=self.peers.security,
+                                             timeout_s=self.replica_timeout_s, primary_address=self.address)
+                self.replicator.on_deposed = self._deposed
+            rep = self.replicator
+        try:
+            rep.attach(address, self._replica_snapshot)
+        except Deposed as e:
+            raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
+        log.info("shard %d: replicating to %s", self.shard_index, address)
+        return rep.wait_synced(timeout) if timeout > 0 else rep.state
+
+    def _deposed(self, address: str) -> None:
+        with self._cond:
+            self.role = "deposed"
+            self.moved_to = address
+            self._cond.notify_all()
+
+    def replicated(self, timeout: float | None = None) -> None:
+        """Block until every change made so far is on the backup (at once without one)."""
+        rep = self.replicator
+        if rep is None:
+            return
+        try:
+            rep.wait(None, 2 * self.replica_timeout_s if timeout is None else timeout)
+        except Deposed as e:
+            self._deposed(e.address)
+            raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
+        except TimeoutError as e:
+            raise Unavailable(str(e)) from None
+
+    def check_serving(self) -> None:
+        """UNAVAILABLE unless this store serves its shard: not a backup, not a deposed primary."""
+        if self.role == "backup":
+            raise Unavailable(f"this is a backup of shard {self.shard_index} (its primary: "
+                              f"{self.primary_address or 'not known yet'}); it serves only after a Promote")
+        if self.role == "deposed":
+            raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {self.moved_to}")
+
+    def apply_replica(self, ops: Iterable[tuple[Any, Op]]) -> tuple[int, int]:
+        """Backup side: replay the primary's ops in order; (last op applied, version).
+
+        FAILED_PRECONDITION once promoted (the sender is deposed); ABORTED
+        when the whole state is needed first (a gap, never synced, a replay
+        that failed).
+        """
+        if self.role == "primary" and not self.promotions_total:  # a misdirected --replica-target
+            raise InvalidArgument(f"this endpoint serves shard {self.shard_index} as its primary: it holds no backup")
+        for head, op in ops:
+            with self._replay_lock:
+                if self.role != "backup":
+                    raise FailedPrecondition(f"the backup of shard {self.shard_index} here was promoted and serves "
+                                             f"the shard now: the old primary must stop")
+                if (head.shard_index, head.num_shards) != (self.shard_index, self.num_shards):
+                    raise InvalidArgument(f"this endpoint backs shard {self.shard_index} of {self.num_shards}, "
+                                          f"got changes of shard {head.shard_index} of {head.num_shards}")
+                if op.kind != "snapshot" and (not self.replica_synced or op.seq != self.replica_seq + 1):
+                    why = "it never got the whole state" if not self.replica_synced else \
+                        f"op {op.seq} came after op {self.replica_seq}"
+                    self.replica_synced = False
+                    raise Aborted(f"backup of shard {self.shard_index}: {why}: send the whole state")
+                try:
+                    self._replay(op)
+                except StoreError as e:
+                    self.replica_synced = False
+                    raise Aborted(f"backup of shard {self.shard_index} could not replay op {op.seq} ({op.kind}): "
+                                  f"{e}; send the whole state") from None
+                self.replica_seq = op.seq
+                self.primary_address = head.primary or self.primary_address
+        return self.replica_seq, self.version
+
+    def _replay(self, op: Op) -> None:
+        a, t = op.args, op.tensors
+
+        def keyed() -> dict[PartKey, torch.Tensor]:
+            out = {}
+            for key, v in t.items():
+                start, name = key.split("/", 1)
+                out[(name, int(start))] = v
+            return out
+
+        if op.kind == "snapshot":
+            self.restore(a["version"], a["meta"], t)
+            self.replica_synced = True
+        elif op.kind == "configure":
+            sc = a["scaling"]
+            self.configure(a["num_workers"], a["sync"], LossScaler(*sc) if sc else None, a["remedy"])
+        elif op.kind == "register_worker":
+            self.register_worker(a["worker"])
+        elif op.kind == "register_tensors":
+            self.register_tensors([spec_from_json(d) for d in a["specs"]], keyed())
+        elif op.kind == "submit":
+            self.submit(a["worker"], a["step"], a["base_version"], keyed(), a["nbytes"], found_inf=a["found_inf"],
+                        checked=True)
+        elif op.kind == "evict":
+            with self._cond:
+                self._evict(list(a["workers"]), time.monotonic())
+        elif op.kind == "set_sync":
+            self.set_sync(a["sync"])
+        elif op.kind == "pulled":
+            with self._cond:
+                self._remember_pulled(a["worker"], list(a["names"]))
+        else:
+            raise InvalidArgument(f"unknown replication op {op.kind!r}")
+
+    def promote(self, reason: str = "", force: bool = False) -> None:
+        """Backup side: serve the shard from now on (idempotent).
+
+        Refused while the primary still answers its health check with
+        SERVING (unless ``force``): a worker that cannot reach a live
+        primary must not split the shard in two.
+        """
+        with self._replay_lock:
+            if self.role == "primary":
+                return
+            if self.role != "backup":
+                raise FailedPrecondition(f"shard {self.shard_index} here is {self.role}: it cannot take over")
+            if not self.replica_synced:
+                raise FailedPrecondition(f"this endpoint holds no copy of shard {self.shard_index} yet: "
+                                         f"nothing to take over with")
+            if not force and primary_serving(self.primary_address, self.peers.security):
+                raise FailedPrecondition(
+                    f"the primary of shard {self.shard_index} at {self.primary_address} still answers SERVING: "
+                    f"not taking over (`shardps ctl promote --force` overrides)")
+            with self._cond:
+                self.role = "primary"
+                now = time.monotonic()
+                self._last_seen = {w: now for w in self._workers}  # a fresh lease at the new address
+                self.promotions_total += 1
+                self._cond.notify_all()
+        log.warning("shard %d: the backup at %s took over from %s at version %d (op %d): %s", self.shard_index,
+                    self.address, self.primary_address, self.version, self.replica_seq, reason or "no reason given")
+
+    def stop_replication(self) -> None:
+        if self.replicator is not None:
+            self.replicator.close()
+
     # -- checkpoints ----------------------------------------------------------
 
     def enable_checkpoints(self, directory: str, *, every_steps: int = 0, every_seconds: float = 0.0,
@@ -794,7 +1036,7 @@ class ShardStore:
         self._ckpt_last = time.monotonic()
 
     def _checkpoint_due(self) -> bool:
-        if not self._ckpt_dir or self._ckpt_version == self.version:
+        if not self._ckpt_dir or self._ckpt_version == self.version or self.role != "primary":
             return False
         if self._ckpt_every and self.version % self._ckpt_every == 0:
             return True
@@ -835,6 +1077,7 @@ class ShardStore:
                 self.epoch = max(epoch, self.epoch + 1)
                 self.recovering = False
                 self._ckpt_version = c.version
+                self._record_snapshot()
                 self._cond.notify_all()
         log.warning("shard %d: rolled back to version %d, epoch %d", self.shard_index, version, self.epoch)
         return self.version, self.epoch
@@ -874,15 +1117,15 @@ class ShardStore:
         for i, name in enumerate(sorted(self._tensors)):
             e = self._tensors[name]
             sp = e.spec
-            specs.append({"name": sp.name, "shape": list(sp.shape), "dtype": sp.dtype, "grad_dtype": sp.grad_dtype,
-                          "optimizer": {"name": sp.optimizer.name, "params": sp.optimizer.params()},
-                          "parts": [list(p) for p in sp.parts], "peers": list(sp.peers),
-                          "holders": list(sp.holders), "rounds": e.rounds})
+            specs.append(dict(spec_to_json(sp), rounds=e.rounds))
             for start, part in e.parts.items():
                 tensors[f"{i}/{start}/weight"] = part.weight.clone()
                 for key, t in part.state.items():
                     tensors[f"{i}/{start}/state/{key}"] = t.clone()
         index = {s["name"]: i for i, s in enumerate(specs)}
+        for w, kept in self._stale_weights.items():  # dc-asgd
+            for (name, start), t in kept.items():
+                tensors[f"stale/{w}/{index[name]}/{start}"] = t.clone()
         pending: dict[str, Any] = {}
         if isinstance(self._policy, BarrierPolicy):
             sums, counts, held = self._policy.held()
@@ -909,18 +1152,13 @@ class ShardStore:
 
     def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Replace this shard's whole state with a snapshot (see ``snapshot``)."""
-        from shardps.protos.optim import spec_from_name
-
         if meta["num_shards"] != self.num_shards:
             raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
                                      f"{self.shard_index} of {self.num_shards}")
         entries: dict[str, TensorEntry] = {}
         names = []
         for i, sp in enumerate(meta["tensors"]):
-            spec = TensorSpec(sp["name"], tuple(sp["shape"]), sp["dtype"],
-                              spec_from_name(sp["optimizer"]["name"], **sp["optimizer"]["params"]),
-                              tuple(tuple(p) for p in sp["parts"]), sp["grad_dtype"], tuple(sp["peers"]),
-                              tuple(sp["holders"]))
+            spec = spec_from_json(sp)
             opt = make_optimizer(spec.optimizer)
             entry = TensorEntry(spec, opt, rounds=sp["rounds"])
             for a, b in spec.parts:
@@ -962,6 +1200,10 @@ class ShardStore:
             self.version = version
             self.epoch = max(self.epoch, meta.get("epoch", 0))
             self._stale_weights = {}
+            for key, t in tensors.items():
+                if key.startswith("stale/"):
+                    _, w, i, st = key.split("/")
+                    self._stale_weights.setdefault(int(w), {})[(names[int(i)], int(st))] = t.clone()
             for e in entries.values():
                 if e.spec.split:
                     self.peers.set_addresses(e.spec.peers)
@@ -1021,4 +1263,10 @@ class ShardStore:
                 "duplicate_pushes_total": self.duplicate_pushes_total,
                 "loss_scale": self.loss_scale,
                 "worker_clocks": dict(self.worker_clocks),
+                "role": self.role,
+                "backup": self.replicator.address if self.replicator else "",
+                "replica_state": self.replicator.state if self.replicator else "none",
+                "replicated_ops_total": self.replicator.ops_total if self.replicator else self.replica_seq,
+                "replication_lag_ops": self.replicator.lag if self.replicator else 0,
+                "promotions_total": self.promotions_total,
             }

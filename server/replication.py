@@ -1,0 +1,370 @@
+"""Primary-backup replication of one shard (``--replicas 2``).
+
+The primary records every change of its state as an *op* (a registration,
+a worker's gradient as the shard took it in, an eviction, a sync switch, a
+whole snapshot after a rollback...) under the store's lock, numbered by
+``seq`` in the order it made them. One sender thread streams the ops, in
+that order, to the backup (``Replicate`` RPC), which replays each through
+the same ShardStore code and so reaches the same state, bit for bit. A
+request that changed the state is acknowledged only after the backup has
+confirmed its op (``Replicator.wait``): whatever a worker was told is taken
+in is on two servers.
+
+States of the primary's replica::
+
+    none ──attach──▶ resync ──▶ syncing ──snapshot confirmed──▶ synced
+                                  ▲                                │ backup unreachable
+                                  └────────── retry every few s ── degraded
+    synced ── backup answers "promoted" ──▶ deposed (the primary stops serving)
+
+While ``degraded`` the primary goes on alone (acknowledging without a
+copy, logged and exported as a metric) and keeps trying to re-attach,
+sending its whole state first. ``deposed`` fences a primary that was
+wrongly taken for dead: its backup took over, so it must not acknowledge
+anything more; every request gets UNAVAILABLE naming the new address.
+
+Not handled (documented in docs/operations.md): a network partition that
+lets workers reach the backup but not the primary, while the primary still
+reaches neither the backup nor its health check fails. A third party
+(consensus) would be needed for that; the takeover's health check of the
+primary covers the ordinary case of a primary that is merely slow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from shardps.protos.framing import varint
+from shardps.protos.security import Security
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.errors import InvalidArgument
+
+log = logging.getLogger("shardps.server")
+
+BLOB_BYTES = 1 << 20  # tensor bytes per ReplicateRequest
+DEFAULT_REPLICA_TIMEOUT_S = 30.0
+RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Tensors as one byte buffer: ``layout`` is [[key, dtype, shape, offset], ...] (offsets 8-aligned)."""
+
+    layout: list[list[Any]]
+    buffer: torch.Tensor  # uint8
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> Packed:
+    """Copy ``tensors`` into one buffer (one copy of the data, any dtype)."""
+    layout, off = [], 0
+    for key, t in tensors.items():
+        layout.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), off])
+        off += -(-t.numel() * t.element_size() // 8) * 8
+    buf = torch.empty(off, dtype=torch.uint8)
+    for (_, _, _, at), t in zip(layout, tensors.values()):
+        n = t.numel() * t.element_size()
+        if n:
+            buf[at:at + n].view(t.dtype).view(t.shape).copy_(t)
+    return Packed(layout, buf)
+
+
+def unpack(layout: Any, data: bytearray) -> dict[str, torch.Tensor]:
+    """Views of ``data`` as the tensors of ``layout`` (no copy); InvalidArgument if they do not fit."""
+    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    try:
+        for key, dtype_name, shape, at in layout:
+            dtype = getattr(torch, dtype_name)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{dtype_name!r} is not a dtype")
+            n = math.prod(shape) * dtype.itemsize
+            if at % 8 or at < 0 or at + n > len(data) or any(d < 0 for d in shape):
+                raise ValueError(f"tensor {key!r} ({n} bytes at {at}) lies outside the op's {len(data)} bytes")
+            out[str(key)] = buf[at:at + n].view(dtype).view(shape)
+    except (TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise InvalidArgument(f"Replicate: bad tensor layout: {e}") from None
+    return out
+
+
+@dataclass
+class Op:
+    seq: int
+    kind: str
+    args: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    packed: Packed | None = None  # the tensors already packed (a copy the store made under its lock)
+
+
+_TENSORS_KEY = bytes([(ps_pb2.ReplicateRequest.DESCRIPTOR.fields_by_name["tensors"].number << 3) | 2])
+
+
+def op_messages(op: Op, shard_index: int, num_shards: int, primary: str) -> Iterator[bytes]:
+    """One op as serialized ReplicateRequests: the header, then its tensors in BLOB_BYTES pieces.
+
+    The header's args carry the tensors' layout; the tensor bytes are
+    appended to protobuf's serialization of the other fields by hand (the
+    same wire format; one copy instead of three).
+    """
+    packed = op.packed if op.packed is not None else pack(op.tensors)
+    blob = memoryview(packed.buffer.numpy())
+    args = dict(op.args, _layout=packed.layout, _nbytes=packed.nbytes)
+    head = ps_pb2.ReplicateRequest(seq=op.seq, op=op.kind, args_json=json.dumps(args), shard_index=shard_index,
+                                   num_shards=num_shards, primary=primary).SerializeToString()
+    rest = ps_pb2.ReplicateRequest(seq=op.seq).SerializeToString()
+    for a in range(0, max(1, len(blob)), BLOB_BYTES):
+        piece = blob[a:a + BLOB_BYTES]
+        yield b"".join((head if a == 0 else rest, _TENSORS_KEY, varint(len(piece)), piece))
+
+
+def read_ops(messages: Iterator[ps_pb2.ReplicateRequest]) -> Iterator[tuple[ps_pb2.ReplicateRequest, Op]]:
+    """Group a Replicate stream back into ops: (the op's first message, the op)."""
+    head: ps_pb2.ReplicateRequest | None = None
+    pieces: list[bytes] = []
+
+    def done() -> tuple[ps_pb2.ReplicateRequest, Op]:
+        assert head is not None
+        try:
+            args = json.loads(head.args_json or "{}")
+            layout = args.pop("_layout", [])
+            nbytes = args.pop("_nbytes", 0)
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            raise InvalidArgument(f"Replicate: op {head.seq}: args do not parse as a JSON object: {e}") from None
+        data = bytearray().join(pieces)  # one copy, sized by what came
+        if len(data) != nbytes:
+            raise InvalidArgument(f"Replicate: op {head.seq} sent {len(data)} tensor bytes, its layout "
+                                  f"says {nbytes}")
+        return head, Op(head.seq, head.op, args, unpack(layout, data))
+
+    for m in messages:
+        if head is not None and m.seq != head.seq:
+            yield done()
+            head, pieces = None, []
+        if head is None:
+            head = m
+        pieces.append(m.tensors)
+    if head is not None:
+        yield done()
+
+
+class Replicator:
+    """The primary's side: numbers ops, streams them to the backup, tells waiters when they are safe.
+
+    ``record`` is called under the store's lock; ``wait`` after the store
+    released it. ``snapshot`` is a callable taking the store's lock that
+    records a full snapshot op (it calls ``begin_sync`` under that lock).
+    """
+
+    def __init__(self, shard_index: int, num_shards: int, *, security: Security | None = None,
+                 timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S, retry_s: float = RETRY_S,
+                 primary_address: str = "") -> None:
+        self.shard_index, self.num_shards = shard_index, num_shards
+        self.security = security or Security()
+        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.primary_address = primary_address
+        self.address = ""
+        self.state = "none"
+        self.seq = 0  # the last op recorded
+        self.acked = 0  # the last op the backup confirmed (or that needs no confirmation)
+        self.ops_total = 0  # ops the backup confirmed
+        self.last_error = ""
+        self._queue: list[Op] = []
+        self._cond = threading.Condition(threading.Lock())
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._channel: grpc.Channel | None = None
+        self._snapshot: Any = None
+        self.on_deposed: Any = None  # called (outside our lock) when the backup answers "promoted"
+
+    # -- under the store's lock -------------------------------------------
+
+    def record(self, kind: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
+               packed: Packed | None = None) -> None:
+        with self._cond:
+            self.seq += 1
+            if self.state in ("syncing", "synced", "resync"):
+                self._queue.append(Op(self.seq, kind, args, tensors or {}, packed))
+                self._cond.notify_all()
+            elif self.state != "deposed":  # deposed: nothing it records is ever acknowledged
+                self.acked = self.seq  # no backup to wait for
+
+    def begin_sync(self) -> None:
+        """Called under the store's lock just before the snapshot op is recorded."""
+        with self._cond:
+            self.state = "syncing"
+            self._queue.clear()
+
+    # -- waiting --------------------------------------------------------------
+
+    def wait(self, seq: int | None, timeout: float) -> None:
+        """Return once op ``seq`` (default: every op so far) is on the backup, or there is no backup.
+
+        Raises ``Deposed`` when the backup took over, ``TimeoutError`` after ``timeout``.
+        """
+        with self._cond:
+            target = self.seq if seq is None else seq
+            ok = self._cond.wait_for(
+                lambda: self.acked >= target or self.state in ("none", "degraded", "deposed"), timeout)
+            if self.state == "deposed" and self.acked < target:
+                raise Deposed(self.address)
+            if not ok:
+                raise TimeoutError(f"shard {self.shard_index}: the backup at {self.address} did not confirm "
+                                   f"op {target} within {timeout:.1f}s (confirmed: {self.acked})")
+
+    @property
+    def lag(self) -> int:
+        return self.seq - self.acked
+
+    # -- the sender -------------------------------------------------------------
+
+    def attach(self, address: str, snapshot: Any) -> None:
+        """Replicate to ``address`` from now on (sending the whole state first); starts the sender."""
+        with self._cond:
+            if self.state == "deposed":
+                raise Deposed(self.address)
+            old = self._channel
+            self.address, self._snapshot = address, snapshot
+            self._channel = self.security.channel(address)
+            self.state = "resync"  # the new backup needs the whole state first
+            self._queue.clear()
+            self._cond.notify_all()
+        if old is not None:
+            old.close()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"shard{self.shard_index}-replicate",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def wait_synced(self, timeout: float) -> str:
+        with self._cond:
+            self._cond.wait_for(lambda: self.state in ("synced", "deposed"), timeout)
+            return self.state
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                state = self.state
+            if state == "deposed":
+                return
+            if state in ("degraded", "resync"):
+                try:
+                    self._snapshot()  # begin_sync + record("snapshot") under the store's lock
+                except Exception as e:  # noqa: BLE001 - logged, retried
+                    log.error("shard %d: cannot snapshot for the backup: %s", self.shard_index, e)
+                    self._wake.wait(self.retry_s)
+                    self._wake.clear()
+                    continue
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stop.is_set() or self.state != "syncing"
+                                    and self.state != "synced", timeout=1.0)
+                batch, self._queue = self._queue, []
+                channel = self._channel
+            if not batch or channel is None:
+                continue
+            try:
+                self._send(channel, batch)
+            except grpc.RpcError as e:
+                self._failed(e, batch)
+                continue
+            with self._cond:
+                self.acked = max(self.acked, batch[-1].seq)
+                self.ops_total += len(batch)
+                if self.state == "syncing" and any(op.kind == "snapshot" for op in batch):
+                    self.state = "synced"
+                    log.info("shard %d: backup at %s in sync (op %d)", self.shard_index, self.address,
+                             batch[-1].seq)
+                self._cond.notify_all()
+
+    def _send(self, channel: grpc.Channel, batch: list[Op]) -> None:
+        replicate = channel.stream_unary("/shardps.v1.ParameterServer/Replicate", request_serializer=None,
+                                         response_deserializer=ps_pb2.ReplicateResponse.FromString,
+                                         _registered_method=True)
+
+        def messages() -> Iterator[bytes]:
+            for op in batch:
+                yield from op_messages(op, self.shard_index, self.num_shards, self.primary_address)
+
+        replicate(messages(), timeout=self.timeout_s)
+
+    def _failed(self, e: grpc.RpcError, batch: list[Op]) -> None:
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = e.details() if hasattr(e, "details") else str(e)
+        deposed = code == grpc.StatusCode.FAILED_PRECONDITION
+        with self._cond:
+            self.last_error = f"{code.name}: {details}"
+            if deposed:
+                self.state = "deposed"
+            elif code == grpc.StatusCode.ABORTED:
+                # The backup wants the whole state again (a gap, a replay it could not make): the
+                # waiters keep waiting for the snapshot, which holds their ops.
+                self.state = "resync"
+                log.warning("shard %d: backup at %s asks for a resync: %s", self.shard_index, self.address, details)
+            else:
+                was = self.state
+                self.state = "degraded"
+                self.acked = self.seq  # going on alone: nothing more to wait for
+                if was != "degraded" or code != grpc.StatusCode.UNAVAILABLE:
+                    log.warning("shard %d: backup at %s failed (%s: %s); going on without a copy, retrying "
+                                "every %.0fs", self.shard_index, self.address, code.name, details, self.retry_s)
+            self._queue.clear()
+            self._cond.notify_all()
+        if deposed:
+            log.error("shard %d: the backup at %s took over (%s); this server no longer serves the shard",
+                      self.shard_index, self.address, details)
+            if self.on_deposed is not None:
+                self.on_deposed(self.address)
+            return
+        if code != grpc.StatusCode.ABORTED:  # ABORTED: the backup wants the whole state again, now
+            self._wake.wait(self.retry_s)
+            self._wake.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s + 5)
+        if self._channel is not None:
+            self._channel.close()
+
+
+class Deposed(Exception):
+    """The backup took over this shard: the primary must not acknowledge anything more."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.address = address
+
+
+def primary_serving(address: str, security: Security, timeout: float = 1.0) -> bool:
+    """Whether the shard's primary at ``address`` answers its health check with SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if not address:
+        return False
+    channel = security.channel(address)
+    try:
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="shardps.v1.ParameterServer"), timeout=timeout)
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
