@@ -1,4 +1,4 @@
-"""Operating a running job: ``shardps ctl ... set-sync`` and ``shardps stats``.
+"""Operating a running job: ``shardps ctl ...`` (set-sync, checkpoint, promote, attach-replica) and ``shardps stats``.
 
 ``stats_rows`` turns the shards' Stats into table rows; ``render_table``
 formats them for a terminal. Staleness percentiles come from the shards'
@@ -16,7 +16,7 @@ from shardps.protos.security import Security
 from shardps.worker.client import connect
 
 COLUMNS = ("shard", "version", "sync", "tensors", "weights MiB", "opt state MiB", "stale p50", "stale p99",
-           "clock gap", "live workers", "pushes", "skipped")
+           "clock gap", "live workers", "pushes", "skipped", "replica")
 
 
 def percentile(counts: dict[int, int], q: float) -> int | None:
@@ -44,7 +44,7 @@ def stats_rows(stats: Sequence[dict[str, Any]]) -> list[list[str]]:
             f"{sum(t['optimizer_state_bytes'] for t in s['tensors']) / 2**20:.2f}",
             "-" if p50 is None else str(p50), "-" if p99 is None else str(p99), str(gap),
             f"{len(s['registered_workers'])}/{s['num_workers']}", str(s["pushes_total"]),
-            str(s["skipped_steps_total"]),
+            str(s["skipped_steps_total"]), s.get("replica_state") or "none",
         ])
     return rows
 
@@ -93,3 +93,43 @@ def run_checkpoint(addresses: list[str], *, timeout: float = 60.0, out: TextIO =
     for shard, (version, path) in enumerate(written):
         out.write(f"shard {shard}: checkpoint at version {version}: {path}\n")
     return 0
+
+
+def run_promote(addresses: list[str], *, force: bool = False, timeout: float = 30.0, out: TextIO = sys.stdout,
+                security: Security | None = None) -> int:
+    """Make the backups at ``addresses`` (servers' replica ports) serve their shards."""
+    from shardps.protos.shardps.v1 import ps_pb2
+
+    for address in addresses:
+        r = _unary(address, "Promote", ps_pb2.PromoteRequest(reason="shardps ctl promote", force=force), timeout,
+                   security)
+        out.write(f"{address}: serves shard {r.shard_index} from version {r.version}\n")
+    return 0
+
+
+def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout: float = 30.0,
+                       out: TextIO = sys.stdout, security: Security | None = None) -> int:
+    """Give shard ``shard`` (at ``addresses[shard]``) a backup at ``target``; wait for it to sync."""
+    from shardps.protos.shardps.v1 import ps_pb2
+
+    if not 0 <= shard < len(addresses):
+        raise ValueError(f"--shard must be in [0, {len(addresses)}), got {shard}")
+    r = _unary(addresses[shard], "AttachReplica",
+               ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout), timeout + 5, security)
+    out.write(f"shard {shard}: backup at {target} is {r.replica_state}\n")
+    return 0 if r.replica_state == "synced" else 1
+
+
+def _unary(address: str, method: str, request: Any, timeout: float, security: Security | None) -> Any:
+    import grpc
+
+    from shardps.protos.shardps.v1 import ps_pb2_grpc
+    from shardps.worker.client import ShardError
+
+    channel = (security or Security()).channel(address)
+    try:
+        return getattr(ps_pb2_grpc.ParameterServerStub(channel), method)(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise ShardError(address, -1, e.code(), e.details() or "") from None
+    finally:
+        channel.close()

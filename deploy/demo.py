@@ -4,6 +4,10 @@ Starts ``--servers`` parameter servers and ``--workers`` workers training the
 digits MLP, shows worker 0's progress, then evaluates the weights the
 servers hold on the held-out test set. Everything started is stopped on the
 way out, Ctrl-C included.
+
+A failover drill: ``--replicas 2 --kill-server 1`` kills server 1 with
+SIGKILL ``--kill-after`` seconds into training; its backup on server 2 (mod
+N) takes over and the run finishes as if nothing happened.
 """
 
 from __future__ import annotations
@@ -32,13 +36,20 @@ def _worker_cmd(addresses: list[str], k: int, args: Any) -> list[str]:
     return cmd
 
 
-def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]],
+                 kill: Any = None) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k in range(args.workers):
         procs.append(subprocess.Popen(_worker_cmd(addresses, k, args), stdout=subprocess.PIPE,
                                       text=True, env=env, start_new_session=True))
     results = []
     deadline = time.monotonic() + args.timeout
+    if kill is not None:
+        try:  # the drill: the workers run on while the clock runs out
+            procs[0].wait(timeout=args.kill_after)
+        except subprocess.TimeoutExpired:
+            pass
+        kill()
     for k, p in enumerate(procs):
         try:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -100,18 +111,32 @@ def run_demo(args: Any) -> int:
         except RuntimeError as e:
             print(f"shardps demo: {e}", file=sys.stderr)
             return 2
+    replicas, victim = getattr(args, "replicas", 1), getattr(args, "kill_server", None)
+    if victim is not None and not (replicas == 2 and 0 <= victim < args.servers):
+        print(f"shardps demo: --kill-server needs --replicas 2 and an index in [0, {args.servers})", file=sys.stderr)
+        return 2
+    if replicas == 2 and args.servers < 2:
+        print("shardps demo: --replicas 2 needs --servers 2 or more", file=sys.stderr)
+        return 2
     say(f"shardps demo: {args.servers} servers, {args.workers} workers, sync={args.sync}, "
-        f"optimizer={args.optimizer}, {args.epochs} epochs on digits")
+        f"optimizer={args.optimizer}, {args.epochs} epochs on digits" + (", replicas 2" if replicas == 2 else ""))
     try:
-        with LocalCluster(args.servers, processes=True) as cluster:
-            say(f"servers up at {', '.join(cluster.addresses)}")
+        with LocalCluster(args.servers, processes=True, replicas=replicas) as cluster:
+            say(f"servers up at {', '.join(cluster.addresses)}"
+                + (f"; backups at {', '.join(cluster.replica_addresses)}" if replicas == 2 else ""))
+
+            def kill() -> None:
+                cluster.kill(victim)
+                say(f"killed server {victim} (SIGKILL) after {args.kill_after:g}s: its backup takes over")
+
             try:
-                results = _run_workers(cluster.addresses, args, procs)
+                results = _run_workers(cluster.addresses, args, procs, kill if victim is not None else None)
             finally:
                 stop_processes(procs)  # workers first, then the servers (leaving the with block)
-            test_acc = evaluate(cluster.addresses, seed=args.seed)
+            serving = cluster.serving_addresses()
+            test_acc = evaluate(serving, seed=args.seed)
             if args.plot:
-                with connect(cluster.addresses) as client:
+                with connect(serving) as client:
                     stats = client.stats()
                 staleness: dict[int, int] = {}
                 for st in stats:
@@ -137,6 +162,8 @@ def run_demo(args: Any) -> int:
         "epochs": args.epochs,
         "seed": args.seed,
         "final_loss": round(sum(r["final_loss"] for r in results) / len(results), 4),
+        "replicas": replicas,
+        "failovers": sum(r.get("failovers", 0) for r in results),
         "seconds": round(seconds, 2),
     }
     say(f"test accuracy {test_acc:.4f} after {summary['steps']} steps per worker "

@@ -4,6 +4,10 @@
 server each, real sockets); ``processes=True`` starts each as its own
 ``shardps server`` process. Either way ``addresses`` lists them in shard
 order, and leaving the ``with`` block stops everything it started.
+
+``replicas=2`` gives every shard a backup on the next server (server i+1
+mod N holds shard i's; ``replica_addresses[j]`` is the backup server j
+holds). ``start`` returns once every backup is in sync.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from shardps.protos import codec
 from shardps.protos.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos.security import Security
-from shardps.server.app import READY_PREFIX
+from shardps.server.app import READY_PREFIX, check_replicas
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
@@ -76,9 +80,32 @@ def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 5.0) -> No
 
 def parse_ready(rest: str) -> tuple[str, str | None]:
     """(gRPC address, metrics address or None) from a ready line's text after the prefix."""
+    return rest.split()[0], ready_field(rest, "metrics")
+
+
+def ready_field(rest: str, key: str) -> str | None:
+    """The value after ``key`` in a ready line ("metrics", "replica"), or None."""
     words = rest.split()
-    metrics = words[words.index("metrics") + 1] if "metrics" in words else None
-    return words[0], metrics
+    return words[words.index(key) + 1] if key in words[:-1] else None
+
+
+def attach_replicas(addresses: Sequence[str], replica_addresses: Sequence[str], security: Security,
+                    timeout: float) -> None:
+    """Point shard i's primary at the backup server i+1 holds; wait until every backup is in sync."""
+    from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+
+    n = len(addresses)
+    for i, address in enumerate(addresses):
+        target = replica_addresses[(i + 1) % n]
+        channel = security.channel(address)
+        try:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            state = stub.AttachReplica(ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
+                                       timeout=timeout + 5, wait_for_ready=True).replica_state
+        finally:
+            channel.close()
+        if state != "synced":
+            raise RuntimeError(f"shard {i} ({address}): its backup at {target} is {state!r} after {timeout:.0f}s")
 
 
 class LocalCluster:
@@ -88,9 +115,12 @@ class LocalCluster:
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, startup_timeout: float = 60.0,
                  max_wait_s: float = 300.0, metrics: bool = False, security: Security | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 interceptors: Sequence[grpc.ServerInterceptor] = (), lease_s: float = DEFAULT_LEASE_S) -> None:
+                 interceptors: Sequence[grpc.ServerInterceptor] = (), lease_s: float = DEFAULT_LEASE_S,
+                 replicas: int = 1) -> None:
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+        check_replicas(replicas, num_servers, None)
+        self.replicas = replicas
         self.num_servers = num_servers
         self.processes = processes
         self.host = host
@@ -108,6 +138,8 @@ class LocalCluster:
         self.registries: list[CollectorRegistry] = []  # in-process mode with metrics=True
         self._endpoints: list[MetricsEndpoint] = []
         self.stores: list[ShardStore] = []  # in-process mode only
+        self.backups: list[ShardStore] = []  # in-process mode with replicas=2: the backup server i holds
+        self.replica_addresses: list[str] = []  # replicas=2: where server i holds the backup of shard i-1
         self._servers: list[grpc.Server] = []
         self._procs: list[subprocess.Popen[str]] = []
 
@@ -122,10 +154,21 @@ class LocalCluster:
                         store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every)
                         if store.restore_latest() is not None:
                             store.recovering = True
+                    backups = []
+                    if self.replicas == 2:
+                        backup = ShardStore((i - 1) % self.num_servers, self.num_servers, lease_s=self.lease_s,
+                                            role="backup")
+                        server, port = create_server(backup, f"{self.host}:0", chunk_bytes=self.chunk_bytes,
+                                                     max_wait_s=self.max_wait_s, security=self.security,
+                                                     interceptors=self.interceptors)
+                        self._servers.append(server)
+                        self.backups.append(backup)
+                        self.replica_addresses.append(f"{self.host}:{port}")
+                        backups.append(backup)
                     metrics = None
                     if self.metrics:
                         registry = CollectorRegistry()
-                        metrics = ServerMetrics(store, registry)
+                        metrics = ServerMetrics(store, registry, backups=backups)
                         endpoint = serve_metrics(registry, self.host, 0)
                         self.registries.append(registry)
                         self._endpoints.append(endpoint)
@@ -136,6 +179,8 @@ class LocalCluster:
                     self.stores.append(store)
                     self._servers.append(server)
                     self.addresses.append(f"{self.host}:{port}")
+            if self.replicas == 2:
+                attach_replicas(self.addresses, self.replica_addresses, self.security, self.startup_timeout)
         except BaseException:
             self.stop()
             raise
@@ -149,6 +194,8 @@ class LocalCluster:
             if self.metrics:
                 cmd += ["--metrics-host", self.host, "--metrics-port", "0"]
             cmd += ["--lease-seconds", str(self.lease_s)]
+            if self.replicas == 2:
+                cmd += ["--replicas", "2", "--replica-port", "0"]
             sec = self.security
             for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca)):
                 if value:
@@ -162,15 +209,37 @@ class LocalCluster:
                                     start_new_session=True)
             self._procs.append(proc)
         for proc in self._procs:
-            address, metrics = parse_ready(_read_ready(proc, self.startup_timeout))
+            rest = _read_ready(proc, self.startup_timeout)
+            address, metrics = parse_ready(rest)
             self.addresses.append(address)
+            replica = ready_field(rest, "replica")
+            if replica is not None:
+                self.replica_addresses.append(replica)
             if metrics is not None:
                 self.metrics_addresses.append(metrics)
+
+    def serving_addresses(self) -> list[str]:
+        """Where each shard is served now: its primary, or (replicas=2) its backup if the primary was killed."""
+        out = list(self.addresses)
+        for i, proc in enumerate(self._procs):
+            if proc.poll() is not None and self.replica_addresses:
+                out[i] = self.replica_addresses[(i + 1) % self.num_servers]
+        return out
+
+    def kill(self, index: int) -> None:
+        """SIGKILL server ``index`` (processes=True): a crash, for failover drills and tests."""
+        if not self.processes:
+            raise RuntimeError("kill() needs processes=True")
+        proc = self._procs[index]
+        proc.kill()
+        proc.wait(timeout=30)
 
     def stop(self, grace: float = 5.0) -> None:
         for s in self._servers:
             s.stop(grace=None)
-        for st in self.stores:
+        for st in self.stores + self.backups:
+            st.stop_reaper()
+            st.stop_replication()
             st.peers.close()
         for e in self._endpoints:
             e.close()

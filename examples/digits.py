@@ -119,7 +119,7 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
         client.close()
         if endpoint is not None:
             endpoint.close()
-    return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
+    return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes, "failovers": client.failovers_total,
             "final_loss": loss_val, "seconds": time.perf_counter() - t0,
             "train_accuracy": accuracy(model, data.x_train, data.y_train), "losses": losses}
 

@@ -80,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evict a worker silent for this long; barriers then complete without it (default 10)")
     s.add_argument("--checkpoint-seconds", type=float, default=0.0,
                    help="checkpoint at the first step after every T seconds")
+    r = s.add_argument_group("replication")
+    r.add_argument("--replicas", type=int, choices=(1, 2), default=1,
+                   help="2: keep a backup of every shard on the next server, which takes over when it dies; "
+                        "this server then also holds the backup of the previous shard (default 1)")
+    r.add_argument("--replica-port", type=int, default=0,
+                   help="with --replicas 2: port of the backup this server holds (0: a free one, printed on start)")
+    r.add_argument("--replica-target", default=None, metavar="HOST:PORT",
+                   help="with --replicas 2: the next server's --replica-port, where this shard's backup lives "
+                        "(or set it later: shardps ctl attach-replica)")
+    r.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
+                   help="how other servers reach this one (its backup checks it before taking over); "
+                        "default HOST:PORT, or this machine's name:PORT when binding 0.0.0.0")
     _security_flags(s)
 
     w = sub.add_parser("worker", help="run one worker of an example")
@@ -113,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     ss = csub.add_parser("set-sync", help="switch the sync mode live: bsp, asp, every:X, ssp:S")
     ss.add_argument("sync", type=_sync)
     csub.add_parser("checkpoint", help="write a checkpoint on every shard now (servers with --checkpoint-dir)")
+    pr = csub.add_parser("promote", help="make the backups at --addresses (servers' replica ports) serve their "
+                                         "shards (workers do this themselves when a primary dies)")
+    pr.add_argument("--force", action="store_true", help="even while the primary still answers SERVING")
+    ar = csub.add_parser("attach-replica", help="give shard --shard a backup at TARGET (a server's replica port), "
+                                                "e.g. after a failover; waits until it is in sync")
+    ar.add_argument("--shard", type=int, required=True, help="index into --addresses")
+    ar.add_argument("target", metavar="TARGET", help="HOST:PORT of the backup endpoint")
 
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
     d.add_argument("--servers", type=int, default=2)
@@ -128,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true", help="no progress output")
     d.add_argument("--plot", metavar="PNG", default=None,
                    help="save the loss curve and staleness histogram (needs matplotlib: shardps[plot])")
+    d.add_argument("--replicas", type=int, choices=(1, 2), default=1,
+                   help="2: every shard has a backup on the next server (default 1)")
+    d.add_argument("--kill-server", type=int, default=None, metavar="I",
+                   help="failover drill (with --replicas 2): SIGKILL server I --kill-after seconds into training")
+    d.add_argument("--kill-after", type=float, default=5.0, metavar="S", help="seconds (default 5)")
     return p
 
 
@@ -135,21 +159,34 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
-        from shardps.server.app import run_server
+        from shardps.server.app import check_replicas, run_server
 
+        try:
+            check_replicas(args.replicas, args.num_shards, args.replica_target)
+        except ValueError as e:
+            print(f"shardps server: {e}", file=sys.stderr)
+            return 2
         return run_server(host=args.host, port=args.port, shard_index=args.shard_index,
                           num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
                           chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           torch_threads=args.torch_threads, security=security_from(args),
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                          checkpoint_seconds=args.checkpoint_seconds, lease_s=args.lease_seconds)
+                          checkpoint_seconds=args.checkpoint_seconds, lease_s=args.lease_seconds,
+                          replicas=args.replicas, replica_port=args.replica_port,
+                          replica_target=args.replica_target, advertise=args.advertise_address)
     if args.command == "worker":
         from shardps.examples.digits import main_worker
 
         return main_worker(args, security_from(args))
     if args.command in ("stats", "ctl"):
-        from shardps.deploy.ctl import run_checkpoint, run_set_sync, run_stats
+        from shardps.deploy.ctl import (
+            run_attach_replica,
+            run_checkpoint,
+            run_promote,
+            run_set_sync,
+            run_stats,
+        )
         from shardps.worker.client import ShardError
 
         try:
@@ -158,8 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                 return run_stats(args.addresses, watch=args.watch, timeout=args.timeout, security=sec)
             if args.action == "checkpoint":
                 return run_checkpoint(args.addresses, timeout=args.timeout, security=sec)
+            if args.action == "promote":
+                return run_promote(args.addresses, force=args.force, timeout=args.timeout, security=sec)
+            if args.action == "attach-replica":
+                return run_attach_replica(args.addresses, args.shard, args.target, timeout=args.timeout,
+                                          security=sec)
             return run_set_sync(args.addresses, args.sync, timeout=args.timeout, security=sec)
-        except (ShardError, TimeoutError) as e:
+        except (ShardError, TimeoutError, ValueError) as e:
             print(f"shardps {args.command}: {e}", file=sys.stderr)
             return 1
     if args.command == "demo":

@@ -97,18 +97,17 @@ class PSClient:
         self.security = security or Security()
         self.recovery_timeout = recovery_timeout
         self.retries_total = 0
-        self._channels = [self.security.channel(a) for a in self.addresses]
-        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
-        # Push and Pull with chunk.data framed by hand (protos/framing.py): the
-        # same wire format, one copy of the data on each side.
-        self._push_raw = [c.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
-                                         response_deserializer=ps_pb2.PushResponse.FromString,
-                                         _registered_method=True)
-                          for c in self._channels]
-        self._pull_raw = [c.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-                                         response_deserializer=framing.parse_pull_response,
-                                         _registered_method=True)
-                          for c in self._channels]
+        self.failovers_total = 0
+        # Each shard's backup (--replicas 2), learnt when registering: where to fail over to.
+        self.backups = [""] * len(self.addresses)
+        self._failover_lock = threading.Lock()
+        self._retired: list[grpc.Channel] = []
+        self._channels: list[grpc.Channel] = []
+        self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        self._push_raw: list[Any] = []
+        self._pull_raw: list[Any] = []
+        for i, a in enumerate(self.addresses):
+            self._install(i, a, self.security.channel(a))
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
         self.shard_map: ShardMap | None = None
         self.layouts: dict[str, Layout] = {}
@@ -126,6 +125,55 @@ class PSClient:
     def num_shards(self) -> int:
         return len(self.addresses)
 
+    def _install(self, shard: int, address: str, channel: grpc.Channel) -> None:
+        """Talk to ``shard`` at ``address`` over ``channel`` from now on."""
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        # Push and Pull with chunk.data framed by hand (protos/framing.py): the
+        # same wire format, one copy of the data on each side.
+        push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
+                                    response_deserializer=ps_pb2.PushResponse.FromString, _registered_method=True)
+        pull = channel.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                    response_deserializer=framing.parse_pull_response, _registered_method=True)
+        if shard == len(self._channels):
+            self._channels.append(channel)
+            self._stubs.append(stub)
+            self._push_raw.append(push)
+            self._pull_raw.append(pull)
+        else:
+            self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
+            self._channels[shard], self._stubs[shard] = channel, stub
+            self._push_raw[shard], self._pull_raw[shard] = push, pull
+        self.addresses[shard] = address
+
+    def _fail_over(self, shard: int, failed: str, details: str) -> bool:
+        """Ask shard's backup to take over (--replicas 2); True once requests should go there.
+
+        The backup refuses while the primary still answers its health
+        check, so a primary that is only slow keeps its shard.
+        """
+        with self._failover_lock:
+            if self.addresses[shard] != failed:  # another thread failed over already
+                return True
+            backup = self.backups[shard]
+            if not backup:
+                return False
+            channel = self.security.channel(backup)
+            try:
+                r = ps_pb2_grpc.ParameterServerStub(channel).Promote(
+                    ps_pb2.PromoteRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
+                    timeout=min(10.0, self.timeout))
+            except grpc.RpcError as e:
+                channel.close()
+                log.warning("shard %d: its backup at %s did not take over: %s: %s", shard, backup,
+                            e.code().name if hasattr(e, "code") else "?", e.details() if hasattr(e, "details") else e)
+                return False
+            self._install(shard, backup, channel)
+            self.backups[shard] = ""
+            self.failovers_total += 1
+        log.warning("shard %d: %s is unavailable; failed over to its backup at %s (version %d)", shard, failed,
+                    backup, r.version)
+        return True
+
     # -- plumbing -----------------------------------------------------------
 
     def _call(self, shard: int, fn: Callable[[], T]) -> T:
@@ -135,17 +183,21 @@ class PSClient:
         per (worker, step) on the shard), so a lost reply or a restarting
         server costs a retry, not a wrong result. Between tries it waits for
         a back-off that grows from 50 ms to 2 s, for at most
-        ``recovery_timeout`` seconds, then raises naming the shard.
+        ``recovery_timeout`` seconds, then raises naming the shard. With a
+        backup (``--replicas 2``) an unavailable shard fails over to it.
         """
         start = time.monotonic()
         backoff = 0.05
         tries = 0
         while True:
+            address = self.addresses[shard]
             try:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
                 details = (e.details() if hasattr(e, "details") else str(e)) or ""
+                if code == grpc.StatusCode.UNAVAILABLE and self._fail_over(shard, address, details):
+                    continue
                 waited = time.monotonic() - start
                 if code != grpc.StatusCode.UNAVAILABLE or waited >= self.recovery_timeout:
                     if code == grpc.StatusCode.UNAVAILABLE and tries:
@@ -270,6 +322,7 @@ class PSClient:
                 )
             self.versions[i] = r.version
             created.extend(r.created)
+            self.backups[i] = r.backup
         self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
         self.loss_scale = responses[0].loss_scale
         self.clock = max(r.worker_clock for r in responses)
@@ -291,6 +344,7 @@ class PSClient:
                 layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer), gd)
                 parts.extend(Part(spec.name, p.start, p.stop, i) for p in spec.parts)
             self.versions[i] = s.version
+            self.backups[i] = s.backup
         infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
         self.shard_map = ShardMap(self.num_shards, tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
         self.layouts = layouts
@@ -537,7 +591,7 @@ class PSClient:
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=10)
         self._pool.shutdown(wait=True)
-        for c in self._channels:
+        for c in self._channels + self._retired:
             c.close()
 
     def __enter__(self) -> PSClient:
@@ -605,6 +659,11 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         "epoch": int(r.epoch),
         "recovering": bool(r.recovering),
         "waiting_pulls": int(r.waiting_pulls),
+        "role": r.role,
+        "backup": r.backup,
+        "replica_state": r.replica_state,
+        "replicated_ops_total": int(r.replicated_ops_total),
+        "replication_lag_ops": int(r.replication_lag_ops),
     }
     for key in _COUNTERS:
         out[key] = int(getattr(r, key))
