@@ -3,7 +3,9 @@
 
 The generators and the rules are tests/fuzzgen.py's (tests/test_fuzz.py
 runs ~300 of the same cases under hypothesis): random and damaged Push,
-Register, Pull, PullState, Exchange, SetSync and Stats requests, and raw
+Register, Pull, PullState, Exchange, SetSync, Stats, Heartbeat, Rollback,
+Checkpoint and the replication RPCs (Replicate, Promote, AttachReplica)
+sent to primaries, and raw
 bytes that may not be protobuf at all, sent one at a time to a job of
 ``--workers`` registered workers that have pushed ``--steps`` valid steps
 each. Every Push, and every Register that could create a tensor, carries at

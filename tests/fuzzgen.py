@@ -245,20 +245,22 @@ def describe(channels: Sequence[grpc.Channel], timeout: float = 10.0) -> Target:
 
 # -- cases -------------------------------------------------------------------
 
-UNARY = {"Exchange", "SetSync", "Stats", "Heartbeat", "Rollback", "Checkpoint"}
-CLIENT_STREAM = {"Push", "Register"}
+UNARY = {"Exchange", "SetSync", "Stats", "Heartbeat", "Rollback", "Checkpoint", "Promote", "AttachReplica"}
+CLIENT_STREAM = {"Push", "Register", "Replicate"}
 SERVER_STREAM = {"Pull", "PullState"}
 REQUEST_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushRequest, "Register": ps_pb2.RegisterRequest, "Pull": ps_pb2.PullRequest,
     "PullState": ps_pb2.PullStateRequest, "Exchange": ps_pb2.ExchangeRequest, "SetSync": ps_pb2.SetSyncRequest,
     "Stats": ps_pb2.StatsRequest, "Heartbeat": ps_pb2.HeartbeatRequest, "Rollback": ps_pb2.RollbackRequest,
-    "Checkpoint": ps_pb2.CheckpointRequest,
+    "Checkpoint": ps_pb2.CheckpointRequest, "Replicate": ps_pb2.ReplicateRequest, "Promote": ps_pb2.PromoteRequest,
+    "AttachReplica": ps_pb2.AttachReplicaRequest,
 }
 RESPONSE_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushResponse, "Register": ps_pb2.RegisterResponse, "Pull": ps_pb2.PullResponse,
     "PullState": ps_pb2.StateChunk, "Exchange": ps_pb2.ExchangeResponse, "SetSync": ps_pb2.SetSyncResponse,
     "Stats": ps_pb2.StatsResponse, "Heartbeat": ps_pb2.HeartbeatResponse, "Rollback": ps_pb2.RollbackResponse,
-    "Checkpoint": ps_pb2.CheckpointResponse,
+    "Checkpoint": ps_pb2.CheckpointResponse, "Replicate": ps_pb2.ReplicateResponse,
+    "Promote": ps_pb2.PromoteResponse, "AttachReplica": ps_pb2.AttachReplicaResponse,
 }
 
 
@@ -266,7 +268,7 @@ RESPONSE_TYPES: dict[str, Any] = {
 class Case:
     """One RPC to one shard, and what answers it may get."""
 
-    kind: str  # the generator: push, register, pull, pull_state, exchange, set_sync, stats, raw
+    kind: str  # the generator: push, register, pull, ..., replicate, promote, attach_replica, raw
     method: str  # the RPC
     shard: int
     messages: list[Any] | None = None  # protobuf requests, sent with the generated stub
@@ -840,10 +842,41 @@ def gen_checkpoint(src: Source, t: Target, avoid: bool) -> Case:
     return Case("checkpoint", "Checkpoint", sh.index, messages=[ps_pb2.CheckpointRequest()], may_succeed=True)
 
 
+def gen_replicate(src: Source, t: Target, avoid: bool) -> Case:
+    """Replication ops sent to a primary (which holds no backup): refused, whatever they say."""
+    sh = src.choice(t.shards)
+    msgs = []
+    for _ in range(src.integer(1, 4)):
+        args = src.choice(['{}', '{"worker": 0}', '{"_layout": [["k", "float32", [2], 0]], "_nbytes": 8}',
+                           '{"version": 0, "meta": {}}', "[" * 50, _text(src, avoid)])
+        msgs.append(ps_pb2.ReplicateRequest(
+            seq=wild_int(src, *INT64), op=src.choice(["snapshot", "submit", "register_worker", "evict", "set_sync",
+                                                      _text(src, avoid)]),
+            args_json=args, tensors=src.binary(0, 64), shard_index=src.choice([sh.index, wild_int(src, *INT32)]),
+            num_shards=src.choice([len(t.shards), wild_int(src, *INT32)]), primary=_text(src, avoid)))
+    return Case("replicate", "Replicate", sh.index, messages=msgs)
+
+
+def gen_promote(src: Source, t: Target, avoid: bool) -> Case:
+    """Promote sent to a primary: a no-op."""
+    sh = src.choice(t.shards)
+    req = ps_pb2.PromoteRequest(reason=_text(src, avoid), force=src.choice([False, True]))
+    return Case("promote", "Promote", sh.index, messages=[req], may_succeed=True)
+
+
+def gen_attach_replica(src: Source, t: Target, avoid: bool) -> Case:
+    """AttachReplica to addresses that are no HOST:PORT: refused (a real one would start replicating)."""
+    sh = src.choice(t.shards)
+    address = src.choice(["", "nohost", "h:0", "h:65536", ":80", "h:port", "h:-1", "h:" + "9" * 30, "x" * 400 + ":1",
+                          _text(src, avoid).replace(":", "")])
+    req = ps_pb2.AttachReplicaRequest(address=address, timeout_seconds=src.choice([0.0, 0.01, -1.0]))
+    return Case("attach_replica", "AttachReplica", sh.index, messages=[req])
+
+
 GENERATORS: dict[str, Callable[[Source, Target, bool], Case]] = {
     "Push": gen_push, "Register": gen_register, "Pull": gen_pull, "PullState": gen_pull_state,
     "Exchange": gen_exchange, "SetSync": gen_set_sync, "Stats": gen_stats, "Heartbeat": gen_heartbeat,
-    "Rollback": gen_rollback, "Checkpoint": gen_checkpoint,
+    "Rollback": gen_rollback, "Checkpoint": gen_checkpoint, "Replicate": gen_replicate, "Promote": gen_promote,
 }
 
 _WORKER_ID_MINUS_ONE = b"\x08" + b"\xff" * 9 + b"\x01"  # field 1 (worker_id) = -1, as protobuf writes it
@@ -915,6 +948,7 @@ KINDS: tuple[tuple[str, Callable[[Source, Target, bool], Case]], ...] = (
     ("pull", gen_pull), ("pull", gen_pull), ("pull_state", gen_pull_state), ("set_sync", gen_set_sync),
     ("exchange", gen_exchange), ("stats", gen_stats), ("heartbeat", gen_heartbeat), ("rollback", gen_rollback),
     ("checkpoint", gen_checkpoint), ("raw", gen_raw), ("raw", gen_raw), ("raw", gen_raw),
+    ("replicate", gen_replicate), ("promote", gen_promote), ("attach_replica", gen_attach_replica),
 )
 
 

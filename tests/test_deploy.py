@@ -49,6 +49,21 @@ def test_scrape_targets_are_the_compose_services_metrics_ports():
         assert f'"--metrics-port", "{port}"' in services[service], service
 
 
+def test_compose_servers_back_each_other_up():
+    """--replicas 2: server i's --replica-target is server i+1's --replica-port; each advertises itself."""
+    services = _compose_services()
+
+    def flag(service: str, name: str) -> str:
+        return re.search(rf'"{name}", "([^"]+)"', services[service]).group(1)
+
+    servers = ["server0", "server1"]
+    for i, s in enumerate(servers):
+        nxt = servers[(i + 1) % 2]
+        assert flag(s, "--replicas") == "2"
+        assert flag(s, "--replica-target") == f"{nxt}:{flag(nxt, '--replica-port')}"
+        assert flag(s, "--advertise-address") == f"{s}:{flag(s, '--port')}"
+
+
 def test_grafana_provisioning_points_at_the_dashboards_and_datasource():
     ds = (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
     uid = re.search(r"uid:\s*(\S+)", ds).group(1)

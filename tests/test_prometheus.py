@@ -83,7 +83,7 @@ def _train(addresses, k, steps):
 def scraped(tmp_path_factory):
     """A trained 2-shard cluster with 2 worker endpoints, scraped by a real Prometheus."""
     tmp = tmp_path_factory.mktemp("prom")
-    cluster = shardps.LocalCluster(2, metrics=True).start()
+    cluster = shardps.LocalCluster(2, metrics=True, replicas=2).start()
     endpoints = []
     proc = None
     try:

@@ -1,0 +1,327 @@
+"""--replicas 2: every shard has a backup on the next server; kill -9 a primary, the backup takes over,
+and nothing a worker was told is taken in is lost."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from prometheus_client import generate_latest
+from torch import nn
+
+import shardps
+from shardps.deploy.ctl import run_attach_replica, run_promote
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.server.service import create_server
+from shardps.server.store import ShardStore
+from tests.helpers import run_workers
+
+W = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _big_model() -> nn.Module:
+    """One weight of 2 MiB: its gradient travels to the backup in several Replicate messages."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 512), nn.Tanh(), nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 4))
+
+
+def _train(addresses, base, steps, *, sync="bsp", on_step=None, part_bytes=512, timeout=240, **opt_kw):
+    """W workers in threads; each returns (its final parameters, its client's failovers)."""
+
+    def worker(k):
+        model = copy.deepcopy(base)
+        with shardps.connect(addresses, worker_id=k, num_workers=W, part_bytes=part_bytes,
+                             recovery_timeout=60) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), sync=sync,
+                                               **opt_kw)
+            for step in range(steps):
+                g = torch.Generator().manual_seed(step * 10 + k)
+                model(torch.randn(8, 10, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if on_step is not None:
+                    on_step(k, step, client)
+            return {n: p.detach().clone() for n, p in model.named_parameters()}, client.failovers_total
+    return run_workers(worker, W, timeout=timeout)
+
+
+def _same_state(primary: ShardStore, backup: ShardStore) -> None:
+    assert primary.state_hash() == backup.state_hash()
+    p, b = primary.stats(), backup.stats()
+    for key in ("version", "worker_clocks", "loss_scale", "sync", "evicted_workers", "gradients_applied_total",
+                "skipped_steps_total", "staleness_counts", "epoch"):
+        assert p[key] == b[key], key
+
+
+def test_the_backup_replays_every_change_to_the_same_state(make_cluster):
+    """bsp, a live switch to asp and to every:2, loss scaling with a skipped step: backup == primary, bit for bit."""
+    c = make_cluster(2, replicas=2)
+    assert [s.stats()["replica_state"] for s in c.stores] == ["synced", "synced"]
+    backup_of = {b.shard_index: b for b in c.backups}
+    switched = threading.Event()
+
+    def on_step(k, step, client):
+        if k == 0 and step == 4:
+            client.set_sync("asp")
+        if k == 0 and step == 9:
+            client.set_sync("every:2")
+            switched.set()
+
+    _train(c.addresses, _model(), 14, on_step=on_step, grad_dtype=torch.float16,
+           loss_scaling=shardps.LossScaling(init_scale=2.0 ** 24))
+    assert switched.is_set()
+    for st in c.stores:
+        _same_state(st, backup_of[st.shard_index])
+        assert st.stats()["sync_switches_total"] == 2 and st.stats()["replication_lag_ops"] == 0
+
+
+def test_an_acknowledged_push_is_already_on_the_backup(make_cluster):
+    c = make_cluster(2, replicas=2)
+    backup_of = {b.shard_index: b for b in c.backups}
+    with shardps.connect(c.addresses, part_bytes=512) as client:
+        client.register({"w": torch.zeros(300), "b": torch.zeros(7)}, shardps.optim.SGD(lr=0.5), sync="asp")
+        assert client.backups == [c.replica_addresses[1], c.replica_addresses[0]]
+        for step in range(5):
+            results = client.push({"w": torch.ones(300), "b": torch.ones(7)}, step)
+            for shard, r in enumerate(results):
+                # Acknowledged: the backup has taken it in, in the same version.
+                assert backup_of[shard].worker_clocks[0] == step
+                assert backup_of[shard].version == r.version
+            got = client.pull()
+            assert torch.equal(got["w"], torch.full((300,), -0.5 * (step + 1)))
+
+
+def test_dc_asgd_and_evictions_are_replicated(make_cluster):
+    c = make_cluster(2, replicas=2, lease_s=60.0)
+    backup_of = {b.shard_index: b for b in c.backups}
+    with shardps.connect(c.addresses, worker_id=0, num_workers=2, part_bytes=256) as c0, \
+            shardps.connect(c.addresses, worker_id=1, num_workers=2, part_bytes=256) as c1:
+        params = {"w": torch.linspace(-1, 1, 128)}
+        c0.register(params, shardps.optim.SGD(lr=0.1), sync="asp", staleness_remedy="dc-asgd:0.5")
+        c1.register(params, shardps.optim.SGD(lr=0.1), sync="asp", staleness_remedy="dc-asgd:0.5")
+        for step in range(4):
+            for cl in (c0, c1):
+                cl.pull()  # dc-asgd keeps what each worker pulled: the backup must too
+                cl.push({"w": torch.randn(128, generator=torch.Generator().manual_seed(step))}, step)
+        for st in c.stores:  # worker 1 falls silent
+            st._last_seen[1] = time.monotonic() - 120
+            assert st.evict_expired() == [1]
+            st.replicated()
+        c0.push({"w": torch.ones(128)}, 4)
+    for st in c.stores:
+        _same_state(st, backup_of[st.shard_index])
+        assert backup_of[st.shard_index]._stale_weights.keys() == st._stale_weights.keys()
+        assert backup_of[st.shard_index].stats()["evicted_workers"] == [1]
+
+
+def test_promotion_is_refused_while_the_primary_serves(make_cluster):
+    c = make_cluster(2, replicas=2)
+    with shardps.connect(c.addresses) as client:
+        client.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=0.1), sync="bsp")
+    backup = c.replica_addresses[1]  # server 1 holds shard 0's backup
+    out = io.StringIO()
+    with pytest.raises(shardps.ShardError) as e:
+        run_promote([backup], out=out)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"the primary of shard 0 at {c.addresses[0]} still answers SERVING" in e.value.details
+    # A backup does not serve the data path before it is promoted; the error names the primary.
+    channel = grpc.insecure_channel(backup)
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    with pytest.raises(grpc.RpcError) as rpc:
+        list(stub.Pull(ps_pb2.PullRequest(worker_id=0), timeout=10))
+    assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"this is a backup of shard 0 (its primary: {c.addresses[0]})" in rpc.value.details()
+    # An endpoint that never received a copy has nothing to take over with.
+    empty = ShardStore(0, 2, role="backup")
+    server, port = create_server(empty)
+    try:
+        with pytest.raises(shardps.ShardError, match="holds no copy of shard 0 yet"):
+            run_promote([f"127.0.0.1:{port}"], force=True, out=out)
+    finally:
+        server.stop(None)
+        channel.close()
+
+
+def test_replicate_refuses_gaps_and_other_shards():
+    backup = ShardStore(1, 2, role="backup")
+    server, port = create_server(backup)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as e:  # an op before the whole state: ABORTED, send a snapshot
+            stub.Replicate(iter([ps_pb2.ReplicateRequest(seq=5, op="register_worker", args_json='{"worker": 0}',
+                                                         shard_index=1, num_shards=2)]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.ABORTED and "never got the whole state" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Replicate(iter([ps_pb2.ReplicateRequest(seq=1, op="snapshot", shard_index=0, num_shards=2)]),
+                           timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "backs shard 1 of 2, got changes of shard 0 of 2" in e.value.details()
+        assert backup.version == 0 and not backup.replica_synced
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def test_a_wrongly_deposed_primary_stops_and_the_workers_follow_its_backup(make_cluster):
+    """ctl promote --force while shard 0's primary is alive: it is fenced off (its next change is refused
+    by the promoted backup), the workers move over, and the result equals a run without any of it."""
+    base = _model()
+    clean = _train(make_cluster(2).addresses, base, 12)
+    c = make_cluster(2, replicas=2)
+
+    def on_step(k, step, client):
+        if k == 0 and step == 5:
+            assert run_promote([c.replica_addresses[1]], force=True, out=io.StringIO()) == 0
+
+    got = _train(c.addresses, base, 12, on_step=on_step)
+    for (exp, _), (res, failovers) in zip(clean, got):
+        assert failovers == 1
+        for n in exp:
+            assert torch.equal(res[n], exp[n]), n
+    assert c.stores[0].stats()["role"] == "deposed"
+    assert c.backups[1].stats()["role"] == "primary" and c.backups[1].version == 12
+
+
+def test_losing_the_backup_degrades_and_attach_replica_resyncs(make_cluster, caplog):
+    caplog.set_level(logging.WARNING, logger="shardps.server")
+    c = make_cluster(2, replicas=2)
+    base = _model()
+    c._servers[2].stop(None)  # server 1's backup endpoint (shard 0's backup) goes away
+    _train(c.addresses, base, 4)
+    assert c.stores[0].stats()["replica_state"] == "degraded"
+    assert "going on without a copy" in caplog.text
+    fresh = ShardStore(0, 2, role="backup")
+    server, port = create_server(fresh)
+    try:
+        assert run_attach_replica(c.addresses, 0, f"127.0.0.1:{port}", out=io.StringIO()) == 0
+        _same_state(c.stores[0], fresh)
+        _train(c.addresses, base, 3)  # a new job step count is fine: the workers' clocks go on
+        _same_state(c.stores[0], fresh)
+    finally:
+        server.stop(None)
+
+
+def test_split_tensors_are_refused_with_a_backup(make_cluster):
+    c = make_cluster(2, replicas=2)
+    with shardps.connect(c.addresses) as client:
+        with pytest.raises(shardps.ShardError) as e:
+            client.register({"m": torch.zeros(64, 64)}, shardps.optim.Adafactor(), sync="bsp", max_whole_bytes=1024)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "shards with a backup (--replicas 2) keep such tensors whole" in e.value.details
+
+
+def test_metrics_follow_the_shard_to_its_backup(make_cluster):
+    c = make_cluster(2, replicas=2, metrics=True)
+    _train(c.addresses, _model(), 3)
+    text = generate_latest(c.registries[0]).decode()
+    assert 'shardps_replica_state{shard="0",state="synced"} 1.0' in text
+    assert 'shardps_replication_lag_ops{shard="0"} 0.0' in text
+    assert 'shardps_backup_replayed_ops{shard="1"}' in text
+    assert "shardps_replication_wait_seconds_count" in text
+    run_promote([c.replica_addresses[0]], force=True, out=io.StringIO())  # server 0 now serves shard 1 too
+    text = generate_latest(c.registries[0]).decode()
+    assert 'shardps_shard_version{shard="1"} 3.0' in text and 'shardps_shard_version{shard="0"} 3.0' in text
+    assert 'shardps_promotions_total{shard="1"} 1.0' in text
+
+
+def test_a_wildcard_bind_advertises_the_machine_name():
+    import socket
+
+    from shardps.server.app import advertised
+
+    assert advertised("0.0.0.0", 7000) == f"{socket.gethostname()}:7000"
+    assert advertised("10.0.0.5", 7000) == "10.0.0.5:7000"
+
+
+def test_cli_refuses_replication_it_cannot_do():
+    p = subprocess.run([sys.executable, "-m", "shardps", "server", "--replicas", "2", "--num-shards", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "needs at least 2 servers" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "shardps", "server", "--replica-target", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--replica-target needs --replicas 2" in p.stderr
+
+
+# -- kill -9 ------------------------------------------------------------------------------------------
+
+
+def _kill_when(cluster, victim: int, version: int, killed: threading.Event) -> threading.Thread:
+    """Kill server ``victim`` with SIGKILL once its shard reaches ``version``, whatever it is doing then."""
+
+    def run():
+        with shardps.connect(cluster.addresses[victim:victim + 1], recovery_timeout=0) as watch:
+            deadline = time.monotonic() + 120
+            while watch.stats()[0]["version"] < version:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)  # polling another process's version
+        cluster.kill(victim)
+        killed.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster):
+    """bsp: the backup takes over, and the final weights equal a run without the fault, bit for bit."""
+    steps = 20
+    base = _big_model()
+    clean = _train(make_cluster(2).addresses, base, steps, part_bytes=None)
+    with shardps.LocalCluster(2, processes=True, replicas=2) as c:
+        killed = threading.Event()
+        killer = _kill_when(c, 1, 8, killed)
+        got = _train(c.addresses, base, steps, part_bytes=None)
+        killer.join(timeout=60)
+        assert killed.is_set()
+        for (exp, _), (res, failovers) in zip(clean, got):
+            assert failovers == 1
+            for n in exp:
+                assert torch.equal(res[n], exp[n]), n
+        with shardps.connect(c.serving_addresses()) as client:
+            stats = client.stats()
+    assert [s["version"] for s in stats] == [steps, steps]
+    assert stats[1]["role"] == "primary" and stats[0]["replica_state"] == "degraded"
+    assert all(s["worker_clocks"] == {0: steps - 1, 1: steps - 1} for s in stats)
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_under_asp_every_acknowledged_gradient_is_applied_once():
+    steps = 30
+    with shardps.LocalCluster(2, processes=True, replicas=2) as c:
+        killed = threading.Event()
+        killer = _kill_when(c, 0, 25, killed)
+        _train(c.addresses, _model(), steps, sync="asp")
+        killer.join(timeout=60)
+        assert killed.is_set()
+        with shardps.connect(c.serving_addresses()) as client:
+            stats = client.stats()
+    for s in stats:  # each of the 2 x 30 pushes acknowledged by each shard is in its weights, once
+        assert s["gradients_applied_total"] == W * steps and s["version"] == W * steps
+        assert s["worker_clocks"] == {0: steps - 1, 1: steps - 1}
+    assert stats[0]["role"] == "primary"
+
+
+def test_demo_failover_drill():
+    p = subprocess.run([sys.executable, "-m", "shardps", "demo", "--replicas", "2", "--kill-server", "1",
+                        "--kill-after", "3", "--epochs", "6", "--json", "--quiet"],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["replicas"] == 2 and summary["failovers"] == 2  # both workers moved to the backup
+    assert summary["test_accuracy"] > 0.9
