@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # No leases: the setup's workers sit idle during the run and would be evicted (a change of state).
     cluster = shardps.LocalCluster(args.shards, processes=args.processes, startup_timeout=args.startup_timeout,
-                                   lease_s=0)
+                                   lease_s=0, replicas=args.replicas)
     _CLUSTERS.append(cluster)
     server_log = None
     stack = contextlib.ExitStack()
@@ -179,6 +179,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pull_ok, same = False, False
             violation(args.cases, f"a valid pull failed at the end: {e}", None)
         alive = all(p.poll() is None for p in getattr(cluster, "_procs", []))
+        backups_equal = None
+        if args.replicas == 2 and cluster.stores:  # every shard's backup holds what its primary holds
+            by_shard = {b.shard_index: b for b in cluster.backups}
+            for st in cluster.stores:
+                st.replicated()
+            backups_equal = all(st.state_hash() == by_shard[st.shard_index].state_hash() for st in cluster.stores)
+            if not backups_equal:
+                violation(args.cases, "a backup's state differs from its primary's", None)
     logged: collections.Counter[str] = collections.Counter()
     if server_log is not None:
         server_log.flush()
@@ -225,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "serving": up and alive,
         "valid_pull_ok": pull_ok,
         "weights_unchanged": same,
+        "backups_equal_primaries": backups_equal,
     }
 
 
@@ -253,6 +262,8 @@ def report(res: dict[str, Any]) -> str:
                  f"({', '.join(str(s['known_bug'] or 'UNEXPLAINED') for s in res['state_changes'][:10])})")
     lines.append(f"state unchanged: {res['state_unchanged']}; servers serving: {res['serving']}; "
                  f"valid pull: {res['valid_pull_ok']}, weights as before: {res['weights_unchanged']}")
+    if res["backups_equal_primaries"] is not None:
+        lines.append(f"backups hold the primaries' state: {res['backups_equal_primaries']}")
     return "\n".join(lines)
 
 
@@ -265,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="registered workers (default 2)")
     p.add_argument("--steps", type=int, default=2, help="valid steps each worker pushes first (default 2)")
     p.add_argument("--processes", action="store_true", help="run each shard as a `shardps server` process")
+    p.add_argument("--replicas", type=int, choices=(1, 2), default=1,
+                   help="2: every shard has a backup (needs --shards 2 or more); in process, the backups' state "
+                        "is compared with the primaries' at the end")
     p.add_argument("--avoid-known-bugs", action="store_true", help="keep the generators away from KNOWN_BUGS")
     p.add_argument("--check-every", type=int, default=250,
                    help="with --processes: compare the state every N cases (default 250)")

@@ -24,23 +24,25 @@ from shardps.deploy.local import LocalCluster, stop_processes
 from shardps.worker.client import connect
 
 
-def _worker_cmd(addresses: list[str], k: int, args: Any) -> list[str]:
+def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "shardps", "worker", "--example", "digits",
            "--addresses", ",".join(addresses), "--worker-id", str(k), "--num-workers", str(args.workers),
            "--sync", args.sync, "--optimizer", args.optimizer, "--epochs", str(args.epochs),
            "--seed", str(args.seed), "--batch-size", str(args.batch_size)]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
+    if backups:
+        cmd += ["--backups", ",".join(backups)]
     if k == 0 and not args.quiet:
         cmd.append("--progress")
     return cmd
 
 
 def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]],
-                 kill: Any = None) -> list[dict[str, Any]]:
+                 kill: Any = None, backups: list[str] | None = None) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k in range(args.workers):
-        procs.append(subprocess.Popen(_worker_cmd(addresses, k, args), stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(_worker_cmd(addresses, k, args, backups), stdout=subprocess.PIPE,
                                       text=True, env=env, start_new_session=True))
     results = []
     deadline = time.monotonic() + args.timeout
@@ -130,7 +132,8 @@ def run_demo(args: Any) -> int:
                 say(f"killed server {victim} (SIGKILL) after {args.kill_after:g}s: its backup takes over")
 
             try:
-                results = _run_workers(cluster.addresses, args, procs, kill if victim is not None else None)
+                results = _run_workers(cluster.addresses, args, procs, kill if victim is not None else None,
+                                       cluster.backup_addresses)
             finally:
                 stop_processes(procs)  # workers first, then the servers (leaving the with block)
             serving = cluster.serving_addresses()

@@ -218,12 +218,18 @@ class LocalCluster:
             if metrics is not None:
                 self.metrics_addresses.append(metrics)
 
+    @property
+    def backup_addresses(self) -> list[str]:
+        """Each shard's backup, in shard order (replicas=2; else empty): ``connect(..., backups=)``."""
+        n = self.num_servers
+        return [self.replica_addresses[(i + 1) % n] for i in range(n)] if self.replica_addresses else []
+
     def serving_addresses(self) -> list[str]:
         """Where each shard is served now: its primary, or (replicas=2) its backup if the primary was killed."""
         out = list(self.addresses)
         for i, proc in enumerate(self._procs):
             if proc.poll() is not None and self.replica_addresses:
-                out[i] = self.replica_addresses[(i + 1) % self.num_servers]
+                out[i] = self.backup_addresses[i]
         return out
 
     def kill(self, index: int) -> None:

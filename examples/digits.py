@@ -69,7 +69,8 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
                  optimizer: str = "adam", lr: float | None = None, epochs: int = 20,
                  batch_size: int = 64, seed: int = 0, progress: bool = False,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 on_step: Callable[[int, float], None] | None = None, security: Any = None) -> dict[str, object]:
+                 on_step: Callable[[int, float], None] | None = None, security: Any = None,
+                 backups: list[str] | None = None) -> dict[str, object]:
     """One worker's training run; returns its summary (steps, last loss, seconds).
 
     ``metrics_port`` serves the worker's Prometheus metrics; ``on_step(step,
@@ -86,7 +87,8 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
         registry = CollectorRegistry()
         metrics = WorkerMetrics(registry, worker_id)
         endpoint = serve_metrics(registry, metrics_host, metrics_port)
-    client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers, security=security)
+    client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers, security=security,
+                             backups=backups)
     opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync, metrics=metrics)
     loss_fn = nn.CrossEntropyLoss()
     plan = [(e, b) for e in range(epochs) for b in batches(len(data.x_train), batch_size, e, seed)]
@@ -157,6 +159,6 @@ def main_worker(args: object, security: object = None) -> int:
     res = train_worker(a.addresses, a.worker_id, a.num_workers, sync=a.sync, optimizer=a.optimizer,  # type: ignore[attr-defined]
                        lr=a.lr, epochs=a.epochs, batch_size=a.batch_size, seed=a.seed,  # type: ignore[attr-defined]
                        progress=a.progress, metrics_port=a.metrics_port, metrics_host=a.metrics_host,  # type: ignore[attr-defined]
-                       security=security)
+                       security=security, backups=getattr(a, "backups", None))
     print(json.dumps(res), flush=True)
     return 0

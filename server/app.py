@@ -58,6 +58,57 @@ def advertised(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def check_spare(backup_of: int, num_shards: int) -> None:
+    if not 0 <= backup_of < num_shards or num_shards < 2:
+        raise ValueError(f"--backup-only needs a shard in [0, --num-shards) and --num-shards >= 2, "
+                         f"got shard {backup_of} of {num_shards}")
+
+
+def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int = 0, num_shards: int = 2,
+              chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+              grace_s: float = 5.0, torch_threads: int | None = None, security: Security | None = None,
+              lease_s: float = DEFAULT_LEASE_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
+              checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> int:
+    """``shardps server --backup-only K``: only a backup endpoint for shard K (no primary).
+
+    A spare to give a shard a copy again after a takeover: point the shard
+    at it with ``shardps ctl attach-replica``. It serves the shard if it is
+    promoted in turn.
+    """
+    check_spare(backup_of, num_shards)
+    torch.set_num_threads(torch_threads or default_torch_threads())
+    security = security or Security()
+    backup = ShardStore(backup_of, num_shards, lease_s=lease_s, role="backup")
+    if checkpoint_dir:
+        backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every)
+    metrics = endpoint = None
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        metrics = ServerMetrics(backup, registry)
+        endpoint = serve_metrics(registry, metrics_host, metrics_port)
+    server, bound = create_server(backup, f"{host}:{replica_port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
+                                  metrics=metrics, security=security)
+    backup.address = advertised(host, bound)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            server.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+            backup.close()
+            server.stop(grace_s)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    extra = f" metrics {endpoint.address}" if endpoint is not None else ""
+    print(f"{READY_PREFIX}{host}:{bound} (backup of shard {backup_of} of {num_shards}){extra} replica {host}:{bound}",
+          flush=True)
+    server.wait_for_termination()
+    if endpoint is not None:
+        endpoint.close()
+    return 0
+
+
 def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, num_shards: int = 1,
                sync: str | None = None, num_workers: int | None = None,
                chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
@@ -101,8 +152,8 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
                                                    chunk_bytes=chunk_bytes, security=security)
         servers.append(backup_server)
         extra += f" replica {host}:{backup_port}"
-        if replica_target:
-            store.attach_replica(replica_target)  # the sender retries until the backup answers
+        if replica_target:  # the sender retries until the backup answers; the first try settles first
+            store.start_replicated(replica_target, timeout=10.0)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

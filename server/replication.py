@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +112,7 @@ class Op:
 _TENSORS_KEY = bytes([(ps_pb2.ReplicateRequest.DESCRIPTOR.fields_by_name["tensors"].number << 3) | 2])
 
 
-def op_messages(op: Op, shard_index: int, num_shards: int, primary: str) -> Iterator[bytes]:
+def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarnation: str = "") -> Iterator[bytes]:
     """One op as serialized ReplicateRequests: the header, then its tensors in BLOB_BYTES pieces.
 
     The header's args carry the tensors' layout; the tensor bytes are
@@ -122,7 +123,7 @@ def op_messages(op: Op, shard_index: int, num_shards: int, primary: str) -> Iter
     blob = memoryview(packed.buffer.numpy())
     args = dict(op.args, _layout=packed.layout, _nbytes=packed.nbytes)
     head = ps_pb2.ReplicateRequest(seq=op.seq, op=op.kind, args_json=json.dumps(args), shard_index=shard_index,
-                                   num_shards=num_shards, primary=primary).SerializeToString()
+                                   num_shards=num_shards, primary=primary, incarnation=incarnation).SerializeToString()
     rest = ps_pb2.ReplicateRequest(seq=op.seq).SerializeToString()
     for a in range(0, max(1, len(blob)), BLOB_BYTES):
         piece = blob[a:a + BLOB_BYTES]
@@ -174,6 +175,7 @@ class Replicator:
         self.security = security or Security()
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.primary_address = primary_address
+        self.incarnation = uuid.uuid4().hex  # this run of the primary
         self.address = ""
         self.state = "none"
         self.seq = 0  # the last op recorded
@@ -249,9 +251,10 @@ class Replicator:
             self._thread.start()
         self._wake.set()
 
-    def wait_synced(self, timeout: float) -> str:
+    def wait_synced(self, timeout: float, settled: tuple[str, ...] = ("synced", "deposed")) -> str:
+        """The state once it is one of ``settled`` (or after ``timeout``)."""
         with self._cond:
-            self._cond.wait_for(lambda: self.state in ("synced", "deposed"), timeout)
+            self._cond.wait_for(lambda: self.state in settled, timeout)
             return self.state
 
     def _run(self) -> None:
@@ -296,7 +299,7 @@ class Replicator:
 
         def messages() -> Iterator[bytes]:
             for op in batch:
-                yield from op_messages(op, self.shard_index, self.num_shards, self.primary_address)
+                yield from op_messages(op, self.shard_index, self.num_shards, self.primary_address, self.incarnation)
 
         replicate(messages(), timeout=self.timeout_s)
 
@@ -304,6 +307,11 @@ class Replicator:
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
         details = e.details() if hasattr(e, "details") else str(e)
         deposed = code == grpc.StatusCode.FAILED_PRECONDITION
+        if deposed:  # the store stops serving first, then the waiters learn it
+            log.error("shard %d: the backup at %s took over (%s); this server no longer serves the shard",
+                      self.shard_index, self.address, details)
+            if self.on_deposed is not None:
+                self.on_deposed(self.address)
         with self._cond:
             self.last_error = f"{code.name}: {details}"
             if deposed:
@@ -323,10 +331,6 @@ class Replicator:
             self._queue.clear()
             self._cond.notify_all()
         if deposed:
-            log.error("shard %d: the backup at %s took over (%s); this server no longer serves the shard",
-                      self.shard_index, self.address, details)
-            if self.on_deposed is not None:
-                self.on_deposed(self.address)
             return
         if code != grpc.StatusCode.ABORTED:  # ABORTED: the backup wants the whole state again, now
             self._wake.wait(self.retry_s)
@@ -352,19 +356,20 @@ class Deposed(Exception):
 
 
 def primary_serving(address: str, security: Security, timeout: float = 1.0) -> bool:
-    """Whether the shard's primary at ``address`` answers its health check with SERVING."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Whether the shard's primary at ``address`` answers and still serves the shard.
+
+    Unreachable, shutting down (UNAVAILABLE), deposed, starting or
+    restarted from a checkpoint (recovering): not serving.
+    """
+    from shardps.protos.shardps.v1 import ps_pb2_grpc
 
     if not address:
         return False
     channel = security.channel(address)
     try:
-        resp = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="shardps.v1.ParameterServer"), timeout=timeout)
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        s = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+        return s.role in ("primary", "") and not s.recovering
     except grpc.RpcError:
         return False
     finally:
         channel.close()
-
-

@@ -309,7 +309,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.store.check_serving()
         self.store._check_registered(request.worker_id)  # an evicted worker learns it here
         self.store.touch(request.worker_id)
-        return ps_pb2.HeartbeatResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()))
+        rep = self.store.replicator
+        return ps_pb2.HeartbeatResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()),
+                                        backup=rep.address if rep is not None and rep.state != "none" else "")
 
     @_unary_errors
     def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:

@@ -256,6 +256,7 @@ class ShardStore:
         self.primary_address = ""  # backup role: the primary it copies
         self.replica_seq = 0  # backup role: the last op applied
         self.replica_synced = False
+        self.replica_incarnation = ""  # backup role: the run of the primary whose copy it holds
         self.promotions_total = 0
         self._replay_lock = threading.Lock()
         if sync is not None or num_workers is not None:
@@ -349,7 +350,7 @@ class ShardStore:
         """Evict registered workers whose lease expired; barriers complete with the live ones."""
         now = time.monotonic() if now is None else now
         with self._cond:
-            if self.role != "primary":  # a backup replays its primary's evictions
+            if self.role != "primary":  # a backup replays its primary's evictions; a starting one waits
                 return []
             expired = [w for w in sorted(self._workers) if now - self._last_seen.get(w, now) > self.lease_s]
             self._evict(expired, now)
@@ -878,7 +879,8 @@ class ShardStore:
         if address == self.address:
             raise InvalidArgument(f"AttachReplica: {address} is shard {self.shard_index}'s own address")
         with self._cond:
-            self.check_serving()
+            if self.role != "starting":
+                self.check_serving()
             split = [n for n, e in self._tensors.items() if e.spec.split]
             if split:
                 raise FailedPrecondition(f"shard {self.shard_index} holds tensors split with cross-shard statistics "
@@ -921,6 +923,31 @@ class ShardStore:
                               f"{self.primary_address or 'not known yet'}); it serves only after a Promote")
         if self.role == "deposed":
             raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {self.moved_to}")
+        if self.role == "starting":
+            raise Unavailable(f"shard {self.shard_index} is starting: it checks whether its backup took over "
+                              f"while it was down")
+
+    def start_replicated(self, target: str, timeout: float) -> str:
+        """Start as the primary only if the backup at ``target`` has not taken the shard over meanwhile.
+
+        Until the first attempt to sync the backup settles (in sync, backup
+        unreachable, or it answers that it was promoted: deposed), data
+        RPCs answer UNAVAILABLE. A server restarted after a takeover thus
+        never serves a stale copy of its shard.
+        """
+        with self._cond:
+            self.role = "starting"
+        self.attach_replica(target)
+        assert self.replicator is not None
+        state = self.replicator.wait_synced(timeout, settled=("synced", "degraded", "deposed"))
+        with self._cond:
+            if self.role == "starting":
+                self.role = "primary"
+            self._cond.notify_all()
+        if self.role == "deposed":
+            log.error("shard %d: its backup at %s took it over while this server was down; this server does "
+                      "not serve it (workers are sent there)", self.shard_index, target)
+        return state
 
     def apply_replica(self, ops: Iterable[tuple[Any, Op]]) -> tuple[int, int]:
         """Backup side: replay the primary's ops in order; (last op applied, version).
@@ -939,6 +966,11 @@ class ShardStore:
                 if (head.shard_index, head.num_shards) != (self.shard_index, self.num_shards):
                     raise InvalidArgument(f"this endpoint backs shard {self.shard_index} of {self.num_shards}, "
                                           f"got changes of shard {head.shard_index} of {head.num_shards}")
+                if self.replica_incarnation and head.incarnation != self.replica_incarnation:
+                    raise FailedPrecondition(
+                        f"the backup of shard {self.shard_index} here holds the state of an earlier run of its "
+                        f"primary (op {self.replica_seq}, version {self.version}): a restarted primary must not "
+                        f"overwrite acknowledged updates; this backup takes the shard over instead")
                 if op.kind != "snapshot" and (not self.replica_synced or op.seq != self.replica_seq + 1):
                     why = "it never got the whole state" if not self.replica_synced else \
                         f"op {op.seq} came after op {self.replica_seq}"
@@ -952,6 +984,7 @@ class ShardStore:
                                   f"{e}; send the whole state") from None
                 self.replica_seq = op.seq
                 self.primary_address = head.primary or self.primary_address
+                self.replica_incarnation = head.incarnation
         return self.replica_seq, self.version
 
     def _replay(self, op: Op) -> None:

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replica-target", default=None, metavar="HOST:PORT",
                    help="with --replicas 2: the next server's --replica-port, where this shard's backup lives "
                         "(or set it later: shardps ctl attach-replica)")
+    r.add_argument("--backup-only", type=int, default=None, metavar="SHARD",
+                   help="a spare: hold only a backup of shard SHARD on --replica-port, no shard of its own "
+                        "(to give a shard a copy again after a takeover: shardps ctl attach-replica)")
     r.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
                    help="how other servers reach this one (its backup checks it before taking over); "
                         "default HOST:PORT, or this machine's name:PORT when binding 0.0.0.0")
@@ -97,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run one worker of an example")
     w.add_argument("--example", choices=["digits"], default="digits")
     w.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    w.add_argument("--backups", type=_addresses, default=None,
+                   help="each shard's backup (--replicas 2), HOST:PORT,... in shard order; learnt when "
+                        "registering otherwise")
     w.add_argument("--worker-id", type=int, required=True)
     w.add_argument("--num-workers", type=int, required=True)
     w.add_argument("--sync", type=_sync, default="bsp")
@@ -159,8 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
-        from shardps.server.app import check_replicas, run_server
+        from shardps.server.app import check_replicas, check_spare, run_server, run_spare
 
+        if args.backup_only is not None:
+            try:
+                check_spare(args.backup_only, args.num_shards)
+            except ValueError as e:
+                print(f"shardps server: {e}", file=sys.stderr)
+                return 2
+            return run_spare(host=args.host, replica_port=args.replica_port, backup_of=args.backup_only,
+                             num_shards=args.num_shards, chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
+                             torch_threads=args.torch_threads, security=security_from(args),
+                             lease_s=args.lease_seconds, metrics_host=args.metrics_host,
+                             metrics_port=args.metrics_port, checkpoint_dir=args.checkpoint_dir,
+                             checkpoint_every=args.checkpoint_every)
         try:
             check_replicas(args.replicas, args.num_shards, args.replica_target)
         except ValueError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import shardps
+from shardps.deploy.ctl import run_promote
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 
@@ -139,3 +141,25 @@ def test_non_loopback_bind_without_tls_warns():
         proc.stdout.close()
         proc.stderr.close()
     assert "reachable from other machines, without TLS and a token" in err
+
+
+def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
+    """Server to server (Replicate, the takeover's check of the primary) goes over the same mTLS and token."""
+    ca = str(pki / "ca.pem")
+    server = Security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_ca=ca, token="t0ken")
+    cluster = make_cluster(2, security=server, replicas=2)
+    client_sec = Security(tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"), tls_ca=ca, token="t0ken")
+    backup_of = {b.shard_index: b for b in cluster.backups}
+    with shardps.connect(cluster.addresses, security=client_sec, ready_timeout=10, recovery_timeout=10) as client:
+        client.register({"w": torch.arange(6.0), "v": torch.zeros(3)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=0)
+        for st in cluster.stores:
+            assert st.stats()["replica_state"] == "synced"
+            assert st.state_hash() == backup_of[st.shard_index].state_hash()
+        # The backup reads the live primary's Stats (authenticated) and refuses to take over.
+        with pytest.raises(shardps.ShardError, match="still answers SERVING"):
+            run_promote([client.backups[0]], security=server, out=io.StringIO())
+        cluster._servers[1].stop(None)  # shard 0's primary goes away: the client fails over, over mTLS
+        client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
+        assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
+        assert client.failovers_total == 1 and backup_of[0].role == "primary"

@@ -83,7 +83,7 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], worker_id: int = 0, num_workers: int = 1, *,
                  timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                  part_bytes: int | None = None, security: Security | None = None,
-                 recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S) -> None:
+                 recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S, backups: Sequence[str] | None = None) -> None:
         if not addresses:
             raise ValueError("need at least one server address")
         if not 0 <= worker_id < num_workers:
@@ -98,8 +98,11 @@ class PSClient:
         self.recovery_timeout = recovery_timeout
         self.retries_total = 0
         self.failovers_total = 0
-        # Each shard's backup (--replicas 2), learnt when registering: where to fail over to.
-        self.backups = [""] * len(self.addresses)
+        # Each shard's backup (--replicas 2): given, learnt when registering and from heartbeats.
+        if backups is not None and len(backups) != len(self.addresses):
+            raise ValueError(f"backups: one address (or '') per shard: {len(self.addresses)} shards, "
+                             f"{len(backups)} backups")
+        self.backups = list(backups) if backups is not None else [""] * len(self.addresses)
         self._failover_lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
         self._channels: list[grpc.Channel] = []
@@ -145,6 +148,14 @@ class PSClient:
             self._push_raw[shard], self._pull_raw[shard] = push, pull
         self.addresses[shard] = address
 
+    def _moved_to(self, shard: int) -> str:
+        """Where a deposed primary says its shard went ("" if it does not answer or was not deposed)."""
+        try:
+            s = self._stubs[shard].Stats(ps_pb2.StatsRequest(), timeout=min(2.0, self.timeout))
+        except grpc.RpcError:
+            return ""
+        return s.backup if s.role == "deposed" else ""
+
     def _fail_over(self, shard: int, failed: str, details: str) -> bool:
         """Ask shard's backup to take over (--replicas 2); True once requests should go there.
 
@@ -154,7 +165,7 @@ class PSClient:
         with self._failover_lock:
             if self.addresses[shard] != failed:  # another thread failed over already
                 return True
-            backup = self.backups[shard]
+            backup = self.backups[shard] or self._moved_to(shard)
             if not backup:
                 return False
             channel = self.security.channel(backup)
@@ -229,15 +240,22 @@ class PSClient:
         return results
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every shard's channel is connected (TimeoutError names the laggards)."""
+        """Block until every shard's channel is connected (TimeoutError names the laggards).
+
+        A shard with a known backup whose primary does not answer within a
+        few seconds fails over to it.
+        """
         t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
         futs = [grpc.channel_ready_future(c) for c in self._channels]
         missing = []
-        for a, f in zip(self.addresses, futs):
+        for i, (a, f) in enumerate(zip(list(self.addresses), futs)):
             try:
-                f.result(timeout=t)
+                patience = max(0.0, deadline - time.monotonic())
+                f.result(timeout=min(patience, 5.0) if self.backups[i] else patience)
             except grpc.FutureTimeoutError:
-                missing.append(a)
+                if not (self.backups[i] and self._fail_over(i, a, "not answering when connecting")):
+                    missing.append(a)
             finally:
                 f.cancel()
         if missing:
@@ -579,9 +597,14 @@ class PSClient:
             while not self._hb_stop.wait(every):
                 for i, stub in enumerate(self._stubs):
                     try:
-                        stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every)
+                        r = stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every)
                     except grpc.RpcError as e:  # the data path reports failures; here only log them
                         log.debug("heartbeat to shard %d failed: %s", i, e.code())
+                        continue
+                    if r.backup:  # a backup attached since registering (after a takeover, a spare)
+                        with self._failover_lock:
+                            if self._stubs[i] is stub:
+                                self.backups[i] = r.backup
 
         self._hb_thread = threading.Thread(target=loop, name=f"worker{self.worker_id}-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -604,16 +627,21 @@ class PSClient:
 def connect(addresses: Sequence[str] | str, worker_id: int = 0, num_workers: int = 1, *,
             timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
             part_bytes: int | None = None, ready_timeout: float | None = 60.0,
-            security: Security | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S) -> PSClient:
+            security: Security | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S,
+            backups: Sequence[str] | str | None = None) -> PSClient:
     """Connect to the shards at ``addresses`` (in shard order; a comma-separated string works).
 
     Waits up to ``ready_timeout`` seconds for every shard to accept a
-    connection (None: do not wait).
+    connection (None: do not wait). ``backups`` (``--replicas 2``): each
+    shard's backup, in shard order; workers also learn them when they
+    register, so give them for a worker that may start after a server died.
     """
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    if isinstance(backups, str):
+        backups = [a.strip() for a in backups.split(",")]
     client = PSClient(addresses, worker_id, num_workers, timeout=timeout, chunk_bytes=chunk_bytes,
-                      part_bytes=part_bytes, security=security, recovery_timeout=recovery_timeout)
+                      part_bytes=part_bytes, security=security, recovery_timeout=recovery_timeout, backups=backups)
     if ready_timeout is not None:
         try:
             client.wait_ready(ready_timeout)

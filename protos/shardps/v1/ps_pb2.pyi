@@ -149,12 +149,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("version", "live_workers")
+    __slots__ = ("version", "live_workers", "backup")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
     version: int
     live_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    backup: str
+    def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ..., backup: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch")
@@ -383,7 +385,7 @@ class CheckpointResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("seq", "op", "args_json", "tensors", "shard_index", "num_shards", "primary")
+    __slots__ = ("seq", "op", "args_json", "tensors", "shard_index", "num_shards", "primary", "incarnation")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +393,7 @@ class ReplicateRequest(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     op: str
     args_json: str
@@ -398,7 +401,8 @@ class ReplicateRequest(_message.Message):
     shard_index: int
     num_shards: int
     primary: str
-    def __init__(self, seq: _Optional[int] = ..., op: _Optional[str] = ..., args_json: _Optional[str] = ..., tensors: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., primary: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, seq: _Optional[int] = ..., op: _Optional[str] = ..., args_json: _Optional[str] = ..., tensors: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., primary: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ("seq", "version")

@@ -1,0 +1,103 @@
+"""What --replicas 2 costs: push+pull rounds with and without a backup per shard, same run.
+
+    .venv/bin/python benchmarks/replication.py [--params 8e6] [--rounds 10] [--repeats 3]
+
+Starts two clusters of 2 server processes on loopback, one plain and one
+with --replicas 2, and one client for each (1 worker, asp, SGD: each push is
+applied at once, so a round is: push every gradient, the shards apply it,
+forward it to the backup and wait for its confirmation, then pull every
+weight, which is served once the backup holds it). The clusters take turns,
+--rounds rounds each per repeat, so load on the machine hits both alike.
+Prints the median round time of each and the ratio plain / replicated
+(1.0: replication is free; 0.5: rounds take twice as long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+import shardps
+from shardps.deploy.local import LocalCluster
+
+
+def tensors(params: float) -> dict[str, torch.Tensor]:
+    """Matrices of 1024 columns (and one odd vector) adding up to about ``params`` elements."""
+    rows = max(1, int(params) // (1024 * 8))
+    out = {f"w{i}": torch.randn(rows, 1024) for i in range(8)}
+    out["bias"] = torch.randn(1000)
+    return out
+
+
+def rounds(client: shardps.PSClient, grads: dict[str, torch.Tensor], first_step: int, n: int) -> list[float]:
+    times = []
+    for k in range(n):
+        t0 = time.perf_counter()
+        results = client.push(grads, first_step + k)
+        client.pull(min_versions=[r.ready_version for r in results])
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=8e6, help="elements in all (fp32; default 8e6 = 32 MB)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds per cluster per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    ap.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    args = ap.parse_args()
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(args.timeout):
+            print(f"benchmark did not finish within {args.timeout:.0f}s", file=sys.stderr, flush=True)
+            import os
+
+            os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    params = tensors(args.params)
+    grads = {n: torch.full_like(t, 1e-3) for n, t in params.items()}
+    mb = sum(t.numel() for t in params.values()) * 4 / 2**20
+    print(f"{mb:.0f} MB of fp32 weights on 2 shards; {args.repeats} x {args.rounds} rounds per cluster",
+          file=sys.stderr)
+    with LocalCluster(2, processes=True) as plain, LocalCluster(2, processes=True, replicas=2) as replicated:
+        clients = {}
+        try:
+            for name, cluster in (("plain", plain), ("replicas 2", replicated)):
+                c = shardps.connect(cluster.addresses, timeout=120)
+                c.register(params, shardps.optim.SGD(lr=1e-3), sync="asp")
+                rounds(c, grads, 0, 2)  # warm-up: connections, buffers
+                clients[name] = c
+            times: dict[str, list[float]] = {name: [] for name in clients}
+            for rep in range(args.repeats):
+                for name, c in clients.items():
+                    times[name] += rounds(c, grads, 2 + rep * args.rounds, args.rounds)
+                print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(
+                    f"{n} {statistics.median(t[-args.rounds:]) * 1e3:.0f} ms" for n, t in times.items()),
+                    file=sys.stderr, flush=True)
+            lag = [s["replication_lag_ops"] for s in clients["replicas 2"].stats()]
+        finally:
+            for c in clients.values():
+                c.close()
+    med = {n: statistics.median(t) for n, t in times.items()}
+    ratio = med["plain"] / med["replicas 2"]
+    for n, m in med.items():
+        print(f"{n:>11}: round {m * 1e3:7.1f} ms  ({2 * mb / m:6.0f} MB/s push+pull)")
+    print(f"ratio plain / replicated round time: {ratio:.2f}   (replication lag after the run: {lag} ops)")
+    done.set()
+    if args.json:
+        print(json.dumps({"mb": round(mb, 1), "plain_ms": round(med["plain"] * 1e3, 2),
+                          "replicated_ms": round(med["replicas 2"] * 1e3, 2), "ratio": round(ratio, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
