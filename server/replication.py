@@ -53,6 +53,7 @@ log = logging.getLogger("shardps.server")
 
 BLOB_BYTES = 1 << 20  # tensor bytes per ReplicateRequest
 DEFAULT_REPLICA_TIMEOUT_S = 30.0
+BYTES_PER_S_FLOOR = 20e6  # a batch's deadline grows with its size as if the backup took in 20 MB/s
 RETRY_S = 2.0
 
 
@@ -263,6 +264,10 @@ class Replicator:
                 state = self.state
             if state == "deposed":
                 return
+            if state == "degraded" and not self._reachable():
+                self._wake.wait(self.retry_s)  # a whole snapshot costs a copy of the shard: not for nothing
+                self._wake.clear()
+                continue
             if state in ("degraded", "resync"):
                 try:
                     self._snapshot()  # begin_sync + record("snapshot") under the store's lock
@@ -292,6 +297,21 @@ class Replicator:
                              batch[-1].seq)
                 self._cond.notify_all()
 
+    def _reachable(self) -> bool:
+        """Whether the backup answers at all (a cheap Stats call)."""
+        with self._cond:
+            channel = self._channel
+        if channel is None:
+            return False
+        try:
+            channel.unary_unary("/shardps.v1.ParameterServer/Stats",
+                                request_serializer=ps_pb2.StatsRequest.SerializeToString,
+                                response_deserializer=ps_pb2.StatsResponse.FromString,
+                                _registered_method=True)(ps_pb2.StatsRequest(), timeout=min(5.0, self.timeout_s))
+            return True
+        except grpc.RpcError:
+            return False
+
     def _send(self, channel: grpc.Channel, batch: list[Op]) -> None:
         replicate = channel.stream_unary("/shardps.v1.ParameterServer/Replicate", request_serializer=None,
                                          response_deserializer=ps_pb2.ReplicateResponse.FromString,
@@ -301,7 +321,9 @@ class Replicator:
             for op in batch:
                 yield from op_messages(op, self.shard_index, self.num_shards, self.primary_address, self.incarnation)
 
-        replicate(messages(), timeout=self.timeout_s)
+        nbytes = sum(op.packed.nbytes if op.packed is not None else
+                     sum(t.numel() * t.element_size() for t in op.tensors.values()) for op in batch)
+        replicate(messages(), timeout=self.timeout_s + nbytes / BYTES_PER_S_FLOOR)
 
     def _failed(self, e: grpc.RpcError, batch: list[Op]) -> None:
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
