@@ -2,7 +2,7 @@
 """Fuzz a live shardps job with 10,000+ malformed and random requests.
 
 The generators and the rules are tests/fuzzgen.py's (tests/test_fuzz.py
-runs ~300 of the same cases under hypothesis): random and damaged Push,
+runs ~450 of the same cases under hypothesis): random and damaged Push,
 Register, Pull, PullState, Exchange, SetSync, Stats, Heartbeat, Rollback,
 Checkpoint and the replication RPCs (Replicate, Promote, AttachReplica)
 sent to primaries, and raw

@@ -321,9 +321,10 @@ class ShardStore:
         """A worker joins (or rejoins after an eviction): it holds a lease from now on."""
         with self._cond:
             self.check_worker_id(worker_id)
+            if worker_id not in self._workers or worker_id in self._evicted:  # a change the backup replays
+                self._record("register_worker", {"worker": worker_id})
             self._workers.add(worker_id)
             self._last_seen[worker_id] = time.monotonic()
-            self._record("register_worker", {"worker": worker_id})
             if worker_id in self._evicted:
                 self._evicted.discard(worker_id)
                 log.warning("shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,

@@ -1,6 +1,6 @@
 """Malformed and random requests for a live shardps server, and the rules they are judged by.
 
-Shared by tests/test_fuzz.py (hypothesis drives the choices, ~300 cases)
+Shared by tests/test_fuzz.py (hypothesis drives the choices, ~450 cases)
 and benchmarks/fuzz.py (a seeded ``random.Random`` drives them, 10,000+
 cases). Every choice goes through a ``Source``, so the same generators run
 under either.

@@ -2,7 +2,7 @@
 
 tests/fuzzgen.py builds the requests and judges the answers (its docstring
 has the rules); hypothesis drives its choices here, derandomized, so every
-run sends the same ~300 cases. benchmarks/fuzz.py runs the same generators
+run sends the same ~450 cases (one job with --replicas 2). benchmarks/fuzz.py runs the same generators
 for 10,000+ cases.
 
 Every bug the fuzzer has found is in fuzzgen.KNOWN_BUGS with a reproducer
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from shardps.protos.shardps.v1 import ps_pb2
 from tests import fuzzgen
 
-EXAMPLES = 150  # per job below: 300 cases in all
+EXAMPLES = 150  # per job below: 450 cases in all
 
 
 @st.composite
@@ -33,9 +33,9 @@ def cases(draw, target):
     return fuzzgen.make_case(fuzzgen.HypothesisSource(draw), target, avoid_known_bugs=True)
 
 
-@pytest.mark.parametrize("sync, num_servers", [("asp", 1), ("bsp", 2)])
-def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sync, num_servers):
-    cluster = make_cluster(num_servers, lease_s=0)  # no evictions of the idle setup workers
+@pytest.mark.parametrize("sync, num_servers, replicas", [("asp", 1, 1), ("bsp", 2, 1), ("bsp", 2, 2)])
+def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sync, num_servers, replicas):
+    cluster = make_cluster(num_servers, lease_s=0, replicas=replicas)  # lease 0: the idle setup workers stay
     weights = fuzzgen.prepare_job(cluster.addresses, sync)
     seen: collections.Counter[str] = collections.Counter()
     with fuzzgen.Fuzzer(cluster.addresses) as fz, fuzzgen.capture_server_errors() as errors:
@@ -61,6 +61,9 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
     assert seen["refused"] > EXAMPLES // 2 and seen["ok"] > 0, seen
     assert fuzzgen.serving(cluster.addresses)
     assert fuzzgen.same_weights(fuzzgen.pull_all(cluster.addresses), weights)
+    backup_of = {b.shard_index: b for b in cluster.backups}
+    for store in cluster.stores if replicas == 2 else ():  # nothing reached the backups either
+        assert store.state_hash() == backup_of[store.shard_index].state_hash()
 
 
 # -- reproducers of the bugs the fuzzer found -----------------------------------

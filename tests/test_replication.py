@@ -498,3 +498,15 @@ def test_a_spare_gives_a_taken_over_shard_a_copy_again(make_cluster):
         assert failovers == 2
         for n in exp:
             assert torch.equal(res[n], exp[n]), n
+
+
+def test_requests_that_change_nothing_send_the_backup_nothing(make_cluster):
+    """Found by benchmarks/fuzz.py --replicas 2: every Register of a registered worker was an op."""
+    c = make_cluster(2, replicas=2)
+    with shardps.connect(c.addresses) as client:
+        client.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=0.1), sync="bsp")
+        ops = [s.stats()["replicated_ops_total"] for s in c.stores]
+        client.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=0.1), sync="bsp")  # again: a no-op
+        client.set_sync("bsp")
+        client.pull()
+        assert [s.stats()["replicated_ops_total"] for s in c.stores] == ops
