@@ -26,6 +26,11 @@ push and of pull (each call of the client, all shards in parallel),
 throughput, and the checks: the final weights, each shard's version and
 counters, and that every worker saw the shards' versions only go up.
 
+``--replicas 2 --kill-after S`` gives every shard a backup and kills
+server 1 with SIGKILL S seconds into the run: the workers fail over to its
+backup, and the same exact check must hold (no acknowledged push lost, none
+applied twice), on the shards as they are served at the end.
+
 Every RPC has a deadline (``--rpc-timeout``), the whole run a watchdog
 (``--max-seconds``), and the server processes are stopped on the way out,
 on an error, on SIGTERM and when the watchdog fires.
@@ -143,7 +148,8 @@ class Worker:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tensors = initial_tensors(args.numel)
     nbytes = sum(t.numel() * 4 for t in tensors.values())
-    cluster = shardps.LocalCluster(args.shards, processes=True, startup_timeout=args.startup_timeout)
+    cluster = shardps.LocalCluster(args.shards, processes=True, startup_timeout=args.startup_timeout,
+                                   replicas=args.replicas)
     _CLUSTERS.append(cluster)
     with cluster:
         workers = [Worker(k, cluster.addresses, args.clients, tensors, args) for k in range(args.clients)]
@@ -165,7 +171,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             for th in threads:
                 th.start()
-            stop.wait(args.seconds)
+            killed_at = None
+            if args.kill_after is not None:
+                stop.wait(args.kill_after)
+                cluster.kill(1)
+                killed_at = round(time.monotonic() - t0, 2)
+                if not args.quiet:
+                    print(f"soak.py: killed server 1 (SIGKILL) at {killed_at}s", file=sys.stderr, flush=True)
+            stop.wait(max(0.0, args.seconds - (time.monotonic() - t0)))
             stop.set()
             for th in threads:  # each finishes its pull/push pair: bounded by the RPC deadlines and retries
                 th.join(args.rpc_timeout * (args.max_retries + 2) + 10)
@@ -174,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             steps = [w.steps for w in workers]
             expected = {n: t - 1.0 * SCALE * sum((k + 1) * s for k, s in enumerate(steps)) for n, t in tensors.items()}
-            with shardps.connect(cluster.addresses, worker_id=0, num_workers=args.clients,
+            with shardps.connect(cluster.serving_addresses(), worker_id=0, num_workers=args.clients,
                                  timeout=args.rpc_timeout) as checker:
                 checker.attach()
                 final = checker.pull()
@@ -217,6 +230,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "steps_per_worker": {"min": min(steps), "max": max(steps), "total": total_steps},
         "client_duplicates": sum(w.duplicates for w in workers),
+        "killed_server_1_at_s": killed_at,
+        "failovers": sum(w.client.failovers_total for w in workers),
         "versions_went_back": sum(w.versions_went_back for w in workers),
         "hung_workers": hung,
         "unsettled_workers": [w.k for w in workers if w.unsettled],
@@ -240,6 +255,8 @@ def report(res: dict[str, Any]) -> str:
         f"pull latency ms: p50 {lat['pull']['p50']}, p99 {lat['pull']['p99']}, max {lat['pull']['max']}",
         f"steps per worker: {res['steps_per_worker']['min']}-{res['steps_per_worker']['max']}, "
         f"total {res['steps_per_worker']['total']}; duplicates acknowledged: {res['client_duplicates']}",
+        f"replicas: {res['settings']['replicas']}; server 1 killed at: {res['killed_server_1_at_s']}s; "
+        f"worker failovers: {res['failovers']}",
         f"final weights == initial - lr * sum of gradients, exactly: {res['final_state_exact']} "
         f"(mismatched elements {res['mismatched_elements']}, max abs error {res['max_abs_error']})",
     ]
@@ -265,11 +282,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for servers to come up (default 60)")
     p.add_argument("--max-seconds", type=float, default=600.0,
                    help="watchdog: abort the whole run after this many seconds (default 600)")
+    p.add_argument("--replicas", type=int, choices=(1, 2), default=1, help="2: every shard has a backup (default 1)")
+    p.add_argument("--kill-after", type=float, default=None, metavar="S",
+                   help="with --replicas 2: SIGKILL server 1 S seconds into the run")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     args = p.parse_args(argv)
     if args.seconds <= 0 or args.clients < 1 or args.shards < 1 or args.numel < 64 or args.max_retries < 0:
         p.error("need --seconds > 0, --clients >= 1, --shards >= 1, --numel >= 64, --max-retries >= 0")
+    if args.kill_after is not None and not (args.replicas == 2 and args.shards >= 2 and
+                                            0 <= args.kill_after < args.seconds):
+        p.error("--kill-after needs --replicas 2, --shards >= 2 and a time within --seconds")
+    if args.replicas == 2 and args.shards < 2:
+        p.error("--replicas 2 needs --shards >= 2")
 
     # SIGTERM and the watchdog unwind through the LocalCluster's `with`, which stops the servers.
     def on_term(signum: int, frame: object) -> None:
