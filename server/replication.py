@@ -23,11 +23,16 @@ sending its whole state first. ``deposed`` fences a primary that was
 wrongly taken for dead: its backup took over, so it must not acknowledge
 anything more; every request gets UNAVAILABLE naming the new address.
 
-Not handled (documented in docs/operations.md): a network partition that
-lets workers reach the backup but not the primary, while the primary still
-reaches neither the backup nor its health check fails. A third party
-(consensus) would be needed for that; the takeover's health check of the
-primary covers the ordinary case of a primary that is merely slow.
+A restarted primary (a new ``incarnation``) is refused by a backup that
+holds a copy: the backup has acknowledged updates the new run lacks, so the
+new run is deposed and the backup takes over.
+
+Not handled (documented in docs/operations.md): a network partition in
+which workers reach the backup but not the primary and the backup cannot
+reach the primary either, while the primary still serves other clients. A
+third party (consensus) would be needed for that; the takeover's check of
+the primary's Stats covers the ordinary case of a primary that is merely
+slow.
 """
 
 from __future__ import annotations
