@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -147,6 +148,12 @@ class TensorSpec:
         return "; ".join(out)
 
 
+class _Framed(list):  # type: ignore[type-arg]
+    """A list of framed Pull responses that the store can refer to weakly."""
+
+    __slots__ = ("__weakref__",)
+
+
 def spec_to_json(sp: TensorSpec) -> dict[str, Any]:
     return {"name": sp.name, "shape": list(sp.shape), "dtype": sp.dtype, "grad_dtype": sp.grad_dtype,
             "optimizer": {"name": sp.optimizer.name, "params": sp.optimizer.params()},
@@ -217,6 +224,12 @@ class ShardStore:
         self._stale_weights: dict[int, dict[PartKey, torch.Tensor]] = {}  # dc-asgd: what each worker pulled
         self._scaled_impls: dict[OptimizerSpec, ServerOptimizer] = {}
         self._pool: dict[PartKey, torch.Tensor] = {}  # one spare staging buffer per part
+        # Pull responses framed from the current weights, shared by the Pulls of this version that are
+        # answered while another one still streams them (under bsp every worker's, at once after the
+        # barrier). Weak references: the bytes live only as long as some Pull sends them. Dropped
+        # whenever the weights or the version change.
+        self._framed: dict[tuple[Any, ...], tuple[weakref.ref[_Framed], int]] = {}
+        self.framed_hits_total = 0
         self._pool_lock = threading.Lock()
         self._ckpt_dir: str | None = None
         self._ckpt_every, self._ckpt_seconds, self._ckpt_keep = 0, 0.0, 3
@@ -623,6 +636,7 @@ class ShardStore:
     def _apply(self, update: Update) -> bool:
         """One optimizer step (or a skipped one); the version advances either way. Under the lock."""
         t0 = time.perf_counter()
+        self._framed.clear()
         skip = any(c.found_inf for c in update.contributions)
         if skip:
             self.skipped_steps_total += 1
@@ -779,18 +793,28 @@ class ShardStore:
         ``PullResponse`` (version, the loss scale and sync mode of that
         moment, ``slowest_clock`` as given, and the chunk, its tensor's shape
         on the tensor's first chunk), framed straight from the weights: one
-        copy of the data.
+        copy of the data, made once per version for all the Pulls that ask
+        the same (every worker's, under bsp).
         """
         with self._cond:
             entries = [self._tensors.get(n) for n in names]
             for n, e in zip(names, entries):
                 if e is None:
                     self.spec(n)  # raises NotFound
-            out = []
+            out: list[tuple[str, int, int, bytes]] = _Framed() if messages else []
             nbytes = 0
             if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self._workers:
                 self._remember_pulled(worker_id, list(names))
+            key: tuple[Any, ...] = ()
             if messages:
+                key = (tuple(names), wire_dtype, chunk_bytes, slowest_clock, self.loss_scale, str(self._sync or ""))
+                ref, shared_bytes = self._framed.get(key, (None, 0))
+                shared = ref() if ref is not None else None
+                if shared is not None:
+                    self.framed_hits_total += 1
+                    self.pull_bytes_total += shared_bytes
+                    self.pulls_total += 1
+                    return self.version, shared
                 prefix, suffix = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""),
                                                      slowest_clock)
             for e in entries:
@@ -815,6 +839,9 @@ class ShardStore:
                         nbytes += len(payload)
             self.pull_bytes_total += nbytes
             self.pulls_total += 1
+            if messages:
+                self._framed = {k: v for k, v in self._framed.items() if v[0]() is not None}
+                self._framed[key] = (weakref.ref(out), nbytes)  # type: ignore[arg-type]
             return self.version, out
 
     def _remember_pulled(self, worker_id: int, names: list[str]) -> None:
@@ -1203,6 +1230,7 @@ class ShardStore:
             entries[spec.name] = entry
             names.append(spec.name)
         with self._cond:
+            self._framed.clear()
             self._tensors = entries
             self._workers = set(meta["workers"])
             self._evicted = set(meta.get("evicted", []))
