@@ -351,22 +351,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_fixed(ports: list[int], i: int) -> subprocess.Popen:
+    """Server i of 2 on ports[i], holding the previous shard's backup on ports[2 + i], as on a real cluster."""
+    from shardps.deploy.local import _read_ready
+
+    cmd = [sys.executable, "-m", "shardps", "server", "--port", str(ports[i]), "--shard-index", str(i),
+           "--num-shards", "2", "--replicas", "2", "--replica-port", str(ports[2 + i]),
+           "--replica-target", f"127.0.0.1:{ports[2 + (i + 1) % 2]}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    _read_ready(proc, 60)
+    return proc
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_server_restarted_at_its_address_does_not_serve_its_old_shard(make_cluster):
     """Fixed ports, as on a real cluster: kill -9 server 1, its backup on server 0 takes over; server 1
     restarted with the same flags learns that from its backup and stays away from shard 1, while it
     becomes shard 0's backup again. The run is exact throughout."""
-    from shardps.deploy.local import _read_ready, stop_processes
+    from shardps.deploy.local import stop_processes
 
     ports = [_free_port() for _ in range(4)]  # server 0, server 1, their replica ports
 
     def start(i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "shardps", "server", "--port", str(ports[i]), "--shard-index", str(i),
-               "--num-shards", "2", "--replicas", "2", "--replica-port", str(ports[2 + i]),
-               "--replica-target", f"127.0.0.1:{ports[2 + (i + 1) % 2]}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        _read_ready(proc, 60)
-        return proc
+        return _start_fixed(ports, i)
 
     addresses = [f"127.0.0.1:{p}" for p in ports[:2]]
     base, steps = _model(), 16
@@ -411,17 +418,12 @@ def test_a_primary_restarted_before_anyone_noticed_does_not_overwrite_its_backup
     """kill -9 server 1 and restart it at once (empty, before a worker saw it gone): its backup holds
     acknowledged updates the new run lacks, so it refuses the new run's state, the new run stays out of
     service, and the workers move to the backup: nothing is lost."""
-    from shardps.deploy.local import _read_ready, stop_processes
+    from shardps.deploy.local import stop_processes
 
     ports = [_free_port() for _ in range(4)]
 
     def start(i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "shardps", "server", "--port", str(ports[i]), "--shard-index", str(i),
-               "--num-shards", "2", "--replicas", "2", "--replica-port", str(ports[2 + i]),
-               "--replica-target", f"127.0.0.1:{ports[2 + (i + 1) % 2]}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        _read_ready(proc, 60)
-        return proc
+        return _start_fixed(ports, i)
 
     addresses = [f"127.0.0.1:{p}" for p in ports[:2]]
     base, steps = _model(), 12
