@@ -41,7 +41,14 @@ import math
 import torch
 
 from shardps.protos.optim import Adafactor
-from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, State, local_reduce
+from shardps.server.optim.base import (
+    PartInfo,
+    Reduce,
+    ServerOptimizer,
+    State,
+    check_row_block,
+    local_reduce,
+)
 
 
 def _sumsq(x: torch.Tensor) -> torch.Tensor:
@@ -52,17 +59,8 @@ def _sumsq(x: torch.Tensor) -> torch.Tensor:
 class AdafactorImpl(ServerOptimizer):
     spec: Adafactor
 
-    @staticmethod
-    def _check_part(param: torch.Tensor, part: PartInfo) -> None:
-        if len(part.full_shape) >= 2 and part.shape[1:] != tuple(part.full_shape[1:]):
-            raise ValueError(
-                f"adafactor needs whole rows of a rank-{len(part.full_shape)} tensor; part "
-                f"[{part.start}, {part.stop}) of {tuple(part.full_shape)} is not a row block")
-        if tuple(param.shape) != part.shape:
-            raise ValueError(f"adafactor: param shape {tuple(param.shape)} is not the part's shape {part.shape}")
-
     def init_state(self, param: torch.Tensor, part: PartInfo) -> State:
-        self._check_part(param, part)
+        check_row_block("adafactor", param, part)
         shape = part.shape
         state: State = {"step": torch.zeros((), dtype=torch.float32)}
         if len(shape) >= 2:
@@ -78,7 +76,7 @@ class AdafactorImpl(ServerOptimizer):
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
              reduce: Reduce = local_reduce) -> None:
         s = self.spec
-        self._check_part(param, part)
+        check_row_block("adafactor", param, part)
         state["step"] += 1
         full_numel = math.prod(part.full_shape)
         if full_numel == 0:

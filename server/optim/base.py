@@ -69,6 +69,19 @@ class ServerOptimizer(ABC):
             self.step(param, grad, state, part)
 
 
+def check_row_block(name: str, param: torch.Tensor, part: PartInfo) -> None:
+    """ValueError unless ``part`` is whole rows of its tensor and ``param`` has the part's shape.
+
+    For optimizers whose statistics run along rows and columns (Adafactor, SM3).
+    """
+    if len(part.full_shape) >= 2 and part.shape[1:] != tuple(part.full_shape[1:]):
+        raise ValueError(
+            f"{name} needs whole rows of a rank-{len(part.full_shape)} tensor; part "
+            f"[{part.start}, {part.stop}) of {tuple(part.full_shape)} is not a row block")
+    if tuple(param.shape) != part.shape:
+        raise ValueError(f"{name}: param shape {tuple(param.shape)} is not the part's shape {part.shape}")
+
+
 def state_bytes(state: State) -> int:
     """Bytes held by an optimizer state (scalars such as the step count included)."""
     return sum(t.numel() * t.element_size() for t in state.values())

@@ -25,7 +25,14 @@ import math
 import torch
 
 from shardps.protos.optim import SM3
-from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, State, local_reduce
+from shardps.server.optim.base import (
+    PartInfo,
+    Reduce,
+    ServerOptimizer,
+    State,
+    check_row_block,
+    local_reduce,
+)
 
 
 def _bshape(rank: int, i: int, n: int) -> list[int]:
@@ -43,17 +50,8 @@ def _amax_but(x: torch.Tensor, i: int) -> torch.Tensor:
 class SM3Impl(ServerOptimizer):
     spec: SM3
 
-    @staticmethod
-    def _check_part(param: torch.Tensor, part: PartInfo) -> None:
-        if len(part.full_shape) >= 2 and part.shape[1:] != tuple(part.full_shape[1:]):
-            raise ValueError(
-                f"sm3 needs whole rows of a rank-{len(part.full_shape)} tensor; part "
-                f"[{part.start}, {part.stop}) of {tuple(part.full_shape)} is not a row block")
-        if tuple(param.shape) != part.shape:
-            raise ValueError(f"sm3: param shape {tuple(param.shape)} is not the part's shape {part.shape}")
-
     def init_state(self, param: torch.Tensor, part: PartInfo) -> State:
-        self._check_part(param, part)
+        check_row_block("sm3", param, part)
         state: State = {"step": torch.zeros((), dtype=torch.float32)}
         if param.dim() >= 2:
             for i, n in enumerate(param.shape):
@@ -67,7 +65,7 @@ class SM3Impl(ServerOptimizer):
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
              reduce: Reduce = local_reduce) -> None:
         s = self.spec
-        self._check_part(param, part)
+        check_row_block("sm3", param, part)
         state["step"] += 1
         if math.prod(part.full_shape) == 0:
             return
