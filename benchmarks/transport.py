@@ -36,7 +36,6 @@ import json
 import math
 import os
 import platform
-import queue
 import signal
 import statistics
 import subprocess
@@ -104,36 +103,12 @@ def serve_raw(host: str) -> int:
     return 0
 
 
-def _read_ready(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
-    """The HOST:PORT from the child's ready line, within ``timeout`` seconds."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=reader, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"raw server (pid {proc.pid}) not ready within {timeout:.0f}s")
-        try:
-            line = lines.get(timeout=remaining)
-        except queue.Empty:
-            continue
-        if line is None:
-            raise RuntimeError(f"raw server (pid {proc.pid}) exited with {proc.wait(timeout=5)} before it was ready")
-        if line.startswith(prefix):
-            return line[len(prefix):].split()[0]
-
-
 class RawServers:
     """``n`` raw server processes on loopback; ``stop()`` ends them all."""
 
     def __init__(self, n: int, host: str, startup_timeout: float) -> None:
+        from shardps.deploy.local import read_ready  # here: the raw-server children import no torch
+
         self.procs: list[subprocess.Popen[str]] = []
         self.addresses: list[str] = []
         try:
@@ -144,7 +119,7 @@ class RawServers:
                     env=dict(os.environ, PYTHONUNBUFFERED="1")))
                 _CHILDREN.append(self.procs[-1])
             for p in self.procs:
-                self.addresses.append(_read_ready(p, RAW_READY, startup_timeout))
+                self.addresses.append(read_ready(p, startup_timeout, RAW_READY).split()[0])
         except BaseException:
             self.stop()
             raise

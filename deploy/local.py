@@ -33,8 +33,8 @@ from shardps.server.service import create_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 
-def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
-    """Wait (up to ``timeout``) for the process's ready line; return the line after the prefix."""
+def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_PREFIX) -> str:
+    """Wait (up to ``timeout``) for the process's line starting with ``prefix``; return the rest of it."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def reader() -> None:
@@ -56,11 +56,11 @@ def _read_ready(proc: subprocess.Popen[str], timeout: float) -> str:
         except queue.Empty:
             continue
         if line is None:
-            raise RuntimeError(f"server (pid {proc.pid}) exited with {proc.wait()} before it was ready; "
+            raise RuntimeError(f"server (pid {proc.pid}) exited with {proc.wait(timeout=5)} before it was ready; "
                                f"output: {''.join(seen)[-2000:]}")
         seen.append(line)
-        if line.startswith(READY_PREFIX):
-            return line[len(READY_PREFIX):].strip()
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
 
 
 def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 5.0) -> None:
@@ -209,7 +209,7 @@ class LocalCluster:
                                     start_new_session=True)
             self._procs.append(proc)
         for proc in self._procs:
-            rest = _read_ready(proc, self.startup_timeout)
+            rest = read_ready(proc, self.startup_timeout)
             address, metrics = parse_ready(rest)
             self.addresses.append(address)
             replica = ready_field(rest, "replica")

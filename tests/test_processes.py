@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardps
-from shardps.deploy.local import _read_ready, parse_ready
+from shardps.deploy.local import parse_ready, read_ready
 
 
 def test_process_cluster_trains_and_stops(make_cluster):
@@ -35,7 +35,7 @@ def test_server_cli_sigterm_exits_zero():
     proc = subprocess.Popen([sys.executable, "-m", "shardps", "server", "--port", "0"],
                             stdout=subprocess.PIPE, text=True)
     try:
-        address, _ = parse_ready(_read_ready(proc, 60))
+        address, _ = parse_ready(read_ready(proc, 60))
         assert address.startswith("127.0.0.1:")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

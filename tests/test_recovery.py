@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import shardps
-from shardps.deploy.local import _read_ready
+from shardps.deploy.local import read_ready
 from tests.helpers import run_workers
 
 STEPS, WORKERS, EVERY = 20, 2, 5
@@ -34,7 +34,7 @@ def _server(port: int, shard: int, ckpt) -> subprocess.Popen:
            "--num-shards", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY),
            "--lease-seconds", "60"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    _read_ready(proc, 60)
+    read_ready(proc, 60)
     return proc
 
 

@@ -353,13 +353,13 @@ def _free_port() -> int:
 
 def _start_fixed(ports: list[int], i: int) -> subprocess.Popen:
     """Server i of 2 on ports[i], holding the previous shard's backup on ports[2 + i], as on a real cluster."""
-    from shardps.deploy.local import _read_ready
+    from shardps.deploy.local import read_ready
 
     cmd = [sys.executable, "-m", "shardps", "server", "--port", str(ports[i]), "--shard-index", str(i),
            "--num-shards", "2", "--replicas", "2", "--replica-port", str(ports[2 + i]),
            "--replica-target", f"127.0.0.1:{ports[2 + (i + 1) % 2]}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    _read_ready(proc, 60)
+    read_ready(proc, 60)
     return proc
 
 
@@ -471,7 +471,7 @@ def test_a_backup_refuses_the_state_of_another_run_of_its_primary(make_cluster):
 def test_a_spare_gives_a_taken_over_shard_a_copy_again(make_cluster):
     """kill -9 server 1 (shard 1 moves to server 0), start a spare for shard 1 (`--backup-only 1`), attach
     it; it holds an exact copy, and it can take the shard over in turn: the run is still exact."""
-    from shardps.deploy.local import _read_ready, ready_field, stop_processes
+    from shardps.deploy.local import read_ready, ready_field, stop_processes
 
     base, steps = _model(), 14
     clean = _train(make_cluster(2).addresses, base, steps)
@@ -486,7 +486,7 @@ def test_a_spare_gives_a_taken_over_shard_a_copy_again(make_cluster):
                     proc = subprocess.Popen([sys.executable, "-m", "shardps", "server", "--backup-only", "1",
                                              "--num-shards", "2"], stdout=subprocess.PIPE, text=True)
                     spare.append(proc)
-                    spare_address.append(ready_field(_read_ready(proc, 60), "replica"))
+                    spare_address.append(ready_field(read_ready(proc, 60), "replica"))
                     out = io.StringIO()
                     assert run_attach_replica(c.serving_addresses(), 1, spare_address[0], out=out) == 0, \
                         out.getvalue()

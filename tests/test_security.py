@@ -126,12 +126,12 @@ def test_non_loopback_bind_without_tls_warns():
     import signal
     import sys
 
-    from shardps.deploy.local import _read_ready
+    from shardps.deploy.local import read_ready
 
     proc = subprocess.Popen([sys.executable, "-m", "shardps", "server", "--host", "0.0.0.0", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _read_ready(proc, 60)
+        read_ready(proc, 60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
