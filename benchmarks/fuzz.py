@@ -47,10 +47,8 @@ import os
 import platform
 import random
 import re
-import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +56,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.fuzzgen
 
 import grpc  # noqa: E402
+from guard import cluster_processes, run_guarded  # noqa: E402
 
 import shardps  # noqa: E402
 from tests import fuzzgen  # noqa: E402
@@ -295,33 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             or args.progress_every < 1:
         p.error("need --cases, --shards, --workers, --check-every, --progress-every >= 1 and --steps >= 0")
 
-    # SIGTERM and the watchdog unwind through the LocalCluster's `with`, which stops the servers.
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if done.wait(args.max_seconds):
-            return
-        print(f"fuzz.py: over --max-seconds {args.max_seconds:.0f}s, aborting", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        if not done.wait(30):  # the unwinding hung: kill the server processes (own sessions) ourselves
-            for c in _CLUSTERS:
-                for proc in getattr(c, "_procs", []):
-                    if proc.poll() is None:
-                        proc.kill()
-            os._exit(3)
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    try:
-        res = run(args)
-    except KeyboardInterrupt as e:
-        print(f"fuzz.py: interrupted ({e})", file=sys.stderr)
+    res = run_guarded("fuzz.py", args.max_seconds, lambda: run(args), lambda: cluster_processes(_CLUSTERS))
+    if res is None:
         return 130
-    finally:
-        done.set()
     print(json.dumps(res, indent=2) if args.json else report(res))
     unexplained = res["violations"] or not res["serving"] or not res["valid_pull_ok"] \
         or any(s["known_bug"] is None for s in res["state_changes"]) \

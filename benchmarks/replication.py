@@ -18,10 +18,11 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
+from typing import Any
 
 import torch
+from guard import cluster_processes, run_guarded
 
 import shardps
 from shardps.deploy.local import LocalCluster
@@ -45,37 +46,21 @@ def rounds(client: shardps.PSClient, grads: dict[str, torch.Tensor], first_step:
     return times
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=8e6, help="elements in all (fp32; default 8e6 = 32 MB)")
-    ap.add_argument("--rounds", type=int, default=10, help="rounds per cluster per repeat")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
-    ap.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
-    args = ap.parse_args()
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if not done.wait(args.timeout):
-            print(f"benchmark did not finish within {args.timeout:.0f}s", file=sys.stderr, flush=True)
-            import os
-
-            os._exit(1)
-
-    threading.Thread(target=watchdog, daemon=True).start()
+def run(args: argparse.Namespace, clusters: list[LocalCluster]) -> dict[str, Any]:
     params = tensors(args.params)
     grads = {n: torch.full_like(t, 1e-3) for n, t in params.items()}
     mb = sum(t.numel() for t in params.values()) * 4 / 2**20
     print(f"{mb:.0f} MB of fp32 weights on 2 shards; {args.repeats} x {args.rounds} rounds per cluster",
           file=sys.stderr)
-    with LocalCluster(2, processes=True) as plain, LocalCluster(2, processes=True, replicas=2) as replicated:
+    clusters += [LocalCluster(2, processes=True), LocalCluster(2, processes=True, replicas=2)]
+    with clusters[0] as plain, clusters[1] as replicated:
         clients = {}
         try:
             for name, cluster in (("plain", plain), ("replicas 2", replicated)):
                 c = shardps.connect(cluster.addresses, timeout=120)
+                clients[name] = c
                 c.register(params, shardps.optim.SGD(lr=1e-3), sync="asp")
                 rounds(c, grads, 0, 2)  # warm-up: connections, buffers
-                clients[name] = c
             times: dict[str, list[float]] = {name: [] for name in clients}
             for rep in range(args.repeats):
                 for name, c in clients.items():
@@ -88,14 +73,31 @@ def main() -> int:
             for c in clients.values():
                 c.close()
     med = {n: statistics.median(t) for n, t in times.items()}
-    ratio = med["plain"] / med["replicas 2"]
-    for n, m in med.items():
-        print(f"{n:>11}: round {m * 1e3:7.1f} ms  ({2 * mb / m:6.0f} MB/s push+pull)")
-    print(f"ratio plain / replicated round time: {ratio:.2f}   (replication lag after the run: {lag} ops)")
-    done.set()
+    return {"mb": round(mb, 1), "plain_ms": round(med["plain"] * 1e3, 2),
+            "replicated_ms": round(med["replicas 2"] * 1e3, 2), "ratio": round(med["plain"] / med["replicas 2"], 3),
+            "replication_lag_ops": lag}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=8e6, help="elements in all (fp32; default 8e6 = 32 MB)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds per cluster per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-seconds", type=float, default=600.0,
+                    help="watchdog: abort the whole run after this many seconds (default 600)")
+    ap.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    args = ap.parse_args()
+    clusters: list[LocalCluster] = []
+    res = run_guarded("replication.py", args.max_seconds, lambda: run(args, clusters),
+                      lambda: cluster_processes(clusters))
+    if res is None:
+        return 130
+    for name, key in (("plain", "plain_ms"), ("replicas 2", "replicated_ms")):
+        print(f"{name:>11}: round {res[key]:7.1f} ms  ({2 * res['mb'] / res[key] * 1e3:6.0f} MB/s push+pull)")
+    print(f"ratio plain / replicated round time: {res['ratio']:.2f}   "
+          f"(replication lag after the run: {res['replication_lag_ops']} ops)")
     if args.json:
-        print(json.dumps({"mb": round(mb, 1), "plain_ms": round(med["plain"] * 1e3, 2),
-                          "replicated_ms": round(med["replicas 2"] * 1e3, 2), "ratio": round(ratio, 3)}))
+        print(json.dumps(res))
     return 0
 
 

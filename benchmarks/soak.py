@@ -47,7 +47,6 @@ import json
 import math
 import os
 import platform
-import signal
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ from typing import Any
 
 import grpc
 import torch
+from guard import cluster_processes, run_guarded
 
 import shardps
 
@@ -126,6 +126,13 @@ class Worker:
         return False
 
     def run(self, stop: threading.Event) -> None:
+        try:
+            self._loop(stop)
+        except Exception:  # noqa: BLE001 - a run cut short (Ctrl-C, the watchdog) closes the clients under us
+            if not stop.is_set():
+                raise
+
+    def _loop(self, stop: threading.Event) -> None:
         last = list(self.client.versions)
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _CLUSTERS.append(cluster)
     with cluster:
         workers = [Worker(k, cluster.addresses, args.clients, tensors, args) for k in range(args.clients)]
+        stop = threading.Event()
         try:
             # Worker 0 creates the tensors; the others wait for them (up to their deadline).
             threads = [threading.Thread(target=w.register, daemon=True) for w in workers]
@@ -162,7 +170,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 th.join(args.rpc_timeout + 10)
             if any(th.is_alive() for th in threads):
                 raise TimeoutError("registration did not finish")
-            stop = threading.Event()
             threads = [threading.Thread(target=w.run, args=(stop,), name=f"worker{w.k}", daemon=True)
                        for w in workers]
             if not args.quiet:
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 final = checker.pull()
                 stats = checker.stats()
         finally:
+            stop.set()
             for w in workers:
                 w.close()
     total_steps = sum(steps)
@@ -296,33 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.replicas == 2 and args.shards < 2:
         p.error("--replicas 2 needs --shards >= 2")
 
-    # SIGTERM and the watchdog unwind through the LocalCluster's `with`, which stops the servers.
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if done.wait(args.max_seconds):
-            return
-        print(f"soak.py: over --max-seconds {args.max_seconds:.0f}s, aborting", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        if not done.wait(30):  # the unwinding hung: kill the server processes (own sessions) ourselves
-            for c in _CLUSTERS:
-                for proc in getattr(c, "_procs", []):
-                    if proc.poll() is None:
-                        proc.kill()
-            os._exit(3)
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    try:
-        res = run(args)
-    except KeyboardInterrupt as e:
-        print(f"soak.py: interrupted ({e})", file=sys.stderr)
+    res = run_guarded("soak.py", args.max_seconds, lambda: run(args), lambda: cluster_processes(_CLUSTERS))
+    if res is None:
         return 130
-    finally:
-        done.set()
     print(json.dumps(res, indent=2) if args.json else report(res))
     return 0 if res["ok"] and res["errors"] == 0 else 1
 

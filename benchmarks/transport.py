@@ -47,6 +47,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from guard import run_guarded
 
 RAW_SERVICE = "shardps_bench.RawBytes"
 RAW_READY = "raw grpc server listening on "
@@ -392,32 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 1024 <= args.chunk_bytes <= 3 * MiB:
         p.error(f"--chunk-bytes must be in [1024, {3 * MiB}] (shardps's limits)")
 
-    # SIGTERM and the watchdog both unwind through run()'s finally, which stops the servers.
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if done.wait(args.max_seconds):
-            return
-        print(f"transport.py: over --max-seconds {args.max_seconds:.0f}s, aborting", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        if not done.wait(30):  # the unwinding hung: kill the children (own sessions) ourselves
-            for c in _CHILDREN:
-                if c.poll() is None:
-                    c.kill()
-            os._exit(3)
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    try:
-        res = run(args)
-    except KeyboardInterrupt as e:
-        print(f"transport.py: interrupted ({e})", file=sys.stderr)
+    res = run_guarded("transport.py", args.max_seconds, lambda: run(args), lambda: _CHILDREN)
+    if res is None:
         return 130
-    finally:
-        done.set()
     print(json.dumps(res, indent=2) if args.json else report(res))
     return 0
 
