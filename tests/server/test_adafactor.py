@@ -20,13 +20,7 @@ SHAPES = [(64,), (32, 48), (4, 32, 48)]
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: intra-op threads only contend (torch's batched matmul path 7x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _data(shape, steps, gscale, wscale=1.0, seed=0):

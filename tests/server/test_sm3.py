@@ -16,12 +16,7 @@ from tests.server.splitsim import row_bounds, run_split, run_whole
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _data(shape, steps, seed=0, sparse_rows=False):
