@@ -26,7 +26,9 @@ def test_compose_file_is_valid_and_wires_servers_workers_prometheus_grafana():
     assert "--addresses" in full and "server0:7000,server1:7000" in full
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with Debian's prometheus package")
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (it comes with Debian's prometheus, which `make test` "
+                           "installs with apt as root)")
 def test_prometheus_config_is_valid():
     out = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
                          capture_output=True, text=True, timeout=60)
