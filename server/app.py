@@ -28,7 +28,7 @@ from shardps.protos import codec
 from shardps.protos.exposition import LOOPBACK, serve_metrics
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
-from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server
+from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 log = logging.getLogger("shardps.server")
@@ -104,6 +104,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     print(f"{READY_PREFIX}{host}:{bound} (backup of shard {backup_of} of {num_shards}){extra} replica {host}:{bound}",
           flush=True)
     server.wait_for_termination()
+    stop_server(server)
     if endpoint is not None:
         endpoint.close()
     return 0
@@ -175,6 +176,8 @@ def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, 
     print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards}){extra}", flush=True)
     for srv in servers:
         srv.wait_for_termination()
+    for srv in servers:
+        stop_server(srv)  # stopped already: joins its handler threads
     if checkpoint_dir and stopping.is_set():
         for st in (store, backup):
             if st is not None and st.role == "primary":

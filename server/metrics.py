@@ -70,13 +70,15 @@ class StoreCollector(Collector):
             buckets, total = staleness_buckets(st["staleness_counts"])
             h.add_metric([shard], buckets, total)
         yield h
-        wc = GaugeMetricFamily("shardps_worker_clock_steps", "Steps each worker has pushed to this shard.",
+        wc = GaugeMetricFamily("shardps_worker_clock_steps",
+                               "Steps each worker has pushed to this shard (live workers, and those that left).",
                                labels=["shard", "worker"])
-        for shard, _, clocks in snaps:
-            for w, c in sorted(clocks.items()):
+        for shard, st, clocks in snaps:
+            final = {w: st["worker_clocks"].get(w, -1) + 1 for w in st["left_workers"]}
+            for w, c in sorted({**final, **clocks}.items()):
                 wc.add_metric([shard, str(w)], c)
         yield wc
-        yield gauge("shardps_clock_gap_steps", "Fastest minus slowest worker clock on this shard.",
+        yield gauge("shardps_clock_gap_steps", "Fastest minus slowest clock of the live workers on this shard.",
                     lambda _, c: (max(c.values()) - min(c.values())) if c else 0)
         yield counter("shardps_pushes_total", "Push RPCs taken in (duplicates included).", "pushes_total")
         yield counter("shardps_duplicate_pushes_total", "Retried pushes acknowledged without applying.",
@@ -103,6 +105,8 @@ class StoreCollector(Collector):
         yield gauge("shardps_waiting_pulls", "Pulls parked in a barrier, SSP or version wait right now.",
                     lambda st, _: st["waiting_pulls"])
         yield counter("shardps_evictions_total", "Workers evicted because their lease expired.", "evictions_total")
+        yield counter("shardps_worker_leaves_total", "Workers that finished and said goodbye (Leave).",
+                      "leaves_total")
         yield gauge("shardps_loss_scale", "Current dynamic loss scale (0: loss scaling off).",
                     lambda st, _: st["loss_scale"])
         mode = GaugeMetricFamily("shardps_sync_mode", "The job's sync mode (1 for the mode in force).",
@@ -141,7 +145,9 @@ class ServerMetrics:
             "shardps_apply_seconds", "Time to apply one optimizer step to all parts held.",
             ["shard"], registry=registry, buckets=SECONDS_BUCKETS)
         self.wait_seconds = Histogram(
-            "shardps_sync_wait_seconds", "Time a Pull waited for a barrier (bsp/every:X) or SSP clocks.",
+            "shardps_sync_wait_seconds",
+            "Time a Pull waited for the version or clocks it asked for: a barrier (bsp/every:X), SSP clocks, "
+            "or under asp the version its own push made.",
             ["shard", "sync"], registry=registry, buckets=SECONDS_BUCKETS)
         self.rpc_errors = Counter(
             "shardps_rpc_errors_total", "RPCs answered with an error status.",

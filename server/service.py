@@ -39,6 +39,11 @@ MAX_MESSAGE_BYTES = codec.MAX_CHUNK_BYTES + (64 << 10)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def deadline_margin(remaining: float) -> float:
+    """Seconds a wait ends before the caller's deadline: a tenth of it, at most 2 s."""
+    return min(2.0, 0.1 * remaining)
+
+
 def _status_code(err: StoreError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
 
@@ -160,8 +165,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
 
     def _timeout(self, context: grpc.ServicerContext) -> float:
+        """How long a wait may block: the server's max wait, and less than the caller's deadline.
+
+        The wait gives up a little before the caller's deadline, so that the
+        caller reads this server's account of what it waited for (a
+        DEADLINE_EXCEEDED naming the missing workers) rather than a bare
+        deadline of its own.
+        """
         remaining = context.time_remaining()
-        return self.max_wait_s if remaining is None else max(0.0, min(remaining, self.max_wait_s))
+        if remaining is None:
+            return self.max_wait_s
+        return max(0.0, min(remaining - deadline_margin(remaining), self.max_wait_s))
 
     @_unary_errors
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
@@ -314,6 +328,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                         backup=rep.address if rep is not None and rep.state != "none" else "")
 
     @_unary_errors
+    def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        self.store.check_serving()
+        self.store.leave(request.worker_id)
+        self.store.replicated()
+        return ps_pb2.LeaveResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()))
+
+    @_unary_errors
     def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
         self.store.check_serving()
         version, epoch = self.store.rollback(request.version, request.epoch)
@@ -379,7 +400,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             evicted_workers=s["evicted_workers"], evictions_total=s["evictions_total"], epoch=s["epoch"],
             recovering=s["recovering"], waiting_pulls=s["waiting_pulls"], role=s["role"], backup=s["backup"],
             replica_state=s["replica_state"], replicated_ops_total=s["replicated_ops_total"],
-            replication_lag_ops=s["replication_lag_ops"])
+            replication_lag_ops=s["replication_lag_ops"], left_workers=s["left_workers"],
+            leaves_total=s["leaves_total"])
 
 
 class _HandlerRecorder:
@@ -439,9 +461,9 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix=f"shard{store.shard_index}"),
-                         options=options, interceptors=chain)
+    executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
+    server = grpc.server(executor, options=options, interceptors=chain)
+    server.executor = executor  # type: ignore[attr-defined]  # shut down by stop_server
     add_servicer(ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics),
                  server)
     health_servicer = health.HealthServicer()
@@ -457,3 +479,18 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     server.health = health_servicer  # type: ignore[attr-defined]
     return server, port
+
+
+def stop_server(server: grpc.Server, grace: float | None = None, timeout: float = 30.0) -> None:
+    """Stop a server from ``create_server`` and wait until it has: RPCs ended, threads joined.
+
+    ``grpc.Server.stop`` only starts the shutdown; returning before it is
+    done leaves gRPC's polling thread inside the C core, where interpreter
+    exit can abort the process ("terminate called without an active
+    exception"). The handler threads of its pool are joined too.
+    """
+    if not server.stop(grace).wait(timeout):
+        log.warning("a server did not finish stopping within %.0fs", timeout)
+    executor = getattr(server, "executor", None)
+    if executor is not None:
+        executor.shutdown(wait=True, cancel_futures=True)

@@ -64,7 +64,8 @@ log = logging.getLogger("shardps.server")
 DEFAULT_LEASE_S = 10.0
 
 _COUNTERS = ("pushes_total", "duplicate_pushes_total", "applied_updates_total", "gradients_applied_total",
-             "push_bytes_total", "pull_bytes_total", "skipped_steps_total", "sync_switches_total", "pulls_total")
+             "push_bytes_total", "pull_bytes_total", "skipped_steps_total", "sync_switches_total", "pulls_total",
+             "leaves_total")
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
@@ -210,9 +211,11 @@ class ShardStore:
         self._tensors: dict[str, TensorEntry] = {}
         self._workers: set[int] = set()  # registered and live
         self._evicted: set[int] = set()
+        self._left: set[int] = set()  # said goodbye (Leave): not expected, not an eviction
         self._last_seen: dict[int, float] = {}
         self.lease_s = lease_s
         self.evictions_total = 0
+        self.leaves_total = 0
         self._reaper: threading.Thread | None = None
         self._stop_reaper = threading.Event()
         self._sync: SyncSpec | None = None
@@ -336,13 +339,41 @@ class ShardStore:
             self.check_worker_id(worker_id)
             if worker_id not in self._workers or worker_id in self._evicted:  # a change the backup replays
                 self._record("register_worker", {"worker": worker_id})
+            if self._left and not self._workers:
+                # Every worker had left: the job ended. A worker registering now starts its next run
+                # (e.g. resumed from a checkpoint), in which every worker is expected again.
+                self._left.clear()
+                self._live_changed()
             self._workers.add(worker_id)
             self._last_seen[worker_id] = time.monotonic()
-            if worker_id in self._evicted:
+            if worker_id in self._evicted or worker_id in self._left:
+                level = logging.WARNING if worker_id in self._evicted else logging.INFO
                 self._evicted.discard(worker_id)
-                log.warning("shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,
-                            self.worker_clocks.get(worker_id, -1) + 1)
+                self._left.discard(worker_id)
+                log.log(level, "shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,
+                        self.worker_clocks.get(worker_id, -1) + 1)
                 self._live_changed()
+
+    def leave(self, worker_id: int) -> bool:
+        """A worker is done and says so: from now on barriers and SSP clocks go on without it.
+
+        Unlike an eviction this is the normal end of a worker (no warning,
+        no ``evictions_total``). Idempotent; registering again rejoins.
+        Returns whether the worker was registered.
+        """
+        with self._cond:
+            self.check_worker_id(worker_id)
+            if worker_id not in self._workers:
+                return False
+            self._record("leave", {"worker": worker_id})
+            self._workers.discard(worker_id)
+            self._left.add(worker_id)
+            self._last_seen.pop(worker_id, None)
+            self.leaves_total += 1
+            log.info("shard %d: worker %d left at clock %d; steps now complete with workers %s", self.shard_index,
+                     worker_id, self.worker_clocks.get(worker_id, -1) + 1, sorted(self.live_workers()))
+            self._live_changed()
+            return True
 
     def touch(self, worker_id: int) -> None:
         """The worker is alive (any Push, Pull or Heartbeat renews its lease)."""
@@ -351,8 +382,8 @@ class ShardStore:
                 self._last_seen[worker_id] = time.monotonic()
 
     def live_workers(self) -> set[int]:
-        """Workers that count for barriers and SSP clocks: all of the job's but the evicted."""
-        return set(range(self._num_workers or 0)) - self._evicted
+        """Workers that count for barriers and SSP clocks: all of the job's but the evicted and those that left."""
+        return set(range(self._num_workers or 0)) - self._evicted - self._left
 
     def _live_changed(self) -> None:
         if isinstance(self._policy, BarrierPolicy):
@@ -396,7 +427,10 @@ class ShardStore:
         self._reaper.start()
 
     def stop_reaper(self) -> None:
+        """Stop the lease checks and wait for the thread to end."""
         self._stop_reaper.set()
+        if self._reaper is not None and self._reaper is not threading.current_thread():
+            self._reaper.join(timeout=10)
 
     def check_worker_id(self, worker_id: int) -> None:
         if self._num_workers is None:
@@ -411,6 +445,10 @@ class ShardStore:
             raise FailedPrecondition(
                 f"worker {worker_id} was evicted from shard {self.shard_index} (its lease of {self.lease_s:.1f}s "
                 f"expired): register again to rejoin"
+            )
+        if worker_id in self._left:
+            raise FailedPrecondition(
+                f"worker {worker_id} left the job on shard {self.shard_index}: register again to rejoin"
             )
         if worker_id not in self._workers:
             raise FailedPrecondition(
@@ -1038,6 +1076,8 @@ class ShardStore:
         elif op.kind == "submit":
             self.submit(a["worker"], a["step"], a["base_version"], keyed(), a["nbytes"], found_inf=a["found_inf"],
                         checked=True)
+        elif op.kind == "leave":
+            self.leave(a["worker"])
         elif op.kind == "evict":
             with self._cond:
                 self._evict(list(a["workers"]), time.monotonic())
@@ -1204,7 +1244,7 @@ class ShardStore:
         meta = {
             "num_shards": self.num_shards, "sync": str(self._sync) if self._sync else None,
             "num_workers": self._num_workers, "workers": sorted(self._workers), "evicted": sorted(self._evicted),
-            "worker_clocks": {str(w): c for w, c in self.worker_clocks.items()},
+            "left": sorted(self._left), "worker_clocks": {str(w): c for w, c in self.worker_clocks.items()},
             "scaler": scaler, "remedy": str(self.remedy), "epoch": self.epoch, "tensors": specs, "pending": pending,
             "counters": {k: getattr(self, k) for k in _COUNTERS},
             "staleness_counts": {str(k): v for k, v in self.staleness_counts.items()},
@@ -1234,6 +1274,7 @@ class ShardStore:
             self._tensors = entries
             self._workers = set(meta["workers"])
             self._evicted = set(meta.get("evicted", []))
+            self._left = set(meta.get("left", []))
             now = time.monotonic()
             self._last_seen = {w: now for w in self._workers}  # a fresh lease after a restart
             self.worker_clocks = {int(w): c for w, c in meta["worker_clocks"].items()}
@@ -1307,6 +1348,8 @@ class ShardStore:
                 "registered_workers": sorted(self._workers),
                 "evicted_workers": sorted(self._evicted),
                 "evictions_total": self.evictions_total,
+                "left_workers": sorted(self._left),
+                "leaves_total": self.leaves_total,
                 "epoch": self.epoch,
                 "recovering": self.recovering,
                 "waiting_pulls": self.waiting,

@@ -245,20 +245,22 @@ def describe(channels: Sequence[grpc.Channel], timeout: float = 10.0) -> Target:
 
 # -- cases -------------------------------------------------------------------
 
-UNARY = {"Exchange", "SetSync", "Stats", "Heartbeat", "Rollback", "Checkpoint", "Promote", "AttachReplica"}
+UNARY = {"Exchange", "SetSync", "Stats", "Heartbeat", "Leave", "Rollback", "Checkpoint", "Promote", "AttachReplica"}
 CLIENT_STREAM = {"Push", "Register", "Replicate"}
 SERVER_STREAM = {"Pull", "PullState"}
 REQUEST_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushRequest, "Register": ps_pb2.RegisterRequest, "Pull": ps_pb2.PullRequest,
     "PullState": ps_pb2.PullStateRequest, "Exchange": ps_pb2.ExchangeRequest, "SetSync": ps_pb2.SetSyncRequest,
-    "Stats": ps_pb2.StatsRequest, "Heartbeat": ps_pb2.HeartbeatRequest, "Rollback": ps_pb2.RollbackRequest,
+    "Stats": ps_pb2.StatsRequest, "Heartbeat": ps_pb2.HeartbeatRequest, "Leave": ps_pb2.LeaveRequest,
+    "Rollback": ps_pb2.RollbackRequest,
     "Checkpoint": ps_pb2.CheckpointRequest, "Replicate": ps_pb2.ReplicateRequest, "Promote": ps_pb2.PromoteRequest,
     "AttachReplica": ps_pb2.AttachReplicaRequest,
 }
 RESPONSE_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushResponse, "Register": ps_pb2.RegisterResponse, "Pull": ps_pb2.PullResponse,
     "PullState": ps_pb2.StateChunk, "Exchange": ps_pb2.ExchangeResponse, "SetSync": ps_pb2.SetSyncResponse,
-    "Stats": ps_pb2.StatsResponse, "Heartbeat": ps_pb2.HeartbeatResponse, "Rollback": ps_pb2.RollbackResponse,
+    "Stats": ps_pb2.StatsResponse, "Heartbeat": ps_pb2.HeartbeatResponse, "Leave": ps_pb2.LeaveResponse,
+    "Rollback": ps_pb2.RollbackResponse,
     "Checkpoint": ps_pb2.CheckpointResponse, "Replicate": ps_pb2.ReplicateResponse,
     "Promote": ps_pb2.PromoteResponse, "AttachReplica": ps_pb2.AttachReplicaResponse,
 }
@@ -827,6 +829,16 @@ def gen_heartbeat(src: Source, t: Target, avoid: bool) -> Case:
                 may_succeed=True)
 
 
+def gen_leave(src: Source, t: Target, avoid: bool) -> Case:
+    """A worker id outside the job leaves: refused. (A real Leave changes membership, so the fuzzer,
+    which asserts that nothing changes, sends only these; tests/test_leave.py covers the rest.)"""
+    sh = src.choice(t.shards)
+    w = wild_int(src, *INT32)
+    if 0 <= w < max(1, sh.num_workers):
+        w = -1 - w
+    return Case("leave", "Leave", sh.index, messages=[ps_pb2.LeaveRequest(worker_id=w)])
+
+
 def gen_rollback(src: Source, t: Target, avoid: bool) -> Case:
     """Rollback to the epoch the shard is in or an older one is a no-op; a newer one needs a
     checkpoint, and these jobs have none: refused."""
@@ -877,6 +889,7 @@ GENERATORS: dict[str, Callable[[Source, Target, bool], Case]] = {
     "Push": gen_push, "Register": gen_register, "Pull": gen_pull, "PullState": gen_pull_state,
     "Exchange": gen_exchange, "SetSync": gen_set_sync, "Stats": gen_stats, "Heartbeat": gen_heartbeat,
     "Rollback": gen_rollback, "Checkpoint": gen_checkpoint, "Replicate": gen_replicate, "Promote": gen_promote,
+    "Leave": gen_leave,
 }
 
 _WORKER_ID_MINUS_ONE = b"\x08" + b"\xff" * 9 + b"\x01"  # field 1 (worker_id) = -1, as protobuf writes it
@@ -891,7 +904,9 @@ def _parses(method: str, b: bytes) -> Any | None:
 
 def gen_raw(src: Source, t: Target, avoid: bool) -> Case:
     """Random or damaged bytes as request messages of any RPC."""
-    method = src.choice(sorted(GENERATORS))
+    # Not Leave: bytes that parse as a LeaveRequest of a worker of the job (an empty message is
+    # worker 0's) are a valid goodbye, which changes membership.
+    method = src.choice(sorted(set(GENERATORS) - {"Leave"}))
     base = GENERATORS[method](src, t, avoid)
     msgs = base.request_bytes()
     out = []
@@ -1259,7 +1274,7 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
         return clients[0].pull()
     finally:
         for c in clients:
-            c.close()
+            c.close(leave=False)  # the job's workers stay registered while it is fuzzed
 
 
 def pull_all(addresses: Sequence[str], timeout: float = 30.0) -> dict[str, torch.Tensor]:

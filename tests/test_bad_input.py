@@ -91,6 +91,7 @@ def test_mixed_headers_in_one_stream_are_refused(setup):
     assert store.state_hash() == before
 
 
+@pytest.mark.cluster
 def test_registering_a_different_spec_is_refused(setup):
     store, _, client = setup
     before = store.state_hash()
@@ -148,12 +149,12 @@ def test_duplicate_push_is_acknowledged_once(setup):
 
 def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_skipped(make_cluster):
     cluster = make_cluster(1)
-    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client:
-        client.register({"w": torch.ones(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
     store = cluster.stores[0]
     bad = torch.ones(6)
     bad[3] = float("nan")
-    with grpc.insecure_channel(cluster.addresses[0]) as ch:
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client, \
+            grpc.insecure_channel(cluster.addresses[0]) as ch:
+        client.register({"w": torch.ones(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
         stub = ps_pb2_grpc.ParameterServerStub(ch)
         r = push(stub, chunk(n=6, shape=(6,), data=bad.numpy().tobytes()))  # found_inf not set
     assert r.version == 1 and not r.applied

@@ -61,7 +61,9 @@ def test_server_metrics_after_asp_training(make_cluster):
         for w in range(workers):
             assert v("shardps_worker_clock_steps", {**lab, "worker": str(w)}) == steps
         assert v("shardps_clock_gap_steps", lab) == 0
-        assert v("shardps_live_workers", lab) == workers
+        # Both workers finished and said goodbye: none is live, none was evicted (no alert at the end of a job).
+        assert v("shardps_live_workers", lab) == 0
+        assert v("shardps_worker_leaves_total", lab) == workers and v("shardps_evictions_total", lab) == 0
         assert v("shardps_sync_mode", {**lab, "sync": "asp"}) == 1
         assert v("shardps_tensors", lab) >= 1
         store = cluster.stores[shard]

@@ -158,6 +158,20 @@ class HeartbeatResponse(_message.Message):
     backup: str
     def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ..., backup: _Optional[str] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("version", "live_workers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    live_workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class PushRequest(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -297,7 +311,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops", "left_workers", "leaves_total")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +355,8 @@ class StatsResponse(_message.Message):
     REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_OPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_LAG_OPS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -370,7 +386,9 @@ class StatsResponse(_message.Message):
     replica_state: str
     replicated_ops_total: int
     replication_lag_ops: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ...) -> None: ...
+    left_workers: _containers.RepeatedScalarFieldContainer[int]
+    leaves_total: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ..., left_workers: _Optional[_Iterable[int]] = ..., leaves_total: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

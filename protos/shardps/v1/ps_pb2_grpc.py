@@ -82,6 +82,11 @@ class ParameterServerStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/shardps.v1.ParameterServer/Leave',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+                _registered_method=True)
         self.Rollback = channel.unary_unary(
                 '/shardps.v1.ParameterServer/Rollback',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
@@ -164,6 +169,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Rollback(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -235,6 +246,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
             ),
             'Rollback': grpc.unary_unary_rpc_method_handler(
                     servicer.Rollback,
@@ -503,6 +519,33 @@ class ParameterServer:
             '/shardps.v1.ParameterServer/Heartbeat',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/Leave',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,134 @@
+"""A worker that finishes says goodbye: no eviction, no alert, barriers go on without it.
+And a PSClient driven by hand keeps its lease while it waits (heartbeats start when it registers)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import pytest
+import torch
+
+import shardps
+from shardps.server.errors import FailedPrecondition
+from shardps.server.store import ShardStore, TensorSpec
+from tests.helpers import run_workers
+
+
+def _store(workers: int = 3, sync: str = "bsp") -> ShardStore:
+    st = ShardStore(0, 1, lease_s=60.0)
+    st.configure(workers, sync)
+    st.register_tensors([TensorSpec("w", (2,), 1, shardps.optim.SGD(lr=1.0), ((0, 2),))], {("w", 0): torch.zeros(2)})
+    for w in range(workers):
+        st.register_worker(w)
+    return st
+
+
+def test_a_leave_completes_the_round_with_the_others_and_is_no_eviction(caplog):
+    caplog.set_level(logging.INFO, logger="shardps.server")
+    st = _store()
+    st.submit(0, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
+    st.submit(1, 0, 0, {("w", 0): torch.tensor([3.0, 3.0])})
+    assert st.version == 0
+    assert st.leave(2) is True
+    assert st.version == 1 and torch.equal(st.weights("w")[0], torch.tensor([-2.0, -2.0]))
+    s = st.stats()
+    assert s["left_workers"] == [2] and s["leaves_total"] == 1 and s["evictions_total"] == 0
+    assert "worker 2 left" in caplog.text and "evicted" not in caplog.text
+    assert st.leave(2) is False and st.stats()["leaves_total"] == 1  # idempotent
+    with pytest.raises(FailedPrecondition, match="worker 2 left the job"):
+        st.submit(2, 0, 0, {("w", 0): torch.ones(2)})
+    st.register_worker(2)  # rejoins: rounds wait for it again
+    st.submit(0, 1, 1, {("w", 0): torch.ones(2)})
+    st.submit(1, 1, 1, {("w", 0): torch.ones(2)})
+    assert st.version == 1
+    st.submit(2, 0, 1, {("w", 0): torch.ones(2)})
+    assert st.version == 2 and st.stats()["left_workers"] == []
+
+
+def test_after_everyone_left_the_next_run_expects_every_worker_again():
+    """A job resumed from a checkpoint taken after its workers left: the first worker back must not
+    complete rounds on its own while the others are still registering."""
+    st = _store(workers=2)
+    st.leave(0)
+    st.leave(1)
+    st.register_worker(0)
+    st.submit(0, 0, 0, {("w", 0): torch.ones(2)})
+    assert st.version == 0 and st.live_workers() == {0, 1}  # waits for worker 1
+    st.register_worker(1)
+    st.submit(1, 0, 0, {("w", 0): torch.ones(2)})
+    assert st.version == 1
+
+
+def test_leaving_releases_ssp_clocks():
+    st = _store(workers=2, sync="ssp:1")
+    for step in range(3):
+        st.submit(0, step, st.version, {("w", 0): torch.ones(2)})
+    with pytest.raises(shardps.server.errors.DeadlineExceeded, match="behind: {1: 0}"):
+        st.wait_clock(3, timeout=0.05)
+    st.leave(1)
+    assert st.wait_clock(3, timeout=0.05) == 3
+
+
+def test_membership_after_leaving_survives_a_snapshot():
+    st = _store()
+    st.leave(1)
+    copy = ShardStore(0, 1, lease_s=60.0)
+    copy.restore(*st.snapshot())
+    assert copy.stats()["left_workers"] == [1] and copy.live_workers() == {0, 2}
+
+
+@pytest.mark.cluster
+def test_a_clean_run_ends_with_goodbyes_not_evictions(make_cluster, caplog):
+    caplog.set_level(logging.WARNING, logger="shardps.server")
+    cluster = make_cluster(2, lease_s=60.0)
+
+    def worker(k: int) -> None:
+        model = torch.nn.Linear(4, 2)
+        with shardps.connect(cluster.addresses, worker_id=k, num_workers=2) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp")
+            for step in range(5):
+                model(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    run_workers(worker, 2)
+    for store in cluster.stores:
+        s = store.stats()
+        assert s["left_workers"] == [0, 1] and s["leaves_total"] == 2
+        assert s["evictions_total"] == 0 and s["registered_workers"] == []
+        # Nobody is left to be evicted later: the documented alert cannot fire for a finished job.
+        assert store.evict_expired(now=float("inf")) == []
+    assert "evicted" not in caplog.text
+
+
+class _CountHeartbeats(grpc.ServerInterceptor):
+    def __init__(self) -> None:
+        self.count = 0
+        self.cond = threading.Condition()
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        if handler_call_details.method.endswith("/Heartbeat"):
+            with self.cond:
+                self.count += 1
+                self.cond.notify_all()
+        return continuation(handler_call_details)
+
+
+@pytest.mark.fault
+@pytest.mark.cluster
+def test_a_client_driven_by_hand_keeps_its_lease_while_it_waits(make_cluster):
+    """Found by a new user: without DistributedOptimizer no heartbeats ran, and a PSClient that
+    registered and then waited (for data, for the other workers) was evicted."""
+    beats = _CountHeartbeats()
+    cluster = make_cluster(1, lease_s=0.6, interceptors=[beats])
+    store = cluster.stores[0]
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=2) as client:
+        client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=0.1), sync="bsp")
+        with beats.cond:  # several leases' worth of heartbeats, without a Push or a Pull
+            assert beats.cond.wait_for(lambda: beats.count >= 8, timeout=60)
+        assert store.stats()["evicted_workers"] == [] and 0 in store.live_workers()
+        client.stop_heartbeats()  # now it falls silent: the lease runs out
+        with store._cond:
+            assert store._cond.wait_for(lambda: 0 in store._evicted, timeout=60)
