@@ -126,10 +126,10 @@ def _unary(address: str, method: str, request: Any, timeout: float, security: Se
     from shardps.protos.shardps.v1 import ps_pb2_grpc
     from shardps.worker.client import ShardError
 
-    channel = (security or Security()).channel(address)
+    channel = (security if security is not None else Security.from_env()).channel(address)
     try:
         return getattr(ps_pb2_grpc.ParameterServerStub(channel), method)(request, timeout=timeout)
     except grpc.RpcError as e:
-        raise ShardError(address, -1, e.code(), e.details() or "") from None
+        raise ShardError(address, None, e.code(), f"{method}: {e.details() or ''}") from None
     finally:
         channel.close()

@@ -24,12 +24,13 @@ from types import TracebackType
 import grpc
 from prometheus_client import CollectorRegistry
 
+from shardps.deploy.lifeline import Lifeline
 from shardps.protos import codec
 from shardps.protos.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos.security import Security
 from shardps.server.app import READY_PREFIX, check_replicas
 from shardps.server.metrics import ServerMetrics
-from shardps.server.service import create_server
+from shardps.server.service import create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 
@@ -128,7 +129,7 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.max_wait_s = max_wait_s
         self.metrics = metrics
-        self.security = security or Security()
+        self.security = security if security is not None else Security.from_env()
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.interceptors = list(interceptors)  # in-process mode: e.g. fault injection in tests
@@ -142,6 +143,7 @@ class LocalCluster:
         self.replica_addresses: list[str] = []  # replicas=2: where server i holds the backup of shard i-1
         self._servers: list[grpc.Server] = []
         self._procs: list[subprocess.Popen[str]] = []
+        self._lifeline: Lifeline | None = None  # processes=True: the servers die with this process
 
     def start(self) -> LocalCluster:
         try:
@@ -205,8 +207,10 @@ class LocalCluster:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             if sec.token:
                 env["SHARDPS_AUTH_TOKEN"] = sec.token
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
-                                    start_new_session=True)
+            if self._lifeline is None:
+                self._lifeline = Lifeline()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
+                                    **self._lifeline.spawn_kwargs(env))
             self._procs.append(proc)
         for proc in self._procs:
             rest = read_ready(proc, self.startup_timeout)
@@ -241,8 +245,11 @@ class LocalCluster:
         proc.wait(timeout=30)
 
     def stop(self, grace: float = 5.0) -> None:
+        """Stop everything started: servers (waiting until each has ended), metrics, processes."""
+        for st in self.stores + self.backups:
+            st.close()  # parked waits end (UNAVAILABLE), so the handler threads can be joined
         for s in self._servers:
-            s.stop(grace=None)
+            stop_server(s, grace=None)
         for st in self.stores + self.backups:
             st.stop_reaper()
             st.stop_replication()
@@ -251,6 +258,9 @@ class LocalCluster:
             e.close()
         self._endpoints = []
         stop_processes(self._procs, grace)
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
         self._servers, self._procs = [], []
 
     def __enter__(self) -> LocalCluster:

@@ -8,22 +8,19 @@ and checks client certificates), and ``token`` (a bearer token sent in the
 
 Configuration order: explicit arguments, then the environment
 (``SHARDPS_TLS_CERT``, ``SHARDPS_TLS_KEY``, ``SHARDPS_TLS_CA``,
-``SHARDPS_AUTH_TOKEN`` or ``SHARDPS_AUTH_TOKEN_FILE``), then off.
+``SHARDPS_TLS_SERVER_NAME``, ``SHARDPS_AUTH_TOKEN`` or
+``SHARDPS_AUTH_TOKEN_FILE``), then off.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-ENV_TLS_CERT = "SHARDPS_TLS_CERT"
-ENV_TLS_KEY = "SHARDPS_TLS_KEY"
-ENV_TLS_CA = "SHARDPS_TLS_CA"
-ENV_TOKEN = "SHARDPS_AUTH_TOKEN"
-ENV_TOKEN_FILE = "SHARDPS_AUTH_TOKEN_FILE"
+from shardps.protos import env
+
 AUTH_HEADER = "authorization"
 
 
@@ -63,14 +60,13 @@ class Security:
     def from_env(cls, *, tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
                  token: str | None = None, token_file: str | None = None,
                  server_name: str | None = None) -> Security:
-        """Arguments first, then SHARDPS_* environment variables."""
-        env = os.environ
+        """Arguments first, then SHARDPS_* environment variables, then off."""
         if token is None:
-            token_file = token_file or env.get(ENV_TOKEN_FILE)
-            token = read_token_file(token_file) if token_file else (env.get(ENV_TOKEN) or None)
-        return cls(tls_cert=tls_cert or env.get(ENV_TLS_CERT) or None,
-                   tls_key=tls_key or env.get(ENV_TLS_KEY) or None,
-                   tls_ca=tls_ca or env.get(ENV_TLS_CA) or None, token=token, server_name=server_name)
+            token_file = token_file or env.get(env.AUTH_TOKEN_FILE)
+            token = read_token_file(token_file) if token_file else env.get(env.AUTH_TOKEN)
+        return cls(tls_cert=tls_cert or env.get(env.TLS_CERT), tls_key=tls_key or env.get(env.TLS_KEY),
+                   tls_ca=tls_ca or env.get(env.TLS_CA), token=token,
+                   server_name=server_name or env.get(env.TLS_SERVER_NAME))
 
     @property
     def tls(self) -> bool:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from shardps.examples.digits import OPTIMIZERS
-from shardps.protos import codec
+from shardps.protos import codec, env
 from shardps.protos.security import Security
 
 
@@ -30,7 +29,7 @@ def _sync(text: str) -> str:
 
 def _security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security (env SHARDPS_TLS_CERT, SHARDPS_TLS_KEY, SHARDPS_TLS_CA, "
-                             "SHARDPS_AUTH_TOKEN, SHARDPS_AUTH_TOKEN_FILE)")
+                             "SHARDPS_TLS_SERVER_NAME, SHARDPS_AUTH_TOKEN, SHARDPS_AUTH_TOKEN_FILE)")
     g.add_argument("--tls-cert", default=None, help="PEM certificate (a server's; a client's for mutual TLS)")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-ca", default=None,
@@ -45,13 +44,22 @@ def security_from(args: argparse.Namespace) -> Security:
 
 
 def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
+    try:
+        return env.get_int(name)
+    except ValueError as e:
+        raise SystemExit(f"shardps: {e}") from None
+
+
+def _address_flag(p: argparse.ArgumentParser, help: str = "HOST:PORT,... in shard order") -> None:
+    """--addresses, from SHARDPS_ADDRESSES when not given."""
+    default = env.get(env.ADDRESSES)
+    p.add_argument("--addresses", type=_addresses, default=_addresses(default) if default else None,
+                   required=default is None, help=f"{help} (env {env.ADDRESSES})")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
-    p.add_argument("--log-level", default=os.environ.get("SHARDPS_LOG_LEVEL", "WARNING"),
+    p.add_argument("--log-level", default=env.get(env.LOG_LEVEL) or "WARNING",
                    help="logging level (env SHARDPS_LOG_LEVEL; default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -66,13 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"bytes per streamed chunk on Pull (default {codec.DEFAULT_CHUNK_BYTES})")
     s.add_argument("--max-wait", type=float, default=300.0,
                    help="longest a barrier or version wait may block, in seconds (default 300)")
-    s.add_argument("--metrics-port", type=int, default=_env_int("SHARDPS_METRICS_PORT"),
+    s.add_argument("--metrics-port", type=int, default=_env_int(env.METRICS_PORT),
                    help="serve Prometheus /metrics on this port (0: a free one; default off; env SHARDPS_METRICS_PORT)")
-    s.add_argument("--metrics-host", default=os.environ.get("SHARDPS_METRICS_HOST", "127.0.0.1"),
+    s.add_argument("--metrics-host", default=env.get(env.METRICS_HOST) or "127.0.0.1",
                    help="address the metrics endpoint binds (default loopback; env SHARDPS_METRICS_HOST)")
     s.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads for the optimizer step (default: half the cores)")
-    s.add_argument("--checkpoint-dir", default=os.environ.get("SHARDPS_CHECKPOINT_DIR"),
+    s.add_argument("--checkpoint-dir", default=env.get(env.CHECKPOINT_DIR),
                    help="write checkpoints here and restore the newest complete one on start "
                         "(env SHARDPS_CHECKPOINT_DIR)")
     s.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N versions (steps)")
@@ -99,12 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one worker of an example")
     w.add_argument("--example", choices=["digits"], default="digits")
-    w.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    _address_flag(w)
     w.add_argument("--backups", type=_addresses, default=None,
                    help="each shard's backup (--replicas 2), HOST:PORT,... in shard order; learnt when "
-                        "registering otherwise")
-    w.add_argument("--worker-id", type=int, required=True)
-    w.add_argument("--num-workers", type=int, required=True)
+                        f"registering otherwise (env {env.BACKUPS})")
+    wid, nw = _env_int(env.WORKER_ID), _env_int(env.NUM_WORKERS)
+    w.add_argument("--worker-id", type=int, default=wid, required=wid is None, help=f"(env {env.WORKER_ID})")
+    w.add_argument("--num-workers", type=int, default=nw, required=nw is None, help=f"(env {env.NUM_WORKERS})")
     w.add_argument("--sync", type=_sync, default="bsp")
     w.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     w.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
@@ -112,19 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
-    w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help=f"serve Prometheus /metrics on this port (0: a free one; default off; env {env.METRICS_PORT})")
+    w.add_argument("--metrics-host", default=None,
+                   help=f"address the metrics endpoint binds (default loopback; env {env.METRICS_HOST})")
     _security_flags(w)
 
     st = sub.add_parser("stats", help="a table of the shards of a running job")
-    st.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    _address_flag(st)
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
                     help="refresh every N seconds (default 2) until Ctrl-C")
     st.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     _security_flags(st)
 
     c = sub.add_parser("ctl", help="control a running job")
-    c.add_argument("--addresses", type=_addresses, required=True, help="HOST:PORT,... in shard order")
+    _address_flag(c, "HOST:PORT,... in shard order (promote: the backups' replica ports)")
     c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
     _security_flags(c)
     csub = c.add_subparsers(dest="action", required=True)
@@ -142,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp or every:X (default bsp)")
+    d.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     d.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     d.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     d.add_argument("--epochs", type=int, default=20)
@@ -156,13 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--replicas", type=int, choices=(1, 2), default=1,
                    help="2: every shard has a backup on the next server (default 1)")
     d.add_argument("--kill-server", type=int, default=None, metavar="I",
-                   help="failover drill (with --replicas 2): SIGKILL server I --kill-after seconds into training")
-    d.add_argument("--kill-after", type=float, default=5.0, metavar="S", help="seconds (default 5)")
+                   help="failover drill (with --replicas 2): SIGKILL server I once its shard has done "
+                        "--kill-at-step steps")
+    d.add_argument("--kill-at-step", type=int, default=20, metavar="N", help="steps (default 20)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from shardps.deploy.lifeline import watch_parent
+
+    watch_parent()  # started by LocalCluster or the demo: stop when that process is gone
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
         from shardps.server.app import check_replicas, check_spare, run_server, run_spare

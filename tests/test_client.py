@@ -40,6 +40,7 @@ def test_attach_learns_the_layout(cluster2):
             assert torch.equal(reader.pull()["w"], w)
 
 
+@pytest.mark.cluster
 def test_connect_times_out_with_the_address():
     with pytest.raises(TimeoutError, match="127.0.0.1:1"):
         shardps.connect(["127.0.0.1:1"], ready_timeout=0.5)

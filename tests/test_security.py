@@ -75,6 +75,37 @@ def test_mutual_tls_requires_a_client_certificate(make_cluster, pki):
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_refused_tls_handshake_is_named_with_its_cause(make_cluster, pki):
+    """Found by a new user: a mutual-TLS client without a certificate, or checking the wrong server name,
+    read only "no parameter server answered within 5s"."""
+    ca = str(pki / "ca.pem")
+    server = Security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_ca=ca)
+    cluster = make_cluster(1, security=server)
+    mine = dict(tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"))
+    cases = [
+        (Security(tls_ca=ca), "requires a client certificate (mutual TLS) and this client has none"),
+        (Security(tls_ca=ca, server_name="elsewhere", **mine), "certificate does not carry elsewhere"),
+        (Security(tls_ca=str(pki / "rogue.pem"), **mine), "not signed by the CA this client trusts"),
+        (Security(), "it serves TLS and this client speaks plaintext"),
+    ]
+    for sec, cause in cases:
+        with pytest.raises(TimeoutError) as err:
+            shardps.connect(cluster.addresses, security=sec, ready_timeout=2)
+        assert f"no parameter server answered within 2s at ['{cluster.addresses[0]}']" in str(err.value)
+        assert cause in str(err.value), str(err.value)
+        with pytest.raises(shardps.ShardError) as err2:  # and the same cause once connected without waiting
+            with shardps.connect(cluster.addresses, security=sec, ready_timeout=None, recovery_timeout=0) as c:
+                c.stats()
+        assert cause in str(err2.value), str(err2.value)
+
+
+def test_ctl_errors_name_the_endpoint_not_a_shard_minus_one():
+    with pytest.raises(shardps.ShardError) as err:  # nothing listens there
+        run_promote(["127.0.0.1:1"], timeout=5, out=io.StringIO())
+    assert "shard -1" not in str(err.value)
+    assert str(err.value).startswith("127.0.0.1:1: UNAVAILABLE: Promote: "), str(err.value)
+
+
 @pytest.mark.parametrize("tls", [False, True])
 def test_token_auth(make_cluster, pki, tls):
     server_tls = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key")) if tls else {}
@@ -122,6 +153,7 @@ def test_security_settings_are_checked(tmp_path, monkeypatch):
     assert Security(token="t", tls_ca="ca").describe() == "TLS + token"
 
 
+@pytest.mark.cluster
 def test_non_loopback_bind_without_tls_warns():
     import signal
     import sys
@@ -143,6 +175,7 @@ def test_non_loopback_bind_without_tls_warns():
     assert "reachable from other machines, without TLS and a token" in err
 
 
+@pytest.mark.fault
 def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
     """Server to server (Replicate, the takeover's check of the primary) goes over the same mTLS and token."""
     ca = str(pki / "ca.pem")

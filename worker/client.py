@@ -19,12 +19,14 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from shardps.protos import codec, framing
+from shardps.protos import codec, env, framing
 from shardps.protos.amp import LossScaling
+from shardps.protos.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("shardps.worker")
 
@@ -38,11 +40,45 @@ OptimizerChoice = OptimizerSpec | Callable[[str, torch.Tensor], OptimizerSpec]
 
 
 class ShardError(RuntimeError):
-    """An RPC to one shard failed: ``code`` is the grpc.StatusCode."""
+    """An RPC to one shard failed: ``code`` is the grpc.StatusCode (``shard`` None: an endpoint of no known shard)."""
 
-    def __init__(self, address: str, shard: int, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"shard {shard} ({address}): {code.name}: {details}")
+    def __init__(self, address: str, shard: int | None, code: grpc.StatusCode, details: str) -> None:
+        where = f"shard {shard} ({address})" if shard is not None else address
+        super().__init__(f"{where}: {code.name}: {details}")
         self.address, self.shard, self.code, self.details = address, shard, code, details
+
+
+def explain_unreachable(security: Security, details: str) -> str:
+    """What a failed connection's gRPC details mean for this client's settings ("" if nothing to add).
+
+    gRPC reports a refused TLS handshake in words of its transport ("Socket
+    closed", "Hostname Verification Check failed"); this names the cause
+    and the setting that fixes it.
+    """
+    d = details
+    if "Hostname Verification" in d or "No match found for server name" in d:
+        name = security.server_name or "the host in its address"
+        return (f"TLS handshake failed: the server's certificate does not carry {name}; pass the name it carries "
+                f"as server_name (--server-name, SHARDPS_TLS_SERVER_NAME)")
+    if "CERTIFICATE_VERIFY_FAILED" in d:
+        return ("TLS handshake failed: the server's certificate is not signed by the CA this client trusts "
+                "(tls_ca, --tls-ca, SHARDPS_TLS_CA)")
+    if "WRONG_VERSION_NUMBER" in d or ("handshake" in d.lower() and not security.tls_cert and security.tls):
+        return "TLS handshake failed: the server does not speak TLS (drop tls_ca) or refused this client"
+    if "Tls handshake failed" in d or "SSL_ERROR" in d:
+        return "TLS handshake failed"
+    if "Socket closed" in d or "Connection reset" in d:
+        if security.tls and not security.tls_cert:
+            return ("the server closed the connection during the TLS handshake: it requires a client "
+                    "certificate (mutual TLS) and this client has none (tls_cert/tls_key, --tls-cert/--tls-key, "
+                    "SHARDPS_TLS_CERT/SHARDPS_TLS_KEY)")
+        if not security.tls:
+            return ("the server closed the connection: it serves TLS and this client speaks plaintext "
+                    "(give the CA: tls_ca, --tls-ca, SHARDPS_TLS_CA)")
+        return "the server closed the connection during the TLS handshake: it does not accept this client's certificate"
+    if "Connection refused" in d:
+        return "nothing listens there (connection refused)"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -83,7 +119,8 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], worker_id: int = 0, num_workers: int = 1, *,
                  timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                  part_bytes: int | None = None, security: Security | None = None,
-                 recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S, backups: Sequence[str] | None = None) -> None:
+                 recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S, backups: Sequence[str] | None = None,
+                 metrics_port: int | None = None, metrics_host: str | None = None) -> None:
         if not addresses:
             raise ValueError("need at least one server address")
         if not 0 <= worker_id < num_workers:
@@ -94,7 +131,7 @@ class PSClient:
         self.timeout = timeout
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.part_bytes = part_bytes
-        self.security = security or Security()
+        self.security = security if security is not None else Security.from_env()
         self.recovery_timeout = recovery_timeout
         self.retries_total = 0
         self.failovers_total = 0
@@ -123,6 +160,13 @@ class PSClient:
         self.epoch = 0  # the job's rollback epoch this client is in
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._registered = False  # registered as a worker: close() says goodbye (Leave)
+        self._closed = False
+        # A worker's own /metrics (arguments, then SHARDPS_METRICS_PORT/HOST): served once it registers.
+        self._metrics_port = env.pick_int(metrics_port, env.METRICS_PORT)
+        self._metrics_host = env.pick(metrics_host, env.METRICS_HOST, "127.0.0.1") or "127.0.0.1"
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_endpoint: MetricsEndpoint | None = None
 
     @property
     def num_shards(self) -> int:
@@ -211,6 +255,9 @@ class PSClient:
                     continue
                 waited = time.monotonic() - start
                 if code != grpc.StatusCode.UNAVAILABLE or waited >= self.recovery_timeout:
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        hint = explain_unreachable(self.security, details)
+                        details = f"{hint}: {details}" if hint else details
                     if code == grpc.StatusCode.UNAVAILABLE and tries:
                         details = f"still unavailable after {waited:.0f}s and {tries} retries: {details}"
                     raise ShardError(self.addresses[shard], shard, code, details) from None
@@ -259,7 +306,23 @@ class PSClient:
             finally:
                 f.cancel()
         if missing:
-            raise TimeoutError(f"no parameter server answered within {t:.0f}s at {missing}")
+            reasons = [f"{a}: {why}" for a in missing if (why := self._probe(a))]
+            raise TimeoutError(f"no parameter server answered within {t:.0f}s at {missing}"
+                               + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+    def _probe(self, address: str) -> str:
+        """Why ``address`` does not answer, from one short health check ("" when it answers now)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        channel = self.security.channel(address)
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            return ""
+        except grpc.RpcError as e:
+            details = (e.details() if hasattr(e, "details") else str(e)) or ""
+            return explain_unreachable(self.security, details) or details
+        finally:
+            channel.close()
 
     def _require_layout(self, names: Iterable[str]) -> None:
         if self.shard_map is None:
@@ -343,10 +406,31 @@ class PSClient:
             self.backups[i] = r.backup
         self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
         self.loss_scale = responses[0].loss_scale
-        self.clock = max(r.worker_clock for r in responses)
+        # The step to go on from: the lowest any shard expects. A push that reached some shards and
+        # not others (a crash, a checkpoint taken between them) is sent again: the shards that took
+        # it in acknowledge it as a duplicate, the others apply it, so every shard sees every step.
+        self.clock = min(r.worker_clock for r in responses)
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
+        self._registered = True
+        self._serve_metrics()
+        self.start_heartbeats()
         return created
+
+    def _serve_metrics(self) -> None:
+        """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""
+        if self._metrics_port is None or self.metrics_endpoint is not None:
+            return
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        metrics = WorkerMetrics(registry, self.worker_id)
+        try:
+            self.metrics_endpoint = serve_metrics(registry, self._metrics_host, self._metrics_port)
+        except OSError as e:
+            raise OSError(f"worker {self.worker_id}: cannot serve metrics on {self._metrics_host}:"
+                          f"{self._metrics_port} (metrics_port or {env.METRICS_PORT}): {e.strerror}") from None
+        self.metrics = metrics
 
     def attach(self) -> None:
         """Learn the tensors and their placement from the shards (for pull-only clients)."""
@@ -564,7 +648,7 @@ class PSClient:
         self.versions = [s.version for s in stats]
         self.sync = stats[0].sync or self.sync
         self.loss_scale = stats[0].loss_scale
-        return max(s.worker_clocks.get(self.worker_id, -1) for s in stats) + 1
+        return min(s.worker_clocks.get(self.worker_id, -1) for s in stats) + 1  # as in register()
 
     def checkpoint(self) -> list[tuple[int, str]]:
         """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
@@ -609,13 +693,52 @@ class PSClient:
         self._hb_thread = threading.Thread(target=loop, name=f"worker{self.worker_id}-heartbeat", daemon=True)
         self._hb_thread.start()
 
-    def close(self) -> None:
+    def stop_heartbeats(self) -> None:
+        """Stop renewing the lease in the background (the worker is evicted once it lasts longer)."""
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=10)
-        self._pool.shutdown(wait=True)
-        for c in self._channels + self._retired:
-            c.close()
+
+    def leave(self, timeout: float = 5.0) -> None:
+        """Tell every shard this worker is done, so barriers go on without it at once (not after its lease).
+
+        ``close()`` does this for a registered worker. Best effort: a shard
+        that does not answer within ``timeout`` evicts the worker later.
+        """
+        if not self._registered:
+            return
+        self._registered = False
+
+        def bye(i: int) -> None:
+            try:
+                self._stubs[i].Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), timeout=timeout)
+            except grpc.RpcError as e:
+                log.info("worker %d: shard %d did not take its leave (%s); its lease will expire",
+                         self.worker_id, i, e.code() if hasattr(e, "code") else e)
+
+        for f in [self._pool.submit(bye, i) for i in range(self.num_shards)]:
+            f.result()
+
+    def close(self, *, leave: bool = True) -> None:
+        """Say goodbye (a registered worker), stop heartbeats and metrics, close the channels. Idempotent.
+
+        ``leave=False`` keeps the worker's place in the job instead (until
+        its lease runs out): for a process that hands its worker id over to
+        another one, which registers with it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_heartbeats()
+        try:
+            if leave:
+                self.leave(timeout=min(5.0, self.timeout))
+        finally:
+            self._pool.shutdown(wait=True)
+            for c in self._channels + self._retired:
+                c.close()
+            if self.metrics_endpoint is not None:
+                self.metrics_endpoint.close()
 
     def __enter__(self) -> PSClient:
         return self
@@ -624,24 +747,43 @@ class PSClient:
         self.close()
 
 
-def connect(addresses: Sequence[str] | str, worker_id: int = 0, num_workers: int = 1, *,
-            timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
-            part_bytes: int | None = None, ready_timeout: float | None = 60.0,
-            security: Security | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S,
-            backups: Sequence[str] | str | None = None) -> PSClient:
+def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None = None,
+            num_workers: int | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
+            chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, part_bytes: int | None = None,
+            ready_timeout: float | None = 60.0, security: Security | None = None,
+            recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S, backups: Sequence[str] | str | None = None,
+            metrics_port: int | None = None, metrics_host: str | None = None) -> PSClient:
     """Connect to the shards at ``addresses`` (in shard order; a comma-separated string works).
+
+    Every setting comes from its argument, else its environment variable,
+    else the default: ``addresses`` (``SHARDPS_ADDRESSES``), ``worker_id``
+    (``SHARDPS_WORKER_ID``, 0), ``num_workers`` (``SHARDPS_NUM_WORKERS``, 1),
+    ``backups`` (``SHARDPS_BACKUPS``), ``security`` (``SHARDPS_TLS_*``,
+    ``SHARDPS_AUTH_TOKEN[_FILE]``), ``metrics_port`` / ``metrics_host``
+    (``SHARDPS_METRICS_PORT`` / ``_HOST``: a registered worker serves its
+    Prometheus metrics there).
 
     Waits up to ``ready_timeout`` seconds for every shard to accept a
     connection (None: do not wait). ``backups`` (``--replicas 2``): each
     shard's backup, in shard order; workers also learn them when they
     register, so give them for a worker that may start after a server died.
     """
+    if addresses is None:
+        addresses = env.get_list(env.ADDRESSES)
+        if addresses is None:
+            raise ValueError(f"no server addresses: pass addresses= or set {env.ADDRESSES}=HOST:PORT,...")
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    if backups is None:
+        backups = env.get_list(env.BACKUPS)
     if isinstance(backups, str):
         backups = [a.strip() for a in backups.split(",")]
-    client = PSClient(addresses, worker_id, num_workers, timeout=timeout, chunk_bytes=chunk_bytes,
-                      part_bytes=part_bytes, security=security, recovery_timeout=recovery_timeout, backups=backups)
+    wid = env.pick_int(worker_id, env.WORKER_ID, 0)
+    nw = env.pick_int(num_workers, env.NUM_WORKERS, 1)
+    assert wid is not None and nw is not None
+    client = PSClient(addresses, wid, nw, timeout=timeout, chunk_bytes=chunk_bytes,
+                      part_bytes=part_bytes, security=security, recovery_timeout=recovery_timeout, backups=backups,
+                      metrics_port=metrics_port, metrics_host=metrics_host)
     if ready_timeout is not None:
         try:
             client.wait_ready(ready_timeout)
@@ -684,6 +826,8 @@ def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
         "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
         "evicted_workers": list(r.evicted_workers),
         "evictions_total": int(r.evictions_total),
+        "left_workers": list(r.left_workers),
+        "leaves_total": int(r.leaves_total),
         "epoch": int(r.epoch),
         "recovering": bool(r.recovering),
         "waiting_pulls": int(r.waiting_pulls),

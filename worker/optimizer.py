@@ -66,6 +66,10 @@ class DistributedOptimizer:
     ``(name, tensor) -> spec`` to choose one per tensor (see
     ``shardps.optim.Rules``).
 
+    ``metrics``: a ``WorkerMetrics`` to record into; by default the
+    client's own, when it serves them (``connect(metrics_port=...)`` or
+    ``SHARDPS_METRICS_PORT``).
+
     Mixed precision: ``grad_dtype=torch.bfloat16`` (or float16) sends
     gradients in that dtype; the servers keep fp32 master weights.
     ``loss_scaling=True`` (or a ``shardps.LossScaling``) turns on dynamic loss
@@ -103,7 +107,8 @@ class DistributedOptimizer:
         self.rejoins = 0
         self.rollbacks = 0
         self._join()
-        client.start_heartbeats()
+        if self.metrics is None:  # the client's, when it serves metrics (metrics_port / SHARDPS_METRICS_PORT)
+            self.metrics = client.metrics
 
     def _join(self) -> None:
         """Register (idempotent), pull the current weights and go on from this worker's clock."""

@@ -1,0 +1,68 @@
+"""The ``SHARDPS_*`` environment variables, one rule for all of them.
+
+Every setting is taken from, in this order: an explicit argument (a CLI flag
+or a Python keyword), then its environment variable, then the default. The
+CLI and the Python API (``connect``, ``DistributedOptimizer``, the servers)
+follow the same rule; docs/operations.md lists every variable and
+tests/test_docs.py checks that the list and this module agree.
+"""
+
+from __future__ import annotations
+
+import os
+
+ADDRESSES = "SHARDPS_ADDRESSES"  # HOST:PORT,... of the shards, in shard order
+WORKER_ID = "SHARDPS_WORKER_ID"
+NUM_WORKERS = "SHARDPS_NUM_WORKERS"
+BACKUPS = "SHARDPS_BACKUPS"  # each shard's backup (--replicas 2), in shard order
+TLS_CERT = "SHARDPS_TLS_CERT"
+TLS_KEY = "SHARDPS_TLS_KEY"
+TLS_CA = "SHARDPS_TLS_CA"
+TLS_SERVER_NAME = "SHARDPS_TLS_SERVER_NAME"
+AUTH_TOKEN = "SHARDPS_AUTH_TOKEN"
+AUTH_TOKEN_FILE = "SHARDPS_AUTH_TOKEN_FILE"
+METRICS_PORT = "SHARDPS_METRICS_PORT"
+METRICS_HOST = "SHARDPS_METRICS_HOST"
+CHECKPOINT_DIR = "SHARDPS_CHECKPOINT_DIR"
+LOG_LEVEL = "SHARDPS_LOG_LEVEL"
+
+ALL = (ADDRESSES, WORKER_ID, NUM_WORKERS, BACKUPS, TLS_CERT, TLS_KEY, TLS_CA, TLS_SERVER_NAME, AUTH_TOKEN,
+       AUTH_TOKEN_FILE, METRICS_PORT, METRICS_HOST, CHECKPOINT_DIR, LOG_LEVEL)
+
+
+def get(name: str) -> str | None:
+    """The variable's value, or None when it is unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def get_int(name: str) -> int | None:
+    """The variable as an integer (None when unset); ValueError naming it when it is not one."""
+    value = get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def get_list(name: str) -> list[str] | None:
+    """A comma-separated variable as a list (None when unset)."""
+    value = get(name)
+    return None if value is None else [a.strip() for a in value.split(",")]
+
+
+def pick(arg: str | None, name: str, default: str | None = None) -> str | None:
+    """``arg`` if given, else the variable, else ``default``."""
+    if arg is not None:
+        return arg
+    value = get(name)
+    return default if value is None else value
+
+
+def pick_int(arg: int | None, name: str, default: int | None = None) -> int | None:
+    if arg is not None:
+        return arg
+    value = get_int(name)
+    return default if value is None else value

@@ -1,0 +1,139 @@
+"""One configuration rule everywhere: the argument, then its SHARDPS_* variable, then the default.
+
+Every variable of ``shardps.protos.env`` is exercised here, through the Python
+API and the CLI alike (the last test checks that none is forgotten).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+import shardps
+from shardps.cli import build_parser
+from shardps.protos import env
+from shardps.protos.security import Security
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in env.ALL:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_arguments_win_then_variables_then_defaults(clean_env):
+    assert env.pick("arg", env.METRICS_HOST, "default") == "arg"
+    assert env.pick(None, env.METRICS_HOST, "default") == "default"
+    clean_env.setenv(env.METRICS_HOST, "0.0.0.0")
+    assert env.pick(None, env.METRICS_HOST, "default") == "0.0.0.0"
+    assert env.pick("arg", env.METRICS_HOST, "default") == "arg"
+    clean_env.setenv(env.METRICS_PORT, "94o0")
+    with pytest.raises(ValueError, match="SHARDPS_METRICS_PORT='94o0' is not an integer"):
+        env.pick_int(None, env.METRICS_PORT)
+    assert env.pick_int(9400, env.METRICS_PORT) == 9400  # an argument is not even parsed from the variable
+
+
+@pytest.mark.cluster
+def test_connect_takes_addresses_worker_id_num_workers_and_backups_from_the_environment(clean_env, cluster2):
+    with pytest.raises(ValueError, match="SHARDPS_ADDRESSES"):
+        shardps.connect()
+    clean_env.setenv(env.ADDRESSES, ",".join(cluster2.addresses))
+    clean_env.setenv(env.WORKER_ID, "1")
+    clean_env.setenv(env.NUM_WORKERS, "3")
+    clean_env.setenv(env.BACKUPS, "127.0.0.1:1,127.0.0.1:2")
+    with shardps.connect() as c:
+        assert (c.addresses, c.worker_id, c.num_workers) == (cluster2.addresses, 1, 3)
+        assert c.backups == ["127.0.0.1:1", "127.0.0.1:2"]
+    with shardps.connect(cluster2.addresses[:1], worker_id=0, num_workers=1, backups=[""]) as c:  # arguments win
+        assert (c.addresses, c.worker_id, c.num_workers, c.backups) == (cluster2.addresses[:1], 0, 1, [""])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", [env.AUTH_TOKEN, env.AUTH_TOKEN_FILE])
+def test_connect_sends_the_token_from_the_environment(clean_env, make_cluster, tmp_path, how):
+    """Found by a new user: the CLI honoured SHARDPS_AUTH_TOKEN, shardps.connect() did not."""
+    cluster = make_cluster(1, security=Security(token="s3cret"))
+    with pytest.raises(shardps.ShardError) as err, \
+            shardps.connect(cluster.addresses, ready_timeout=10, recovery_timeout=0) as c:
+        c.stats()
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    if how == env.AUTH_TOKEN:
+        clean_env.setenv(env.AUTH_TOKEN, "s3cret")
+    else:
+        (tmp_path / "token").write_text("s3cret\n")
+        clean_env.setenv(env.AUTH_TOKEN_FILE, str(tmp_path / "token"))
+    with shardps.connect(cluster.addresses, ready_timeout=10) as c:
+        c.register({"w": torch.zeros(3)}, shardps.optim.SGD(), sync="asp")
+        assert c.stats()[0]["registered_workers"] == [0]
+
+
+def test_tls_settings_come_from_the_environment(clean_env, tmp_path):
+    for name in ("cert", "key", "ca"):
+        (tmp_path / name).write_text("x")
+    clean_env.setenv(env.TLS_CERT, str(tmp_path / "cert"))
+    clean_env.setenv(env.TLS_KEY, str(tmp_path / "key"))
+    clean_env.setenv(env.TLS_CA, str(tmp_path / "ca"))
+    clean_env.setenv(env.TLS_SERVER_NAME, "shardps-server")
+    s = Security.from_env()
+    assert (s.tls_cert, s.tls_key, s.tls_ca, s.server_name) == (
+        str(tmp_path / "cert"), str(tmp_path / "key"), str(tmp_path / "ca"), "shardps-server")
+    assert Security.from_env(server_name="other").server_name == "other"
+    cluster = shardps.LocalCluster(1)  # the Python API follows the same rule (not started here)
+    assert cluster.security.tls_cert == str(tmp_path / "cert")
+
+
+@pytest.mark.cluster
+def test_a_python_worker_serves_its_metrics_where_the_environment_says(clean_env, cluster2):
+    """Found by a new user: SHARDPS_METRICS_PORT/HOST, documented for every worker, worked only for servers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    clean_env.setenv(env.METRICS_PORT, str(port))
+    clean_env.setenv(env.METRICS_HOST, "127.0.0.1")
+    model = torch.nn.Linear(4, 2)
+    with shardps.connect(cluster2.addresses) as client:
+        assert client.metrics_endpoint is None  # only a registered worker serves
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp")
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert client.metrics_endpoint is not None and client.metrics_endpoint.port == port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'shardps_worker_steps_total{worker="0"} 3.0' in body
+
+
+def test_the_cli_follows_the_same_rule(clean_env, tmp_path):
+    p = build_parser()
+    with pytest.raises(SystemExit):
+        p.parse_args(["worker"])  # no addresses, no ids: argparse names what is missing
+    clean_env.setenv(env.ADDRESSES, "h:1,h:2")
+    clean_env.setenv(env.WORKER_ID, "1")
+    clean_env.setenv(env.NUM_WORKERS, "2")
+    clean_env.setenv(env.LOG_LEVEL, "INFO")
+    clean_env.setenv(env.CHECKPOINT_DIR, str(tmp_path))
+    clean_env.setenv(env.METRICS_PORT, "9411")
+    clean_env.setenv(env.METRICS_HOST, "0.0.0.0")
+    p = build_parser()
+    a = p.parse_args(["worker"])
+    assert (a.addresses, a.worker_id, a.num_workers, a.log_level) == (["h:1", "h:2"], 1, 2, "INFO")
+    assert a.metrics_port is None  # resolved by connect() from the same variable, like the Python API
+    a = p.parse_args(["worker", "--addresses", "x:3", "--worker-id", "0"])
+    assert (a.addresses, a.worker_id) == (["x:3"], 0)
+    s = p.parse_args(["server"])
+    assert (s.checkpoint_dir, s.metrics_port, s.metrics_host) == (str(tmp_path), 9411, "0.0.0.0")
+    assert p.parse_args(["stats"]).addresses == ["h:1", "h:2"]
+    assert p.parse_args(["ctl", "checkpoint"]).addresses == ["h:1", "h:2"]
+
+
+def test_every_variable_is_tested_here():
+    text = Path(__file__).read_text()
+    missing = [name for name in env.ALL if f"env.{name.removeprefix('SHARDPS_')}" not in text]
+    assert missing == []
