@@ -6,20 +6,23 @@ servers hold on the held-out test set. Everything started is stopped on the
 way out, Ctrl-C included.
 
 A failover drill: ``--replicas 2 --kill-server 1`` kills server 1 with
-SIGKILL ``--kill-after`` seconds into training; its backup on server 2 (mod
-N) takes over and the run finishes as if nothing happened.
+SIGKILL once its shard has completed ``--kill-at-step`` steps; its backup on
+server 2 (mod N) takes over and the run finishes as if nothing happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
+from shardps.deploy.lifeline import Lifeline
 from shardps.deploy.local import LocalCluster, stop_processes
 from shardps.worker.client import connect
 
@@ -39,19 +42,17 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
 
 
 def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]],
-                 kill: Any = None, backups: list[str] | None = None) -> list[dict[str, Any]]:
+                 kill: Any = None, backups: list[str] | None = None,
+                 lifeline: Lifeline | None = None) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    spawn = lifeline.spawn_kwargs(env) if lifeline is not None else {"env": env}
     for k in range(args.workers):
         procs.append(subprocess.Popen(_worker_cmd(addresses, k, args, backups), stdout=subprocess.PIPE,
-                                      text=True, env=env, start_new_session=True))
+                                      text=True, start_new_session=True, **spawn))
     results = []
     deadline = time.monotonic() + args.timeout
     if kill is not None:
-        try:  # the drill: the workers run on while the clock runs out
-            procs[0].wait(timeout=args.kill_after)
-        except subprocess.TimeoutExpired:
-            pass
-        kill()
+        kill()  # the drill: returns once the victim is killed (or the workers ended first)
     for k, p in enumerate(procs):
         try:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -62,6 +63,21 @@ def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[s
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         results.append(json.loads(lines[-1]))
     return results
+
+
+def _wait_for_version(address: str, version: int, workers: list[subprocess.Popen[str]],
+                      deadline: float) -> int | None:
+    """Poll one shard until it has reached ``version``: its version then, or None if the workers ended."""
+    with connect([address], recovery_timeout=0) as watch:
+        while True:
+            now = watch.stats()[0]["version"]
+            if now >= version:
+                return int(now)
+            if all(p.poll() is not None for p in workers):
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shard at {address} did not reach step {version} in time (at {now})")
+            time.sleep(0.01)  # another process's progress: nothing to wait on here
 
 
 def _require_matplotlib() -> None:
@@ -100,6 +116,20 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """While stopping children: SIGINT and SIGTERM are noted, not raised (we are stopping already)."""
+    def note(signum: int, frame: object) -> None:
+        print(f"shardps demo: signal {signum} while stopping: still stopping", file=sys.stderr, flush=True)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def run_demo(args: Any) -> int:
     from shardps.examples.digits import evaluate
 
@@ -122,20 +152,29 @@ def run_demo(args: Any) -> int:
         return 2
     say(f"shardps demo: {args.servers} servers, {args.workers} workers, sync={args.sync}, "
         f"optimizer={args.optimizer}, {args.epochs} epochs on digits" + (", replicas 2" if replicas == 2 else ""))
+    cluster = LocalCluster(args.servers, processes=True, replicas=replicas)
+    lifeline = Lifeline()  # the workers die with this process, even if it is SIGKILLed (the servers too)
     try:
-        with LocalCluster(args.servers, processes=True, replicas=replicas) as cluster:
+        try:
+            cluster.start()
             say(f"servers up at {', '.join(cluster.addresses)}"
                 + (f"; backups at {', '.join(cluster.replica_addresses)}" if replicas == 2 else ""))
 
             def kill() -> None:
+                version = _wait_for_version(cluster.addresses[victim], args.kill_at_step, procs,
+                                            time.monotonic() + args.timeout)
+                if version is None:
+                    say(f"the workers ended before server {victim} reached step {args.kill_at_step}: no kill")
+                    return
                 cluster.kill(victim)
-                say(f"killed server {victim} (SIGKILL) after {args.kill_after:g}s: its backup takes over")
+                say(f"killed server {victim} (SIGKILL) at step {version}: its backup takes over")
 
             try:
                 results = _run_workers(cluster.addresses, args, procs, kill if victim is not None else None,
-                                       cluster.backup_addresses)
+                                       cluster.backup_addresses, lifeline)
             finally:
-                stop_processes(procs)  # workers first, then the servers (leaving the with block)
+                with _signals_deferred():
+                    stop_processes(procs)  # workers first; the servers still hold the weights
             serving = cluster.serving_addresses()
             test_acc = evaluate(serving, seed=args.seed)
             if args.plot:
@@ -147,6 +186,11 @@ def run_demo(args: Any) -> int:
                         staleness[k] = staleness.get(k, 0) + v
                 save_plot(args.plot, [r["losses"] for r in results], staleness, title=f"{args.sync}, {args.optimizer}")
                 say(f"plot saved to {args.plot}")
+        finally:
+            with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+                stop_processes(procs)
+                cluster.stop()
+                lifeline.close()
     except KeyboardInterrupt:
         say("interrupted: stopped the workers and servers")
         return 130

@@ -1,15 +1,21 @@
 """The demo end to end: servers and workers as separate processes, as `make demo` runs it."""
 
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 
 import pytest
 
 import shardps
+
+pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
 
 def run_demo(*args: str, timeout: float = 240) -> dict:
@@ -45,44 +51,120 @@ def test_demo_bad_flag_is_a_clear_error():
     assert "unknown sync mode 'sometimes'" in proc.stderr
 
 
-def _processes_mentioning(text: str) -> list[int]:
+def _marked(mark: str) -> list[int]:
+    """PIDs of the processes whose environment holds ``mark`` (a demo and everything it started)."""
     pids = []
     for d in os.listdir("/proc"):
-        if d.isdigit():
+        if d.isdigit() and int(d) != os.getpid():
             try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if mark.encode() in f.read():
                         pids.append(int(d))
             except OSError:
                 continue
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_demo_interrupted_stops_everything_it_started(sig):
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait (pidfd, no polling) until every pid has exited; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    alive = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                alive.append(pid)
+        finally:
+            os.close(fd)
+    return alive
+
+
+def _start_demo(mark: str) -> tuple[subprocess.Popen, list[str], threading.Thread, threading.Condition]:
+    """The demo with a marker in its environment; its stderr is drained (a full pipe would block it)."""
     proc = subprocess.Popen([sys.executable, "-m", "shardps", "demo", "--epochs", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TEST_DEMO_MARK=mark))
+    lines: list[str] = []
+    seen = threading.Condition()
+
+    def drain() -> None:
+        for line in proc.stderr:
+            with seen:
+                lines.append(line)
+                seen.notify_all()
+        with seen:
+            lines.append("")  # EOF
+            seen.notify_all()
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    return proc, lines, t, seen
+
+
+def _wait_line(lines, seen, prefix: str, timeout: float = 120) -> str:
+    with seen:
+        assert seen.wait_for(lambda: any(ln.startswith(prefix) or ln == "" for ln in lines), timeout), prefix
+        line = next(ln for ln in lines if ln.startswith(prefix) or ln == "")
+    assert line, f"the demo ended before printing {prefix!r}: {''.join(lines)[-2000:]}"
+    return line
+
+
+def _wait_registered(addresses: list[str]) -> None:
+    with shardps.connect(addresses) as client:  # wait until the workers have registered
+        deadline = time.monotonic() + 120
+        while not all(s["registered_workers"] == [0, 1] for s in client.stats()):
+            assert time.monotonic() < deadline, "workers never registered"
+            time.sleep(0.1)  # polling a remote state: nothing to wait on locally
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("phase", ["starting", "training"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_stops_everything_it_started(sig, phase):
+    mark = f"demo-{uuid.uuid4()}"
+    proc, lines, drain, seen = _start_demo(mark)
     try:
-        addresses = None
-        for line in proc.stderr:  # the demo reports its servers before starting the workers
-            if line.startswith("servers up at "):
-                addresses = line[len("servers up at "):].strip().split(", ")
-                break
-        assert addresses, "demo never reported its servers"
-        with shardps.connect(addresses) as client:  # wait until the workers have registered
-            deadline = time.monotonic() + 120
-            while not all(s["registered_workers"] == [0, 1] for s in client.stats()):
-                assert time.monotonic() < deadline, "workers never registered"
-                time.sleep(0.1)  # polling a remote state: nothing to wait on locally
+        if phase == "starting":  # while its servers start
+            _wait_line(lines, seen, "shardps demo: ")
+        else:
+            line = _wait_line(lines, seen, "servers up at ")
+            _wait_registered(line[len("servers up at "):].strip().split(", "))
+        children = [p for p in _marked(mark) if p != proc.pid]
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == 130
-        assert "interrupted" in proc.stderr.read()
-        assert _processes_mentioning(addresses[0]) == []  # workers gone
-        for a in addresses:  # servers gone: nothing listens any more
-            with pytest.raises(TimeoutError):
-                shardps.connect([a], ready_timeout=0.5)
+        drain.join(timeout=30)
+        assert "interrupted" in "".join(lines)
+        assert _wait_gone(children + _marked(mark), timeout=30) == []  # servers and workers gone
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
+        proc.wait(timeout=30)
+        for pid in _marked(mark):  # what a failure left behind must not outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.fault
+def test_a_sigkilled_demo_takes_its_servers_and_workers_with_it():
+    """SIGKILL gives the demo no chance to clean up: its children see their lifeline break and stop."""
+    mark = f"demo-{uuid.uuid4()}"
+    proc, lines, drain, seen = _start_demo(mark)
+    try:
+        line = _wait_line(lines, seen, "servers up at ")
+        _wait_registered(line[len("servers up at "):].strip().split(", "))
+        children = [p for p in _marked(mark) if p != proc.pid]
+        assert len(children) == 4, children  # two servers, two workers
+        proc.kill()
+        proc.wait(timeout=30)
+        assert _wait_gone(children, timeout=45) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        for pid in _marked(mark):  # what a failure left behind must not outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
