@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry
 from torch import nn
 
 from shardps.protos.optim import Adafactor, OptimizerSpec, spec_from_name
@@ -65,53 +64,64 @@ def batches(n: int, batch_size: int, epoch: int, seed: int) -> list[torch.Tensor
     return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
-def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync: str = "bsp",
-                 optimizer: str = "adam", lr: float | None = None, epochs: int = 20,
+def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers: int | None, *,
+                 sync: str = "bsp", optimizer: str = "adam", lr: float | None = None, epochs: int = 20,
                  batch_size: int = 64, seed: int = 0, progress: bool = False,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_port: int | None = None, metrics_host: str | None = None,
                  on_step: Callable[[int, float], None] | None = None, security: Any = None,
                  backups: list[str] | None = None) -> dict[str, object]:
-    """One worker's training run; returns its summary (steps, last loss, seconds).
+    """One worker's training run; returns its summary (steps, last loss, seconds, rollbacks).
 
-    ``metrics_port`` serves the worker's Prometheus metrics; ``on_step(step,
-    loss)`` is called after every step (the demo's loss curve).
+    ``addresses``, ``worker_id``, ``num_workers``, ``metrics_port`` and
+    ``metrics_host`` left as None come from the ``SHARDPS_*`` environment
+    (see ``shardps.connect``); ``metrics_port`` serves the worker's
+    Prometheus metrics. ``on_step(step, loss)`` is called after every step
+    (the demo's loss curve). When the job rolls back to a checkpoint
+    (``shardps.RolledBack``), training goes on from the step it names, on
+    the same batches as the first time.
     """
     import shardps
-    from shardps.protos.exposition import serve_metrics
-    from shardps.worker.metrics import WorkerMetrics
 
     data = load_digits()
     model = make_model(seed)
-    metrics = endpoint = None
-    if metrics_port is not None:
-        registry = CollectorRegistry()
-        metrics = WorkerMetrics(registry, worker_id)
-        endpoint = serve_metrics(registry, metrics_host, metrics_port)
     client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers, security=security,
-                             backups=backups)
-    opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync, metrics=metrics)
+                             backups=backups, metrics_port=metrics_port, metrics_host=metrics_host)
+    worker_id, num_workers = client.worker_id, client.num_workers
     loss_fn = nn.CrossEntropyLoss()
     plan = [(e, b) for e in range(epochs) for b in batches(len(data.x_train), batch_size, e, seed)]
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(plan), desc=f"worker {worker_id} [{sync}]", unit="step", mininterval=0.5)
     t0 = time.perf_counter()
     loss_val = float("nan")
     losses: list[float] = []
     try:
-        for epoch, idx in plan:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync)
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(plan), desc=f"worker {worker_id} [{sync}]", unit="step", mininterval=0.5)
+        step = opt.local_steps  # a worker rejoining a running job goes on from its clock
+        while step < len(plan):
+            epoch, idx = plan[step]
             mine = idx[worker_id::num_workers]
-            loss = loss_fn(model(data.x_train[mine]), data.y_train[mine])
-            loss.backward()
-            opt.step()
+            try:
+                loss = loss_fn(model(data.x_train[mine]), data.y_train[mine])
+                loss.backward()
+                opt.step()
+            except shardps.RolledBack as e:  # the model holds the weights of step e.step: redo from there
+                opt.zero_grad()
+                del losses[e.step:]
+                step = e.step
+                if bar is not None:
+                    bar.n = step
+                    bar.refresh()
+                continue
             opt.zero_grad()
+            step += 1
             loss_val = loss.item()
             losses.append(round(loss_val, 5))
             opt.record_loss(loss_val)
             if on_step is not None:
-                on_step(opt.local_steps, loss_val)
+                on_step(step, loss_val)
             if bar is not None:
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss_val:.3f}", refresh=False)
                 bar.update(1)
@@ -119,11 +129,10 @@ def train_worker(addresses: list[str], worker_id: int, num_workers: int, *, sync
         if bar is not None:
             bar.close()
         client.close()
-        if endpoint is not None:
-            endpoint.close()
-    return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes, "failovers": client.failovers_total,
-            "final_loss": loss_val, "seconds": time.perf_counter() - t0,
-            "train_accuracy": accuracy(model, data.x_train, data.y_train), "losses": losses}
+    return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
+            "failovers": client.failovers_total, "rollbacks": opt.rollbacks, "final_loss": loss_val,
+            "seconds": time.perf_counter() - t0, "train_accuracy": accuracy(model, data.x_train, data.y_train),
+            "losses": losses}
 
 
 DEFAULT_LR = {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1, "sm3": 0.1}

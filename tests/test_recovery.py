@@ -4,14 +4,15 @@ with the same weights as a run without the fault."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 
+import grpc
 import pytest
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ from torch import nn
 import shardps
 from shardps.deploy.local import read_ready
 from tests.helpers import run_workers
+
+pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
 STEPS, WORKERS, EVERY = 20, 2, 5
 
@@ -29,16 +32,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server(port: int, shard: int, ckpt) -> subprocess.Popen:
+def _server(port: int, shard: int, ckpt, every: int = EVERY) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "shardps", "server", "--port", str(port), "--shard-index", str(shard),
-           "--num-shards", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY),
+           "--num-shards", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
            "--lease-seconds", "60"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     read_ready(proc, 60)
     return proc
 
 
-def _train(addresses, rollbacks):
+def _train(addresses, rollbacks, park=None):
+    """WORKERS workers in threads; ``park(k, step)`` is called before every step (fault injection)."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
 
@@ -49,6 +53,8 @@ def _train(addresses, rollbacks):
             opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), sync="bsp")
             step = 0
             while step < STEPS:
+                if park is not None:
+                    park(k, step)
                 try:
                     g = torch.Generator().manual_seed(step * 10 + k)
                     model(torch.randn(8, 10, generator=g)).pow(2).mean().backward()
@@ -63,6 +69,32 @@ def _train(addresses, rollbacks):
     return run_workers(worker, WORKERS, timeout=240)
 
 
+class Parking:
+    """Parks every worker before its step ``at`` (once), so a fault lands at an exact version.
+
+    Under bsp, with every worker parked before step ``at``, each shard is at
+    version ``at`` exactly and has written its checkpoints of the versions
+    before it (a checkpoint is written before the push that completed its
+    round returns).
+    """
+
+    def __init__(self, at: int, workers: int) -> None:
+        self.at = at
+        self.arrived = threading.Barrier(workers + 1)
+        self.released = threading.Event()
+        self.done: set[int] = set()
+
+    def __call__(self, k: int, step: int) -> None:
+        if step == self.at and k not in self.done:
+            self.done.add(k)
+            self.arrived.wait(timeout=120)
+            assert self.released.wait(timeout=120), "never released"
+
+    def wait_parked(self) -> None:
+        self.arrived.wait(timeout=120)
+
+
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path):
     ports = [_free_port(), _free_port()]
@@ -73,38 +105,37 @@ def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path):
         clean_addresses = [f"127.0.0.1:{p.args[p.args.index('--port') + 1]}" for p in clean]
         expected = _train(clean_addresses, [])
 
-        killed = threading.Event()
+        parking = Parking(12, WORKERS)  # checkpoints at 5 and 10 are on disk, 15 is not: rolls back to 10
 
         def killer():
-            with shardps.connect(addresses[:1], recovery_timeout=0) as watch:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if watch.stats()[0]["version"] >= 12:
-                            break
-                    except shardps.ShardError:
-                        pass
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)  # polling another process's version
+            parking.wait_parked()
+            with shardps.connect(addresses) as watch:
+                assert [s["version"] for s in watch.stats()] == [12, 12]
             os.kill(procs[1].pid, signal.SIGKILL)
             procs[1].wait(timeout=30)
             procs[1].stdout.close()
             procs[1] = _server(ports[1], 1, tmp_path / "faulty")  # same address, restores version 10
-            killed.set()
+            parking.released.set()
 
         t = threading.Thread(target=killer)
         t.start()
         rollbacks: list[tuple[int, int, int]] = []
-        got = _train(addresses, rollbacks)
-        t.join(timeout=60)
-        assert killed.is_set()
-        assert rollbacks and all(to == 10 for _, _, to in rollbacks), rollbacks
+        try:
+            got = _train(addresses, rollbacks, park=parking)
+        finally:
+            parking.released.set()
+            t.join(timeout=120)
+        assert parking.released.is_set() and not t.is_alive()
+        # Each worker rolled back to 10. (Two workers that recover at once may each start a rollback:
+        # then the second one takes both shards back to 10 again, in the next epoch; still exact.)
+        assert {k for k, _, _ in rollbacks} == {0, 1}, rollbacks
+        assert all(to == 10 for _, _, to in rollbacks), rollbacks
         for (k, exp), res in zip(enumerate(expected), got):
             for n in exp:
                 assert torch.equal(res[n], exp[n]), (k, n)
         with shardps.connect(addresses) as c:
             stats = c.stats()
-        assert [s["epoch"] for s in stats] == [1, 1] and [s["version"] for s in stats] == [STEPS, STEPS]
+        assert stats[0]["epoch"] == stats[1]["epoch"] >= 1 and [s["version"] for s in stats] == [STEPS, STEPS]
     finally:
         for p in procs + clean:
             if p.poll() is None:
@@ -115,3 +146,85 @@ def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path):
                 p.kill()
             if p.stdout and not p.stdout.closed:
                 p.stdout.close()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_cli_workers_go_on_after_the_job_rolls_back(tmp_path):
+    """Two `shardps worker` processes; server 1 is killed with -9 and restarted: the job rolls back to
+    step 20 and both workers go on from there to the end (they used to exit 1 on RolledBack).
+
+    The fault lands at an exact step: a third worker in this test paces the bsp job. It pushes zero
+    gradients and stops before its step 25, so every shard is at version 25 exactly when server 1 is
+    killed (checkpoints every 20 steps: 20 is on disk, 40 is not)."""
+    from shardps.examples.digits import make_model, make_spec
+
+    ports = [_free_port(), _free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    servers = [_server(ports[i], i, tmp_path, every=20) for i in range(2)]
+    workers = [subprocess.Popen([sys.executable, "-m", "shardps", "worker", "--example", "digits",
+                                 "--addresses", ",".join(addresses), "--worker-id", str(k), "--num-workers", "3",
+                                 "--epochs", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for k in range(2)]
+    try:
+        model = make_model(0)
+        with shardps.connect(addresses, worker_id=2, num_workers=3, recovery_timeout=120) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec("adam"), sync="bsp")
+            step, rolled_back = 0, []
+            while step < 30:
+                if step == 25 and not rolled_back:
+                    with shardps.connect(addresses) as watch:
+                        assert [s["version"] for s in watch.stats()] == [25, 25]
+                    servers[1].kill()
+                    servers[1].wait(timeout=30)
+                    servers[1].stdout.close()
+                    servers[1] = _server(ports[1], 1, tmp_path, every=20)  # restores step 20
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+                try:
+                    opt.step()
+                    step += 1
+                except shardps.RolledBack as e:
+                    rolled_back.append(e.step)
+                    step = e.step
+            assert rolled_back and set(rolled_back) == {20}, rolled_back
+        # This worker has left: the two CLI workers finish the job on their own.
+        outs = [w.communicate(timeout=180) for w in workers]
+        for w, (out, err) in zip(workers, outs):
+            assert w.returncode == 0, err[-3000:]
+            result = json.loads(out.strip().splitlines()[-1])
+            assert result["rollbacks"] >= 1 and result["steps"] == 3 * (1437 // 64), result
+            assert "RolledBack" not in err
+    finally:
+        for p in workers + servers:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+
+
+def test_a_worker_goes_on_from_the_lowest_step_any_shard_expects(make_cluster):
+    """A push that reached one shard and not the other (a crash between them, or one shard's
+    checkpoint taken just after a fast worker's next push came in): the worker must send that step
+    again, not skip it. It used to go on from the highest step any shard had, which left the other
+    shard waiting for a step that never came. Duplicates are acknowledged, not applied twice."""
+    from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+
+    cluster = make_cluster(2)
+    params = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1, part_bytes=16) as c:
+        c.register(params, shardps.optim.SGD(lr=1.0), sync="bsp")
+        c.push({n: torch.ones(4) for n in params}, step=0)  # both shards: version 1
+        [shard0_name] = [p.name for p in c.shard_map.parts if p.server == 0]
+        channel = grpc.insecure_channel(cluster.addresses[0])
+        chunk = ps_pb2.Chunk(name=shard0_name, offset=0, dtype=ps_pb2.FLOAT32, data=torch.ones(4).numpy().tobytes())
+        ps_pb2_grpc.ParameterServerStub(channel).Push(  # step 1 reaches shard 0 only
+            iter([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)]), timeout=10)
+        channel.close()
+        assert c.recover() == 1  # not 2
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1, part_bytes=16) as c:
+        c.register(params, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert c.clock == 1
+        results = c.push({n: torch.ones(4) for n in params}, step=c.clock)
+        assert [r.duplicate for r in results] == [True, False]
+        got = c.pull()
+    assert all(torch.equal(t, torch.full((4,), -2.0)) for t in got.values())  # each step applied once
