@@ -1,0 +1,120 @@
+"""The docs cannot drift: every metric, CLI flag and environment variable they name exists.
+
+Read from README.md and docs/*.md: metric names (``shardps_*``), ``shardps
+<command> --flag`` lines (checked against that command's parser, ``ctl``
+actions included), ``benchmarks/X.py --flag`` lines (against that script's
+``add_argument`` calls), lone ``--flag`` code spans (against all of them),
+and ``SHARDPS_*`` variables (against ``shardps.protos.env``; and every
+variable there must be documented).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from shardps.cli import build_parser
+from shardps.deploy.lifeline import LIFELINE_FD
+from shardps.protos import env
+from shardps.server.metrics import ServerMetrics
+from shardps.server.store import ShardStore
+from shardps.worker.metrics import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def _text() -> str:
+    # Commands continued over lines with a backslash are read as one line.
+    return "\n".join(p.read_text().replace("\\\n", " ") for p in DOCS)
+
+
+def _metric_names() -> set[str]:
+    reg = CollectorRegistry()
+    ServerMetrics(ShardStore(0, 1, sync="bsp", num_workers=1), reg)
+    WorkerMetrics(reg, 0)
+    names = set()
+    suffixes = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",)}
+    for family in reg.collect():  # labelled metrics have no samples until observed: name them by type
+        names.add(family.name)
+        names.update(family.name + suffix for suffix in suffixes.get(family.type, ()))
+    return names
+
+
+def _options(p: argparse.ArgumentParser) -> set[str]:
+    """Every option string of a parser and of its subparsers, recursively."""
+    out = {o for a in p._actions for o in a.option_strings}
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out |= _options(sub)
+    return out
+
+
+def _commands() -> dict[str, set[str]]:
+    parser = build_parser()
+    top = {o for a in parser._actions for o in a.option_strings}
+    [subs] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: _options(sub) | top for name, sub in subs.choices.items()}
+
+
+def _benchmark_flags() -> dict[str, set[str]]:
+    return {p.stem: set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", p.read_text()))
+            for p in (ROOT / "benchmarks").glob("*.py")}
+
+
+def test_every_metric_the_docs_name_exists():
+    named = set(re.findall(r"\bshardps_[a-z_]+[a-z]", _text()))
+    assert named, "no metric found in the docs"
+    assert sorted(named - _metric_names()) == []
+
+
+def test_every_metric_is_documented():
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    families = {n for n in _metric_names() if not re.search(r"_(bucket|count|sum|created)$", n)}
+    # prometheus_client names a counter family without its _total; the sample carries it.
+    missing = [n for n in families if n not in text and f"{n}_total" not in text]
+    assert sorted(missing) == []
+
+
+def test_every_flag_the_docs_name_exists():
+    text = _text()
+    commands, benchmarks = _commands(), _benchmark_flags()
+    wrong = []
+    for sub, rest in re.findall(r"\bshardps ([a-z]+(?:/[a-z]+)*)((?:[^`\n#|])*)", text):
+        for name in sub.split("/"):
+            if name not in commands:
+                continue  # prose such as "shardps server: optimizer step"
+            wrong += [f"shardps {name} {f}" for f in FLAG.findall(rest) if f not in commands[name]]
+    for script, rest in re.findall(r"benchmarks/([a-z_]+)\.py((?:[^`\n#|])*)", text):
+        assert script in benchmarks, f"benchmarks/{script}.py is named in the docs but does not exist"
+        wrong += [f"benchmarks/{script}.py {f}" for f in FLAG.findall(rest) if f not in benchmarks[script]]
+    known = set().union(*commands.values(), *benchmarks.values())
+    for span in re.findall(r"`(--[^`]*)`", text):  # a lone flag in a code span: some command has it
+        wrong += [f for f in FLAG.findall(span) if f not in known]
+    assert wrong == []
+
+
+def test_every_variable_the_docs_name_exists_and_every_variable_is_documented():
+    named = set(re.findall(r"\bSHARDPS_[A-Z_]+[A-Z]", _text()))
+    assert sorted(named - set(env.ALL) - {LIFELINE_FD}) == []
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert [v for v in env.ALL if v not in operations] == []
+
+
+@pytest.mark.parametrize("command", ["server", "worker", "demo", "stats", "ctl"])
+def test_help_names_what_the_command_takes(command, capsys):
+    """The help of each command renders (argparse formats every help string) and mentions its
+    environment variables; `demo --help` offers every sync mode (it used to omit ssp:S)."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    if command in ("worker", "stats", "ctl"):
+        assert env.ADDRESSES in out
+    if command == "demo":
+        assert "ssp:S" in out and "every:X" in out
