@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv tools demo test lint proto clean
+.PHONY: venv tools demo test test-fast stress lint proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,16 @@ tools:
 
 test: venv tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit-test loop: no servers on sockets, no processes (well under a minute).
+test-fast: venv
+	$(BIN)/python -m pytest -m "not cluster" -q $(PYTEST_ARGS)
+
+# The fault tests (kills, restarts, failovers, leases) REPEAT times beside LOAD busy processes.
+REPEAT ?= 20
+LOAD ?= 2
+stress: venv tools
+	$(BIN)/python -m tests.stress --repeat $(REPEAT) --load $(LOAD)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,4 +1,9 @@
-"""Shared fixtures: real gRPC servers on free loopback ports."""
+"""Shared fixtures: real gRPC servers on free loopback ports.
+
+Tests that start servers get the ``cluster`` marker: those using the
+fixtures below automatically, the others (processes, the demo, Ray) by hand.
+``make test-fast`` runs the rest.
+"""
 
 from __future__ import annotations
 
@@ -27,3 +32,12 @@ def make_cluster() -> Iterator[Callable[..., shardps.LocalCluster]]:
 @pytest.fixture
 def cluster2(make_cluster: Callable[..., shardps.LocalCluster]) -> shardps.LocalCluster:
     return make_cluster(2)
+
+
+CLUSTER_FIXTURES = {"make_cluster", "cluster2"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)

@@ -44,6 +44,7 @@ def test_periodic_checkpoints_land_on_the_same_versions(make_cluster, tmp_path):
     assert ck.list_versions(tmp_path, 0) == [5, 10, 12]
 
 
+@pytest.mark.fault
 def test_sigterm_checkpoints_and_a_restart_restores_everything(make_cluster, tmp_path):
     cluster = make_cluster(2, processes=True, checkpoint_dir=str(tmp_path))
     weights = _train(cluster.addresses, 7)[0]
@@ -86,6 +87,7 @@ def test_ctl_checkpoint_without_a_directory_is_a_clear_error(cluster2):
     assert "FAILED_PRECONDITION" in proc.stderr and "--checkpoint-dir" in proc.stderr
 
 
+@pytest.mark.fault
 def test_sigterm_ends_waiting_rpcs_with_unavailable_checkpoints_and_exits_0(make_cluster, tmp_path):
     cluster = make_cluster(1, processes=True, checkpoint_dir=str(tmp_path))
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=2, recovery_timeout=0) as client:

@@ -6,6 +6,7 @@ import copy
 import threading
 
 import grpc
+import pytest
 import torch
 from torch import nn
 
@@ -59,6 +60,7 @@ def _train(addresses, base, sync):
     return run_workers(worker, WORKERS)
 
 
+@pytest.mark.fault
 def test_lost_replies_are_retried_and_applied_once(make_cluster):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))

@@ -5,6 +5,8 @@ import pytest
 from shardps.examples.digits import evaluate, train_worker
 from tests.helpers import run_workers
 
+pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
+
 
 @pytest.mark.parametrize("optimizer", ["adafactor", "sm3"])
 def test_digits_with_memory_efficient_optimizers(cluster2, optimizer):

@@ -71,6 +71,7 @@ def _clocks(cluster) -> dict[int, int]:
     return cluster.stores[0].clocks()
 
 
+@pytest.mark.fault
 @pytest.mark.timeout(240)
 def test_kill_9_one_of_3_workers_under_bsp_the_others_finish(make_cluster, caplog):
     caplog.set_level(logging.WARNING, logger="shardps.server")

@@ -10,6 +10,8 @@ import torch
 import shardps
 from shardps.deploy.local import parse_ready, read_ready
 
+pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
+
 
 def test_process_cluster_trains_and_stops(make_cluster):
     cluster = make_cluster(2, processes=True)
@@ -31,6 +33,7 @@ def test_addresses_out_of_shard_order_are_refused(make_cluster):
             client.register({"w": torch.ones(4)}, shardps.optim.SGD(), sync="asp")
 
 
+@pytest.mark.fault
 def test_server_cli_sigterm_exits_zero():
     proc = subprocess.Popen([sys.executable, "-m", "shardps", "server", "--port", "0"],
                             stdout=subprocess.PIPE, text=True)

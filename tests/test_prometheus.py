@@ -28,8 +28,8 @@ from shardps.worker.metrics import WorkerMetrics
 from tests.helpers import run_workers
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="Debian's prometheus is not installed (`make test` installs it with apt as root)")
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
+    PROMETHEUS is None, reason="Debian's prometheus is not installed (`make test` installs it with apt as root)")]
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from torch import nn
 import shardps
 from shardps.deploy.ctl import run_attach_replica, run_promote
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from shardps.server.service import create_server
+from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore
 from tests.helpers import run_workers
 
@@ -118,6 +119,7 @@ def test_dc_asgd_and_evictions_are_replicated(make_cluster):
             for cl in (c0, c1):
                 cl.pull()  # dc-asgd keeps what each worker pulled: the backup must too
                 cl.push({"w": torch.randn(128, generator=torch.Generator().manual_seed(step))}, step)
+        c1.stop_heartbeats()
         for st in c.stores:  # worker 1 falls silent
             st._last_seen[1] = time.monotonic() - 120
             assert st.evict_expired() == [1]
@@ -153,10 +155,11 @@ def test_promotion_is_refused_while_the_primary_serves(make_cluster):
         with pytest.raises(shardps.ShardError, match="holds no copy of shard 0 yet"):
             run_promote([f"127.0.0.1:{port}"], force=True, out=out)
     finally:
-        server.stop(None)
+        stop_server(server)
         channel.close()
 
 
+@pytest.mark.cluster
 def test_replicate_refuses_gaps_and_other_shards():
     backup = ShardStore(1, 2, role="backup")
     server, port = create_server(backup)
@@ -175,9 +178,10 @@ def test_replicate_refuses_gaps_and_other_shards():
         assert backup.version == 0 and not backup.replica_synced
     finally:
         channel.close()
-        server.stop(None)
+        stop_server(server)
 
 
+@pytest.mark.fault
 def test_a_wrongly_deposed_primary_stops_and_the_workers_follow_its_backup(make_cluster):
     """ctl promote --force while shard 0's primary is alive: it is fenced off (its next change is refused
     by the promoted backup), the workers move over, and the result equals a run without any of it."""
@@ -198,6 +202,7 @@ def test_a_wrongly_deposed_primary_stops_and_the_workers_follow_its_backup(make_
     assert c.backups[1].stats()["role"] == "primary" and c.backups[1].version == 12
 
 
+@pytest.mark.fault
 def test_losing_the_backup_degrades_and_attach_replica_resyncs(make_cluster, caplog):
     caplog.set_level(logging.WARNING, logger="shardps.server")
     c = make_cluster(2, replicas=2)
@@ -214,7 +219,7 @@ def test_losing_the_backup_degrades_and_attach_replica_resyncs(make_cluster, cap
         _train(c.addresses, base, 3)  # a new job step count is fine: the workers' clocks go on
         _same_state(c.stores[0], fresh)
     finally:
-        server.stop(None)
+        stop_server(server)
 
 
 def test_split_tensors_are_refused_with_a_backup(make_cluster):
@@ -249,6 +254,7 @@ def test_a_wildcard_bind_advertises_the_machine_name():
     assert advertised("10.0.0.5", 7000) == "10.0.0.5:7000"
 
 
+@pytest.mark.cluster
 def test_cli_refuses_replication_it_cannot_do():
     p = subprocess.run([sys.executable, "-m", "shardps", "server", "--replicas", "2", "--num-shards", "1"],
                        capture_output=True, text=True, timeout=60)
@@ -261,23 +267,21 @@ def test_cli_refuses_replication_it_cannot_do():
 # -- kill -9 ------------------------------------------------------------------------------------------
 
 
-def _kill_when(cluster, victim: int, version: int, killed: threading.Event) -> threading.Thread:
-    """Kill server ``victim`` with SIGKILL once its shard reaches ``version``, whatever it is doing then."""
+def _kill_at(cluster, victim: int, worker: int, at_step: int) -> Callable[[int, int, object], None]:
+    """An on_step hook: SIGKILL server ``victim`` when ``worker`` has done ``at_step`` steps.
 
-    def run():
-        with shardps.connect(cluster.addresses[victim:victim + 1], recovery_timeout=0) as watch:
-            deadline = time.monotonic() + 120
-            while watch.stats()[0]["version"] < version:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)  # polling another process's version
-        cluster.kill(victim)
-        killed.set()
+    An exact point of that worker's run; the other worker may be anywhere in its
+    own step then (mid-push, waiting at the barrier), which is what a crash does.
+    """
 
-    t = threading.Thread(target=run)
-    t.start()
-    return t
+    def on_step(k: int, step: int, client: object) -> None:
+        if k == worker and step == at_step:
+            cluster.kill(victim)
+
+    return on_step
 
 
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster):
     """bsp: the backup takes over, and the final weights equal a run without the fault, bit for bit."""
@@ -285,11 +289,7 @@ def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster):
     base = _big_model()
     clean = _train(make_cluster(2).addresses, base, steps, part_bytes=None)
     with shardps.LocalCluster(2, processes=True, replicas=2) as c:
-        killed = threading.Event()
-        killer = _kill_when(c, 1, 8, killed)
-        got = _train(c.addresses, base, steps, part_bytes=None)
-        killer.join(timeout=60)
-        assert killed.is_set()
+        got = _train(c.addresses, base, steps, part_bytes=None, on_step=_kill_at(c, 1, 0, 7))
         for (exp, _), (res, failovers) in zip(clean, got):
             assert failovers == 1
             for n in exp:
@@ -301,15 +301,13 @@ def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster):
     assert all(s["worker_clocks"] == {0: steps - 1, 1: steps - 1} for s in stats)
 
 
+@pytest.mark.cluster
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_kill_9_under_asp_every_acknowledged_gradient_is_applied_once():
     steps = 30
     with shardps.LocalCluster(2, processes=True, replicas=2) as c:
-        killed = threading.Event()
-        killer = _kill_when(c, 0, 25, killed)
-        _train(c.addresses, _model(), steps, sync="asp")
-        killer.join(timeout=60)
-        assert killed.is_set()
+        _train(c.addresses, _model(), steps, sync="asp", on_step=_kill_at(c, 0, 0, 12))
         with shardps.connect(c.serving_addresses()) as client:
             stats = client.stats()
     for s in stats:  # each of the 2 x 30 pushes acknowledged by each shard is in its weights, once
@@ -318,6 +316,7 @@ def test_kill_9_under_asp_every_acknowledged_gradient_is_applied_once():
     assert stats[0]["role"] == "primary"
 
 
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_workers_that_start_after_a_primary_died_go_to_its_backup(make_cluster):
     base, steps = _model(), 6
@@ -333,9 +332,11 @@ def test_workers_that_start_after_a_primary_died_go_to_its_backup(make_cluster):
             assert torch.equal(res[n], exp[n]), n
 
 
+@pytest.mark.cluster
+@pytest.mark.fault
 def test_demo_failover_drill():
     p = subprocess.run([sys.executable, "-m", "shardps", "demo", "--replicas", "2", "--kill-server", "1",
-                        "--kill-after", "3", "--epochs", "6", "--json", "--quiet"],
+                        "--kill-at-step", "20", "--epochs", "6", "--json", "--quiet"],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
@@ -363,6 +364,7 @@ def _start_fixed(ports: list[int], i: int) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_a_killed_server_restarted_at_its_address_does_not_serve_its_old_shard(make_cluster):
     """Fixed ports, as on a real cluster: kill -9 server 1, its backup on server 0 takes over; server 1
@@ -413,6 +415,7 @@ def test_a_killed_server_restarted_at_its_address_does_not_serve_its_old_shard(m
         stop_processes(procs)
 
 
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_a_primary_restarted_before_anyone_noticed_does_not_overwrite_its_backup(make_cluster):
     """kill -9 server 1 and restart it at once (empty, before a worker saw it gone): its backup holds
@@ -464,9 +467,10 @@ def test_a_backup_refuses_the_state_of_another_run_of_its_primary(make_cluster):
         _same_state(c.stores[0], backup)
     finally:
         impostor.stop_replication()
-        server.stop(None)
+        stop_server(server)
 
 
+@pytest.mark.fault
 @pytest.mark.timeout(300)
 def test_a_spare_gives_a_taken_over_shard_a_copy_again(make_cluster):
     """kill -9 server 1 (shard 1 moves to server 0), start a spare for shard 1 (`--backup-only 1`), attach
