@@ -136,7 +136,10 @@ def run_demo(args: Any) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     procs: list[subprocess.Popen[str]] = []
-    signal.signal(signal.SIGTERM, _interrupt)  # stop children on SIGTERM as on Ctrl-C
+    # Stop children on SIGTERM as on Ctrl-C. SIGINT explicitly too: a process started in the
+    # background by a shell without job control inherits SIGINT ignored, and Python then leaves it so.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupt)
     if args.plot:
         try:
             _require_matplotlib()

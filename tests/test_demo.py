@@ -84,8 +84,14 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def _start_demo(mark: str) -> tuple[subprocess.Popen, list[str], threading.Thread, threading.Condition]:
-    """The demo with a marker in its environment; its stderr is drained (a full pipe would block it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "shardps", "demo", "--epochs", "200"],
+    """The demo with a marker in its environment; its stderr is drained (a full pipe would block it).
+
+    It starts with SIGINT ignored, as a background job of a shell without job control does (found by
+    the stress run: Python then leaves SIGINT ignored, and the demo did not answer it).
+    """
+    launch = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "os.execv(sys.executable, [sys.executable, '-m', 'shardps', 'demo', '--epochs', '200'])")
+    proc = subprocess.Popen([sys.executable, "-c", launch],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, TEST_DEMO_MARK=mark))
     lines: list[str] = []
