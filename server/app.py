@@ -19,13 +19,15 @@ import signal
 import socket
 import sys
 import threading
+from typing import Any
 
+import grpc
 import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from shardps.protos import codec
-from shardps.protos.exposition import LOOPBACK, serve_metrics
+from shardps.protos.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server, stop_server
@@ -110,84 +112,150 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     return 0
 
 
-def run_server(*, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, num_shards: int = 1,
-               sync: str | None = None, num_workers: int | None = None,
-               chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-               grace_s: float = 5.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
-               torch_threads: int | None = None, security: Security | None = None,
-               checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-               checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S, replicas: int = 1,
-               replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None) -> int:
-    check_replicas(replicas, num_shards, replica_target)
-    torch.set_num_threads(torch_threads or default_torch_threads())
-    security = security or Security()
-    if host not in LOOPBACK and not (security.tls and security.token):
-        missing = " and ".join(w for w, ok in (("TLS", security.tls), ("a token", security.token)) if not ok)
-        log.warning("shard %d binds %s, reachable from other machines, without %s: anyone who can reach it "
-                    "can read and change the model", shard_index, host, missing)
-    store = ShardStore(shard_index, num_shards, sync=sync, num_workers=num_workers, lease_s=lease_s)
-    if checkpoint_dir:
-        store.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
-        restored = store.restore_latest()
-        if restored is not None:
-            store.recovering = True  # data RPCs answer ABORTED until the job rolls back consistently
-            log.warning("shard %d: restored from checkpoint at version %d in %s", shard_index, restored,
-                        checkpoint_dir)
-    backup = None
-    if replicas == 2:  # this process keeps the copy of the previous shard
-        backup = ShardStore((shard_index - 1) % num_shards, num_shards, lease_s=lease_s, role="backup")
-        if checkpoint_dir:  # used once it takes over
-            backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
-    metrics = endpoint = None
-    if metrics_port is not None:
-        registry = CollectorRegistry()
-        metrics = ServerMetrics(store, registry, backups=[backup] if backup else [])
-        endpoint = serve_metrics(registry, metrics_host, metrics_port)
-    server, bound = create_server(store, f"{host}:{port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
-                                  metrics=metrics, security=security)
-    servers = [server]
-    store.address = advertise or advertised(host, bound)  # what its backup checks before taking over
-    extra = f" metrics {endpoint.address}" if endpoint is not None else ""
-    if backup is not None:
-        backup_server, backup_port = create_server(backup, f"{host}:{replica_port}", max_wait_s=max_wait_s,
-                                                   chunk_bytes=chunk_bytes, security=security)
-        servers.append(backup_server)
-        extra += f" replica {host}:{backup_port}"
-        if replica_target:  # the sender retries until the backup answers; the first try settles first
-            store.start_replicated(replica_target, timeout=10.0)
-    stopping = threading.Event()
+class ShardServer:
+    """One shard served over gRPC, exactly as ``shardps server`` runs it; also what a Ray actor runs.
 
-    def on_signal(signum: int, frame: object) -> None:
-        if stopping.is_set():
+    ``start()`` binds and serves (``address``, ``replica_address`` and
+    ``metrics_address`` are known then); ``begin_stop()`` is safe in a
+    signal handler (health NOT_SERVING, waits end with UNAVAILABLE, RPCs
+    get ``grace_s``); ``wait()`` blocks until the servers have ended, then
+    checkpoints (with a checkpoint directory, when stopped on purpose) and
+    releases everything. ``stop()`` is both.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, shard_index: int = 0, num_shards: int = 1,
+                 sync: str | None = None, num_workers: int | None = None,
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 grace_s: float = 5.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
+                 torch_threads: int | None = None, security: Security | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S, replicas: int = 1,
+                 replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None) -> None:
+        check_replicas(replicas, num_shards, replica_target)
+        self.host, self.port, self.shard_index, self.num_shards = host, port, shard_index, num_shards
+        self.sync, self.num_workers, self.chunk_bytes, self.max_wait_s = sync, num_workers, chunk_bytes, max_wait_s
+        self.grace_s, self.metrics_host, self.metrics_port = grace_s, metrics_host, metrics_port
+        self.torch_threads = torch_threads
+        self.security = security if security is not None else Security.from_env()
+        self.checkpoint_dir, self.checkpoint_every, self.checkpoint_seconds = (
+            checkpoint_dir, checkpoint_every, checkpoint_seconds)
+        self.lease_s, self.replicas, self.replica_port = lease_s, replicas, replica_port
+        self.replica_target, self.advertise = replica_target, advertise
+        self.store: ShardStore | None = None
+        self.backup: ShardStore | None = None
+        self.address = ""  # HOST:PORT it serves on
+        self.replica_address = ""  # replicas=2: HOST:PORT of the backup it holds
+        self.metrics_address = ""
+        self.restored: int | None = None  # the checkpoint version restored on start
+        self._servers: list[grpc.Server] = []
+        self._endpoint: MetricsEndpoint | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> ShardServer:
+        torch.set_num_threads(self.torch_threads or default_torch_threads())
+        security, host, shard_index = self.security, self.host, self.shard_index
+        if host not in LOOPBACK and not (security.tls and security.token):
+            missing = " and ".join(w for w, ok in (("TLS", security.tls), ("a token", security.token)) if not ok)
+            log.warning("shard %d binds %s, reachable from other machines, without %s: anyone who can reach it "
+                        "can read and change the model", shard_index, host, missing)
+        store = ShardStore(shard_index, self.num_shards, sync=self.sync, num_workers=self.num_workers,
+                           lease_s=self.lease_s)
+        self.store = store
+        if self.checkpoint_dir:
+            store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
+                                     every_seconds=self.checkpoint_seconds)
+            self.restored = store.restore_latest()
+            if self.restored is not None:
+                store.recovering = True  # data RPCs answer ABORTED until the job rolls back consistently
+                log.warning("shard %d: restored from checkpoint at version %d in %s", shard_index, self.restored,
+                            self.checkpoint_dir)
+        if self.replicas == 2:  # this process keeps the copy of the previous shard
+            self.backup = ShardStore((shard_index - 1) % self.num_shards, self.num_shards, lease_s=self.lease_s,
+                                     role="backup")
+            if self.checkpoint_dir:  # used once it takes over
+                self.backup.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
+                                               every_seconds=self.checkpoint_seconds)
+        metrics = None
+        if self.metrics_port is not None:
+            registry = CollectorRegistry()
+            metrics = ServerMetrics(store, registry, backups=[self.backup] if self.backup else [])
+            self._endpoint = serve_metrics(registry, self.metrics_host, self.metrics_port)
+            self.metrics_address = self._endpoint.address
+        server, bound = create_server(store, f"{host}:{self.port}", max_wait_s=self.max_wait_s,
+                                      chunk_bytes=self.chunk_bytes, metrics=metrics, security=security)
+        self._servers.append(server)
+        self.address = f"{host}:{bound}"
+        store.address = self.advertise or advertised(host, bound)  # what its backup checks before taking over
+        if self.backup is not None:
+            backup_server, backup_port = create_server(self.backup, f"{host}:{self.replica_port}",
+                                                       max_wait_s=self.max_wait_s, chunk_bytes=self.chunk_bytes,
+                                                       security=security)
+            self._servers.append(backup_server)
+            self.replica_address = f"{host}:{backup_port}"
+            if self.replica_target:  # the sender retries until the backup answers; the first try settles first
+                store.start_replicated(self.replica_target, timeout=10.0)
+        return self
+
+    def ready_line(self) -> str:
+        """What ``shardps server`` prints once it serves (LocalCluster reads it)."""
+        extra = f" metrics {self.metrics_address}" if self.metrics_address else ""
+        extra += f" replica {self.replica_address}" if self.replica_address else ""
+        return f"{READY_PREFIX}{self.address} (shard {self.shard_index} of {self.num_shards}){extra}"
+
+    def begin_stop(self) -> None:
+        """Start shutting down (idempotent; safe in a signal handler)."""
+        if self._stopping.is_set():
             return
-        stopping.set()
-        log.info("shard %d: signal %d, shutting down", shard_index, signum)
-        for srv in servers:
+        self._stopping.set()
+        for srv in self._servers:
             for svc in ("", SERVICE_NAME):
                 srv.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
-        for st in (store, backup):
+        for st in (self.store, self.backup):
             if st is not None:
                 st.close()  # waits in progress end with UNAVAILABLE; new requests are refused
-        for srv in servers:
-            srv.stop(grace_s)
+        for srv in self._servers:
+            srv.stop(self.grace_s)
+
+    def wait(self) -> None:
+        """Block until the servers end; then checkpoint (if stopped on purpose) and release everything."""
+        for srv in self._servers:
+            srv.wait_for_termination()
+        for srv in self._servers:
+            stop_server(srv)  # stopped already: joins its handler threads
+        if self.checkpoint_dir and self._stopping.is_set():
+            for st in (self.store, self.backup):
+                if st is not None and st.role == "primary":
+                    path = st.checkpoint_now()
+                    log.warning("shard %d: checkpoint on shutdown at version %d: %s", st.shard_index, st.version,
+                                path)
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+        for st in (self.store, self.backup):
+            if st is not None:
+                st.stop_reaper()
+                st.stop_replication()
+                st.peers.close()
+        if self.store is not None:
+            log.info("shard %d: stopped at version %d", self.shard_index, self.store.version)
+
+    def stop(self) -> None:
+        self.begin_stop()
+        self.wait()
+
+
+def run_server(**options: Any) -> int:
+    """``shardps server``: serve one shard until SIGTERM or SIGINT (options: those of ``ShardServer``)."""
+    server = ShardServer(**options).start()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("shard %d: signal %d, shutting down", server.shard_index, signum)
+        server.begin_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"{READY_PREFIX}{host}:{bound} (shard {shard_index} of {num_shards}){extra}", flush=True)
-    for srv in servers:
-        srv.wait_for_termination()
-    for srv in servers:
-        stop_server(srv)  # stopped already: joins its handler threads
-    if checkpoint_dir and stopping.is_set():
-        for st in (store, backup):
-            if st is not None and st.role == "primary":
-                path = st.checkpoint_now()
-                log.warning("shard %d: checkpoint on shutdown at version %d: %s", st.shard_index, st.version, path)
-    if endpoint is not None:
-        endpoint.close()
-    store.stop_replication()
-    store.peers.close()
-    log.info("shard %d: stopped at version %d", shard_index, store.version)
+    print(server.ready_line(), flush=True)
+    server.wait()
     return 0
 
 
