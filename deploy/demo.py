@@ -136,10 +136,6 @@ def run_demo(args: Any) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     procs: list[subprocess.Popen[str]] = []
-    # Stop children on SIGTERM as on Ctrl-C. SIGINT explicitly too: a process started in the
-    # background by a shell without job control inherits SIGINT ignored, and Python then leaves it so.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _interrupt)
     if args.plot:
         try:
             _require_matplotlib()
@@ -153,12 +149,18 @@ def run_demo(args: Any) -> int:
     if replicas == 2 and args.servers < 2:
         print("shardps demo: --replicas 2 needs --servers 2 or more", file=sys.stderr)
         return 2
-    say(f"shardps demo: {args.servers} servers, {args.workers} workers, sync={args.sync}, "
-        f"optimizer={args.optimizer}, {args.epochs} epochs on digits" + (", replicas 2" if replicas == 2 else ""))
     cluster = LocalCluster(args.servers, processes=True, replicas=replicas)
     lifeline = Lifeline()  # the workers die with this process, even if it is SIGKILLed (the servers too)
     try:
+        # Stop children on SIGTERM as on Ctrl-C, from here on (inside the try: a signal that comes at
+        # once is handled too). SIGINT explicitly: a process started in the background by a shell
+        # without job control inherits SIGINT ignored, and Python then leaves it so.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _interrupt)
         try:
+            say(f"shardps demo: {args.servers} servers, {args.workers} workers, sync={args.sync}, "
+                f"optimizer={args.optimizer}, {args.epochs} epochs on digits"
+                + (", replicas 2" if replicas == 2 else ""))
             cluster.start()
             say(f"servers up at {', '.join(cluster.addresses)}"
                 + (f"; backups at {', '.join(cluster.replica_addresses)}" if replicas == 2 else ""))
