@@ -52,8 +52,10 @@ tools:
 		fi; \
 	fi
 
+# Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
+# those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
 test: venv tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
 
 # The edit-test loop: no servers on sockets, no processes (well under a minute).
 test-fast: venv

@@ -69,7 +69,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
                  batch_size: int = 64, seed: int = 0, progress: bool = False,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  on_step: Callable[[int, float], None] | None = None, security: Any = None,
-                 backups: list[str] | None = None) -> dict[str, object]:
+                 backups: list[str] | None = None, client: Any = None) -> dict[str, object]:
     """One worker's training run; returns its summary (steps, last loss, seconds, rollbacks).
 
     ``addresses``, ``worker_id``, ``num_workers``, ``metrics_port`` and
@@ -78,14 +78,17 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
     Prometheus metrics. ``on_step(step, loss)`` is called after every step
     (the demo's loss curve). When the job rolls back to a checkpoint
     (``shardps.RolledBack``), training goes on from the step it names, on
-    the same batches as the first time.
+    the same batches as the first time. ``client``: an already connected
+    ``PSClient`` to train with (the caller closes it) instead of connecting.
     """
     import shardps
 
     data = load_digits()
     model = make_model(seed)
-    client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers, security=security,
-                             backups=backups, metrics_port=metrics_port, metrics_host=metrics_host)
+    own = client is None
+    if client is None:
+        client = shardps.connect(addresses, worker_id=worker_id, num_workers=num_workers, security=security,
+                                 backups=backups, metrics_port=metrics_port, metrics_host=metrics_host)
     worker_id, num_workers = client.worker_id, client.num_workers
     loss_fn = nn.CrossEntropyLoss()
     plan = [(e, b) for e in range(epochs) for b in batches(len(data.x_train), batch_size, e, seed)]
@@ -128,7 +131,8 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
     finally:
         if bar is not None:
             bar.close()
-        client.close()
+        if own:
+            client.close()
     return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
             "failovers": client.failovers_total, "rollbacks": opt.rollbacks, "final_loss": loss_val,
             "seconds": time.perf_counter() - t0, "train_accuracy": accuracy(model, data.x_train, data.y_train),

@@ -170,6 +170,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="failover drill (with --replicas 2): SIGKILL server I once its shard has done "
                         "--kill-at-step steps")
     d.add_argument("--kill-at-step", type=int, default=20, metavar="N", help="steps (default 20)")
+    ry = sub.add_parser("ray", help="train an example on the Ray cluster this runs on (a `ray job submit` entrypoint)",
+                        description="Servers and workers as Ray actors placed by placement groups; see docs/ray.md.")
+    ry.add_argument("--example", choices=["digits"], default="digits")
+    ry.add_argument("--servers", type=int, default=2)
+    ry.add_argument("--workers", type=int, default=2)
+    ry.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
+    ry.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    ry.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    ry.add_argument("--epochs", type=int, default=20)
+    ry.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
+    ry.add_argument("--seed", type=int, default=0)
+    ry.add_argument("--strategy", default="SPREAD", type=str.upper,
+                    choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"),
+                    help="how the servers' placement group spreads them over nodes (default SPREAD)")
+    ry.add_argument("--worker-strategy", default="SPREAD", type=str.upper,
+                    choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="the same for the workers")
+    ry.add_argument("--server-resources", default=None, metavar="JSON",
+                    help="extra resources each server asks for, e.g. '{\"ps\": 0.001}' to keep them on CPU nodes")
+    ry.add_argument("--server-cpus", type=float, default=1.0, help="CPUs per server actor (default 1)")
+    ry.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs per worker actor (default 1)")
+    ry.add_argument("--use-gpu", action="store_true", help="one GPU per worker actor")
+    ry.add_argument("--replicas", type=int, choices=(1, 2), default=1, help="2: a live backup of every shard")
+    ry.add_argument("--checkpoint-dir", default=env.get(env.CHECKPOINT_DIR),
+                    help=f"servers checkpoint here (env {env.CHECKPOINT_DIR})")
+    ry.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps")
+    ry.add_argument("--max-restarts", type=int, default=0,
+                    help="Ray restarts a dead server actor this often (needs --checkpoint-dir; the job rolls back)")
+    ry.add_argument("--metrics", action="store_true", help="servers and workers serve Prometheus /metrics")
+    ry.add_argument("--prometheus-sd", default=None, metavar="FILE",
+                    help="write the metrics endpoints as a Prometheus file_sd JSON file (with --metrics)")
+    ry.add_argument("--address", default=None,
+                    help="the Ray cluster (default: the job's own, else RAY_ADDRESS, else a local one)")
+    ry.add_argument("--placement-timeout", type=float, default=120.0,
+                    help="give up placing servers or workers after this many seconds (default 120)")
+    ry.add_argument("--timeout", type=float, default=3600.0, help="give up training after this many seconds")
+    ry.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
+    ry.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
 
@@ -237,6 +274,17 @@ def main(argv: list[str] | None = None) -> int:
         except (ShardError, TimeoutError, ValueError) as e:
             print(f"shardps {args.command}: {e}", file=sys.stderr)
             return 1
+    if args.command == "ray":
+        try:
+            from shardps.deploy.ray.job import run_job
+        except ImportError as e:
+            print(f"shardps ray: {e}; install Ray: pip install 'shardps[ray]'", file=sys.stderr)
+            return 2
+        for name in ("servers", "workers", "epochs"):
+            if getattr(args, name) < 1:
+                print(f"shardps ray: --{name} must be >= 1", file=sys.stderr)
+                return 2
+        return run_job(args)
     if args.command == "demo":
         from shardps.deploy.demo import run_demo
 

@@ -8,6 +8,7 @@ fixtures below automatically, the others (processes, the demo, Ray) by hand.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,10 +35,33 @@ def cluster2(make_cluster: Callable[..., shardps.LocalCluster]) -> shardps.Local
     return make_cluster(2)
 
 
-CLUSTER_FIXTURES = {"make_cluster", "cluster2"}
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_FIXTURES = {"make_cluster", "cluster2", "ray_cluster"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[object]:
+    """A real Ray cluster for the session: a head (4 CPUs) and a second node (4 CPUs, resources ps and
+    offload), started with ``ray start`` on free ports, token auth on; this process is its driver.
+    Stopped (exactly its own processes) at the end, failures included."""
+    import ray
+
+    from shardps.deploy.ray.local import RayLocalCluster
+
+    rc = RayLocalCluster(num_cpus=4).start()
+    try:
+        rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})
+        rc.wait_for_jobs()
+        # The repository as the working directory: actors import tests.* (training loops) from it.
+        ray.init(address=rc.address, runtime_env={"working_dir": str(ROOT), "excludes": ["/benchmarks", "/docs"]},
+                 log_to_driver=False)
+        yield rc
+    finally:
+        ray.shutdown()
+        rc.stop()

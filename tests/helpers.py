@@ -1,9 +1,16 @@
-"""Test helpers: run worker functions in threads and re-raise their first error."""
+"""Test helpers: worker functions in threads (their first error re-raised), a real Prometheus."""
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
 import threading
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -28,3 +35,61 @@ def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> lis
     if errors:
         raise errors[0]
     return results
+
+
+class Prometheus:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, expr: str) -> dict[str, Any]:
+        q = urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=10) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    def wait_for(self, expr: str, timeout: float = 60.0) -> list[Any]:
+        """Poll until ``expr`` returns samples (Prometheus scrapes on its own schedule)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            res = self.query(expr)
+            if res["status"] == "success" and res["data"]["result"]:
+                return res["data"]["result"]  # type: ignore[no-any-return]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no samples for {expr!r} within {timeout}s: {res}")
+            time.sleep(0.25)  # polling a remote process's state: nothing to wait on locally
+
+
+def start_prometheus(binary: str, tmp: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[str], Prometheus]:
+    """Debian's prometheus on a free port with ``tmp/prometheus.yml``; returns once it is ready."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    prom = Prometheus(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        try:
+            with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc, prom
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError("prometheus did not become ready")
+        time.sleep(0.2)  # polling a starting process
+
+
+def stop_prometheus(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    if proc.stderr is not None:
+        proc.stderr.close()

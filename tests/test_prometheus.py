@@ -11,9 +11,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ import shardps
 from shardps.protos.exposition import serve_metrics
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.metrics import WorkerMetrics
-from tests.helpers import run_workers
+from tests.helpers import run_workers, start_prometheus
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
@@ -38,27 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Prometheus:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def query(self, expr: str) -> dict:
-        q = urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=10) as r:
-            return json.loads(r.read())
-
-    def wait_for(self, expr: str, timeout: float = 60.0) -> list:
-        """Poll until ``expr`` returns samples (Prometheus scrapes on its own schedule)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            res = self.query(expr)
-            if res["status"] == "success" and res["data"]["result"]:
-                return res["data"]["result"]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no samples for {expr!r} within {timeout}s: {res}")
-            time.sleep(0.25)  # polling a remote process's state: nothing to wait on locally
 
 
 def _train(addresses, k, steps):
@@ -98,24 +74,7 @@ def scraped(tmp_path_factory):
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
             "scrape_configs:\n  - job_name: shardps\n    static_configs:\n"
             f"      - targets: {json.dumps(targets)}\n")
-        port = _free_port()
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        prom = Prometheus(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)  # polling a starting process
+        proc, prom = start_prometheus(PROMETHEUS, tmp)
         # Every target up, scraped at least twice (so rate() has two points).
         prom.wait_for('count(up == 1) == 4')
         prom.wait_for('count(count_over_time(shardps_shard_version[1m]) >= 2) == 2')

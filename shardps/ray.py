@@ -1,0 +1,34 @@
+"""``shardps.ray``: parameter servers and workers as Ray actors (needs ``pip install 'shardps[ray]'``).
+
+``import shardps`` does not import Ray; this module does, and says how to
+install it when it is missing. See docs/ray.md and ``shardps.deploy.ray``.
+"""
+
+try:
+    import ray  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised by tests/test_ray_import.py in a subprocess
+    raise ImportError("shardps.ray needs Ray: pip install 'shardps[ray]'") from e
+
+from shardps.deploy.ray import (  # noqa: E402
+    STRATEGIES,
+    PlacementError,
+    RayLocalCluster,
+    ServerGroup,
+    WorkerContext,
+    WorkerGroup,
+    WorkersFailed,
+    run_workers,
+    start_servers,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "PlacementError",
+    "RayLocalCluster",
+    "ServerGroup",
+    "WorkerContext",
+    "WorkerGroup",
+    "WorkersFailed",
+    "run_workers",
+    "start_servers",
+]

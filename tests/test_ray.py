@@ -1,0 +1,313 @@
+"""shardps on a real Ray cluster (two nodes on this machine): placement, training, faults, jobs.
+
+The training loops below run inside worker actors; they are module-level
+functions, imported there from the repository (the session's working
+directory). Faults are injected at exact steps from inside the loops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.util.state import list_actors, list_placement_groups
+from torch import nn
+
+import shardps
+import shardps.ray as sray
+from shardps.deploy.ray.local import RayLocalCluster, ray_command
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def exact_loop(ctx: sray.WorkerContext) -> dict[str, torch.Tensor]:
+    """bsp training of a small model on per-step data; faults from ``ctx.config`` at exact steps:
+    ``kill_pid`` is SIGKILLed by worker ``kill_by`` before its step ``kill_at``; worker ``die`` kills
+    itself before step ``kill_at``; worker ``raise_in`` raises there."""
+    c = ctx.config
+    model = _model()
+    opt = shardps.DistributedOptimizer(model, ctx.client, optimizer=shardps.optim.Adam(lr=1e-2), sync="bsp")
+    step = 0
+    while step < c.get("steps", STEPS):
+        if step == c.get("kill_at") and ctx.worker_id == c.get("kill_by") and not c.get("_killed"):
+            c["_killed"] = True
+            os.kill(c["kill_pid"], signal.SIGKILL)
+        if step == c.get("kill_at") and ctx.worker_id == c.get("die"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == c.get("kill_at") and ctx.worker_id == c.get("raise_in"):
+            raise ValueError(f"a bug in worker {ctx.worker_id}'s training loop at step {step}")
+        try:
+            g = torch.Generator().manual_seed(step * 10 + ctx.worker_id)
+            model(torch.randn(8, 10, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        except shardps.RolledBack as e:
+            opt.zero_grad()
+            ctx.report({"rolled_back_to": e.step})
+            step = e.step
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def digits_loop(ctx: sray.WorkerContext) -> dict:
+    from shardps.examples.digits import train_worker
+
+    out = train_worker(None, None, None, client=ctx.client, epochs=ctx.config.get("epochs", 3),
+                       on_step=lambda s, loss: ctx.report({"step": s}) if s % 22 == 0 else None)
+    return {"steps": out["steps"], "node_id": ctx.node_id}
+
+
+def _ours_alive() -> tuple[list, list]:
+    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+              if a.class_name in ("ServerActor", "WorkerActor")]
+    groups = [g for g in list_placement_groups() if g.state != "REMOVED"]
+    return actors, groups
+
+
+def _assert_nothing_left(timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        actors, groups = _ours_alive()
+        if not actors and not groups:
+            return
+        assert time.monotonic() < deadline, f"left behind: actors {actors}, placement groups {groups}"
+        time.sleep(0.5)  # the state API reports what the GCS has processed: nothing to wait on here
+
+
+def _node_ids(ray_cluster) -> dict[str, str]:
+    """node id -> "head" or "second" (the node with the ps resource)."""
+    return {n["NodeID"]: ("second" if "ps" in n["Resources"] else "head") for n in ray.nodes() if n["Alive"]}
+
+
+# -- the module ----------------------------------------------------------------------------------
+
+
+def test_import_shardps_does_not_import_ray_and_shardps_ray_says_how_to_install_it():
+    code = "import sys, shardps; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120).stdout.strip() == "False"
+    code = "import sys; sys.modules['ray'] = None; import shardps.ray"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "pip install 'shardps[ray]'" in p.stderr
+
+
+# -- placement -----------------------------------------------------------------------------------
+
+
+def test_strict_spread_puts_each_server_on_its_own_node_and_the_job_trains(ray_cluster):
+    nodes = _node_ids(ray_cluster)
+    with sray.start_servers(2, strategy="STRICT_SPREAD") as servers:
+        assert sorted(nodes[n] for n in servers.node_ids) == ["head", "second"]
+        reports: list[dict] = []
+        results = sray.run_workers(digits_loop, servers, 2, config={"epochs": 3}, on_report=reports.append,
+                                   strategy="STRICT_SPREAD")
+        assert [r["steps"] for r in results] == [66, 66]
+        assert sorted(nodes[r["node_id"]] for r in results) == ["head", "second"]
+        assert {r["worker_id"] for r in reports} == {0, 1} and max(r["step"] for r in reports) == 66
+        from shardps.examples.digits import evaluate
+
+        assert evaluate(servers.addresses) > 0.85
+    _assert_nothing_left()
+
+
+def test_a_custom_resource_keeps_the_servers_on_the_nodes_that_have_it(ray_cluster):
+    nodes = _node_ids(ray_cluster)
+    with sray.start_servers(2, resources={"ps": 0.001}) as servers:
+        assert [nodes[n] for n in servers.node_ids] == ["second", "second"]
+
+
+def test_infeasible_placement_fails_within_its_deadline_naming_bundles_and_nodes(ray_cluster):
+    t0 = time.monotonic()
+    with pytest.raises(sray.PlacementError, match=r"STRICT_SPREAD needs one node per bundle: 3 bundles .*2 alive"):
+        sray.start_servers(3, strategy="STRICT_SPREAD")
+    with pytest.raises(sray.PlacementError) as err:  # nobody offers this resource: Ray alone would wait forever
+        sray.start_servers(1, resources={"tpu_pod": 1}, placement_timeout=3)
+    assert "could not be placed within 3s" in str(err.value) and "'tpu_pod': 1" in str(err.value)
+    assert "'ps': 1.0" in str(err.value)  # the nodes and what they offer
+    assert time.monotonic() - t0 < 30
+    _assert_nothing_left()
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clean_run(ray_cluster):
+    with sray.start_servers(2) as servers:
+        return sray.run_workers(exact_loop, servers, 2)
+
+
+def _assert_same(got, expected):
+    for k, (g, e) in enumerate(zip(got, expected)):
+        for n in e:
+            assert torch.equal(g[n], e[n]), (k, n)
+
+
+@pytest.mark.fault
+def test_kill_9_a_server_actor_its_backup_takes_over_and_the_result_is_exact(ray_cluster, clean_run):
+    with sray.start_servers(2, replicas=2) as servers:
+        config = {"kill_pid": servers.pids[1], "kill_by": 0, "kill_at": 7}
+        got = sray.run_workers(exact_loop, servers, 2, config=config)
+    _assert_same(got, clean_run)
+
+
+@pytest.mark.fault
+def test_kill_9_a_server_actor_ray_restarts_it_and_the_job_rolls_back_exactly(ray_cluster, clean_run, tmp_path):
+    """Checkpoints every 5 steps; worker 0 kills server 1 before its step 12, so the shards are at
+    version 12 at most: 10 is on disk, 15 is not. Ray restarts the actor in its bundle, it restores 10
+    and serves on its old port; the job rolls back to 10 and finishes as if nothing happened."""
+    with sray.start_servers(2, checkpoint_dir=str(tmp_path), checkpoint_every=5, max_restarts=1) as servers:
+        before = servers.pids
+        config = {"kill_pid": before[1], "kill_by": 0, "kill_at": 12}
+        reports: list[dict] = []
+        got = sray.run_workers(exact_loop, servers, 2, config=config, on_report=reports.append)
+        after = servers.refresh()
+    _assert_same(got, clean_run)
+    assert {r["rolled_back_to"] for r in reports} == {10} and {r["worker_id"] for r in reports} == {0, 1}
+    assert after[1]["restarted"] and after[1]["pid"] != before[1] and after[1]["restored"] == 10
+    assert [i["address"] for i in after] == servers.addresses
+
+
+@pytest.mark.fault
+def test_a_worker_actor_killed_under_bsp_the_others_go_on(ray_cluster):
+    with sray.start_servers(2, lease_s=3.0) as servers:
+        with pytest.raises(sray.WorkersFailed) as err:
+            sray.run_workers(exact_loop, servers, 3, config={"die": 2, "kill_at": 5})
+        assert sorted(err.value.results) == [0, 1] and list(err.value.errors) == [2]
+        with shardps.connect(servers.addresses) as c:
+            stats = c.stats()
+    assert all(s["evicted_workers"] == [2] and s["version"] == STEPS for s in stats)
+    _assert_nothing_left()
+
+
+@pytest.mark.fault
+def test_a_failing_training_loop_stops_the_run_and_leaves_nothing_behind(ray_cluster):
+    with sray.start_servers(2) as servers:
+        with pytest.raises(ValueError, match="a bug in worker 1's training loop at step 3"):
+            sray.run_workers(exact_loop, servers, 2, config={"raise_in": 1, "kill_at": 3})
+    _assert_nothing_left()
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def metrics_loop(ctx: sray.WorkerContext) -> str:
+    """Train a few steps, then return this worker's own /metrics page."""
+    model = nn.Linear(4, 2)
+    opt = shardps.DistributedOptimizer(model, ctx.client, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp")
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    address = ctx.client.metrics_endpoint.address
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_actors_serve_their_metrics(ray_cluster):
+    with sray.start_servers(2, metrics_port=0) as servers:
+        pages = sray.run_workers(metrics_loop, servers, 2, metrics=True)
+        assert all('shardps_worker_steps_total{worker="%d"} 3.0' % k in page for k, page in enumerate(pages))
+        targets = servers.prometheus_targets()
+        assert [t["labels"]["shard"] for t in targets] == ["0", "1"]
+        for t in targets:
+            with urllib.request.urlopen(f"http://{t['targets'][0]}/metrics", timeout=10) as r:
+                body = r.read().decode()
+            assert f'shardps_shard_version{{shard="{t["labels"]["shard"]}"}} 3.0' in body
+
+
+# -- ray job submit --------------------------------------------------------------------------------
+
+
+def _submit(rc: RayLocalCluster, args: list[str], *, python: str | None = None, timeout: float = 600,
+            runtime_env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **rc.env)
+    cmd = ray_command(python) + ["job", "submit", "--address", rc.dashboard_url, "--working-dir", "."]
+    if runtime_env:
+        cmd += ["--runtime-env-json", json.dumps(runtime_env)]
+    return subprocess.run(cmd + ["--", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+
+
+def _summary(p: subprocess.CompletedProcess) -> dict:
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"test_accuracy"')]
+    assert p.returncode == 0 and lines, p.stdout[-4000:] + p.stderr[-2000:]
+    return json.loads(lines[-1])
+
+
+def test_ray_job_submit_trains_digits(ray_cluster):
+    p = _submit(ray_cluster, ["shardps", "ray", "--example", "digits", "--servers", "2", "--workers", "2", "--json"])
+    assert "succeeded" in p.stdout + p.stderr
+    out = _summary(p)
+    assert out["test_accuracy"] >= 0.95 and out["steps"] == 440, out
+    assert (out["servers"], out["workers"], out["sync"]) == (2, 2, "bsp")
+    nodes = _node_ids(ray_cluster)
+    assert set(out["server_nodes"] + out["worker_nodes"]) <= set(nodes)
+    assert len(out["server_nodes"]) == 2 and len(out["worker_nodes"]) == 2
+    _assert_nothing_left()
+
+
+@pytest.mark.fault
+def test_ray_job_stop_leaves_nothing_behind(ray_cluster):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(ray_cluster.dashboard_url)
+    job = client.submit_job(entrypoint="shardps ray --servers 2 --workers 2 --epochs 500",
+                            runtime_env={"working_dir": str(ROOT), "excludes": ["/benchmarks", "/docs"]})
+    deadline = time.monotonic() + 180
+    while "worker 0: step 20" not in client.get_job_logs(job):  # training has begun
+        assert client.get_job_status(job) == JobStatus.RUNNING or time.monotonic() < deadline, \
+            client.get_job_logs(job)[-3000:]
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
+        time.sleep(0.5)  # another process's progress
+    env = dict(os.environ, **ray_cluster.env)
+    subprocess.run(ray_command() + ["job", "stop", "--address", ray_cluster.dashboard_url, job], check=True,
+                   capture_output=True, env=env, timeout=120)
+    assert client.get_job_status(job) == JobStatus.STOPPED
+    _assert_nothing_left(timeout=60)
+
+
+@pytest.mark.timeout(600)
+def test_a_cluster_without_shardps_gets_it_through_py_modules(tmp_path):
+    """A cluster whose Python has torch, grpcio and Ray but not shardps: the job ships shardps itself
+    (py_modules: the package directory from the wheel), no pip on the cluster."""
+    site = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "ray").is_dir())
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    bare = tmp_path / "venv" / "bin" / "python"
+    # The main environment's packages, without the .pth files that put shardps there: only a site
+    # directory runs them, a path listed in a .pth file does not.
+    own_site = subprocess.run([str(bare), "-c", "import site; print(site.getsitepackages()[0])"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    Path(own_site, "deps.pth").write_text(site + "\n")
+    assert subprocess.run([str(bare), "-c", "import ray, torch, grpc; import shardps"], capture_output=True,
+                          timeout=120).returncode == 1  # no shardps there
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, timeout=300)
+    [wheel] = (tmp_path / "dist").glob("shardps-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp_path / "pkg")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    with RayLocalCluster(num_cpus=4, python=str(bare)) as rc:
+        rc.wait_for_jobs()
+        p = _submit(rc, ["python", "-m", "shardps", "ray", "--servers", "1", "--workers", "2", "--epochs", "5",
+                         "--json"], python=str(bare), runtime_env={"py_modules": [str(tmp_path / "pkg" / "shardps")]},
+                    cwd=job_dir)
+        out = _summary(p)
+    assert out["test_accuracy"] > 0.9 and out["steps"] == 110
