@@ -224,7 +224,7 @@ def metrics_loop(ctx: sray.WorkerContext) -> str:
 def test_actors_serve_their_metrics(ray_cluster):
     with sray.start_servers(2, metrics_port=0) as servers:
         pages = sray.run_workers(metrics_loop, servers, 2, metrics=True)
-        assert all('shardps_worker_steps_total{worker="%d"} 3.0' % k in page for k, page in enumerate(pages))
+        assert all(f'shardps_worker_steps_total{{worker="{k}"}} 3.0' in page for k, page in enumerate(pages))
         targets = servers.prometheus_targets()
         assert [t["labels"]["shard"] for t in targets] == ["0", "1"]
         for t in targets:
