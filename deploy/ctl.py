@@ -1,4 +1,5 @@
-"""Operating a running job: ``shardps ctl ...`` (set-sync, checkpoint, promote, attach-replica) and ``shardps stats``.
+"""Operating a running job: ``shardps ctl ...`` (set-sync, checkpoint, promote, attach-replica), ``shardps
+stats`` and ``shardps health``.
 
 ``stats_rows`` turns the shards' Stats into table rows; ``render_table``
 formats them for a terminal. Staleness percentiles come from the shards'
@@ -118,6 +119,30 @@ def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout
                ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout), timeout + 5, security)
     out.write(f"shard {shard}: backup at {target} is {r.replica_state}\n")
     return 0 if r.replica_state == "synced" else 1
+
+
+def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1.ParameterServer",
+               out: TextIO = sys.stdout, security: Security | None = None) -> int:
+    """Exit status 0 only when the server at ``address`` answers SERVING (a container healthcheck)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shardps.worker.client import explain_unreachable
+
+    sec = security if security is not None else Security.from_env()
+    channel = sec.channel(address)
+    try:
+        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                      timeout=timeout)
+    except grpc.RpcError as e:
+        details = e.details() or ""
+        out.write(f"{address}: {e.code().name}: {explain_unreachable(sec, details) or details}\n")
+        return 1
+    finally:
+        channel.close()
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    out.write(f"{address}: {status}\n")
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _unary(address: str, method: str, request: Any, timeout: float, security: Security | None) -> Any:

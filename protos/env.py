@@ -24,10 +24,22 @@ AUTH_TOKEN_FILE = "SHARDPS_AUTH_TOKEN_FILE"
 METRICS_PORT = "SHARDPS_METRICS_PORT"
 METRICS_HOST = "SHARDPS_METRICS_HOST"
 CHECKPOINT_DIR = "SHARDPS_CHECKPOINT_DIR"
+CHECKPOINT_EVERY = "SHARDPS_CHECKPOINT_EVERY"
 LOG_LEVEL = "SHARDPS_LOG_LEVEL"
+# `shardps server` (one container per server: compose, Kubernetes)
+HOST = "SHARDPS_HOST"
+PORT = "SHARDPS_PORT"
+SHARD_INDEX = "SHARDPS_SHARD_INDEX"
+NUM_SHARDS = "SHARDPS_NUM_SHARDS"
+LEASE_SECONDS = "SHARDPS_LEASE_SECONDS"
+REPLICAS = "SHARDPS_REPLICAS"
+REPLICA_PORT = "SHARDPS_REPLICA_PORT"
+REPLICA_TARGET = "SHARDPS_REPLICA_TARGET"
+ADVERTISE_ADDRESS = "SHARDPS_ADVERTISE_ADDRESS"
 
 ALL = (ADDRESSES, WORKER_ID, NUM_WORKERS, BACKUPS, TLS_CERT, TLS_KEY, TLS_CA, TLS_SERVER_NAME, AUTH_TOKEN,
-       AUTH_TOKEN_FILE, METRICS_PORT, METRICS_HOST, CHECKPOINT_DIR, LOG_LEVEL)
+       AUTH_TOKEN_FILE, METRICS_PORT, METRICS_HOST, CHECKPOINT_DIR, CHECKPOINT_EVERY, LOG_LEVEL, HOST, PORT,
+       SHARD_INDEX, NUM_SHARDS, LEASE_SECONDS, REPLICAS, REPLICA_PORT, REPLICA_TARGET, ADVERTISE_ADDRESS)
 
 
 def get(name: str) -> str | None:
@@ -59,6 +71,17 @@ def pick(arg: str | None, name: str, default: str | None = None) -> str | None:
         return arg
     value = get(name)
     return default if value is None else value
+
+
+def get_float(name: str) -> float | None:
+    """The variable as a number (None when unset); ValueError naming it when it is not one."""
+    value = get(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
 
 
 def pick_int(arg: int | None, name: str, default: int | None = None) -> int | None:

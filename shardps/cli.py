@@ -1,4 +1,4 @@
-"""The ``shardps`` command: server, worker, demo, stats, ctl."""
+"""The ``shardps`` command: server, worker, demo, stats, ctl, health, ray."""
 
 from __future__ import annotations
 
@@ -50,6 +50,13 @@ def _env_int(name: str) -> int | None:
         raise SystemExit(f"shardps: {e}") from None
 
 
+def _env_float(name: str) -> float | None:
+    try:
+        return env.get_float(name)
+    except ValueError as e:
+        raise SystemExit(f"shardps: {e}") from None
+
+
 def _address_flag(p: argparse.ArgumentParser, help: str = "HOST:PORT,... in shard order") -> None:
     """--addresses, from SHARDPS_ADDRESSES when not given."""
     default = env.get(env.ADDRESSES)
@@ -64,10 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("server", help="run one parameter server (one shard)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    s.add_argument("--port", type=int, default=0, help="port to bind (0: a free one, printed on start)")
-    s.add_argument("--shard-index", type=int, default=0)
-    s.add_argument("--num-shards", type=int, default=1)
+    s.add_argument("--host", default=env.get(env.HOST) or "127.0.0.1",
+                   help=f"address to bind (default loopback; env {env.HOST})")
+    s.add_argument("--port", type=int, default=_env_int(env.PORT) or 0,
+                   help=f"port to bind (0: a free one, printed on start; env {env.PORT})")
+    s.add_argument("--shard-index", type=int, default=_env_int(env.SHARD_INDEX) or 0,
+                   help=f"this server's shard (default 0; env {env.SHARD_INDEX})")
+    s.add_argument("--num-shards", type=int, default=_env_int(env.NUM_SHARDS) or 1,
+                   help=f"shards of the job (default 1; env {env.NUM_SHARDS})")
     s.add_argument("--sync", type=_sync, default=None, help="fix the sync mode (default: the first worker's)")
     s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
     s.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_CHUNK_BYTES,
@@ -83,26 +94,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-dir", default=env.get(env.CHECKPOINT_DIR),
                    help="write checkpoints here and restore the newest complete one on start "
                         "(env SHARDPS_CHECKPOINT_DIR)")
-    s.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N versions (steps)")
-    s.add_argument("--lease-seconds", type=float, default=10.0,
-                   help="evict a worker silent for this long; barriers then complete without it (default 10)")
+    s.add_argument("--checkpoint-every", type=int, default=_env_int(env.CHECKPOINT_EVERY) or 0,
+                   help=f"checkpoint every N versions (steps) (env {env.CHECKPOINT_EVERY})")
+    s.add_argument("--lease-seconds", type=float, default=_env_float(env.LEASE_SECONDS) or 10.0,
+                   help="evict a worker silent for this long; barriers then complete without it "
+                        f"(default 10; env {env.LEASE_SECONDS})")
     s.add_argument("--checkpoint-seconds", type=float, default=0.0,
                    help="checkpoint at the first step after every T seconds")
     r = s.add_argument_group("replication")
-    r.add_argument("--replicas", type=int, choices=(1, 2), default=1,
+    r.add_argument("--replicas", type=int, choices=(1, 2), default=_env_int(env.REPLICAS) or 1,
                    help="2: keep a backup of every shard on the next server, which takes over when it dies; "
-                        "this server then also holds the backup of the previous shard (default 1)")
-    r.add_argument("--replica-port", type=int, default=0,
-                   help="with --replicas 2: port of the backup this server holds (0: a free one, printed on start)")
-    r.add_argument("--replica-target", default=None, metavar="HOST:PORT",
+                        f"this server then also holds the backup of the previous shard (default 1; env {env.REPLICAS})")
+    r.add_argument("--replica-port", type=int, default=_env_int(env.REPLICA_PORT) or 0,
+                   help="with --replicas 2: port of the backup this server holds (0: a free one, printed on "
+                        f"start; env {env.REPLICA_PORT})")
+    r.add_argument("--replica-target", default=env.get(env.REPLICA_TARGET), metavar="HOST:PORT",
                    help="with --replicas 2: the next server's --replica-port, where this shard's backup lives "
-                        "(or set it later: shardps ctl attach-replica)")
+                        f"(or set it later: shardps ctl attach-replica; env {env.REPLICA_TARGET})")
     r.add_argument("--backup-only", type=int, default=None, metavar="SHARD",
                    help="a spare: hold only a backup of shard SHARD on --replica-port, no shard of its own "
                         "(to give a shard a copy again after a takeover: shardps ctl attach-replica)")
-    r.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
+    r.add_argument("--advertise-address", default=env.get(env.ADVERTISE_ADDRESS), metavar="HOST:PORT",
                    help="how other servers reach this one (its backup checks it before taking over); "
-                        "default HOST:PORT, or this machine's name:PORT when binding 0.0.0.0")
+                        f"default HOST:PORT, or this machine's name:PORT when binding 0.0.0.0 (env "
+                        f"{env.ADVERTISE_ADDRESS})")
     _security_flags(s)
 
     w = sub.add_parser("worker", help="run one worker of an example")
@@ -133,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refresh every N seconds (default 2) until Ctrl-C")
     st.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     _security_flags(st)
+
+    hp = sub.add_parser("health", help="exit 0 only if the server answers SERVING (a container healthcheck)")
+    port = env.get(env.PORT)
+    hp.add_argument("--address", default=f"127.0.0.1:{port}" if port else None, required=port is None,
+                    help=f"HOST:PORT of the server (default 127.0.0.1:${env.PORT} when that is set)")
+    hp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    _security_flags(hp)
 
     c = sub.add_parser("ctl", help="control a running job")
     _address_flag(c, "HOST:PORT,... in shard order (promote: the backups' replica ports)")
@@ -249,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardps.examples.digits import main_worker
 
         return main_worker(args, security_from(args))
+    if args.command == "health":
+        from shardps.deploy.ctl import run_health
+
+        return run_health(args.address, timeout=args.timeout, security=security_from(args))
     if args.command in ("stats", "ctl"):
         from shardps.deploy.ctl import (
             run_attach_replica,

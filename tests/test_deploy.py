@@ -1,19 +1,60 @@
-"""The shipped deployment files: compose, Prometheus scrape config, Grafana provisioning."""
+"""The shipped deployment files: compose, Dockerfile, Prometheus scrape config, Grafana provisioning.
+
+No Docker engine runs on these machines, so the compose file is checked the
+way it can be here: validated by docker-compose, read as YAML, and its
+shardps services run as local processes with their own commands and
+environments (service names mapped to loopback, ports made free): the
+servers come up and turn healthy with the compose healthcheck, the workers
+train, and every Prometheus target serves the metrics of its service.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+
+from shardps.deploy.local import stop_processes
+from shardps.protos import env
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
+SHARDPS = str(Path(sys.executable).parent / "shardps")
+PORT_VARS = (env.PORT, env.REPLICA_PORT, env.METRICS_PORT)
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def _shardps_services(profile: str | None = None) -> dict[str, dict[str, Any]]:
+    """The services built from the shardps image (of the default profile, or of ``profile``)."""
+    out = {}
+    for name, svc in _compose()["services"].items():
+        if str(svc.get("image", "")).startswith("shardps") and profile in (svc.get("profiles") or [None]):
+            out[name] = svc
+    return out
+
+
+def _servers() -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in _shardps_services().items() if s["command"][0] == "server"}
+
+
+def _workers(profile: str | None = None) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in _shardps_services(profile).items() if s["command"][0] == "worker"}
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
@@ -22,10 +63,11 @@ def test_compose_file_is_valid_and_wires_servers_workers_prometheus_grafana():
     out = subprocess.run(["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "--services"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert set(out.stdout.split()) == {"server0", "server1", "worker0", "worker1", "prometheus", "grafana"}
+    assert set(out.stdout.split()) == {"server0", "server1", "worker0", "worker1", "gpu-worker0", "gpu-worker1",
+                                       "prometheus", "grafana"}
     full = subprocess.run(["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "config"],
                           capture_output=True, text=True, timeout=60).stdout
-    assert "--addresses" in full and "server0:7000,server1:7000" in full
+    assert "SHARDPS_ADDRESSES: server0:7000,server1:7000" in full and "condition: service_healthy" in full
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None,
@@ -37,35 +79,52 @@ def test_prometheus_config_is_valid():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _compose_services() -> dict[str, str]:
-    """Service name -> its block of text in the compose file (two-space indented keys)."""
-    text = (DEPLOY / "docker-compose.yml").read_text().split("\nservices:\n", 1)[1]
-    parts = re.split(r"^  ([a-z0-9]+):\n", text, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+def _scrape_targets() -> dict[str, list[str]]:
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    return {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+            for job in prom["scrape_configs"]}
 
 
 def test_scrape_targets_are_the_compose_services_metrics_ports():
-    prom = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
-    services = _compose_services()
-    targets = re.findall(r'"([a-z0-9]+):(\d+)"', prom)
-    assert sorted(t for t, _ in targets) == ["server0", "server1", "worker0", "worker1"]
-    for service, port in targets:
-        assert f'"--metrics-port", "{port}"' in services[service], service
+    expected = {f"{n}:{s['environment'][env.METRICS_PORT]}" for n, s in
+                {**_shardps_services(), **_workers("gpu")}.items()}
+    assert {t for ts in _scrape_targets().values() for t in ts} == expected
 
 
 def test_compose_servers_back_each_other_up():
-    """--replicas 2: server i's --replica-target is server i+1's --replica-port; each advertises itself."""
-    services = _compose_services()
+    """--replicas 2: server i's replica target is server i+1's replica port; each advertises itself."""
+    servers = _servers()
+    names = sorted(servers)
+    for i, name in enumerate(names):
+        e, nxt = servers[name]["environment"], servers[names[(i + 1) % len(names)]]["environment"]
+        assert e[env.REPLICAS] == "2" and int(e[env.SHARD_INDEX]) == i and int(e[env.NUM_SHARDS]) == len(names)
+        assert e[env.REPLICA_TARGET] == f"{names[(i + 1) % len(names)]}:{nxt[env.REPLICA_PORT]}"
+        assert e[env.ADVERTISE_ADDRESS] == f"{name}:{e[env.PORT]}"
 
-    def flag(service: str, name: str) -> str:
-        return re.search(rf'"{name}", "([^"]+)"', services[service]).group(1)
 
-    servers = ["server0", "server1"]
-    for i, s in enumerate(servers):
-        nxt = servers[(i + 1) % 2]
-        assert flag(s, "--replicas") == "2"
-        assert flag(s, "--replica-target") == f"{nxt}:{flag(nxt, '--replica-port')}"
-        assert flag(s, "--advertise-address") == f"{s}:{flag(s, '--port')}"
+def test_compose_is_production_grade():
+    compose = _compose()
+    for name, svc in _servers().items():
+        assert svc["healthcheck"]["test"] == ["CMD", "shardps", "health"], name
+        assert svc["restart"] == "unless-stopped", name
+        mounts = dict(v.split(":", 1) for v in svc["volumes"])
+        assert set(mounts) <= set(compose["volumes"]), name  # named volumes, not host paths
+        assert any(svc["environment"][env.CHECKPOINT_DIR].startswith(m) for m in mounts.values()), name
+    for profile in (None, "gpu"):
+        for name, svc in _workers(profile).items():
+            assert svc["restart"] == "on-failure", name
+            assert svc["healthcheck"] == {"disable": True}, name  # workers serve no gRPC
+            assert {s: d["condition"] for s, d in svc["depends_on"].items()} == \
+                {s: "service_healthy" for s in _servers()}, name
+    for name, svc in _workers("gpu").items():
+        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+    for svc in _shardps_services().values():  # configured by documented variables only
+        assert set(svc["environment"]) <= set(env.ALL)
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    user = re.search(r"^USER (\S+)", dockerfile, flags=re.M).group(1)
+    assert user not in ("root", "0")
+    assert re.search(r'^HEALTHCHECK .*CMD \["shardps", "health"\]', dockerfile, flags=re.M)
 
 
 def test_grafana_provisioning_points_at_the_dashboards_and_datasource():
@@ -78,3 +137,102 @@ def test_grafana_provisioning_points_at_the_dashboards_and_datasource():
     prov = (DEPLOY / "grafana" / "provisioning" / "dashboards" / "shardps.yml").read_text()
     mount = re.search(r"path:\s*(\S+)", prov).group(1)
     assert f"./grafana/dashboards:{mount}" in (DEPLOY / "docker-compose.yml").read_text()
+
+
+# -- the compose file, run as local processes ---------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Local:
+    """The compose services as processes on this machine: each service's ports made free ones,
+    ``service:port`` references made ``127.0.0.1:port``, named volumes made folders."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ports = {(n, s["environment"][v]): _free_port() for n, s in _shardps_services().items()
+                      for v in PORT_VARS if v in s["environment"]}
+
+    def local(self, value: str) -> str:
+        for (svc, port), free in self.ports.items():
+            value = value.replace(f"{svc}:{port}", f"127.0.0.1:{free}")
+        return value
+
+    def env(self, name: str, svc: dict[str, Any]) -> dict[str, str]:
+        out = {}
+        for key, value in svc["environment"].items():
+            value = str(value)
+            if key in PORT_VARS:
+                value = str(self.ports[(name, value)])
+            elif value == "0.0.0.0":
+                value = "127.0.0.1"  # loopback stands for the compose network
+            elif key == env.CHECKPOINT_DIR:
+                for mount in svc.get("volumes", []):
+                    volume, path = mount.split(":", 1)
+                    if value.startswith(path):
+                        value = str(self.tmp / volume) + value[len(path):]
+            out[key] = self.local(value)
+        return out
+
+    def start(self, name: str, svc: dict[str, Any]) -> subprocess.Popen:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("SHARDPS_")}
+        return subprocess.Popen([SHARDPS, *svc["command"]], env={**environ, **self.env(name, svc)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def healthy(self, name: str, svc: dict[str, Any]) -> subprocess.CompletedProcess:
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("SHARDPS_")}
+        return subprocess.run([SHARDPS if a == "shardps" else a for a in test[1:]], capture_output=True, text=True,
+                              env={**environ, **self.env(name, svc)}, timeout=60)
+
+
+def _metrics(address: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_the_compose_services_come_up_turn_healthy_train_and_serve_their_metrics(tmp_path):
+    run = _Local(tmp_path)
+    servers, workers = _servers(), _workers()
+    procs: list[subprocess.Popen] = []
+    try:
+        for name, svc in servers.items():
+            procs.append(run.start(name, svc))
+        deadline = time.monotonic() + 120  # as Docker retries a healthcheck until it passes
+        for name, svc in servers.items():
+            while (h := run.healthy(name, svc)).returncode != 0:
+                assert time.monotonic() < deadline, f"{name} never turned healthy: {h.stdout}{h.stderr}"
+                assert all(p.poll() is None for p in procs), [p.stderr.read()[-2000:] for p in procs if p.poll()]
+                time.sleep(0.5)  # the healthcheck's retry interval, shortened
+            assert h.stdout.strip().endswith("SERVING"), h.stdout
+        targets = {job: [run.local(t) for t in ts] for job, ts in _scrape_targets().items()}
+        for address in targets["shardps-servers"]:
+            assert "shardps_shard_version" in (_metrics(address) or ""), address
+        worker_procs = {name: run.start(name, svc) for name, svc in workers.items()}
+        procs += worker_procs.values()
+        deadline = time.monotonic() + 120
+        for name in worker_procs:  # each worker's target serves its metrics while it trains
+            address = run.local(f"{name}:{workers[name]['environment'][env.METRICS_PORT]}")
+            assert address in targets["shardps-workers"]
+            while "shardps_worker_steps_total" not in (_metrics(address) or ""):
+                assert worker_procs[name].poll() is None, worker_procs[name].stderr.read()[-2000:]
+                assert time.monotonic() < deadline, f"{name} never served its metrics at {address}"
+                time.sleep(0.1)  # another process starting
+        for name, p in worker_procs.items():
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, f"{name}: {err[-3000:]}"
+            assert json.loads(out.strip().splitlines()[-1])["steps"] == 20 * 22
+        for name, svc in servers.items():  # still healthy, and they checkpoint into the volume
+            assert run.healthy(name, svc).returncode == 0
+        assert sorted(p.name for p in (tmp_path / "checkpoints" / "checkpoints").iterdir()) == ["shard-0", "shard-1"]
+    finally:
+        stop_processes(procs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,17 +75,17 @@ def digits_loop(ctx: sray.WorkerContext) -> dict:
     return {"steps": out["steps"], "node_id": ctx.node_id}
 
 
-def _ours_alive() -> tuple[list, list]:
-    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+def _ours_alive(address: str) -> tuple[list, list]:
+    actors = [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
               if a.class_name in ("ServerActor", "WorkerActor")]
-    groups = [g for g in list_placement_groups() if g.state != "REMOVED"]
+    groups = [g for g in list_placement_groups(address=address) if g.state != "REMOVED"]
     return actors, groups
 
 
-def _assert_nothing_left(timeout: float = 30.0) -> None:
+def _assert_nothing_left(rc: RayLocalCluster, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        actors, groups = _ours_alive()
+        actors, groups = _ours_alive(rc.address)
         if not actors and not groups:
             return
         assert time.monotonic() < deadline, f"left behind: actors {actors}, placement groups {groups}"
@@ -124,7 +125,7 @@ def test_strict_spread_puts_each_server_on_its_own_node_and_the_job_trains(ray_c
         from shardps.examples.digits import evaluate
 
         assert evaluate(servers.addresses) > 0.85
-    _assert_nothing_left()
+    _assert_nothing_left(ray_cluster)
 
 
 def test_a_custom_resource_keeps_the_servers_on_the_nodes_that_have_it(ray_cluster):
@@ -142,7 +143,7 @@ def test_infeasible_placement_fails_within_its_deadline_naming_bundles_and_nodes
     assert "could not be placed within 3s" in str(err.value) and "'tpu_pod': 1" in str(err.value)
     assert "'ps': 1.0" in str(err.value)  # the nodes and what they offer
     assert time.monotonic() - t0 < 30
-    _assert_nothing_left()
+    _assert_nothing_left(ray_cluster)
 
 
 # -- faults --------------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_a_worker_actor_killed_under_bsp_the_others_go_on(ray_cluster):
         with shardps.connect(servers.addresses) as c:
             stats = c.stats()
     assert all(s["evicted_workers"] == [2] and s["version"] == STEPS for s in stats)
-    _assert_nothing_left()
+    _assert_nothing_left(ray_cluster)
 
 
 @pytest.mark.fault
@@ -202,7 +203,7 @@ def test_a_failing_training_loop_stops_the_run_and_leaves_nothing_behind(ray_clu
     with sray.start_servers(2) as servers:
         with pytest.raises(ValueError, match="a bug in worker 1's training loop at step 3"):
             sray.run_workers(exact_loop, servers, 2, config={"raise_in": 1, "kill_at": 3})
-    _assert_nothing_left()
+    _assert_nothing_left(ray_cluster)
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -233,6 +234,29 @@ def test_actors_serve_their_metrics(ray_cluster):
             assert f'shardps_shard_version{{shard="{t["labels"]["shard"]}"}} 3.0' in body
 
 
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="Debian's prometheus is not installed (`make test` installs it with apt as root)")
+def test_prometheus_finds_the_actors_through_file_sd(ray_cluster, tmp_path):
+    """The scrape config docs/ray.md gives: file_sd_configs over the file `shardps ray --prometheus-sd`
+    writes (ServerGroup.prometheus_targets()), read by a real Prometheus."""
+    from shardps.deploy.ray.job import _write_targets
+    from tests.helpers import start_prometheus, stop_prometheus
+
+    with sray.start_servers(2, metrics_port=0) as servers:
+        _write_targets(str(tmp_path / "shardps_sd.json"), servers.prometheus_targets())
+        (tmp_path / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: shardps\n    file_sd_configs:\n"
+            f"      - files: ['{tmp_path / 'shardps_sd.json'}']\n        refresh_interval: 1s\n")
+        proc, prom = start_prometheus(shutil.which("prometheus"), tmp_path)
+        try:
+            prom.wait_for('count(shardps_shard_version{job="shardps-server"}) == 2')  # both scraped
+            series = prom.query('shardps_shard_version{job="shardps-server"}')["data"]["result"]
+            assert sorted(s["metric"]["shard"] for s in series) == ["0", "1"]
+            assert {s["metric"]["ray_node_id"] for s in series} <= set(servers.node_ids)
+        finally:
+            stop_prometheus(proc)
+
+
 # -- ray job submit --------------------------------------------------------------------------------
 
 
@@ -260,7 +284,7 @@ def test_ray_job_submit_trains_digits(ray_cluster):
     nodes = _node_ids(ray_cluster)
     assert set(out["server_nodes"] + out["worker_nodes"]) <= set(nodes)
     assert len(out["server_nodes"]) == 2 and len(out["worker_nodes"]) == 2
-    _assert_nothing_left()
+    _assert_nothing_left(ray_cluster)
 
 
 @pytest.mark.fault
@@ -280,7 +304,7 @@ def test_ray_job_stop_leaves_nothing_behind(ray_cluster):
     subprocess.run(ray_command() + ["job", "stop", "--address", ray_cluster.dashboard_url, job], check=True,
                    capture_output=True, env=env, timeout=120)
     assert client.get_job_status(job) == JobStatus.STOPPED
-    _assert_nothing_left(timeout=60)
+    _assert_nothing_left(ray_cluster, timeout=60)
 
 
 @pytest.mark.timeout(600)
