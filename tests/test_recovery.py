@@ -228,3 +228,38 @@ def test_a_worker_goes_on_from_the_lowest_step_any_shard_expects(make_cluster):
         assert [r.duplicate for r in results] == [True, False]
         got = c.pull()
     assert all(torch.equal(t, torch.full((4,), -2.0)) for t in got.values())  # each step applied once
+
+
+def test_a_second_rollback_while_a_worker_resyncs_is_followed(make_cluster, tmp_path):
+    """Found by make stress: two workers that recover at once may each start a rollback (epochs 1 and
+    2). A worker whose pull met the second one got ABORTED out of its recovery, uncaught; now it
+    resyncs again and goes on."""
+    cluster = make_cluster(2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with shardps.connect(cluster.addresses, part_bytes=16) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp")
+        for _ in range(4):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        cluster.stores[1].recovering = True  # shard 1 restarted from its checkpoint at 4
+        real_pull, calls = client.pull, []
+
+        def pull(*args, **kwargs):
+            if not calls:  # between this worker's rollback and its pull, another worker rolls back again
+                calls.append(1)
+                cluster.stores[0].rollback(4, client.epoch + 1)
+            return real_pull(*args, **kwargs)
+
+        client.pull = pull
+        model(torch.ones(1, 4)).sum().backward()
+        with pytest.raises(shardps.RolledBack) as e:
+            opt.step()
+        assert e.value.step == 4 and calls == [1]
+        stats = client.stats()
+        assert [s["epoch"] for s in stats] == [2, 2] and client.epoch == 2
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()  # and training goes on
+        assert [s["version"] for s in client.stats()] == [5, 5]

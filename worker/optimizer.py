@@ -66,6 +66,10 @@ class DistributedOptimizer:
     ``(name, tensor) -> spec`` to choose one per tensor (see
     ``shardps.optim.Rules``).
 
+    ``provides_values``: whether this worker's values are the ones registered
+    (default: worker 0's); a pipeline's stages, each a worker of its own
+    tensors, have one provider per stage.
+
     ``metrics``: a ``WorkerMetrics`` to record into; by default the
     client's own, when it serves them (``connect(metrics_port=...)`` or
     ``SHARDPS_METRICS_PORT``).
@@ -83,7 +87,7 @@ class DistributedOptimizer:
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp",
                  grad_dtype: torch.dtype | None = None, loss_scaling: bool | LossScaling = False,
                  max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None,
-                 staleness_remedy: str = "none") -> None:
+                 staleness_remedy: str = "none", provides_values: bool | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -103,7 +107,7 @@ class DistributedOptimizer:
         scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
         self._register = lambda: client.register(
             self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype, loss_scaling=scaling,
-            max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy)
+            max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy, provides_values=provides_values)
         self.rejoins = 0
         self.rollbacks = 0
         self._join()
@@ -119,16 +123,30 @@ class DistributedOptimizer:
         except ShardError as e:
             if e.code != grpc.StatusCode.ABORTED:
                 raise
-            self.round = self.client.recover()  # joining a job whose shards restarted
-            self.client.pull(out=self.params)
+            self._resync()  # joining a job whose shards restarted
         self._acc, self._acc_steps = {}, 0
         self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
         self._follow()
 
+    def _resync(self, attempts: int = 10) -> None:
+        """Take the job's epoch, clock and weights. Two workers that recover at once may each start a
+        rollback; a pull that meets the second one (ABORTED: a newer epoch) resyncs again."""
+        for _ in range(attempts):
+            self.round = self.client.recover()
+            try:
+                self.client.pull(out=self.params)
+                return
+            except ShardError as e:
+                if e.code != grpc.StatusCode.ABORTED:
+                    raise
+                log.info("worker %d: the job rolled back again while resyncing: %s", self.client.worker_id,
+                         e.details)
+        raise RuntimeError(f"worker {self.client.worker_id}: the job kept rolling back ({attempts} times) "
+                           f"while this worker resynced")
+
     def _recover(self) -> RolledBack:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
-        self.round = self.client.recover()
-        self.client.pull(out=self.params)
+        self._resync()
         self._acc, self._acc_steps = {}, 0
         self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
         self.rollbacks += 1
