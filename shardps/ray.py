@@ -11,6 +11,9 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_ray_impor
 
 from shardps.deploy.ray import (  # noqa: E402
     STRATEGIES,
+    OffloadStore,
+    Pipeline,
+    PipelineError,
     PlacementError,
     RayLocalCluster,
     ServerGroup,
@@ -23,6 +26,9 @@ from shardps.deploy.ray import (  # noqa: E402
 
 __all__ = [
     "STRATEGIES",
+    "OffloadStore",
+    "Pipeline",
+    "PipelineError",
     "PlacementError",
     "RayLocalCluster",
     "ServerGroup",

@@ -5,12 +5,16 @@ missing). See docs/ray.md.
 """
 
 from shardps.deploy.ray.local import RayLocalCluster
+from shardps.deploy.ray.pipeline import OffloadStore, Pipeline, PipelineError
 from shardps.deploy.ray.placement import STRATEGIES, PlacementError
 from shardps.deploy.ray.servers import ServerGroup, start_servers
 from shardps.deploy.ray.workers import WorkerContext, WorkerGroup, WorkersFailed, run_workers
 
 __all__ = [
     "STRATEGIES",
+    "OffloadStore",
+    "Pipeline",
+    "PipelineError",
     "PlacementError",
     "RayLocalCluster",
     "ServerGroup",

@@ -1,0 +1,162 @@
+"""shardps.ray.Pipeline on a real Ray cluster: stages as actors, transparent, through the servers."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import ray
+import torch
+from ray.util.state import list_actors
+from torch import nn
+
+import shardps
+import shardps.ray as sray
+from shardps.worker.pipeline.local import LocalPipeline
+from shardps.worker.pipeline.partition import BalanceError
+
+pytestmark = pytest.mark.cluster
+
+
+def mlp(width: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
+                         nn.Tanh(), nn.Linear(width, 4))
+
+
+def data(n: int = 10, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def one_process(model, x, y):
+    ref = copy.deepcopy(model)
+    nn.CrossEntropyLoss()(ref(x), y).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+def assert_grads(got, expected):
+    assert got.keys() == expected.keys()
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _nodes() -> dict[str, str]:
+    return {n["NodeID"]: ("second" if "offload" in n["Resources"] else "head") for n in ray.nodes() if n["Alive"]}
+
+
+@pytest.mark.parametrize("schedule, checkpoint, offload", [("gpipe", "except_last", None),
+                                                           ("1f1b", "never", "activations")])
+def test_stages_on_two_nodes_give_one_process_gradients(ray_cluster, schedule, checkpoint, offload):
+    """STRICT_SPREAD puts the two stages on the two nodes; the offload store lands on the offload node."""
+    model, (x, y) = mlp(256), data(30)  # activations of 10 x 256: large enough to be offloaded
+    with sray.Pipeline(model, balance=[3, 4], chunks=3, schedule=schedule, checkpoint=checkpoint, offload=offload,
+                       strategy="STRICT_SPREAD") as pipe:
+        loss = pipe.train_step(x, y, nn.CrossEntropyLoss())
+        assert_grads(pipe.gradients(), one_process(model, x, y))
+        assert loss == pytest.approx(float(nn.CrossEntropyLoss()(model(x), y)), rel=1e-5)
+        nodes = _nodes()
+        assert sorted(nodes[n] for n in pipe.node_ids[0]) == ["head", "second"]
+        if offload:
+            assert nodes[pipe.store_info["node_id"]] == "second"
+            assert pipe.offload_stats()[0]["stored_total"] > 0
+        timeline = pipe.timeline()
+        assert sorted(timeline) == [0, 1]
+        assert {k for k, *_ in timeline[0]} >= {"F", "B"} and all(b >= a for _, _, a, b in timeline[0])
+        torch.testing.assert_close(pipe.eval(x), LocalPipeline(model, balance=[3, 4], chunks=3).eval(x))
+
+
+def test_four_stages_through_the_servers_equal_one_process_with_the_same_optimizer(ray_cluster):
+    """bsp, 2 pipeline replicas x 4 stages, Adam on the servers: k steps equal k steps of torch's Adam on
+    the whole batch in one process."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    with sray.start_servers(2) as servers, \
+            sray.Pipeline(model, balance=[2, 2, 2, 1], chunks=2, schedule="1f1b", servers=servers,
+                          optimizer=shardps.optim.Adam(lr=1e-2), replicas=2, num_cpus=0.5) as pipe:
+        for step in range(3):
+            x, y = data(16, seed=step)
+            loss = pipe.train_step(x, y, nn.CrossEntropyLoss())
+            opt.zero_grad()
+            ref_loss = nn.CrossEntropyLoss()(ref(x), y)
+            ref_loss.backward()
+            opt.step()
+            assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+        got = pipe.state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_under_asp_each_backward_runs_on_its_forwards_weights(ray_cluster):
+    """The pull of step t lands while step t+1 runs (its first micro-batch starts on the old weights):
+    recorded per micro-batch, every backward used the weight version its forward did."""
+    model = mlp()
+    with sray.start_servers(1) as servers, \
+            sray.Pipeline(model, balance=[3, 4], chunks=4, schedule="gpipe", checkpoint="always", servers=servers,
+                          optimizer=shardps.optim.SGD(lr=0.05), sync="asp", weight_delay=1) as pipe:
+        for step in range(4):
+            pipe.train_step(*data(8, seed=step), nn.CrossEntropyLoss())
+        versions = pipe.versions()
+    for stage, records in versions.items():
+        assert records and all(fwd == bwd for _, _, fwd, bwd in records), (stage, records)
+        last = max(r[0] for r in records)
+        mixed = {v for s, _, v, _ in records if s == last}
+        assert len(mixed) == 2, (stage, records)  # micro-batch 0 on the old weights, the rest on the new
+
+
+@pytest.mark.fault
+def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_servers(ray_cluster):
+    model = mlp()
+    with sray.start_servers(2) as servers:
+        pipe = sray.Pipeline(model, balance=[3, 4], chunks=3, servers=servers, optimizer=shardps.optim.SGD(lr=0.1),
+                             _die_at={1: (1, 2)}, step_timeout=120)  # stage 1 dies in step 1, micro-batch 2
+        try:
+            pipe.train_step(*data(9, seed=0), nn.CrossEntropyLoss())
+            t0 = time.monotonic()
+            with pytest.raises(sray.PipelineError) as err:
+                pipe.train_step(*data(9, seed=1), nn.CrossEntropyLoss())
+            assert time.monotonic() - t0 < 60
+            assert (err.value.stage, err.value.microbatch, err.value.kind) == (1, 2, "forward"), str(err.value)
+            assert "stage 1 (replica 0) died in the forward of micro-batch 2" in str(err.value)
+        finally:
+            pipe.close()
+        with shardps.connect(servers.addresses) as c:
+            c.attach()
+            on_servers = c.pull()
+        with sray.Pipeline(model, balance=[3, 4], chunks=3, servers=servers, optimizer=shardps.optim.SGD(lr=0.1)) as again:
+            again.train_step(*data(9, seed=1), nn.CrossEntropyLoss())  # step 1 once more, from the servers' weights
+            expected = copy.deepcopy(model)
+            with torch.no_grad():
+                for n, p in expected.named_parameters():
+                    p.copy_(on_servers[n])
+            x, y = data(9, seed=1)
+            nn.CrossEntropyLoss()(expected(x), y).backward()
+            assert_grads(again.gradients(), {n: p.grad for n, p in expected.named_parameters()})
+
+
+def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
+    def stage_actors() -> int:
+        return len([a for a in list_actors(address=ray_cluster.address, filters=[("state", "=", "ALIVE")])
+                    if a.class_name == "StageActor"])
+
+    before = stage_actors()
+    with pytest.raises(BalanceError, match=r"module: 7, sum of balance: 6"):
+        sray.Pipeline(mlp(), balance=[3, 3], chunks=2)
+    with pytest.raises(ValueError, match="chunks must be a positive integer"):
+        sray.Pipeline(mlp(), balance=[3, 4], chunks=0)
+    pipe = sray.Pipeline(mlp(), balance=[3, 4], chunks=4)
+    with pytest.raises(ValueError, match="batch of 2 samples cannot be cut into 4 micro-batches"):
+        pipe.train_step(*data(2), nn.CrossEntropyLoss())
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    bad = sray.Pipeline(nn.Sequential(nn.Linear(8, 8), Pair(), nn.Linear(8, 4)), balance=[2, 1], chunks=2)
+    with pytest.raises(TypeError, match="stage 0 returned tuple, not a tensor"):
+        bad.train_step(*data(4), nn.CrossEntropyLoss())
+    assert stage_actors() == before
+    pipe.close()
+    bad.close()

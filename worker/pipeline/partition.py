@@ -1,0 +1,59 @@
+"""Cutting a model into stages and a batch into micro-batches, with errors that carry the values."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class BalanceError(ValueError):
+    """``balance`` does not cut the model into stages."""
+
+
+def split_model(model: nn.Module | Sequence[nn.Module], balance: Sequence[int] | None) -> list[nn.Sequential]:
+    """The stages: ``model`` (an ``nn.Sequential``) cut into ``len(balance)`` consecutive runs of layers.
+
+    Each stage keeps its layers' names, so its ``named_parameters()`` are
+    those of the whole model (``"3.weight"`` stays ``"3.weight"``). A list of
+    stage modules is one stage each, named as ``nn.Sequential(*stages)`` would
+    name them (``balance`` must then be None or all ones).
+    """
+    if isinstance(model, (list, tuple)):
+        if not model or not all(isinstance(m, nn.Module) for m in model):
+            raise TypeError("model: expected an nn.Sequential or a non-empty list of nn.Module stages")
+        if balance is not None and list(balance) != [1] * len(model):
+            raise BalanceError(f"a list of {len(model)} stage modules takes balance None or "
+                               f"{[1] * len(model)}, got {list(balance)}")
+        model, balance = nn.Sequential(*model), [1] * len(model)
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"model: expected an nn.Sequential (or a list of stages), got {type(model).__name__}")
+    if balance is None:
+        raise BalanceError("balance is required for an nn.Sequential: the number of layers of each stage")
+    balance = list(balance)
+    if not balance or any(not isinstance(b, int) or b < 1 for b in balance):
+        raise BalanceError(f"balance must be a non-empty list of positive layer counts, got {balance}")
+    layers = list(model.named_children())
+    if sum(balance) != len(layers):
+        raise BalanceError(f"module and sum of balance have different length "
+                           f"(module: {len(layers)}, sum of balance: {sum(balance)})")
+    stages, start = [], 0
+    for b in balance:
+        stages.append(nn.Sequential(OrderedDict(layers[start:start + b])))
+        start += b
+    return stages
+
+
+def scatter(batch: torch.Tensor, chunks: int, what: str = "batch") -> list[torch.Tensor]:
+    """``batch`` cut along its first dimension into ``chunks`` micro-batches, the first ones one larger
+    when ``chunks`` does not divide it (``torch.tensor_split``)."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(batch).__name__}")
+    if batch.dim() == 0 or batch.shape[0] < chunks:
+        n = batch.shape[0] if batch.dim() else 0
+        raise ValueError(f"{what} of {n} samples cannot be cut into {chunks} micro-batches (chunks)")
+    return list(torch.tensor_split(batch, chunks))

@@ -1,0 +1,220 @@
+"""One pipeline stage at run time: forwards and backwards of micro-batches, recomputation, weight versions.
+
+``StageRuntime`` has no Ray in it: a Ray actor (shardps.deploy.ray.pipeline)
+or the in-process ``LocalPipeline`` calls ``forward`` and ``backward`` in the
+order of the schedule, one call at a time.
+
+- Transparency: gradients accumulate over the micro-batches, each loss
+  weighted by its share of the batch under ``reduction="mean"``, so they
+  equal the gradients of the whole batch on one process. Randomness (dropout)
+  is drawn from a generator seeded per (step, micro-batch, stage), the same
+  in the forward and in its recomputation (``seed_for``).
+- Recomputation (``checkpoint``): ``"always"`` keeps only a micro-batch's
+  input and runs its forward again in the backward; ``"except_last"`` (as
+  torchgpipe) does that for all but the last micro-batch, whose backward
+  comes first; ``"never"`` keeps every activation.
+- Weight versions: every forward runs on the weights installed last and
+  remembers them; its backward (and its recomputation) runs on exactly
+  those, even if newer weights were installed in between (weight stashing,
+  as PipeDream). ``install()`` never changes tensors a pending micro-batch
+  uses. Gradients are summed over all versions used in a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from shardps.worker.pipeline.offload import Offloader, Sink, check_compress, use_mask_relu
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def seed_for(seed: int, step: int, microbatch: int, stage: int) -> int:
+    """The RNG seed of one micro-batch's forward on one stage (and of its recomputation)."""
+    return (seed * 1_000_003 + step * 10_007 + microbatch * 101 + stage) % (2**63 - 1)
+
+
+def check_checkpoint(mode: str) -> str:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass
+class _Pending:
+    """What a micro-batch's backward needs from its forward."""
+
+    x: torch.Tensor
+    y: torch.Tensor | None  # None: recompute in the backward
+    params: dict[str, torch.Tensor]
+    version: int
+    seed: int
+
+
+@dataclass
+class Interval:
+    """A span of work on a stage: kind F (forward), B (backward), R (recomputation inside a backward)."""
+
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class StageRuntime:
+    """Stage ``index`` of ``num_stages``: ``module`` (its layers, named as in the whole model)."""
+
+    module: nn.Module
+    index: int
+    num_stages: int
+    checkpoint: str = "except_last"
+    seed: int = 0
+    offload: Sink | None = None  # where saved activations go (None: they stay)
+    compress: tuple[str, ...] = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    on_forward: Callable[[int, int], None] | None = None  # (step, microbatch): fault injection in tests
+    key_prefix: str = ""  # of its offloaded tensors' keys (a pipeline replica's, when stores are shared)
+
+    def __post_init__(self) -> None:
+        check_checkpoint(self.checkpoint)
+        self.compress = check_compress(self.compress)
+        if "relu-mask" in self.compress:
+            use_mask_relu(self.module)
+        self.module.to(self.device)
+        self.names = [n for n, _ in self.module.named_parameters()]
+        self.version = 0
+        self.params: dict[str, torch.Tensor] = {n: p.detach().requires_grad_(p.requires_grad)
+                                                for n, p in self.module.named_parameters()}
+        self.buffers = dict(self.module.named_buffers())
+        self.step = 0
+        self.chunks = 1
+        self._pending: dict[int, _Pending] = {}
+        self._grads: dict[str, torch.Tensor] = {}
+        self.timeline: list[Interval] = []
+        self.versions: list[tuple[int, int, int, int]] = []  # (step, microbatch, forward's, backward's)
+        self.offloader = Offloader(self.offload, self._param_storages(), self.compress,
+                                   prefix=f"{self.key_prefix}s{self.index}/")
+        self._dict_version: dict[int, int] = {id(self.params): 0}
+
+    def _param_storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.params.values()}
+
+    # -- weights -----------------------------------------------------------
+
+    def install(self, params: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """From now on forwards run on ``params`` (new tensors; pending micro-batches keep theirs)."""
+        self.params = {n: params[n].detach().to(self.device).requires_grad_(self.params[n].requires_grad)
+                       for n in self.names}
+        self.version = self.version + 1 if version is None else version
+        self._dict_version = {k: v for k, v in self._dict_version.items()
+                              if any(id(p.params) == k for p in self._pending.values())}
+        self._dict_version[id(self.params)] = self.version
+        self.offloader.params = self._param_storages()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu").clone() for n, p in self.params.items()}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients summed over the last step's micro-batches (all weight versions they used)."""
+        return {n: g.detach().to("cpu").clone() for n, g in self._grads.items()}
+
+    # -- the step ----------------------------------------------------------
+
+    def begin_step(self, step: int, chunks: int) -> None:
+        self.step, self.chunks = step, chunks
+        self._grads = {}
+        self.timeline = []
+        self.versions = [v for v in self.versions if v[0] >= step - 1]  # the last two steps
+        self.offloader.stats.reset_step()
+
+    def _recompute(self, mb: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb != self.chunks - 1)
+
+    def _run(self, x: torch.Tensor, params: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            y = functional_call(self.module, {**params, **self.buffers}, (x,))
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"stage {self.index} returned {type(y).__name__}, not a tensor: every stage but the "
+                            f"last must return one tensor for the next")
+        return y
+
+    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        """The forward of micro-batch ``mb``; its output (detached, for the next stage or the loss)."""
+        t0 = time.time()
+        if self.on_forward is not None:
+            self.on_forward(self.step, mb)
+        x = x.to(self.device)
+        if self.index > 0 and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        seed = seed_for(self.seed, self.step, mb, self.index)
+        if self._recompute(mb):
+            with torch.no_grad():
+                y = self._run(x, self.params, seed)
+            self.offloader._hold(mb, x.numel() * x.element_size())  # kept for the recomputation
+            self._pending[mb] = _Pending(x, None, self.params, self.version, seed)
+        else:
+            with torch.enable_grad(), self.offloader.hooks(mb):
+                y = self._run(x, self.params, seed)
+            self._pending[mb] = _Pending(x, y, self.params, self.version, seed)
+        self.timeline.append(Interval("F", mb, t0, time.time()))
+        return y.detach()
+
+    def prefetch(self, mb: int) -> None:
+        """Start fetching micro-batch ``mb``'s offloaded activations (ahead of its backward)."""
+        if self.offload is not None:
+            self.offload.prefetch(self.offloader.keys(mb))
+
+    def backward(self, mb: int, grad: torch.Tensor | None = None, target: torch.Tensor | None = None,
+                 weight: float = 1.0, next_mb: int | None = None) -> tuple[torch.Tensor | None, float]:
+        """The backward of ``mb``: from ``grad`` (the next stage's input gradient) or, on the last stage,
+        from ``loss_fn(output, target) * weight``. Returns the input gradient (None on the first stage) and
+        the weighted loss (0.0 but on the last stage). ``next_mb``: the micro-batch whose backward comes
+        next on this stage, to prefetch its offloaded activations now."""
+        t0 = time.time()
+        p = self._pending.pop(mb)
+        if next_mb is not None:
+            self.prefetch(next_mb)
+        y, used = p.y, p.params  # the graph of a kept forward holds p.params' tensors
+        if y is None:
+            with torch.enable_grad():
+                y = self._run(p.x, used, p.seed)
+            self.timeline.append(Interval("R", mb, t0, time.time()))
+        loss_value = 0.0
+        if self.index == self.num_stages - 1:
+            if self.loss_fn is None or target is None:
+                raise ValueError("the last stage's backward needs a loss function and the targets")
+            loss = self.loss_fn(y, target.to(self.device)) * weight
+            loss_value = float(loss.detach())
+            loss.backward()
+        else:
+            if grad is None:
+                raise ValueError(f"stage {self.index}: the backward of micro-batch {mb} needs the output gradient")
+            torch.autograd.backward(y, grad.to(self.device))
+        for n, t in used.items():
+            if t.grad is not None:
+                acc = self._grads.get(n)
+                self._grads[n] = t.grad if acc is None else acc.add_(t.grad)
+                t.grad = None
+        self.offloader.release(mb)
+        self.versions.append((self.step, mb, p.version, self._dict_version[id(used)]))
+        self.timeline.append(Interval("B", mb, t0, time.time()))
+        gx = p.x.grad if self.index > 0 and p.x.requires_grad else None
+        return (gx.detach() if gx is not None else None), loss_value
+
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A forward in eval mode (dropout off), no gradients."""
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return self._run(x.to(self.device), self.params, 0)
+        finally:
+            self.module.train()
