@@ -194,11 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kill-at-step", type=int, default=20, metavar="N", help="steps (default 20)")
     ry = sub.add_parser("ray", help="train an example on the Ray cluster this runs on (a `ray job submit` entrypoint)",
                         description="Servers and workers as Ray actors placed by placement groups; see docs/ray.md.")
-    ry.add_argument("--example", choices=["digits"], default="digits")
+    ry.add_argument("--example", choices=["digits", "shakespeare"], default="digits",
+                    help="digits: an MLP, data-parallel workers; shakespeare: a char-GPT in pipeline stages")
     ry.add_argument("--servers", type=int, default=2)
     ry.add_argument("--workers", type=int, default=2)
     ry.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
-    ry.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    ry.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                    help="default: adam for digits, adafactor for shakespeare")
     ry.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     ry.add_argument("--epochs", type=int, default=20)
     ry.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
@@ -229,6 +231,24 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--timeout", type=float, default=3600.0, help="give up training after this many seconds")
     ry.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     ry.add_argument("--quiet", action="store_true", help="no progress output")
+    pg = ry.add_argument_group("pipeline (--example shakespeare)")
+    pg.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    pg.add_argument("--chunks", type=int, default=4, help="micro-batches per step (default 4)")
+    pg.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    pg.add_argument("--recompute", choices=("always", "except_last", "never"), default="except_last",
+                    help="activation recomputation (default except_last)")
+    pg.add_argument("--offload", action="store_true", help="offload saved activations to an offload store actor")
+    pg.add_argument("--compress", choices=("bf16", "fp16", "relu-mask"), default=None,
+                    help="encoding of offloaded activations")
+    pg.add_argument("--stage-strategy", default="SPREAD", type=str.upper,
+                    choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="placement of the stages")
+    pg.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    pg.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    pg.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    pg.add_argument("--context", type=int, default=64, help="characters per sample (default 64)")
+    pg.add_argument("--samples", type=int, default=2, help="sampled lines to report (default 2)")
+    pg.add_argument("--sample-length", type=int, default=120, help="characters per sample (default 120)")
+    pg.add_argument("--log-every", type=int, default=50, help="progress every N steps (default 50)")
     return p
 
 

@@ -58,9 +58,10 @@ def ray_cluster() -> Iterator[object]:
     try:
         rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})
         rc.wait_for_jobs()
-        # The repository as the working directory: actors import tests.* (training loops) from it.
-        ray.init(address=rc.address, runtime_env={"working_dir": str(ROOT), "excludes": ["/benchmarks", "/docs"]},
-                 log_to_driver=False)
+        # Actors import tests.* (training loops) from the repository: every node runs on this machine, so
+        # its path will do. (Not a working_dir: jobs the tests submit upload the same content, and Ray
+        # deleted the shared unpacked copy under a running job.)
+        ray.init(address=rc.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
         yield rc
     finally:
         ray.shutdown()

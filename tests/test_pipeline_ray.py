@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import pytest
@@ -160,3 +161,20 @@ def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
     assert stage_actors() == before
     pipe.close()
     bad.close()
+
+
+def test_shakespeare_runs_as_a_ray_job(ray_cluster):
+    """`shardps ray --example shakespeare` as a `ray job submit` entrypoint: a char-GPT in 2 stages,
+    Adafactor on 2 servers; a short run (the full one, with figures, is in docs/pipeline.md)."""
+    from tests.test_ray import _submit
+
+    p = _submit(ray_cluster, ["shardps", "ray", "--example", "shakespeare", "--stages", "2", "--chunks", "4",
+                              "--servers", "2", "--steps", "30", "--dim", "64", "--samples", "1",
+                              "--sample-length", "40", "--json"])
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"train_loss"')]
+    assert p.returncode == 0 and lines, p.stdout[-4000:] + p.stderr[-2000:]
+    out = json.loads(lines[-1])
+    assert out["steps"] == 30 and out["stages"] == 2 and out["optimizer"] == "adafactor"
+    assert out["initial_val_loss"] > 4.0 and out["val_loss"] < out["initial_val_loss"] - 0.8, out
+    assert out["tokens_per_second"] > 0 and len(out["samples"]) == 1 and len(out["samples"][0]) == 40
+    assert len(out["stage_nodes"]) == 2 and len(out["server_nodes"]) == 2

@@ -49,6 +49,7 @@ def digits_loop(ctx: WorkerContext) -> dict[str, Any]:
 def run_job(args: Any) -> int:
     import ray
 
+    from shardps.deploy.ray.pipeline import PipelineError
     from shardps.deploy.ray.placement import PlacementError
     from shardps.deploy.ray.servers import start_servers
     from shardps.deploy.ray.workers import WorkerGroup, WorkersFailed
@@ -62,8 +63,10 @@ def run_job(args: Any) -> int:
     try:
         ray.init(address=args.address, log_to_driver=not args.quiet)
         resources = json.loads(args.server_resources) if args.server_resources else None
-        say(f"shardps ray: {args.servers} servers ({args.strategy}), {args.workers} workers, sync={args.sync}, "
-            f"optimizer={args.optimizer}, {args.epochs} epochs on {args.example}")
+        who = (f"{args.stages} pipeline stages, {args.chunks} micro-batches" if args.example == "shakespeare"
+               else f"{args.workers} workers")
+        say(f"shardps ray: {args.servers} servers ({args.strategy}), {who}, sync={args.sync}, "
+            f"optimizer={args.optimizer or 'default'}, on {args.example}")
         servers = start_servers(args.servers, replicas=args.replicas, strategy=args.strategy, resources=resources,
                                 num_cpus=args.server_cpus, checkpoint_dir=args.checkpoint_dir,
                                 checkpoint_every=args.checkpoint_every,
@@ -71,7 +74,20 @@ def run_job(args: Any) -> int:
                                 placement_timeout=args.placement_timeout)
         started = time.perf_counter() - t0
         say(f"servers up at {', '.join(servers.addresses)} in {started:.1f}s")
-        config = {"sync": args.sync, "optimizer": args.optimizer, "lr": args.lr, "epochs": args.epochs,
+        if args.example == "shakespeare":
+            from shardps.examples.shakespeare import run as run_shakespeare
+
+            out = run_shakespeare(args, say, servers)
+            out.update(servers=args.servers, server_nodes=servers.node_ids, sync=args.sync,
+                       optimizer=args.optimizer or "adafactor", startup_seconds=round(started, 2))
+            say(f"validation loss {out['initial_val_loss']} -> {out['val_loss']} in {out['steps']} steps, "
+                f"{out['tokens_per_second']:.0f} tokens/s")
+            for line in out["samples"]:
+                say("sample: " + line.replace("\n", " / "))
+            if args.json:
+                print(json.dumps(out), flush=True)
+            return 0
+        config = {"sync": args.sync, "optimizer": args.optimizer or "adam", "lr": args.lr, "epochs": args.epochs,
                   "batch_size": args.batch_size, "seed": args.seed}
         workers = WorkerGroup(servers, args.workers, use_gpu=args.use_gpu, num_cpus=args.worker_cpus,
                               strategy=args.worker_strategy, config=config, metrics=args.metrics,
@@ -94,7 +110,7 @@ def run_job(args: Any) -> int:
     except KeyboardInterrupt:
         say("interrupted: stopping the workers and servers")
         return 130
-    except (PlacementError, WorkersFailed, TimeoutError, ValueError) as e:
+    except (PlacementError, PipelineError, WorkersFailed, TimeoutError, ValueError) as e:
         print(f"shardps ray failed: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -110,7 +126,7 @@ def run_job(args: Any) -> int:
         "servers": args.servers,
         "workers": args.workers,
         "sync": args.sync,
-        "optimizer": args.optimizer,
+        "optimizer": args.optimizer or "adam",
         "epochs": args.epochs,
         "strategy": args.strategy,
         "replicas": args.replicas,

@@ -210,8 +210,11 @@ class RayLocalCluster:
 
     def add_node(self, num_cpus: int = 1, resources: dict[str, float] | None = None) -> None:
         """Start one more node on this machine, joined to the head."""
+        # Its own directory: nodes that share one (their runtime_resources) delete each other's
+        # unpacked job files, a running job's working_dir among them.
+        node_dir = tempfile.mkdtemp(prefix="n", dir=self.temp_dir)
         args = ["--address", self.address, "--num-cpus", str(num_cpus), "--disable-usage-stats",
-                "--object-store-memory", str(self.object_store_bytes), *self._node_ports()]
+                "--object-store-memory", str(self.object_store_bytes), "--temp-dir", node_dir, *self._node_ports()]
         if resources:
             args += ["--resources", json.dumps(resources)]
         self._ray_start(args)

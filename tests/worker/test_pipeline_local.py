@@ -230,3 +230,18 @@ def test_offload_recognises_a_tensor_saved_twice_by_its_memory_only_while_it_liv
                             compress=compress)
         off.train_step(x, y, nn.CrossEntropyLoss())
         assert_grads(off.gradients(), kept.gradients())
+
+
+def test_the_char_gpt_cut_in_stages_is_transparent():
+    """The shakespeare example's model (attention, LayerNorm, residuals) through the pipeline."""
+    from shardps.examples.shakespeare import CharLoss, make_model
+
+    model = make_model(65, dim=32, heads=4, layers=2, context=16)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 65, (6, 16), generator=g), torch.randint(0, 65, (6, 16), generator=g)
+    for schedule in ("gpipe", "1f1b"):
+        pipe = LocalPipeline(model, balance=[2, 2], chunks=3, schedule=schedule)
+        loss = pipe.train_step(x, y, CharLoss())
+        ref_loss, ref = one_process(model, x, y, CharLoss())
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads(pipe.gradients(), ref)
