@@ -117,10 +117,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
+def _signals_deferred(who: str = "shardps demo") -> Iterator[None]:
     """While stopping children: SIGINT and SIGTERM are noted, not raised (we are stopping already)."""
     def note(signum: int, frame: object) -> None:
-        print(f"shardps demo: signal {signum} while stopping: still stopping", file=sys.stderr, flush=True)
+        print(f"{who}: signal {signum} while stopping: still stopping", file=sys.stderr, flush=True)
 
     old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

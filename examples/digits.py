@@ -102,7 +102,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
             from tqdm import tqdm
 
             bar = tqdm(total=len(plan), desc=f"worker {worker_id} [{sync}]", unit="step", mininterval=0.5)
-        step = opt.local_steps  # a worker rejoining a running job goes on from its clock
+        step = first = opt.local_steps  # a worker rejoining a running job goes on from its clock
         while step < len(plan):
             epoch, idx = plan[step]
             mine = idx[worker_id::num_workers]
@@ -112,7 +112,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
                 opt.step()
             except shardps.RolledBack as e:  # the model holds the weights of step e.step: redo from there
                 opt.zero_grad()
-                del losses[e.step:]
+                del losses[max(0, e.step - first):]  # losses[i] is step first + i's
                 step = e.step
                 if bar is not None:
                     bar.n = step

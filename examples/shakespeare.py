@@ -151,6 +151,9 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
 
     text = load_text()
     model = make_model(text.vocab, dim=args.dim, layers=args.layers, context=args.context, seed=args.seed)
+    for name in ("stages", "chunks", "steps", "log_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.stages > len(model):
         raise ValueError(f"--stages {args.stages}: the model has {len(model)} modules (--layers {args.layers} + 2)")
     n = len(model)
@@ -161,9 +164,10 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
     with sray.Pipeline(model, balance=per, chunks=args.chunks, schedule=args.schedule, checkpoint=args.recompute,
                        offload="activations" if args.offload else None, compress=args.compress or None,
                        servers=servers, optimizer=optimizer, sync=args.sync, strategy=args.stage_strategy,
-                       seed=args.seed) as pipe:
+                       seed=args.seed, use_gpu=args.use_gpu) as pipe:
         loss_fn = CharLoss()
-        start = val0 = None
+        val0 = evaluate(pipe.eval, text.val, context=args.context)  # before training (starts the stages)
+        start = None
         losses: list[float] = []
         train_t = 0.0
         for step in range(1, args.steps + 1):
@@ -173,8 +177,7 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
             train_t += time.perf_counter() - ts
             if start is None:
                 start = losses[0]
-                val0 = evaluate(pipe.eval, text.val, context=args.context)
-                say(f"step 1: train loss {start:.3f}, validation loss {val0:.3f}; stages on "
+                say(f"step 1: train loss {start:.3f} (validation loss before training {val0:.3f}); stages on "
                     f"{[n[:8] for n in pipe.node_ids[0]]}")
             if step % args.log_every == 0 or step == args.steps:
                 say(f"step {step}: train loss {sum(losses[-args.log_every:]) / len(losses[-args.log_every:]):.3f}"
@@ -185,7 +188,7 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
         stage_nodes = pipe.node_ids[0]
     tail = losses[-min(len(losses), 20):]
     return {"train_loss": round(sum(tail) / len(tail), 4), "val_loss": round(val, 4), "initial_train_loss":
-            round(start or math.nan, 4), "initial_val_loss": round(val0 or math.nan, 4), "steps": args.steps,
+            round(start or math.nan, 4), "initial_val_loss": round(val0, 4), "steps": args.steps,
             "tokens_per_second": round(args.batch_size * args.context * args.steps / train_t, 1),
             "seconds": round(time.perf_counter() - t0, 2), "stages": args.stages, "chunks": args.chunks,
             "schedule": args.schedule, "stage_nodes": stage_nodes, "samples": samples}

@@ -489,8 +489,9 @@ def stop_server(server: grpc.Server, grace: float | None = None, timeout: float 
     exit can abort the process ("terminate called without an active
     exception"). The handler threads of its pool are joined too.
     """
-    if not server.stop(grace).wait(timeout):
+    stopped = server.stop(grace).wait(timeout)
+    if not stopped:
         log.warning("a server did not finish stopping within %.0fs", timeout)
     executor = getattr(server, "executor", None)
-    if executor is not None:
-        executor.shutdown(wait=True, cancel_futures=True)
+    if executor is not None:  # a handler still running after a stop that timed out is not waited for
+        executor.shutdown(wait=stopped, cancel_futures=True)

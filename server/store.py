@@ -339,9 +339,10 @@ class ShardStore:
             self.check_worker_id(worker_id)
             if worker_id not in self._workers or worker_id in self._evicted:  # a change the backup replays
                 self._record("register_worker", {"worker": worker_id})
-            if self._left and not self._workers:
+            if self._left and not self._workers and not self._evicted:
                 # Every worker had left: the job ended. A worker registering now starts its next run
-                # (e.g. resumed from a checkpoint), in which every worker is expected again.
+                # (e.g. resumed from a checkpoint), in which every worker is expected again. (Not when
+                # one was evicted: that one coming back to finish must not wait for those that did.)
                 self._left.clear()
                 self._live_changed()
             self._workers.add(worker_id)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TypeVar
 
 from shardps.examples.digits import OPTIMIZERS
 from shardps.protos import codec, env
 from shardps.protos.security import Security
+
+T = TypeVar("T")
 
 
 def _addresses(text: str) -> list[str]:
@@ -50,6 +53,11 @@ def _env_int(name: str) -> int | None:
         raise SystemExit(f"shardps: {e}") from None
 
 
+def _or(value: T | None, default: T) -> T:
+    """``value`` unless it is None (0 is a value: SHARDPS_LEASE_SECONDS=0 turns leases off)."""
+    return default if value is None else value
+
+
 def _env_float(name: str) -> float | None:
     try:
         return env.get_float(name)
@@ -73,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("server", help="run one parameter server (one shard)")
     s.add_argument("--host", default=env.get(env.HOST) or "127.0.0.1",
                    help=f"address to bind (default loopback; env {env.HOST})")
-    s.add_argument("--port", type=int, default=_env_int(env.PORT) or 0,
+    s.add_argument("--port", type=int, default=_or(_env_int(env.PORT), 0),
                    help=f"port to bind (0: a free one, printed on start; env {env.PORT})")
-    s.add_argument("--shard-index", type=int, default=_env_int(env.SHARD_INDEX) or 0,
+    s.add_argument("--shard-index", type=int, default=_or(_env_int(env.SHARD_INDEX), 0),
                    help=f"this server's shard (default 0; env {env.SHARD_INDEX})")
-    s.add_argument("--num-shards", type=int, default=_env_int(env.NUM_SHARDS) or 1,
+    s.add_argument("--num-shards", type=int, default=_or(_env_int(env.NUM_SHARDS), 1),
                    help=f"shards of the job (default 1; env {env.NUM_SHARDS})")
     s.add_argument("--sync", type=_sync, default=None, help="fix the sync mode (default: the first worker's)")
     s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
@@ -94,18 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-dir", default=env.get(env.CHECKPOINT_DIR),
                    help="write checkpoints here and restore the newest complete one on start "
                         "(env SHARDPS_CHECKPOINT_DIR)")
-    s.add_argument("--checkpoint-every", type=int, default=_env_int(env.CHECKPOINT_EVERY) or 0,
+    s.add_argument("--checkpoint-every", type=int, default=_or(_env_int(env.CHECKPOINT_EVERY), 0),
                    help=f"checkpoint every N versions (steps) (env {env.CHECKPOINT_EVERY})")
-    s.add_argument("--lease-seconds", type=float, default=_env_float(env.LEASE_SECONDS) or 10.0,
+    s.add_argument("--lease-seconds", type=float, default=_or(_env_float(env.LEASE_SECONDS), 10.0),
                    help="evict a worker silent for this long; barriers then complete without it "
                         f"(default 10; env {env.LEASE_SECONDS})")
     s.add_argument("--checkpoint-seconds", type=float, default=0.0,
                    help="checkpoint at the first step after every T seconds")
     r = s.add_argument_group("replication")
-    r.add_argument("--replicas", type=int, choices=(1, 2), default=_env_int(env.REPLICAS) or 1,
+    r.add_argument("--replicas", type=int, choices=(1, 2), default=_or(_env_int(env.REPLICAS), 1),
                    help="2: keep a backup of every shard on the next server, which takes over when it dies; "
                         f"this server then also holds the backup of the previous shard (default 1; env {env.REPLICAS})")
-    r.add_argument("--replica-port", type=int, default=_env_int(env.REPLICA_PORT) or 0,
+    r.add_argument("--replica-port", type=int, default=_or(_env_int(env.REPLICA_PORT), 0),
                    help="with --replicas 2: port of the backup this server holds (0: a free one, printed on "
                         f"start; env {env.REPLICA_PORT})")
     r.add_argument("--replica-target", default=env.get(env.REPLICA_TARGET), metavar="HOST:PORT",
@@ -261,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "server":
         from shardps.server.app import check_replicas, check_spare, run_server, run_spare
 
+        if args.replicas not in (1, 2):  # from SHARDPS_REPLICAS: argparse checks choices of flags only
+            print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
+            return 2
         if args.backup_only is not None:
             try:
                 check_spare(args.backup_only, args.num_shards)

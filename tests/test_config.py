@@ -51,6 +51,9 @@ def test_connect_takes_addresses_worker_id_num_workers_and_backups_from_the_envi
         assert c.backups == ["127.0.0.1:1", "127.0.0.1:2"]
     with shardps.connect(cluster2.addresses[:1], worker_id=0, num_workers=1, backups=[""]) as c:  # arguments win
         assert (c.addresses, c.worker_id, c.num_workers, c.backups) == (cluster2.addresses[:1], 0, 1, [""])
+    # SHARDPS_BACKUPS belongs to SHARDPS_ADDRESSES: shards given here (one of them, say) do not take it
+    with shardps.connect(cluster2.addresses[:1]) as c:
+        assert c.backups == [""]
 
 
 @pytest.mark.cluster
@@ -148,6 +151,13 @@ def test_a_server_is_configured_by_its_variables(clean_env):
     s = build_parser().parse_args(["server", "--port", "7001", "--shard-index", "0"])
     assert (s.port, s.shard_index) == (7001, 0)
     assert build_parser().parse_args(["health"]).address == "127.0.0.1:7000"  # the container's own server
+    clean_env.setenv(env.LEASE_SECONDS, "0")  # 0 is a value (no leases), not "unset"
+    assert build_parser().parse_args(["server"]).lease_seconds == 0.0
+    clean_env.setenv(env.REPLICAS, "3")
+    from shardps.cli import main
+
+    assert main(["server"]) == 2  # argparse checks the choices of flags only: shardps checks the variable's
+    clean_env.setenv(env.REPLICAS, "2")
     clean_env.setenv(env.LEASE_SECONDS, "soon")
     with pytest.raises(SystemExit, match="SHARDPS_LEASE_SECONDS='soon' is not a number"):
         build_parser()

@@ -62,6 +62,20 @@ def test_after_everyone_left_the_next_run_expects_every_worker_again():
     assert st.version == 1
 
 
+def test_an_evicted_worker_that_comes_back_after_the_others_finished_does_not_wait_for_them():
+    """Review finding: when every registered worker had left, the next registration expected all workers
+    again, even one that was evicted and came back to finish: it waited for workers that were done."""
+    st = _store(workers=3)
+    st._last_seen[1] = time.monotonic() - 120
+    assert st.evict_expired() == [1]
+    st.leave(0)
+    st.leave(2)
+    st.register_worker(1)
+    assert st.live_workers() == {1}
+    st.submit(1, 0, 0, {("w", 0): torch.ones(2)})
+    assert st.version == 1
+
+
 def test_leaving_releases_ssp_clocks():
     st = _store(workers=2, sync="ssp:1")
     for step in range(3):

@@ -189,8 +189,9 @@ def test_kill_9_a_server_actor_ray_restarts_it_and_the_job_rolls_back_exactly(ra
 @pytest.mark.fault
 def test_a_worker_actor_killed_under_bsp_the_others_go_on(ray_cluster):
     with sray.start_servers(2, lease_s=3.0) as servers:
-        with pytest.raises(sray.WorkersFailed) as err:
-            sray.run_workers(exact_loop, servers, 3, config={"die": 2, "kill_at": 5})
+        reports: list[dict] = []
+        with pytest.raises(sray.WorkersFailed) as err:  # with on_report, as shardps ray runs it
+            sray.run_workers(exact_loop, servers, 3, config={"die": 2, "kill_at": 5}, on_report=reports.append)
         assert sorted(err.value.results) == [0, 1] and list(err.value.errors) == [2]
         with shardps.connect(servers.addresses) as c:
             stats = c.stats()

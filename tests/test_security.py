@@ -86,7 +86,7 @@ def test_a_refused_tls_handshake_is_named_with_its_cause(make_cluster, pki):
         (Security(tls_ca=ca), "requires a client certificate (mutual TLS) and this client has none"),
         (Security(tls_ca=ca, server_name="elsewhere", **mine), "certificate does not carry elsewhere"),
         (Security(tls_ca=str(pki / "rogue.pem"), **mine), "not signed by the CA this client trusts"),
-        (Security(), "it serves TLS and this client speaks plaintext"),
+        (Security(), "if it serves TLS, this client speaks plaintext"),
     ]
     for sec, cause in cases:
         with pytest.raises(TimeoutError) as err:

@@ -73,7 +73,7 @@ def explain_unreachable(security: Security, details: str) -> str:
                     "certificate (mutual TLS) and this client has none (tls_cert/tls_key, --tls-cert/--tls-key, "
                     "SHARDPS_TLS_CERT/SHARDPS_TLS_KEY)")
         if not security.tls:
-            return ("the server closed the connection: it serves TLS and this client speaks plaintext "
+            return ("the server closed the connection: if it serves TLS, this client speaks plaintext "
                     "(give the CA: tls_ca, --tls-ca, SHARDPS_TLS_CA)")
         return "the server closed the connection during the TLS handshake: it does not accept this client's certificate"
     if "Connection refused" in d:
@@ -679,12 +679,16 @@ class PSClient:
 
         def loop() -> None:
             while not self._hb_stop.wait(every):
-                for i, stub in enumerate(self._stubs):
+                for i, stub in enumerate(list(self._stubs)):
+                    if self._hb_stop.is_set():
+                        return
                     try:
                         r = stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every)
                     except grpc.RpcError as e:  # the data path reports failures; here only log them
                         log.debug("heartbeat to shard %d failed: %s", i, e.code())
                         continue
+                    except ValueError:  # the channel was closed under it (close() gave up waiting)
+                        return
                     if r.backup:  # a backup attached since registering (after a takeover, a spare)
                         with self._failover_lock:
                             if self._stubs[i] is stub:
@@ -758,7 +762,7 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
     Every setting comes from its argument, else its environment variable,
     else the default: ``addresses`` (``SHARDPS_ADDRESSES``), ``worker_id``
     (``SHARDPS_WORKER_ID``, 0), ``num_workers`` (``SHARDPS_NUM_WORKERS``, 1),
-    ``backups`` (``SHARDPS_BACKUPS``), ``security`` (``SHARDPS_TLS_*``,
+    ``backups`` (``SHARDPS_BACKUPS``, when the addresses come from it too), ``security`` (``SHARDPS_TLS_*``,
     ``SHARDPS_AUTH_TOKEN[_FILE]``), ``metrics_port`` / ``metrics_host``
     (``SHARDPS_METRICS_PORT`` / ``_HOST``: a registered worker serves its
     Prometheus metrics there).
@@ -768,13 +772,14 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
     shard's backup, in shard order; workers also learn them when they
     register, so give them for a worker that may start after a server died.
     """
+    from_env = addresses is None
     if addresses is None:
         addresses = env.get_list(env.ADDRESSES)
         if addresses is None:
             raise ValueError(f"no server addresses: pass addresses= or set {env.ADDRESSES}=HOST:PORT,...")
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-    if backups is None:
+    if backups is None and from_env:  # the backups of those shards, not of shards passed here
         backups = env.get_list(env.BACKUPS)
     if isinstance(backups, str):
         backups = [a.strip() for a in backups.split(",")]

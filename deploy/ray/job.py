@@ -35,7 +35,7 @@ def digits_loop(ctx: WorkerContext) -> dict[str, Any]:
 
     def on_step(step: int, loss: float) -> None:
         if step == 1 and client.metrics_endpoint is not None:  # registered: its /metrics is up
-            ctx.report({"metrics_address": client.metrics_endpoint.address})
+            ctx.report({"metrics_address": client.metrics_endpoint.address, "node_id": ctx.node_id})
         if step % 20 == 0:
             ctx.report({"step": step, "loss": round(loss, 4)})
 
@@ -99,7 +99,8 @@ def run_job(args: Any) -> int:
         def on_report(r: dict[str, Any]) -> None:
             if "metrics_address" in r:  # a worker's /metrics is up: scrape it too
                 targets.append({"targets": [r["metrics_address"]],
-                                "labels": {"job": "shardps-worker", "worker": str(r["worker_id"])}})
+                                "labels": {"job": "shardps-worker", "worker": str(r["worker_id"]),
+                                           "ray_node_id": r.get("node_id", "")}})
                 if args.prometheus_sd:
                     _write_targets(args.prometheus_sd, targets)
             elif r["worker_id"] == 0:
@@ -114,9 +115,12 @@ def run_job(args: Any) -> int:
         print(f"shardps ray failed: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        for group in (workers, servers):
-            if group is not None:
-                group.shutdown()
+        from shardps.deploy.demo import _signals_deferred
+
+        with _signals_deferred("shardps ray"):  # a second Ctrl-C or SIGTERM must not cut the clean-up short
+            for group in (workers, servers):
+                if group is not None:
+                    group.shutdown()
     seconds = time.perf_counter() - t0
     summary = {
         "test_accuracy": round(test_acc, 4),

@@ -180,7 +180,7 @@ class StageActor:
         self.sync_intervals = []
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
-        if mb >= self.weight_delay:
+        if mb >= min(self.weight_delay, self.rt.chunks - 1):  # at least the last micro-batch waits
             self._wait_sync()
         return self.rt.forward(mb, x)
 
@@ -192,6 +192,7 @@ class StageActor:
         """Push this step's gradients, pull the weights (bsp: now; asp/ssp: in the background)."""
         if self.opt is None:
             return self.rt.version
+        self._wait_sync()  # a pull still in flight (every forward of the step ran before it): land it first
         grads = self.rt._grads
         for n, t in self.masters.items():
             g = grads.get(n)
@@ -201,6 +202,9 @@ class StageActor:
             self._sync_thread.start()
             return self.rt.version
         self._sync_now()
+        if self._sync_error is not None:
+            err, self._sync_error = self._sync_error, None
+            raise err
         self._install_masters()
         return self.rt.version
 
@@ -253,9 +257,11 @@ class StageActor:
         return self.rt.eval_forward(x)
 
     def close(self) -> None:
-        self._wait_sync()
-        if self.client is not None:
-            self.client.close()
+        try:
+            self._wait_sync()
+        finally:
+            if self.client is not None:
+                self.client.close()  # says goodbye, even after a failed sync
 
 
 def _task_name(t: Task) -> str:
@@ -282,7 +288,7 @@ class Pipeline:
                  _die_at: dict[int, tuple[int, int]] | None = None) -> None:
         from shardps.protos.syncspec import SyncSpec
 
-        check_options(schedule, chunks, checkpoint, offload)
+        check_options(schedule, chunks, checkpoint, offload, compress)
         self.stage_modules = split_model(model, balance)
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -427,7 +433,13 @@ class Pipeline:
         if failed is not None:
             raise failed
         if pending:
-            t, rep, _ = next(o for o in order if o[2] in set(pending))
+            late = set(pending)
+            first = next((o for o in order if o[2] in late), None)
+            if first is None:  # every task is done: a sync (a push or pull) is what is late
+                s, rep, _ = next(o for o in syncs if o[2] in late)
+                raise PipelineError(f"step {self.step_count}: stage {s} (replica {rep}) did not sync with the "
+                                    f"servers within {self.step_timeout:.0f}s", s, None, "sync")
+            t, rep, _ = first
             raise PipelineError(f"step {self.step_count}: the {_task_name(t)} of micro-batch {t.microbatch} on "
                                 f"stage {t.stage} (replica {rep}) did not finish within {self.step_timeout:.0f}s",
                                 t.stage, t.microbatch, _task_name(t))
@@ -453,6 +465,8 @@ class Pipeline:
                     + ("; rebuild the pipeline: a new Pipeline with the same servers starts from their weights"
                        if dead and self.servers else ""), t.stage, t.microbatch, _task_name(t))
         for s, rep, ref in syncs:
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
             try:
                 ray.get(ref, timeout=0)
             except (RayError, GetTimeoutError) as e:
@@ -514,10 +528,13 @@ class Pipeline:
             return
         self._closed = True
         actors = [a for row in self.stages for a in row]
-        try:
-            ray.get([a.close.remote() for a in actors], timeout=60)  # pulls in flight land; clients leave
-        except (RayError, GetTimeoutError) as e:
-            log.warning("closing the pipeline's stages: %s", str(e).splitlines()[0])
+        closing = [a.close.remote() for a in actors]  # pulls in flight land; clients leave
+        ray.wait(closing, num_returns=len(closing), timeout=60)
+        for ref in closing:
+            try:
+                ray.get(ref, timeout=0)
+            except (RayError, GetTimeoutError) as e:
+                log.warning("closing a pipeline stage: %s", str(e).splitlines()[0])
         for a in actors + ([self.store] if self.store is not None else []):
             ray.kill(a, no_restart=True)
         if self.placement_group is not None:

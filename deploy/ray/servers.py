@@ -62,6 +62,8 @@ class ServerActor:
         actor_logging()
         opts = dict(options)
         host = opts.pop("host", None) or ray.util.get_node_ip_address()
+        if opts.get("metrics_port") is not None and not opts.get("metrics_host"):
+            opts["metrics_host"] = host  # scraped from other nodes: not loopback
         port = 0
         ckpt = opts.get("checkpoint_dir")
         with warnings.catch_warnings():  # Ray 2.60 warns about an API it uses inside this property

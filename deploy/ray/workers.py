@@ -86,9 +86,11 @@ class WorkerContext:
         if self._client is None:
             import shardps
 
+            # Its /metrics on the node's address, where a Prometheus elsewhere can scrape it.
+            host = ray.util.get_node_ip_address() if self.metrics_port is not None else None
             self._client = shardps.connect(self.addresses, worker_id=self.worker_id, num_workers=self.num_workers,
                                            backups=self.backups or None, security=self.security,
-                                           metrics_port=self.metrics_port, **self.connect_options)
+                                           metrics_port=self.metrics_port, metrics_host=host, **self.connect_options)
         return self._client
 
     @property
@@ -111,6 +113,7 @@ class WorkerContext:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()  # says goodbye: barriers go on without this worker
+            self._client = None  # a next run connects again
 
 
 class WorkerActor:
@@ -197,7 +200,6 @@ class WorkerGroup:
         while pending:
             wait_s = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
-            self._forward_reports(on_report, [k for k in pending.values() if k not in errors])
             for ref in done:
                 k = pending.pop(ref)
                 try:
@@ -208,10 +210,10 @@ class WorkerGroup:
                 except RayTaskError:  # the loop itself raised: stop everything, raise its error
                     self.shutdown()
                     raise
+            self._forward_reports(on_report, [k for k in range(len(self.actors)) if k not in errors])
             if pending and deadline is not None and time.monotonic() >= deadline:
                 self.shutdown()
                 raise TimeoutError(f"workers {sorted(pending.values())} did not finish within {timeout:.0f}s")
-        self._forward_reports(on_report, list(results))
         if errors:
             raise WorkersFailed(results, errors)
         return [results[k] for k in range(len(self.actors))]
@@ -220,7 +222,11 @@ class WorkerGroup:
         if on_report is None:
             return
         refs = [self.actors[k].take_reports.remote() for k in workers]
-        for batch in ray.get(refs, timeout=60):
+        for ref in refs:
+            try:
+                batch = ray.get(ref, timeout=60)
+            except RayActorError:  # died since: its run reports that
+                continue
             for r in batch:
                 on_report(r)
 

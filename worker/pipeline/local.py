@@ -53,7 +53,8 @@ def plan_step(schedule: str, sizes: Sequence[int], num_stages: int, reduction: s
     return StepPlan(submission_order(schedule, m, num_stages), nxt, weights, list(sizes))
 
 
-def check_options(schedule: str, chunks: int, checkpoint: str, offload: str | None) -> None:
+def check_options(schedule: str, chunks: int, checkpoint: str, offload: str | None,
+                  compress: str | Sequence[str] | None = None) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(chunks, int) or chunks < 1:
@@ -61,6 +62,10 @@ def check_options(schedule: str, chunks: int, checkpoint: str, offload: str | No
     check_checkpoint(checkpoint)
     if offload not in (None, "activations"):
         raise ValueError(f"offload must be None or 'activations', got {offload!r}")
+    lossy = [c for c in check_compress(compress) if c in ("bf16", "fp16")]
+    if lossy and not offload:
+        raise ValueError(f"compress={lossy[0]!r} encodes offloaded activations: it needs offload='activations' "
+                         f"('relu-mask' alone works without)")
 
 
 class LocalPipeline:
@@ -70,7 +75,7 @@ class LocalPipeline:
     def __init__(self, model: nn.Module | Sequence[nn.Module], *, balance: Sequence[int] | None, chunks: int,
                  schedule: str = "gpipe", checkpoint: str = "except_last", offload: str | None = None,
                  compress: str | Sequence[str] | None = None, seed: int = 0) -> None:
-        check_options(schedule, chunks, checkpoint, offload)
+        check_options(schedule, chunks, checkpoint, offload, compress)
         self.schedule, self.chunks, self.seed = schedule, chunks, seed
         modules = split_model(copy.deepcopy(model) if isinstance(model, nn.Module) else
                               [copy.deepcopy(m) for m in model], balance)  # the caller's model stays as it is
