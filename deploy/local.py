@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -62,6 +63,26 @@ def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_
         seen.append(line)
         if line.startswith(prefix):
             return line[len(prefix):].strip()
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait (pidfd, not polling) until every pid has exited; the pids still alive at the deadline.
+
+    For processes that are not this one's children (their parent is gone, or another process started them).
+    """
+    deadline = time.monotonic() + timeout
+    alive = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            continue
+        try:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                alive.append(pid)
+        finally:
+            os.close(fd)
+    return alive
 
 
 def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 5.0) -> None:

@@ -3,7 +3,6 @@
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import uuid
 import pytest
 
 import shardps
+from shardps.deploy.local import wait_gone
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -63,24 +63,6 @@ def _marked(mark: str) -> list[int]:
             except OSError:
                 continue
     return pids
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait (pidfd, no polling) until every pid has exited; return those still alive at the deadline."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                alive.append(pid)
-        finally:
-            os.close(fd)
-    return alive
 
 
 def _start_demo(mark: str) -> tuple[subprocess.Popen, list[str], threading.Thread, threading.Condition]:
@@ -144,7 +126,7 @@ def test_demo_interrupted_stops_everything_it_started(sig, phase):
         assert proc.wait(timeout=60) == 130
         drain.join(timeout=30)
         assert "interrupted" in "".join(lines)
-        assert _wait_gone(children + _marked(mark), timeout=30) == []  # servers and workers gone
+        assert wait_gone(children + _marked(mark), timeout=30) == []  # servers and workers gone
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -166,7 +148,7 @@ def test_a_sigkilled_demo_takes_its_servers_and_workers_with_it():
         assert len(children) == 4, children  # two servers, two workers
         proc.kill()
         proc.wait(timeout=30)
-        assert _wait_gone(children, timeout=45) == []
+        assert wait_gone(children, timeout=45) == []
     finally:
         if proc.poll() is None:
             proc.kill()

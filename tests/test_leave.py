@@ -13,22 +13,14 @@ import torch
 
 import shardps
 from shardps.server.errors import FailedPrecondition
-from shardps.server.store import ShardStore, TensorSpec
+from shardps.server.store import ShardStore
 from tests.helpers import run_workers
-
-
-def _store(workers: int = 3, sync: str = "bsp") -> ShardStore:
-    st = ShardStore(0, 1, lease_s=60.0)
-    st.configure(workers, sync)
-    st.register_tensors([TensorSpec("w", (2,), 1, shardps.optim.SGD(lr=1.0), ((0, 2),))], {("w", 0): torch.zeros(2)})
-    for w in range(workers):
-        st.register_worker(w)
-    return st
+from tests.test_leases import _store
 
 
 def test_a_leave_completes_the_round_with_the_others_and_is_no_eviction(caplog):
     caplog.set_level(logging.INFO, logger="shardps.server")
-    st = _store()
+    st = _store(lease=60.0)
     st.submit(0, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
     st.submit(1, 0, 0, {("w", 0): torch.tensor([3.0, 3.0])})
     assert st.version == 0
@@ -51,7 +43,7 @@ def test_a_leave_completes_the_round_with_the_others_and_is_no_eviction(caplog):
 def test_after_everyone_left_the_next_run_expects_every_worker_again():
     """A job resumed from a checkpoint taken after its workers left: the first worker back must not
     complete rounds on its own while the others are still registering."""
-    st = _store(workers=2)
+    st = _store(workers=2, lease=60.0)
     st.leave(0)
     st.leave(1)
     st.register_worker(0)
@@ -65,7 +57,7 @@ def test_after_everyone_left_the_next_run_expects_every_worker_again():
 def test_an_evicted_worker_that_comes_back_after_the_others_finished_does_not_wait_for_them():
     """Review finding: when every registered worker had left, the next registration expected all workers
     again, even one that was evicted and came back to finish: it waited for workers that were done."""
-    st = _store(workers=3)
+    st = _store(workers=3, lease=60.0)
     st._last_seen[1] = time.monotonic() - 120
     assert st.evict_expired() == [1]
     st.leave(0)
@@ -77,7 +69,7 @@ def test_an_evicted_worker_that_comes_back_after_the_others_finished_does_not_wa
 
 
 def test_leaving_releases_ssp_clocks():
-    st = _store(workers=2, sync="ssp:1")
+    st = _store(workers=2, sync="ssp:1", lease=60.0)
     for step in range(3):
         st.submit(0, step, st.version, {("w", 0): torch.ones(2)})
     with pytest.raises(shardps.server.errors.DeadlineExceeded, match="behind: {1: 0}"):
@@ -87,7 +79,7 @@ def test_leaving_releases_ssp_clocks():
 
 
 def test_membership_after_leaving_survives_a_snapshot():
-    st = _store()
+    st = _store(lease=60.0)
     st.leave(1)
     copy = ShardStore(0, 1, lease_s=60.0)
     copy.restore(*st.snapshot())

@@ -10,7 +10,6 @@ import math
 import re
 import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import shardps
 from shardps.protos.exposition import serve_metrics
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.metrics import WorkerMetrics
-from tests.helpers import run_workers, start_prometheus
+from tests.helpers import run_workers, start_prometheus, stop_prometheus
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
@@ -81,13 +80,7 @@ def scraped(tmp_path_factory):
         yield prom
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-            proc.stderr.close()
+            stop_prometheus(proc)
         for e in endpoints:
             e.close()
         cluster.stop()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import select
 import shutil
 import signal
 import socket
@@ -32,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from shardps.deploy.local import wait_gone
 
 TEMP_PREFIX = "shardps-ray-"
 
@@ -68,23 +69,6 @@ def _group_members(pgid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
     return out
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait (pidfd) until every pid has exited; those still alive at the deadline."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except (ProcessLookupError, OSError):
-            continue
-        try:
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                alive.append(pid)
-        finally:
-            os.close(fd)
-    return alive
 
 
 def _reload_auth_config() -> None:
@@ -228,12 +212,12 @@ class RayLocalCluster:
                     os.killpg(node.pgid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-                if _wait_gone(members, grace):
+                if wait_gone(members, grace):
                     try:
                         os.killpg(node.pgid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                    _wait_gone(members, grace)
+                    wait_gone(members, grace)
         self.nodes = []
         # Worker processes run in their own sessions: they exit once their raylet is gone.
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -287,13 +271,13 @@ def stop_stale(grace: float = 10.0) -> list[str]:
                 os.killpg(pgid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        if _wait_gone(members, grace):
+        if wait_gone(members, grace):
             for pgid in groups:
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            _wait_gone(members, grace)
+            wait_gone(members, grace)
         shutil.rmtree(d, ignore_errors=True)
         cleaned.append(str(d))
     return cleaned
