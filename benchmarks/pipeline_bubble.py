@@ -136,8 +136,8 @@ def draw_timeline(path: str, timelines: dict[str, dict[int, list[tuple[str, int,
         ax.set_xlabel("seconds (white: idle)")
         ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    fig.legend(handles, ["forward", "backward", "recompute", "sync"], loc="upper right")
-    fig.tight_layout()
+    fig.legend(handles, ["forward", "backward", "recompute", "sync"], loc="lower center", ncol=4)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

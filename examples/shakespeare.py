@@ -164,7 +164,8 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
     with sray.Pipeline(model, balance=per, chunks=args.chunks, schedule=args.schedule, checkpoint=args.recompute,
                        offload="activations" if args.offload else None, compress=args.compress or None,
                        servers=servers, optimizer=optimizer, sync=args.sync, strategy=args.stage_strategy,
-                       seed=args.seed, use_gpu=args.use_gpu) as pipe:
+                       seed=args.seed, use_gpu=args.use_gpu,
+                       num_cpus=args.stage_cpus) as pipe:
         loss_fn = CharLoss()
         val0 = evaluate(pipe.eval, text.val, context=args.context)  # before training (starts the stages)
         start = None

@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="encoding of offloaded activations")
     pg.add_argument("--stage-strategy", default="SPREAD", type=str.upper,
                     choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="placement of the stages")
+    pg.add_argument("--stage-cpus", type=float, default=1.0, help="CPUs per stage actor (default 1)")
     pg.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     pg.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     pg.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import zipfile
@@ -26,6 +27,7 @@ from torch import nn
 
 import shardps
 import shardps.ray as sray
+from shardps.deploy.local import wait_gone
 from shardps.deploy.ray.local import RayLocalCluster, ray_command
 
 pytestmark = pytest.mark.cluster
@@ -142,6 +144,9 @@ def test_infeasible_placement_fails_within_its_deadline_naming_bundles_and_nodes
         sray.start_servers(1, resources={"tpu_pod": 1}, placement_timeout=3)
     assert "could not be placed within 3s" in str(err.value) and "'tpu_pod': 1" in str(err.value)
     assert "'ps': 1.0" in str(err.value)  # the nodes and what they offer
+    with pytest.raises(sray.PlacementError) as err:  # more CPUs than the whole cluster has: said, with a way out
+        sray.start_servers(2, num_cpus=50, placement_timeout=2)
+    assert "CPU 100 (the cluster has 8 in all)" in str(err.value) and "--server-cpus" in str(err.value)
     assert time.monotonic() - t0 < 30
     _assert_nothing_left(ray_cluster)
 
@@ -306,6 +311,38 @@ def test_ray_job_stop_leaves_nothing_behind(ray_cluster):
                    capture_output=True, env=env, timeout=120)
     assert client.get_job_status(job) == JobStatus.STOPPED
     _assert_nothing_left(ray_cluster, timeout=60)
+
+
+def test_needed_cpus_counts_servers_and_workers_or_stages():
+    from shardps.cli import build_parser
+    from shardps.deploy.ray.job import needed_cpus
+
+    parse = build_parser().parse_args
+    assert needed_cpus(parse(["ray", "--servers", "2", "--workers", "3", "--worker-cpus", "0.5"])) == 3.5
+    assert needed_cpus(parse(["ray", "--servers", "2", "--replicas", "2"])) == 4  # backups share server actors
+    assert needed_cpus(parse(["ray", "--example", "shakespeare", "--servers", "1", "--stages", "3",
+                              "--stage-cpus", "2"])) == 7
+
+
+@pytest.mark.timeout(300)
+def test_shardps_ray_without_a_cluster_starts_one_big_enough_for_the_run_and_leaves_nothing(tmp_path):
+    """No --address, no RAY_ADDRESS, no cluster on this machine: Ray starts one for the run with as many
+    logical CPUs as it asks for (4 here), also on a machine with fewer cores, and it ends with the run."""
+    tmp = Path(tempfile.mkdtemp(prefix="shardps-ray-", dir="/tmp"))  # short: Ray's socket paths live here
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+        p = subprocess.run([sys.executable, "-m", "shardps", "ray", "--servers", "2", "--workers", "2",
+                            "--epochs", "1", "--json"], capture_output=True, text=True, env=env, timeout=240)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out["steps"] == 22 and out["test_accuracy"] > 0.5
+        if (os.cpu_count() or 1) < 4:
+            assert f"local Ray with 4 logical CPUs for 4 asked on {os.cpu_count()} cores" in p.stderr
+        left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout.split()
+        assert not left or wait_gone([int(x) for x in left], 30), f"processes of the run's Ray left: {left}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.timeout(600)

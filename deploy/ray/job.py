@@ -14,6 +14,8 @@ free the placement groups on the way out.
 from __future__ import annotations
 
 import json
+import math
+import os
 import signal
 import sys
 import time
@@ -46,8 +48,36 @@ def digits_loop(ctx: WorkerContext) -> dict[str, Any]:
     return {**out, "node_id": ctx.node_id}
 
 
-def run_job(args: Any) -> int:
+def needed_cpus(args: Any) -> float:
+    """CPUs the run asks Ray for: servers (a backup lives in another server's actor) and workers, or stages."""
+    servers = args.servers * args.server_cpus
+    if args.example == "shakespeare":
+        return servers + args.stages * args.stage_cpus
+    return servers + args.workers * args.worker_cpus
+
+
+def _init_ray(args: Any, say: Any) -> None:
+    """Connect to the job's cluster, RAY_ADDRESS or ``--address``; with none of them, Ray starts one
+    on this machine, and it is given as many logical CPUs as the run asks for (at least the real ones),
+    so that the example also runs on a laptop with fewer cores (slower, oversubscribed)."""
     import ray
+
+    if args.address is None and not os.environ.get("RAY_ADDRESS"):
+        need = needed_cpus(args)
+        cpus = max(os.cpu_count() or 1, math.ceil(need))
+        try:
+            ray.init(num_cpus=cpus, log_to_driver=not args.quiet)
+        except ValueError as e:  # a cluster started with `ray start` on this machine: Ray connects to it
+            if "existing cluster" not in str(e):
+                raise
+        else:
+            if cpus > (os.cpu_count() or 1):
+                say(f"local Ray with {cpus} logical CPUs for {need:g} asked on {os.cpu_count()} cores")
+            return
+    ray.init(address=args.address, log_to_driver=not args.quiet)
+
+
+def run_job(args: Any) -> int:
 
     from shardps.deploy.ray.pipeline import PipelineError
     from shardps.deploy.ray.placement import PlacementError
@@ -61,7 +91,7 @@ def run_job(args: Any) -> int:
     t0 = time.perf_counter()
     servers = workers = None
     try:
-        ray.init(address=args.address, log_to_driver=not args.quiet)
+        _init_ray(args, say)
         resources = json.loads(args.server_resources) if args.server_resources else None
         who = (f"{args.stages} pipeline stages, {args.chunks} micro-batches" if args.example == "shakespeare"
                else f"{args.workers} workers")

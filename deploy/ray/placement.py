@@ -16,6 +16,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardps.protos import env
 
+log = logging.getLogger("shardps.ray")
+
 STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
 
@@ -60,13 +62,33 @@ def place(bundles: list[dict[str, float]], strategy: str, *, timeout: float = DE
     if strategy == "STRICT_SPREAD" and len(bundles) > len(alive):
         raise PlacementError(f"{what}: STRICT_SPREAD needs one node per bundle: {len(bundles)} bundles "
                              f"{bundles}, {len(alive)} alive nodes: {describe_nodes()}")
+    short = shortfall(bundles)
+    if short:
+        # An autoscaler may still add nodes, so this waits; but the user learns now why it may not end.
+        log.warning("%s: %s; waiting up to %.0fs for the cluster to grow", what, short, timeout)
     pg = placement_group(bundles, strategy=strategy, name=name)
     if not pg.wait(timeout):
         remove_placement_group(pg)
         raise PlacementError(f"{what}: the placement group of {len(bundles)} bundles {bundles} with strategy "
                              f"{strategy} could not be placed within {timeout:.0f}s; alive nodes: "
-                             f"{describe_nodes()}")
+                             f"{describe_nodes()}" + (f"; {short}" if short else ""))
     return pg
+
+
+def shortfall(bundles: list[dict[str, float]]) -> str:
+    """Why ``bundles`` cannot fit the cluster as it is, counting all of its resources (also those in use),
+    or "" when they could."""
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0.0) + v
+    have = ray.cluster_resources()
+    missing = {k: (v, have.get(k, 0.0)) for k, v in total.items() if v > have.get(k, 0.0) + 1e-9}
+    if not missing:
+        return ""
+    parts = ", ".join(f"{k} {need:g} (the cluster has {got:g} in all)" for k, (need, got) in missing.items())
+    return (f"these bundles need {parts}: add nodes, ask for less (--server-cpus, --worker-cpus, "
+            f"--stage-cpus) or start Ray with more (ray start --num-cpus N)")
 
 
 def in_bundle(pg: PlacementGroup, index: int) -> dict[str, Any]:
