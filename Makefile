@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv tools demo test test-fast stress lint proto clean
+.PHONY: venv tools demo test test-fast stress lint typecheck proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,8 +67,17 @@ LOAD ?= 2
 stress: venv tools
 	$(BIN)/python -m tests.stress --repeat $(REPEAT) --load $(LOAD)
 
-lint: venv
+lint: venv typecheck
 	$(BIN)/ruff check .
+
+# mypy on the package as it installs (shardps.server = server/, ...): a tree of links in
+# build/typecheck; strictness per package in pyproject.toml.
+typecheck: venv
+	@rm -rf build/typecheck && mkdir -p build/typecheck/shardps
+	@for f in shardps/*.py shardps/py.typed; do ln -s "$(CURDIR)/$$f" build/typecheck/shardps/; done
+	@for d in server worker protos deploy examples; do ln -s "$(CURDIR)/$$d" build/typecheck/shardps/$$d; done
+	cd build/typecheck && $(abspath $(BIN))/mypy --config-file "$(CURDIR)/pyproject.toml" \
+		--cache-dir "$(CURDIR)/.mypy_cache" -p shardps
 
 # Regenerate the committed gRPC/protobuf stubs (tests/test_proto_stubs.py
 # fails when they are out of date).
