@@ -303,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_worker(args, security_from(args))
     if args.command == "health":
-        from shardps.deploy.ctl import run_health
+        from shardps.admin import run_health
 
         return run_health(args.address, timeout=args.timeout, security=security_from(args))
     if args.command in ("stats", "ctl"):
-        from shardps.deploy.ctl import (
+        from shardps.admin import (
             run_attach_replica,
             run_checkpoint,
             run_promote,

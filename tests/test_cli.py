@@ -9,7 +9,7 @@ import sys
 import torch
 
 import shardps
-from shardps.deploy.ctl import percentile, render_table, run_stats, stats_rows
+from shardps.admin import percentile, render_table, run_stats, stats_rows
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
