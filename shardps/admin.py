@@ -1,9 +1,13 @@
-"""Operating a running job: ``shardps ctl ...`` (set-sync, checkpoint, promote, attach-replica), ``shardps
-stats`` and ``shardps health``.
+"""Operating a running job: the operator's calls and ``shardps ctl ...`` (set-sync, checkpoint, promote,
+attach-replica), ``shardps stats`` and ``shardps health``.
 
-``stats_rows`` turns the shards' Stats into table rows; ``render_table``
-formats them for a terminal. Staleness percentiles come from the shards'
-exact staleness counts.
+The calls (``stats``, ``set_sync``, ``checkpoint`` over every shard of a
+transport; ``promote``, ``attach_replica``, ``health`` on one endpoint) are
+not on the worker's data path: ``PSClient.stats()``, ``.set_sync()`` and
+``.checkpoint()`` delegate here. The ``run_*`` functions are the commands:
+they connect, call and print. ``stats_rows`` turns the shards' Stats into
+table rows; ``render_table`` formats them for a terminal. Staleness
+percentiles come from the shards' exact staleness counts.
 """
 
 from __future__ import annotations
@@ -13,8 +17,102 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from shardps.protos import codec
 from shardps.protos.security import Security
+from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.client import connect
+from shardps.worker.errors import ShardError
+from shardps.worker.transport import Transport, explain_unreachable, health_status, unary
+
+# -- the calls ----------------------------------------------------------------
+
+
+def stats(transport: Transport) -> list[dict[str, Any]]:
+    """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
+    t = transport
+    res = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
+    return [stats_to_dict(r) for r in res]
+
+
+def set_sync(transport: Transport, sync: str) -> list[str]:
+    """Switch the running job's sync mode on every shard; workers follow from their next step."""
+    t = transport
+    res = t.each(lambda i: t.stub(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
+                                             wait_for_ready=True))
+    return [r.sync for r in res]
+
+
+def checkpoint(transport: Transport) -> list[tuple[int, str]]:
+    """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
+    t = transport
+    res = t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest(), timeout=t.timeout))
+    return [(r.version, r.path) for r in res]
+
+
+def promote(address: str, *, force: bool = False, reason: str = "shardps ctl promote", timeout: float = 30.0,
+            security: Security | None = None) -> ps_pb2.PromoteResponse:
+    """Make the backup at ``address`` (a server's replica port) serve its shard."""
+    return unary(address, "Promote", ps_pb2.PromoteRequest(reason=reason, force=force), timeout=timeout,
+                 security=security)
+
+
+def attach_replica(address: str, target: str, *, timeout: float = 30.0,
+                   security: Security | None = None) -> ps_pb2.AttachReplicaResponse:
+    """Give the shard at ``address`` a backup at ``target``; waits up to ``timeout`` for it to sync."""
+    return unary(address, "AttachReplica", ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
+                 timeout=timeout + 5, security=security)
+
+
+_COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
+             "push_bytes_total", "pull_bytes_total")
+
+
+def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
+    """A StatsResponse as plain Python values (ints stay ints)."""
+    out: dict[str, Any] = {
+        "shard_index": r.shard_index,
+        "num_shards": r.num_shards,
+        "sync": r.sync,
+        "num_workers": r.num_workers,
+        "registered_workers": list(r.registered_workers),
+        "tensors": [
+            {
+                "name": t.spec.name,
+                "shape": tuple(t.spec.shape),
+                "dtype": codec.dtype_name(t.spec.dtype),
+                "optimizer": t.spec.optimizer.name,
+                "parts": [(p.start, p.stop) for p in t.spec.parts],
+                "weight_bytes": t.weight_bytes,
+                "optimizer_state_bytes": t.optimizer_state_bytes,
+            }
+            for t in r.tensors
+        ],
+        "staleness_counts": {int(k): int(v) for k, v in r.staleness_counts.items()},
+        "worker_clocks": {int(k): int(v) for k, v in r.worker_clocks.items()},
+        "skipped_steps_total": int(r.skipped_steps_total),
+        "duplicate_pushes_total": int(r.duplicate_pushes_total),
+        "loss_scale": float(r.loss_scale),
+        "sync_switches_total": int(r.sync_switches_total),
+        "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
+        "evicted_workers": list(r.evicted_workers),
+        "evictions_total": int(r.evictions_total),
+        "left_workers": list(r.left_workers),
+        "leaves_total": int(r.leaves_total),
+        "epoch": int(r.epoch),
+        "recovering": bool(r.recovering),
+        "waiting_pulls": int(r.waiting_pulls),
+        "role": r.role,
+        "backup": r.backup,
+        "replica_state": r.replica_state,
+        "replicated_ops_total": int(r.replicated_ops_total),
+        "replication_lag_ops": int(r.replication_lag_ops),
+    }
+    for key in _COUNTERS:
+        out[key] = int(getattr(r, key))
+    return out
+
+
+# -- the commands ---------------------------------------------------------------
 
 COLUMNS = ("shard", "version", "sync", "tensors", "weights MiB", "opt state MiB", "stale p50", "stale p99",
            "clock gap", "live workers", "pushes", "skipped", "replica")
@@ -65,7 +163,7 @@ def run_stats(addresses: list[str], *, watch: float | None = None, timeout: floa
         n = 0
         try:
             while True:
-                table = render_table(stats_rows(client.stats()))
+                table = render_table(stats_rows(stats(client.transport)))
                 if watch:
                     out.write("\x1b[2J\x1b[H" if out.isatty() else "")
                     out.write(f"shardps stats  {time.strftime('%H:%M:%S')}  every {watch:g}s (Ctrl-C to stop)\n")
@@ -82,7 +180,7 @@ def run_stats(addresses: list[str], *, watch: float | None = None, timeout: floa
 def run_set_sync(addresses: list[str], sync: str, *, timeout: float = 30.0, out: TextIO = sys.stdout,
                  security: Security | None = None) -> int:
     with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
-        modes = client.set_sync(sync)
+        modes = set_sync(client.transport, sync)
     out.write(f"sync is now {modes[0]} on {len(modes)} shards; workers follow from their next step\n")
     return 0
 
@@ -90,7 +188,7 @@ def run_set_sync(addresses: list[str], sync: str, *, timeout: float = 30.0, out:
 def run_checkpoint(addresses: list[str], *, timeout: float = 60.0, out: TextIO = sys.stdout,
                    security: Security | None = None) -> int:
     with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
-        written = client.checkpoint()
+        written = checkpoint(client.transport)
     for shard, (version, path) in enumerate(written):
         out.write(f"shard {shard}: checkpoint at version {version}: {path}\n")
     return 0
@@ -99,11 +197,8 @@ def run_checkpoint(addresses: list[str], *, timeout: float = 60.0, out: TextIO =
 def run_promote(addresses: list[str], *, force: bool = False, timeout: float = 30.0, out: TextIO = sys.stdout,
                 security: Security | None = None) -> int:
     """Make the backups at ``addresses`` (servers' replica ports) serve their shards."""
-    from shardps.protos.shardps.v1 import ps_pb2
-
     for address in addresses:
-        r = _unary(address, "Promote", ps_pb2.PromoteRequest(reason="shardps ctl promote", force=force), timeout,
-                   security)
+        r = promote(address, force=force, timeout=timeout, security=security)
         out.write(f"{address}: serves shard {r.shard_index} from version {r.version}\n")
     return 0
 
@@ -111,12 +206,9 @@ def run_promote(addresses: list[str], *, force: bool = False, timeout: float = 3
 def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout: float = 30.0,
                        out: TextIO = sys.stdout, security: Security | None = None) -> int:
     """Give shard ``shard`` (at ``addresses[shard]``) a backup at ``target``; wait for it to sync."""
-    from shardps.protos.shardps.v1 import ps_pb2
-
     if not 0 <= shard < len(addresses):
         raise ValueError(f"--shard must be in [0, {len(addresses)}), got {shard}")
-    r = _unary(addresses[shard], "AttachReplica",
-               ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout), timeout + 5, security)
+    r = attach_replica(addresses[shard], target, timeout=timeout, security=security)
     out.write(f"shard {shard}: backup at {target} is {r.replica_state}\n")
     return 0 if r.replica_state == "synced" else 1
 
@@ -124,37 +216,11 @@ def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout
 def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1.ParameterServer",
                out: TextIO = sys.stdout, security: Security | None = None) -> int:
     """Exit status 0 only when the server at ``address`` answers SERVING (a container healthcheck)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from shardps.worker.client import explain_unreachable
-
     sec = security if security is not None else Security.from_env()
-    channel = sec.channel(address)
     try:
-        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                      timeout=timeout)
-    except grpc.RpcError as e:
-        details = e.details() or ""
-        out.write(f"{address}: {e.code().name}: {explain_unreachable(sec, details) or details}\n")
+        status, serving = health_status(address, service=service, timeout=timeout, security=sec)
+    except ShardError as e:
+        out.write(f"{address}: {e.code.name}: {explain_unreachable(sec, e.details) or e.details}\n")
         return 1
-    finally:
-        channel.close()
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     out.write(f"{address}: {status}\n")
-    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _unary(address: str, method: str, request: Any, timeout: float, security: Security | None) -> Any:
-    import grpc
-
-    from shardps.protos.shardps.v1 import ps_pb2_grpc
-    from shardps.worker.client import ShardError
-
-    channel = (security if security is not None else Security.from_env()).channel(address)
-    try:
-        return getattr(ps_pb2_grpc.ParameterServerStub(channel), method)(request, timeout=timeout)
-    except grpc.RpcError as e:
-        raise ShardError(address, None, e.code(), f"{method}: {e.details() or ''}") from None
-    finally:
-        channel.close()
+    return 0 if serving else 1

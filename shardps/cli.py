@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             run_set_sync,
             run_stats,
         )
-        from shardps.worker.client import ShardError
+        from shardps.worker.errors import ShardError
 
         try:
             sec = security_from(args)
