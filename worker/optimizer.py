@@ -23,8 +23,9 @@ from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.client import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice, PSClient, PushResult
-from shardps.worker.errors import Aborted, Evicted, RolledBack, ShardError
+from shardps.worker.errors import RolledBack, ShardError
 from shardps.worker.metrics import WorkerMetrics
+from shardps.worker.rollback import Action, During, decide, resume_step
 
 __all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
 
@@ -97,11 +98,11 @@ class DistributedOptimizer:
         try:
             self.client.pull(out=self.params)
         except ShardError as e:
-            if not isinstance(e, Aborted):
+            if decide(e, During.JOIN) is not Action.RESYNC:
                 raise
             self._resync()  # joining a job whose shards restarted
         self._acc, self._acc_steps = {}, 0
-        self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
+        self.local_steps = resume_step(self.round, self.sync)
         self._follow()
 
     def _resync(self, attempts: int = 10) -> None:
@@ -113,7 +114,7 @@ class DistributedOptimizer:
                 self.client.pull(out=self.params)
                 return
             except ShardError as e:
-                if not isinstance(e, Aborted):
+                if decide(e, During.RESYNC) is not Action.RESYNC:
                     raise
                 log.info("worker %d: the job rolled back again while resyncing: %s", self.client.worker_id,
                          e.details)
@@ -124,7 +125,7 @@ class DistributedOptimizer:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
         self._resync()
         self._acc, self._acc_steps = {}, 0
-        self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
+        self.local_steps = resume_step(self.round, self.sync)
         self.rollbacks += 1
         self._follow()
         return RolledBack(self.local_steps, self.client.worker_id)
@@ -185,9 +186,10 @@ class DistributedOptimizer:
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                               loss_scale=self.client.loss_scale)
         except ShardError as e:
-            if isinstance(e, Aborted):
+            action = decide(e, During.PUSH)
+            if action is Action.ROLLBACK:
                 raise self._recover() from None
-            if not isinstance(e, Evicted):
+            if action is not Action.REJOIN:
                 raise
             # Our lease expired (we were too slow, or cut off): the others went on without us.
             # Rejoin with the current weights; this step's gradient is too stale to keep.
@@ -208,7 +210,7 @@ class DistributedOptimizer:
         try:
             self.client.pull(out=self.params, min_versions=mins, min_clock=max(0, min_clock))
         except ShardError as e:
-            if not isinstance(e, Aborted):
+            if decide(e, During.PULL) is not Action.ROLLBACK:
                 raise
             raise self._recover() from None
         self._follow()
