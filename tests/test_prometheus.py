@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import shardps
-from shardps.protos.exposition import serve_metrics
+from shardps.exposition import serve_metrics
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.metrics import WorkerMetrics
 from tests.helpers import run_workers, start_prometheus, stop_prometheus

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from shardps.exposition import MetricsEndpoint
 from shardps.protos import codec, env, framing
 from shardps.protos.amp import LossScaling
-from shardps.protos.exposition import MetricsEndpoint
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import env
-from shardps.protos.exposition import MetricsEndpoint, serve_metrics
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
