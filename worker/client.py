@@ -1,19 +1,26 @@
 """PSClient: one worker's connection to every shard.
 
-Routes tensors by the shard map (layouts, ``register``/``attach``), pushes
+Routes tensors by the shard map (``register``/``attach``; the layouts are
+``worker/layout.py``'s), pushes
 gradients and pulls weights over all shards in parallel, exports state and
 recovers from a rollback. The channels, deadlines, retries and fail-over are
 the transport's (``worker/transport.py``), the lease the heartbeats'
 (``worker/heartbeat.py``); failures surface as ``ShardError`` and its
 subclasses (``worker/errors.py``). Operator calls (stats, set_sync,
 checkpoint) live in ``shardps/admin.py``; the methods here delegate to it.
+
+Why this file is over 400 lines: it is one class whose methods (register,
+attach, push, pull, export_state, recover, leave) read and update the same
+state (shard map, layouts, versions, epoch, clock, sync, loss scale), each
+an RPC pattern over the transport. Everything that is not that state lives
+in its own module: transport, errors, heartbeats, layouts, the rollback
+decision (``worker/rollback.py``), metrics, the operator calls.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,42 +29,24 @@ import torch
 from shardps.exposition import MetricsEndpoint
 from shardps.protos import codec, env, framing
 from shardps.protos.amp import LossScaling
-from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.security import Security
-from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
+from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker import layout
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
+from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
 from shardps.worker.transport import Transport
 
-__all__ = ["Layout", "PSClient", "PushResult", "ShardError", "connect"]  # ShardError: importable from here as before
+# Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
+# (worker/layout.py).
+__all__ = ["DEFAULT_MAX_WHOLE_BYTES", "Layout", "OptimizerChoice", "PSClient", "PushResult", "ShardError", "connect"]
 
 log = logging.getLogger("shardps.worker")
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0
-DEFAULT_MAX_WHOLE_BYTES = 256 << 20
-
-OptimizerChoice = OptimizerSpec | Callable[[str, torch.Tensor], OptimizerSpec]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a tensor travels: full shape, wire dtype, optimizer, gradient dtype."""
-
-    shape: tuple[int, ...]
-    dtype: int
-    optimizer: OptimizerSpec
-    grad_dtype: int = 0  # 0: the same as dtype
-
-    @property
-    def push_dtype(self) -> int:
-        return self.grad_dtype or self.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -196,43 +185,16 @@ class PSClient:
         """
         if provides_values is None:
             provides_values = self.worker_id == 0
-        gwire = codec.to_wire_dtype(grad_dtype) if grad_dtype is not None else 0
-        layouts: dict[str, Layout] = {}
-        infos = []
-        for name, t in tensors.items():
-            opt = optimizer(name, t) if callable(optimizer) else optimizer
-            wire = codec.to_wire_dtype(t.dtype)
-            layouts[name] = Layout(tuple(t.shape), wire, opt, gwire if gwire != wire else 0)
-            if t.numel() == 0:
-                continue
-            infos.append(TensorInfo(name, tuple(t.shape), t.element_size(), opt.elementwise))
-        smap = build_shard_map(infos, self.num_shards, part_bytes=self.part_bytes,
-                               max_whole_bytes=max_whole_bytes)
-        flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else {}
+        layouts, smap = layout.plan(tensors, optimizer, self.num_shards, grad_dtype=grad_dtype,
+                                    part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
+        flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
-            parts = smap.parts_for(shard)
-            by_name: dict[str, list[tuple[int, int]]] = {}
-            for p in parts:
-                by_name.setdefault(p.name, []).append((p.start, p.stop))
-            specs = []
-            for n, rs in by_name.items():
-                lay = layouts[n]
-                holders = smap.holders(n)
-                specs.append(ps_pb2.TensorSpec(
-                    name=n, shape=list(lay.shape), dtype=lay.dtype, grad_dtype=lay.push_dtype,  # type: ignore[arg-type]
-                    optimizer=lay.optimizer.to_proto(), parts=[ps_pb2.Part(start=a, stop=b) for a, b in rs],
-                    peers=self.addresses if holders else [], holders=holders))
-            yield ps_pb2.RegisterRequest(worker_id=self.worker_id, num_workers=self.num_workers,
-                                         sync=sync, tensors=specs, provides_values=provides_values,
-                                         loss_scaling=scaling, staleness_remedy=staleness_remedy)
-            if provides_values:
-                for p in parts:
-                    flat = flats[p.name]
-                    for off, data in codec.encode_range(flat, p.start, p.stop, self.chunk_bytes):
-                        yield ps_pb2.RegisterRequest(chunk=ps_pb2.Chunk(
-                            name=p.name, offset=off, dtype=layouts[p.name].dtype, data=data))  # type: ignore[arg-type]
+            return layout.register_requests(shard, smap, layouts, worker_id=self.worker_id,
+                                            num_workers=self.num_workers, sync=sync, addresses=self.addresses,
+                                            values=flats, chunk_bytes=self.chunk_bytes, loss_scaling=scaling,
+                                            staleness_remedy=staleness_remedy)
 
         t = self.transport
         responses = t.each(lambda i: t.stub(i).Register(requests(i), timeout=self.timeout, wait_for_ready=True))
@@ -270,20 +232,10 @@ class PSClient:
         """Learn the tensors and their placement from the shards (for pull-only clients)."""
         t = self.transport
         stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True))
-        from shardps.protos.shardmap import Part
-
-        parts, layouts = [], {}
+        self.layouts, self.shard_map = layout.from_stats(stats)
         for i, s in enumerate(stats):
-            for t in s.tensors:
-                spec = t.spec
-                gd = spec.grad_dtype if spec.grad_dtype != spec.dtype else 0
-                layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer), gd)
-                parts.extend(Part(spec.name, p.start, p.stop, i) for p in spec.parts)
             self.versions[i] = s.version
             self.backups[i] = s.backup
-        infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
-        self.shard_map = ShardMap(self.num_shards, tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
-        self.layouts = layouts
         self.sync = stats[0].sync
         self.loss_scale = stats[0].loss_scale
         self.epoch = max(s.epoch for s in stats)

@@ -22,8 +22,9 @@ from torch import nn
 from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
-from shardps.worker.client import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice, PSClient, PushResult
+from shardps.worker.client import PSClient, PushResult
 from shardps.worker.errors import RolledBack, ShardError
+from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.rollback import Action, During, decide, resume_step
 
