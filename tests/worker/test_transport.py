@@ -1,72 +1,22 @@
 """The transport without a network: retries, fail-over to a backup, the fan-out, the error mapping.
 
-Channels are fakes that hand each call to a function of (address, method,
-request); a failure is a grpc.RpcError carrying a status, as gRPC raises.
+Channels are fakes (tests/worker/fakes.py) that hand each call to a function
+of (address, method, request); a failure is a grpc.RpcError carrying a
+status, as gRPC raises.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
 
-from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.errors import Aborted, Evicted, ShardError, Unreachable
 from shardps.worker.transport import Transport, unary
-
-
-class Failure(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-Server = Callable[[str, str, Any], Any]
-
-
-class FakeChannel:
-    def __init__(self, address: str, server: Server) -> None:
-        self.address, self.server, self.closed = address, server, False
-
-    def _method(self, path: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        name = path.rsplit("/", 1)[1]
-        return lambda request, timeout=None, **kw: self.server(self.address, name, request)
-
-    unary_unary = unary_stream = stream_unary = stream_stream = _method
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeSecurity(Security):
-    """Security whose channels are fakes served by ``server``."""
-
-    def channel(self, address: str, options: Any = None) -> Any:  # type: ignore[override]
-        ch = FakeChannel(address, SERVERS[id(self)])
-        OPENED.setdefault(id(self), []).append(ch)
-        return ch
-
-
-SERVERS: dict[int, Server] = {}
-OPENED: dict[int, list[FakeChannel]] = {}
-
-
-def _transport(server: Server, addresses=("a:1", "b:1"), **kw: Any) -> Transport:
-    sec = FakeSecurity()
-    SERVERS[id(sec)] = server
-    kw.setdefault("timeout", 5.0)
-    kw.setdefault("recovery_timeout", 0.3)
-    return Transport(list(addresses), security=sec, **kw)
+from tests.worker.fakes import OPENED, SERVERS, Failure, FakeSecurity, fake_transport
 
 
 def _stats(t: Transport) -> list[Any]:
@@ -81,7 +31,7 @@ def test_each_calls_every_shard_in_parallel_in_shard_order():
             barrier.wait()  # all three shards are called at once, or this times out
         return ps_pb2.StatsResponse(shard_index=int(address.split(":")[1]))
 
-    t = _transport(server, addresses=("a:0", "b:1", "c:2"))
+    t = fake_transport(server, addresses=("a:0", "b:1", "c:2"))
     try:
         assert [r.shard_index for r in _stats(t)] == [0, 1, 2]
         assert [r.shard_index for r in t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest()), [2])] == [2]
@@ -99,7 +49,7 @@ def test_an_unavailable_shard_is_retried_until_it_answers():
                 raise Failure(grpc.StatusCode.UNAVAILABLE, "Connection refused")
         return ps_pb2.StatsResponse()  # also the answer to "where did your shard go?" (not deposed)
 
-    t = _transport(server, recovery_timeout=10.0)
+    t = fake_transport(server, recovery_timeout=10.0)
     try:
         assert len(t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest()))) == 2
         assert calls["a:1"] == 3 and t.retries_total == 2 and t.failovers_total == 0
@@ -113,7 +63,7 @@ def test_a_shard_unavailable_past_the_recovery_timeout_is_unreachable_with_a_hin
             raise Failure(grpc.StatusCode.UNAVAILABLE, "failed to connect: Connection refused")
         return ps_pb2.StatsResponse()
 
-    t = _transport(server, recovery_timeout=0.2)
+    t = fake_transport(server, recovery_timeout=0.2)
     try:
         with pytest.raises(Unreachable) as err:
             _stats(t)
@@ -138,7 +88,7 @@ def test_other_failures_are_not_retried_and_keep_their_details(code, details, ex
         calls.append(address)
         raise Failure(code, details)
 
-    t = _transport(server, addresses=("a:1",))
+    t = fake_transport(server, addresses=("a:1",))
     try:
         with pytest.raises(expected) as err:
             _stats(t)
@@ -161,7 +111,7 @@ def test_an_unavailable_shard_with_a_backup_fails_over_to_it():
             return ps_pb2.PromoteResponse(shard_index=0, version=4)
         return ps_pb2.StatsResponse(shard_index=0 if address == "a:2" else 1)
 
-    t = _transport(server, backups=["a:2", ""], worker_id=3)
+    t = fake_transport(server, backups=["a:2", ""], worker_id=3)
     try:
         assert [r.shard_index for r in _stats(t)] == [0, 1]
         assert promoted == [("a:2", "worker 3: a:1 unavailable: Socket closed")]
@@ -187,7 +137,7 @@ def test_a_deposed_primary_names_where_its_shard_went():
             return ps_pb2.PromoteResponse(version=1)
         return ps_pb2.StatsResponse(shard_index=7)
 
-    t = _transport(server, addresses=("a:1",))
+    t = fake_transport(server, addresses=("a:1",))
     try:
         assert [r.shard_index for r in _stats(t)] == [7]
         assert t.addresses == ["n:1"] and t.failovers_total == 1
@@ -196,7 +146,7 @@ def test_a_deposed_primary_names_where_its_shard_went():
 
 
 def test_a_backup_learnt_from_an_old_stub_is_not_kept():
-    t = _transport(lambda a, m, r: ps_pb2.StatsResponse())
+    t = fake_transport(lambda a, m, r: ps_pb2.StatsResponse())
     try:
         old = t.stub(0)
         t.set_backup(0, "x:1", old)
@@ -219,7 +169,7 @@ def test_fan_out_waits_for_every_shard_then_raises_the_first_failure():
         done.append(i)
         return i
 
-    t = _transport(lambda a, m, r: None, addresses=("a:1", "b:1", "c:1"))
+    t = fake_transport(lambda a, m, r: None, addresses=("a:1", "b:1", "c:1"))
     try:
         with pytest.raises(ValueError, match="first"):
             t.fan_out(fn)
@@ -230,7 +180,7 @@ def test_fan_out_waits_for_every_shard_then_raises_the_first_failure():
 
 def test_backups_need_one_entry_per_shard():
     with pytest.raises(ValueError, match="one address \\(or ''\\) per shard: 2 shards, 1 backups"):
-        _transport(lambda a, m, r: None, backups=["x:1"])
+        fake_transport(lambda a, m, r: None, backups=["x:1"])
 
 
 def test_an_endpoint_call_names_the_method_and_the_endpoint():
