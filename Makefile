@@ -82,7 +82,7 @@ typecheck: venv
 # Regenerate the committed gRPC/protobuf stubs (tests/test_proto_stubs.py
 # fails when they are out of date).
 proto: venv
-	$(BIN)/python -m shardps.protos.codegen
+	$(BIN)/python -m shardps.codegen
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -26,8 +26,8 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from shardps.deploy.lifeline import Lifeline
+from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import codec
-from shardps.protos.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos.security import Security
 from shardps.server.app import READY_PREFIX, check_replicas
 from shardps.server.metrics import ServerMetrics

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardps.protos.optim import Adafactor, OptimizerSpec, spec_from_name
+from shardps.protos.optim import SPECS, Adafactor, OptimizerSpec, spec_from_name
 
 SPLIT_SEED = 0
 NUM_TEST = 360
@@ -140,7 +140,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
 
 
 DEFAULT_LR = {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1, "sm3": 0.1}
-OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "sm3")
+OPTIMIZERS = tuple(SPECS)  # every optimizer the servers know
 
 
 def make_spec(optimizer: str, lr: float | None = None) -> OptimizerSpec:

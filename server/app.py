@@ -26,8 +26,8 @@ import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from shardps.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos import codec
-from shardps.protos.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server, stop_server

@@ -10,8 +10,9 @@
 from shardps import optim
 from shardps.deploy.local import LocalCluster
 from shardps.protos.amp import LossScaling
-from shardps.worker.client import PSClient, PushResult, ShardError, connect
-from shardps.worker.optimizer import DistributedOptimizer, RolledBack
+from shardps.worker.client import PSClient, PushResult, connect
+from shardps.worker.errors import RolledBack, ShardError
+from shardps.worker.optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 

@@ -7,11 +7,18 @@ import logging
 import sys
 from typing import TypeVar
 
-from shardps.examples.digits import OPTIMIZERS
 from shardps.protos import codec, env
+from shardps.protos.optim import SPECS
 from shardps.protos.security import Security
+from shardps.worker.pipeline.offload import ENCODINGS
+from shardps.worker.pipeline.schedule import SCHEDULES
+from shardps.worker.pipeline.stage import CHECKPOINT_MODES
 
 T = TypeVar("T")
+
+# Choices come from the registries that accept them. (Ray's placement strategies, --strategy, are
+# spelt out below: their registry, shardps.deploy.ray.placement, imports Ray.)
+OPTIMIZERS = tuple(SPECS)  # the optimizer specs the servers know (shardps.protos.optim)
 
 
 def _addresses(text: str) -> list[str]:
@@ -242,11 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     pg = ry.add_argument_group("pipeline (--example shakespeare)")
     pg.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     pg.add_argument("--chunks", type=int, default=4, help="micro-batches per step (default 4)")
-    pg.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    pg.add_argument("--recompute", choices=("always", "except_last", "never"), default="except_last",
+    pg.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    pg.add_argument("--recompute", choices=CHECKPOINT_MODES, default="except_last",
                     help="activation recomputation (default except_last)")
     pg.add_argument("--offload", action="store_true", help="offload saved activations to an offload store actor")
-    pg.add_argument("--compress", choices=("bf16", "fp16", "relu-mask"), default=None,
+    pg.add_argument("--compress", choices=ENCODINGS, default=None,
                     help="encoding of offloaded activations")
     pg.add_argument("--stage-strategy", default="SPREAD", type=str.upper,
                     choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="placement of the stages")
@@ -304,18 +311,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_worker(args, security_from(args))
     if args.command == "health":
-        from shardps.deploy.ctl import run_health
+        from shardps.admin import run_health
 
         return run_health(args.address, timeout=args.timeout, security=security_from(args))
     if args.command in ("stats", "ctl"):
-        from shardps.deploy.ctl import (
+        from shardps.admin import (
             run_attach_replica,
             run_checkpoint,
             run_promote,
             run_set_sync,
             run_stats,
         )
-        from shardps.worker.client import ShardError
+        from shardps.worker.errors import ShardError
 
         try:
             sec = security_from(args)

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import shardps
-from shardps.deploy.ctl import percentile, render_table, run_stats, stats_rows
+from shardps.admin import percentile, render_table, run_stats, stats_rows
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -64,3 +64,25 @@ def test_stats_on_a_dead_address_is_a_clear_error():
     proc = _cli("stats", "--addresses", "127.0.0.1:1", "--timeout", "1")
     assert proc.returncode == 1
     assert "127.0.0.1:1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_choices_come_from_the_registries():
+    import argparse
+
+    from shardps.cli import build_parser
+    from shardps.protos.optim import SPECS
+    from shardps.worker.pipeline.offload import ENCODINGS
+    from shardps.worker.pipeline.schedule import SCHEDULES
+    from shardps.worker.pipeline.stage import CHECKPOINT_MODES
+
+    [subs] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+
+    def choices(command: str, flag: str) -> list[str]:
+        [action] = [a for a in subs.choices[command]._actions if flag in a.option_strings]
+        return list(action.choices)
+
+    for command in ("worker", "demo", "ray"):
+        assert choices(command, "--optimizer") == list(SPECS), command
+    assert choices("ray", "--schedule") == list(SCHEDULES)
+    assert choices("ray", "--recompute") == list(CHECKPOINT_MODES)
+    assert choices("ray", "--compress") == list(ENCODINGS)

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import shardps
-from shardps.protos.exposition import serve_metrics
+from shardps.exposition import serve_metrics
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.metrics import WorkerMetrics
 from tests.helpers import run_workers, start_prometheus, stop_prometheus
@@ -66,8 +66,8 @@ def scraped(tmp_path_factory):
         with shardps.connect(cluster.addresses) as client:  # one refused request: shardps_rpc_errors_total
             client.attach()
             with pytest.raises(shardps.ShardError):
-                client._each(lambda i: list(client._stubs[i].Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5)),
-                             [0])
+                t = client.transport
+                t.each(lambda i: list(t.stub(i).Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5)), [0])
         targets = cluster.metrics_addresses + [e.address for e in endpoints]
         (tmp / "prometheus.yml").write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"

@@ -1,6 +1,6 @@
 """The committed gRPC/protobuf stubs match ``ps.proto`` and the pinned runtimes.
 
-``make proto`` (``python -m shardps.protos.codegen``) regenerates the stubs
+``make proto`` (``python -m shardps.codegen``) regenerates the stubs
 under ``protos/shardps/v1/``; this test regenerates them into a scratch folder
 and fails when the committed files differ (a ``.proto`` edit without
 ``make proto``, or a generated file edited or reformatted by hand or by a
@@ -20,13 +20,13 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from shardps.protos import codegen
+from shardps import codegen
 
 REPO = Path(__file__).resolve().parents[1]
 STUB_DIR = REPO / "protos" / "shardps" / "v1"
 PYPROJECT = REPO / "pyproject.toml"
 
-_FIX = "run `make proto` (python -m shardps.protos.codegen) and commit the regenerated stubs"
+_FIX = "run `make proto` (python -m shardps.codegen) and commit the regenerated stubs"
 
 
 def _project_dependencies(section: str | None = None) -> list[Requirement]:
@@ -88,7 +88,7 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_codegen_targets_the_committed_folder() -> None:
     assert Path(codegen.PROTO_DIR) == REPO / "protos", (
-        f"shardps.protos.codegen is imported from {codegen.__file__}, not from this checkout "
+        f"shardps.codegen is imported from {codegen.__file__}, not from this checkout "
         f"({REPO}): install the project with `pip install -e .`"
     )
     for rel in codegen.PROTO_FILES:

@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from torch import nn
 
 import shardps
-from shardps.deploy.ctl import run_attach_replica, run_promote
+from shardps.admin import run_attach_replica, run_promote
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import shardps
-from shardps.deploy.ctl import run_promote
+from shardps.admin import run_promote
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 

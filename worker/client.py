@@ -1,102 +1,52 @@
 """PSClient: one worker's connection to every shard.
 
-Routes tensors by the shard map, pushes and pulls over all shards in
-parallel (one thread per shard), and gives every RPC a deadline. Failures
-surface as ``ShardError`` carrying the gRPC status code and the shard.
+Routes tensors by the shard map (``register``/``attach``; the layouts are
+``worker/layout.py``'s), pushes
+gradients and pulls weights over all shards in parallel, exports state and
+recovers from a rollback. The channels, deadlines, retries and fail-over are
+the transport's (``worker/transport.py``), the lease the heartbeats'
+(``worker/heartbeat.py``); failures surface as ``ShardError`` and its
+subclasses (``worker/errors.py``). Operator calls (stats, set_sync,
+checkpoint) live in ``shardps/admin.py``; the methods here delegate to it.
+
+Why this file is over 400 lines: it is one class whose methods (register,
+attach, push, pull, export_state, recover, leave) read and update the same
+state (shard map, layouts, versions, epoch, clock, sync, loss scale), each
+an RPC pattern over the transport. Everything that is not that state lives
+in its own module: transport, errors, heartbeats, layouts, the rollback
+decision (``worker/rollback.py``), metrics, the operator calls.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 import torch
 
+from shardps.exposition import MetricsEndpoint
 from shardps.protos import codec, env, framing
 from shardps.protos.amp import LossScaling
-from shardps.protos.exposition import MetricsEndpoint, serve_metrics
-from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.security import Security
-from shardps.protos.shardmap import ShardMap, TensorInfo, build_shard_map
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from shardps.worker.metrics import WorkerMetrics
+from shardps.protos.shardmap import ShardMap
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker import layout
+from shardps.worker.errors import ShardError
+from shardps.worker.heartbeat import Heartbeats
+from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
+from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
+from shardps.worker.transport import Transport
+
+# Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
+# (worker/layout.py).
+__all__ = ["DEFAULT_MAX_WHOLE_BYTES", "Layout", "OptimizerChoice", "PSClient", "PushResult", "ShardError", "connect"]
 
 log = logging.getLogger("shardps.worker")
 
-SERVICE = "shardps.v1.ParameterServer"
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0
-DEFAULT_MAX_WHOLE_BYTES = 256 << 20
-T = TypeVar("T")
-
-OptimizerChoice = OptimizerSpec | Callable[[str, torch.Tensor], OptimizerSpec]
-
-
-class ShardError(RuntimeError):
-    """An RPC to one shard failed: ``code`` is the grpc.StatusCode (``shard`` None: an endpoint of no known shard)."""
-
-    def __init__(self, address: str, shard: int | None, code: grpc.StatusCode, details: str) -> None:
-        where = f"shard {shard} ({address})" if shard is not None else address
-        super().__init__(f"{where}: {code.name}: {details}")
-        self.address, self.shard, self.code, self.details = address, shard, code, details
-
-
-def explain_unreachable(security: Security, details: str) -> str:
-    """What a failed connection's gRPC details mean for this client's settings ("" if nothing to add).
-
-    gRPC reports a refused TLS handshake in words of its transport ("Socket
-    closed", "Hostname Verification Check failed"); this names the cause
-    and the setting that fixes it.
-    """
-    d = details
-    if "Hostname Verification" in d or "No match found for server name" in d:
-        name = security.server_name or "the host in its address"
-        return (f"TLS handshake failed: the server's certificate does not carry {name}; pass the name it carries "
-                f"as server_name (--server-name, SHARDPS_TLS_SERVER_NAME)")
-    if "CERTIFICATE_VERIFY_FAILED" in d:
-        return ("TLS handshake failed: the server's certificate is not signed by the CA this client trusts "
-                "(tls_ca, --tls-ca, SHARDPS_TLS_CA)")
-    if "WRONG_VERSION_NUMBER" in d or ("handshake" in d.lower() and not security.tls_cert and security.tls):
-        return "TLS handshake failed: the server does not speak TLS (drop tls_ca) or refused this client"
-    if "Tls handshake failed" in d or "SSL_ERROR" in d:
-        return "TLS handshake failed"
-    if "Socket closed" in d or "Connection reset" in d:
-        if security.tls and not security.tls_cert:
-            return ("the server closed the connection during the TLS handshake: it requires a client "
-                    "certificate (mutual TLS) and this client has none (tls_cert/tls_key, --tls-cert/--tls-key, "
-                    "SHARDPS_TLS_CERT/SHARDPS_TLS_KEY)")
-        if not security.tls:
-            return ("the server closed the connection: if it serves TLS, this client speaks plaintext "
-                    "(give the CA: tls_ca, --tls-ca, SHARDPS_TLS_CA)")
-        return "the server closed the connection during the TLS handshake: it does not accept this client's certificate"
-    if "Connection refused" in d:
-        return "nothing listens there (connection refused)"
-    return ""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a tensor travels: full shape, wire dtype, optimizer, gradient dtype."""
-
-    shape: tuple[int, ...]
-    dtype: int
-    optimizer: OptimizerSpec
-    grad_dtype: int = 0  # 0: the same as dtype
-
-    @property
-    def push_dtype(self) -> int:
-        return self.grad_dtype or self.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -125,30 +75,14 @@ class PSClient:
             raise ValueError("need at least one server address")
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id must be in [0, {num_workers}), got {worker_id}")
-        self.addresses = list(addresses)
         self.worker_id = worker_id
         self.num_workers = num_workers
-        self.timeout = timeout
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.part_bytes = part_bytes
-        self.security = security if security is not None else Security.from_env()
-        self.recovery_timeout = recovery_timeout
-        self.retries_total = 0
-        self.failovers_total = 0
         # Each shard's backup (--replicas 2): given, learnt when registering and from heartbeats.
-        if backups is not None and len(backups) != len(self.addresses):
-            raise ValueError(f"backups: one address (or '') per shard: {len(self.addresses)} shards, "
-                             f"{len(backups)} backups")
-        self.backups = list(backups) if backups is not None else [""] * len(self.addresses)
-        self._failover_lock = threading.Lock()
-        self._retired: list[grpc.Channel] = []
-        self._channels: list[grpc.Channel] = []
-        self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
-        self._push_raw: list[Any] = []
-        self._pull_raw: list[Any] = []
-        for i, a in enumerate(self.addresses):
-            self._install(i, a, self.security.channel(a))
-        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
+        self.transport = Transport(addresses, security=security if security is not None else Security.from_env(),
+                                   timeout=timeout, recovery_timeout=recovery_timeout, backups=backups,
+                                   worker_id=worker_id)
         self.shard_map: ShardMap | None = None
         self.layouts: dict[str, Layout] = {}
         self.versions = [0] * len(self.addresses)
@@ -158,8 +92,7 @@ class PSClient:
         self.clock = 0  # steps this worker had pushed when it registered
         self.lease_s = 0.0  # the job's worker lease (0: none)
         self.epoch = 0  # the job's rollback epoch this client is in
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
+        self.heartbeats = Heartbeats(self.transport, worker_id)
         self._registered = False  # registered as a worker: close() says goodbye (Leave)
         self._closed = False
         # A worker's own /metrics (arguments, then SHARDPS_METRICS_PORT/HOST): served once it registers.
@@ -168,123 +101,51 @@ class PSClient:
         self.metrics: WorkerMetrics | None = None
         self.metrics_endpoint: MetricsEndpoint | None = None
 
+    # -- the transport's settings and counters (worker/transport.py) ---------
+
     @property
     def num_shards(self) -> int:
-        return len(self.addresses)
+        return self.transport.num_shards
 
-    def _install(self, shard: int, address: str, channel: grpc.Channel) -> None:
-        """Talk to ``shard`` at ``address`` over ``channel`` from now on."""
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
-        # Push and Pull with chunk.data framed by hand (protos/framing.py): the
-        # same wire format, one copy of the data on each side.
-        push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
-                                    response_deserializer=ps_pb2.PushResponse.FromString, _registered_method=True)
-        pull = channel.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-                                    response_deserializer=framing.parse_pull_response, _registered_method=True)
-        if shard == len(self._channels):
-            self._channels.append(channel)
-            self._stubs.append(stub)
-            self._push_raw.append(push)
-            self._pull_raw.append(pull)
-        else:
-            self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
-            self._channels[shard], self._stubs[shard] = channel, stub
-            self._push_raw[shard], self._pull_raw[shard] = push, pull
-        self.addresses[shard] = address
+    @property
+    def addresses(self) -> list[str]:
+        """Each shard's address, in shard order (after a fail-over: its backup's)."""
+        return self.transport.addresses
 
-    def _moved_to(self, shard: int) -> str:
-        """Where a deposed primary says its shard went ("" if it does not answer or was not deposed)."""
-        try:
-            s = self._stubs[shard].Stats(ps_pb2.StatsRequest(), timeout=min(2.0, self.timeout))
-        except grpc.RpcError:
-            return ""
-        return s.backup if s.role == "deposed" else ""
+    @property
+    def backups(self) -> list[str]:
+        """Each shard's backup ('' when none is known)."""
+        return self.transport.backups
 
-    def _fail_over(self, shard: int, failed: str, details: str) -> bool:
-        """Ask shard's backup to take over (--replicas 2); True once requests should go there.
+    @property
+    def security(self) -> Security:
+        return self.transport.security
 
-        The backup refuses while the primary still answers its health
-        check, so a primary that is only slow keeps its shard.
-        """
-        with self._failover_lock:
-            if self.addresses[shard] != failed:  # another thread failed over already
-                return True
-            backup = self.backups[shard] or self._moved_to(shard)
-            if not backup:
-                return False
-            channel = self.security.channel(backup)
-            try:
-                r = ps_pb2_grpc.ParameterServerStub(channel).Promote(
-                    ps_pb2.PromoteRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
-                    timeout=min(10.0, self.timeout))
-            except grpc.RpcError as e:
-                channel.close()
-                log.warning("shard %d: its backup at %s did not take over: %s: %s", shard, backup,
-                            e.code().name if hasattr(e, "code") else "?", e.details() if hasattr(e, "details") else e)
-                return False
-            self._install(shard, backup, channel)
-            self.backups[shard] = ""
-            self.failovers_total += 1
-        log.warning("shard %d: %s is unavailable; failed over to its backup at %s (version %d)", shard, failed,
-                    backup, r.version)
-        return True
+    @property
+    def timeout(self) -> float:
+        """Every RPC's deadline, in seconds."""
+        return self.transport.timeout
 
-    # -- plumbing -----------------------------------------------------------
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self.transport.timeout = value
 
-    def _call(self, shard: int, fn: Callable[[], T]) -> T:
-        """``fn()`` against one shard, retried while the shard is UNAVAILABLE.
+    @property
+    def recovery_timeout(self) -> float:
+        """How long an unavailable shard is retried, in seconds."""
+        return self.transport.recovery_timeout
 
-        Every call shardps makes is safe to repeat (pushes are deduplicated
-        per (worker, step) on the shard), so a lost reply or a restarting
-        server costs a retry, not a wrong result. Between tries it waits for
-        a back-off that grows from 50 ms to 2 s, for at most
-        ``recovery_timeout`` seconds, then raises naming the shard. With a
-        backup (``--replicas 2``) an unavailable shard fails over to it.
-        """
-        start = time.monotonic()
-        backoff = 0.05
-        tries = 0
-        while True:
-            address = self.addresses[shard]
-            try:
-                return fn()
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-                details = (e.details() if hasattr(e, "details") else str(e)) or ""
-                if code == grpc.StatusCode.UNAVAILABLE and self._fail_over(shard, address, details):
-                    continue
-                waited = time.monotonic() - start
-                if code != grpc.StatusCode.UNAVAILABLE or waited >= self.recovery_timeout:
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        hint = explain_unreachable(self.security, details)
-                        details = f"{hint}: {details}" if hint else details
-                    if code == grpc.StatusCode.UNAVAILABLE and tries:
-                        details = f"still unavailable after {waited:.0f}s and {tries} retries: {details}"
-                    raise ShardError(self.addresses[shard], shard, code, details) from None
-            tries += 1
-            self.retries_total += 1
-            if tries == 1:
-                log.warning("shard %d (%s) unavailable: retrying for up to %.0fs", shard, self.addresses[shard],
-                            self.recovery_timeout)
-            remaining = self.recovery_timeout - (time.monotonic() - start)
-            # The shard is another process (maybe restarting): nothing local to wait on.
-            time.sleep(max(0.0, min(backoff, remaining)))
-            backoff = min(2.0, backoff * 2)
+    @recovery_timeout.setter
+    def recovery_timeout(self, value: float) -> None:
+        self.transport.recovery_timeout = value
 
-    def _each(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
-        """Run ``fn(shard)`` for every shard in parallel; raise the first failure."""
-        idx = list(range(self.num_shards)) if shards is None else list(shards)
-        futs = [self._pool.submit(self._call, i, lambda i=i: fn(i)) for i in idx]
-        results, first_err = [], None
-        for f in futs:
-            try:
-                results.append(f.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
-                first_err = first_err or e
-                results.append(None)
-        if first_err is not None:
-            raise first_err
-        return results
+    @property
+    def retries_total(self) -> int:
+        return self.transport.retries_total
+
+    @property
+    def failovers_total(self) -> int:
+        return self.transport.failovers_total
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every shard's channel is connected (TimeoutError names the laggards).
@@ -292,37 +153,7 @@ class PSClient:
         A shard with a known backup whose primary does not answer within a
         few seconds fails over to it.
         """
-        t = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + t
-        futs = [grpc.channel_ready_future(c) for c in self._channels]
-        missing = []
-        for i, (a, f) in enumerate(zip(list(self.addresses), futs)):
-            try:
-                patience = max(0.0, deadline - time.monotonic())
-                f.result(timeout=min(patience, 5.0) if self.backups[i] else patience)
-            except grpc.FutureTimeoutError:
-                if not (self.backups[i] and self._fail_over(i, a, "not answering when connecting")):
-                    missing.append(a)
-            finally:
-                f.cancel()
-        if missing:
-            reasons = [f"{a}: {why}" for a in missing if (why := self._probe(a))]
-            raise TimeoutError(f"no parameter server answered within {t:.0f}s at {missing}"
-                               + (f" ({'; '.join(reasons)})" if reasons else ""))
-
-    def _probe(self, address: str) -> str:
-        """Why ``address`` does not answer, from one short health check ("" when it answers now)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        channel = self.security.channel(address)
-        try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-            return ""
-        except grpc.RpcError as e:
-            details = (e.details() if hasattr(e, "details") else str(e)) or ""
-            return explain_unreachable(self.security, details) or details
-        finally:
-            channel.close()
+        self.transport.wait_ready(timeout)
 
     def _require_layout(self, names: Iterable[str]) -> None:
         if self.shard_map is None:
@@ -354,46 +185,19 @@ class PSClient:
         """
         if provides_values is None:
             provides_values = self.worker_id == 0
-        gwire = codec.to_wire_dtype(grad_dtype) if grad_dtype is not None else 0
-        layouts: dict[str, Layout] = {}
-        infos = []
-        for name, t in tensors.items():
-            opt = optimizer(name, t) if callable(optimizer) else optimizer
-            wire = codec.to_wire_dtype(t.dtype)
-            layouts[name] = Layout(tuple(t.shape), wire, opt, gwire if gwire != wire else 0)
-            if t.numel() == 0:
-                continue
-            infos.append(TensorInfo(name, tuple(t.shape), t.element_size(), opt.elementwise))
-        smap = build_shard_map(infos, self.num_shards, part_bytes=self.part_bytes,
-                               max_whole_bytes=max_whole_bytes)
-        flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else {}
+        layouts, smap = layout.plan(tensors, optimizer, self.num_shards, grad_dtype=grad_dtype,
+                                    part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
+        flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
-            parts = smap.parts_for(shard)
-            by_name: dict[str, list[tuple[int, int]]] = {}
-            for p in parts:
-                by_name.setdefault(p.name, []).append((p.start, p.stop))
-            specs = []
-            for n, rs in by_name.items():
-                lay = layouts[n]
-                holders = smap.holders(n)
-                specs.append(ps_pb2.TensorSpec(
-                    name=n, shape=list(lay.shape), dtype=lay.dtype, grad_dtype=lay.push_dtype,  # type: ignore[arg-type]
-                    optimizer=lay.optimizer.to_proto(), parts=[ps_pb2.Part(start=a, stop=b) for a, b in rs],
-                    peers=self.addresses if holders else [], holders=holders))
-            yield ps_pb2.RegisterRequest(worker_id=self.worker_id, num_workers=self.num_workers,
-                                         sync=sync, tensors=specs, provides_values=provides_values,
-                                         loss_scaling=scaling, staleness_remedy=staleness_remedy)
-            if provides_values:
-                for p in parts:
-                    flat = flats[p.name]
-                    for off, data in codec.encode_range(flat, p.start, p.stop, self.chunk_bytes):
-                        yield ps_pb2.RegisterRequest(chunk=ps_pb2.Chunk(
-                            name=p.name, offset=off, dtype=layouts[p.name].dtype, data=data))  # type: ignore[arg-type]
+            return layout.register_requests(shard, smap, layouts, worker_id=self.worker_id,
+                                            num_workers=self.num_workers, sync=sync, addresses=self.addresses,
+                                            values=flats, chunk_bytes=self.chunk_bytes, loss_scaling=scaling,
+                                            staleness_remedy=staleness_remedy)
 
-        responses = self._each(lambda i: self._stubs[i].Register(
-            requests(i), timeout=self.timeout, wait_for_ready=True))
+        t = self.transport
+        responses = t.each(lambda i: t.stub(i).Register(requests(i), timeout=self.timeout, wait_for_ready=True))
         created: list[str] = []
         for i, r in enumerate(responses):
             if (r.shard_index, r.num_shards) != (i, self.num_shards):
@@ -421,35 +225,17 @@ class PSClient:
         """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""
         if self._metrics_port is None or self.metrics_endpoint is not None:
             return
-        from prometheus_client import CollectorRegistry
-
-        registry = CollectorRegistry()
-        metrics = WorkerMetrics(registry, self.worker_id)
-        try:
-            self.metrics_endpoint = serve_metrics(registry, self._metrics_host, self._metrics_port)
-        except OSError as e:
-            raise OSError(f"worker {self.worker_id}: cannot serve metrics on {self._metrics_host}:"
-                          f"{self._metrics_port} (metrics_port or {env.METRICS_PORT}): {e.strerror}") from None
-        self.metrics = metrics
+        self.metrics, self.metrics_endpoint = serve_worker_metrics(self.worker_id, self._metrics_host,
+                                                                   self._metrics_port)
 
     def attach(self) -> None:
         """Learn the tensors and their placement from the shards (for pull-only clients)."""
-        stats = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout,
-                                                          wait_for_ready=True))
-        from shardps.protos.shardmap import Part
-
-        parts, layouts = [], {}
+        t = self.transport
+        stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True))
+        self.layouts, self.shard_map = layout.from_stats(stats)
         for i, s in enumerate(stats):
-            for t in s.tensors:
-                spec = t.spec
-                gd = spec.grad_dtype if spec.grad_dtype != spec.dtype else 0
-                layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer), gd)
-                parts.extend(Part(spec.name, p.start, p.stop, i) for p in spec.parts)
             self.versions[i] = s.version
             self.backups[i] = s.backup
-        infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
-        self.shard_map = ShardMap(self.num_shards, tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
-        self.layouts = layouts
         self.sync = stats[0].sync
         self.loss_scale = stats[0].loss_scale
         self.epoch = max(s.epoch for s in stats)
@@ -499,7 +285,7 @@ class PSClient:
             if not sent:
                 yield prefix + suffix
 
-        responses = self._each(lambda i: self._push_raw[i](requests(i), timeout=self.timeout))
+        responses = self.transport.each(lambda i: self.transport.push(i, requests(i)))
         out = [PushResult(r.version, r.applied, r.duplicate, r.sync, r.loss_scale, r.ready_version)
                for r in responses]
         self.sync = out[0].sync or self.sync
@@ -552,7 +338,7 @@ class PSClient:
             with torch.no_grad():
                 # chunk.data is a view of the received message: decode copies nothing,
                 # copy_ is the one copy on this side.
-                for resp in self._pull_raw[shard](req, timeout=self.timeout):
+                for resp in self.transport.pull(shard, req):
                     c = resp.chunk
                     values = codec.decode(c.data, c.dtype)
                     dst = staging[c.name]
@@ -567,7 +353,7 @@ class PSClient:
             return version
 
         shards = sorted(owners)
-        versions = self._each(fetch, shards)
+        versions = self.transport.each(fetch, shards)
         for s, v in zip(shards, versions):
             if v >= 0:
                 self.versions[s] = v
@@ -596,7 +382,7 @@ class PSClient:
             req = ps_pb2.PullStateRequest(names=owners[shard], chunk_bytes=self.chunk_bytes)
             items: list[tuple[str, int, int, str, torch.Tensor]] = []
             version = -1
-            for r in self._stubs[shard].PullState(req, timeout=self.timeout):
+            for r in self.transport.stub(shard).PullState(req, timeout=self.timeout):
                 c = r.chunk
                 values = codec.decode(c.data, c.dtype)
                 if c.offset == 0:  # the first chunk of a state tensor carries its shape
@@ -612,7 +398,7 @@ class PSClient:
             n: {"weight": torch.empty(self.layouts[n].shape, dtype=torch.float32), "optimizer": {}, "version": {}}
             for n in wanted
         }
-        for shard, (version, items) in zip(shards, self._each(fetch, shards)):
+        for shard, (version, items) in zip(shards, self.transport.each(fetch, shards)):
             for name, start, stop, key, t in items:
                 entry = out[name]
                 entry["version"][shard] = version
@@ -631,7 +417,8 @@ class PSClient:
         hold. Idempotent: workers may do this concurrently. Then this client
         takes the shards' epoch, versions and its own clock.
         """
-        stats = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+        t = self.transport
+        stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
         epochs = [s.epoch for s in stats]
         recovering = any(s.recovering for s in stats)
         if recovering or len(set(epochs)) > 1:
@@ -641,31 +428,40 @@ class PSClient:
                 raise RuntimeError(f"cannot recover: no checkpoint version is held by every shard ({held})")
             version, epoch = max(common), max(epochs) + (1 if recovering else 0)
             log.warning("worker %d: rolling the job back to version %d (epoch %d)", self.worker_id, version, epoch)
-            self._each(lambda i: self._stubs[i].Rollback(ps_pb2.RollbackRequest(version=version, epoch=epoch),
-                                                         timeout=self.timeout))
-            stats = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+            t.each(lambda i: t.stub(i).Rollback(ps_pb2.RollbackRequest(version=version, epoch=epoch),
+                                                timeout=self.timeout))
+            stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
         self.epoch = max(s.epoch for s in stats)
         self.versions = [s.version for s in stats]
         self.sync = stats[0].sync or self.sync
         self.loss_scale = stats[0].loss_scale
         return min(s.worker_clocks.get(self.worker_id, -1) for s in stats) + 1  # as in register()
 
+    # -- operator calls: shardps/admin.py (kept here, as documented) --------
+
     def checkpoint(self) -> list[tuple[int, str]]:
-        """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
-        res = self._each(lambda i: self._stubs[i].Checkpoint(ps_pb2.CheckpointRequest(), timeout=self.timeout))
-        return [(r.version, r.path) for r in res]
+        """Ask every shard to write a checkpoint now: [(version, path)] per shard (``shardps.admin.checkpoint``)."""
+        from shardps.admin import checkpoint
+
+        return checkpoint(self.transport)
 
     def set_sync(self, sync: str) -> list[str]:
-        """Switch the running job's sync mode on every shard; workers follow from their next step."""
-        res = self._each(lambda i: self._stubs[i].SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=self.timeout,
-                                                          wait_for_ready=True))
-        self.sync = res[0].sync
-        return [r.sync for r in res]
+        """Switch the running job's sync mode on every shard; workers follow from their next step
+        (``shardps.admin.set_sync``)."""
+        from shardps.admin import set_sync
+
+        modes = set_sync(self.transport, sync)
+        self.sync = modes[0]
+        return modes
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
-        res = self._each(lambda i: self._stubs[i].Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
-        return [stats_to_dict(r) for r in res]
+        """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts
+        (``shardps.admin.stats``)."""
+        from shardps.admin import stats
+
+        return stats(self.transport)
+
+    # -- the lease ----------------------------------------------------------------
 
     def start_heartbeats(self, interval: float | None = None) -> None:
         """Renew this worker's lease on every shard in the background (every lease / 3 by default).
@@ -673,35 +469,13 @@ class PSClient:
         Push and Pull renew it too; heartbeats keep a worker that computes
         for longer than its lease from being evicted.
         """
-        if self._hb_thread is not None or not self.lease_s:
+        if self.heartbeats.running or not self.lease_s:
             return
-        every = interval or self.lease_s / 3
-
-        def loop() -> None:
-            while not self._hb_stop.wait(every):
-                for i, stub in enumerate(list(self._stubs)):
-                    if self._hb_stop.is_set():
-                        return
-                    try:
-                        r = stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every)
-                    except grpc.RpcError as e:  # the data path reports failures; here only log them
-                        log.debug("heartbeat to shard %d failed: %s", i, e.code())
-                        continue
-                    except ValueError:  # the channel was closed under it (close() gave up waiting)
-                        return
-                    if r.backup:  # a backup attached since registering (after a takeover, a spare)
-                        with self._failover_lock:
-                            if self._stubs[i] is stub:
-                                self.backups[i] = r.backup
-
-        self._hb_thread = threading.Thread(target=loop, name=f"worker{self.worker_id}-heartbeat", daemon=True)
-        self._hb_thread.start()
+        self.heartbeats.start(interval or self.lease_s / 3)
 
     def stop_heartbeats(self) -> None:
         """Stop renewing the lease in the background (the worker is evicted once it lasts longer)."""
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=10)
+        self.heartbeats.stop()
 
     def leave(self, timeout: float = 5.0) -> None:
         """Tell every shard this worker is done, so barriers go on without it at once (not after its lease).
@@ -712,16 +486,16 @@ class PSClient:
         if not self._registered:
             return
         self._registered = False
+        t = self.transport
 
         def bye(i: int) -> None:
             try:
-                self._stubs[i].Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), timeout=timeout)
-            except grpc.RpcError as e:
+                t.attempt(i, lambda: t.stub(i).Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), timeout=timeout))
+            except ShardError as e:
                 log.info("worker %d: shard %d did not take its leave (%s); its lease will expire",
-                         self.worker_id, i, e.code() if hasattr(e, "code") else e)
+                         self.worker_id, i, e.code)
 
-        for f in [self._pool.submit(bye, i) for i in range(self.num_shards)]:
-            f.result()
+        t.fan_out(bye)
 
     def close(self, *, leave: bool = True) -> None:
         """Say goodbye (a registered worker), stop heartbeats and metrics, close the channels. Idempotent.
@@ -738,9 +512,7 @@ class PSClient:
             if leave:
                 self.leave(timeout=min(5.0, self.timeout))
         finally:
-            self._pool.shutdown(wait=True)
-            for c in self._channels + self._retired:
-                c.close()
+            self.transport.close()
             if self.metrics_endpoint is not None:
                 self.metrics_endpoint.close()
 
@@ -796,52 +568,3 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
             client.close()
             raise
     return client
-
-
-_COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
-             "push_bytes_total", "pull_bytes_total")
-
-
-def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
-    """A StatsResponse as plain Python values (ints stay ints)."""
-    out: dict[str, Any] = {
-        "shard_index": r.shard_index,
-        "num_shards": r.num_shards,
-        "sync": r.sync,
-        "num_workers": r.num_workers,
-        "registered_workers": list(r.registered_workers),
-        "tensors": [
-            {
-                "name": t.spec.name,
-                "shape": tuple(t.spec.shape),
-                "dtype": codec.dtype_name(t.spec.dtype),
-                "optimizer": t.spec.optimizer.name,
-                "parts": [(p.start, p.stop) for p in t.spec.parts],
-                "weight_bytes": t.weight_bytes,
-                "optimizer_state_bytes": t.optimizer_state_bytes,
-            }
-            for t in r.tensors
-        ],
-        "staleness_counts": {int(k): int(v) for k, v in r.staleness_counts.items()},
-        "worker_clocks": {int(k): int(v) for k, v in r.worker_clocks.items()},
-        "skipped_steps_total": int(r.skipped_steps_total),
-        "duplicate_pushes_total": int(r.duplicate_pushes_total),
-        "loss_scale": float(r.loss_scale),
-        "sync_switches_total": int(r.sync_switches_total),
-        "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
-        "evicted_workers": list(r.evicted_workers),
-        "evictions_total": int(r.evictions_total),
-        "left_workers": list(r.left_workers),
-        "leaves_total": int(r.leaves_total),
-        "epoch": int(r.epoch),
-        "recovering": bool(r.recovering),
-        "waiting_pulls": int(r.waiting_pulls),
-        "role": r.role,
-        "backup": r.backup,
-        "replica_state": r.replica_state,
-        "replicated_ops_total": int(r.replicated_ops_total),
-        "replication_lag_ops": int(r.replication_lag_ops),
-    }
-    for key in _COUNTERS:
-        out[key] = int(getattr(r, key))
-    return out

@@ -3,11 +3,16 @@
 Created on the registry passed in; every sample carries the label ``worker``.
 ``DistributedOptimizer(metrics=WorkerMetrics(registry, worker_id))`` records
 step, push and pull times itself; the loss comes from ``opt.record_loss``.
+``serve_worker_metrics`` serves them on their own registry (what a client
+given ``metrics_port`` does once it registers).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shardps.exposition import MetricsEndpoint, serve_metrics
+from shardps.protos import env
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -29,3 +34,15 @@ class WorkerMetrics:
                              ["worker"], registry=registry).labels(w)
         self.clock = Gauge("shardps_worker_clock_steps_pushed", "Steps this worker has pushed.",
                            ["worker"], registry=registry).labels(w)
+
+
+def serve_worker_metrics(worker_id: int, host: str, port: int) -> tuple[WorkerMetrics, MetricsEndpoint]:
+    """A worker's metrics on a registry of their own, served at http://host:port/metrics (port 0: a free one)."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, worker_id)
+    try:
+        endpoint = serve_metrics(registry, host, port)
+    except OSError as e:
+        raise OSError(f"worker {worker_id}: cannot serve metrics on {host}:{port} (metrics_port or "
+                      f"{env.METRICS_PORT}): {e.strerror}") from None
+    return metrics, endpoint

@@ -16,43 +16,21 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import grpc
 import torch
 from torch import nn
 
 from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
-from shardps.worker.client import (
-    DEFAULT_MAX_WHOLE_BYTES,
-    OptimizerChoice,
-    PSClient,
-    PushResult,
-    ShardError,
-)
+from shardps.worker.client import PSClient, PushResult
+from shardps.worker.errors import RolledBack, ShardError
+from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
+from shardps.worker.rollback import Action, During, decide, resume_step
+
+__all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
 
 log = logging.getLogger("shardps.worker")
-
-
-class RolledBack(Exception):
-    """The job was rolled back to a checkpoint: redo training from optimizer step ``step``.
-
-    The model already holds the weights of that step. Catch it in the
-    training loop and move the data back::
-
-        step = 0
-        while step < total:
-            try:
-                train_one_step(step)   # forward, backward, opt.step()
-                step += 1
-            except shardps.RolledBack as e:
-                step = e.step
-    """
-
-    def __init__(self, step: int, worker_id: int) -> None:
-        super().__init__(f"worker {worker_id}: the job rolled back; go on from step {step}")
-        self.step = step
 
 
 class DistributedOptimizer:
@@ -121,11 +99,11 @@ class DistributedOptimizer:
         try:
             self.client.pull(out=self.params)
         except ShardError as e:
-            if e.code != grpc.StatusCode.ABORTED:
+            if decide(e, During.JOIN) is not Action.RESYNC:
                 raise
             self._resync()  # joining a job whose shards restarted
         self._acc, self._acc_steps = {}, 0
-        self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
+        self.local_steps = resume_step(self.round, self.sync)
         self._follow()
 
     def _resync(self, attempts: int = 10) -> None:
@@ -137,7 +115,7 @@ class DistributedOptimizer:
                 self.client.pull(out=self.params)
                 return
             except ShardError as e:
-                if e.code != grpc.StatusCode.ABORTED:
+                if decide(e, During.RESYNC) is not Action.RESYNC:
                     raise
                 log.info("worker %d: the job rolled back again while resyncing: %s", self.client.worker_id,
                          e.details)
@@ -148,7 +126,7 @@ class DistributedOptimizer:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
         self._resync()
         self._acc, self._acc_steps = {}, 0
-        self.local_steps = self.round * (self.sync.every if self.sync.kind == "every" else 1)
+        self.local_steps = resume_step(self.round, self.sync)
         self.rollbacks += 1
         self._follow()
         return RolledBack(self.local_steps, self.client.worker_id)
@@ -209,9 +187,10 @@ class DistributedOptimizer:
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                               loss_scale=self.client.loss_scale)
         except ShardError as e:
-            if e.code == grpc.StatusCode.ABORTED:
+            action = decide(e, During.PUSH)
+            if action is Action.ROLLBACK:
                 raise self._recover() from None
-            if e.code != grpc.StatusCode.FAILED_PRECONDITION or "was evicted" not in e.details:
+            if action is not Action.REJOIN:
                 raise
             # Our lease expired (we were too slow, or cut off): the others went on without us.
             # Rejoin with the current weights; this step's gradient is too stale to keep.
@@ -232,7 +211,7 @@ class DistributedOptimizer:
         try:
             self.client.pull(out=self.params, min_versions=mins, min_clock=max(0, min_clock))
         except ShardError as e:
-            if e.code != grpc.StatusCode.ABORTED:
+            if decide(e, During.PULL) is not Action.ROLLBACK:
                 raise
             raise self._recover() from None
         self._follow()

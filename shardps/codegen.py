@@ -1,10 +1,13 @@
 """Regenerate the committed protobuf/gRPC stubs from ``ps.proto``.
 
-Run ``make proto`` (or ``python -m shardps.protos.codegen``). The stubs are
+Run ``make proto`` (or ``python -m shardps.codegen``). The stubs are
 generated under the import path ``shardps.protos.shardps.v1`` by mapping the
-virtual proto root ``shardps/protos`` onto this folder, so the generated
-``ps_pb2_grpc.py`` imports ``shardps.protos.shardps.v1.ps_pb2`` as installed.
-``generate(out_dir)`` writes to another folder, which the stub test compares.
+virtual proto root ``shardps/protos`` onto the ``protos/`` folder (the
+``shardps.protos`` package), so the generated ``ps_pb2_grpc.py`` imports
+``shardps.protos.shardps.v1.ps_pb2`` as installed. ``generate(out_dir)``
+writes to another folder, which the stub test compares. A tool of the
+developers (``make proto``, tests/test_proto_stubs.py), not of the wire
+contract: it lives beside the CLI, not in ``protos/``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent
+from shardps import protos
+
+PROTO_DIR = Path(protos.__file__).resolve().parent  # protos/ (installed as shardps.protos)
 PROTO_FILES = ("shardps/v1/ps.proto",)
 GENERATED = ("ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py")
 

@@ -1,0 +1,226 @@
+"""Operating a running job: the operator's calls and ``shardps ctl ...`` (set-sync, checkpoint, promote,
+attach-replica), ``shardps stats`` and ``shardps health``.
+
+The calls (``stats``, ``set_sync``, ``checkpoint`` over every shard of a
+transport; ``promote``, ``attach_replica``, ``health`` on one endpoint) are
+not on the worker's data path: ``PSClient.stats()``, ``.set_sync()`` and
+``.checkpoint()`` delegate here. The ``run_*`` functions are the commands:
+they connect, call and print. ``stats_rows`` turns the shards' Stats into
+table rows; ``render_table`` formats them for a terminal. Staleness
+percentiles come from the shards' exact staleness counts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from shardps.protos import codec
+from shardps.protos.security import Security
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.client import connect
+from shardps.worker.errors import ShardError
+from shardps.worker.transport import Transport, explain_unreachable, health_status, unary
+
+# -- the calls ----------------------------------------------------------------
+
+
+def stats(transport: Transport) -> list[dict[str, Any]]:
+    """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
+    t = transport
+    res = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
+    return [stats_to_dict(r) for r in res]
+
+
+def set_sync(transport: Transport, sync: str) -> list[str]:
+    """Switch the running job's sync mode on every shard; workers follow from their next step."""
+    t = transport
+    res = t.each(lambda i: t.stub(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
+                                             wait_for_ready=True))
+    return [r.sync for r in res]
+
+
+def checkpoint(transport: Transport) -> list[tuple[int, str]]:
+    """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
+    t = transport
+    res = t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest(), timeout=t.timeout))
+    return [(r.version, r.path) for r in res]
+
+
+def promote(address: str, *, force: bool = False, reason: str = "shardps ctl promote", timeout: float = 30.0,
+            security: Security | None = None) -> ps_pb2.PromoteResponse:
+    """Make the backup at ``address`` (a server's replica port) serve its shard."""
+    return unary(address, "Promote", ps_pb2.PromoteRequest(reason=reason, force=force), timeout=timeout,
+                 security=security)
+
+
+def attach_replica(address: str, target: str, *, timeout: float = 30.0,
+                   security: Security | None = None) -> ps_pb2.AttachReplicaResponse:
+    """Give the shard at ``address`` a backup at ``target``; waits up to ``timeout`` for it to sync."""
+    return unary(address, "AttachReplica", ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
+                 timeout=timeout + 5, security=security)
+
+
+_COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
+             "push_bytes_total", "pull_bytes_total")
+
+
+def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
+    """A StatsResponse as plain Python values (ints stay ints)."""
+    out: dict[str, Any] = {
+        "shard_index": r.shard_index,
+        "num_shards": r.num_shards,
+        "sync": r.sync,
+        "num_workers": r.num_workers,
+        "registered_workers": list(r.registered_workers),
+        "tensors": [
+            {
+                "name": t.spec.name,
+                "shape": tuple(t.spec.shape),
+                "dtype": codec.dtype_name(t.spec.dtype),
+                "optimizer": t.spec.optimizer.name,
+                "parts": [(p.start, p.stop) for p in t.spec.parts],
+                "weight_bytes": t.weight_bytes,
+                "optimizer_state_bytes": t.optimizer_state_bytes,
+            }
+            for t in r.tensors
+        ],
+        "staleness_counts": {int(k): int(v) for k, v in r.staleness_counts.items()},
+        "worker_clocks": {int(k): int(v) for k, v in r.worker_clocks.items()},
+        "skipped_steps_total": int(r.skipped_steps_total),
+        "duplicate_pushes_total": int(r.duplicate_pushes_total),
+        "loss_scale": float(r.loss_scale),
+        "sync_switches_total": int(r.sync_switches_total),
+        "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
+        "evicted_workers": list(r.evicted_workers),
+        "evictions_total": int(r.evictions_total),
+        "left_workers": list(r.left_workers),
+        "leaves_total": int(r.leaves_total),
+        "epoch": int(r.epoch),
+        "recovering": bool(r.recovering),
+        "waiting_pulls": int(r.waiting_pulls),
+        "role": r.role,
+        "backup": r.backup,
+        "replica_state": r.replica_state,
+        "replicated_ops_total": int(r.replicated_ops_total),
+        "replication_lag_ops": int(r.replication_lag_ops),
+    }
+    for key in _COUNTERS:
+        out[key] = int(getattr(r, key))
+    return out
+
+
+# -- the commands ---------------------------------------------------------------
+
+COLUMNS = ("shard", "version", "sync", "tensors", "weights MiB", "opt state MiB", "stale p50", "stale p99",
+           "clock gap", "live workers", "pushes", "skipped", "replica")
+
+
+def percentile(counts: dict[int, int], q: float) -> int | None:
+    """The smallest staleness s with at least a fraction q of gradients at or below it."""
+    total = sum(counts.values())
+    if not total:
+        return None
+    seen = 0
+    for s in sorted(counts):
+        seen += counts[s]
+        if seen >= q * total:
+            return s
+    return max(counts)
+
+
+def stats_rows(stats: Sequence[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for s in stats:
+        clocks = {w: s["worker_clocks"].get(w, -1) + 1 for w in range(s["num_workers"])}
+        gap = max(clocks.values()) - min(clocks.values()) if clocks else 0
+        p50, p99 = percentile(s["staleness_counts"], 0.5), percentile(s["staleness_counts"], 0.99)
+        rows.append([
+            str(s["shard_index"]), str(s["version"]), s["sync"] or "-", str(len(s["tensors"])),
+            f"{sum(t['weight_bytes'] for t in s['tensors']) / 2**20:.2f}",
+            f"{sum(t['optimizer_state_bytes'] for t in s['tensors']) / 2**20:.2f}",
+            "-" if p50 is None else str(p50), "-" if p99 is None else str(p99), str(gap),
+            f"{len(s['registered_workers'])}/{s['num_workers']}", str(s["pushes_total"]),
+            str(s["skipped_steps_total"]), s.get("replica_state") or "none",
+        ])
+    return rows
+
+
+def render_table(rows: list[list[str]], columns: Sequence[str] = COLUMNS) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def run_stats(addresses: list[str], *, watch: float | None = None, timeout: float = 10.0,
+              out: TextIO = sys.stdout, iterations: int | None = None, security: Security | None = None) -> int:
+    """Print the shards' table once, or every ``watch`` seconds until Ctrl-C (or ``iterations``)."""
+    with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
+        n = 0
+        try:
+            while True:
+                table = render_table(stats_rows(stats(client.transport)))
+                if watch:
+                    out.write("\x1b[2J\x1b[H" if out.isatty() else "")
+                    out.write(f"shardps stats  {time.strftime('%H:%M:%S')}  every {watch:g}s (Ctrl-C to stop)\n")
+                out.write(table + "\n")
+                out.flush()
+                n += 1
+                if not watch or (iterations is not None and n >= iterations):
+                    return 0
+                time.sleep(watch)  # the refresh interval of the display
+        except KeyboardInterrupt:
+            return 0
+
+
+def run_set_sync(addresses: list[str], sync: str, *, timeout: float = 30.0, out: TextIO = sys.stdout,
+                 security: Security | None = None) -> int:
+    with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
+        modes = set_sync(client.transport, sync)
+    out.write(f"sync is now {modes[0]} on {len(modes)} shards; workers follow from their next step\n")
+    return 0
+
+
+def run_checkpoint(addresses: list[str], *, timeout: float = 60.0, out: TextIO = sys.stdout,
+                   security: Security | None = None) -> int:
+    with connect(addresses, timeout=timeout, ready_timeout=timeout, security=security) as client:
+        written = checkpoint(client.transport)
+    for shard, (version, path) in enumerate(written):
+        out.write(f"shard {shard}: checkpoint at version {version}: {path}\n")
+    return 0
+
+
+def run_promote(addresses: list[str], *, force: bool = False, timeout: float = 30.0, out: TextIO = sys.stdout,
+                security: Security | None = None) -> int:
+    """Make the backups at ``addresses`` (servers' replica ports) serve their shards."""
+    for address in addresses:
+        r = promote(address, force=force, timeout=timeout, security=security)
+        out.write(f"{address}: serves shard {r.shard_index} from version {r.version}\n")
+    return 0
+
+
+def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout: float = 30.0,
+                       out: TextIO = sys.stdout, security: Security | None = None) -> int:
+    """Give shard ``shard`` (at ``addresses[shard]``) a backup at ``target``; wait for it to sync."""
+    if not 0 <= shard < len(addresses):
+        raise ValueError(f"--shard must be in [0, {len(addresses)}), got {shard}")
+    r = attach_replica(addresses[shard], target, timeout=timeout, security=security)
+    out.write(f"shard {shard}: backup at {target} is {r.replica_state}\n")
+    return 0 if r.replica_state == "synced" else 1
+
+
+def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1.ParameterServer",
+               out: TextIO = sys.stdout, security: Security | None = None) -> int:
+    """Exit status 0 only when the server at ``address`` answers SERVING (a container healthcheck)."""
+    sec = security if security is not None else Security.from_env()
+    try:
+        status, serving = health_status(address, service=service, timeout=timeout, security=sec)
+    except ShardError as e:
+        out.write(f"{address}: {e.code.name}: {explain_unreachable(sec, e.details) or e.details}\n")
+        return 1
+    out.write(f"{address}: {status}\n")
+    return 0 if serving else 1

@@ -1,0 +1,61 @@
+"""Fake gRPC channels for the worker's tests: each call goes to a function of (address, method, request)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from shardps.protos.security import Security
+from shardps.worker.transport import Transport
+
+
+class Failure(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+Server = Callable[[str, str, Any], Any]
+
+
+class FakeChannel:
+    def __init__(self, address: str, server: Server) -> None:
+        self.address, self.server, self.closed = address, server, False
+
+    def _method(self, path: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        name = path.rsplit("/", 1)[1]
+        return lambda request, timeout=None, **kw: self.server(self.address, name, request)
+
+    unary_unary = unary_stream = stream_unary = stream_stream = _method
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeSecurity(Security):
+    """Security whose channels are fakes served by ``server``."""
+
+    def channel(self, address: str, options: Any = None) -> Any:  # type: ignore[override]
+        ch = FakeChannel(address, SERVERS[id(self)])
+        OPENED.setdefault(id(self), []).append(ch)
+        return ch
+
+
+SERVERS: dict[int, Server] = {}
+OPENED: dict[int, list[FakeChannel]] = {}
+
+
+def fake_transport(server: Server, addresses=("a:1", "b:1"), **kw: Any) -> Transport:
+    sec = FakeSecurity()
+    SERVERS[id(sec)] = server
+    kw.setdefault("timeout", 5.0)
+    kw.setdefault("recovery_timeout", 0.3)
+    return Transport(list(addresses), security=sec, **kw)

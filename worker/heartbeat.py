@@ -1,0 +1,65 @@
+"""Heartbeats: a registered worker renews its lease on every shard in the background.
+
+Push and Pull renew the lease too; heartbeats keep a worker that computes for
+longer than its lease from being evicted. ``PSClient.register`` starts them
+(every lease / 3), ``close()`` stops them; the thread checks for a stop
+between shards, so stopping never waits for more than the call under way.
+A heartbeat's answer also names the shard's backup when one was attached
+since registering (after a takeover, a spare): the transport learns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.errors import ShardError
+from shardps.worker.transport import Transport
+
+log = logging.getLogger("shardps.worker")
+
+
+class Heartbeats:
+    """The background thread renewing ``worker_id``'s lease on every shard of ``transport``."""
+
+    def __init__(self, transport: Transport, worker_id: int) -> None:
+        self.transport = transport
+        self.worker_id = worker_id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self, every: float) -> None:
+        """Beat every ``every`` seconds from now on (once: a second start does nothing)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, args=(every,), name=f"worker{self.worker_id}-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop beating (the worker is evicted once its lease runs out); waits for the thread up to ``timeout``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+    def _loop(self, every: float) -> None:
+        t = self.transport
+        while not self._stop.wait(every):
+            for i, stub in enumerate(t.stubs()):
+                if self._stop.is_set():
+                    return
+                try:
+                    r = t.attempt(i, lambda stub=stub: stub.Heartbeat(
+                        ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every))
+                except ShardError as e:  # the data path reports failures; here only log them
+                    log.debug("heartbeat to shard %d failed: %s", i, e.code)
+                    continue
+                except ValueError:  # the channel was closed under it (close() gave up waiting)
+                    return
+                if r.backup:  # a backup attached since registering (after a takeover, a spare)
+                    t.set_backup(i, r.backup, stub)

@@ -1,0 +1,105 @@
+"""Layouts: how each tensor travels (shape, wire dtypes, optimizer) and which shard holds which part.
+
+``plan`` computes them for a worker registering its tensors (the shard map
+is a pure function of the tensors, so every worker computes the same);
+``register_requests`` is what a shard is sent to register its parts (and,
+from the worker that provides values, their initial values); ``from_stats``
+reads them back from the shards (a client that attaches instead).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardps.protos import codec
+from shardps.protos.optim import OptimizerSpec, spec_from_proto
+from shardps.protos.shardmap import Part, ShardMap, TensorInfo, build_shard_map
+from shardps.protos.shardps.v1 import ps_pb2
+
+DEFAULT_MAX_WHOLE_BYTES = 256 << 20
+
+OptimizerChoice = OptimizerSpec | Callable[[str, torch.Tensor], OptimizerSpec]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor travels: full shape, wire dtype, optimizer, gradient dtype."""
+
+    shape: tuple[int, ...]
+    dtype: int
+    optimizer: OptimizerSpec
+    grad_dtype: int = 0  # 0: the same as dtype
+
+    @property
+    def push_dtype(self) -> int:
+        return self.grad_dtype or self.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def plan(tensors: Mapping[str, torch.Tensor], optimizer: OptimizerChoice, num_shards: int, *,
+         grad_dtype: torch.dtype | None = None, part_bytes: int | None = None,
+         max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES) -> tuple[dict[str, Layout], ShardMap]:
+    """Each tensor's layout and the shard map of their parts (empty tensors have a layout, no part)."""
+    gwire = codec.to_wire_dtype(grad_dtype) if grad_dtype is not None else 0
+    layouts: dict[str, Layout] = {}
+    infos = []
+    for name, t in tensors.items():
+        opt = optimizer(name, t) if callable(optimizer) else optimizer
+        wire = codec.to_wire_dtype(t.dtype)
+        layouts[name] = Layout(tuple(t.shape), wire, opt, gwire if gwire != wire else 0)
+        if t.numel() == 0:
+            continue
+        infos.append(TensorInfo(name, tuple(t.shape), t.element_size(), opt.elementwise))
+    smap = build_shard_map(infos, num_shards, part_bytes=part_bytes, max_whole_bytes=max_whole_bytes)
+    return layouts, smap
+
+
+def register_requests(shard: int, smap: ShardMap, layouts: Mapping[str, Layout], *, worker_id: int,
+                      num_workers: int, sync: str, addresses: Sequence[str],
+                      values: Mapping[str, torch.Tensor] | None, chunk_bytes: int,
+                      loss_scaling: ps_pb2.LossScaling | None = None,
+                      staleness_remedy: str = "none") -> Iterator[ps_pb2.RegisterRequest]:
+    """The Register stream for ``shard``: its parts' specs, then (``values``: flat CPU tensors) their values."""
+    parts = smap.parts_for(shard)
+    by_name: dict[str, list[tuple[int, int]]] = {}
+    for p in parts:
+        by_name.setdefault(p.name, []).append((p.start, p.stop))
+    specs = []
+    for n, rs in by_name.items():
+        lay = layouts[n]
+        holders = smap.holders(n)
+        specs.append(ps_pb2.TensorSpec(
+            name=n, shape=list(lay.shape), dtype=lay.dtype, grad_dtype=lay.push_dtype,  # type: ignore[arg-type]
+            optimizer=lay.optimizer.to_proto(), parts=[ps_pb2.Part(start=a, stop=b) for a, b in rs],
+            peers=addresses if holders else [], holders=holders))
+    provides_values = values is not None
+    yield ps_pb2.RegisterRequest(worker_id=worker_id, num_workers=num_workers,
+                                 sync=sync, tensors=specs, provides_values=provides_values,
+                                 loss_scaling=loss_scaling, staleness_remedy=staleness_remedy)
+    if values is not None:
+        for p in parts:
+            flat = values[p.name]
+            for off, data in codec.encode_range(flat, p.start, p.stop, chunk_bytes):
+                yield ps_pb2.RegisterRequest(chunk=ps_pb2.Chunk(
+                    name=p.name, offset=off, dtype=layouts[p.name].dtype, data=data))  # type: ignore[arg-type]
+
+
+def from_stats(stats: Sequence[ps_pb2.StatsResponse]) -> tuple[dict[str, Layout], ShardMap]:
+    """The layouts and shard map the shards hold, from their Stats (in shard order)."""
+    parts, layouts = [], {}
+    for i, s in enumerate(stats):
+        for held in s.tensors:
+            spec = held.spec
+            gd = spec.grad_dtype if spec.grad_dtype != spec.dtype else 0
+            layouts[spec.name] = Layout(tuple(spec.shape), spec.dtype, spec_from_proto(spec.optimizer), gd)
+            parts.extend(Part(spec.name, p.start, p.stop, i) for p in spec.parts)
+    infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
+    smap = ShardMap(len(stats), tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
+    return layouts, smap

@@ -1,0 +1,329 @@
+"""The transport: a channel to every shard, retries, fail-over to backups, the fan-out over shards.
+
+The one module of the worker that speaks gRPC. Every failure leaves it as a
+``ShardError`` of the type its status names (``worker/errors.py``), mapped
+here once; the client, the heartbeats and the optimizer above it see only
+those. ``call`` retries a shard that is UNAVAILABLE (and fails over to its
+backup when it has one); ``each`` runs a call on every shard in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from shardps.protos import framing
+from shardps.protos.security import Security
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.worker.errors import ShardError, shard_error
+
+log = logging.getLogger("shardps.worker")
+
+SERVICE = "shardps.v1.ParameterServer"
+T = TypeVar("T")
+
+
+def explain_unreachable(security: Security, details: str) -> str:
+    """What a failed connection's gRPC details mean for this client's settings ("" if nothing to add).
+
+    gRPC reports a refused TLS handshake in words of its transport ("Socket
+    closed", "Hostname Verification Check failed"); this names the cause
+    and the setting that fixes it.
+    """
+    d = details
+    if "Hostname Verification" in d or "No match found for server name" in d:
+        name = security.server_name or "the host in its address"
+        return (f"TLS handshake failed: the server's certificate does not carry {name}; pass the name it carries "
+                f"as server_name (--server-name, SHARDPS_TLS_SERVER_NAME)")
+    if "CERTIFICATE_VERIFY_FAILED" in d:
+        return ("TLS handshake failed: the server's certificate is not signed by the CA this client trusts "
+                "(tls_ca, --tls-ca, SHARDPS_TLS_CA)")
+    if "WRONG_VERSION_NUMBER" in d or ("handshake" in d.lower() and not security.tls_cert and security.tls):
+        return "TLS handshake failed: the server does not speak TLS (drop tls_ca) or refused this client"
+    if "Tls handshake failed" in d or "SSL_ERROR" in d:
+        return "TLS handshake failed"
+    if "Socket closed" in d or "Connection reset" in d:
+        if security.tls and not security.tls_cert:
+            return ("the server closed the connection during the TLS handshake: it requires a client "
+                    "certificate (mutual TLS) and this client has none (tls_cert/tls_key, --tls-cert/--tls-key, "
+                    "SHARDPS_TLS_CERT/SHARDPS_TLS_KEY)")
+        if not security.tls:
+            return ("the server closed the connection: if it serves TLS, this client speaks plaintext "
+                    "(give the CA: tls_ca, --tls-ca, SHARDPS_TLS_CA)")
+        return "the server closed the connection during the TLS handshake: it does not accept this client's certificate"
+    if "Connection refused" in d:
+        return "nothing listens there (connection refused)"
+    return ""
+
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """A gRPC failure's status code and details (UNKNOWN and its text when it carries none)."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else str(e)) or ""
+    return code, details
+
+
+class Transport:
+    """Channels to the shards at ``addresses`` (in shard order) and a thread per shard to call them in parallel.
+
+    ``backups``: each shard's backup ('' for none; ``--replicas 2``), learnt
+    later too (``set_backup``). ``timeout`` is every RPC's deadline;
+    ``recovery_timeout`` how long an UNAVAILABLE shard is retried.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, security: Security, timeout: float, recovery_timeout: float,
+                 backups: Sequence[str] | None = None, worker_id: int = 0) -> None:
+        self.addresses = list(addresses)
+        self.security = security
+        self.timeout = timeout
+        self.recovery_timeout = recovery_timeout
+        self.worker_id = worker_id  # named in the reason a backup is asked to take over
+        self.retries_total = 0
+        self.failovers_total = 0
+        if backups is not None and len(backups) != len(self.addresses):
+            raise ValueError(f"backups: one address (or '') per shard: {len(self.addresses)} shards, "
+                             f"{len(backups)} backups")
+        self.backups = list(backups) if backups is not None else [""] * len(self.addresses)
+        self._failover_lock = threading.Lock()
+        self._retired: list[grpc.Channel] = []
+        self._channels: list[grpc.Channel] = []
+        self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        self._push_raw: list[Any] = []
+        self._pull_raw: list[Any] = []
+        for i, a in enumerate(self.addresses):
+            self._install(i, a, self.security.channel(a))
+        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    # -- the shards' endpoints ----------------------------------------------
+
+    def stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
+        """The stub that talks to ``shard`` now (after a fail-over: its backup)."""
+        return self._stubs[shard]
+
+    def stubs(self) -> list[ps_pb2_grpc.ParameterServerStub]:
+        """The current stubs, one per shard (a snapshot)."""
+        return list(self._stubs)
+
+    def push(self, shard: int, requests: Iterator[bytes]) -> ps_pb2.PushResponse:
+        """A Push of serialized PushRequests (``framing``) to ``shard``."""
+        return self._push_raw[shard](requests, timeout=self.timeout)
+
+    def pull(self, shard: int, request: ps_pb2.PullRequest) -> Iterator[Any]:
+        """A Pull from ``shard``: framed responses whose ``chunk.data`` views the received message."""
+        return self._pull_raw[shard](request, timeout=self.timeout)
+
+    def set_backup(self, shard: int, backup: str, stub: ps_pb2_grpc.ParameterServerStub | None = None) -> None:
+        """``shard``'s backup is ``backup`` (learnt from ``stub``'s answer: kept only while it serves the shard)."""
+        with self._failover_lock:
+            if stub is None or self._stubs[shard] is stub:
+                self.backups[shard] = backup
+
+    def _install(self, shard: int, address: str, channel: grpc.Channel) -> None:
+        """Talk to ``shard`` at ``address`` over ``channel`` from now on."""
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        # Push and Pull with chunk.data framed by hand (protos/framing.py): the
+        # same wire format, one copy of the data on each side.
+        push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
+                                    response_deserializer=ps_pb2.PushResponse.FromString, _registered_method=True)
+        pull = channel.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                    response_deserializer=framing.parse_pull_response, _registered_method=True)
+        if shard == len(self._channels):
+            self._channels.append(channel)
+            self._stubs.append(stub)
+            self._push_raw.append(push)
+            self._pull_raw.append(pull)
+        else:
+            self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
+            self._channels[shard], self._stubs[shard] = channel, stub
+            self._push_raw[shard], self._pull_raw[shard] = push, pull
+        self.addresses[shard] = address
+
+    # -- fail-over ------------------------------------------------------------
+
+    def _moved_to(self, shard: int) -> str:
+        """Where a deposed primary says its shard went ("" if it does not answer or was not deposed)."""
+        try:
+            s = self._stubs[shard].Stats(ps_pb2.StatsRequest(), timeout=min(2.0, self.timeout))
+        except grpc.RpcError:
+            return ""
+        return s.backup if s.role == "deposed" else ""
+
+    def _fail_over(self, shard: int, failed: str, details: str) -> bool:
+        """Ask shard's backup to take over (--replicas 2); True once requests should go there.
+
+        The backup refuses while the primary still answers its health
+        check, so a primary that is only slow keeps its shard.
+        """
+        with self._failover_lock:
+            if self.addresses[shard] != failed:  # another thread failed over already
+                return True
+            backup = self.backups[shard] or self._moved_to(shard)
+            if not backup:
+                return False
+            channel = self.security.channel(backup)
+            try:
+                r = ps_pb2_grpc.ParameterServerStub(channel).Promote(
+                    ps_pb2.PromoteRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
+                    timeout=min(10.0, self.timeout))
+            except grpc.RpcError as e:
+                channel.close()
+                log.warning("shard %d: its backup at %s did not take over: %s: %s", shard, backup,
+                            e.code().name if hasattr(e, "code") else "?", e.details() if hasattr(e, "details") else e)
+                return False
+            self._install(shard, backup, channel)
+            self.backups[shard] = ""
+            self.failovers_total += 1
+        log.warning("shard %d: %s is unavailable; failed over to its backup at %s (version %d)", shard, failed,
+                    backup, r.version)
+        return True
+
+    # -- calls ----------------------------------------------------------------
+
+    def attempt(self, shard: int, fn: Callable[[], T]) -> T:
+        """``fn()`` against one shard, once: a failure raises its ShardError (no retry, no fail-over)."""
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            code, details = status_of(e)
+            raise shard_error(self.addresses[shard], shard, code, details) from None
+
+    def call(self, shard: int, fn: Callable[[], T]) -> T:
+        """``fn()`` against one shard, retried while the shard is UNAVAILABLE.
+
+        Every call shardps makes is safe to repeat (pushes are deduplicated
+        per (worker, step) on the shard), so a lost reply or a restarting
+        server costs a retry, not a wrong result. Between tries it waits for
+        a back-off that grows from 50 ms to 2 s, for at most
+        ``recovery_timeout`` seconds, then raises naming the shard. With a
+        backup (``--replicas 2``) an unavailable shard fails over to it.
+        """
+        start = time.monotonic()
+        backoff = 0.05
+        tries = 0
+        while True:
+            address = self.addresses[shard]
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code, details = status_of(e)
+                if code == grpc.StatusCode.UNAVAILABLE and self._fail_over(shard, address, details):
+                    continue
+                waited = time.monotonic() - start
+                if code != grpc.StatusCode.UNAVAILABLE or waited >= self.recovery_timeout:
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        hint = explain_unreachable(self.security, details)
+                        details = f"{hint}: {details}" if hint else details
+                    if code == grpc.StatusCode.UNAVAILABLE and tries:
+                        details = f"still unavailable after {waited:.0f}s and {tries} retries: {details}"
+                    raise shard_error(self.addresses[shard], shard, code, details) from None
+            tries += 1
+            self.retries_total += 1
+            if tries == 1:
+                log.warning("shard %d (%s) unavailable: retrying for up to %.0fs", shard, self.addresses[shard],
+                            self.recovery_timeout)
+            remaining = self.recovery_timeout - (time.monotonic() - start)
+            # The shard is another process (maybe restarting): nothing local to wait on.
+            time.sleep(max(0.0, min(backoff, remaining)))
+            backoff = min(2.0, backoff * 2)
+
+    def each(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
+        """Run ``fn(shard)`` for every shard in parallel (each retried as ``call``); raise the first failure."""
+        return self.fan_out(lambda i: self.call(i, lambda: fn(i)), shards)
+
+    def fan_out(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
+        """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure."""
+        idx = list(range(self.num_shards)) if shards is None else list(shards)
+        futs = [self._pool.submit(fn, i) for i in idx]
+        results, first_err = [], None
+        for f in futs:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
+                first_err = first_err or e
+                results.append(None)
+        if first_err is not None:
+            raise first_err
+        return results
+
+    # -- connecting -------------------------------------------------------------
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every shard's channel is connected (TimeoutError names the laggards).
+
+        A shard with a known backup whose primary does not answer within a
+        few seconds fails over to it.
+        """
+        t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
+        futs = [grpc.channel_ready_future(c) for c in self._channels]
+        missing = []
+        for i, (a, f) in enumerate(zip(list(self.addresses), futs)):
+            try:
+                patience = max(0.0, deadline - time.monotonic())
+                f.result(timeout=min(patience, 5.0) if self.backups[i] else patience)
+            except grpc.FutureTimeoutError:
+                if not (self.backups[i] and self._fail_over(i, a, "not answering when connecting")):
+                    missing.append(a)
+            finally:
+                f.cancel()
+        if missing:
+            reasons = [f"{a}: {why}" for a in missing if (why := self.probe(a))]
+            raise TimeoutError(f"no parameter server answered within {t:.0f}s at {missing}"
+                               + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+    def probe(self, address: str) -> str:
+        """Why ``address`` does not answer, from one short health check ("" when it answers now)."""
+        try:
+            health_status(address, security=self.security, timeout=2.0)
+            return ""
+        except ShardError as e:
+            return explain_unreachable(self.security, e.details) or e.details
+
+    def close(self) -> None:
+        """Stop the threads (after the calls under way) and close every channel. Idempotent."""
+        self._pool.shutdown(wait=True)
+        for c in self._channels + self._retired:
+            c.close()
+
+
+def unary(address: str, method: str, request: Any, *, timeout: float, security: Security | None = None) -> Any:
+    """One ParameterServer ``method`` call to the endpoint at ``address`` (no shard: no retry, no fail-over).
+
+    Failures raise a ShardError naming the endpoint, its details prefixed with ``method``.
+    """
+    channel = (security if security is not None else Security.from_env()).channel(address)
+    try:
+        return getattr(ps_pb2_grpc.ParameterServerStub(channel), method)(request, timeout=timeout)
+    except grpc.RpcError as e:
+        code, details = status_of(e)
+        raise shard_error(address, None, code, f"{method}: {details}") from None
+    finally:
+        channel.close()
+
+
+def health_status(address: str, *, service: str = "", timeout: float = 5.0,
+                  security: Security | None = None) -> tuple[str, bool]:
+    """The gRPC health check of ``address``: (status name, whether SERVING); a failure raises ShardError."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = (security if security is not None else Security.from_env()).channel(address)
+    try:
+        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                      timeout=timeout)
+    except grpc.RpcError as e:
+        code, details = status_of(e)
+        raise shard_error(address, None, code, details) from None
+    finally:
+        channel.close()
+    return (health_pb2.HealthCheckResponse.ServingStatus.Name(r.status),
+            r.status == health_pb2.HealthCheckResponse.SERVING)
