@@ -142,7 +142,8 @@ def run_demo(args: Any) -> int:
         except RuntimeError as e:
             print(f"shardps demo: {e}", file=sys.stderr)
             return 2
-    replicas, victim = getattr(args, "replicas", 1), getattr(args, "kill_server", None)
+    replicas: int = getattr(args, "replicas", 1)
+    victim: int | None = getattr(args, "kill_server", None)
     if victim is not None and not (replicas == 2 and 0 <= victim < args.servers):
         print(f"shardps demo: --kill-server needs --replicas 2 and an index in [0, {args.servers})", file=sys.stderr)
         return 2
@@ -166,6 +167,7 @@ def run_demo(args: Any) -> int:
                 + (f"; backups at {', '.join(cluster.replica_addresses)}" if replicas == 2 else ""))
 
             def kill() -> None:
+                assert victim is not None
                 version = _wait_for_version(cluster.addresses[victim], args.kill_at_step, procs,
                                             time.monotonic() + args.timeout)
                 if version is None:

@@ -47,7 +47,7 @@ def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_
 
     threading.Thread(target=reader, daemon=True).start()
     deadline = time.monotonic() + timeout
-    seen = []
+    seen: list[str] = []
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -83,7 +83,8 @@ def frame(prefix: bytes, chunk_field: int, chunk_head: bytes, data: Any, chunk_t
     if n:
         dlen = varint(n)
         body = len(chunk_head) + len(_DATA_KEY) + len(dlen) + n + len(chunk_tail)
-        parts = (prefix, _key(chunk_field), varint(body), chunk_head, _DATA_KEY, dlen, data, chunk_tail, suffix)
+        parts: tuple[Any, ...] = (prefix, _key(chunk_field), varint(body), chunk_head, _DATA_KEY, dlen, data,
+                                  chunk_tail, suffix)
     else:  # proto3 leaves an empty bytes field out
         body = len(chunk_head) + len(chunk_tail)
         parts = (prefix, _key(chunk_field), varint(body), chunk_head, chunk_tail, suffix)
@@ -108,7 +109,7 @@ def chunk_messages(prefix: bytes, chunk_field: int, suffix: bytes, name: str, dt
     size = flat.element_size()
     step = max(1, chunk_bytes // size)
     raw = flat.detach().view(torch.uint8).numpy()
-    tail = ps_pb2.Chunk(shape=shape).SerializeToString() if shape else b""  # type: ignore[arg-type]
+    tail = ps_pb2.Chunk(shape=shape).SerializeToString() if shape else b""
     for a in range(start, stop, step):
         b = min(stop, a + step)
         head = ps_pb2.Chunk(name=name, offset=base + a, dtype=dtype).SerializeToString()  # type: ignore[arg-type]

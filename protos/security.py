@@ -91,6 +91,8 @@ class Security:
                 raise ValueError("a server needs tls_cert and tls_key to serve TLS (tls_ca alone is for clients)")
             return None
         cert, key = _read(self.tls_cert, "TLS certificate"), _read(self.tls_key, "TLS key")
+        if cert is None or key is None:
+            raise ValueError("a server needs tls_key with tls_cert to serve TLS")
         ca = _read(self.tls_ca, "TLS CA")
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
@@ -115,10 +117,10 @@ class Security:
 
 
 class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+    def __init__(self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str | bytes]]) -> None:
         self.method = details.method
         self.timeout = details.timeout
-        self.metadata = metadata
+        self.metadata = tuple(metadata)
         self.credentials = details.credentials
         self.wait_for_ready = details.wait_for_ready
         self.compression = details.compression
@@ -129,7 +131,7 @@ class TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
     """Adds ``authorization: Bearer <token>`` to every call of a channel."""
 
     def __init__(self, token: str) -> None:
-        self._header = (AUTH_HEADER, f"Bearer {token}")
+        self._header: tuple[str, str | bytes] = (AUTH_HEADER, f"Bearer {token}")
 
     def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         return _CallDetails(d, list(d.metadata or []) + [self._header])

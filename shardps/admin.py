@@ -52,15 +52,18 @@ def checkpoint(transport: Transport) -> list[tuple[int, str]]:
 def promote(address: str, *, force: bool = False, reason: str = "shardps ctl promote", timeout: float = 30.0,
             security: Security | None = None) -> ps_pb2.PromoteResponse:
     """Make the backup at ``address`` (a server's replica port) serve its shard."""
-    return unary(address, "Promote", ps_pb2.PromoteRequest(reason=reason, force=force), timeout=timeout,
-                 security=security)
+    r: ps_pb2.PromoteResponse = unary(address, "Promote", ps_pb2.PromoteRequest(reason=reason, force=force),
+                                      timeout=timeout, security=security)
+    return r
 
 
 def attach_replica(address: str, target: str, *, timeout: float = 30.0,
                    security: Security | None = None) -> ps_pb2.AttachReplicaResponse:
     """Give the shard at ``address`` a backup at ``target``; waits up to ``timeout`` for it to sync."""
-    return unary(address, "AttachReplica", ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
-                 timeout=timeout + 5, security=security)
+    r: ps_pb2.AttachReplicaResponse = unary(
+        address, "AttachReplica", ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
+        timeout=timeout + 5, security=security)
+    return r
 
 
 _COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",

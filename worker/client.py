@@ -435,7 +435,7 @@ class PSClient:
         self.versions = [s.version for s in stats]
         self.sync = stats[0].sync or self.sync
         self.loss_scale = stats[0].loss_scale
-        return min(s.worker_clocks.get(self.worker_id, -1) for s in stats) + 1  # as in register()
+        return int(min(s.worker_clocks.get(self.worker_id, -1) for s in stats)) + 1  # as in register()
 
     # -- operator calls: shardps/admin.py (kept here, as documented) --------
 

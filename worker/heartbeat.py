@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.errors import ShardError
@@ -54,8 +55,12 @@ class Heartbeats:
                 if self._stop.is_set():
                     return
                 try:
-                    r = t.attempt(i, lambda stub=stub: stub.Heartbeat(
-                        ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every))
+                    def beat(stub: Any = stub) -> ps_pb2.HeartbeatResponse:
+                        r: ps_pb2.HeartbeatResponse = stub.Heartbeat(
+                            ps_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=every)
+                        return r
+
+                    r = t.attempt(i, beat)
                 except ShardError as e:  # the data path reports failures; here only log them
                     log.debug("heartbeat to shard %d failed: %s", i, e.code)
                     continue

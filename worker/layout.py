@@ -93,7 +93,8 @@ def register_requests(shard: int, smap: ShardMap, layouts: Mapping[str, Layout],
 
 def from_stats(stats: Sequence[ps_pb2.StatsResponse]) -> tuple[dict[str, Layout], ShardMap]:
     """The layouts and shard map the shards hold, from their Stats (in shard order)."""
-    parts, layouts = [], {}
+    parts: list[Part] = []
+    layouts: dict[str, Layout] = {}
     for i, s in enumerate(stats):
         for held in s.tensors:
             spec = held.spec

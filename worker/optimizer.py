@@ -83,9 +83,13 @@ class DistributedOptimizer:
         self._last_step_end: float | None = None
         self.sync_history: list[str] = []  # the mode each sync round ran under
         scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
-        self._register = lambda: client.register(
-            self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype, loss_scaling=scaling,
-            max_whole_bytes=max_whole_bytes, staleness_remedy=staleness_remedy, provides_values=provides_values)
+
+        def register() -> None:
+            client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
+                            loss_scaling=scaling, max_whole_bytes=max_whole_bytes,
+                            staleness_remedy=staleness_remedy, provides_values=provides_values)
+
+        self._register = register
         self.rejoins = 0
         self.rollbacks = 0
         self._join()

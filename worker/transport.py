@@ -116,11 +116,13 @@ class Transport:
 
     def push(self, shard: int, requests: Iterator[bytes]) -> ps_pb2.PushResponse:
         """A Push of serialized PushRequests (``framing``) to ``shard``."""
-        return self._push_raw[shard](requests, timeout=self.timeout)
+        response: ps_pb2.PushResponse = self._push_raw[shard](requests, timeout=self.timeout)
+        return response
 
     def pull(self, shard: int, request: ps_pb2.PullRequest) -> Iterator[Any]:
         """A Pull from ``shard``: framed responses whose ``chunk.data`` views the received message."""
-        return self._pull_raw[shard](request, timeout=self.timeout)
+        responses: Iterator[Any] = self._pull_raw[shard](request, timeout=self.timeout)
+        return responses
 
     def set_backup(self, shard: int, backup: str, stub: ps_pb2_grpc.ParameterServerStub | None = None) -> None:
         """``shard``'s backup is ``backup`` (learnt from ``stub``'s answer: kept only while it serves the shard)."""
@@ -130,13 +132,16 @@ class Transport:
 
     def _install(self, shard: int, address: str, channel: grpc.Channel) -> None:
         """Talk to ``shard`` at ``address`` over ``channel`` from now on."""
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)  # type: ignore[no-untyped-call]
         # Push and Pull with chunk.data framed by hand (protos/framing.py): the
         # same wire format, one copy of the data on each side.
-        push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
-                                    response_deserializer=ps_pb2.PushResponse.FromString, _registered_method=True)
-        pull = channel.unary_stream(f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-                                    response_deserializer=framing.parse_pull_response, _registered_method=True)
+        # (_registered_method: grpc's own stubs pass it too; the typeshed stubs do not know it.)
+        push: Any = channel.stream_unary(  # type: ignore[call-arg]
+            f"/{SERVICE}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
+            _registered_method=True)
+        pull: Any = channel.unary_stream(  # type: ignore[call-arg]
+            f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=framing.parse_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)
             self._stubs.append(stub)
@@ -172,7 +177,7 @@ class Transport:
                 return False
             channel = self.security.channel(backup)
             try:
-                r = ps_pb2_grpc.ParameterServerStub(channel).Promote(
+                r = ps_pb2_grpc.ParameterServerStub(channel).Promote(  # type: ignore[no-untyped-call]
                     ps_pb2.PromoteRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
                     timeout=min(10.0, self.timeout))
             except grpc.RpcError as e:
@@ -244,13 +249,13 @@ class Transport:
         """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure."""
         idx = list(range(self.num_shards)) if shards is None else list(shards)
         futs = [self._pool.submit(fn, i) for i in idx]
-        results, first_err = [], None
+        results: list[T] = []
+        first_err: BaseException | None = None
         for f in futs:
             try:
                 results.append(f.result())
             except BaseException as e:  # noqa: BLE001 - re-raised below, after all finished
                 first_err = first_err or e
-                results.append(None)
         if first_err is not None:
             raise first_err
         return results
@@ -303,7 +308,8 @@ def unary(address: str, method: str, request: Any, *, timeout: float, security: 
     """
     channel = (security if security is not None else Security.from_env()).channel(address)
     try:
-        return getattr(ps_pb2_grpc.ParameterServerStub(channel), method)(request, timeout=timeout)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)  # type: ignore[no-untyped-call]
+        return getattr(stub, method)(request, timeout=timeout)
     except grpc.RpcError as e:
         code, details = status_of(e)
         raise shard_error(address, None, code, f"{method}: {details}") from None

@@ -80,7 +80,7 @@ def _reload_auth_config() -> None:
     if "ray" not in _sys.modules:
         return
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

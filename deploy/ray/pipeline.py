@@ -138,7 +138,8 @@ class StageActor:
         self.sync_mode = opts.get("sync", "bsp")
         self.stash = self.sync_mode != "bsp" and not self.sync_mode.startswith("every")
         self.weight_delay = int(opts.get("weight_delay", 0)) if self.stash else 0
-        self.opt = self.client = None
+        self.client: Any = None
+        self.opt: Any = None
         self._sync_thread: threading.Thread | None = None
         self._sync_error: BaseException | None = None
         self._synced: dict[str, torch.Tensor] | None = None

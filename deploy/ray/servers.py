@@ -201,9 +201,9 @@ def start_servers(num_servers: int, *, replicas: int = 1, strategy: str = "SPREA
     t0 = time.monotonic()
     pg = place([dict(bundle) for _ in range(num_servers)], strategy, timeout=placement_timeout,
                what=f"shardps servers ({num_servers})")
-    actors = []
+    actors: list[Any] = []
     try:
-        cls = ray.remote(ServerActor)
+        cls: Any = ray.remote(ServerActor)
         for i in range(num_servers):
             actors.append(cls.options(num_cpus=num_cpus, resources=resources or {}, max_restarts=max_restarts,
                                       max_task_retries=-1 if max_restarts else 0, name=None,

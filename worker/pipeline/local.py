@@ -146,6 +146,6 @@ def reference_step(model: nn.Module | Sequence[nn.Module], balance: Sequence[int
                 torch.manual_seed(seed_for(seed, step, j, s))
                 h = stage(h)
         part = loss_fn(h, yj) * (len(xj) / total if r == "mean" else 1.0)
-        part.backward()
+        torch.autograd.backward(part)
         loss += float(part.detach())
     return loss

@@ -95,14 +95,14 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 class _MaskReLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         y = x.clamp_min(0)
         ctx.shape, ctx.numel = y.shape, y.numel()
         ctx.save_for_backward(pack_bits(y > 0))
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (packed,) = ctx.saved_tensors
         return grad * unpack_bits(packed, ctx.numel).view(ctx.shape).to(grad.dtype)
 
@@ -111,7 +111,8 @@ class MaskReLU(nn.Module):
     """``nn.ReLU`` that saves 1 bit per element for its backward instead of its fp32 output (lossless)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _MaskReLUFn.apply(x)  # type: ignore[no-any-return]
+        out: torch.Tensor = _MaskReLUFn.apply(x)  # type: ignore[no-untyped-call]
+        return out
 
 
 def use_mask_relu(module: nn.Module) -> int:
@@ -178,7 +179,7 @@ class Offloader:
                 if storage not in self.params:
                     self._hold(mb, nbytes)
                 return ("keep", t)
-            ident = (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            ident = (storage, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
             if ident in seen:  # saved twice (an output that the next layer saves as its input)
                 return seen[ident][0]
             key = f"{self.prefix}{mb}/{next(self._counter)}"

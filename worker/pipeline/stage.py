@@ -194,7 +194,7 @@ class StageRuntime:
                 raise ValueError("the last stage's backward needs a loss function and the targets")
             loss = self.loss_fn(y, target.to(self.device)) * weight
             loss_value = float(loss.detach())
-            loss.backward()
+            torch.autograd.backward(loss)
         else:
             if grad is None:
                 raise ValueError(f"stage {self.index}: the backward of micro-batch {mb} needs the output gradient")
