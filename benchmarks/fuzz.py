@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> str:
     lines = [f"fuzz.py {res['date']}: {res['cases']} cases in {res['elapsed_s']} s "
              f"({res['cases_per_s']} cases/s), seed {res['settings']['seed']}, "
-             f"{res['settings']['shards']} shard(s) {'as processes' if res['settings']['processes'] else 'in process'}, "
+             f"{res['settings']['shards']} shard(s) "
+             f"{'as processes' if res['settings']['processes'] else 'in process'}, "
              f"sync {res['settings']['sync']}, avoid known bugs: {res['settings']['avoid_known_bugs']}", "",
              "status code           count"]
     for code, n in res["status_codes"].items():

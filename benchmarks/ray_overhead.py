@@ -97,7 +97,8 @@ def measure(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                 with shardps.LocalCluster(2, processes=True) as cluster:
                     out["startup"]["processes"].append(time.perf_counter() - t)
                     with ctx.Pool(2) as pool:
-                        times = pool.map(_process_worker, [(cluster.addresses, k, 2, args.steps, args.params, args.threads)
+                        times = pool.map(_process_worker, [(cluster.addresses, k, 2, args.steps, args.params,
+                                                            args.threads)
                                                            for k in range(2)])
                     out["step"]["processes"].append(statistics.median(times[0][warm:] + times[1][warm:]))
                 say(f"repeat {r + 1}: start-up {out['startup']['ray'][-1]:.2f}s on Ray vs "

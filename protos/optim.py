@@ -113,7 +113,8 @@ class SGD(OptimizerSpec):
         if self.nesterov:
             _check(
                 self.momentum > 0 and self.dampening == 0,
-                f"nesterov needs momentum > 0 and dampening == 0, got momentum={self.momentum}, dampening={self.dampening}",
+                f"nesterov needs momentum > 0 and dampening == 0, got momentum={self.momentum}, "
+                f"dampening={self.dampening}",
             )
 
 

@@ -106,7 +106,8 @@ class Security:
             if self.token:
                 # Tokens over plaintext: only for loopback and tests; grpc refuses call
                 # credentials on insecure channels, so send the header by interceptor.
-                return grpc.intercept_channel(grpc.insecure_channel(address, options=opts), TokenInterceptor(self.token))
+                return grpc.intercept_channel(grpc.insecure_channel(address, options=opts),
+                                              TokenInterceptor(self.token))
             return grpc.insecure_channel(address, options=opts)
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(self.tls_ca, "TLS CA"),

@@ -80,7 +80,8 @@ def _new_tensor(params_json: str = "", n: int = 2) -> ps_pb2.TensorSpec:
 
 
 def _repro(bug: str, target: fuzzgen.Target) -> tuple[fuzzgen.Case, set[str]]:
-    """The smallest case that shows ``bug`` (the job of prepare_job(..., "asp"), one shard) and the codes it should get."""
+    """The smallest case that shows ``bug`` (the job of prepare_job(..., "asp"), one shard) and the codes it
+    should get."""
     job = dict(worker_id=0, num_workers=2, sync="asp")
     if bug == "malformed-protobuf":
         return fuzzgen.Case("raw", "SetSync", 0, raw=[b"\xff"], malformed=True), {"INVALID_ARGUMENT"}

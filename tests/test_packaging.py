@@ -300,6 +300,7 @@ def test_development_venv_uses_an_editable_install(tmp_path: Path) -> None:
     # The editable install exposes only `shardps`, not the source folders as
     # top-level packages (checked outside the checkout: pytest puts the repo
     # root on sys.path for this process).
-    probe = "import importlib.util as u; print([n for n in ('server', 'worker', 'protos', 'deploy', 'examples') if u.find_spec(n)])"
+    probe = ("import importlib.util as u; "
+             "print([n for n in ('server', 'worker', 'protos', 'deploy', 'examples') if u.find_spec(n)])")
     out = _check(_run([sys.executable, "-c", probe], tmp_path, 60)).stdout.strip()
     assert out == "[]", f"top-level packages importable from the development venv: {out}"

@@ -126,7 +126,8 @@ def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_ser
         with shardps.connect(servers.addresses) as c:
             c.attach()
             on_servers = c.pull()
-        with sray.Pipeline(model, balance=[3, 4], chunks=3, servers=servers, optimizer=shardps.optim.SGD(lr=0.1)) as again:
+        with sray.Pipeline(model, balance=[3, 4], chunks=3, servers=servers,
+                           optimizer=shardps.optim.SGD(lr=0.1)) as again:
             again.train_step(*data(9, seed=1), nn.CrossEntropyLoss())  # step 1 once more, from the servers' weights
             expected = copy.deepcopy(model)
             with torch.no_grad():

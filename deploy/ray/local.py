@@ -137,7 +137,8 @@ class RayLocalCluster:
         env = dict(os.environ, **self.env)
         # As an activated venv would: job entrypoints (`shardps ray`) find this Python's scripts.
         env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
-        proc = subprocess.Popen(ray_command(self.python) + ["start", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(ray_command(self.python) + ["start", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
         node = _Node(proc.pid, args)
         self.nodes.append(node)  # stopped by stop() whatever happens next

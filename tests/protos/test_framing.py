@@ -18,7 +18,9 @@ INT64 = (-(1 << 63), -1, 0, 1, 127, 128, 300, (1 << 31) - 1, 1 << 40, (1 << 63) 
 def rand_int(rng: random.Random, bits: int = 63) -> int:
     if rng.random() < 0.3:
         return rng.choice([v for v in INT64 if -(1 << bits) <= v < (1 << bits)])
-    return rng.randrange(-(1 << bits), 1 << bits) if rng.random() < 0.3 else rng.randrange(0, 1 << rng.randrange(1, bits))
+    if rng.random() < 0.3:
+        return rng.randrange(-(1 << bits), 1 << bits)
+    return rng.randrange(0, 1 << rng.randrange(1, bits))
 
 
 def rand_float(rng: random.Random) -> float:
@@ -142,7 +144,8 @@ def test_empty_range_gives_nothing():
 
 def test_data_view_does_not_copy():
     data = torch.arange(1000, dtype=torch.float32).view(torch.uint8).numpy().tobytes()
-    buf = ps_pb2.PushRequest(worker_id=1, chunk=ps_pb2.Chunk(name="w", dtype=ps_pb2.FLOAT32, data=data)).SerializeToString()
+    buf = ps_pb2.PushRequest(worker_id=1,
+                             chunk=ps_pb2.Chunk(name="w", dtype=ps_pb2.FLOAT32, data=data)).SerializeToString()
     parsed = framing.parse_push_request(buf)
     assert parsed.chunk.data.obj is buf  # a view of the received bytes
     assert bytes(parsed.chunk.data) == data
@@ -243,5 +246,6 @@ def test_generated_stubs_still_talk_to_the_server(make_cluster):
                 flat_w[m.chunk.offset : m.chunk.offset + v.numel()] = v
         assert torch.equal(flat_w.view(300, 7), got["w"])
         firsts = [m for m in resps if m.chunk.shape]
-        assert [(m.chunk.name, m.chunk.offset, tuple(m.chunk.shape)) for m in firsts] == [("w", 0, (300, 7)), ("b", 0, (5,))]
+        assert [(m.chunk.name, m.chunk.offset, tuple(m.chunk.shape)) for m in firsts] == [
+            ("w", 0, (300, 7)), ("b", 0, (5,))]
         assert [m.chunk.dtype for m in resps if m.chunk.name == "b"] == [ps_pb2.BFLOAT16]

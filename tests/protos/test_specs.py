@@ -38,7 +38,8 @@ def test_wire_errors():
         spec_from_proto(ps_pb2.OptimizerSpec(name="adam", params_json="{"))
 
 
-@pytest.mark.parametrize("text, kind, every", [("bsp", "bsp", 1), ("ASP", "asp", 1), ("every:4", "every", 4), ("ssp:2", "ssp", 1)])
+@pytest.mark.parametrize("text, kind, every",
+                         [("bsp", "bsp", 1), ("ASP", "asp", 1), ("every:4", "every", 4), ("ssp:2", "ssp", 1)])
 def test_sync_parse(text, kind, every):
     s = SyncSpec.parse(text)
     assert (s.kind, s.every) == (kind, every)

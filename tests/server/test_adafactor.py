@@ -222,7 +222,8 @@ def test_part_must_be_a_row_block():
 
 def test_spec_defaults_are_hf():
     s = optim.Adafactor()
-    assert (s.lr, s.eps, s.clip_threshold, s.decay_rate, s.beta1, s.weight_decay) == (None, (1e-30, 1e-3), 1.0, -0.8, None, 0.0)
+    assert (s.lr, s.eps, s.clip_threshold, s.decay_rate, s.beta1, s.weight_decay) == (
+        None, (1e-30, 1e-3), 1.0, -0.8, None, 0.0)
     assert (s.scale_parameter, s.relative_step, s.warmup_init) == (True, True, False)
     assert optim.Adafactor.elementwise is False
     assert isinstance(make_optimizer(s), AdafactorImpl)

@@ -14,7 +14,8 @@ CASES = [
     (optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
     (optim.SGD(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
-    (optim.SGD(lr=0.05, momentum=0.9, nesterov=True), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
+    (optim.SGD(lr=0.05, momentum=0.9, nesterov=True),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
 ]
 
 

@@ -44,7 +44,8 @@ def test_clock_tables(schedule, m, d, expected):
     assert _rows(schedule, m, d) == [r.rstrip() for r in expected]
 
 
-@pytest.mark.parametrize("schedule, m, d", list(itertools.product(("gpipe", "1f1b"), (1, 2, 3, 4, 8, 16), (1, 2, 3, 4))))
+@pytest.mark.parametrize("schedule, m, d",
+                         list(itertools.product(("gpipe", "1f1b"), (1, 2, 3, 4, 8, 16), (1, 2, 3, 4))))
 def test_every_schedule_runs_each_task_once_after_its_inputs_in_2_m_plus_d_minus_1_clocks(schedule, m, d):
     ticks = list(clocks(schedule, m, d))
     tasks = [t for tick in ticks for t in tick]
