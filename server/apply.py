@@ -8,6 +8,7 @@ for buffers without the store's lock). No lock of its own otherwise: the
 store calls ``apply`` under its lock. Split tensors reduce their statistics
 with their peers through the ``reduce_for`` the store passes (see
 server/peers.py); the store releases its lock around that network call.
+``ApplyMixin`` is the part of ``ShardStore`` that does so (``_apply``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,26 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardps.protos.optim import OptimizerSpec
+from shardps.server.errors import Unavailable
 from shardps.server.optim import ServerOptimizer, make_optimizer
 from shardps.server.optim.base import Reduce
+from shardps.server.peers import ExchangeTable, Key, PeerReducer
 from shardps.server.remedies import Remedy, compensate, lr_factor
 from shardps.server.scaling import LossScaler
 from shardps.server.sync import Update, staleness
 from shardps.server.table import PartKey, PartState, TensorEntry, TensorTable
+
+if TYPE_CHECKING:
+    from shardps.server.peers import Peers
+    from shardps.server.pullcache import PullCache
 
 ScalingConfig = tuple[float, float, float, int]  # init, growth, backoff, interval
 
@@ -135,3 +144,73 @@ class Applier:
         if self.scaler is not None:
             self.scaler.update(skip)
         return Applied(skip, time.perf_counter() - t0, staleness(version, update.contributions))
+
+
+class ApplyMixin:
+    """The apply step of ``ShardStore`` (it supplies the attributes annotated here)."""
+
+    shard_index: int
+    version: int
+    applier: Applier
+    pullcache: PullCache
+    peers: Peers | None
+    exchange: ExchangeTable
+    exchange_timeout_s: float
+    apply_seconds_total: float
+    gradients_applied_total: int
+    applied_updates_total: int
+    staleness_counts: Counter[int]
+    on_apply: list[Callable[[float], None]]
+    _tensors: TensorTable
+    _applying: bool
+    _cond: threading.Condition
+
+    if TYPE_CHECKING:  # the store's own methods
+        def _settle(self) -> None: ...
+
+    def staging(self, key: PartKey, numel: int) -> torch.Tensor:
+        """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
+        return self.applier.pool.take(key, numel)
+
+    def _apply(self, update: Update) -> bool:
+        """One optimizer step (or a skipped one); the version advances either way. Under the lock.
+
+        A split tensor's step exchanges statistics with its peers: ``_cond``
+        is released around each fetch, with ``_applying`` set so that no
+        other thread reads or changes the tensors meanwhile.
+        """
+        self._settle()
+        self.pullcache.clear()
+        split = any(self._tensors[name].spec.split for name, _ in update.grads)
+        self._applying = split
+        try:
+            done = self.applier.apply(self._tensors, update, self.version, self._reducer)
+        finally:
+            if split:
+                self._applying = False
+                self._cond.notify_all()
+        self.apply_seconds_total += done.seconds
+        for hook in self.on_apply:
+            hook(done.seconds)
+        self.staleness_counts.update(done.staleness)
+        self.gradients_applied_total += 0 if done.skipped else len(update.contributions)
+        self.applied_updates_total += 0 if done.skipped else 1
+        self.version += 1
+        return not done.skipped
+
+    def _reducer(self, entry: TensorEntry) -> Reduce:
+        return PeerReducer(self.exchange, self._fetch_unlocked, entry.spec.name, entry.rounds, self.shard_index,
+                           entry.spec.holders, self.exchange_timeout_s)
+
+    def _fetch_unlocked(self, shard: int, key: Key, from_shard: int, timeout: float) -> torch.Tensor:
+        """A peer's partial, fetched with _cond released (the caller holds it, with _applying set)."""
+        peers = self.peers
+        if peers is None:
+            raise Unavailable(f"shard {self.shard_index} has no connection to its peers: it is not served")
+        assert self._applying
+        self._cond.release()
+        try:
+            return peers.fetch(shard, key, from_shard, timeout)
+        finally:
+            self._cond.acquire()
+

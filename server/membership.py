@@ -5,6 +5,8 @@ barriers and SSP clocks. It takes no lock of its own (the store calls it
 under its lock) and reads time only from the ``clock`` it is given, so
 eviction is tested as a table with a fake clock (tests/server/test_membership.py).
 ``Reaper`` checks leases in the background, a few times per lease.
+``MembershipMixin`` is the part of ``ShardStore`` that takes its lock and
+records the changes its backup replays.
 
 A worker is in one of: unknown, registered (holds a lease), evicted (its
 lease expired: barriers go on without it; it may register again), left (said
@@ -20,8 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from shardps.server.errors import FailedPrecondition, InvalidArgument
+from shardps.server.replica import OpKind, Role
+
+if TYPE_CHECKING:
+    from shardps.server.sync import SyncPolicy, Update
 
 log = logging.getLogger("shardps.server")
 
@@ -169,3 +176,123 @@ class Reaper:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+
+
+class MembershipMixin:
+    """Membership methods of ``ShardStore`` (it supplies the attributes annotated here)."""
+
+    shard_index: int
+    membership: Membership
+    clock: Clock
+    role: Role
+    worker_clocks: dict[int, int]
+    _policy: SyncPolicy | None
+    _reaper: Reaper
+    _cond: threading.Condition
+
+    if TYPE_CHECKING:  # the store's own methods
+        def _record(self, kind: OpKind, args: dict[str, Any], tensors: Any = None) -> None: ...
+        def _apply(self, update: Update) -> bool: ...
+
+    @property
+    def lease_s(self) -> float:
+        return self.membership.lease_s
+
+    @lease_s.setter
+    def lease_s(self, value: float) -> None:
+        self.membership.lease_s = value
+
+    @property
+    def evictions_total(self) -> int:
+        return self.membership.evictions_total
+
+    @property
+    def leaves_total(self) -> int:
+        return self.membership.leaves_total
+
+    @leaves_total.setter
+    def leaves_total(self, value: int) -> None:  # restored with the counters
+        self.membership.leaves_total = value
+
+    def register_worker(self, worker_id: int) -> None:
+        """A worker joins (or rejoins after an eviction): it holds a lease from now on."""
+        with self._cond:
+            self.check_worker_id(worker_id)
+            m = self.membership
+            if worker_id not in m.workers or worker_id in m.evicted:  # a change the backup replays
+                self._record(OpKind.REGISTER_WORKER, {"worker": worker_id})
+            joined = m.register(worker_id)
+            if joined.rejoined:
+                log.log(logging.WARNING if joined.was_evicted else logging.INFO,
+                        "shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,
+                        self.worker_clocks.get(worker_id, -1) + 1)
+            if joined.live_changed:
+                self._live_changed()
+
+    def leave(self, worker_id: int) -> bool:
+        """A worker is done and says so: from now on barriers and SSP clocks go on without it.
+
+        Unlike an eviction this is the normal end of a worker (no warning,
+        no ``evictions_total``). Idempotent; registering again rejoins.
+        Returns whether the worker was registered.
+        """
+        with self._cond:
+            self.check_worker_id(worker_id)
+            if worker_id not in self.membership.workers:
+                return False
+            self._record(OpKind.LEAVE, {"worker": worker_id})
+            self.membership.leave(worker_id)
+            log.info("shard %d: worker %d left at clock %d; steps now complete with workers %s", self.shard_index,
+                     worker_id, self.worker_clocks.get(worker_id, -1) + 1, sorted(self.live_workers()))
+            self._live_changed()
+            return True
+
+    def touch(self, worker_id: int) -> None:
+        """The worker is alive (any Push, Pull or Heartbeat renews its lease)."""
+        with self._cond:
+            self.membership.touch(worker_id)
+
+    def live_workers(self) -> set[int]:
+        """Workers that count for barriers and SSP clocks: all of the job's but the evicted and those that left."""
+        return self.membership.live()
+
+    def _live_changed(self) -> None:
+        if self._policy is not None:
+            for update in self._policy.live_changed(self.live_workers()):
+                self._apply(update)
+        self._cond.notify_all()
+
+    def _renew_leases(self) -> None:
+        self.membership.renew_all()
+
+    def evict_expired(self, now: float | None = None) -> list[int]:
+        """Evict registered workers whose lease expired; barriers complete with the live ones."""
+        now = self.clock() if now is None else now
+        with self._cond:
+            if self.role != Role.PRIMARY:  # a backup replays its primary's evictions; a starting one waits
+                return []
+            expired = self.membership.expired(now)
+            self._evict(expired, now)
+            return expired
+
+    def _evict(self, expired: list[int], now: float | None = None) -> None:
+        if expired:
+            self._record(OpKind.EVICT, {"workers": expired})
+            self.membership.evict(expired, now)
+            self._live_changed()
+
+    def start_reaper(self) -> None:
+        """Check leases in the background, a few times per lease."""
+        if self.lease_s > 0:
+            self._reaper.start()
+
+    def stop_reaper(self) -> None:
+        """Stop the lease checks and wait for the thread to end."""
+        self._reaper.stop()
+
+    def check_worker_id(self, worker_id: int) -> None:
+        self.membership.check_worker_id(worker_id)
+
+    def _check_registered(self, worker_id: int) -> None:
+        self.membership.check_registered(worker_id)
+

@@ -13,6 +13,10 @@ on a primary, recording ops and attaching a backup (through the injected
 replaying the primary's ops in order (``apply_replica``) and taking over
 (``promote``). Its methods use the store's lock and replay lock as the lock
 order in server/store.py says; no network call is made holding either.
+
+(Over 400 lines: the three enums' transition tables and the replica side
+of the store belong to one concept, the replicated role of a shard, and are
+read together.)
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from shardps.server.errors import (
 )
 from shardps.server.scaling import LossScaler
 from shardps.server.snapshot import Packed, parse_part_keys
-from shardps.server.table import spec_from_json
+from shardps.server.table import TensorEntry, spec_from_json, spec_to_json
 
 if TYPE_CHECKING:
     from shardps.server.peers import ReplicaLink, ReplicaSink
@@ -206,6 +210,11 @@ class ReplicaMixin:
         """Under the lock: a change of state the backup must replay (nothing without a backup)."""
         if self.replicator is not None:
             self.replicator.record(kind, args, tensors)
+
+    def _record_registered(self, entries: list[TensorEntry]) -> None:
+        if self.replicator is not None:
+            self._record(OpKind.REGISTER_TENSORS, {"specs": [spec_to_json(e.spec) for e in entries]},
+                         {f"{a}/{e.spec.name}": p.weight.clone() for e in entries for a, p in e.parts.items()})
 
     def _record_snapshot(self) -> None:
         if self.replicator is not None:

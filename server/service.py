@@ -1,7 +1,11 @@
 """The gRPC face of a shard: decode, call the store, encode, map errors.
 
 ``create_server(store, "127.0.0.1:0")`` returns a started server and the
-port it bound; ``grpc.health.v1`` is mounted beside ``ParameterServer``.
+port it bound; ``grpc.health.v1`` is mounted beside ``ParameterServer``,
+and ``connect`` gives the store its gRPC peers and replica link.
+
+(Over 400 lines: one handler per RPC of ps.proto, each a few lines of
+decoding and encoding; splitting the servicer would scatter the RPC table.)
 """
 
 from __future__ import annotations

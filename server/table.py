@@ -9,14 +9,17 @@
   state of each owned part.
 - ``TensorTable``: the entries by name, registration with its validation
   (all-or-nothing). No lock of its own: the store calls it under its lock.
+- ``TableMixin``: the store's methods over it (``register_tensors``,
+  ``wait_for_tensors``, ``spec``, ``names``), taking the store's lock.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,9 +27,12 @@ from shardps.protos import codec
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
 from shardps.server.remedies import Remedy
+
+if TYPE_CHECKING:
+    from shardps.server.peers import Peers, ReplicaSink
 
 PartKey = tuple[str, int]  # (tensor name, start element of the part)
 
@@ -313,3 +319,66 @@ class TensorTable:
     def add(self, entries: Sequence[TensorEntry]) -> None:
         for e in entries:
             self.entries[e.spec.name] = e
+
+
+class TableMixin:
+    """Tensor methods of ``ShardStore`` (it supplies the attributes annotated here)."""
+
+    shard_index: int
+    replicator: ReplicaSink | None
+    peers: Peers | None
+    remedy: Remedy
+    _tensors: TensorTable
+    _sync: SyncSpec | None
+    _cond: threading.Condition
+
+    if TYPE_CHECKING:  # the store's own methods
+        def _settle(self) -> None: ...
+        def _record_registered(self, entries: list[TensorEntry]) -> None: ...
+
+    def spec(self, name: str) -> TensorSpec:
+        """The registered spec of ``name``; NotFound if there is none."""
+        return self._tensors.spec(name)
+
+    def names(self) -> list[str]:
+        with self._cond:
+            return sorted(self._tensors)
+
+    def _split_names(self) -> list[str]:
+        return self._tensors.split_names()
+
+    def register_tensors(self, specs: Sequence[TensorSpec],
+                         values: dict[PartKey, torch.Tensor] | None) -> list[str]:
+        """Create the tensors not yet held, from ``values`` (fp32, one per part).
+
+        Tensors already held must have an equal spec (FAILED_PRECONDITION
+        otherwise) and keep their weights. With ``values=None`` nothing is
+        created: tensors not yet held are an error (see wait_for_tensors).
+        All-or-nothing. Returns the names created.
+        """
+        TensorTable.validate(specs, self.shard_index)
+        with self._cond:
+            self._settle()
+            entries = self._tensors.new_entries(specs, values, replicated=self.replicator is not None,
+                                                sync=self._sync, remedy=self.remedy)
+            self._tensors.add(entries)
+            for e in entries:
+                if e.spec.split and self.peers is not None:
+                    self.peers.set_addresses(e.spec.peers)
+            if entries:
+                self._record_registered(entries)
+                self._cond.notify_all()
+            return [e.spec.name for e in entries]
+
+    def wait_for_tensors(self, names: Iterable[str], timeout: float) -> None:
+        """Block until every name is registered; DeadlineExceeded names the missing."""
+        wanted = list(names)
+        with self._cond:
+            ok = self._cond.wait_for(lambda: all(n in self._tensors for n in wanted), timeout)
+            if not ok:
+                missing = [n for n in wanted if n not in self._tensors]
+                raise DeadlineExceeded(
+                    f"shard {self.shard_index}: waited {timeout:.1f}s for worker 0 to register "
+                    f"{len(missing)} tensors (first: {missing[:3]})"
+                )
+
