@@ -157,6 +157,7 @@ class ApplyMixin:
     exchange: ExchangeTable
     exchange_timeout_s: float
     apply_seconds_total: float
+    skipped_steps_total: int
     gradients_applied_total: int
     applied_updates_total: int
     staleness_counts: Counter[int]
@@ -189,6 +190,7 @@ class ApplyMixin:
             if split:
                 self._applying = False
                 self._cond.notify_all()
+        self.skipped_steps_total += 1 if done.skipped else 0
         self.apply_seconds_total += done.seconds
         for hook in self.on_apply:
             hook(done.seconds)
