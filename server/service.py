@@ -399,14 +399,12 @@ def connect(store: ShardStore, security: Security) -> None:
 
     Kept when the store was given its own (tests inject in-process fakes).
     """
-    if store.peers is None:
-        store.peers = PeerChannels(security)
-    elif isinstance(store.peers, PeerChannels):
+    if isinstance(store.peers, PeerChannels):
         store.peers.security = security
-    if store.replica_link is None:
-        store.replica_link = GrpcReplicaLink(security)
-    elif isinstance(store.replica_link, GrpcReplicaLink):
+    if isinstance(store.replica_link, GrpcReplicaLink):
         store.replica_link.security = security
+    store.connect(PeerChannels(security) if store.peers is None else None,
+                  GrpcReplicaLink(security) if store.replica_link is None else None)
 
 
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,

@@ -153,6 +153,17 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                 raise ValueError("give both sync and num_workers, or neither")
             self.configure(num_workers, sync)
 
+    def connect(self, peers: Peers | None = None, replica_link: ReplicaLink | None = None) -> None:
+        """Give the store its ways to other servers (at start-up; see service.connect)."""
+        with self._cond:
+            if peers is not None:
+                self.peers = peers
+                for e in self._tensors.values():  # split tensors restored before the store was served
+                    if e.spec.split:
+                        peers.set_addresses(e.spec.peers)
+            if replica_link is not None:
+                self.replica_link = replica_link
+
     def _settle(self) -> None:
         """Under _cond: wait until no split tensor's step is in flight (its thread released _cond)."""
         if self._applying and not self._cond.wait_for(lambda: not self._applying,
