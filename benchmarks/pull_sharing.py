@@ -42,12 +42,12 @@ def main() -> int:
                         {(nm, 0): torch.randn(rows // 8 * 1024) for nm in names})
 
     def round_ms(shared: bool) -> float:
-        st._framed.clear()
+        st.pullcache.clear()
         streaming = []  # every Pull's responses stay referenced, as while the Pulls send them
         t0 = time.perf_counter()
         for _ in range(args.workers):
             if not shared:
-                st._framed.clear()
+                st.pullcache.clear()
             streaming.append(st.read(names, None, messages=True))
         return (time.perf_counter() - t0) * 1e3
 

@@ -235,7 +235,8 @@ class ShardServer:
             if st is not None:
                 st.stop_reaper()
                 st.stop_replication()
-                st.peers.close()
+                if st.peers is not None:
+                    st.peers.close()
         if self.store is not None:
             log.info("shard %d: stopped at version %d", self.shard_index, self.store.version)
 

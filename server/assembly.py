@@ -15,8 +15,8 @@ import torch
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument, ResourceExhausted
-from shardps.server.store import TensorSpec, fmt_shape
 from shardps.server.sync import PartKey
+from shardps.server.table import TensorSpec, fmt_shape
 
 #: Largest part (in elements) a shard accepts: 16 GiB of fp32.
 MAX_PART_ELEMENTS = 1 << 32

@@ -1,4 +1,4 @@
-"""Cross-shard reduction of optimizer statistics for split tensors.
+"""Cross-shard reduction of optimizer statistics for split tensors: the gRPC side.
 
 Optimizers whose update depends on more than one element (Adafactor's row
 and column statistics and RMS scalars, SM3's per-axis maxima) call
@@ -11,12 +11,15 @@ shard order, so every shard computes exactly the same value.
 Split non-elementwise tensors need a barrier sync mode (bsp, every:X): every
 shard then steps the tensor once per step, and ``round`` (the tensor's step
 count) names the same step on every shard.
+
+``PeerChannels`` is the gRPC implementation of ``peers.Peers`` the server
+gives its store; the table and the reduction themselves are in
+server/peers.py (no network).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
 import grpc
@@ -25,36 +28,10 @@ import torch
 from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from shardps.server.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from shardps.server.errors import Unavailable
+from shardps.server.peers import ExchangeTable, Key, PeerReducer
 
-Key = tuple[str, int, str]  # (tensor, round, tag)
-
-
-class ExchangeTable:
-    """Partials this shard has published, waited on by its peers. Own lock, never the store's."""
-
-    def __init__(self, keep_rounds: int = 2) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._table: dict[Key, torch.Tensor] = {}
-        self._keep = keep_rounds
-
-    def publish(self, key: Key, partial: torch.Tensor) -> None:
-        tensor, rnd, _ = key
-        with self._cond:
-            self._table[key] = partial.detach().to(torch.float32).contiguous().clone()
-            for k in [k for k in self._table if k[0] == tensor and k[1] < rnd - self._keep]:
-                del self._table[k]
-            self._cond.notify_all()
-
-    def wait(self, key: Key, timeout: float) -> torch.Tensor:
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._table, timeout):
-                raise DeadlineExceeded(
-                    f"partial {key[2]!r} of tensor {key[0]!r} for step {key[1]} was not published "
-                    f"within {timeout:.1f}s"
-                )
-            return self._table[key]
-
+__all__ = ["ExchangeTable", "Key", "PeerChannels", "PeerReducer", "decode_partial", "encode_partial"]
 
 def encode_partial(t: torch.Tensor) -> ps_pb2.Chunk:
     flat = t.detach().to(torch.float32).contiguous().view(-1)
@@ -66,47 +43,15 @@ def decode_partial(c: ps_pb2.Chunk) -> torch.Tensor:
     return codec.decode(c.data, c.dtype).clone().view(tuple(c.shape))
 
 
-class PeerReducer:
-    """The ``reduce`` of one split tensor's step on one shard."""
-
-    def __init__(self, table: ExchangeTable, peers: PeerChannels, tensor: str, rnd: int,
-                 shard_index: int, holders: Sequence[int], timeout: float) -> None:
-        self.table, self.peers, self.tensor, self.rnd = table, peers, tensor, rnd
-        self.shard_index, self.holders, self.timeout = shard_index, list(holders), timeout
-
-    def __call__(self, tag: str, partial: torch.Tensor, op: str) -> torch.Tensor:
-        if op not in ("sum", "max"):
-            raise ValueError(f"reduce op must be 'sum' or 'max', got {op!r}")
-        key = (self.tensor, self.rnd, tag)
-        self.table.publish(key, partial)
-        deadline = time.monotonic() + self.timeout
-        parts = []
-        for h in self.holders:
-            if h == self.shard_index:
-                parts.append(partial.to(torch.float32))
-            else:
-                parts.append(self.peers.fetch(h, key, self.shard_index, max(0.0, deadline - time.monotonic())))
-        out = parts[0].clone()
-        for p in parts[1:]:
-            if p.shape != out.shape:
-                raise InvalidArgument(f"tensor {self.tensor!r}: partial {tag!r} has shape {tuple(p.shape)} on a "
-                                      f"peer, {tuple(out.shape)} here")
-            if op == "sum":
-                out.add_(p)
-            else:
-                torch.maximum(out, p, out=out)
-        return out.to(partial.dtype)
-
-
 class PeerChannels:
-    """Lazily opened channels to the other shards, by index."""
+    """Lazily opened channels to the other shards, by index (``peers.Peers`` over gRPC)."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: Security | None = None) -> None:
         self._lock = threading.Lock()
         self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
         self._channels: list[grpc.Channel] = []
         self.addresses: list[str] = []
-        self.security = Security()  # the shard's own settings: peers are served alike
+        self.security = security or Security()  # the shard's own settings: peers are served alike
 
     def set_addresses(self, addresses: Sequence[str]) -> None:
         with self._lock:

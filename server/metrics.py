@@ -11,7 +11,6 @@ sample carries the label ``shard``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -22,6 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from shardps.protos.stats import ShardStats
+from shardps.server.replica import Role
 from shardps.server.store import ShardStore
 
 #: Staleness is counted in versions (steps); Fibonacci buckets.
@@ -46,20 +47,20 @@ class StoreCollector(Collector):
         self.backups = list(backups)
 
     def collect(self) -> Iterator[Metric]:
-        serving = [st for st in [self.store, *self.backups] if st.role == "primary"] or [self.store]
+        serving = [st for st in [self.store, *self.backups] if st.role == Role.PRIMARY] or [self.store]
         snaps = [(str(st.shard_index), st.stats(), st.clocks()) for st in serving]
         lab = ["shard"]
 
-        def family(kind: type, name: str, doc: str, value: Callable[[dict[str, Any], dict[int, int]], float]) -> Metric:
+        def family(kind: type, name: str, doc: str, value: Callable[[ShardStats, dict[int, int]], float]) -> Metric:
             m = kind(name, doc, labels=lab)
             for shard, st, clocks in snaps:
                 m.add_metric([shard], value(st, clocks))
             return m
 
         def counter(name: str, doc: str, key: str) -> Metric:
-            return family(CounterMetricFamily, name, doc, lambda st, _: st[key])
+            return family(CounterMetricFamily, name, doc, lambda st, _: getattr(st, key))
 
-        def gauge(name: str, doc: str, value: Callable[[dict[str, Any], dict[int, int]], float]) -> Metric:
+        def gauge(name: str, doc: str, value: Callable[[ShardStats, dict[int, int]], float]) -> Metric:
             return family(GaugeMetricFamily, name, doc, value)
 
         h = HistogramMetricFamily(
@@ -67,14 +68,14 @@ class StoreCollector(Collector):
             "Staleness of each gradient taken in: shard version at apply minus the version it was computed from.",
             labels=lab)
         for shard, st, _ in snaps:
-            buckets, total = staleness_buckets(st["staleness_counts"])
+            buckets, total = staleness_buckets(st.staleness_counts)
             h.add_metric([shard], buckets, total)
         yield h
         wc = GaugeMetricFamily("shardps_worker_clock_steps",
                                "Steps each worker has pushed to this shard (live workers, and those that left).",
                                labels=["shard", "worker"])
         for shard, st, clocks in snaps:
-            final = {w: st["worker_clocks"].get(w, -1) + 1 for w in st["left_workers"]}
+            final = {w: st.worker_clocks.get(w, -1) + 1 for w in st.left_workers}
             for w, c in sorted({**final, **clocks}.items()):
                 wc.add_metric([shard, str(w)], c)
         yield wc
@@ -93,44 +94,44 @@ class StoreCollector(Collector):
                       "skipped_steps_total")
         yield counter("shardps_sync_switches_total", "Sync mode switches of the running job.", "sync_switches_total")
         yield gauge("shardps_shard_version", "Optimizer steps this shard has completed (skipped included).",
-                    lambda st, _: st["version"])
+                    lambda st, _: st.version)
         yield gauge("shardps_tensors", "Tensors (with at least one part) held by this shard.",
-                    lambda st, _: len(st["tensors"]))
+                    lambda st, _: len(st.tensors))
         yield gauge("shardps_weight_bytes", "Bytes of fp32 master weights held.",
-                    lambda st, _: sum(t["weight_bytes"] for t in st["tensors"]))
+                    lambda st, _: sum(t.weight_bytes for t in st.tensors))
         yield gauge("shardps_optimizer_state_bytes", "Bytes of optimizer state held.",
-                    lambda st, _: sum(t["optimizer_state_bytes"] for t in st["tensors"]))
+                    lambda st, _: sum(t.optimizer_state_bytes for t in st.tensors))
         yield gauge("shardps_live_workers", "Workers registered and live on this shard.",
-                    lambda st, _: len(st["registered_workers"]))
+                    lambda st, _: len(st.registered_workers))
         yield gauge("shardps_waiting_pulls", "Pulls parked in a barrier, SSP or version wait right now.",
-                    lambda st, _: st["waiting_pulls"])
+                    lambda st, _: st.waiting_pulls)
         yield counter("shardps_evictions_total", "Workers evicted because their lease expired.", "evictions_total")
         yield counter("shardps_worker_leaves_total", "Workers that finished and said goodbye (Leave).",
                       "leaves_total")
         yield gauge("shardps_loss_scale", "Current dynamic loss scale (0: loss scaling off).",
-                    lambda st, _: st["loss_scale"])
+                    lambda st, _: st.loss_scale)
         mode = GaugeMetricFamily("shardps_sync_mode", "The job's sync mode (1 for the mode in force).",
                                  labels=["shard", "sync"])
         for shard, st, _ in snaps:
-            mode.add_metric([shard, st["sync"] or "none"], 1)
+            mode.add_metric([shard, st.sync or "none"], 1)
         yield mode
         rs = GaugeMetricFamily("shardps_replica_state",
                                "Replication of this shard (--replicas 2): 1 for the state it is in "
                                "(none, resync, syncing, synced, degraded, deposed).", labels=["shard", "state"])
         for shard, st, _ in snaps:
-            rs.add_metric([shard, st["replica_state"]], 1)
+            rs.add_metric([shard, st.replica_state], 1)
         yield rs
         yield counter("shardps_replicated_ops_total", "State changes the shard's backup has confirmed.",
                       "replicated_ops_total")
         yield gauge("shardps_replication_lag_ops", "State changes made but not yet confirmed by the backup.",
-                    lambda st, _: st["replication_lag_ops"])
+                    lambda st, _: st.replication_lag_ops)
         yield counter("shardps_promotions_total", "Times this server's backup of the shard took over serving it.",
                       "promotions_total")
         standby = GaugeMetricFamily("shardps_backup_replayed_ops",
                                     "Backups this server holds and does not serve yet: the last op replayed.",
                                     labels=["shard"])
         for b in self.backups:
-            if b.role == "backup":
+            if b.role == Role.BACKUP:
                 standby.add_metric([str(b.shard_index)], b.replica_seq)
         yield standby
 

@@ -23,6 +23,10 @@ sending its whole state first. ``deposed`` fences a primary that was
 wrongly taken for dead: its backup took over, so it must not acknowledge
 anything more; every request gets UNAVAILABLE naming the new address.
 
+The states and their transitions are ``replica.ReplicaState`` and
+``replica.REPLICA_TRANSITIONS``; this module is the gRPC side (the sender,
+``GrpcReplicaLink``), the store knows it only as ``peers.ReplicaSink``.
+
 A restarted primary (a new ``incarnation``) is refused by a backup that
 holds a copy: the backup has acknowledged updates the new run lacks, so the
 new run is deposed and the backup takes over.
@@ -39,11 +43,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -53,66 +55,25 @@ from shardps.protos.framing import varint
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument
+from shardps.server.replica import (
+    DEFAULT_REPLICA_TIMEOUT_S,
+    Deposed,
+    Op,
+    OpKind,
+    ReplicaEvent,
+    ReplicaState,
+    next_replica_state,
+)
+from shardps.server.snapshot import Packed, pack, unpack
+
+__all__ = ["DEFAULT_REPLICA_TIMEOUT_S", "Deposed", "GrpcReplicaLink", "Op", "OpKind", "Packed", "Replicator",
+           "op_messages", "pack", "primary_serving", "read_ops", "unpack"]
 
 log = logging.getLogger("shardps.server")
 
 BLOB_BYTES = 1 << 20  # tensor bytes per ReplicateRequest
-DEFAULT_REPLICA_TIMEOUT_S = 30.0
 BYTES_PER_S_FLOOR = 20e6  # a batch's deadline grows with its size as if the backup took in 20 MB/s
 RETRY_S = 2.0
-
-
-@dataclass(frozen=True)
-class Packed:
-    """Tensors as one byte buffer: ``layout`` is [[key, dtype, shape, offset], ...] (offsets 8-aligned)."""
-
-    layout: list[list[Any]]
-    buffer: torch.Tensor  # uint8
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
-
-def pack(tensors: dict[str, torch.Tensor]) -> Packed:
-    """Copy ``tensors`` into one buffer (one copy of the data, any dtype)."""
-    layout, off = [], 0
-    for key, t in tensors.items():
-        layout.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), off])
-        off += -(-t.numel() * t.element_size() // 8) * 8
-    buf = torch.empty(off, dtype=torch.uint8)
-    for (_, _, _, at), t in zip(layout, tensors.values()):
-        n = t.numel() * t.element_size()
-        if n:
-            buf[at:at + n].view(t.dtype).view(t.shape).copy_(t)
-    return Packed(layout, buf)
-
-
-def unpack(layout: Any, data: bytearray) -> dict[str, torch.Tensor]:
-    """Views of ``data`` as the tensors of ``layout`` (no copy); InvalidArgument if they do not fit."""
-    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    out = {}
-    try:
-        for key, dtype_name, shape, at in layout:
-            dtype = getattr(torch, dtype_name)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{dtype_name!r} is not a dtype")
-            n = math.prod(shape) * dtype.itemsize
-            if at % 8 or at < 0 or at + n > len(data) or any(d < 0 for d in shape):
-                raise ValueError(f"tensor {key!r} ({n} bytes at {at}) lies outside the op's {len(data)} bytes")
-            out[str(key)] = buf[at:at + n].view(dtype).view(shape)
-    except (TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise InvalidArgument(f"Replicate: bad tensor layout: {e}") from None
-    return out
-
-
-@dataclass
-class Op:
-    seq: int
-    kind: str
-    args: dict[str, Any]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    packed: Packed | None = None  # the tensors already packed (a copy the store made under its lock)
 
 
 _TENSORS_KEY = bytes([(ps_pb2.ReplicateRequest.DESCRIPTOR.fields_by_name["tensors"].number << 3) | 2])
@@ -128,7 +89,7 @@ def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarna
     packed = op.packed if op.packed is not None else pack(op.tensors)
     blob = memoryview(packed.buffer.numpy())
     args = dict(op.args, _layout=packed.layout, _nbytes=packed.nbytes)
-    head = ps_pb2.ReplicateRequest(seq=op.seq, op=op.kind, args_json=json.dumps(args), shard_index=shard_index,
+    head = ps_pb2.ReplicateRequest(seq=op.seq, op=str(op.kind), args_json=json.dumps(args), shard_index=shard_index,
                                    num_shards=num_shards, primary=primary, incarnation=incarnation).SerializeToString()
     rest = ps_pb2.ReplicateRequest(seq=op.seq).SerializeToString()
     for a in range(0, max(1, len(blob)), BLOB_BYTES):
@@ -183,7 +144,7 @@ class Replicator:
         self.primary_address = primary_address
         self.incarnation = uuid.uuid4().hex  # this run of the primary
         self.address = ""
-        self.state = "none"
+        self.state = ReplicaState.NONE
         self.seq = 0  # the last op recorded
         self.acked = 0  # the last op the backup confirmed (or that needs no confirmation)
         self.ops_total = 0  # ops the backup confirmed
@@ -195,7 +156,7 @@ class Replicator:
         self._thread: threading.Thread | None = None
         self._channel: grpc.Channel | None = None
         self._snapshot: Any = None
-        self.on_deposed: Any = None  # called (outside our lock) when the backup answers "promoted"
+        self.on_deposed: Callable[[str], None] | None = None  # called (outside our lock) when the backup answers "promoted"
 
     # -- under the store's lock -------------------------------------------
 
@@ -203,16 +164,16 @@ class Replicator:
                packed: Packed | None = None) -> None:
         with self._cond:
             self.seq += 1
-            if self.state in ("syncing", "synced", "resync"):
+            if self.state in (ReplicaState.SYNCING, ReplicaState.SYNCED, ReplicaState.RESYNC):
                 self._queue.append(Op(self.seq, kind, args, tensors or {}, packed))
                 self._cond.notify_all()
-            elif self.state != "deposed":  # deposed: nothing it records is ever acknowledged
+            elif self.state != ReplicaState.DEPOSED:  # deposed: nothing it records is ever acknowledged
                 self.acked = self.seq  # no backup to wait for
 
     def begin_sync(self) -> None:
         """Called under the store's lock just before the snapshot op is recorded."""
         with self._cond:
-            self.state = "syncing"
+            self.state = next_replica_state(self.state, ReplicaEvent.BEGIN_SYNC)
             self._queue.clear()
 
     # -- waiting --------------------------------------------------------------
@@ -225,8 +186,9 @@ class Replicator:
         with self._cond:
             target = self.seq if seq is None else seq
             ok = self._cond.wait_for(
-                lambda: self.acked >= target or self.state in ("none", "degraded", "deposed"), timeout)
-            if self.state == "deposed" and self.acked < target:
+                lambda: self.acked >= target or self.state in (ReplicaState.NONE, ReplicaState.DEGRADED,
+                                                              ReplicaState.DEPOSED), timeout)
+            if self.state == ReplicaState.DEPOSED and self.acked < target:
                 raise Deposed(self.address)
             if not ok:
                 raise TimeoutError(f"shard {self.shard_index}: the backup at {self.address} did not confirm "
@@ -241,12 +203,12 @@ class Replicator:
     def attach(self, address: str, snapshot: Any) -> None:
         """Replicate to ``address`` from now on (sending the whole state first); starts the sender."""
         with self._cond:
-            if self.state == "deposed":
+            if self.state == ReplicaState.DEPOSED:
                 raise Deposed(self.address)
             old = self._channel
             self.address, self._snapshot = address, snapshot
             self._channel = self.security.channel(address)
-            self.state = "resync"  # the new backup needs the whole state first
+            self.state = next_replica_state(self.state, ReplicaEvent.ATTACH)  # the whole state first
             self._queue.clear()
             self._cond.notify_all()
         if old is not None:
@@ -257,7 +219,8 @@ class Replicator:
             self._thread.start()
         self._wake.set()
 
-    def wait_synced(self, timeout: float, settled: tuple[str, ...] = ("synced", "deposed")) -> str:
+    def wait_synced(self, timeout: float,
+                    settled: tuple[ReplicaState, ...] = (ReplicaState.SYNCED, ReplicaState.DEPOSED)) -> ReplicaState:
         """The state once it is one of ``settled`` (or after ``timeout``)."""
         with self._cond:
             self._cond.wait_for(lambda: self.state in settled, timeout)
@@ -267,13 +230,13 @@ class Replicator:
         while not self._stop.is_set():
             with self._cond:
                 state = self.state
-            if state == "deposed":
+            if state == ReplicaState.DEPOSED:
                 return
-            if state == "degraded" and not self._reachable():
+            if state == ReplicaState.DEGRADED and not self._reachable():
                 self._wake.wait(self.retry_s)  # a whole snapshot costs a copy of the shard: not for nothing
                 self._wake.clear()
                 continue
-            if state in ("degraded", "resync"):
+            if state in (ReplicaState.DEGRADED, ReplicaState.RESYNC):
                 try:
                     self._snapshot()  # begin_sync + record("snapshot") under the store's lock
                 except Exception as e:  # noqa: BLE001 - logged, retried
@@ -282,8 +245,8 @@ class Replicator:
                     self._wake.clear()
                     continue
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stop.is_set() or self.state != "syncing"
-                                    and self.state != "synced", timeout=1.0)
+                self._cond.wait_for(lambda: self._queue or self._stop.is_set() or self.state != ReplicaState.SYNCING
+                                    and self.state != ReplicaState.SYNCED, timeout=1.0)
                 batch, self._queue = self._queue, []
                 channel = self._channel
             if not batch or channel is None:
@@ -296,8 +259,8 @@ class Replicator:
             with self._cond:
                 self.acked = max(self.acked, batch[-1].seq)
                 self.ops_total += len(batch)
-                if self.state == "syncing" and any(op.kind == "snapshot" for op in batch):
-                    self.state = "synced"
+                if self.state == ReplicaState.SYNCING and any(op.kind == OpKind.SNAPSHOT for op in batch):
+                    self.state = next_replica_state(self.state, ReplicaEvent.CONFIRMED)
                     log.info("shard %d: backup at %s in sync (op %d)", self.shard_index, self.address,
                              batch[-1].seq)
                 self._cond.notify_all()
@@ -342,17 +305,17 @@ class Replicator:
         with self._cond:
             self.last_error = f"{code.name}: {details}"
             if deposed:
-                self.state = "deposed"
+                self.state = next_replica_state(self.state, ReplicaEvent.PROMOTED)
             elif code == grpc.StatusCode.ABORTED:
                 # The backup wants the whole state again (a gap, a replay it could not make): the
                 # waiters keep waiting for the snapshot, which holds their ops.
-                self.state = "resync"
+                self.state = next_replica_state(self.state, ReplicaEvent.ABORTED)
                 log.warning("shard %d: backup at %s asks for a resync: %s", self.shard_index, self.address, details)
             else:
                 was = self.state
-                self.state = "degraded"
+                self.state = next_replica_state(self.state, ReplicaEvent.FAILED)
                 self.acked = self.seq  # going on alone: nothing more to wait for
-                if was != "degraded" or code != grpc.StatusCode.UNAVAILABLE:
+                if was != ReplicaState.DEGRADED or code != grpc.StatusCode.UNAVAILABLE:
                     log.warning("shard %d: backup at %s failed (%s: %s); going on without a copy, retrying "
                                 "every %.0fs", self.shard_index, self.address, code.name, details, self.retry_s)
             self._queue.clear()
@@ -374,12 +337,18 @@ class Replicator:
             self._channel.close()
 
 
-class Deposed(Exception):
-    """The backup took over this shard: the primary must not acknowledge anything more."""
+class GrpcReplicaLink:
+    """``peers.ReplicaLink`` over gRPC: a ``Replicator`` per backup, the primary's health by its Stats."""
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.address = address
+    def __init__(self, security: Security | None = None) -> None:
+        self.security = security or Security()
+
+    def sink(self, shard_index: int, num_shards: int, *, timeout_s: float, primary_address: str) -> Replicator:
+        return Replicator(shard_index, num_shards, security=self.security, timeout_s=timeout_s,
+                          primary_address=primary_address)
+
+    def primary_serving(self, address: str) -> bool:
+        return primary_serving(address, self.security)
 
 
 def primary_serving(address: str, security: Security, timeout: float = 1.0) -> bool:

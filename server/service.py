@@ -1,7 +1,11 @@
 """The gRPC face of a shard: decode, call the store, encode, map errors.
 
 ``create_server(store, "127.0.0.1:0")`` returns a started server and the
-port it bound; ``grpc.health.v1`` is mounted beside ``ParameterServer``.
+port it bound; ``grpc.health.v1`` is mounted beside ``ParameterServer``,
+and ``connect`` gives the store its gRPC peers and replica link.
+
+(Over 400 lines: one handler per RPC of ps.proto, each a few lines of
+decoding and encoding; splitting the servicer would scatter the RPC table.)
 """
 
 from __future__ import annotations
@@ -17,17 +21,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.protos import codec, framing
-from shardps.protos.optim import spec_from_proto
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.assembly import ChunkAssembler
 from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.errors import InvalidArgument, StoreError
-from shardps.server.exchange import encode_partial
+from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.metrics import ServerMetrics
-from shardps.server.replication import read_ops
+from shardps.server.replication import GrpcReplicaLink, read_ops
 from shardps.server.scaling import LossScaler
-from shardps.server.store import ShardStore, TensorSpec
+from shardps.server.store import ShardStore
+from shardps.server.table import TensorSpec
 
 log = logging.getLogger("shardps.server")
 
@@ -114,38 +118,6 @@ def _stream_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def spec_from_wire(msg: ps_pb2.TensorSpec) -> TensorSpec:
-    try:
-        opt = spec_from_proto(msg.optimizer)
-    except ValueError as e:
-        raise InvalidArgument(f"tensor {msg.name!r}: {e}") from None
-    spec = TensorSpec(
-        name=msg.name,
-        shape=tuple(msg.shape),
-        dtype=msg.dtype,
-        optimizer=opt,
-        parts=tuple(sorted((p.start, p.stop) for p in msg.parts)),
-        grad_dtype=msg.grad_dtype if msg.grad_dtype != msg.dtype else 0,
-        peers=tuple(msg.peers),
-        holders=tuple(msg.holders),
-    )
-    spec.validate()
-    return spec
-
-
-def spec_to_wire(spec: TensorSpec) -> ps_pb2.TensorSpec:
-    return ps_pb2.TensorSpec(
-        name=spec.name,
-        shape=list(spec.shape),
-        dtype=spec.dtype,  # type: ignore[arg-type]
-        optimizer=spec.optimizer.to_proto(),
-        parts=[ps_pb2.Part(start=a, stop=b) for a, b in spec.parts],
-        grad_dtype=spec.push_dtype,  # type: ignore[arg-type]
-        peers=list(spec.peers),
-        holders=list(spec.holders),
-    )
-
-
 def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
     if not msg.enabled:
         return None
@@ -188,7 +160,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         sync = store.configure(first.num_workers, first.sync, scaler_from_wire(first.loss_scaling),
                                first.staleness_remedy)
         store.check_worker_id(first.worker_id)
-        specs = [spec_from_wire(t) for t in first.tensors]
+        specs = [TensorSpec.from_proto(t) for t in first.tensors]
         by_name = {s.name: s for s in specs}
         if len(by_name) != len(specs):
             raise InvalidArgument("Register names a tensor more than once")
@@ -383,25 +355,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
-        s = self.store.stats()
-        return ps_pb2.StatsResponse(
-            shard_index=s["shard_index"], num_shards=s["num_shards"], version=s["version"],
-            sync=s["sync"], num_workers=s["num_workers"], registered_workers=s["registered_workers"],
-            tensors=[ps_pb2.TensorStats(spec=spec_to_wire(t["spec"]), weight_bytes=t["weight_bytes"],
-                                        optimizer_state_bytes=t["optimizer_state_bytes"])
-                     for t in s["tensors"]],
-            pushes_total=s["pushes_total"], applied_updates_total=s["applied_updates_total"],
-            gradients_applied_total=s["gradients_applied_total"],
-            push_bytes_total=s["push_bytes_total"], pull_bytes_total=s["pull_bytes_total"],
-            staleness_counts=s["staleness_counts"], worker_clocks=s["worker_clocks"],
-            skipped_steps_total=s["skipped_steps_total"], loss_scale=s["loss_scale"],
-            duplicate_pushes_total=s["duplicate_pushes_total"],
-            sync_switches_total=s["sync_switches_total"], checkpoint_versions=s["checkpoint_versions"],
-            evicted_workers=s["evicted_workers"], evictions_total=s["evictions_total"], epoch=s["epoch"],
-            recovering=s["recovering"], waiting_pulls=s["waiting_pulls"], role=s["role"], backup=s["backup"],
-            replica_state=s["replica_state"], replicated_ops_total=s["replicated_ops_total"],
-            replication_lag_ops=s["replication_lag_ops"], left_workers=s["left_workers"],
-            leaves_total=s["leaves_total"])
+        return self.store.stats().to_proto()
 
 
 class _HandlerRecorder:
@@ -440,6 +394,19 @@ def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+def connect(store: ShardStore, security: Security) -> None:
+    """Give ``store`` its gRPC ways to other servers (peers of split tensors, its backup), with ``security``.
+
+    Kept when the store was given its own (tests inject in-process fakes).
+    """
+    if isinstance(store.peers, PeerChannels):
+        store.peers.security = security
+    if isinstance(store.replica_link, GrpcReplicaLink):
+        store.replica_link.security = security
+    store.connect(PeerChannels(security) if store.peers is None else None,
+                  GrpcReplicaLink(security) if store.replica_link is None else None)
+
+
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
                   max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                   metrics: ServerMetrics | None = None, security: Security | None = None,
@@ -455,7 +422,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     if security.token:
         on_reject = (lambda m: metrics.rpc_error(m.rsplit("/", 1)[-1], "UNAUTHENTICATED")) if metrics else None
         chain.append(TokenAuthInterceptor(security.token, on_reject))
-    store.peers.security = security
+    connect(store, security)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -19,6 +19,12 @@ a step it already sent is a duplicate), so a policy sees each gradient once.
 ``offer`` returns the updates now due, each with the contributions it
 averages so the store can record their staleness; ``flush`` hands over what
 is held (when the job switches sync mode), so no gradient is ever dropped.
+
+The store asks a policy everything it needs through ``SyncPolicy`` (never
+its class): the live workers changed (``live_changed``, ``track_live``),
+whether nothing is held (``quiescent``, when a checkpoint may be taken),
+and what it holds, to snapshot and restore (``held_state``,
+``restore_held``). A new sync mode is a ``SyncSpec`` and a policy.
 """
 
 from __future__ import annotations
@@ -51,6 +57,16 @@ class Update:
     contributions: list[Contribution]
 
 
+@dataclass
+class HeldState:
+    """What a round holds: per-part sums and counts, the contributions, the rounds completed."""
+
+    sums: Grads
+    counts: dict[PartKey, int]
+    contributions: list[Contribution]
+    rounds: int
+
+
 class SyncPolicy:
     spec: SyncSpec
 
@@ -68,6 +84,24 @@ class SyncPolicy:
     def waiting_on(self) -> str:
         """Who a waiter is waiting for, for deadline messages."""
         return ""
+
+    def live_changed(self, live: set[int]) -> list[Update]:
+        """The live workers changed (an eviction, a leave, a rejoin): the updates now due."""
+        return []
+
+    def track_live(self, live: set[int]) -> None:
+        """The live workers, when this policy takes over (a switch, a restore); nothing becomes due."""
+
+    def quiescent(self) -> bool:
+        """True when no gradient is held (a checkpoint now holds no half-done round)."""
+        return True
+
+    def held_state(self) -> HeldState | None:
+        """What is held, for a snapshot (None: this mode holds nothing between pushes)."""
+        return None
+
+    def restore_held(self, held: HeldState) -> None:
+        """Hold again what a snapshot's ``held_state`` was (ignored by modes that hold nothing)."""
 
 
 class AsyncPolicy(SyncPolicy):
@@ -107,6 +141,21 @@ class BarrierPolicy(SyncPolicy):
 
     def restore(self, sums: Grads, counts: dict[PartKey, int], pending: list[Contribution], rounds: int) -> None:
         self._sum, self._counts, self._pending, self.rounds = dict(sums), dict(counts), list(pending), rounds
+
+    def held_state(self) -> HeldState:
+        return HeldState(self._sum, self._counts, self._pending, self.rounds)
+
+    def restore_held(self, held: HeldState) -> None:
+        self.restore(held.sums, held.counts, held.contributions, held.rounds)
+
+    def quiescent(self) -> bool:
+        return not self._pending
+
+    def live_changed(self, live: set[int]) -> list[Update]:
+        return self.set_expected(live)
+
+    def track_live(self, live: set[int]) -> None:
+        self.expected = set(live)
 
     def waiting_on(self) -> str:
         missing = sorted(self.expected - set(self.pending_workers))

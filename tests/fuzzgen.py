@@ -29,6 +29,7 @@ regression (a violation); anything else outside the rules is a violation.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -1294,7 +1295,7 @@ def local_state(stores: Sequence[Any]) -> list[tuple[str, str]]:
     """In-process shards: ``state_hash()`` and the counters and membership of ``stats()`` (less pulls)."""
     out = []
     for s in stores:
-        st = s.stats()
+        st = dataclasses.asdict(s.stats())
         for k in VOLATILE_STATS:
             st.pop(k, None)
         st["tensors"] = [(t["spec"], t["weight_bytes"], t["optimizer_state_bytes"]) for t in st["tensors"]]

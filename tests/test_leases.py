@@ -36,11 +36,11 @@ def test_eviction_completes_the_round_with_the_live_workers(caplog):
     st.touch(0)
     st.touch(1)
     assert st.evict_expired(now + 4.0) == []
-    st._last_seen[2] = now - 10  # worker 2 went silent
+    st.membership.last_seen[2] = now - 10  # worker 2 went silent
     assert st.evict_expired(now) == [2]
     assert st.version == 1  # the round completed with workers 0 and 1: their mean
     assert torch.equal(st.weights("w")[0], torch.tensor([-2.0, -2.0]))
-    assert st.evictions_total == 1 and st.stats()["evicted_workers"] == [2]
+    assert st.evictions_total == 1 and st.stats().evicted_workers == [2]
     assert "evicted worker 2" in caplog.text
     # The next rounds need only the live workers; the evicted one must register again.
     st.submit(0, 1, 1, {("w", 0): torch.tensor([1.0, 1.0])})
@@ -62,7 +62,7 @@ def test_evicted_workers_do_not_hold_ssp_back():
         st.submit(0, step, st.version, {("w", 0): torch.ones(2)})
     with pytest.raises(shardps.server.errors.DeadlineExceeded, match="behind: {1: 0}"):
         st.wait_clock(3, timeout=0.05)
-    st._last_seen[1] = time.monotonic() - 60
+    st.membership.last_seen[1] = time.monotonic() - 60
     st.evict_expired()
     assert st.wait_clock(3, timeout=0.05) == 3
 
@@ -102,5 +102,5 @@ def test_kill_9_one_of_3_workers_under_bsp_the_others_finish(make_cluster, caplo
     assert time.monotonic() - killed_at < 100
     for store in cluster.stores:
         st = store.stats()
-        assert st["evictions_total"] == 1 and st["evicted_workers"] == [2]
+        assert st.evictions_total == 1 and st.evicted_workers == [2]
     assert "evicted worker 2" in caplog.text

@@ -27,9 +27,9 @@ def test_a_leave_completes_the_round_with_the_others_and_is_no_eviction(caplog):
     assert st.leave(2) is True
     assert st.version == 1 and torch.equal(st.weights("w")[0], torch.tensor([-2.0, -2.0]))
     s = st.stats()
-    assert s["left_workers"] == [2] and s["leaves_total"] == 1 and s["evictions_total"] == 0
+    assert s.left_workers == [2] and s.leaves_total == 1 and s.evictions_total == 0
     assert "worker 2 left" in caplog.text and "evicted" not in caplog.text
-    assert st.leave(2) is False and st.stats()["leaves_total"] == 1  # idempotent
+    assert st.leave(2) is False and st.stats().leaves_total == 1  # idempotent
     with pytest.raises(FailedPrecondition, match="worker 2 left the job"):
         st.submit(2, 0, 0, {("w", 0): torch.ones(2)})
     st.register_worker(2)  # rejoins: rounds wait for it again
@@ -37,7 +37,7 @@ def test_a_leave_completes_the_round_with_the_others_and_is_no_eviction(caplog):
     st.submit(1, 1, 1, {("w", 0): torch.ones(2)})
     assert st.version == 1
     st.submit(2, 0, 1, {("w", 0): torch.ones(2)})
-    assert st.version == 2 and st.stats()["left_workers"] == []
+    assert st.version == 2 and st.stats().left_workers == []
 
 
 def test_after_everyone_left_the_next_run_expects_every_worker_again():
@@ -58,7 +58,7 @@ def test_an_evicted_worker_that_comes_back_after_the_others_finished_does_not_wa
     """Review finding: when every registered worker had left, the next registration expected all workers
     again, even one that was evicted and came back to finish: it waited for workers that were done."""
     st = _store(workers=3, lease=60.0)
-    st._last_seen[1] = time.monotonic() - 120
+    st.membership.last_seen[1] = time.monotonic() - 120
     assert st.evict_expired() == [1]
     st.leave(0)
     st.leave(2)
@@ -83,7 +83,7 @@ def test_membership_after_leaving_survives_a_snapshot():
     st.leave(1)
     copy = ShardStore(0, 1, lease_s=60.0)
     copy.restore(*st.snapshot())
-    assert copy.stats()["left_workers"] == [1] and copy.live_workers() == {0, 2}
+    assert copy.stats().left_workers == [1] and copy.live_workers() == {0, 2}
 
 
 @pytest.mark.cluster
@@ -103,8 +103,8 @@ def test_a_clean_run_ends_with_goodbyes_not_evictions(make_cluster, caplog):
     run_workers(worker, 2)
     for store in cluster.stores:
         s = store.stats()
-        assert s["left_workers"] == [0, 1] and s["leaves_total"] == 2
-        assert s["evictions_total"] == 0 and s["registered_workers"] == []
+        assert s.left_workers == [0, 1] and s.leaves_total == 2
+        assert s.evictions_total == 0 and s.registered_workers == []
         # Nobody is left to be evicted later: the documented alert cannot fire for a finished job.
         assert store.evict_expired(now=float("inf")) == []
     assert "evicted" not in caplog.text
@@ -144,4 +144,4 @@ def test_a_client_driven_by_hand_keeps_its_lease_while_it_waits(make_cluster):
         assert store.evict_expired(now=last + 0.3) == [] and 0 in store.live_workers()
         client.stop_heartbeats()  # now it falls silent: once its lease has run out it is evicted
         assert store.evict_expired(now=time.monotonic() + 1.2) == [0]
-        assert store.stats()["evicted_workers"] == [0]
+        assert store.stats().evicted_workers == [0]

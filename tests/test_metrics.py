@@ -67,8 +67,8 @@ def test_server_metrics_after_asp_training(make_cluster):
         assert v("shardps_sync_mode", {**lab, "sync": "asp"}) == 1
         assert v("shardps_tensors", lab) >= 1
         store = cluster.stores[shard]
-        assert v("shardps_weight_bytes", lab) == sum(t["weight_bytes"] for t in store.stats()["tensors"])
-        parts = sum(len(t["spec"].parts) for t in store.stats()["tensors"])
+        assert v("shardps_weight_bytes", lab) == sum(t.weight_bytes for t in store.stats().tensors)
+        parts = sum(len(t.spec.parts) for t in store.stats().tensors)
         assert v("shardps_optimizer_state_bytes", lab) == 4 * parts  # SGD without momentum: a step count per part
         assert v("shardps_push_bytes_total", lab) > 0 and v("shardps_pull_bytes_total", lab) > 0
         assert v("shardps_pulls_total", lab) >= workers * steps

@@ -187,7 +187,7 @@ def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
         client.register({"w": torch.arange(6.0), "v": torch.zeros(3)}, shardps.optim.SGD(lr=1.0), sync="asp")
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=0)
         for st in cluster.stores:
-            assert st.stats()["replica_state"] == "synced"
+            assert st.stats().replica_state == "synced"
             assert st.state_hash() == backup_of[st.shard_index].state_hash()
         # The backup reads the live primary's Stats (authenticated) and refuses to take over.
         with pytest.raises(shardps.ShardError, match="still answers SERVING"):

@@ -97,11 +97,11 @@ def test_switch_bsp_asp_bsp_loses_and_repeats_no_gradient(cluster2):
     assert any("asp" in h for _, h in results)
     for store in cluster2.stores:
         st = store.stats()
-        assert st["sync"] == "bsp" and st["sync_switches_total"] == 2
-        assert st["pushes_total"] == total and st["duplicate_pushes_total"] == 0
+        assert st.sync == "bsp" and st.sync_switches_total == 2
+        assert st.pushes_total == total and st.duplicate_pushes_total == 0
         # Every gradient pushed was applied exactly once: none lost in a flushed round, none twice.
-        assert st["gradients_applied_total"] == total
-        assert sum(st["staleness_counts"].values()) == total
+        assert st.gradients_applied_total == total
+        assert sum(st.staleness_counts.values()) == total
 
 
 def test_ctl_set_sync_rejects_unknown_modes(cluster2):

@@ -1,0 +1,218 @@
+"""The apply step of one shard: an update the sync policy handed over becomes an optimizer step.
+
+``Applier`` holds what the step needs besides the tensors: the staleness
+remedy (lr-scale, dc-asgd and the weights each worker pulled), the loss
+scaler, the optimizers with a scaled lr, and the ``StagingPool`` of spare
+fp32 gradient buffers (one per part, its own small lock: Push assembly asks
+for buffers without the store's lock). No lock of its own otherwise: the
+store calls ``apply`` under its lock. Split tensors reduce their statistics
+with their peers through the ``reduce_for`` the store passes (see
+server/peers.py); the store releases its lock around that network call.
+``ApplyMixin`` is the part of ``ShardStore`` that does so (``_apply``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardps.protos.optim import OptimizerSpec
+from shardps.server.errors import Unavailable
+from shardps.server.optim import ServerOptimizer, make_optimizer
+from shardps.server.optim.base import Reduce
+from shardps.server.peers import ExchangeTable, Key, PeerReducer
+from shardps.server.remedies import Remedy, compensate, lr_factor
+from shardps.server.scaling import LossScaler
+from shardps.server.sync import Update, staleness
+from shardps.server.table import PartKey, PartState, TensorEntry, TensorTable
+
+if TYPE_CHECKING:
+    from shardps.server.peers import Peers
+    from shardps.server.pullcache import PullCache
+
+ScalingConfig = tuple[float, float, float, int]  # init, growth, backoff, interval
+
+
+def scaling_config(scaler: LossScaler | None) -> ScalingConfig | None:
+    if scaler is None:
+        return None
+    return (scaler.init_scale, scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval)
+
+
+class StagingPool:
+    """One spare fp32 staging buffer per part: a gradient that nothing references any more."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: dict[PartKey, torch.Tensor] = {}
+
+    def take(self, key: PartKey, numel: int) -> torch.Tensor:
+        """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
+        with self._lock:
+            buf = self._pool.pop(key, None)
+        if buf is None or buf.numel() != numel:
+            buf = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+    def recycle(self, key: PartKey, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._pool.setdefault(key, buf.view(-1))
+
+
+@dataclass(frozen=True)
+class Applied:
+    skipped: bool  # an inf/nan in some contribution: no step taken
+    seconds: float
+    staleness: list[int]
+
+
+class Applier:
+    def __init__(self) -> None:
+        self.remedy = Remedy()
+        self.scaler: LossScaler | None = None
+        self.stale_weights: dict[int, dict[PartKey, torch.Tensor]] = {}  # dc-asgd: what each worker pulled
+        self.pool = StagingPool()
+        self._scaled_impls: dict[OptimizerSpec, ServerOptimizer] = {}
+
+    @property
+    def scaling(self) -> ScalingConfig | None:
+        return scaling_config(self.scaler)
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale workers should use next; 0.0 when loss scaling is off."""
+        return self.scaler.scale if self.scaler is not None else 0.0
+
+    def impl(self, entry: TensorEntry, factor: float) -> ServerOptimizer:
+        """The tensor's optimizer, with its lr scaled by ``factor`` (lr-scale remedy)."""
+        if factor == 1.0:
+            return entry.optimizer
+        spec = dataclasses.replace(entry.spec.optimizer, lr=entry.spec.optimizer.lr * factor)  # type: ignore[attr-defined]
+        impl = self._scaled_impls.get(spec)
+        if impl is None:
+            impl = self._scaled_impls[spec] = make_optimizer(spec)
+        return impl
+
+    def remember_pulled(self, tensors: TensorTable, worker_id: int, names: list[str]) -> None:
+        """dc-asgd: keep the weights ``worker_id`` pulled, to compensate its next gradient."""
+        mine = self.stale_weights.setdefault(worker_id, {})
+        for n in names:
+            for start, part in tensors[n].parts.items():
+                kept = mine.get((n, start))
+                if kept is None:
+                    mine[(n, start)] = part.weight.clone()
+                else:
+                    kept.copy_(part.weight)
+
+    def apply(self, tensors: TensorTable, update: Update, version: int,
+              reduce_for: Callable[[TensorEntry], Reduce]) -> Applied:
+        """One optimizer step on every part of ``update`` (or a skipped one), at shard ``version``."""
+        t0 = time.perf_counter()
+        skip = any(c.found_inf for c in update.contributions)
+        if not skip:
+            groups: dict[OptimizerSpec, list[tuple[TensorEntry, PartState, torch.Tensor]]] = {}
+            stale = staleness(version, update.contributions)
+            factor = lr_factor(sum(stale) / len(stale)) if self.remedy.kind == "lr-scale" else 1.0
+            backup = (self.stale_weights.get(update.contributions[0].worker_id)
+                      if self.remedy.kind == "dc-asgd" and len(update.contributions) == 1 else None)
+            for (name, start), g in update.grads.items():
+                entry = tensors[name]
+                part = entry.parts[start]
+                grad = g.view(part.weight.shape)
+                if backup is not None and (name, start) in backup:
+                    compensate(grad, part.weight, backup[(name, start)], self.remedy.dc_lambda)
+                if entry.spec.split:
+                    entry.optimizer.step(part.weight, grad, part.state, part.info, reduce_for(entry))
+                elif entry.spec.optimizer.elementwise or part.info.whole:
+                    groups.setdefault(entry.spec.optimizer, []).append((entry, part, grad))
+                else:
+                    self.impl(entry, factor).step(part.weight, grad, part.state, part.info)
+            for items in groups.values():
+                impl = self.impl(items[0][0], factor)
+                impl.step_many([(p.weight, g, p.state, p.info) for _, p, g in items])
+            for name in {name for name, _ in update.grads}:
+                tensors[name].rounds += 1
+        for key, g in update.grads.items():
+            self.pool.recycle(key, g)
+        if self.scaler is not None:
+            self.scaler.update(skip)
+        return Applied(skip, time.perf_counter() - t0, staleness(version, update.contributions))
+
+
+class ApplyMixin:
+    """The apply step of ``ShardStore`` (it supplies the attributes annotated here)."""
+
+    shard_index: int
+    version: int
+    applier: Applier
+    pullcache: PullCache
+    peers: Peers | None
+    exchange: ExchangeTable
+    exchange_timeout_s: float
+    apply_seconds_total: float
+    skipped_steps_total: int
+    gradients_applied_total: int
+    applied_updates_total: int
+    staleness_counts: Counter[int]
+    on_apply: list[Callable[[float], None]]
+    _tensors: TensorTable
+    _applying: bool
+    _cond: threading.Condition
+
+    if TYPE_CHECKING:  # the store's own methods
+        def _settle(self) -> None: ...
+
+    def staging(self, key: PartKey, numel: int) -> torch.Tensor:
+        """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
+        return self.applier.pool.take(key, numel)
+
+    def _apply(self, update: Update) -> bool:
+        """One optimizer step (or a skipped one); the version advances either way. Under the lock.
+
+        A split tensor's step exchanges statistics with its peers: ``_cond``
+        is released around each fetch, with ``_applying`` set so that no
+        other thread reads or changes the tensors meanwhile.
+        """
+        self._settle()
+        self.pullcache.clear()
+        split = any(self._tensors[name].spec.split for name, _ in update.grads)
+        self._applying = split
+        try:
+            done = self.applier.apply(self._tensors, update, self.version, self._reducer)
+        finally:
+            if split:
+                self._applying = False
+                self._cond.notify_all()
+        self.skipped_steps_total += 1 if done.skipped else 0
+        self.apply_seconds_total += done.seconds
+        for hook in self.on_apply:
+            hook(done.seconds)
+        self.staleness_counts.update(done.staleness)
+        self.gradients_applied_total += 0 if done.skipped else len(update.contributions)
+        self.applied_updates_total += 0 if done.skipped else 1
+        self.version += 1
+        return not done.skipped
+
+    def _reducer(self, entry: TensorEntry) -> Reduce:
+        return PeerReducer(self.exchange, self._fetch_unlocked, entry.spec.name, entry.rounds, self.shard_index,
+                           entry.spec.holders, self.exchange_timeout_s)
+
+    def _fetch_unlocked(self, shard: int, key: Key, from_shard: int, timeout: float) -> torch.Tensor:
+        """A peer's partial, fetched with _cond released (the caller holds it, with _applying set)."""
+        peers = self.peers
+        if peers is None:
+            raise Unavailable(f"shard {self.shard_index} has no connection to its peers: it is not served")
+        assert self._applying
+        self._cond.release()
+        try:
+            return peers.fetch(shard, key, from_shard, timeout)
+        finally:
+            self._cond.acquire()
+
