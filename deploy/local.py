@@ -274,7 +274,8 @@ class LocalCluster:
         for st in self.stores + self.backups:
             st.stop_reaper()
             st.stop_replication()
-            st.peers.close()
+            if st.peers is not None:
+                st.peers.close()
         for e in self._endpoints:
             e.close()
         self._endpoints = []

@@ -94,7 +94,7 @@ class Applier:
         """The tensor's optimizer, with its lr scaled by ``factor`` (lr-scale remedy)."""
         if factor == 1.0:
             return entry.optimizer
-        spec = dataclasses.replace(entry.spec.optimizer, lr=entry.spec.optimizer.lr * factor)  # type: ignore[attr-defined]
+        spec = dataclasses.replace(entry.spec.optimizer, lr=entry.spec.optimizer.lr * factor)  # type: ignore[attr-defined, call-arg]
         impl = self._scaled_impls.get(spec)
         if impl is None:
             impl = self._scaled_impls[spec] = make_optimizer(spec)

@@ -51,7 +51,8 @@ class StoreCollector(Collector):
         snaps = [(str(st.shard_index), st.stats(), st.clocks()) for st in serving]
         lab = ["shard"]
 
-        def family(kind: type, name: str, doc: str, value: Callable[[ShardStats, dict[int, int]], float]) -> Metric:
+        def family(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,
+                   value: Callable[[ShardStats, dict[int, int]], float]) -> Metric:
             m = kind(name, doc, labels=lab)
             for shard, st, clocks in snaps:
                 m.add_metric([shard], value(st, clocks))

@@ -99,8 +99,6 @@ class ReadMixin:
     """Read methods of ``ShardStore`` (it supplies the attributes annotated here)."""
 
     version: int
-    loss_scale: float
-    remedy: Remedy
     membership: Membership
     pullcache: PullCache
     pull_bytes_total: int
@@ -108,6 +106,13 @@ class ReadMixin:
     _tensors: TensorTable
     _sync: SyncSpec | None
     _cond: threading.Condition
+
+    if TYPE_CHECKING:  # the store's properties
+        @property
+        def loss_scale(self) -> float: ...
+
+        @property
+        def remedy(self) -> Remedy: ...
 
     if TYPE_CHECKING:  # the store's own methods
         def _settle(self) -> None: ...

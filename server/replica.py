@@ -255,7 +255,8 @@ class ReplicaMixin:
         except Deposed as e:
             raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
         log.info("shard %d: replicating to %s", self.shard_index, address)
-        return rep.wait_synced(timeout) if timeout > 0 else rep.state
+        state: str = rep.wait_synced(timeout) if timeout > 0 else rep.state
+        return state
 
     def _split_names(self) -> list[str]:
         raise NotImplementedError
@@ -302,7 +303,7 @@ class ReplicaMixin:
             self.role = next_role(self.role, RoleEvent.START)
         self.attach_replica(target)
         assert self.replicator is not None
-        state = self.replicator.wait_synced(
+        state: str = self.replicator.wait_synced(
             timeout, settled=(ReplicaState.SYNCED, ReplicaState.DEGRADED, ReplicaState.DEPOSED))
         with self._cond:
             self.role = next_role(self.role, RoleEvent.SETTLED)

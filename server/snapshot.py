@@ -152,8 +152,8 @@ def decode(version: int, meta: Meta, tensors: Tensors) -> ShardState:
     stale: dict[int, dict[PartKey, torch.Tensor]] = {}
     for key, t in tensors.items():
         if key.startswith("stale/"):
-            _, w, i, st = key.split("/")
-            stale.setdefault(int(w), {})[(names[int(i)], int(st))] = t.clone()
+            _, w, idx, at = key.split("/")
+            stale.setdefault(int(w), {})[(names[int(idx)], int(at))] = t.clone()
     return ShardState(
         version=version, num_shards=meta["num_shards"],
         sync=SyncSpec.parse(meta["sync"]) if meta["sync"] else None, num_workers=meta["num_workers"],
@@ -197,7 +197,8 @@ class Packed:
 
 def pack(tensors: Tensors) -> Packed:
     """Copy ``tensors`` into one buffer (one copy of the data, any dtype)."""
-    layout, off = [], 0
+    layout: list[list[Any]] = []
+    off = 0
     for key, t in tensors.items():
         layout.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), off])
         off += -(-t.numel() * t.element_size() // 8) * 8
@@ -240,14 +241,16 @@ class SnapshotMixin:
     applier: Applier
     pullcache: PullCache
     peers: Peers | None
-    remedy: Remedy
     _tensors: TensorTable
     _sync: SyncSpec | None
     _policy: SyncPolicy | None
     _scaling_config: tuple[float, float, float, int] | None
     _cond: threading.Condition
 
-    if TYPE_CHECKING:  # the store's own methods
+    if TYPE_CHECKING:  # the store's property, and its own methods
+        @property
+        def remedy(self) -> Remedy: ...
+
         def _settle(self) -> None: ...
         def live_workers(self) -> set[int]: ...
 

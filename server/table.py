@@ -327,12 +327,15 @@ class TableMixin:
     shard_index: int
     replicator: ReplicaSink | None
     peers: Peers | None
-    remedy: Remedy
     _tensors: TensorTable
     _sync: SyncSpec | None
     _cond: threading.Condition
 
-    if TYPE_CHECKING:  # the store's own methods
+    if TYPE_CHECKING:  # the store's property, and its own methods
+        @property
+        def remedy(self) -> Remedy: ...
+
+
         def _settle(self) -> None: ...
         def _record_registered(self, entries: list[TensorEntry]) -> None: ...
 

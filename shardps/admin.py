@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.stats import ShardStats
 from shardps.worker.client import connect
 from shardps.worker.errors import ShardError
 from shardps.worker.transport import Transport, explain_unreachable, health_status, unary
@@ -31,7 +31,7 @@ def stats(transport: Transport) -> list[dict[str, Any]]:
     """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
     t = transport
     res = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
-    return [stats_to_dict(r) for r in res]
+    return [ShardStats.from_proto(r).to_dict() for r in res]
 
 
 def set_sync(transport: Transport, sync: str) -> list[str]:
@@ -68,51 +68,6 @@ def attach_replica(address: str, target: str, *, timeout: float = 30.0,
 
 _COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
              "push_bytes_total", "pull_bytes_total")
-
-
-def stats_to_dict(r: ps_pb2.StatsResponse) -> dict[str, Any]:
-    """A StatsResponse as plain Python values (ints stay ints)."""
-    out: dict[str, Any] = {
-        "shard_index": r.shard_index,
-        "num_shards": r.num_shards,
-        "sync": r.sync,
-        "num_workers": r.num_workers,
-        "registered_workers": list(r.registered_workers),
-        "tensors": [
-            {
-                "name": t.spec.name,
-                "shape": tuple(t.spec.shape),
-                "dtype": codec.dtype_name(t.spec.dtype),
-                "optimizer": t.spec.optimizer.name,
-                "parts": [(p.start, p.stop) for p in t.spec.parts],
-                "weight_bytes": t.weight_bytes,
-                "optimizer_state_bytes": t.optimizer_state_bytes,
-            }
-            for t in r.tensors
-        ],
-        "staleness_counts": {int(k): int(v) for k, v in r.staleness_counts.items()},
-        "worker_clocks": {int(k): int(v) for k, v in r.worker_clocks.items()},
-        "skipped_steps_total": int(r.skipped_steps_total),
-        "duplicate_pushes_total": int(r.duplicate_pushes_total),
-        "loss_scale": float(r.loss_scale),
-        "sync_switches_total": int(r.sync_switches_total),
-        "checkpoint_versions": [int(v) for v in r.checkpoint_versions],
-        "evicted_workers": list(r.evicted_workers),
-        "evictions_total": int(r.evictions_total),
-        "left_workers": list(r.left_workers),
-        "leaves_total": int(r.leaves_total),
-        "epoch": int(r.epoch),
-        "recovering": bool(r.recovering),
-        "waiting_pulls": int(r.waiting_pulls),
-        "role": r.role,
-        "backup": r.backup,
-        "replica_state": r.replica_state,
-        "replicated_ops_total": int(r.replicated_ops_total),
-        "replication_lag_ops": int(r.replication_lag_ops),
-    }
-    for key in _COUNTERS:
-        out[key] = int(getattr(r, key))
-    return out
 
 
 # -- the commands ---------------------------------------------------------------

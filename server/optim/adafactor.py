@@ -53,7 +53,8 @@ from shardps.server.optim.base import (
 
 def _sumsq(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) as a 1-element fp32 tensor."""
-    return torch.linalg.vector_norm(x).square().reshape(1)
+    out: torch.Tensor = torch.linalg.vector_norm(x).square().reshape(1)
+    return out
 
 
 class AdafactorImpl(ServerOptimizer):
