@@ -9,7 +9,8 @@ tensor table and registration (table.py), leases and membership
 (pullcache.py), the snapshot codec (snapshot.py), checkpoints and rollback
 (checkpoint.py), the replica side (replica.py); the sync policy (sync.py).
 What stays here: the lock, version, epoch, configure, submit, the waits,
-set_sync, close and stats.
+set_sync, close and stats. (Over 400 lines: these all read and write the same
+fields under ``_cond``; split further, one critical section would span files.)
 
 Versions: a shard starts at version 0 and adds one per optimizer step it
 applies (under BSP, one per step of the job; under ASP, one per gradient).

@@ -18,6 +18,10 @@ new ones, and each backward on its forward's (weight stashing).
 ``offload="activations"`` sends what the stages save for backward to one
 ``OffloadStore`` actor, placed on a node offering the ``offload`` resource
 when one does.
+
+(Over 400 lines: the three actors and the driver that dispatches to them
+are one protocol, each side's calls beside the other's; the schedules,
+stage runtime and offload codecs they use live in worker/pipeline/.)
 """
 
 from __future__ import annotations
