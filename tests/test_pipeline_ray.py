@@ -119,8 +119,12 @@ def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_ser
             with pytest.raises(sray.PipelineError) as err:
                 pipe.train_step(*data(9, seed=1), nn.CrossEntropyLoss())
             assert time.monotonic() - t0 < 60
-            assert (err.value.stage, err.value.microbatch, err.value.kind) == (1, 2, "forward"), str(err.value)
-            assert "stage 1 (replica 0) died in the forward of micro-batch 2" in str(err.value)
+            # The stage is exact; the micro-batch is the first result lost: 2 (running when it died), or 1 when
+            # the process died before Ray had sent micro-batch 1's reply (seen under load).
+            assert (err.value.stage, err.value.kind) == (1, "forward"), str(err.value)
+            assert err.value.microbatch in (1, 2), str(err.value)
+            assert f"stage 1 (replica 0) died in or just after the forward of micro-batch {err.value.microbatch}" \
+                in str(err.value)
         finally:
             pipe.close()
         with shardps.connect(servers.addresses) as c:

@@ -453,7 +453,11 @@ class Pipeline:
 
     def _failure(self, order: list[tuple[Task, int, Any]],
                  syncs: list[tuple[int, int, Any]]) -> PipelineError | None:
-        """The first task, in submission order, that failed: which stage, which micro-batch, why."""
+        """The first task, in submission order, that failed: which stage, which micro-batch, why.
+
+        A stage that died is named exactly; its micro-batch is the first whose result did not come
+        back: the one it was running, or the one before when the process died before it had sent that
+        result (Ray sends a task's reply after the task ends, so an abrupt death can lose it)."""
         for t, rep, ref in order:
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -463,10 +467,10 @@ class Pipeline:
             except (RayActorError, RayError, GetTimeoutError) as e:
                 cause = type(e).__name__ if isinstance(e, RayActorError) else str(e).splitlines()[0]
                 dead = isinstance(e, RayActorError) or "ActorDiedError" in str(e)
-                what = "died" if dead else "failed"
+                where = (f"died in or just after the {_task_name(t)} of micro-batch {t.microbatch}" if dead
+                         else f"failed in the {_task_name(t)} of micro-batch {t.microbatch}")
                 return PipelineError(
-                    f"step {self.step_count}: stage {t.stage} (replica {rep}) {what} in the {_task_name(t)} of "
-                    f"micro-batch {t.microbatch} ({cause})"
+                    f"step {self.step_count}: stage {t.stage} (replica {rep}) {where} ({cause})"
                     + ("; rebuild the pipeline: a new Pipeline with the same servers starts from their weights"
                        if dead and self.servers else ""), t.stage, t.microbatch, _task_name(t))
         for s, rep, ref in syncs:
