@@ -86,11 +86,16 @@ ROLE_TRANSITIONS: dict[tuple[Role, RoleEvent], Role] = {
 }
 
 
-def next_role(role: Role, event: RoleEvent) -> Role:
+def _transition(table: dict[tuple[Any, Any], Any], what: str, state: Any, event: Any) -> Any:
     try:
-        return ROLE_TRANSITIONS[(role, event)]
+        return table[(state, event)]
     except KeyError:
-        raise InvalidTransition(f"role {role}: no transition on {event}") from None
+        raise InvalidTransition(f"{what} {state}: no transition on {event}") from None
+
+
+def next_role(role: Role, event: RoleEvent) -> Role:
+    new: Role = _transition(ROLE_TRANSITIONS, "role", role, event)
+    return new
 
 
 class ReplicaState(StrEnum):
@@ -133,10 +138,8 @@ REPLICA_TRANSITIONS = _replica_table()
 
 
 def next_replica_state(state: ReplicaState, event: ReplicaEvent) -> ReplicaState:
-    try:
-        return REPLICA_TRANSITIONS[(state, event)]
-    except KeyError:
-        raise InvalidTransition(f"replica state {state}: no transition on {event}") from None
+    new: ReplicaState = _transition(REPLICA_TRANSITIONS, "replica state", state, event)
+    return new
 
 
 class OpKind(StrEnum):
