@@ -8,7 +8,7 @@ import shardps
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
 from shardps.server.store import ShardStore, TensorSpec
-from shardps.worker.client import stats_to_dict
+from shardps.admin import stats_to_dict
 
 
 def _busy_store() -> ShardStore:
