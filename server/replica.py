@@ -177,6 +177,7 @@ class ReplicaMixin:
     num_shards: int
     address: str
     version: int
+    epoch: int
     role: Role
     moved_to: str
     replicator: ReplicaSink | None
@@ -386,8 +387,12 @@ class ReplicaMixin:
             with self._cond:
                 self._remember_pulled(a["worker"], list(a["names"]))
 
-    def promote(self, reason: str = "", force: bool = False) -> None:
-        """Backup side: serve the shard from now on (idempotent).
+    def take_over(self, reason: str = "") -> tuple[int, int, int]:
+        """A worker's fail-over: ``promote`` without force (refused while the primary serves)."""
+        return self.promote(reason, force=False)
+
+    def promote(self, reason: str = "", force: bool = False) -> tuple[int, int, int]:
+        """Backup side: serve the shard from now on (idempotent): (shard index, version, epoch).
 
         Refused while the primary still answers its health check with
         SERVING (unless ``force``): a worker that cannot reach a live
@@ -395,6 +400,10 @@ class ReplicaMixin:
         another server: made with no lock held, then the role is checked
         again under the replay lock.
         """
+        self._promote(reason, force)
+        return self.shard_index, self.version, self.epoch
+
+    def _promote(self, reason: str, force: bool) -> None:
         primary = None
         if not force:
             with self._replay_lock:
