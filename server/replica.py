@@ -256,7 +256,7 @@ class ReplicaMixin:
         except Deposed as e:
             raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
         log.info("shard %d: replicating to %s", self.shard_index, address)
-        return rep.wait_synced(timeout) if timeout > 0 else rep.state
+        return str(rep.wait_synced(timeout) if timeout > 0 else rep.state)
 
     def _split_names(self) -> list[str]:
         raise NotImplementedError
@@ -311,7 +311,7 @@ class ReplicaMixin:
         if self.role == Role.DEPOSED:
             log.error("shard %d: its backup at %s took it over while this server was down; this server does "
                       "not serve it (workers are sent there)", self.shard_index, target)
-        return state
+        return str(state)
 
     def stop_replication(self) -> None:
         if self.replicator is not None:

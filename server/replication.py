@@ -46,7 +46,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import torch
@@ -87,7 +87,7 @@ def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarna
     same wire format; one copy instead of three).
     """
     packed = op.packed if op.packed is not None else pack(op.tensors)
-    blob = memoryview(packed.buffer.numpy())
+    blob = memoryview(cast(Any, packed.buffer.numpy()))
     args = dict(op.args, _layout=packed.layout, _nbytes=packed.nbytes)
     head = ps_pb2.ReplicateRequest(seq=op.seq, op=str(op.kind), args_json=json.dumps(args), shard_index=shard_index,
                                    num_shards=num_shards, primary=primary, incarnation=incarnation).SerializeToString()
@@ -272,7 +272,7 @@ class Replicator:
         if channel is None:
             return False
         try:
-            channel.unary_unary("/shardps.v1.Peers/Describe",
+            channel.unary_unary("/shardps.v1.Peers/Describe",  # type: ignore[call-arg]
                                 request_serializer=ps_pb2.StatsRequest.SerializeToString,
                                 response_deserializer=ps_pb2.StatsResponse.FromString,
                                 _registered_method=True)(ps_pb2.StatsRequest(), timeout=min(5.0, self.timeout_s))
@@ -281,9 +281,9 @@ class Replicator:
             return False
 
     def _send(self, channel: grpc.Channel, batch: list[Op]) -> None:
-        replicate = channel.stream_unary("/shardps.v1.Peers/Replicate", request_serializer=None,
-                                         response_deserializer=ps_pb2.ReplicateResponse.FromString,
-                                         _registered_method=True)
+        replicate: Any = channel.stream_unary(  # type: ignore[call-arg]
+            "/shardps.v1.Peers/Replicate", request_serializer=None,
+            response_deserializer=ps_pb2.ReplicateResponse.FromString, _registered_method=True)
 
         def messages() -> Iterator[bytes]:
             for op in batch:

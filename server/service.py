@@ -238,7 +238,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
 
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
-             context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
+             context: grpc.ServicerContext) -> Iterator[bytes]:
         store = self.store
         store.check_serving()
         store.check_epoch(request.epoch)
@@ -388,7 +388,7 @@ class _HandlerRecorder:
     """Stands in for a grpc.Server to catch the generated method handlers."""
 
     def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self.handlers: dict[str, Any] = {}
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Any) -> None:
         pass
@@ -406,11 +406,10 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
     add(servicer, recorder)
     handlers = recorder.handlers
     if service == WORKERS:
-        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)  # type: ignore[attr-defined]
-        handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)  # type: ignore[attr-defined]
+        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)
+        handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
-        handlers[name] = h._replace(  # type: ignore[attr-defined]
-            request_deserializer=_safe_deserializer(name, h.request_deserializer))  # type: ignore[attr-defined]
+        handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
 

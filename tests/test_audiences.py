@@ -150,9 +150,10 @@ def test_unknown_or_missing_tokens_are_unauthenticated_and_the_shared_token_work
     for token in (None, "nope"):
         ch = _channel(cluster.addresses[0], token)
         try:
-            for call in (lambda: ps_pb2_grpc.WorkersStub(ch).Describe(ps_pb2.StatsRequest(), timeout=10),
-                         lambda: ps_pb2_grpc.OperatorStub(ch).Stats(ps_pb2.StatsRequest(), timeout=10)):
-                assert _code(call)[0] == grpc.StatusCode.UNAUTHENTICATED
+            for stub, method in ((ps_pb2_grpc.WorkersStub(ch), "Describe"), (ps_pb2_grpc.OperatorStub(ch), "Stats")):
+                call = getattr(stub, method)
+                assert _code(lambda call=call: call(ps_pb2.StatsRequest(), timeout=10))[0] == \
+                    grpc.StatusCode.UNAUTHENTICATED
         finally:
             ch.close()
     shared = Security(token="sh4red")

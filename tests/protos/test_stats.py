@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 import shardps
+from shardps.admin import stats_to_dict
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
 from shardps.server.store import ShardStore, TensorSpec
-from shardps.admin import stats_to_dict
 
 
 def _busy_store() -> ShardStore:
