@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from shardps.deploy.lifeline import Lifeline
 from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import codec
+from shardps.protos import env as env_names
 from shardps.protos.security import Security
 from shardps.server.app import READY_PREFIX, check_replicas
 from shardps.server.metrics import ServerMetrics
@@ -119,9 +120,9 @@ def attach_replicas(addresses: Sequence[str], replica_addresses: Sequence[str], 
     n = len(addresses)
     for i, address in enumerate(addresses):
         target = replica_addresses[(i + 1) % n]
-        channel = security.channel(address)
+        channel = security.channel(address, role="operator")
         try:
-            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            stub = ps_pb2_grpc.OperatorStub(channel)
             state = stub.AttachReplica(ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
                                        timeout=timeout + 5, wait_for_ready=True).replica_state
         finally:
@@ -226,8 +227,10 @@ class LocalCluster:
             if self.checkpoint_dir:
                 cmd += ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every)]
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            if sec.token:
-                env["SHARDPS_AUTH_TOKEN"] = sec.token
+            for var, value in ((env_names.AUTH_TOKEN, sec.token), (env_names.WORKER_TOKEN, sec.worker_token),
+                               (env_names.OPERATOR_TOKEN, sec.operator_token), (env_names.PEER_TOKEN, sec.peer_token)):
+                if value:
+                    env[var] = value
             if self._lifeline is None:
                 self._lifeline = Lifeline()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,

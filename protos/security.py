@@ -3,13 +3,19 @@
 ``Security`` gathers the settings: ``tls_cert``/``tls_key`` (a server's
 identity, or a client's for mutual TLS), ``tls_ca`` (the CA that signed the
 other side: a client checks servers with it; a server given one requires
-and checks client certificates), and ``token`` (a bearer token sent in the
-``authorization`` metadata and checked by the server in constant time).
+and checks client certificates), and bearer tokens sent in the
+``authorization`` metadata and checked by the server in constant time:
+``token``, the shared token (every audience), and one per audience (``ROLES``):
+``worker_token`` (the ``Workers`` service), ``operator_token``
+(``Operator``), ``peer_token`` (``Peers``, server to server). A server
+admits each; a client sends the token of its role, or the shared one
+(``token_for``, ``channel(address, role=...)``).
 
 Configuration order: explicit arguments, then the environment
 (``SHARDPS_TLS_CERT``, ``SHARDPS_TLS_KEY``, ``SHARDPS_TLS_CA``,
 ``SHARDPS_TLS_SERVER_NAME``, ``SHARDPS_AUTH_TOKEN`` or
-``SHARDPS_AUTH_TOKEN_FILE``), then off.
+``SHARDPS_AUTH_TOKEN_FILE``, ``SHARDPS_WORKER_TOKEN`` or
+``SHARDPS_WORKER_TOKEN_FILE``, the same for ``OPERATOR`` and ``PEER``), then off.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ import grpc
 from shardps.protos import env
 
 AUTH_HEADER = "authorization"
+#: The audiences with a token of their own: workers, operators, servers (peers).
+ROLES = ("worker", "operator", "peer")
+_ROLE_ENV = {"worker": (env.WORKER_TOKEN, env.WORKER_TOKEN_FILE),
+             "operator": (env.OPERATOR_TOKEN, env.OPERATOR_TOKEN_FILE),
+             "peer": (env.PEER_TOKEN, env.PEER_TOKEN_FILE)}
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -49,24 +60,52 @@ class Security:
     #: For clients: the name the server certificate must carry, when it is
     #: not the host in the address (e.g. a certificate for "shardps-server").
     server_name: str | None = None
+    #: A token per audience: a server admits each to its own service only; a
+    #: client of that role sends it (falling back to ``token``).
+    worker_token: str | None = None
+    operator_token: str | None = None
+    peer_token: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
-        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
-            raise ValueError("the auth token must be non-empty and hold no whitespace")
+        for what, t in (("auth token", self.token), *((f"{r} token", self.role_tokens[r]) for r in ROLES)):
+            if t is not None and (not t or any(c.isspace() for c in t)):
+                raise ValueError(f"the {what} must be non-empty and hold no whitespace")
 
     @classmethod
     def from_env(cls, *, tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
-                 token: str | None = None, token_file: str | None = None,
-                 server_name: str | None = None) -> Security:
-        """Arguments first, then SHARDPS_* environment variables, then off."""
+                 token: str | None = None, token_file: str | None = None, server_name: str | None = None,
+                 worker_token_file: str | None = None, operator_token_file: str | None = None,
+                 peer_token_file: str | None = None) -> Security:
+        """Arguments first, then SHARDPS_* environment variables, then off (each token on its own)."""
         if token is None:
             token_file = token_file or env.get(env.AUTH_TOKEN_FILE)
             token = read_token_file(token_file) if token_file else env.get(env.AUTH_TOKEN)
+        files = {"worker": worker_token_file, "operator": operator_token_file, "peer": peer_token_file}
+        roles: dict[str, str | None] = {}
+        for role, (var, file_var) in _ROLE_ENV.items():
+            path = files[role] or env.get(file_var)
+            roles[f"{role}_token"] = read_token_file(path) if path else env.get(var)
         return cls(tls_cert=tls_cert or env.get(env.TLS_CERT), tls_key=tls_key or env.get(env.TLS_KEY),
                    tls_ca=tls_ca or env.get(env.TLS_CA), token=token,
-                   server_name=server_name or env.get(env.TLS_SERVER_NAME))
+                   server_name=server_name or env.get(env.TLS_SERVER_NAME), **roles)
+
+    @property
+    def role_tokens(self) -> dict[str, str | None]:
+        """The token of each audience (``ROLES``), None where none is set."""
+        return {"worker": self.worker_token, "operator": self.operator_token, "peer": self.peer_token}
+
+    @property
+    def any_token(self) -> bool:
+        """Whether a server with these settings checks tokens."""
+        return bool(self.token or any(self.role_tokens.values()))
+
+    def token_for(self, role: str | None) -> str | None:
+        """The token a client of ``role`` sends: its audience's, else the shared one (None: no token)."""
+        if role is not None and role not in ROLES:
+            raise ValueError(f"no audience {role!r}: one of {ROLES}")
+        return (self.role_tokens[role] if role else None) or self.token
 
     @property
     def tls(self) -> bool:
@@ -80,6 +119,9 @@ class Security:
             parts.append("TLS")
         if self.token:
             parts.append("token")
+        roles = [r for r in ROLES if self.role_tokens[r]]
+        if roles:
+            parts.append(f"{'/'.join(roles)} tokens")
         return " + ".join(parts) or "insecure"
 
     # -- server side ---------------------------------------------------------
@@ -98,22 +140,25 @@ class Security:
 
     # -- client side ---------------------------------------------------------
 
-    def channel(self, address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
+    def channel(self, address: str, options: list[tuple[str, object]] | None = None, *,
+                role: str | None = None) -> grpc.Channel:
+        """A channel to ``address`` sending the token of ``role`` (``token_for``; None: the shared token)."""
+        token = self.token_for(role)
         opts = list(options or [])
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
         if not self.tls:
-            if self.token:
+            if token:
                 # Tokens over plaintext: only for loopback and tests; grpc refuses call
                 # credentials on insecure channels, so send the header by interceptor.
                 return grpc.intercept_channel(grpc.insecure_channel(address, options=opts),
-                                              TokenInterceptor(self.token))
+                                              TokenInterceptor(token))
             return grpc.insecure_channel(address, options=opts)
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(self.tls_ca, "TLS CA"),
             private_key=_read(self.tls_key, "TLS key"), certificate_chain=_read(self.tls_cert, "TLS certificate"))
-        if self.token:
-            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(self.token))
+        if token:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
         return grpc.secure_channel(address, creds, options=opts)
 
 

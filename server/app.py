@@ -30,7 +30,7 @@ from shardps.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
-from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICE_NAME, create_server, stop_server
+from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICES, create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 log = logging.getLogger("shardps.server")
@@ -96,7 +96,8 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     def on_signal(signum: int, frame: object) -> None:
         if not stopping.is_set():
             stopping.set()
-            server.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+            for svc in SERVICES:
+                server.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
             backup.close()
             server.stop(grace_s)
 
@@ -154,8 +155,8 @@ class ShardServer:
     def start(self) -> ShardServer:
         torch.set_num_threads(self.torch_threads or default_torch_threads())
         security, host, shard_index = self.security, self.host, self.shard_index
-        if host not in LOOPBACK and not (security.tls and security.token):
-            missing = " and ".join(w for w, ok in (("TLS", security.tls), ("a token", security.token)) if not ok)
+        if host not in LOOPBACK and not (security.tls and security.any_token):
+            missing = " and ".join(w for w, ok in (("TLS", security.tls), ("a token", security.any_token)) if not ok)
             log.warning("shard %d binds %s, reachable from other machines, without %s: anyone who can reach it "
                         "can read and change the model", shard_index, host, missing)
         store = ShardStore(shard_index, self.num_shards, sync=self.sync, num_workers=self.num_workers,
@@ -208,7 +209,7 @@ class ShardServer:
             return
         self._stopping.set()
         for srv in self._servers:
-            for svc in ("", SERVICE_NAME):
+            for svc in ("", *SERVICES):
                 srv.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
         for st in (self.store, self.backup):
             if st is not None:

@@ -13,7 +13,7 @@ shard then steps the tensor once per step, and ``round`` (the tensor's step
 count) names the same step on every shard.
 
 ``PeerChannels`` is the gRPC implementation of ``peers.Peers`` the server
-gives its store; the table and the reduction themselves are in
+gives its store (``service Peers``, with the peer token); the table and the reduction themselves are in
 server/peers.py (no network).
 """
 
@@ -48,7 +48,7 @@ class PeerChannels:
 
     def __init__(self, security: Security | None = None) -> None:
         self._lock = threading.Lock()
-        self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
+        self._stubs: dict[str, ps_pb2_grpc.PeersStub] = {}
         self._channels: list[grpc.Channel] = []
         self.addresses: list[str] = []
         self.security = security or Security()  # the shard's own settings: peers are served alike
@@ -58,16 +58,16 @@ class PeerChannels:
             if addresses and not self.addresses:
                 self.addresses = list(addresses)
 
-    def _stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
+    def _stub(self, shard: int) -> ps_pb2_grpc.PeersStub:
         with self._lock:
             if shard >= len(self.addresses):
                 raise Unavailable(f"no address known for shard {shard}")
             addr = self.addresses[shard]
             stub = self._stubs.get(addr)
             if stub is None:
-                ch = self.security.channel(addr)
+                ch = self.security.channel(addr, role="peer")
                 self._channels.append(ch)
-                stub = self._stubs[addr] = ps_pb2_grpc.ParameterServerStub(ch)
+                stub = self._stubs[addr] = ps_pb2_grpc.PeersStub(ch)  # type: ignore[no-untyped-call]
             return stub
 
     def fetch(self, shard: int, key: Key, from_shard: int, timeout: float) -> torch.Tensor:

@@ -180,6 +180,7 @@ class ReplicaMixin:
     num_shards: int
     address: str
     version: int
+    epoch: int
     role: Role
     moved_to: str
     replicator: ReplicaSink | None
@@ -258,8 +259,7 @@ class ReplicaMixin:
         except Deposed as e:
             raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
         log.info("shard %d: replicating to %s", self.shard_index, address)
-        state: str = rep.wait_synced(timeout) if timeout > 0 else rep.state
-        return state
+        return str(rep.wait_synced(timeout) if timeout > 0 else rep.state)
 
     def _split_names(self) -> list[str]:
         raise NotImplementedError
@@ -314,7 +314,7 @@ class ReplicaMixin:
         if self.role == Role.DEPOSED:
             log.error("shard %d: its backup at %s took it over while this server was down; this server does "
                       "not serve it (workers are sent there)", self.shard_index, target)
-        return state
+        return str(state)
 
     def stop_replication(self) -> None:
         if self.replicator is not None:
@@ -390,8 +390,12 @@ class ReplicaMixin:
             with self._cond:
                 self._remember_pulled(a["worker"], list(a["names"]))
 
-    def promote(self, reason: str = "", force: bool = False) -> None:
-        """Backup side: serve the shard from now on (idempotent).
+    def take_over(self, reason: str = "") -> tuple[int, int, int]:
+        """A worker's fail-over: ``promote`` without force (refused while the primary serves)."""
+        return self.promote(reason, force=False)
+
+    def promote(self, reason: str = "", force: bool = False) -> tuple[int, int, int]:
+        """Backup side: serve the shard from now on (idempotent): (shard index, version, epoch).
 
         Refused while the primary still answers its health check with
         SERVING (unless ``force``): a worker that cannot reach a live
@@ -399,6 +403,10 @@ class ReplicaMixin:
         another server: made with no lock held, then the role is checked
         again under the replay lock.
         """
+        self._promote(reason, force)
+        return self.shard_index, self.version, self.epoch
+
+    def _promote(self, reason: str, force: bool) -> None:
         primary = None
         if not force:
             with self._replay_lock:

@@ -25,7 +25,7 @@ anything more; every request gets UNAVAILABLE naming the new address.
 
 The states and their transitions are ``replica.ReplicaState`` and
 ``replica.REPLICA_TRANSITIONS``; this module is the gRPC side (the sender,
-``GrpcReplicaLink``), the store knows it only as ``peers.ReplicaSink``.
+``GrpcReplicaLink``; ``service Peers`` with the peer token), the store knows it only as ``peers.ReplicaSink``.
 
 A restarted primary (a new ``incarnation``) is refused by a backup that
 holds a copy: the backup has acknowledged updates the new run lacks, so the
@@ -46,7 +46,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import torch
@@ -87,7 +87,7 @@ def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarna
     same wire format; one copy instead of three).
     """
     packed = op.packed if op.packed is not None else pack(op.tensors)
-    blob = memoryview(packed.buffer.numpy())
+    blob = memoryview(cast(Any, packed.buffer.numpy()))
     args = dict(op.args, _layout=packed.layout, _nbytes=packed.nbytes)
     head = ps_pb2.ReplicateRequest(seq=op.seq, op=str(op.kind), args_json=json.dumps(args), shard_index=shard_index,
                                    num_shards=num_shards, primary=primary, incarnation=incarnation).SerializeToString()
@@ -207,7 +207,7 @@ class Replicator:
                 raise Deposed(self.address)
             old = self._channel
             self.address, self._snapshot = address, snapshot
-            self._channel = self.security.channel(address)
+            self._channel = self.security.channel(address, role="peer")
             self.state = next_replica_state(self.state, ReplicaEvent.ATTACH)  # the whole state first
             self._queue.clear()
             self._cond.notify_all()
@@ -266,13 +266,13 @@ class Replicator:
                 self._cond.notify_all()
 
     def _reachable(self) -> bool:
-        """Whether the backup answers at all (a cheap Stats call)."""
+        """Whether the backup answers at all (a cheap Describe call)."""
         with self._cond:
             channel = self._channel
         if channel is None:
             return False
         try:
-            channel.unary_unary("/shardps.v1.ParameterServer/Stats",
+            channel.unary_unary("/shardps.v1.Peers/Describe",  # type: ignore[call-arg]
                                 request_serializer=ps_pb2.StatsRequest.SerializeToString,
                                 response_deserializer=ps_pb2.StatsResponse.FromString,
                                 _registered_method=True)(ps_pb2.StatsRequest(), timeout=min(5.0, self.timeout_s))
@@ -281,9 +281,9 @@ class Replicator:
             return False
 
     def _send(self, channel: grpc.Channel, batch: list[Op]) -> None:
-        replicate = channel.stream_unary("/shardps.v1.ParameterServer/Replicate", request_serializer=None,
-                                         response_deserializer=ps_pb2.ReplicateResponse.FromString,
-                                         _registered_method=True)
+        replicate: Any = channel.stream_unary(  # type: ignore[call-arg]
+            "/shardps.v1.Peers/Replicate", request_serializer=None,
+            response_deserializer=ps_pb2.ReplicateResponse.FromString, _registered_method=True)
 
         def messages() -> Iterator[bytes]:
             for op in batch:
@@ -361,9 +361,9 @@ def primary_serving(address: str, security: Security, timeout: float = 1.0) -> b
 
     if not address:
         return False
-    channel = security.channel(address)
+    channel = security.channel(address, role="peer")
     try:
-        s = ps_pb2_grpc.ParameterServerStub(channel).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+        s = ps_pb2_grpc.PeersStub(channel).Describe(ps_pb2.StatsRequest(), timeout=timeout)  # type: ignore[no-untyped-call]
         return s.role in ("primary", "") and not s.recovering
     except grpc.RpcError:
         return False

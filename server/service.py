@@ -1,11 +1,14 @@
 """The gRPC face of a shard: decode, call the store, encode, map errors.
 
 ``create_server(store, "127.0.0.1:0")`` returns a started server and the
-port it bound; ``grpc.health.v1`` is mounted beside ``ParameterServer``,
-and ``connect`` gives the store its gRPC peers and replica link.
+port it bound: the three services of ps.proto, one per audience (``Workers``,
+``Operator``, ``Peers``; server/auth.py checks each caller's token against
+the audience of the service it calls), with ``grpc.health.v1`` beside them
+(open, and SERVING under "" and each service's name). ``connect`` gives the
+store its gRPC peers and replica link.
 
 (Over 400 lines: one handler per RPC of ps.proto, each a few lines of
-decoding and encoding; splitting the servicer would scatter the RPC table.)
+decoding and encoding; splitting the module would scatter the RPC table.)
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ from shardps.server.table import TensorSpec
 
 log = logging.getLogger("shardps.server")
 
-SERVICE_NAME = "shardps.v1.ParameterServer"
+WORKERS = "shardps.v1.Workers"
+OPERATOR = "shardps.v1.Operator"
+PEERS = "shardps.v1.Peers"
+SERVICES = (WORKERS, OPERATOR, PEERS)
 DEFAULT_MAX_WAIT_S = 300.0
 # Room for a chunk of MAX_CHUNK_BYTES plus its header.
 MAX_MESSAGE_BYTES = codec.MAX_CHUNK_BYTES + (64 << 10)
@@ -128,7 +134,9 @@ def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
         raise InvalidArgument(f"loss scaling: {e}") from None
 
 
-class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+class _Servicer:
+    """What the three services share: the store, the metrics, the waits' limits."""
+
     def __init__(self, store: ShardStore, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
         self.store = store
@@ -148,6 +156,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if remaining is None:
             return self.max_wait_s
         return max(0.0, min(remaining - deadline_margin(remaining), self.max_wait_s))
+
+
+class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
+    """The worker data path (``service Workers``): the worker token."""
 
     @_unary_errors
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
@@ -226,7 +238,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
-             context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
+             context: grpc.ServicerContext) -> Iterator[bytes]:
         store = self.store
         store.check_serving()
         store.check_epoch(request.epoch)
@@ -266,6 +278,66 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         for *_, msg in messages:
             yield msg
 
+    @_unary_errors
+    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        version, live, backup = self.store.heartbeat(request.worker_id)
+        return ps_pb2.HeartbeatResponse(version=version, live_workers=live, backup=backup)
+
+    @_unary_errors
+    def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        version, live = self.store.goodbye(request.worker_id)
+        return ps_pb2.LeaveResponse(version=version, live_workers=live)
+
+    @_unary_errors
+    def Describe(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
+        return self.store.stats().to_proto()
+
+    @_unary_errors
+    def Recover(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
+        version, epoch = self.store.recover(request.version, request.epoch)
+        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
+
+    @_unary_errors
+    def TakeOver(self, request: ps_pb2.TakeOverRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
+        shard_index, version, epoch = self.store.take_over(request.reason)
+        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch)
+
+
+class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
+    """Operating the job (``service Operator``): the operator token."""
+
+    @_unary_errors
+    def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
+        return self.store.stats().to_proto()
+
+    @_unary_errors
+    def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
+        sync, version = self.store.switch_sync(request.sync)
+        return ps_pb2.SetSyncResponse(sync=sync, version=version)
+
+    @_unary_errors
+    def Checkpoint(self, request: ps_pb2.CheckpointRequest,
+                   context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
+        version, path = self.store.checkpoint_request()
+        return ps_pb2.CheckpointResponse(version=version, path=path)
+
+    @_unary_errors
+    def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
+        version, epoch = self.store.recover(request.version, request.epoch)
+        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
+
+    @_unary_errors
+    def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
+        shard_index, version, epoch = self.store.promote(request.reason, request.force)
+        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch)
+
+    @_unary_errors
+    def AttachReplica(self, request: ps_pb2.AttachReplicaRequest,
+                      context: grpc.ServicerContext) -> ps_pb2.AttachReplicaResponse:
+        timeout = min(max(0.0, request.timeout_seconds), self._timeout(context))
+        state = self.store.attach_replica(request.address, timeout)
+        return ps_pb2.AttachReplicaResponse(replica_state=state)
+
     @_stream_errors
     def PullState(self, request: ps_pb2.PullStateRequest,
                   context: grpc.ServicerContext) -> Iterator[ps_pb2.StateChunk]:
@@ -290,42 +362,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     shape=shape if off == 0 else [],
                     chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
 
-    @_unary_errors
-    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
-        self.store.check_serving()
-        self.store._check_registered(request.worker_id)  # an evicted worker learns it here
-        self.store.touch(request.worker_id)
-        rep = self.store.replicator
-        return ps_pb2.HeartbeatResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()),
-                                        backup=rep.address if rep is not None and rep.state != "none" else "")
 
-    @_unary_errors
-    def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
-        self.store.check_serving()
-        self.store.leave(request.worker_id)
-        self.store.replicated()
-        return ps_pb2.LeaveResponse(version=self.store.version, live_workers=sorted(self.store.live_workers()))
-
-    @_unary_errors
-    def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
-        self.store.check_serving()
-        version, epoch = self.store.rollback(request.version, request.epoch)
-        self.store.replicated()
-        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
-
-    @_unary_errors
-    def Checkpoint(self, request: ps_pb2.CheckpointRequest,
-                   context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
-        self.store.check_serving()
-        path = self.store.checkpoint_now()
-        return ps_pb2.CheckpointResponse(version=self.store.version, path=path)
-
-    @_unary_errors
-    def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
-        self.store.check_serving()
-        spec = self.store.set_sync(request.sync)
-        self.store.replicated()
-        return ps_pb2.SetSyncResponse(sync=str(spec), version=self.store.version)
+class PeersServicer(_Servicer, ps_pb2_grpc.PeersServicer):
+    """Server to server (``service Peers``): the peer token."""
 
     @_unary_errors
     def Exchange(self, request: ps_pb2.ExchangeRequest,
@@ -341,20 +380,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.ReplicateResponse(seq=seq, version=version)
 
     @_unary_errors
-    def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
-        self.store.promote(request.reason, request.force)
-        return ps_pb2.PromoteResponse(shard_index=self.store.shard_index, version=self.store.version,
-                                      epoch=self.store.epoch)
-
-    @_unary_errors
-    def AttachReplica(self, request: ps_pb2.AttachReplicaRequest,
-                      context: grpc.ServicerContext) -> ps_pb2.AttachReplicaResponse:
-        timeout = min(max(0.0, request.timeout_seconds), self._timeout(context))
-        state = self.store.attach_replica(request.address, timeout)
-        return ps_pb2.AttachReplicaResponse(replica_state=state)
-
-    @_unary_errors
-    def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
+    def Describe(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
         return self.store.stats().to_proto()
 
 
@@ -362,7 +388,7 @@ class _HandlerRecorder:
     """Stands in for a grpc.Server to catch the generated method handlers."""
 
     def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self.handlers: dict[str, Any] = {}
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Any) -> None:
         pass
@@ -375,23 +401,34 @@ def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
-    """As ps_pb2_grpc.add_ParameterServerServicer_to_server, with the data path's copies cut.
+def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer, server: grpc.Server) -> None:
+    recorder = _HandlerRecorder()
+    add(servicer, recorder)
+    handlers = recorder.handlers
+    if service == WORKERS:
+        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)
+        handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
+    for name, h in list(handlers.items()):
+        handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
+    """The three services of ``store`` on ``server``, as the generated ``add_*Servicer_to_server`` with the
+    data path's copies cut.
 
     Every RPC keeps the generated handler; only Push's request deserializer
     (framing.parse_push_request: chunk.data stays a view of the received
     bytes) and Pull's response serializer (the servicer yields finished
-    PullResponse bytes) are replaced. The wire format is unchanged.
+    PullResponse bytes) are replaced, and every request deserializer hands
+    over bytes that do not parse as a ``Malformed``. The wire format is unchanged.
     """
-    recorder = _HandlerRecorder()
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, recorder)  # type: ignore[arg-type]
-    handlers = recorder.handlers
-    handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)  # type: ignore[attr-defined]
-    handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)  # type: ignore[attr-defined]
-    for name, h in list(handlers.items()):
-        handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))  # type: ignore[attr-defined]
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    kw: dict[str, Any] = dict(max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics)
+    _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
+    _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
+    _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
 
 
 def connect(store: ShardStore, security: Security) -> None:
@@ -419,9 +456,12 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     """
     security = security or Security()
     chain = list(interceptors)
-    if security.token:
-        on_reject = (lambda m: metrics.rpc_error(m.rsplit("/", 1)[-1], "UNAUTHENTICATED")) if metrics else None
-        chain.append(TokenAuthInterceptor(security.token, on_reject))
+    if security.any_token:
+        on_reject = (lambda m, code: metrics.rpc_error(m.rsplit("/", 1)[-1], code)) if metrics else None
+        chain.append(TokenAuthInterceptor(security.token, on_reject, tokens=security.role_tokens))
+        if not security.token_for("peer"):
+            log.warning("shard %d checks tokens but has neither the peer token nor the shared one: its calls to "
+                        "other servers (replication, split tensors) will be refused", store.shard_index)
     connect(store, security)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -431,8 +471,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
     server = grpc.server(executor, options=options, interceptors=chain)
     server.executor = executor  # type: ignore[attr-defined]  # shut down by stop_server
-    add_servicer(ParameterServerServicer(store, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics),
-                 server)
+    add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = security.server_credentials()
@@ -442,7 +481,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     server.start()
     store.address = f"{address.rsplit(':', 1)[0]}:{port}"
     store.start_reaper()
-    for svc in ("", SERVICE_NAME):
+    for svc in ("", *SERVICES):
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     server.health = health_servicer  # type: ignore[attr-defined]
     return server, port

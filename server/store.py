@@ -412,6 +412,43 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
         log.info("shard %d: sync %s -> %s", self.shard_index, old, spec)
         return spec
 
+    # -- what one RPC asks, in one call (server/service.py decodes and encodes around these) ------
+
+    def heartbeat(self, worker_id: int) -> tuple[int, list[int], str]:
+        """Renew ``worker_id``'s lease: (version, live workers, where the backup lives or "")."""
+        self.check_serving()
+        self._check_registered(worker_id)  # an evicted worker learns it here
+        self.touch(worker_id)
+        rep = self.replicator
+        return self.version, sorted(self.live_workers()), rep.address if rep is not None and rep.state != "none" else ""
+
+    def goodbye(self, worker_id: int) -> tuple[int, list[int]]:
+        """``worker_id`` leaves the job (``leave``), once the backup knows: (version, live workers)."""
+        self.check_serving()
+        self.leave(worker_id)
+        self.replicated()
+        return self.version, sorted(self.live_workers())
+
+    def recover(self, version: int, epoch: int) -> tuple[int, int]:
+        """Roll back to the checkpoint at ``version`` in ``epoch`` (``rollback``), once the backup holds it."""
+        self.check_serving()
+        result = self.rollback(version, epoch)
+        self.replicated()
+        return result
+
+    def switch_sync(self, sync: str) -> tuple[str, int]:
+        """``set_sync``, once the backup holds it: (the sync mode now, version)."""
+        self.check_serving()
+        spec = self.set_sync(sync)
+        self.replicated()
+        return str(spec), self.version
+
+    def checkpoint_request(self) -> tuple[int, str]:
+        """Write a checkpoint now: (version, path)."""
+        self.check_serving()
+        path = self.checkpoint_now()
+        return self.version, path
+
     def _remember_pulled(self, worker_id: int, names: list[str]) -> None:
         """dc-asgd: keep the weights ``worker_id`` pulled, to compensate its next gradient."""
         self._record(OpKind.PULLED, {"worker": worker_id, "names": names})

@@ -3,8 +3,9 @@ attach-replica), ``shardps stats`` and ``shardps health``.
 
 The calls (``stats``, ``set_sync``, ``checkpoint`` over every shard of a
 transport; ``promote``, ``attach_replica``, ``health`` on one endpoint) are
-not on the worker's data path: ``PSClient.stats()``, ``.set_sync()`` and
-``.checkpoint()`` delegate here. The ``run_*`` functions are the commands:
+not on the worker's data path: they call each shard's ``Operator`` service
+with the operator token (``SHARDPS_OPERATOR_TOKEN``, else the shared one).
+``PSClient.set_sync()`` and ``.checkpoint()`` delegate here. The ``run_*`` functions are the commands:
 they connect, call and print. ``stats_rows`` turns the shards' Stats into
 table rows; ``render_table`` formats them for a terminal. Staleness
 percentiles come from the shards' exact staleness counts.
@@ -30,14 +31,14 @@ from shardps.worker.transport import Transport, explain_unreachable, health_stat
 def stats(transport: Transport) -> list[dict[str, Any]]:
     """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
     t = transport
-    res = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
+    res = t.each(lambda i: t.operator(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
     return [ShardStats.from_proto(r).to_dict() for r in res]
 
 
 def set_sync(transport: Transport, sync: str) -> list[str]:
     """Switch the running job's sync mode on every shard; workers follow from their next step."""
     t = transport
-    res = t.each(lambda i: t.stub(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
+    res = t.each(lambda i: t.operator(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
                                              wait_for_ready=True))
     return [r.sync for r in res]
 
@@ -45,7 +46,7 @@ def set_sync(transport: Transport, sync: str) -> list[str]:
 def checkpoint(transport: Transport) -> list[tuple[int, str]]:
     """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
     t = transport
-    res = t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest(), timeout=t.timeout))
+    res = t.each(lambda i: t.operator(i).Checkpoint(ps_pb2.CheckpointRequest(), timeout=t.timeout))
     return [(r.version, r.path) for r in res]
 
 
@@ -171,7 +172,7 @@ def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout
     return 0 if r.replica_state == "synced" else 1
 
 
-def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1.ParameterServer",
+def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1.Workers",
                out: TextIO = sys.stdout, security: Security | None = None) -> int:
     """Exit status 0 only when the server at ``address`` answers SERVING (a container healthcheck)."""
     sec = security if security is not None else Security.from_env()

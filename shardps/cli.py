@@ -39,18 +39,28 @@ def _sync(text: str) -> str:
 
 def _security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security (env SHARDPS_TLS_CERT, SHARDPS_TLS_KEY, SHARDPS_TLS_CA, "
-                             "SHARDPS_TLS_SERVER_NAME, SHARDPS_AUTH_TOKEN, SHARDPS_AUTH_TOKEN_FILE)")
+                             "SHARDPS_TLS_SERVER_NAME, SHARDPS_AUTH_TOKEN, SHARDPS_AUTH_TOKEN_FILE, "
+                             "SHARDPS_WORKER_TOKEN, SHARDPS_OPERATOR_TOKEN, SHARDPS_PEER_TOKEN and their _FILE)")
     g.add_argument("--tls-cert", default=None, help="PEM certificate (a server's; a client's for mutual TLS)")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-ca", default=None,
                    help="PEM CA: clients check servers with it; a server given one requires client certificates")
-    g.add_argument("--token-file", default=None, help="file holding the bearer token")
+    g.add_argument("--token-file", default=None, help="file holding the shared bearer token (every audience)")
+    g.add_argument("--worker-token-file", default=None,
+                   help="file holding the workers' token (servers: admitted to the Workers service only; "
+                        "workers: sent instead of the shared token)")
+    g.add_argument("--operator-token-file", default=None,
+                   help="file holding the operators' token (the Operator service: stats, ctl)")
+    g.add_argument("--peer-token-file", default=None,
+                   help="file holding the servers' token (the Peers service: replication, split tensors)")
     g.add_argument("--server-name", default=None, help="clients: the name the server certificate carries")
 
 
 def security_from(args: argparse.Namespace) -> Security:
     return Security.from_env(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                             token_file=args.token_file, server_name=args.server_name)
+                             token_file=args.token_file, server_name=args.server_name,
+                             worker_token_file=args.worker_token_file,
+                             operator_token_file=args.operator_token_file, peer_token_file=args.peer_token_file)
 
 
 def _env_int(name: str) -> int | None:

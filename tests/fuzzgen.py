@@ -55,7 +55,31 @@ from shardps.protos.syncspec import SyncSpec
 from shardps.server.remedies import Remedy
 
 T = TypeVar("T")
-SERVICE = "shardps.v1.ParameterServer"
+PACKAGE = "shardps.v1"
+# The services of ps.proto, one per audience, and their methods (every method a case may call).
+SERVICES: dict[str, tuple[str, ...]] = {
+    "Workers": ("Register", "Push", "Pull", "Heartbeat", "Leave", "Describe", "Recover", "TakeOver"),
+    "Operator": ("Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"),
+    "Peers": ("Exchange", "Replicate"),  # and Describe, which the workers' service has too
+}
+SERVICE_OF = {m: svc for svc, methods in SERVICES.items() for m in methods}
+
+
+def method_path(method: str) -> str:
+    """The full gRPC path of one of ps.proto's methods: /shardps.v1.<its service>/<method>."""
+    return f"/{PACKAGE}.{SERVICE_OF[method]}/{method}"
+
+
+class Stubs:
+    """The generated stub of every service over one channel; ``stubs.Method`` is the method of its service."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._by_service = {svc: getattr(ps_pb2_grpc, f"{svc}Stub")(channel) for svc in SERVICES}
+
+    def __getattr__(self, method: str) -> Any:
+        return getattr(self._by_service[SERVICE_OF[method]], method)
+
+
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 ITEMSIZE = {ps_pb2.FLOAT32: 4, ps_pb2.FLOAT16: 2, ps_pb2.BFLOAT16: 2}
@@ -231,7 +255,7 @@ def describe(channels: Sequence[grpc.Channel], timeout: float = 10.0) -> Target:
     """What every shard holds now, from its Stats."""
     shards = []
     for i, ch in enumerate(channels):
-        s = ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+        s = ps_pb2_grpc.OperatorStub(ch).Stats(ps_pb2.StatsRequest(), timeout=timeout)
         tensors = {}
         for t in s.tensors:
             spec = ps_pb2.TensorSpec()
@@ -992,14 +1016,14 @@ class Fuzzer:
     def __init__(self, addresses: Sequence[str]) -> None:
         self.addresses = list(addresses)
         self.channels = [grpc.insecure_channel(a) for a in self.addresses]
-        self.stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self.channels]
+        self.stubs = [Stubs(c) for c in self.channels]
         self._raw: dict[tuple[int, str], Any] = {}
 
     def _raw_callable(self, shard: int, method: str) -> Any:
         """A callable for ``method`` with no serializers: bytes go out and come back as they are."""
         fn = self._raw.get((shard, method))
         if fn is None:
-            ch, path = self.channels[shard], f"/{SERVICE}/{method}"
+            ch, path = self.channels[shard], method_path(method)
             if method in CLIENT_STREAM:
                 fn = ch.stream_unary(path)
             elif method in SERVER_STREAM:
@@ -1078,11 +1102,11 @@ class Fuzzer:
 
 
 def serving(addresses: Sequence[str], timeout: float = 5.0) -> bool:
-    """Every shard answers its health check with SERVING, for the server and for the service."""
+    """Every shard answers its health check with SERVING, for the server and for each service."""
     for a in addresses:
         with grpc.insecure_channel(a) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
-            for svc in ("", SERVICE):
+            for svc in ("", *(f"{PACKAGE}.{name}" for name in SERVICES)):
                 try:
                     r = stub.Check(health_pb2.HealthCheckRequest(service=svc), timeout=timeout)
                 except grpc.RpcError:

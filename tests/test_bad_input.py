@@ -17,7 +17,7 @@ def setup(make_cluster):
     client = shardps.connect(cluster.addresses, worker_id=0, num_workers=2)
     client.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.Adam(), sync="bsp")
     channel = grpc.insecure_channel(cluster.addresses[0])
-    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    stub = ps_pb2_grpc.WorkersStub(channel)
     yield cluster.stores[0], stub, client
     channel.close()
     client.close()
@@ -155,7 +155,7 @@ def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_sk
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client, \
             grpc.insecure_channel(cluster.addresses[0]) as ch:
         client.register({"w": torch.ones(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
-        stub = ps_pb2_grpc.ParameterServerStub(ch)
+        stub = ps_pb2_grpc.WorkersStub(ch)
         r = push(stub, chunk(n=6, shape=(6,), data=bad.numpy().tobytes()))  # found_inf not set
     assert r.version == 1 and not r.applied
     assert store.skipped_steps_total == 1 and torch.equal(store.weights("w")[0], torch.ones(6))
@@ -165,7 +165,7 @@ def test_shapes_beyond_int64_element_counts_are_refused(make_cluster):
     # Found by the fuzzer: (2**62, 2**62) with a one-element part used to be accepted.
     cluster = make_cluster(1)
     with grpc.insecure_channel(cluster.addresses[0]) as ch:
-        stub = ps_pb2_grpc.ParameterServerStub(ch)
+        stub = ps_pb2_grpc.WorkersStub(ch)
         spec = ps_pb2.TensorSpec(name="huge", shape=[2**62, 2**62], dtype=ps_pb2.FLOAT32,
                                  optimizer=shardps.optim.SGD().to_proto(), parts=[ps_pb2.Part(start=0, stop=1)])
         req = ps_pb2.RegisterRequest(worker_id=0, num_workers=1, sync="asp", tensors=[spec], provides_values=True,

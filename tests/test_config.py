@@ -75,6 +75,33 @@ def test_connect_sends_the_token_from_the_environment(clean_env, make_cluster, t
         assert c.stats()[0]["registered_workers"] == [0]
 
 
+@pytest.mark.parametrize("from_file", [False, True])
+@pytest.mark.parametrize("role,var,file_var", [("worker", env.WORKER_TOKEN, env.WORKER_TOKEN_FILE),
+                                               ("operator", env.OPERATOR_TOKEN, env.OPERATOR_TOKEN_FILE),
+                                               ("peer", env.PEER_TOKEN, env.PEER_TOKEN_FILE)])
+def test_each_audiences_token_comes_from_the_environment(clean_env, tmp_path, role, var, file_var, from_file):
+    if from_file:
+        (tmp_path / "token").write_text("r0le\n")
+        clean_env.setenv(file_var, str(tmp_path / "token"))
+    else:
+        clean_env.setenv(var, "r0le")
+    sec = Security.from_env()
+    assert sec.token is None and {r: t for r, t in sec.role_tokens.items() if t} == {role: "r0le"}
+    assert sec.token_for(role) == "r0le"
+
+
+@pytest.mark.cluster
+def test_connect_sends_the_worker_token_from_the_environment(clean_env, make_cluster):
+    cluster = make_cluster(1, security=Security(worker_token="w0rker", operator_token="0perator"))
+    clean_env.setenv(env.WORKER_TOKEN, "w0rker")
+    with shardps.connect(cluster.addresses, ready_timeout=10) as c:
+        c.register({"w": torch.zeros(3)}, shardps.optim.SGD(), sync="asp")
+        assert c.stats()[0]["registered_workers"] == [0]
+        with pytest.raises(shardps.ShardError) as err:  # no operator token: set_sync is the operator's
+            c.set_sync("bsp")
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_tls_settings_come_from_the_environment(clean_env, tmp_path):
     for name in ("cert", "key", "ca"):
         (tmp_path / name).write_text("x")

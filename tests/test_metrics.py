@@ -89,7 +89,7 @@ def test_rpc_errors_are_counted_by_code(make_cluster):
     with shardps.connect(cluster.addresses) as client:
         client.register({"w": torch.zeros(4)}, shardps.optim.SGD(), sync="bsp")
     with grpc.insecure_channel(cluster.addresses[0]) as ch:
-        stub = ps_pb2_grpc.ParameterServerStub(ch)
+        stub = ps_pb2_grpc.WorkersStub(ch)
         for _ in range(2):
             with pytest.raises(grpc.RpcError):
                 list(stub.Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5))

@@ -125,8 +125,9 @@ def test_stubs_import_under_the_installed_package_path() -> None:
     assert ps_pb2.DESCRIPTOR.name == "shardps/protos/shardps/v1/ps.proto"
     assert ps_pb2.DESCRIPTOR.package == "shardps.v1"
     assert "from shardps.protos.shardps.v1 import ps_pb2" in (STUB_DIR / "ps_pb2_grpc.py").read_text()
-    assert hasattr(ps_pb2_grpc, "ParameterServerStub")
-    assert hasattr(ps_pb2_grpc, "add_ParameterServerServicer_to_server")
+    for service in ("Workers", "Operator", "Peers"):
+        assert hasattr(ps_pb2_grpc, f"{service}Stub")
+        assert hasattr(ps_pb2_grpc, f"add_{service}Servicer_to_server")
 
 
 def test_installed_grpcio_is_at_least_the_generated_version() -> None:

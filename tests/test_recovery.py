@@ -217,7 +217,7 @@ def test_a_worker_goes_on_from_the_lowest_step_any_shard_expects(make_cluster):
         [shard0_name] = [p.name for p in c.shard_map.parts if p.server == 0]
         channel = grpc.insecure_channel(cluster.addresses[0])
         chunk = ps_pb2.Chunk(name=shard0_name, offset=0, dtype=ps_pb2.FLOAT32, data=torch.ones(4).numpy().tobytes())
-        ps_pb2_grpc.ParameterServerStub(channel).Push(  # step 1 reaches shard 0 only
+        ps_pb2_grpc.WorkersStub(channel).Push(  # step 1 reaches shard 0 only
             iter([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)]), timeout=10)
         channel.close()
         assert c.recover() == 1  # not 2

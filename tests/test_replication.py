@@ -143,7 +143,7 @@ def test_promotion_is_refused_while_the_primary_serves(make_cluster):
     assert f"the primary of shard 0 at {c.addresses[0]} still answers SERVING" in e.value.details
     # A backup does not serve the data path before it is promoted; the error names the primary.
     channel = grpc.insecure_channel(backup)
-    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    stub = ps_pb2_grpc.WorkersStub(channel)
     with pytest.raises(grpc.RpcError) as rpc:
         list(stub.Pull(ps_pb2.PullRequest(worker_id=0), timeout=10))
     assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -164,7 +164,7 @@ def test_replicate_refuses_gaps_and_other_shards():
     backup = ShardStore(1, 2, role="backup")
     server, port = create_server(backup)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    stub = ps_pb2_grpc.PeersStub(channel)
     try:
         with pytest.raises(grpc.RpcError) as e:  # an op before the whole state: ABORTED, send a snapshot
             stub.Replicate(iter([ps_pb2.ReplicateRequest(seq=5, op="register_worker", args_json='{"worker": 0}',

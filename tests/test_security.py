@@ -125,7 +125,7 @@ def test_token_auth(make_cluster, pki, tls):
             c.layouts, c.shard_map = {"w": None}, None
         # A push without the token changes nothing.
         channel = sec.channel(cluster.addresses[0])
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        stub = ps_pb2_grpc.WorkersStub(channel)
         chunk = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, data=torch.ones(6).numpy().tobytes())
         with pytest.raises(grpc.RpcError) as rpc_err:
             stub.Push(iter([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)]), timeout=10)

@@ -32,6 +32,7 @@ from shardps.protos.amp import LossScaling
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.stats import ShardStats
 from shardps.worker import layout
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
@@ -231,7 +232,8 @@ class PSClient:
     def attach(self) -> None:
         """Learn the tensors and their placement from the shards (for pull-only clients)."""
         t = self.transport
-        stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True))
+        stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout,
+                                                    wait_for_ready=True))
         self.layouts, self.shard_map = layout.from_stats(stats)
         for i, s in enumerate(stats):
             self.versions[i] = s.version
@@ -382,7 +384,7 @@ class PSClient:
             req = ps_pb2.PullStateRequest(names=owners[shard], chunk_bytes=self.chunk_bytes)
             items: list[tuple[str, int, int, str, torch.Tensor]] = []
             version = -1
-            for r in self.transport.stub(shard).PullState(req, timeout=self.timeout):
+            for r in self.transport.operator(shard).PullState(req, timeout=self.timeout):
                 c = r.chunk
                 values = codec.decode(c.data, c.dtype)
                 if c.offset == 0:  # the first chunk of a state tensor carries its shape
@@ -418,7 +420,7 @@ class PSClient:
         takes the shards' epoch, versions and its own clock.
         """
         t = self.transport
-        stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+        stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
         epochs = [s.epoch for s in stats]
         recovering = any(s.recovering for s in stats)
         if recovering or len(set(epochs)) > 1:
@@ -428,9 +430,9 @@ class PSClient:
                 raise RuntimeError(f"cannot recover: no checkpoint version is held by every shard ({held})")
             version, epoch = max(common), max(epochs) + (1 if recovering else 0)
             log.warning("worker %d: rolling the job back to version %d (epoch %d)", self.worker_id, version, epoch)
-            t.each(lambda i: t.stub(i).Rollback(ps_pb2.RollbackRequest(version=version, epoch=epoch),
+            t.each(lambda i: t.stub(i).Recover(ps_pb2.RollbackRequest(version=version, epoch=epoch),
                                                 timeout=self.timeout))
-            stats = t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=self.timeout))
+            stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
         self.epoch = max(s.epoch for s in stats)
         self.versions = [s.version for s in stats]
         self.sync = stats[0].sync or self.sync
@@ -455,11 +457,11 @@ class PSClient:
         return modes
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts
-        (``shardps.admin.stats``)."""
-        from shardps.admin import stats
-
-        return stats(self.transport)
+        """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts (as
+        ``shardps.admin.stats``, read with the worker token: ``Workers.Describe``)."""
+        t = self.transport
+        return [ShardStats.from_proto(r).to_dict() for r in t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(),
+                                                                               timeout=t.timeout))]
 
     # -- the lease ----------------------------------------------------------------
 

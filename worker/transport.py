@@ -25,7 +25,7 @@ from shardps.worker.errors import ShardError, shard_error
 
 log = logging.getLogger("shardps.worker")
 
-SERVICE = "shardps.v1.ParameterServer"
+WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
 T = TypeVar("T")
 
 
@@ -75,6 +75,11 @@ class Transport:
     ``backups``: each shard's backup ('' for none; ``--replicas 2``), learnt
     later too (``set_backup``). ``timeout`` is every RPC's deadline;
     ``recovery_timeout`` how long an UNAVAILABLE shard is retried.
+
+    ``stub(i)`` talks to shard i's ``Workers`` service with the worker token
+    (``security.token_for("worker")``); ``operator(i)`` to its ``Operator``
+    service with the operator token (over the same channel when both tokens
+    are the same, else over one opened for it).
     """
 
     def __init__(self, addresses: Sequence[str], *, security: Security, timeout: float, recovery_timeout: float,
@@ -93,11 +98,12 @@ class Transport:
         self._failover_lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
         self._channels: list[grpc.Channel] = []
-        self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        self._stubs: list[ps_pb2_grpc.WorkersStub] = []
+        self._operator_channels: dict[str, grpc.Channel] = {}
         self._push_raw: list[Any] = []
         self._pull_raw: list[Any] = []
         for i, a in enumerate(self.addresses):
-            self._install(i, a, self.security.channel(a))
+            self._install(i, a, self._channel(a))
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
 
     @property
@@ -106,11 +112,25 @@ class Transport:
 
     # -- the shards' endpoints ----------------------------------------------
 
-    def stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
-        """The stub that talks to ``shard`` now (after a fail-over: its backup)."""
+    def _channel(self, address: str) -> grpc.Channel:
+        return self.security.channel(address, role="worker")
+
+    def stub(self, shard: int) -> ps_pb2_grpc.WorkersStub:
+        """The ``Workers`` stub that talks to ``shard`` now (after a fail-over: its backup)."""
         return self._stubs[shard]
 
-    def stubs(self) -> list[ps_pb2_grpc.ParameterServerStub]:
+    def operator(self, shard: int) -> ps_pb2_grpc.OperatorStub:
+        """An ``Operator`` stub to where ``shard`` is served now, sending the operator token."""
+        with self._failover_lock:
+            address = self.addresses[shard]
+            if self.security.token_for("operator") == self.security.token_for("worker"):
+                channel = self._channels[shard]
+            else:
+                channel = self._operator_channels.get(address) or self._operator_channels.setdefault(
+                    address, self.security.channel(address, role="operator"))
+        return ps_pb2_grpc.OperatorStub(channel)  # type: ignore[no-untyped-call]
+
+    def stubs(self) -> list[ps_pb2_grpc.WorkersStub]:
         """The current stubs, one per shard (a snapshot)."""
         return list(self._stubs)
 
@@ -124,7 +144,7 @@ class Transport:
         responses: Iterator[Any] = self._pull_raw[shard](request, timeout=self.timeout)
         return responses
 
-    def set_backup(self, shard: int, backup: str, stub: ps_pb2_grpc.ParameterServerStub | None = None) -> None:
+    def set_backup(self, shard: int, backup: str, stub: ps_pb2_grpc.WorkersStub | None = None) -> None:
         """``shard``'s backup is ``backup`` (learnt from ``stub``'s answer: kept only while it serves the shard)."""
         with self._failover_lock:
             if stub is None or self._stubs[shard] is stub:
@@ -132,15 +152,15 @@ class Transport:
 
     def _install(self, shard: int, address: str, channel: grpc.Channel) -> None:
         """Talk to ``shard`` at ``address`` over ``channel`` from now on."""
-        stub = ps_pb2_grpc.ParameterServerStub(channel)  # type: ignore[no-untyped-call]
+        stub = ps_pb2_grpc.WorkersStub(channel)  # type: ignore[no-untyped-call]
         # Push and Pull with chunk.data framed by hand (protos/framing.py): the
         # same wire format, one copy of the data on each side.
         # (_registered_method: grpc's own stubs pass it too; the typeshed stubs do not know it.)
         push: Any = channel.stream_unary(  # type: ignore[call-arg]
-            f"/{SERVICE}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
+            f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
             _registered_method=True)
         pull: Any = channel.unary_stream(  # type: ignore[call-arg]
-            f"/{SERVICE}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=framing.parse_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)
@@ -158,7 +178,7 @@ class Transport:
     def _moved_to(self, shard: int) -> str:
         """Where a deposed primary says its shard went ("" if it does not answer or was not deposed)."""
         try:
-            s = self._stubs[shard].Stats(ps_pb2.StatsRequest(), timeout=min(2.0, self.timeout))
+            s = self._stubs[shard].Describe(ps_pb2.StatsRequest(), timeout=min(2.0, self.timeout))
         except grpc.RpcError:
             return ""
         return s.backup if s.role == "deposed" else ""
@@ -167,7 +187,8 @@ class Transport:
         """Ask shard's backup to take over (--replicas 2); True once requests should go there.
 
         The backup refuses while the primary still answers its health
-        check, so a primary that is only slow keeps its shard.
+        check, so a primary that is only slow keeps its shard (``TakeOver``,
+        the worker's Promote, cannot be forced).
         """
         with self._failover_lock:
             if self.addresses[shard] != failed:  # another thread failed over already
@@ -175,10 +196,10 @@ class Transport:
             backup = self.backups[shard] or self._moved_to(shard)
             if not backup:
                 return False
-            channel = self.security.channel(backup)
+            channel = self._channel(backup)
             try:
-                r = ps_pb2_grpc.ParameterServerStub(channel).Promote(  # type: ignore[no-untyped-call]
-                    ps_pb2.PromoteRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
+                r = ps_pb2_grpc.WorkersStub(channel).TakeOver(  # type: ignore[no-untyped-call]
+                    ps_pb2.TakeOverRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
                     timeout=min(10.0, self.timeout))
             except grpc.RpcError as e:
                 channel.close()
@@ -297,18 +318,20 @@ class Transport:
     def close(self) -> None:
         """Stop the threads (after the calls under way) and close every channel. Idempotent."""
         self._pool.shutdown(wait=True)
-        for c in self._channels + self._retired:
+        for c in self._channels + self._retired + list(self._operator_channels.values()):
             c.close()
 
 
-def unary(address: str, method: str, request: Any, *, timeout: float, security: Security | None = None) -> Any:
-    """One ParameterServer ``method`` call to the endpoint at ``address`` (no shard: no retry, no fail-over).
+def unary(address: str, method: str, request: Any, *, timeout: float, security: Security | None = None,
+          service: str = "Operator", role: str = "operator") -> Any:
+    """One ``service`` ``method`` call to the endpoint at ``address`` with ``role``'s token (no shard: no
+    retry, no fail-over).
 
     Failures raise a ShardError naming the endpoint, its details prefixed with ``method``.
     """
-    channel = (security if security is not None else Security.from_env()).channel(address)
+    channel = (security if security is not None else Security.from_env()).channel(address, role=role)
     try:
-        stub = ps_pb2_grpc.ParameterServerStub(channel)  # type: ignore[no-untyped-call]
+        stub = getattr(ps_pb2_grpc, f"{service}Stub")(channel)
         return getattr(stub, method)(request, timeout=timeout)
     except grpc.RpcError as e:
         code, details = status_of(e)

@@ -221,7 +221,7 @@ def test_generated_stubs_still_talk_to_the_server(make_cluster):
     with shardps.connect(cluster.addresses, chunk_bytes=1024) as client:
         client.register({"w": w, "b": b}, shardps.optim.SGD(lr=1.0), sync="asp")
         with grpc.insecure_channel(cluster.addresses[0]) as channel:
-            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            stub = ps_pb2_grpc.WorkersStub(channel)
             gw = torch.randn(300, 7)
             data = gw.reshape(-1).numpy().tobytes()
             reqs = [ps_pb2.PushRequest(worker_id=0, step=0, loss_scale=2.0, chunk=ps_pb2.Chunk(

@@ -43,7 +43,7 @@ class FakeChannel:
 class FakeSecurity(Security):
     """Security whose channels are fakes served by ``server``."""
 
-    def channel(self, address: str, options: Any = None) -> Any:  # type: ignore[override]
+    def channel(self, address: str, options: Any = None, *, role: str | None = None) -> Any:  # type: ignore[override]
         ch = FakeChannel(address, SERVERS[id(self)])
         OPENED.setdefault(id(self), []).append(ch)
         return ch

@@ -20,7 +20,7 @@ from tests.worker.fakes import OPENED, SERVERS, Failure, FakeSecurity, fake_tran
 
 
 def _stats(t: Transport) -> list[Any]:
-    return t.each(lambda i: t.stub(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
+    return t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=t.timeout))
 
 
 def test_each_calls_every_shard_in_parallel_in_shard_order():
@@ -34,7 +34,7 @@ def test_each_calls_every_shard_in_parallel_in_shard_order():
     t = fake_transport(server, addresses=("a:0", "b:1", "c:2"))
     try:
         assert [r.shard_index for r in _stats(t)] == [0, 1, 2]
-        assert [r.shard_index for r in t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest()), [2])] == [2]
+        assert [r.shard_index for r in t.each(lambda i: t.operator(i).Checkpoint(ps_pb2.CheckpointRequest()), [2])] == [2]
     finally:
         t.close()
 
@@ -51,7 +51,7 @@ def test_an_unavailable_shard_is_retried_until_it_answers():
 
     t = fake_transport(server, recovery_timeout=10.0)
     try:
-        assert len(t.each(lambda i: t.stub(i).Checkpoint(ps_pb2.CheckpointRequest()))) == 2
+        assert len(t.each(lambda i: t.operator(i).Checkpoint(ps_pb2.CheckpointRequest()))) == 2
         assert calls["a:1"] == 3 and t.retries_total == 2 and t.failovers_total == 0
     finally:
         t.close()
@@ -94,7 +94,7 @@ def test_other_failures_are_not_retried_and_keep_their_details(code, details, ex
             _stats(t)
         assert type(err.value) is expected and err.value.details == details and calls == ["a:1"]
         with pytest.raises(expected):  # once, as the heartbeats and Leave call
-            t.attempt(0, lambda: t.stub(0).Stats(ps_pb2.StatsRequest()))
+            t.attempt(0, lambda: t.stub(0).Describe(ps_pb2.StatsRequest()))
         assert t.retries_total == 0
     finally:
         t.close()
@@ -106,7 +106,7 @@ def test_an_unavailable_shard_with_a_backup_fails_over_to_it():
     def server(address: str, method: str, request: Any) -> Any:
         if address == "a:1":
             raise Failure(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-        if method == "Promote":
+        if method == "TakeOver":
             promoted.append((address, request.reason))
             return ps_pb2.PromoteResponse(shard_index=0, version=4)
         return ps_pb2.StatsResponse(shard_index=0 if address == "a:2" else 1)
@@ -128,12 +128,12 @@ def test_an_unavailable_shard_with_a_backup_fails_over_to_it():
 def test_a_deposed_primary_names_where_its_shard_went():
     def server(address: str, method: str, request: Any) -> Any:
         if address == "a:1":
-            if method == "Stats":
+            if method == "Describe":
                 if isinstance(request, ps_pb2.StatsRequest) and not hasattr(server, "asked"):
                     server.asked = True  # type: ignore[attr-defined]
                     raise Failure(grpc.StatusCode.UNAVAILABLE, "shard 0 was taken over by its backup at n:1")
                 return ps_pb2.StatsResponse(role="deposed", backup="n:1")
-        if method == "Promote":
+        if method == "TakeOver":
             return ps_pb2.PromoteResponse(version=1)
         return ps_pb2.StatsResponse(shard_index=7)
 

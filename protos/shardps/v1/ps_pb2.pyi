@@ -461,3 +461,9 @@ class AttachReplicaResponse(_message.Message):
     REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
     replica_state: str
     def __init__(self, replica_state: _Optional[str] = ...) -> None: ...
+
+class TakeOverRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...

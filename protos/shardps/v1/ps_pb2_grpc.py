@@ -25,10 +25,11 @@ if _version_not_supported:
     )
 
 
-class ParameterServerStub:
-    """One shard of the parameters. Errors are status codes whose message names
-    the tensor, what was expected and what came; a refused request changes
-    nothing.
+class WorkersStub:
+    """Errors are status codes whose message names the tensor, what was expected
+    and what came; a refused request changes nothing.
+
+    The worker data path (the worker token).
     """
 
     def __init__(self, channel):
@@ -38,81 +39,52 @@ class ParameterServerStub:
             channel: A grpc.Channel.
         """
         self.Register = channel.stream_unary(
-                '/shardps.v1.ParameterServer/Register',
+                '/shardps.v1.Workers/Register',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterResponse.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
-                '/shardps.v1.ParameterServer/Push',
+                '/shardps.v1.Workers/Push',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
-                '/shardps.v1.ParameterServer/Pull',
+                '/shardps.v1.Workers/Pull',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
                 _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Stats',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
-                _registered_method=True)
-        self.PullState = channel.unary_stream(
-                '/shardps.v1.ParameterServer/PullState',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.FromString,
-                _registered_method=True)
-        self.Exchange = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Exchange',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
-                _registered_method=True)
-        self.SetSync = channel.unary_unary(
-                '/shardps.v1.ParameterServer/SetSync',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.FromString,
-                _registered_method=True)
-        self.Checkpoint = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Checkpoint',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
-                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Heartbeat',
+                '/shardps.v1.Workers/Heartbeat',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Leave',
+                '/shardps.v1.Workers/Leave',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
-        self.Rollback = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Rollback',
+        self.Describe = channel.unary_unary(
+                '/shardps.v1.Workers/Describe',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.Recover = channel.unary_unary(
+                '/shardps.v1.Workers/Recover',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
                 _registered_method=True)
-        self.Replicate = channel.stream_unary(
-                '/shardps.v1.ParameterServer/Replicate',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
-                _registered_method=True)
-        self.Promote = channel.unary_unary(
-                '/shardps.v1.ParameterServer/Promote',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.SerializeToString,
+        self.TakeOver = channel.unary_unary(
+                '/shardps.v1.Workers/TakeOver',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.TakeOverRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
                 _registered_method=True)
-        self.AttachReplica = channel.unary_unary(
-                '/shardps.v1.ParameterServer/AttachReplica',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.FromString,
-                _registered_method=True)
 
 
-class ParameterServerServicer:
-    """One shard of the parameters. Errors are status codes whose message names
-    the tensor, what was expected and what came; a refused request changes
-    nothing.
+class WorkersServicer:
+    """Errors are status codes whose message names the tensor, what was expected
+    and what came; a refused request changes nothing.
+
+    The worker data path (the worker token).
     """
 
     def Register(self, request_iterator, context):
@@ -133,36 +105,6 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PullState(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Exchange(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SetSync(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Checkpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -175,32 +117,30 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Rollback(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Describe(self, request, context):
+        """The shard's status (read only): layouts, clocks, epochs, checkpoints.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Replicate(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+    def Recover(self, request, context):
+        """Recovery after a restart: Rollback's semantics, for a worker that found
+        a shard recovering or the shards in different epochs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Promote(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AttachReplica(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def TakeOver(self, request, context):
+        """Fail-over: a backup takes over only when its primary is not serving.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ParameterServerServicer_to_server(servicer, server):
+def add_WorkersServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.stream_unary_rpc_method_handler(
                     servicer.Register,
@@ -217,31 +157,6 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
             ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.SerializeToString,
-            ),
-            'PullState': grpc.unary_stream_rpc_method_handler(
-                    servicer.PullState,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.SerializeToString,
-            ),
-            'Exchange': grpc.unary_unary_rpc_method_handler(
-                    servicer.Exchange,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
-            ),
-            'SetSync': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetSync,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.SerializeToString,
-            ),
-            'Checkpoint': grpc.unary_unary_rpc_method_handler(
-                    servicer.Checkpoint,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
-            ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
@@ -252,38 +167,34 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
             ),
-            'Rollback': grpc.unary_unary_rpc_method_handler(
-                    servicer.Rollback,
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'Recover': grpc.unary_unary_rpc_method_handler(
+                    servicer.Recover,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.SerializeToString,
             ),
-            'Replicate': grpc.stream_unary_rpc_method_handler(
-                    servicer.Replicate,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.SerializeToString,
-            ),
-            'Promote': grpc.unary_unary_rpc_method_handler(
-                    servicer.Promote,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.FromString,
+            'TakeOver': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeOver,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.TakeOverRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.SerializeToString,
-            ),
-            'AttachReplica': grpc.unary_unary_rpc_method_handler(
-                    servicer.AttachReplica,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'shardps.v1.ParameterServer', rpc_method_handlers)
+            'shardps.v1.Workers', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('shardps.v1.ParameterServer', rpc_method_handlers)
+    server.add_registered_method_handlers('shardps.v1.Workers', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class ParameterServer:
-    """One shard of the parameters. Errors are status codes whose message names
-    the tensor, what was expected and what came; a refused request changes
-    nothing.
+class Workers:
+    """Errors are status codes whose message names the tensor, what was expected
+    and what came; a refused request changes nothing.
+
+    The worker data path (the worker token).
     """
 
     @staticmethod
@@ -300,7 +211,7 @@ class ParameterServer:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/shardps.v1.ParameterServer/Register',
+            '/shardps.v1.Workers/Register',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterResponse.FromString,
             options,
@@ -327,7 +238,7 @@ class ParameterServer:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/shardps.v1.ParameterServer/Push',
+            '/shardps.v1.Workers/Push',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
             options,
@@ -354,144 +265,9 @@ class ParameterServer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/shardps.v1.ParameterServer/Pull',
+            '/shardps.v1.Workers/Pull',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Stats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardps.v1.ParameterServer/Stats',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PullState(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/shardps.v1.ParameterServer/PullState',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Exchange(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardps.v1.ParameterServer/Exchange',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SetSync(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardps.v1.ParameterServer/SetSync',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Checkpoint(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardps.v1.ParameterServer/Checkpoint',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -516,7 +292,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/shardps.v1.ParameterServer/Heartbeat',
+            '/shardps.v1.Workers/Heartbeat',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
             options,
@@ -543,9 +319,315 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/shardps.v1.ParameterServer/Leave',
+            '/shardps.v1.Workers/Leave',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Workers/Describe',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Workers/Recover',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeOver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Workers/TakeOver',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.TakeOverRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class OperatorStub:
+    """Operating the job (the operator token).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stats = channel.unary_unary(
+                '/shardps.v1.Operator/Stats',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.SetSync = channel.unary_unary(
+                '/shardps.v1.Operator/SetSync',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/shardps.v1.Operator/Checkpoint',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/shardps.v1.Operator/Rollback',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
+                _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/shardps.v1.Operator/Promote',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
+                _registered_method=True)
+        self.AttachReplica = channel.unary_unary(
+                '/shardps.v1.Operator/AttachReplica',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.FromString,
+                _registered_method=True)
+        self.PullState = channel.unary_stream(
+                '/shardps.v1.Operator/PullState',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.FromString,
+                _registered_method=True)
+
+
+class OperatorServicer:
+    """Operating the job (the operator token).
+    """
+
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Promote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_OperatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'SetSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSync,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.SerializeToString,
+            ),
+            'AttachReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachReplica,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.SerializeToString,
+            ),
+            'PullState': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shardps.v1.Operator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shardps.v1.Operator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Operator:
+    """Operating the job (the operator token).
+    """
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Operator/Stats',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Operator/SetSync',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.SetSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Operator/Checkpoint',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -570,36 +652,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/shardps.v1.ParameterServer/Rollback',
+            '/shardps.v1.Operator/Rollback',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RollbackResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Replicate(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/shardps.v1.ParameterServer/Replicate',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -624,7 +679,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/shardps.v1.ParameterServer/Promote',
+            '/shardps.v1.Operator/Promote',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
             options,
@@ -651,9 +706,199 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/shardps.v1.ParameterServer/AttachReplica',
+            '/shardps.v1.Operator/AttachReplica',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.AttachReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardps.v1.Operator/PullState',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullStateRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PeersStub:
+    """Server to server (the peer token).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Exchange = channel.unary_unary(
+                '/shardps.v1.Peers/Exchange',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/shardps.v1.Peers/Replicate',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/shardps.v1.Peers/Describe',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+                _registered_method=True)
+
+
+class PeersServicer:
+    """Server to server (the peer token).
+    """
+
+    def Exchange(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """The other server's status: a primary's check that its backup answers, a
+        backup's check that its primary still serves before taking over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shardps.v1.Peers', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shardps.v1.Peers', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peers:
+    """Server to server (the peer token).
+    """
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Peers/Exchange',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shardps.v1.Peers/Replicate',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Peers/Describe',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
