@@ -52,9 +52,10 @@ tools:
 		fi; \
 	fi
 
+# Lint and types first (ruff, mypy --strict: the package ships py.typed), then the whole suite.
 # Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
 # those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
-test: venv tools
+test: venv tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
 
 # The edit-test loop: no servers on sockets, no processes (well under a minute).

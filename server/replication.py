@@ -156,7 +156,8 @@ class Replicator:
         self._thread: threading.Thread | None = None
         self._channel: grpc.Channel | None = None
         self._snapshot: Any = None
-        self.on_deposed: Callable[[str], None] | None = None  # called (outside our lock) when the backup answers "promoted"
+        # called (outside our lock) when the backup answers "promoted"
+        self.on_deposed: Callable[[str], None] | None = None
 
     # -- under the store's lock -------------------------------------------
 

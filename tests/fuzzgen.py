@@ -347,7 +347,8 @@ def values(src: Source, n: int, dtype: int) -> bytes:
     return src.binary(n * size, n * size)
 
 
-VALID_OPTIMIZERS = (("sgd", ""), ("sgd", '{"lr": 0.5, "momentum": 0.9}'), ("adam", '{"lr": 0.001, "betas": [0.9, 0.99]}'),
+VALID_OPTIMIZERS = (("sgd", ""), ("sgd", '{"lr": 0.5, "momentum": 0.9}'),
+                    ("adam", '{"lr": 0.001, "betas": [0.9, 0.99]}'),
                     ("adamw", "{}"), ("adafactor", "{}"), ("sm3", '{"lr": 0.1}'))
 
 

@@ -34,7 +34,8 @@ def test_each_calls_every_shard_in_parallel_in_shard_order():
     t = fake_transport(server, addresses=("a:0", "b:1", "c:2"))
     try:
         assert [r.shard_index for r in _stats(t)] == [0, 1, 2]
-        assert [r.shard_index for r in t.each(lambda i: t.operator(i).Checkpoint(ps_pb2.CheckpointRequest()), [2])] == [2]
+        checkpointed = t.each(lambda i: t.operator(i).Checkpoint(ps_pb2.CheckpointRequest()), [2])
+        assert [r.shard_index for r in checkpointed] == [2]
     finally:
         t.close()
 
