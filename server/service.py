@@ -232,9 +232,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
         if self.metrics is not None and store.replicator is not None:
             self.metrics.replication_seconds.labels(self.metrics.shard).observe(time.perf_counter() - t0)
-        return ps_pb2.PushResponse(version=res.version, applied=res.applied, duplicate=res.duplicate,
-                                   sync=str(store.sync or ""), loss_scale=res.loss_scale,
-                                   ready_version=res.ready_version)
+        return res.to_proto()
 
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,

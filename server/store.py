@@ -40,8 +40,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from shardps.protos.results import PushResult
 from shardps.protos.stats import ShardStats, TensorStats
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier, ApplyMixin, scaling_config
@@ -72,15 +72,6 @@ from shardps.server.table import TableMixin, TensorSpec, TensorTable
 __all__ = ["DEFAULT_LEASE_S", "PushResult", "ShardStore", "TensorSpec"]
 
 log = logging.getLogger("shardps.server")
-
-
-@dataclass
-class PushResult:
-    version: int  # the shard's version now
-    applied: bool
-    duplicate: bool
-    loss_scale: float = 0.0
-    ready_version: int = 0  # the first version that includes this gradient
 
 
 class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointMixin, SnapshotMixin, ReplicaMixin):
@@ -284,8 +275,8 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                 self.pushes_total += 1
                 self.duplicate_pushes_total += 1
                 ready = self.version + (1 if policy.holds(worker_id) else 0)
-                return PushResult(self.version, applied=False, duplicate=True, loss_scale=self.loss_scale,
-                                  ready_version=ready)
+                return PushResult(self.version, applied=False, duplicate=True, sync=str(self.sync or ""),
+                                  loss_scale=self.loss_scale, ready_version=ready)
             if step != last + 1:
                 raise FailedPrecondition(
                     f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
@@ -308,8 +299,8 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
             assert policy is not None
             ready = self.version + (1 if policy.holds(worker_id) else 0)
             self._cond.notify_all()  # versions and clocks moved
-            result = PushResult(self.version, applied=applied, duplicate=False, loss_scale=self.loss_scale,
-                                ready_version=ready)
+            result = PushResult(self.version, applied=applied, duplicate=False, sync=str(self.sync or ""),
+                                loss_scale=self.loss_scale, ready_version=ready)
             due = applied and self._checkpoint_due() and policy.quiescent()
         if due:
             self.checkpoint_now()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from shardps.exposition import MetricsEndpoint
 from shardps.protos import codec, env, framing
 from shardps.protos.amp import LossScaling
+from shardps.protos.results import PushResult
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
@@ -48,16 +48,6 @@ log = logging.getLogger("shardps.worker")
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class PushResult:
-    version: int
-    applied: bool
-    duplicate: bool
-    sync: str
-    loss_scale: float = 0.0
-    ready_version: int = 0  # the first version that includes the gradient pushed
 
 
 class PSClient:
@@ -288,8 +278,7 @@ class PSClient:
                 yield prefix + suffix
 
         responses = self.transport.each(lambda i: self.transport.push(i, requests(i)))
-        out = [PushResult(r.version, r.applied, r.duplicate, r.sync, r.loss_scale, r.ready_version)
-               for r in responses]
+        out = [PushResult.from_proto(r) for r in responses]
         self.sync = out[0].sync or self.sync
         self.loss_scale = out[0].loss_scale
         return out
