@@ -1,10 +1,10 @@
-"""The outcome of one push, as one typed value on both sides of the ``Push`` RPC.
+"""What the store answers for a worker's Push and Register, one typed value each.
 
-The server's store returns a ``PushResult`` from ``submit``; the servicer
-answers ``Push`` with ``to_proto()``; the worker reads each shard's answer
-back with ``PushResult.from_proto`` (``PSClient.push`` returns one per shard).
+The server's store returns a ``PushResult`` from ``submit`` and a
+``Registered`` from ``join``; the servicer answers with ``to_proto()``. The
+worker reads each shard's Push answer back with ``PushResult.from_proto``
+(``PSClient.push`` returns one per shard).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,3 +29,25 @@ class PushResult:
     def from_proto(cls, r: ps_pb2.PushResponse) -> PushResult:
         return cls(version=r.version, applied=r.applied, duplicate=r.duplicate, sync=r.sync,
                    loss_scale=r.loss_scale, ready_version=r.ready_version)
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A shard's answer to a worker's Register: where the job stands for it."""
+
+    version: int
+    shard_index: int
+    num_shards: int
+    sync: str  # the mode in force (the job's: it may have been switched since)
+    created: list[str]  # tensors this Register created (worker 0's initial values)
+    loss_scale: float
+    worker_clock: int  # the next step this worker pushes (0 for a new worker)
+    lease_seconds: float
+    epoch: int
+    backup: str  # the backup's address, "" without one
+
+    def to_proto(self) -> ps_pb2.RegisterResponse:
+        return ps_pb2.RegisterResponse(
+            version=self.version, shard_index=self.shard_index, num_shards=self.num_shards, sync=self.sync,
+            created=self.created, loss_scale=self.loss_scale, worker_clock=self.worker_clock,
+            lease_seconds=self.lease_seconds, epoch=self.epoch, backup=self.backup)

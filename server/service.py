@@ -26,15 +26,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shardps.protos import codec, framing
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from shardps.server.assembly import ChunkAssembler
 from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.errors import InvalidArgument, StoreError
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
-from shardps.server.scaling import LossScaler
 from shardps.server.store import ShardStore
-from shardps.server.table import TensorSpec
+from shardps.server.wire import decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
 
 log = logging.getLogger("shardps.server")
 
@@ -124,16 +122,6 @@ def _stream_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
-    if not msg.enabled:
-        return None
-    try:
-        return LossScaler(init_scale=msg.init_scale, growth_factor=msg.growth_factor,
-                          backoff_factor=msg.backoff_factor, growth_interval=msg.growth_interval)
-    except ValueError as e:
-        raise InvalidArgument(f"loss scaling: {e}") from None
-
-
 class _Servicer:
     """What the three services share: the store, the metrics, the waits' limits."""
 
@@ -165,69 +153,18 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
                  context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
         self.store.check_serving()
-        first = next(request_iterator, None)
-        if first is None:
-            raise InvalidArgument("Register stream was empty")
-        store = self.store
-        sync = store.configure(first.num_workers, first.sync, scaler_from_wire(first.loss_scaling),
-                               first.staleness_remedy)
-        store.check_worker_id(first.worker_id)
-        specs = [TensorSpec.from_proto(t) for t in first.tensors]
-        by_name = {s.name: s for s in specs}
-        if len(by_name) != len(specs):
-            raise InvalidArgument("Register names a tensor more than once")
-
-        def lookup(name: str) -> TensorSpec:
-            s = by_name.get(name)
-            if s is None:
-                raise InvalidArgument(f"initial values for tensor {name!r}, which this Register does not declare")
-            return s
-
-        created: list[str] = []
-        if first.provides_values:
-            asm = ChunkAssembler(lookup, what="initial value")
-            if first.HasField("chunk"):
-                asm.add(first.chunk)
-            for req in request_iterator:
-                asm.add(req.chunk)
-            created = store.register_tensors(specs, asm.finish())
-        else:
-            for _ in request_iterator:
-                raise InvalidArgument("chunks sent in a Register without provides_values")
-            store.wait_for_tensors(by_name, self._timeout(context))
-            store.register_tensors(specs, None)
-        store.register_worker(first.worker_id)
-        store.replicated()
-        log.info("shard %d: worker %d registered (%d tensors, %d created)",
-                 store.shard_index, first.worker_id, len(specs), len(created))
-        return ps_pb2.RegisterResponse(
-            version=store.version, shard_index=store.shard_index, num_shards=store.num_shards,
-            sync=str(sync), created=created, loss_scale=store.loss_scale,
-            worker_clock=store.worker_clocks.get(first.worker_id, -1) + 1, lease_seconds=store.lease_s,
-            epoch=store.epoch, backup=store.replicator.address if store.replicator else "")
+        j = decode_register(request_iterator)
+        return self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
+                               self._timeout(context)).to_proto()
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        self.store.check_serving()
-        first = next(request_iterator, None)
-        if first is None:
-            raise InvalidArgument("Push stream was empty")
         store = self.store
-        asm = ChunkAssembler(store.spec, what="gradient", alloc=store.staging)
-        header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
-        if first.HasField("chunk"):  # a header alone: no gradients this step
-            asm.add(first.chunk)
-        for req in request_iterator:
-            if (req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale) != header:
-                raise InvalidArgument(
-                    f"Push stream mixes headers: (worker_id, step, base_version, found_inf, loss_scale) "
-                    f"{header} then {(req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale)}"
-                )
-            asm.add(req.chunk)
-        res = store.submit(first.worker_id, first.step, first.base_version, asm.finish(), asm.nbytes,
-                           found_inf=first.found_inf or not asm.all_finite, loss_scale=first.loss_scale,
-                           epoch=first.epoch, checked=True)
+        store.check_serving()
+        g = decode_push(request_iterator, store.spec, store.staging)
+        res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
+                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
         t0 = time.perf_counter()
         store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
         if self.metrics is not None and store.replicator is not None:
@@ -237,42 +174,15 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
              context: grpc.ServicerContext) -> Iterator[bytes]:
-        store = self.store
-        store.check_serving()
-        store.check_epoch(request.epoch)
-        store.touch(request.worker_id)
-        names = list(request.names) or store.names()
-        for n in names:
-            store.spec(n)  # NotFound before any wait
-        wire = None
-        if request.dtype != ps_pb2.DTYPE_UNSPECIFIED:
-            try:
-                codec.to_torch_dtype(request.dtype)
-            except ValueError as e:
-                raise InvalidArgument(f"Pull: {e}") from None
-            wire = request.dtype
-        chunk_bytes = request.chunk_bytes or self.chunk_bytes
-        try:
-            codec.check_chunk_bytes(chunk_bytes)
-        except ValueError as e:
-            raise InvalidArgument(f"Pull: {e}") from None
-        timeout = self._timeout(context)
-        t0 = time.monotonic()
-        slowest = 0
-        if request.min_version > store.version:
-            store.wait_version(request.min_version, timeout, request.epoch)
-        if request.min_clock > 0:
-            slowest = store.wait_clock(request.min_clock, max(0.0, timeout - (time.monotonic() - t0)))
-        waited = time.monotonic() - t0
-        store.touch(request.worker_id)
-        if self.metrics is not None and (request.min_version or request.min_clock):
-            self.metrics.observe_wait(waited, str(store.sync or ""))
-        # Whole PullResponse messages, framed under the store's lock straight
-        # from the weights (one copy, a consistent snapshot); they go out as
-        # they are (see add_servicer).
-        _, messages = store.read(names, wire, chunk_bytes, messages=True, slowest_clock=slowest,
-                                 worker_id=request.worker_id)
-        store.replicated()  # workers see only weights the backup holds too (--replicas 2)
+        self.store.check_serving()
+        q = decode_pull(request, self.chunk_bytes)
+        waited, messages = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
+                                           min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
+                                           timeout=self._timeout(context))
+        if self.metrics is not None and (q.min_version or q.min_clock):
+            self.metrics.observe_wait(waited, str(self.store.sync or ""))
+        # Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
+        # are (see add_servicer).
         for *_, msg in messages:
             yield msg
 
@@ -339,26 +249,10 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
     @_stream_errors
     def PullState(self, request: ps_pb2.PullStateRequest,
                   context: grpc.ServicerContext) -> Iterator[ps_pb2.StateChunk]:
-        store = self.store
-        store.check_serving()
-        names = list(request.names) or store.names()
-        chunk_bytes = request.chunk_bytes or self.chunk_bytes
-        try:
-            codec.check_chunk_bytes(chunk_bytes)
-        except ValueError as e:
-            raise InvalidArgument(f"PullState: {e}") from None
-        version, items = store.export_state(names)
-        for name, start, stop, key, t in items:
-            flat = t.detach().reshape(-1)
-            if flat.numel() == 0:
-                continue
-            shape = list(t.shape)  # [] for a 0-d tensor: the first chunk (offset 0) is authoritative
-            wire = codec.to_wire_dtype(flat.dtype)
-            for off, payload in codec.encode_range(flat, 0, flat.numel(), chunk_bytes):
-                yield ps_pb2.StateChunk(
-                    version=version, name=name, part_start=start, part_stop=stop, key=key,
-                    shape=shape if off == 0 else [],
-                    chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
+        self.store.check_serving()
+        chunk_bytes = state_chunk_bytes(request, self.chunk_bytes)
+        version, items = self.store.export_state(list(request.names) or self.store.names())
+        yield from encode_state(version, items, chunk_bytes)
 
 
 class PeersServicer(_Servicer, ps_pb2_grpc.PeersServicer):

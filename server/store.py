@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from shardps.protos.results import PushResult
+from shardps.protos.results import PushResult, Registered
 from shardps.protos.stats import ShardStats, TensorStats
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier, ApplyMixin, scaling_config
@@ -55,7 +55,7 @@ from shardps.server.errors import (
 )
 from shardps.server.membership import DEFAULT_LEASE_S, Clock, Membership, MembershipMixin, Reaper
 from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
-from shardps.server.pullcache import PullCache, ReadMixin
+from shardps.server.pullcache import Item, PullCache, ReadMixin
 from shardps.server.remedies import Remedy
 from shardps.server.replica import (
     DEFAULT_REPLICA_TIMEOUT_S,
@@ -229,6 +229,29 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
     def framed_hits_total(self) -> int:
         return self.pullcache.hits_total
 
+    def join(self, worker_id: int, num_workers: int, sync: str, scaling: LossScaler | None, remedy: str,
+             specs: list[TensorSpec], values: Grads | None, timeout: float) -> Registered:
+        """A worker's Register (decoded by server/wire.py): the job's settings agreed (``configure``), its
+        tensors created from ``values`` (worker 0's) or, with ``values=None``, waited for up to ``timeout``;
+        its lease started. Answered once the backup holds it."""
+        mode = self.configure(num_workers, sync, scaling, remedy)
+        self.check_worker_id(worker_id)
+        created: list[str] = []
+        if values is not None:
+            created = self.register_tensors(specs, values)
+        else:
+            self.wait_for_tensors([s.name for s in specs], timeout)
+            self.register_tensors(specs, None)
+        self.register_worker(worker_id)
+        self.replicated()
+        log.info("shard %d: worker %d registered (%d tensors, %d created)",
+                 self.shard_index, worker_id, len(specs), len(created))
+        with self._cond:
+            rep = self.replicator
+            return Registered(self.version, self.shard_index, self.num_shards, str(mode), created, self.loss_scale,
+                              self.worker_clocks.get(worker_id, -1) + 1, self.lease_s, self.epoch,
+                              rep.address if rep else "")
+
     def submit(self, worker_id: int, step: int, base_version: int, grads: Grads,
                nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
                epoch: int | None = None, checked: bool = False) -> PushResult:
@@ -348,6 +371,30 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                 f"shard {self.shard_index} is at version {self.version}, waited {timeout:.1f}s "
                 f"for version {min_version}: {waiting}"
             )
+
+    def pull(self, worker_id: int, names: list[str], wire_dtype: int | None, chunk_bytes: int, *,
+             min_version: int, min_clock: int, epoch: int, timeout: float) -> tuple[float, list[Item]]:
+        """A worker's Pull (decoded by server/wire.py): wait (up to ``timeout`` in all) for ``min_version``
+        and, under ssp, for every worker's clock to reach ``min_clock``; then the weights of ``names`` (all
+        when empty) as whole framed ``PullResponse`` messages (``read(messages=True)``), once the backup
+        holds them. Returns (seconds waited, messages)."""
+        self.check_epoch(epoch)
+        self.touch(worker_id)
+        names = names or self.names()
+        for n in names:
+            self.spec(n)  # NotFound before any wait
+        t0 = time.monotonic()
+        slowest = 0
+        if min_version > self.version:
+            self.wait_version(min_version, timeout, epoch)
+        if min_clock > 0:
+            slowest = self.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
+        waited = time.monotonic() - t0
+        self.touch(worker_id)
+        _, messages = self.read(names, wire_dtype, chunk_bytes, messages=True, slowest_clock=slowest,
+                                worker_id=worker_id)
+        self.replicated()  # workers see only weights the backup holds too (--replicas 2)
+        return waited, messages
 
     def clocks(self) -> dict[int, int]:
         """Each worker's clock: the number of steps it has pushed (0 before its first)."""

@@ -1,0 +1,166 @@
+"""From the wire to the store's calls and back: the streamed requests decoded, the answers encoded.
+
+Each servicer handler (service.py) is a decode from here, one call on the
+store, and an encode. Decoding validates all it can without the store's
+state (shapes, dtypes, chunk coverage, mixed headers, option ranges), so a
+malformed request is refused with INVALID_ARGUMENT before the store is
+touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardps.protos import codec
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.assembly import ChunkAssembler
+from shardps.server.errors import InvalidArgument
+from shardps.server.scaling import LossScaler
+from shardps.server.sync import Grads, PartKey
+from shardps.server.table import TensorSpec
+
+
+def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
+    if not msg.enabled:
+        return None
+    try:
+        return LossScaler(init_scale=msg.init_scale, growth_factor=msg.growth_factor,
+                          backoff_factor=msg.backoff_factor, growth_interval=msg.growth_interval)
+    except ValueError as e:
+        raise InvalidArgument(f"loss scaling: {e}") from None
+
+
+@dataclass
+class Join:
+    """A decoded Register: the job's settings, the worker, its tensors and (worker 0) their initial values."""
+
+    worker_id: int
+    num_workers: int
+    sync: str
+    scaling: LossScaler | None
+    remedy: str
+    specs: list[TensorSpec]
+    values: dict[PartKey, torch.Tensor] | None  # None: wait for another worker to create the tensors
+
+
+def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
+    first = next(requests, None)
+    if first is None:
+        raise InvalidArgument("Register stream was empty")
+    specs = [TensorSpec.from_proto(t) for t in first.tensors]
+    by_name = {s.name: s for s in specs}
+    if len(by_name) != len(specs):
+        raise InvalidArgument("Register names a tensor more than once")
+
+    def lookup(name: str) -> TensorSpec:
+        s = by_name.get(name)
+        if s is None:
+            raise InvalidArgument(f"initial values for tensor {name!r}, which this Register does not declare")
+        return s
+
+    values = None
+    if first.provides_values:
+        asm = ChunkAssembler(lookup, what="initial value")
+        if first.HasField("chunk"):
+            asm.add(first.chunk)
+        for req in requests:
+            asm.add(req.chunk)
+        values = asm.finish()
+    else:
+        for _ in requests:
+            raise InvalidArgument("chunks sent in a Register without provides_values")
+    return Join(first.worker_id, first.num_workers, first.sync, scaler_from_wire(first.loss_scaling),
+                first.staleness_remedy, specs, values)
+
+
+@dataclass
+class Gradients:
+    """A decoded Push: one worker's gradients for one step, assembled into fp32 parts."""
+
+    worker_id: int
+    step: int
+    base_version: int
+    grads: Grads
+    nbytes: int
+    found_inf: bool  # the worker said so, or a chunk held an inf/nan
+    loss_scale: float
+    epoch: int
+
+
+def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
+                alloc: Callable[[PartKey, int], torch.Tensor] | None = None) -> Gradients:
+    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers."""
+    first = next(requests, None)
+    if first is None:
+        raise InvalidArgument("Push stream was empty")
+    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc)
+    header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
+    if first.HasField("chunk"):  # a header alone: no gradients this step
+        asm.add(first.chunk)
+    for req in requests:
+        if (req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale) != header:
+            raise InvalidArgument(
+                f"Push stream mixes headers: (worker_id, step, base_version, found_inf, loss_scale) "
+                f"{header} then {(req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale)}"
+            )
+        asm.add(req.chunk)
+    grads = asm.finish()
+    return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
+                     first.found_inf or not asm.all_finite, first.loss_scale, first.epoch)
+
+
+def _chunk_bytes(requested: int, default: int, rpc: str) -> int:
+    chunk_bytes = requested or default
+    try:
+        return codec.check_chunk_bytes(chunk_bytes)
+    except ValueError as e:
+        raise InvalidArgument(f"{rpc}: {e}") from None
+
+
+@dataclass
+class PullQuery:
+    """A decoded Pull: which weights, in which dtype and chunks, and what to wait for first."""
+
+    worker_id: int
+    names: list[str]  # empty: every tensor of the shard
+    wire_dtype: int | None  # None: each tensor's own dtype
+    chunk_bytes: int
+    min_version: int
+    min_clock: int
+    epoch: int
+
+
+def decode_pull(request: ps_pb2.PullRequest, default_chunk_bytes: int) -> PullQuery:
+    wire = None
+    if request.dtype != ps_pb2.DTYPE_UNSPECIFIED:
+        try:
+            codec.to_torch_dtype(request.dtype)
+        except ValueError as e:
+            raise InvalidArgument(f"Pull: {e}") from None
+        wire = int(request.dtype)
+    return PullQuery(request.worker_id, list(request.names), wire,
+                     _chunk_bytes(request.chunk_bytes, default_chunk_bytes, "Pull"),
+                     request.min_version, request.min_clock, request.epoch)
+
+
+def encode_state(version: int, items: Sequence[tuple[str, int, int, str, torch.Tensor]],
+                 chunk_bytes: int) -> Iterator[ps_pb2.StateChunk]:
+    """``ShardStore.export_state``'s copy as PullState chunks."""
+    for name, start, stop, key, t in items:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        shape = list(t.shape)  # [] for a 0-d tensor: the first chunk (offset 0) is authoritative
+        wire = codec.to_wire_dtype(flat.dtype)
+        for off, payload in codec.encode_range(flat, 0, flat.numel(), chunk_bytes):
+            yield ps_pb2.StateChunk(
+                version=version, name=name, part_start=start, part_stop=stop, key=key,
+                shape=shape if off == 0 else [],
+                chunk=ps_pb2.Chunk(name=key, offset=off, dtype=wire, data=payload))  # type: ignore[arg-type]
+
+
+def state_chunk_bytes(request: ps_pb2.PullStateRequest, default_chunk_bytes: int) -> int:
+    return _chunk_bytes(request.chunk_bytes, default_chunk_bytes, "PullState")
