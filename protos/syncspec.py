@@ -1,7 +1,9 @@
 """Synchronization modes as values: ``bsp``, ``asp``, ``every:X``, ``ssp:S``.
 
-Both sides parse the same strings: the worker to know when to push, the
-server to know when to apply.
+Both sides parse the same strings: the worker to know when to push
+(``accumulation``) and what to wait for (``min_clock``), the server to know
+when to apply (server/sync.py's ``make_policy``). The worker asks only
+these, never the kind: a new mode is this file and its policy.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class SyncSpec:
     def bounded(self) -> bool:
         """True for ssp: workers wait for the slowest to be within S clocks."""
         return self.kind == "ssp"
+
+    @property
+    def accumulation(self) -> int:
+        """Local steps a worker sums before it pushes their mean (X for every:X, else 1)."""
+        return self.every if self.kind == "every" else 1
+
+    def min_clock(self, clock: int) -> int:
+        """The slowest worker's clock a worker at ``clock`` waits for before its next step (0: none)."""
+        return max(0, clock - self.staleness) if self.bounded else 0
 
     def __str__(self) -> str:
         if self.kind == "every":

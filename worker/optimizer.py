@@ -172,7 +172,7 @@ class DistributedOptimizer:
                 loss = closure()
         self.local_steps += 1
         grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-        if self.sync.kind == "every":
+        if self.sync.accumulation > 1:
             for n, g in grads.items():
                 acc = self._acc.get(n)
                 if acc is None:
@@ -180,7 +180,7 @@ class DistributedOptimizer:
                 else:
                     acc.add_(g)
             self._acc_steps += 1
-            if self._acc_steps < self.sync.every:
+            if self._acc_steps < self.sync.accumulation:
                 return loss
             grads = {n: a.div_(self._acc_steps) for n, a in self._acc.items()}
             self._acc, self._acc_steps = {}, 0
@@ -211,9 +211,8 @@ class DistributedOptimizer:
         # barrier: once the round completes); ssp also waits for the slowest
         # worker to be within S clocks.
         mins = [r.ready_version for r in self.last_push]
-        min_clock = self.round - self.sync.staleness if self.sync.bounded else 0
         try:
-            self.client.pull(out=self.params, min_versions=mins, min_clock=max(0, min_clock))
+            self.client.pull(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round))
         except ShardError as e:
             if decide(e, During.PULL) is not Action.ROLLBACK:
                 raise

@@ -48,4 +48,4 @@ def decide(error: BaseException, during: During) -> Action:
 
 def resume_step(clock: int, sync: SyncSpec) -> int:
     """The optimizer step (calls of ``step()``) a worker at ``clock`` syncs goes on from."""
-    return clock * (sync.every if sync.kind == "every" else 1)
+    return clock * sync.accumulation

@@ -91,3 +91,18 @@ def test_make_policy(text, cls):
 
 def test_staleness():
     assert staleness(5, [Contribution(0, 0, 5), Contribution(1, 0, 3)]) == [0, 2]
+
+
+@pytest.mark.parametrize("text, accumulation, clocks", [
+    ("bsp", 1, [0, 0, 0]),
+    ("asp", 1, [0, 0, 0]),
+    ("every:4", 4, [0, 0, 0]),
+    ("ssp:0", 1, [0, 1, 5]),
+    ("ssp:2", 1, [0, 0, 3]),
+])
+def test_what_a_worker_asks_of_the_spec(text, accumulation, clocks):
+    """The worker's side of a mode: local steps summed before a push, and the slowest clock waited for
+    at clocks 0, 1 and 5."""
+    spec = SyncSpec.parse(text)
+    assert spec.accumulation == accumulation
+    assert [spec.min_clock(c) for c in (0, 1, 5)] == clocks
