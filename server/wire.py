@@ -85,31 +85,41 @@ class Gradients:
     base_version: int
     grads: Grads
     nbytes: int
-    found_inf: bool  # the worker said so, or a chunk held an inf/nan
+    found_inf: bool  # the worker said so (in any message of the stream), or a chunk held an inf/nan
     loss_scale: float
     epoch: int
 
 
 def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None) -> Gradients:
-    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers."""
+    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers.
+
+    Every message carries the same header (worker, step, base version, loss
+    scale, epoch). ``found_inf`` may differ: a worker that streams its
+    gradient while backward still runs learns only at the end whether any
+    of it (on any shard) held an inf/nan, and says so in its last message;
+    the stream's flag is true when any message's is.
+    """
     first = next(requests, None)
     if first is None:
         raise InvalidArgument("Push stream was empty")
     asm = ChunkAssembler(lookup, what="gradient", alloc=alloc)
-    header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
+    header = (first.worker_id, first.step, first.base_version, first.loss_scale, first.epoch)
+    found_inf = first.found_inf
     if first.HasField("chunk"):  # a header alone: no gradients this step
         asm.add(first.chunk)
     for req in requests:
-        if (req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale) != header:
+        if (req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch) != header:
             raise InvalidArgument(
-                f"Push stream mixes headers: (worker_id, step, base_version, found_inf, loss_scale) "
-                f"{header} then {(req.worker_id, req.step, req.base_version, req.found_inf, req.loss_scale)}"
+                f"Push stream mixes headers: (worker_id, step, base_version, loss_scale, epoch) "
+                f"{header} then {(req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch)}"
             )
-        asm.add(req.chunk)
+        found_inf = found_inf or req.found_inf
+        if req.HasField("chunk"):
+            asm.add(req.chunk)
     grads = asm.finish()
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
-                     first.found_inf or not asm.all_finite, first.loss_scale, first.epoch)
+                     found_inf or not asm.all_finite, first.loss_scale, first.epoch)
 
 
 def _chunk_bytes(requested: int, default: int, rpc: str) -> int:

@@ -38,6 +38,7 @@ from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
+from shardps.worker.streams import PullInFlight, PushStream
 from shardps.worker.transport import Transport
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
@@ -293,67 +294,30 @@ class PSClient:
         the client's timeout) until it has reached that version;
         ``min_clock`` until every worker has pushed that many steps (ssp).
         """
+        return self.pull_async(names, out=out, min_versions=min_versions, dtype=dtype,
+                               min_clock=min_clock).result()
+
+    def pull_async(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
+                   min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
+                   min_clock: int = 0) -> PullInFlight:
+        """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
+        ``result()`` until all are (and raises a failure). Each shard sends its tensors in the order of
+        ``names`` (by default the order registered: a model's first layers first)."""
         wanted = list(self.layouts if names is None else names)
         self._require_layout(wanted)
-        assert self.shard_map is not None
         if isinstance(min_versions, int) or min_versions is None:
             mins = [min_versions or 0] * self.num_shards
         else:
             mins = list(min_versions)
-        wire = codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED
-        result: dict[str, torch.Tensor] = {}
-        staging: dict[str, torch.Tensor] = {}  # flat CPU views written by the shard threads
-        for n in wanted:
-            lay = self.layouts[n]
-            tdt = dtype or codec.to_torch_dtype(lay.dtype)
-            target = out.get(n) if out is not None else None
-            if target is None:
-                target = torch.empty(lay.shape, dtype=tdt)
-            elif tuple(target.shape) != lay.shape:
-                raise ValueError(f"out[{n!r}]: expected shape {lay.shape}, got {tuple(target.shape)}")
-            result[n] = target
-            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == tdt
-            staging[n] = target.detach().view(-1) if direct else torch.empty(lay.numel, dtype=tdt)
-        owners: dict[int, list[str]] = {}
-        for p in self.shard_map.parts:
-            if p.name in staging:
-                owners.setdefault(p.server, [])
-                if not owners[p.server] or owners[p.server][-1] != p.name:
-                    owners[p.server].append(p.name)
+        return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock).start()
 
-        def fetch(shard: int) -> int:
-            req = ps_pb2.PullRequest(worker_id=self.worker_id, names=owners[shard],
-                                     min_version=mins[shard], dtype=wire, chunk_bytes=self.chunk_bytes,  # type: ignore[arg-type]
-                                     min_clock=min_clock, epoch=self.epoch)
-            version = -1
-            with torch.no_grad():
-                # chunk.data is a view of the received message: decode copies nothing,
-                # copy_ is the one copy on this side.
-                for resp in self.transport.pull(shard, req):
-                    c = resp.chunk
-                    values = codec.decode(c.data, c.dtype)
-                    dst = staging[c.name]
-                    if c.offset < 0 or c.offset + values.numel() > dst.numel():
-                        raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
-                                         f"outside its {dst.numel()} elements")
-                    dst[c.offset : c.offset + values.numel()].copy_(values)
-                    version = resp.version
-                    self.loss_scale = resp.loss_scale
-                    self.sync = resp.sync or self.sync
-                    self.slowest_clock = resp.slowest_clock
-            return version
-
-        shards = sorted(owners)
-        versions = self.transport.each(fetch, shards)
-        for s, v in zip(shards, versions):
-            if v >= 0:
-                self.versions[s] = v
-        with torch.no_grad():
-            for n, target in result.items():
-                flat = staging[n]
-                if flat.data_ptr() != target.data_ptr() or target.device.type != "cpu":
-                    target.copy_(flat.view(target.shape))
-        return result
+    def push_stream(self, step: int, base_versions: Sequence[int] | None = None, *,
+                    loss_scale: float = 0.0) -> PushStream:
+        """A Push of step ``step`` opened on every shard now and fed bucket by bucket (``add``) while
+        backward runs; ``finish()`` closes it and returns one result per shard, as ``push``."""
+        self._require_layout(())
+        return PushStream(self, step, list(self.versions if base_versions is None else base_versions),
+                          loss_scale)
 
     def export_state(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
         """Weights and optimizer state from every shard, as a state_dict-style mapping.

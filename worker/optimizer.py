@@ -26,7 +26,9 @@ from shardps.worker.client import PSClient, PushResult
 from shardps.worker.errors import RolledBack, ShardError
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
+from shardps.worker.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from shardps.worker.rollback import Action, During, decide, resume_step
+from shardps.worker.streams import PullInFlight, PushStream
 
 __all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
 
@@ -54,6 +56,21 @@ class DistributedOptimizer:
 
     Mixed precision: ``grad_dtype=torch.bfloat16`` (or float16) sends
     gradients in that dtype; the servers keep fp32 master weights.
+    ``pull_dtype=torch.bfloat16`` has the weights come down in bf16 (cast
+    from the fp32 masters on the servers): half the bytes, for models that
+    compute in bf16 (autocast) anyway.
+
+    ``overlap=True`` (``params`` must be the model): gradients go up in
+    buckets of about ``bucket_bytes`` (last layers first, as DDP) while
+    backward still runs, and the next step's weights come down while the
+    next forward runs: each module's forward waits only for its own
+    parameters (a forward pre-hook), the first layers arriving first. The
+    weights a module computes with are those the sync mode allows, as
+    without overlap. ``step()`` returns before the weights are in: call
+    ``synchronize()`` before reading parameters outside the model's forward
+    (a ``state_dict()`` for a checkpoint, a copy of the weights). A step
+    whose backward ran more than once (gradient accumulation by hand) is
+    detected and pushed whole at ``step()``.
     ``loss_scaling=True`` (or a ``shardps.LossScaling``) turns on dynamic loss
     scaling run by the servers: multiply the loss by ``opt.loss_scale`` (or
     call ``opt.scale(loss)``) before ``backward()``; a step in which any
@@ -65,11 +82,20 @@ class DistributedOptimizer:
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp",
                  grad_dtype: torch.dtype | None = None, loss_scaling: bool | LossScaling = False,
                  max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None,
-                 staleness_remedy: str = "none", provides_values: bool | None = None) -> None:
+                 staleness_remedy: str = "none", provides_values: bool | None = None,
+                 overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 pull_dtype: torch.dtype | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
             raise ValueError("no parameters that require grad")
+        if overlap and not isinstance(params, nn.Module):
+            raise ValueError("overlap=True needs the model (an nn.Module), not a list of parameters: "
+                             "its forward pre-hooks wait for the weights being pulled")
+        if pull_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"pull_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {pull_dtype}")
+        self.pull_dtype = None if pull_dtype == torch.float32 else pull_dtype
+        self.overlap: Overlap | None = None
         self.client = client
         self.sync = SyncSpec.parse(sync)
         self.optimizer = optimizer if optimizer is not None else Adam()
@@ -95,13 +121,16 @@ class DistributedOptimizer:
         self._join()
         if self.metrics is None:  # the client's, when it serves metrics (metrics_port / SHARDPS_METRICS_PORT)
             self.metrics = client.metrics
+        if overlap:
+            assert isinstance(params, nn.Module)
+            self.overlap = Overlap(self, params, bucket_bytes)
 
     def _join(self) -> None:
         """Register (idempotent), pull the current weights and go on from this worker's clock."""
         self._register()
         self.round = self.client.clock  # a worker (re)joining a running job goes on from its clock
         try:
-            self.client.pull(out=self.params)
+            self.client.pull(out=self.params, dtype=self.pull_dtype)
         except ShardError as e:
             if decide(e, During.JOIN) is not Action.RESYNC:
                 raise
@@ -116,7 +145,7 @@ class DistributedOptimizer:
         for _ in range(attempts):
             self.round = self.client.recover()
             try:
-                self.client.pull(out=self.params)
+                self.client.pull(out=self.params, dtype=self.pull_dtype)
                 return
             except ShardError as e:
                 if decide(e, During.RESYNC) is not Action.RESYNC:
@@ -170,7 +199,13 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ov = self.overlap
+        stream = ov.take_stream() if ov is not None else None
+        if ov is not None and ov.pull is not None:  # a step without backward (or one that streamed nothing)
+            self.synchronize()
         self.local_steps += 1
+        if stream is not None:
+            return self._push_streamed(stream, loss)
         grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         if self.sync.accumulation > 1:
             for n, g in grads.items():
@@ -191,17 +226,39 @@ class DistributedOptimizer:
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                               loss_scale=self.client.loss_scale)
         except ShardError as e:
-            action = decide(e, During.PUSH)
-            if action is Action.ROLLBACK:
-                raise self._recover() from None
-            if action is not Action.REJOIN:
-                raise
-            # Our lease expired (we were too slow, or cut off): the others went on without us.
-            # Rejoin with the current weights; this step's gradient is too stale to keep.
-            log.warning("worker %d: %s; rejoining", self.client.worker_id, e.details)
-            self.rejoins += 1
-            self._join()
-            return loss
+            return self._push_failed(e, loss)
+        return self._pushed(mode, t0, loss)
+
+    def _push_streamed(self, stream: PushStream, loss: Any) -> Any:
+        """Close the step's push stream (the gradients not handed in during backward go now)."""
+        assert self.overlap is not None
+        mode = self.sync
+        t0 = time.perf_counter()
+        rest = self.overlap.remaining(stream)
+        self._acc, self._acc_steps = {}, 0
+        try:
+            if rest:
+                stream.add(rest)
+            self.last_push = stream.finish()
+        except ShardError as e:
+            return self._push_failed(e, loss)
+        return self._pushed(mode, t0, loss)
+
+    def _push_failed(self, e: ShardError, loss: Any) -> Any:
+        """A push failed: roll back (raises RolledBack), rejoin after an eviction, or raise ``e``."""
+        action = decide(e, During.PUSH)
+        if action is Action.ROLLBACK:
+            raise self._recover() from None
+        if action is not Action.REJOIN:
+            raise e
+        # Our lease expired (we were too slow, or cut off): the others went on without us.
+        # Rejoin with the current weights; this step's gradient is too stale to keep.
+        log.warning("worker %d: %s; rejoining", self.client.worker_id, e.details)
+        self.rejoins += 1
+        self._join()
+        return loss
+
+    def _pushed(self, mode: SyncSpec, t0: float, loss: Any) -> Any:
         t1 = time.perf_counter()
         self.pushes += 1
         self.round += 1
@@ -211,19 +268,37 @@ class DistributedOptimizer:
         # barrier: once the round completes); ssp also waits for the slowest
         # worker to be within S clocks.
         mins = [r.ready_version for r in self.last_push]
+        if self.metrics is not None:
+            self.metrics.push_seconds.observe(t1 - t0)
+            self.metrics.clock.set(self.round)
+        pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round),
+                                      dtype=self.pull_dtype)
+        if self.overlap is not None:  # the next forward waits for each module's weights as they come
+            self.overlap.pull, self.overlap.pull_started = pull, t1
+            return loss
+        self._pulled(pull, t1)
+        return loss
+
+    def _pulled(self, pull: PullInFlight, t1: float) -> None:
+        """The step's pull has come in (or failed: a rollback is raised as RolledBack)."""
         try:
-            self.client.pull(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round))
+            pull.result()
         except ShardError as e:
             if decide(e, During.PULL) is not Action.ROLLBACK:
                 raise
             raise self._recover() from None
         self._follow()
         if self.metrics is not None:
-            now = time.perf_counter()
-            self.metrics.push_seconds.observe(t1 - t0)
-            self.metrics.pull_seconds.observe(now - t1)
-            self.metrics.clock.set(self.round)
-        return loss
+            self.metrics.pull_seconds.observe(time.perf_counter() - t1)
+
+    def synchronize(self) -> None:
+        """With ``overlap``: wait until the weights of the last step are in every parameter (no-op
+        otherwise). Raises the pull's failure, as ``step()`` would."""
+        ov = self.overlap
+        if ov is None or ov.pull is None:
+            return
+        pull, ov.pull = ov.pull, None
+        self._pulled(pull, ov.pull_started)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():

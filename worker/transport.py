@@ -9,11 +9,12 @@ backup when it has one); ``each`` runs a call on every shard in parallel.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -265,6 +266,12 @@ class Transport:
     def each(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
         """Run ``fn(shard)`` for every shard in parallel (each retried as ``call``); raise the first failure."""
         return self.fan_out(lambda i: self.call(i, lambda: fn(i)), shards)
+
+    def submit_each(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[Future[T]]:
+        """Start ``fn(shard)`` for every shard (each retried as ``call``) and return at once: one future
+        per shard, in order (for streams that run while the caller computes)."""
+        idx = list(range(self.num_shards)) if shards is None else list(shards)
+        return [self._pool.submit(self.call, i, functools.partial(fn, i)) for i in idx]
 
     def fan_out(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
         """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure."""

@@ -38,6 +38,15 @@ def test_push_assembles_gradients_and_header():
     assert g.grads[("w", 0)].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_found_inf_in_any_message_flags_the_stream():
+    """A streaming worker says found_inf in its last, header-only message."""
+    last = ps_pb2.PushRequest(worker_id=1, step=0, base_version=3, found_inf=True)
+    g = decode_push(iter([_push(values=[1.0, 2.0]), _push(values=[3.0, 4.0], offset=2), last]), _lookup)
+    assert g.found_inf and g.grads[("w", 0)].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert not decode_push(iter([_push(values=[1.0, 2.0, 3.0, 4.0]), last.__class__(worker_id=1, base_version=3)]),
+                           _lookup).found_inf
+
+
 def test_push_with_a_non_finite_chunk_is_found_inf():
     g = decode_push(iter([_push(values=[1.0, float("inf"), 0.0, 0.0])]), _lookup)
     assert g.found_inf

@@ -1,0 +1,313 @@
+"""A push that streams while backward runs, and a pull whose tensors can be waited for one by one.
+
+``PushStream``: one Push per shard, opened at once, fed gradient buckets as
+they are handed in (``add``), closed by ``finish(found_inf)`` with a last,
+chunk-less message carrying the step's inf/nan flag (the shard ORs it over
+the stream, server/wire.py). A retried shard (UNAVAILABLE) is sent the
+whole stream again from its start: the requests are generated from the
+buckets kept until ``finish``.
+
+``PullInFlight``: one Pull per shard, started at once (``start``), writing
+each chunk into its destination as it arrives; ``wait(names)`` returns
+once those tensors are complete, ``result()`` once all are. The tensors of
+each shard come in the order asked (the model's order: the first layers
+first). ``PSClient.pull`` is ``start`` then ``result``.
+
+Both run their RPCs on the transport's threads (one per shard) and never
+block without a deadline: the client's timeout per RPC, and for waits on
+them the timeout plus the transport's recovery time.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardps.protos import codec, framing
+from shardps.protos.results import PushResult
+from shardps.protos.shardps.v1 import ps_pb2
+
+if TYPE_CHECKING:
+    from shardps.worker.client import PSClient
+
+
+def _gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
+    """Every future's result once all ended (each within ``timeout``); then the first failure raised."""
+    results: list[Any] = []
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            results.append(f.result(timeout=timeout))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once all ended
+            first = first or e
+    if first is not None:
+        raise first
+    return results
+
+
+class StreamAborted(Exception):
+    """Raised inside a push stream's request generator to cancel its RPC: the shard then applies nothing."""
+
+
+class PushStream:
+    """One step's Push to every shard, fed bucket by bucket (see the module docstring)."""
+
+    def __init__(self, client: PSClient, step: int, base_versions: Sequence[int], loss_scale: float = 0.0) -> None:
+        assert client.shard_map is not None
+        self._client = client
+        self._step = step
+        self._bases = list(base_versions)
+        self._loss_scale = loss_scale
+        self._cond = threading.Condition()
+        self._ready: list[tuple[str, torch.Tensor]] = []  # (name, flat CPU tensor in its push dtype)
+        self._names: set[str] = set()
+        self._done = False
+        self._aborted = False
+        self._found_inf = False
+        self._parts: list[dict[str, list[tuple[int, int]]]] = [{} for _ in range(client.num_shards)]
+        for p in client.shard_map.parts:
+            self._parts[p.server].setdefault(p.name, []).append((p.start, p.stop))
+        t = client.transport
+        self._wait_s = t.timeout + t.recovery_timeout + 5.0
+        self._futures = t.submit_each(lambda i: t.push(i, self._requests(i)))
+        self.bytes_added = 0
+
+    def add(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Hand in finished gradients (any device, any dtype: cast to each tensor's push dtype here)."""
+        client = self._client
+        flats = []
+        for name, g in grads.items():
+            lay = client.layouts.get(name)
+            if lay is None:
+                raise KeyError(f"gradient of {name!r}: not a registered tensor")
+            if tuple(g.shape) != lay.shape:
+                raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
+            if name in self._names:
+                raise ValueError(f"gradient of {name!r} handed in twice in step {self._step}")
+            self._names.add(name)
+            flat = g.detach().to("cpu", codec.to_torch_dtype(lay.push_dtype)).contiguous().view(-1)
+            flats.append((name, flat))
+            self.bytes_added += flat.numel() * flat.element_size()
+        with self._cond:
+            if self._done or self._aborted:
+                raise RuntimeError("this push stream has ended")
+            self._ready.extend(flats)
+            self._found_inf = self._found_inf or not all(codec.all_finite(f) for _, f in flats)
+            self._cond.notify_all()
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether a gradient handed in so far holds an inf or nan."""
+        with self._cond:
+            return self._found_inf
+
+    def handed_in(self, name: str) -> bool:
+        return name in self._names
+
+    def finish(self, found_inf: bool | None = None) -> list[PushResult]:
+        """Close every shard's stream (``found_inf``: the step's flag, by default whether any gradient
+        handed in held an inf/nan) and return each shard's answer; raise the first failure."""
+        with self._cond:
+            if found_inf is not None:
+                self._found_inf = self._found_inf or found_inf
+            self._done = True
+            self._cond.notify_all()
+        responses = _gather(self._futures, self._wait_s)
+        out = [PushResult.from_proto(r) for r in responses]
+        self._client.sync = out[0].sync or self._client.sync
+        self._client.loss_scale = out[0].loss_scale
+        return out
+
+    def abort(self) -> None:
+        """Cancel every shard's stream (no shard applies any of it) and wait for the RPCs to end."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+        try:
+            _gather(self._futures, self._wait_s)
+        except Exception:  # noqa: BLE001 - the cancelled RPCs fail, as they should
+            pass
+
+    def _more(self, sent: int) -> bool:
+        return len(self._ready) > sent or self._done or self._aborted
+
+    def _requests(self, shard: int) -> Iterator[bytes]:
+        """Shard ``shard``'s PushRequests, as the buckets come: the whole stream from its start at each call."""
+        client = self._client
+        prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=client.worker_id, step=self._step,
+                                        base_version=self._bases[shard], found_inf=False,
+                                        loss_scale=self._loss_scale, epoch=client.epoch)
+        parts = self._parts[shard]
+        i = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(functools.partial(self._more, i), timeout=self._wait_s):
+                    raise StreamAborted(f"shard {shard}: no gradient handed in for {self._wait_s:.0f}s")
+                if self._aborted:
+                    raise StreamAborted(f"shard {shard}: the push of step {self._step} was cancelled")
+                batch = self._ready[i:]
+                done = self._done
+                found_inf = self._found_inf
+            i += len(batch)
+            for name, flat in batch:
+                lay = client.layouts[name]
+                for start, stop in parts.get(name, ()):
+                    for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, name,
+                                                            lay.push_dtype, lay.shape, flat, start, stop,
+                                                            client.chunk_bytes):
+                        yield msg
+            if done and not batch:
+                last_prefix, last_suffix = framing.header(
+                    ps_pb2.PushRequest, worker_id=client.worker_id, step=self._step,
+                    base_version=self._bases[shard], found_inf=found_inf, loss_scale=self._loss_scale,
+                    epoch=client.epoch)
+                yield last_prefix + last_suffix
+                return
+
+
+class PullInFlight:
+    """Weights being pulled from every shard into their destinations (see the module docstring)."""
+
+    def __init__(self, client: PSClient, names: Sequence[str], *, out: Mapping[str, torch.Tensor] | None = None,
+                 min_versions: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                 min_clock: int = 0) -> None:
+        assert client.shard_map is not None
+        self._client = client
+        self._mins = list(min_versions) if min_versions is not None else [0] * client.num_shards
+        self._wire = codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED
+        self._min_clock = min_clock
+        self.result_tensors: dict[str, torch.Tensor] = {}
+        self._staging: dict[str, torch.Tensor] = {}  # flat CPU views written by the shard threads
+        self._staged: set[str] = set()  # destinations that need a last copy (device, layout or dtype)
+        for n in names:
+            lay = client.layouts[n]
+            tdt = dtype or codec.to_torch_dtype(lay.dtype)
+            target = out.get(n) if out is not None else None
+            if target is None:
+                target = torch.empty(lay.shape, dtype=tdt)
+            elif tuple(target.shape) != lay.shape:
+                raise ValueError(f"out[{n!r}]: expected shape {lay.shape}, got {tuple(target.shape)}")
+            self.result_tensors[n] = target
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == tdt
+            if direct:
+                self._staging[n] = target.detach().view(-1)
+            else:
+                pin = target.device.type == "cuda"
+                self._staging[n] = torch.empty(lay.numel, dtype=tdt, pin_memory=pin)
+                self._staged.add(n)
+        # Each shard's tensors in the order asked; elements each tensor still waits for.
+        order = {n: k for k, n in enumerate(names)}
+        self._owners: dict[int, list[str]] = {}
+        self._missing: dict[str, int] = dict.fromkeys(names, 0)
+        for p in client.shard_map.parts:
+            if p.name in order:
+                self._missing[p.name] += p.stop - p.start
+                got = self._owners.setdefault(p.server, [])
+                if p.name not in got:
+                    got.append(p.name)
+        for got in self._owners.values():
+            got.sort(key=order.__getitem__)
+        self._lock = threading.Lock()
+        self._events = {n: threading.Event() for n in names}
+        self._received: dict[int, dict[str, int]] = {s: {} for s in self._owners}
+        for n, m in self._missing.items():
+            if m == 0:
+                self._complete(n)
+        t = client.transport
+        self._wait_s = t.timeout + t.recovery_timeout + 5.0
+        self._shards = sorted(self._owners)
+        self._futures: list[Future[int]] = []
+        self._error: BaseException | None = None
+        self._finished = False
+        self._broken = False
+
+    def start(self) -> PullInFlight:
+        self._futures = self._client.transport.submit_each(self._fetch, self._shards)
+        for f in self._futures:
+            f.add_done_callback(self._ended)
+        return self
+
+    def _ended(self, f: Future[int]) -> None:
+        if f.exception() is not None:  # the shard gave up (after its retries): wake every waiter
+            self._broken = True
+            for ev in self._events.values():
+                ev.set()
+
+    def _complete(self, name: str) -> None:
+        if name in self._staged:
+            target = self.result_tensors[name]
+            with torch.no_grad():
+                target.copy_(self._staging[name].view(target.shape), non_blocking=target.device.type == "cuda")
+                if target.device.type == "cuda":
+                    torch.cuda.current_stream(target.device).synchronize()
+        self._events[name].set()
+
+    def _fetch(self, shard: int) -> int:
+        client = self._client
+        with self._lock:  # a retry starts the shard over: what it sent before counts no more
+            for n, k in self._received[shard].items():
+                if not self._events[n].is_set():
+                    self._missing[n] += k
+            self._received[shard] = {}
+        req = ps_pb2.PullRequest(worker_id=client.worker_id, names=self._owners[shard],
+                                 min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
+                                 chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch)
+        version = -1
+        received = self._received[shard]
+        with torch.no_grad():
+            # chunk.data is a view of the received message: decode copies nothing, copy_ is the one copy.
+            for resp in client.transport.pull(shard, req):
+                c = resp.chunk
+                values = codec.decode(c.data, c.dtype)
+                dst = self._staging.get(c.name)
+                if dst is None or c.offset < 0 or c.offset + values.numel() > dst.numel():
+                    size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"
+                    raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
+                                     f"outside {size}")
+                dst[c.offset : c.offset + values.numel()].copy_(values)
+                version = resp.version
+                client.loss_scale = resp.loss_scale
+                client.sync = resp.sync or client.sync
+                client.slowest_clock = resp.slowest_clock
+                with self._lock:
+                    received[c.name] = received.get(c.name, 0) + values.numel()
+                    self._missing[c.name] -= values.numel()
+                    done = self._missing[c.name] == 0 and not self._events[c.name].is_set()
+                if done:
+                    self._complete(c.name)
+        return version
+
+    def wait(self, names: Sequence[str], timeout: float | None = None) -> bool:
+        """Block until ``names`` are complete; False when the pull failed first (``result()`` raises it)."""
+        deadline = time.monotonic() + (self._wait_s if timeout is None else timeout)
+        for n in names:
+            if not self._events[n].wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"tensor {n!r} was not pulled within the deadline")
+        return not self._broken
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """Wait for every shard; update the client's versions; the destination tensors. Raises the first
+        shard's failure (again on each call)."""
+        if not self._finished:
+            try:
+                versions = _gather(self._futures, self._wait_s)
+            except BaseException as e:
+                self._error = e
+                self._finished = True
+                raise
+            for s, v in zip(self._shards, versions):
+                if v >= 0:
+                    self._client.versions[s] = v
+            self._finished = True
+        if self._error is not None:
+            raise self._error
+        return self.result_tensors
