@@ -18,14 +18,17 @@ systems, one after the other:
   started for it);
 - shardps: ``--servers`` ``shardps server`` processes (``LocalCluster``) and
   worker processes calling ``DistributedOptimizer.step()``, under bsp, asp
-  and every:4, gradients in fp32 and bf16 on the wire.
+  and every:4, fp32 or bf16 on the wire (bf16: gradients up and weights
+  down), overlap off or on (``overlap=True``: buckets pushed during
+  backward, weights pulled during the next forward).
 
 A step is forward + backward + sync + optimizer step, timed in each worker
 (in the driver's loop for ray-ps, whose workers move in lockstep); the
 table gives the mean over the timed steps and workers (every:4 syncs one
-step in four: the mean counts them all) and the ratio to DDP's. "wire MB"
+step in four: the mean counts them all), the ratio to DDP's, and "RayPS/x",
+the Ray parameter server's step over this one (above 1: faster than it). "wire MB"
 is the tensor payload one worker sends and receives per step, framing
-excluded: shardps pushes gradients (fp32 or bf16) and pulls fp32 weights
+excluded: shardps pushes gradients and pulls weights (each fp32 or bf16)
 once per sync; DDP's ring all-reduce moves 2 (W-1)/W of the gradients each
 way; the Ray workers receive the weights and send their gradients.
 
@@ -53,12 +56,14 @@ from baselines import common  # noqa: E402
 from guard import run_guarded  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SHARDPS_CONFIGS = [("bsp", "fp32"), ("bsp", "bf16"), ("asp", "fp32"), ("asp", "bf16"),
-                   ("every:4", "fp32"), ("every:4", "bf16")]
+# (sync, wire, overlap): "bf16" on the wire is both ways (grad_dtype and pull_dtype)
+SHARDPS_CONFIGS = [("bsp", "fp32", "off"), ("bsp", "fp32", "on"), ("bsp", "bf16", "off"), ("bsp", "bf16", "on"),
+                   ("asp", "fp32", "off"), ("asp", "fp32", "on"), ("asp", "bf16", "on"),
+                   ("every:4", "fp32", "off"), ("every:4", "fp32", "on"), ("every:4", "bf16", "on")]
 
 
-def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, str, str, int]) -> list[float]:
-    addresses, worker_id, workers, dims, batch_size, steps, sync, wire, threads = args
+def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, str, str, str, int]) -> list[float]:
+    addresses, worker_id, workers, dims, batch_size, steps, sync, wire, overlap, threads = args
     import torch
 
     import shardps
@@ -67,8 +72,9 @@ def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, 
     model = common.mlp(dims)
     times = []
     with shardps.connect(addresses, worker_id=worker_id, num_workers=workers) as client:
+        half = torch.bfloat16 if wire == "bf16" else None
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), sync=sync,
-                                           grad_dtype=torch.bfloat16 if wire == "bf16" else None)
+                                           grad_dtype=half, pull_dtype=half, overlap=overlap == "on")
         for step in range(steps):
             x, y = common.batch(step, worker_id, batch_size, dims)
             t0 = time.perf_counter()
@@ -76,18 +82,19 @@ def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, 
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
+        opt.synchronize()
     return times
 
 
 def run_shardps(dims: tuple[int, ...], servers: int, workers: int, batch_size: int, steps: int, sync: str,
-                wire: str, threads: int, timeout: float) -> list[list[float]]:
+                wire: str, overlap: str, threads: int, timeout: float) -> list[list[float]]:
     import shardps
 
     ctx = multiprocessing.get_context("spawn")
     with shardps.LocalCluster(servers, processes=True) as cluster:
         with ctx.Pool(workers) as pool:
             res = pool.map_async(_shardps_worker, [(cluster.addresses, k, workers, dims, batch_size, steps, sync,
-                                                    wire, threads) for k in range(workers)])
+                                                    wire, overlap, threads) for k in range(workers)])
             return list(res.get(timeout))
 
 
@@ -97,7 +104,7 @@ def wire_mb(system: str, numel: int, workers: int, sync: str = "bsp", wire: str 
         return 2 * 2 * (workers - 1) / workers * numel * 4 / 1e6 if workers > 1 else 0.0
     if system == "ray-ps":
         return 2 * numel * 4 / 1e6
-    per_sync = numel * (2 if wire == "bf16" else 4) + numel * 4
+    per_sync = numel * (2 if wire == "bf16" else 4) * 2
     every = int(sync.split(":")[1]) if sync.startswith("every:") else 1
     return per_sync / every / 1e6
 
@@ -127,7 +134,7 @@ class Runner:
             ray.shutdown()
 
     def measure(self, system: str, dims: tuple[int, ...], servers: int, workers: int, sync: str = "bsp",
-                wire: str = "fp32") -> dict[str, Any]:
+                wire: str = "fp32", overlap: str = "off") -> dict[str, Any]:
         a = self.args
         steps = a.warmup + a.steps
         t0 = time.perf_counter()
@@ -141,13 +148,15 @@ class Runner:
             self.ray()
             times = ray_ps.run(dims, workers, a.batch, steps, a.threads, a.timeout)
         else:
-            times = run_shardps(dims, servers, workers, a.batch, steps, sync, wire, a.threads, a.timeout)
+            times = run_shardps(dims, servers, workers, a.batch, steps, sync, wire, overlap, a.threads, a.timeout)
         numel = common.numel(dims)
-        row = {"system": system, "sync": sync if system == "shardps" else "", "wire": wire, "overlap": "off",
+        row = {"system": system, "sync": sync if system == "shardps" else "", "wire": wire,
+               "overlap": overlap if system == "shardps" else ("on" if system == "ddp" else "off"),
                "params": numel, "servers": servers if system == "shardps" else 0, "workers": workers,
                "step_ms": _mean(times, a.warmup) * 1e3, "wire_mb": wire_mb(system, numel, workers, sync, wire),
                "seconds": time.perf_counter() - t0}
-        self.say(f"{system:8} {row['sync']:8} {wire:5} {numel / 1e6:6.1f}M params, {servers} servers, "
+        self.say(f"{system:8} {row['sync']:8} {wire:5} overlap {row['overlap']:3} {numel / 1e6:6.1f}M params, "
+                 f"{servers} servers, "
                  f"{workers} workers: {row['step_ms']:8.1f} ms per step ({row['seconds']:.0f}s)")
         return row
 
@@ -157,12 +166,14 @@ def table(runner: Runner, dims: tuple[int, ...]) -> list[dict[str, Any]]:
     rows = [runner.measure("ddp", dims, 0, a.workers)]
     if "ray-ps" in a.systems:
         rows.append(runner.measure("ray-ps", dims, 1, a.workers))
-    for sync, wire in SHARDPS_CONFIGS:
+    for sync, wire, overlap in SHARDPS_CONFIGS:
         if sync.split(":")[0] in a.systems or "shardps" in a.systems:
-            rows.append(runner.measure("shardps", dims, a.servers, a.workers, sync, wire))
+            rows.append(runner.measure("shardps", dims, a.servers, a.workers, sync, wire, overlap))
+    ray_ps = next((r["step_ms"] for r in rows if r["system"] == "ray-ps"), None)
     ddp = rows[0]["step_ms"]
     for r in rows:
         r["x_ddp"] = r["step_ms"] / ddp
+        r["ray_ps_x"] = ray_ps / r["step_ms"] if ray_ps else None  # Ray PS step / this step: > 1 is faster
     return rows
 
 
@@ -182,10 +193,12 @@ def sweep(runner: Runner, dims: tuple[int, ...]) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'system':8} {'sync':8} {'wire':5} {'overlap':7} {'step ms':>9} {'x DDP':>6} {'wire MB':>8}")
+    print(f"{'system':8} {'sync':8} {'wire':5} {'overlap':7} {'step ms':>9} {'x DDP':>6} {'RayPS/x':>7} "
+          f"{'wire MB':>8}")
     for r in rows:
+        rp = f"{r['ray_ps_x']:7.2f}" if r.get("ray_ps_x") else f"{'-':>7}"
         print(f"{r['system']:8} {r['sync']:8} {r['wire']:5} {r['overlap']:7} {r['step_ms']:9.1f} "
-              f"{r['x_ddp']:6.2f} {r['wire_mb']:8.1f}")
+              f"{r['x_ddp']:6.2f} {rp} {r['wire_mb']:8.1f}")
 
 
 def print_sweep(rows: list[dict[str, Any]]) -> None:

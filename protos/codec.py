@@ -84,7 +84,7 @@ def encode_range(
         yield a, raw[a * size : b * size].numpy().tobytes()
 
 
-def decode(data: bytes, wire_dtype: int) -> torch.Tensor:
+def decode(data: bytes | memoryview, wire_dtype: int) -> torch.Tensor:
     """A read-only 1-D tensor viewing ``data``; ValueError if it does not fit."""
     dtype = to_torch_dtype(wire_dtype)
     size = torch.empty((), dtype=dtype).element_size()

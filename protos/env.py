@@ -43,11 +43,13 @@ REPLICAS = "SHARDPS_REPLICAS"
 REPLICA_PORT = "SHARDPS_REPLICA_PORT"
 REPLICA_TARGET = "SHARDPS_REPLICA_TARGET"
 ADVERTISE_ADDRESS = "SHARDPS_ADVERTISE_ADDRESS"
+SHM = "SHARDPS_SHM"  # 0: no same-host shared-memory fast path (workers)
 
 ALL = (ADDRESSES, WORKER_ID, NUM_WORKERS, BACKUPS, TLS_CERT, TLS_KEY, TLS_CA, TLS_SERVER_NAME, AUTH_TOKEN,
        AUTH_TOKEN_FILE, WORKER_TOKEN, WORKER_TOKEN_FILE, OPERATOR_TOKEN, OPERATOR_TOKEN_FILE, PEER_TOKEN,
        PEER_TOKEN_FILE, METRICS_PORT, METRICS_HOST, CHECKPOINT_DIR, CHECKPOINT_EVERY, LOG_LEVEL, HOST, PORT,
-       SHARD_INDEX, NUM_SHARDS, LEASE_SECONDS, REPLICAS, REPLICA_PORT, REPLICA_TARGET, ADVERTISE_ADDRESS)
+       SHARD_INDEX, NUM_SHARDS, LEASE_SECONDS, REPLICAS, REPLICA_PORT, REPLICA_TARGET, ADVERTISE_ADDRESS,
+       SHM)
 
 
 def get(name: str) -> str | None:
@@ -90,6 +92,21 @@ def get_float(name: str) -> float | None:
         return float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def pick_bool(arg: bool | None, name: str, default: bool) -> bool:
+    """``arg`` if given, else the variable (1/true/yes/on or 0/false/no/off), else ``default``."""
+    if arg is not None:
+        return arg
+    value = get(name)
+    if value is None:
+        return default
+    v = value.lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 1 or 0 (true/false, yes/no, on/off)")
 
 
 def pick_int(arg: int | None, name: str, default: int | None = None) -> int | None:

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardps.protos import codec, framing
+from shardps.protos import codec, framing, shm
+from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
+from shardps.server.errors import InvalidArgument
 from shardps.server.table import TensorEntry, TensorTable
 
 if TYPE_CHECKING:
@@ -156,6 +158,53 @@ class ReadMixin:
             self.pulls_total += 1
             if messages:
                 self.pullcache.put(key, out, nbytes)
+            return self.version, out
+
+    def read_into(self, names: Sequence[str], wire_dtype: int | None, segment: shm.Segment, *,
+                  slowest_clock: int = 0, worker_id: int | None = None) -> tuple[int, list[Item]]:
+        """As ``read(messages=True)``, for the same-host fast path: the parts are copied (cast to the wire
+        dtype) into ``segment``, one after another from offset 0 (each on a 64-byte boundary), under the
+        lock (one version); each item's payload is a PullResponse whose chunk says where its part lies
+        (``shm_offset``, ``shm_bytes``) and carries no data. INVALID_ARGUMENT when the segment is too small.
+        """
+        with self._cond:
+            self._settle()
+            entries = [self._tensors.get(n) for n in names]
+            for n, e in zip(names, entries):
+                if e is None:
+                    self.spec(n)  # raises NotFound
+            if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self.membership.workers:
+                self._remember_pulled(worker_id, list(names))
+            layout: list[tuple[TensorEntry, int, int, int, int]] = []  # (entry, part start, dtype, offset, bytes)
+            at = 0
+            for e in entries:
+                assert e is not None
+                dt = e.spec.dtype if wire_dtype is None else wire_dtype
+                itemsize = codec.itemsize(dt)
+                for start in sorted(e.parts):
+                    nbytes = e.parts[start].weight.numel() * itemsize
+                    layout.append((e, start, dt, at, nbytes))
+                    at = shm.aligned(at + nbytes)
+            if layout and layout[-1][3] + layout[-1][4] > segment.size:
+                raise InvalidArgument(f"Pull: shared-memory segment {segment.name} holds {segment.size} bytes; "
+                                      f"the weights asked need {layout[-1][3] + layout[-1][4]}")
+            out: list[Item] = []
+            sync = str(self._sync or "")
+            nbytes = 0
+            for e, start, dt, off, size in layout:
+                w = e.parts[start].weight.reshape(-1)
+                if size:
+                    dst = torch.frombuffer(segment.view(off, size), dtype=codec.to_torch_dtype(dt))
+                    dst.copy_(w)
+                first = start == min(e.parts) if e.spec.shape else True
+                msg = ps_pb2.PullResponse(
+                    version=self.version, loss_scale=self.loss_scale, sync=sync, slowest_clock=slowest_clock,
+                    chunk=ps_pb2.Chunk(name=e.spec.name, offset=start, dtype=dt,  # type: ignore[arg-type]
+                                       shape=e.spec.shape if first else (), shm_offset=off, shm_bytes=size))
+                out.append((e.spec.name, start, dt, msg.SerializeToString()))
+                nbytes += size
+            self.pull_bytes_total += nbytes
+            self.pulls_total += 1
             return self.version, out
 
     def export_state(self, names: Sequence[str]) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:

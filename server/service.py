@@ -31,6 +31,7 @@ from shardps.server.errors import InvalidArgument, StoreError
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
+from shardps.server.shm import SegmentCache
 from shardps.server.store import ShardStore
 from shardps.server.wire import decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
 
@@ -126,9 +127,11 @@ class _Servicer:
     """What the three services share: the store, the metrics, the waits' limits."""
 
     def __init__(self, store: ShardStore, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
+                 segments: SegmentCache | None = None) -> None:
         self.store = store
         self.metrics = metrics
+        self.segments = segments if segments is not None else SegmentCache()  # the same-host fast path
         self.max_wait_s = max_wait_s
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
 
@@ -154,15 +157,17 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
                  context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
         self.store.check_serving()
         j = decode_register(request_iterator)
-        return self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
-                               self._timeout(context)).to_proto()
+        answer = self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
+                                 self._timeout(context)).to_proto()
+        answer.shm = j.shm
+        return answer
 
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         store = self.store
         store.check_serving()
-        g = decode_push(request_iterator, store.spec, store.staging)
+        g = decode_push(request_iterator, store.spec, store.staging, self.segments)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
         t0 = time.perf_counter()
@@ -175,10 +180,10 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     def Pull(self, request: ps_pb2.PullRequest,
              context: grpc.ServicerContext) -> Iterator[bytes]:
         self.store.check_serving()
-        q = decode_pull(request, self.chunk_bytes)
+        q = decode_pull(request, self.chunk_bytes, self.segments)
         waited, messages = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
                                            min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
-                                           timeout=self._timeout(context))
+                                           timeout=self._timeout(context), segment=q.segment)
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
         # Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
@@ -194,6 +199,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     @_unary_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         version, live = self.store.goodbye(request.worker_id)
+        self.segments.forget(request.worker_id)
         return ps_pb2.LeaveResponse(version=version, live_workers=live)
 
     @_unary_errors
@@ -317,7 +323,9 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     PullResponse bytes) are replaced, and every request deserializer hands
     over bytes that do not parse as a ``Malformed``. The wire format is unchanged.
     """
-    kw: dict[str, Any] = dict(max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics)
+    segments = SegmentCache()
+    server.segments = segments  # type: ignore[attr-defined]  # unmapped by stop_server
+    kw: dict[str, Any] = dict(max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics, segments=segments)
     _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
@@ -393,3 +401,6 @@ def stop_server(server: grpc.Server, grace: float | None = None, timeout: float 
     executor = getattr(server, "executor", None)
     if executor is not None:  # a handler still running after a stop that timed out is not waited for
         executor.shutdown(wait=stopped, cancel_futures=True)
+    segments = getattr(server, "segments", None)
+    if segments is not None and stopped:
+        segments.close()

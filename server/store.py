@@ -42,6 +42,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from shardps.protos.results import PushResult, Registered
+from shardps.protos.shm import Segment
 from shardps.protos.stats import ShardStats, TensorStats
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier, ApplyMixin, scaling_config
@@ -373,11 +374,13 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
             )
 
     def pull(self, worker_id: int, names: list[str], wire_dtype: int | None, chunk_bytes: int, *,
-             min_version: int, min_clock: int, epoch: int, timeout: float) -> tuple[float, list[Item]]:
+             min_version: int, min_clock: int, epoch: int, timeout: float,
+             segment: Segment | None = None) -> tuple[float, list[Item]]:
         """A worker's Pull (decoded by server/wire.py): wait (up to ``timeout`` in all) for ``min_version``
         and, under ssp, for every worker's clock to reach ``min_clock``; then the weights of ``names`` (all
         when empty) as whole framed ``PullResponse`` messages (``read(messages=True)``), once the backup
-        holds them. Returns (seconds waited, messages)."""
+        holds them. With ``segment`` (the same-host fast path) the weights go there instead and the messages
+        only say where (``read_into``). Returns (seconds waited, messages)."""
         self.check_epoch(epoch)
         self.touch(worker_id)
         names = names or self.names()
@@ -391,8 +394,11 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
             slowest = self.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
         waited = time.monotonic() - t0
         self.touch(worker_id)
-        _, messages = self.read(names, wire_dtype, chunk_bytes, messages=True, slowest_clock=slowest,
-                                worker_id=worker_id)
+        if segment is not None:
+            _, messages = self.read_into(names, wire_dtype, segment, slowest_clock=slowest, worker_id=worker_id)
+        else:
+            _, messages = self.read(names, wire_dtype, chunk_bytes, messages=True, slowest_clock=slowest,
+                                    worker_id=worker_id)
         self.replicated()  # workers see only weights the backup holds too (--replicas 2)
         return waited, messages
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing, shm
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument
 from shardps.server.scaling import LossScaler
+from shardps.server.shm import SegmentCache
 from shardps.server.sync import Grads, PartKey
 from shardps.server.table import TensorSpec
 
@@ -44,6 +46,7 @@ class Join:
     remedy: str
     specs: list[TensorSpec]
     values: dict[PartKey, torch.Tensor] | None  # None: wait for another worker to create the tensors
+    shm: bool = False  # the worker's shared-memory probe was read here: the same-host fast path works
 
 
 def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
@@ -73,7 +76,7 @@ def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
         for _ in requests:
             raise InvalidArgument("chunks sent in a Register without provides_values")
     return Join(first.worker_id, first.num_workers, first.sync, scaler_from_wire(first.loss_scaling),
-                first.staleness_remedy, specs, values)
+                first.staleness_remedy, specs, values, shm.read_probe(first.shm_probe, first.shm_token))
 
 
 @dataclass
@@ -91,8 +94,10 @@ class Gradients:
 
 
 def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
-                alloc: Callable[[PartKey, int], torch.Tensor] | None = None) -> Gradients:
-    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers.
+                alloc: Callable[[PartKey, int], torch.Tensor] | None = None,
+                segments: SegmentCache | None = None) -> Gradients:
+    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers;
+    ``segments``: the workers' shared-memory segments, for a Push whose chunks lie there (``shm``).
 
     Every message carries the same header (worker, step, base version, loss
     scale, epoch). ``found_inf`` may differ: a worker that streams its
@@ -104,19 +109,39 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     if first is None:
         raise InvalidArgument("Push stream was empty")
     asm = ChunkAssembler(lookup, what="gradient", alloc=alloc)
-    header = (first.worker_id, first.step, first.base_version, first.loss_scale, first.epoch)
+    header = (first.worker_id, first.step, first.base_version, first.loss_scale, first.epoch, first.shm,
+              first.ends_with_last)
     found_inf = first.found_inf
+    ended = first.last
+
+    def chunk(req: ps_pb2.PushRequest) -> Any:
+        c = req.chunk
+        if not req.shm:
+            return c
+        if segments is None:
+            raise InvalidArgument("Push names a shared-memory segment, but this server does not take them")
+        if c.data:
+            raise InvalidArgument(f"tensor {c.name!r}: a chunk carries data and a shared-memory range at once")
+        return framing.ChunkView(c, segments.view(req.worker_id, req.shm, c.shm_offset, c.shm_bytes))
+
     if first.HasField("chunk"):  # a header alone: no gradients this step
-        asm.add(first.chunk)
+        asm.add(chunk(first))
     for req in requests:
-        if (req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch) != header:
+        this = (req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch, req.shm, req.ends_with_last)
+        if this != header:
             raise InvalidArgument(
-                f"Push stream mixes headers: (worker_id, step, base_version, loss_scale, epoch) "
-                f"{header} then {(req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch)}"
+                f"Push stream mixes headers: (worker_id, step, base_version, loss_scale, epoch, shm, "
+                f"ends_with_last) {header} then {this}"
             )
+        if ended:
+            raise InvalidArgument(f"Push stream of worker {first.worker_id} goes on after its last message")
         found_inf = found_inf or req.found_inf
+        ended = req.last
         if req.HasField("chunk"):
-            asm.add(req.chunk)
+            asm.add(chunk(req))
+    if first.ends_with_last and not ended:
+        raise InvalidArgument(f"Push stream of worker {first.worker_id}, step {first.step} ended before its last "
+                      f"message (cancelled, or the worker died): nothing of it is applied")
     grads = asm.finish()
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
                      found_inf or not asm.all_finite, first.loss_scale, first.epoch)
@@ -141,9 +166,11 @@ class PullQuery:
     min_version: int
     min_clock: int
     epoch: int
+    segment: shm.Segment | None = None  # write the weights there (the same-host fast path)
 
 
-def decode_pull(request: ps_pb2.PullRequest, default_chunk_bytes: int) -> PullQuery:
+def decode_pull(request: ps_pb2.PullRequest, default_chunk_bytes: int,
+                segments: SegmentCache | None = None) -> PullQuery:
     wire = None
     if request.dtype != ps_pb2.DTYPE_UNSPECIFIED:
         try:
@@ -151,9 +178,14 @@ def decode_pull(request: ps_pb2.PullRequest, default_chunk_bytes: int) -> PullQu
         except ValueError as e:
             raise InvalidArgument(f"Pull: {e}") from None
         wire = int(request.dtype)
+    seg = None
+    if request.shm:
+        if segments is None:
+            raise InvalidArgument("Pull names a shared-memory segment, but this server does not take them")
+        seg = segments.get(request.worker_id, request.shm)
     return PullQuery(request.worker_id, list(request.names), wire,
                      _chunk_bytes(request.chunk_bytes, default_chunk_bytes, "Pull"),
-                     request.min_version, request.min_clock, request.epoch)
+                     request.min_version, request.min_clock, request.epoch, seg)
 
 
 def encode_state(version: int, items: Sequence[tuple[str, int, int, str, torch.Tensor]],

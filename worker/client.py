@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from shardps.exposition import MetricsEndpoint
-from shardps.protos import codec, env, framing
+from shardps.protos import codec, env, framing, shm
 from shardps.protos.amp import LossScaling
 from shardps.protos.results import PushResult
 from shardps.protos.security import Security
@@ -38,7 +38,8 @@ from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
-from shardps.worker.streams import PullInFlight, PushStream
+from shardps.worker.shm import ShmLink
+from shardps.worker.streams import PullInFlight, PushStream, push_via_shm
 from shardps.worker.transport import Transport
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
@@ -62,7 +63,7 @@ class PSClient:
                  timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                  part_bytes: int | None = None, security: Security | None = None,
                  recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S, backups: Sequence[str] | None = None,
-                 metrics_port: int | None = None, metrics_host: str | None = None) -> None:
+                 metrics_port: int | None = None, metrics_host: str | None = None, shm: bool | None = None) -> None:
         if not addresses:
             raise ValueError("need at least one server address")
         if not 0 <= worker_id < num_workers:
@@ -85,6 +86,11 @@ class PSClient:
         self.lease_s = 0.0  # the job's worker lease (0: none)
         self.epoch = 0  # the job's rollback epoch this client is in
         self.heartbeats = Heartbeats(self.transport, worker_id)
+        # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default), and
+        # per shard, whether that shard read this worker's probe at Register.
+        self.use_shm = env.pick_bool(shm, env.SHM, True)
+        self.shm_links: list[ShmLink | None] = [None] * len(self.addresses)
+        self.transport.on_moved = self._shm_off
         self._registered = False  # registered as a worker: close() says goodbye (Leave)
         self._closed = False
         # A worker's own /metrics (arguments, then SHARDPS_METRICS_PORT/HOST): served once it registers.
@@ -181,15 +187,23 @@ class PSClient:
                                     part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
+        probe = shm.probe() if self.use_shm else None
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
             return layout.register_requests(shard, smap, layouts, worker_id=self.worker_id,
                                             num_workers=self.num_workers, sync=sync, addresses=self.addresses,
                                             values=flats, chunk_bytes=self.chunk_bytes, loss_scaling=scaling,
-                                            staleness_remedy=staleness_remedy)
+                                            staleness_remedy=staleness_remedy,
+                                            shm_probe=probe[0].name if probe else "",
+                                            shm_token=probe[1] if probe else b"")
 
         t = self.transport
-        responses = t.each(lambda i: t.stub(i).Register(requests(i), timeout=self.timeout, wait_for_ready=True))
+        try:
+            responses = t.each(lambda i: t.stub(i).Register(requests(i), timeout=self.timeout,
+                                                            wait_for_ready=True))
+        finally:
+            if probe is not None:
+                probe[0].close()
         created: list[str] = []
         for i, r in enumerate(responses):
             if (r.shard_index, r.num_shards) != (i, self.num_shards):
@@ -208,10 +222,30 @@ class PSClient:
         self.clock = min(r.worker_clock for r in responses)
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
+        self._open_shm([r.shm for r in responses])
         self._registered = True
         self._serve_metrics()
         self.start_heartbeats()
         return created
+
+    def _open_shm(self, readable: Sequence[bool]) -> None:
+        """Segments for every shard that read our probe (it shares this machine); the others use gRPC."""
+        for i in range(self.num_shards):
+            self._shm_off(i)
+            if not readable[i]:
+                continue
+            assert self.shard_map is not None
+            try:
+                self.shm_links[i] = ShmLink(self.worker_id, i, self.shard_map, self.layouts)
+            except OSError as e:
+                log.warning("worker %d: no shared memory for shard %d (%s): its bytes go through gRPC",
+                            self.worker_id, i, e)
+
+    def _shm_off(self, shard: int) -> None:
+        """Shard ``shard`` no longer shares this machine (or the client closes): back to gRPC."""
+        link, self.shm_links[shard] = self.shm_links[shard], None
+        if link is not None:
+            link.close()
 
     def _serve_metrics(self) -> None:
         """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""
@@ -260,11 +294,15 @@ class PSClient:
             found_inf = not all(codec.all_finite(f) for f in flats.values())
 
         def requests(shard: int) -> Iterator[bytes]:
+            link = self.shm_links[shard]
+            if link is not None:  # same host: the data goes through shared memory, gRPC carries where
+                yield from push_via_shm(self, link, shard, flats, step=step, base_version=bases[shard],
+                                        found_inf=found_inf, loss_scale=loss_scale)
+                return
             # Serialized PushRequests, the data copied once from the gradient (framing.py).
             prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
                                             base_version=bases[shard], found_inf=found_inf,
-                                            loss_scale=loss_scale, epoch=self.epoch)
-            sent = False
+                                            loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True)
             for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
                 flat = flats.get(p.name)
                 if flat is None:
@@ -274,9 +312,10 @@ class PSClient:
                                                         lay.push_dtype, lay.shape, flat, p.start, p.stop,
                                                         self.chunk_bytes):
                     yield msg
-                    sent = True
-            if not sent:
-                yield prefix + suffix
+            last_prefix, last_suffix = framing.header(
+                ps_pb2.PushRequest, worker_id=self.worker_id, step=step, base_version=bases[shard],
+                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True)
+            yield last_prefix + last_suffix  # the stream's end, said (a cut stream is refused)
 
         responses = self.transport.each(lambda i: self.transport.push(i, requests(i)))
         out = [PushResult.from_proto(r) for r in responses]
@@ -468,6 +507,8 @@ class PSClient:
                 self.leave(timeout=min(5.0, self.timeout))
         finally:
             self.transport.close()
+            for i in range(self.num_shards):
+                self._shm_off(i)
             if self.metrics_endpoint is not None:
                 self.metrics_endpoint.close()
 
@@ -483,7 +524,7 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
             chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, part_bytes: int | None = None,
             ready_timeout: float | None = 60.0, security: Security | None = None,
             recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT_S, backups: Sequence[str] | str | None = None,
-            metrics_port: int | None = None, metrics_host: str | None = None) -> PSClient:
+            metrics_port: int | None = None, metrics_host: str | None = None, shm: bool | None = None) -> PSClient:
     """Connect to the shards at ``addresses`` (in shard order; a comma-separated string works).
 
     Every setting comes from its argument, else its environment variable,
@@ -492,7 +533,9 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
     ``backups`` (``SHARDPS_BACKUPS``, when the addresses come from it too), ``security`` (``SHARDPS_TLS_*``,
     ``SHARDPS_AUTH_TOKEN[_FILE]``), ``metrics_port`` / ``metrics_host``
     (``SHARDPS_METRICS_PORT`` / ``_HOST``: a registered worker serves its
-    Prometheus metrics there).
+    Prometheus metrics there), ``shm`` (``SHARDPS_SHM``, on: tensor bytes to
+    and from a shard on this machine go through shared memory, see
+    protos/shm.py).
 
     Waits up to ``ready_timeout`` seconds for every shard to accept a
     connection (None: do not wait). ``backups`` (``--replicas 2``): each
@@ -515,7 +558,7 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
     assert wid is not None and nw is not None
     client = PSClient(addresses, wid, nw, timeout=timeout, chunk_bytes=chunk_bytes,
                       part_bytes=part_bytes, security=security, recovery_timeout=recovery_timeout, backups=backups,
-                      metrics_port=metrics_port, metrics_host=metrics_host)
+                      metrics_port=metrics_port, metrics_host=metrics_host, shm=shm)
     if ready_timeout is not None:
         try:
             client.wait_ready(ready_timeout)

@@ -65,7 +65,8 @@ def register_requests(shard: int, smap: ShardMap, layouts: Mapping[str, Layout],
                       num_workers: int, sync: str, addresses: Sequence[str],
                       values: Mapping[str, torch.Tensor] | None, chunk_bytes: int,
                       loss_scaling: ps_pb2.LossScaling | None = None,
-                      staleness_remedy: str = "none") -> Iterator[ps_pb2.RegisterRequest]:
+                      staleness_remedy: str = "none", shm_probe: str = "",
+                      shm_token: bytes = b"") -> Iterator[ps_pb2.RegisterRequest]:
     """The Register stream for ``shard``: its parts' specs, then (``values``: flat CPU tensors) their values."""
     parts = smap.parts_for(shard)
     by_name: dict[str, list[tuple[int, int]]] = {}
@@ -82,7 +83,8 @@ def register_requests(shard: int, smap: ShardMap, layouts: Mapping[str, Layout],
     provides_values = values is not None
     yield ps_pb2.RegisterRequest(worker_id=worker_id, num_workers=num_workers,
                                  sync=sync, tensors=specs, provides_values=provides_values,
-                                 loss_scaling=loss_scaling, staleness_remedy=staleness_remedy)
+                                 loss_scaling=loss_scaling, staleness_remedy=staleness_remedy,
+                                 shm_probe=shm_probe, shm_token=shm_token)
     if values is not None:
         for p in parts:
             flat = values[p.name]

@@ -35,6 +35,7 @@ from shardps.protos.shardps.v1 import ps_pb2
 
 if TYPE_CHECKING:
     from shardps.worker.client import PSClient
+    from shardps.worker.shm import ShmLink
 
 
 def _gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
@@ -49,6 +50,26 @@ def _gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
     if first is not None:
         raise first
     return results
+
+
+def push_via_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor], *, step: int,
+                 base_version: int, found_inf: bool, loss_scale: float, last: bool = True) -> Iterator[bytes]:
+    """PushRequests for ``shard`` whose chunks lie in its push segment (written here, part by part);
+    ``last``: end with the stream's last message (chunk-less, carrying ``found_inf``)."""
+    assert client.shard_map is not None
+    for p in client.shard_map.parts_for(shard):
+        flat = flats.get(p.name)
+        if flat is None:
+            continue
+        chunk = link.write_push(p.name, client.layouts[p.name].push_dtype, flat, p.start, p.stop)
+        chunk.shape.extend(client.layouts[p.name].shape)  # one chunk per part: each says the shape
+        yield ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
+                                 found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
+                                 shm=link.push.name, chunk=chunk, ends_with_last=True).SerializeToString()
+    if last:
+        yield ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
+                                 found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
+                                 shm=link.push.name, ends_with_last=True, last=True).SerializeToString()
 
 
 class StreamAborted(Exception):
@@ -142,8 +163,9 @@ class PushStream:
         client = self._client
         prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=client.worker_id, step=self._step,
                                         base_version=self._bases[shard], found_inf=False,
-                                        loss_scale=self._loss_scale, epoch=client.epoch)
+                                        loss_scale=self._loss_scale, epoch=client.epoch, ends_with_last=True)
         parts = self._parts[shard]
+        link = client.shm_links[shard]
         i = 0
         while True:
             with self._cond:
@@ -155,6 +177,18 @@ class PushStream:
                 done = self._done
                 found_inf = self._found_inf
             i += len(batch)
+            if link is not None:  # same host: through the push segment
+                flats = {name: flat for name, flat in batch if name in parts}
+                if flats:
+                    yield from push_via_shm(client, link, shard, flats, step=self._step,
+                                            base_version=self._bases[shard], found_inf=False,
+                                            loss_scale=self._loss_scale, last=False)
+                if done and not batch:
+                    yield from push_via_shm(client, link, shard, {}, step=self._step,
+                                            base_version=self._bases[shard], found_inf=found_inf,
+                                            loss_scale=self._loss_scale)
+                    return
+                continue
             for name, flat in batch:
                 lay = client.layouts[name]
                 for start, stop in parts.get(name, ()):
@@ -166,7 +200,7 @@ class PushStream:
                 last_prefix, last_suffix = framing.header(
                     ps_pb2.PushRequest, worker_id=client.worker_id, step=self._step,
                     base_version=self._bases[shard], found_inf=found_inf, loss_scale=self._loss_scale,
-                    epoch=client.epoch)
+                    epoch=client.epoch, ends_with_last=True, last=True)
                 yield last_prefix + last_suffix
                 return
 
@@ -255,16 +289,23 @@ class PullInFlight:
                 if not self._events[n].is_set():
                     self._missing[n] += k
             self._received[shard] = {}
+        link = client.shm_links[shard]
         req = ps_pb2.PullRequest(worker_id=client.worker_id, names=self._owners[shard],
                                  min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
-                                 chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch)
+                                 chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
+                                 shm=link.pull.name if link is not None else "")
         version = -1
         received = self._received[shard]
         with torch.no_grad():
             # chunk.data is a view of the received message: decode copies nothing, copy_ is the one copy.
             for resp in client.transport.pull(shard, req):
                 c = resp.chunk
-                values = codec.decode(c.data, c.dtype)
+                if c.shm_bytes:  # same host: the bytes are in our pull segment
+                    if link is None:
+                        raise ValueError(f"shard {shard} answered with shared memory this client did not offer")
+                    values = codec.decode(link.read(c.shm_offset, c.shm_bytes), c.dtype)
+                else:
+                    values = codec.decode(c.data, c.dtype)
                 dst = self._staging.get(c.name)
                 if dst is None or c.offset < 0 or c.offset + values.numel() > dst.numel():
                     size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"

@@ -97,6 +97,7 @@ class Transport:
                              f"{len(backups)} backups")
         self.backups = list(backups) if backups is not None else [""] * len(self.addresses)
         self._failover_lock = threading.Lock()
+        self.on_moved: Callable[[int], None] | None = None  # called with a shard once it failed over
         self._retired: list[grpc.Channel] = []
         self._channels: list[grpc.Channel] = []
         self._stubs: list[ps_pb2_grpc.WorkersStub] = []
@@ -210,6 +211,8 @@ class Transport:
             self._install(shard, backup, channel)
             self.backups[shard] = ""
             self.failovers_total += 1
+            if self.on_moved is not None:
+                self.on_moved(shard)
         log.warning("shard %d: %s is unavailable; failed over to its backup at %s (version %d)", shard, failed,
                     backup, r.version)
         return True

@@ -47,6 +47,22 @@ def test_found_inf_in_any_message_flags_the_stream():
                            _lookup).found_inf
 
 
+def test_a_stream_that_says_it_ends_with_last_and_does_not_is_refused():
+    """gRPC can show a cancelled client stream to the server as ended: without its last message, a stream
+    that promised one was cut, and nothing of it may be applied."""
+    first = _push(values=[1.0, 2.0])
+    first.ends_with_last = True
+    second = _push(values=[3.0, 4.0], offset=2)
+    second.ends_with_last = True
+    with pytest.raises(InvalidArgument, match="ended before its last message"):
+        decode_push(iter([first, second]), _lookup)
+    end = ps_pb2.PushRequest(worker_id=1, step=0, base_version=3, ends_with_last=True, last=True)
+    g = decode_push(iter([first, second, end]), _lookup)
+    assert g.grads[("w", 0)].tolist() == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(InvalidArgument, match="after its last message"):
+        decode_push(iter([first, end, second]), _lookup)
+
+
 def test_push_with_a_non_finite_chunk_is_found_inf():
     g = decode_push(iter([_push(values=[1.0, float("inf"), 0.0, 0.0])]), _lookup)
     assert g.found_inf

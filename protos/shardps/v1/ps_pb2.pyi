@@ -55,18 +55,22 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., peers: _Optional[_Iterable[str]] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("name", "offset", "dtype", "data", "shape")
+    __slots__ = ("name", "offset", "dtype", "data", "shape", "shm_offset", "shm_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     dtype: DType
     data: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    shm_offset: int
+    shm_bytes: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., shm_offset: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
 
 class LossScaling(_message.Message):
     __slots__ = ("enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -83,7 +87,7 @@ class LossScaling(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values", "loss_scaling", "staleness_remedy")
+    __slots__ = ("worker_id", "num_workers", "sync", "tensors", "chunk", "provides_values", "loss_scaling", "staleness_remedy", "shm_probe", "shm_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +96,8 @@ class RegisterRequest(_message.Message):
     PROVIDES_VALUES_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALING_FIELD_NUMBER: _ClassVar[int]
     STALENESS_REMEDY_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
+    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     num_workers: int
     sync: str
@@ -100,10 +106,12 @@ class RegisterRequest(_message.Message):
     provides_values: bool
     loss_scaling: LossScaling
     staleness_remedy: str
-    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ...) -> None: ...
+    shm_probe: str
+    shm_token: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ..., shm_probe: _Optional[str] = ..., shm_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +122,7 @@ class RegisterResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     num_shards: int
@@ -124,7 +133,8 @@ class RegisterResponse(_message.Message):
     lease_seconds: float
     epoch: int
     backup: str
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ...) -> None: ...
+    shm: bool
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("version", "epoch")
@@ -173,7 +183,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch")
+    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +191,9 @@ class PushRequest(_message.Message):
     FOUND_INF_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    ENDS_WITH_LAST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -188,7 +201,10 @@ class PushRequest(_message.Message):
     found_inf: bool
     loss_scale: float
     epoch: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shm: str
+    ends_with_last: bool
+    last: bool
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale", "ready_version")
@@ -207,7 +223,7 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch")
+    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +231,7 @@ class PullRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     min_version: int
@@ -222,7 +239,8 @@ class PullRequest(_message.Message):
     chunk_bytes: int
     min_clock: int
     epoch: int
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shm: str
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "chunk", "loss_scale", "sync", "slowest_clock")

@@ -1,0 +1,165 @@
+"""The same-host fast path: tensor bytes through shared memory, gRPC carrying where they lie.
+
+Exact against gRPC (the same bytes, another road), refused cleanly when a
+request names a bad segment, off where the probe fails, and the segments
+gone when the client closes.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+import shardps
+from shardps.protos import shm
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from tests.helpers import run_workers
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
+
+STEPS = 3
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 3))
+
+
+def train(addresses, *, use_shm: bool, **opt_kw):
+    base = make_model()
+
+    def worker(k: int):
+        model = copy.deepcopy(base)
+        client = shardps.connect(addresses, worker_id=k, num_workers=2, part_bytes=1024, shm=use_shm)
+        try:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), **opt_kw)
+            links = [link is not None for link in client.shm_links]
+            for step in range(STEPS):
+                g = torch.Generator().manual_seed(10 * k + step)
+                x, y = torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            return links, {n: p.detach().clone() for n, p in model.named_parameters()}
+        finally:
+            client.close()
+
+    return run_workers(worker, 2)
+
+
+@pytest.mark.parametrize("opt_kw", [dict(sync="bsp"), dict(sync="asp"),
+                                    dict(sync="bsp", overlap=True, bucket_bytes=3000),
+                                    dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16)],
+                         ids=["bsp", "asp", "bsp-overlap", "every2-bf16"])
+def test_shared_memory_gives_the_weights_grpc_gives(make_cluster, opt_kw):
+    over_grpc = train(make_cluster(2).addresses, use_shm=False, **opt_kw)
+    over_shm = train(make_cluster(2).addresses, use_shm=True, **opt_kw)
+    for k in range(2):
+        assert over_grpc[k][0] == [False, False] and over_shm[k][0] == [True, True]
+        if opt_kw["sync"] == "asp":
+            continue  # two asp workers' gradients apply in arrival order: compared single-worker below
+        for n, w in over_grpc[k][1].items():
+            assert torch.equal(over_shm[k][1][n], w), f"worker {k}, {n}"
+
+
+def test_asp_one_worker_exact(make_cluster):
+    def run(use_shm):
+        model = make_model()
+        with shardps.connect(make_cluster(2).addresses, part_bytes=1024, shm=use_shm) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), sync="asp")
+            for step in range(STEPS):
+                x = torch.randn(8, 10, generator=torch.Generator().manual_seed(step))
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_segments_are_removed_when_the_client_closes(cluster2):
+    before = set(Path("/dev/shm").glob("shardps-*"))
+    client = shardps.connect(cluster2.addresses)
+    client.register({"w": torch.randn(100)}, shardps.optim.SGD(lr=0.1))
+    names = {link.push.name for link in client.shm_links if link} | {link.pull.name for link in client.shm_links
+                                                                      if link}
+    assert len(names) == 4 and all((Path("/dev/shm") / n).exists() for n in names)
+    client.close()
+    assert not any((Path("/dev/shm") / n).exists() for n in names)
+    assert set(Path("/dev/shm").glob("shardps-*")) <= before
+
+
+def test_the_probe_reads_only_the_token_it_was_given():
+    seg, token = shm.probe()
+    try:
+        assert shm.read_probe(seg.name, token)
+        assert not shm.read_probe(seg.name, b"x" * 16)
+        assert not shm.read_probe("shardps-missing-segment", token)
+        assert not shm.read_probe("../etc/passwd", token)
+    finally:
+        seg.close()
+
+
+@pytest.fixture
+def one_shard(make_cluster):
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses)
+    client.register({"w": torch.randn(4, 5)}, shardps.optim.SGD(lr=0.5), sync="bsp")
+    channel = grpc.insecure_channel(cluster.addresses[0])
+    yield cluster.stores[0], ps_pb2_grpc.WorkersStub(channel), client
+    channel.close()
+    client.close()
+
+
+def _push(stub, segment, offset, nbytes):
+    reqs = [ps_pb2.PushRequest(worker_id=0, step=0, shm=segment, chunk=ps_pb2.Chunk(
+        name="w", offset=0, dtype=ps_pb2.FLOAT32, shape=[4, 5], shm_offset=offset, shm_bytes=nbytes))]
+    return stub.Push(iter(reqs), timeout=10)
+
+
+def test_bad_segments_are_refused_and_change_nothing(one_shard):
+    store, stub, client = one_shard
+    link = client.shm_links[0]
+    assert link is not None
+    before = store.state_hash()
+    cases = [("shardps-no-such-segment", 0, 80, ["shardps-no-such-segment", "cannot be opened"]),
+             ("../../etc/passwd", 0, 80, ["expected 'shardps-'"]),
+             (link.push.name, link.push.size - 8, 80, [link.push.name, "outside its"]),
+             (link.push.name, 0, 40, ["'w'", "covers 10 of the 20 elements"])]
+    for name, offset, nbytes, fragments in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            _push(stub, name, offset, nbytes)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        for f in fragments:
+            assert f in err.value.details(), (f, err.value.details())
+    assert store.state_hash() == before and store.pushes_total == 0
+
+
+def test_a_pull_into_a_small_segment_is_refused(one_shard):
+    store, stub, client = one_shard
+    small = shm.create("test-small", 16)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Pull(ps_pb2.PullRequest(worker_id=0, shm=small.name), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert small.name in err.value.details() and "holds 16 bytes" in err.value.details()
+    finally:
+        small.close()
+
+
+def test_a_pull_through_shared_memory_says_where_each_part_lies(one_shard):
+    store, stub, client = one_shard
+    link = client.shm_links[0]
+    assert link is not None
+    answers = list(stub.Pull(ps_pb2.PullRequest(worker_id=0, shm=link.pull.name), timeout=10))
+    assert [(a.chunk.name, a.chunk.shm_offset, a.chunk.shm_bytes, a.chunk.data) for a in answers] == [
+        ("w", 0, 80, b"")]
+    got = torch.frombuffer(bytearray(link.read(0, 80)), dtype=torch.float32)
+    assert torch.equal(got, store.weights("w")[0].reshape(-1))

@@ -1,0 +1,56 @@
+"""The worker's side of the same-host fast path (protos/shm.py): a push and a pull segment per shard.
+
+Made after Register for every shard that read the worker's probe (it
+shares this machine). ``write_push`` copies a gradient's part into the
+push segment, cast to its push dtype, and gives the control message that
+replaces the chunk; the shard reads it from there. The pull segment is
+the shard's to write during a Pull (one part after another: offsets come
+back in the answer's chunks). A shard's segments are rewritten only by the
+next push or pull of this client, after the previous one has ended.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardps.protos import codec, shm
+from shardps.protos.shardmap import ShardMap
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.layout import Layout
+
+
+class ShmLink:
+    """One shard's segments and where each of its parts lies in the push segment."""
+
+    def __init__(self, worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> None:
+        self.offsets: dict[tuple[str, int], int] = {}
+        at = 0
+        pull_bytes = 0
+        for p in smap.parts_for(shard):
+            n = p.stop - p.start
+            self.offsets[(p.name, p.start)] = at
+            at = shm.aligned(at + n * codec.itemsize(layouts[p.name].push_dtype))
+            pull_bytes = shm.aligned(pull_bytes + n * 4)  # room for fp32, the widest dtype a pull may ask
+        self.push = shm.create(f"w{worker_id}-s{shard}-push", at)
+        try:
+            self.pull = shm.create(f"w{worker_id}-s{shard}-pull", pull_bytes)
+        except BaseException:
+            self.push.close()
+            raise
+
+    def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int) -> ps_pb2.Chunk:
+        """Copy ``flat[start:stop]`` (already in ``dtype``) into the push segment; the chunk that says where."""
+        off = self.offsets[(name, start)]
+        nbytes = (stop - start) * flat.element_size()
+        if nbytes:
+            dst = torch.frombuffer(self.push.view(off, nbytes), dtype=flat.dtype)
+            dst.copy_(flat[start:stop])
+        return ps_pb2.Chunk(name=name, offset=start, dtype=dtype, shm_offset=off,  # type: ignore[arg-type]
+                            shm_bytes=nbytes)
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        return self.pull.view(offset, nbytes)
+
+    def close(self) -> None:
+        self.push.close()
+        self.pull.close()
