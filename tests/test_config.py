@@ -194,3 +194,19 @@ def test_every_variable_is_tested_here():
     text = Path(__file__).read_text()
     missing = [name for name in env.ALL if f"env.{name.removeprefix('SHARDPS_')}" not in text]
     assert missing == []
+
+
+@pytest.mark.cluster
+def test_the_shared_memory_path_follows_the_argument_then_the_variable(clean_env, cluster2):
+    def links(**kw):
+        with shardps.connect(cluster2.addresses, **kw) as c:
+            c.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=0.1))
+            return [link is not None for link in c.shm_links]
+
+    assert links() == [True, True]  # on by default (the shards share this machine)
+    clean_env.setenv(env.SHM, "0")
+    assert links() == [False, False]
+    assert links(shm=True) == [True, True]  # an argument wins
+    clean_env.setenv(env.SHM, "maybe")
+    with pytest.raises(ValueError, match="SHARDPS_SHM='maybe'"):
+        shardps.connect(cluster2.addresses)
