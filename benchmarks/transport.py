@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"model: {len(shapes)} fp32 tensors, {nbytes / MB:.1f} MB "
         f"(largest {max(shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())})")
 
-    cluster = raw = client = rclient = None
+    cluster = raw = client = rclient = client_shm = opt_client = None
     try:
         t0 = time.perf_counter()
         cluster = shardps.LocalCluster(args.shards, processes=True, chunk_bytes=args.chunk_bytes,
@@ -261,9 +261,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw = RawServers(args.shards, "127.0.0.1", args.startup_timeout)
         log(f"servers up in {time.perf_counter() - t0:.1f}s: shardps {cluster.addresses}, raw {raw.addresses}")
 
-        client = shardps.connect(cluster.addresses, timeout=args.rpc_timeout, chunk_bytes=args.chunk_bytes,
-                                 ready_timeout=args.startup_timeout)
+        # Three shardps workers of one asp job (the same servers): over gRPC, through shared memory (the
+        # same-host fast path), and through DistributedOptimizer.step() (what training loops call).
+        def connect(worker_id: int, shm: bool) -> Any:
+            return shardps.connect(cluster.addresses, timeout=args.rpc_timeout, chunk_bytes=args.chunk_bytes,
+                                   ready_timeout=args.startup_timeout, worker_id=worker_id, num_workers=3, shm=shm)
+
+        client = connect(0, False)
         client.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
+        client_shm = connect(1, True)
+        client_shm.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
+        if not all(client_shm.shm_links):
+            raise RuntimeError("the shared-memory path was not taken: is /dev/shm writable here?")
+        opt_client = connect(2, args.optimizer_shm)
+        params = {n: torch.nn.Parameter(torch.zeros_like(w)) for n, w in weights.items()}
+        opt = shardps.DistributedOptimizer(list(params.items()), opt_client, optimizer=shardps.optim.SGD(lr=0.0),
+                                           sync="asp")
+        for n, p in params.items():
+            p.grad = grads[n]
         assert client.shard_map is not None
         loads = client.shard_map.server_bytes()
         log(f"shard map: {len(client.shard_map.parts)} parts, bytes per shard {loads}")
@@ -280,20 +295,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dst_views = [dst_mv[a:b] for a, b in zip(bounds, bounds[1:])]
         rclient = RawClient(raw.addresses, args.chunk_bytes, args.rpc_timeout)
 
-        times: dict[str, dict[str, list[float]]] = {k: {"push": [], "pull": []} for k in ("shardps", "raw")}
-        step = 0
+        systems = ("shardps", "shardps-shm", "optimizer", "raw", "memcpy")
+        times: dict[str, dict[str, list[float]]] = {k: {"push": [], "pull": []} for k in systems}
+        steps = {"shardps": 0, "shardps-shm": 0}
+        outs_shm = {n: torch.empty(s) for n, s in shapes.items()}
+        buf = torch.empty_like(src)
+
+        def round_client(name: str, c: Any, out: dict[str, torch.Tensor], record: bool) -> None:
+            t = time.perf_counter()
+            c.push(grads, step=steps[name])
+            t1 = time.perf_counter()
+            c.pull(out=out)
+            t2 = time.perf_counter()
+            steps[name] += 1
+            if record:
+                times[name]["push"].append(t1 - t)
+                times[name]["pull"].append(t2 - t1)
 
         def round_shardps(record: bool) -> None:
-            nonlocal step
+            round_client("shardps", client, outs, record)
+
+        def round_shm(record: bool) -> None:
+            round_client("shardps-shm", client_shm, outs_shm, record)
+
+        def round_optimizer(record: bool) -> None:  # push + pull in one call: the round only
             t = time.perf_counter()
-            client.push(grads, step=step)
-            t1 = time.perf_counter()
-            client.pull(out=outs)
-            t2 = time.perf_counter()
-            step += 1
+            opt.step()
             if record:
-                times["shardps"]["push"].append(t1 - t)
-                times["shardps"]["pull"].append(t2 - t1)
+                times["optimizer"]["push"].append(float("nan"))
+                times["optimizer"]["pull"].append(time.perf_counter() - t)
+
+        def round_memcpy(record: bool) -> None:  # the physical limit of one machine: one copy each way
+            t = time.perf_counter()
+            buf.copy_(src)
+            t1 = time.perf_counter()
+            dst.copy_(buf)
+            t2 = time.perf_counter()
+            if record:
+                times["memcpy"]["push"].append(t1 - t)
+                times["memcpy"]["pull"].append(t2 - t1)
 
         def round_raw(record: bool) -> None:
             t = time.perf_counter()
@@ -305,27 +345,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 times["raw"]["push"].append(t1 - t)
                 times["raw"]["pull"].append(t2 - t1)
 
+        rounds = [round_shardps, round_shm, round_optimizer, round_raw, round_memcpy]
         for r in range(args.warmup + args.repeats):
             record = r >= args.warmup
-            order = (round_shardps, round_raw) if r % 2 == 0 else (round_raw, round_shardps)
-            for fn in order:
+            k = r % len(rounds)  # each round starts with another system, so background load hits all alike
+            for fn in rounds[k:] + rounds[:k]:
                 fn(record)
             if record:
                 i = r - args.warmup
-                s, w = times["shardps"], times["raw"]
-                log(f"round {i + 1}/{args.repeats}: shardps push {s['push'][-1]:.3f}s pull {s['pull'][-1]:.3f}s | "
-                    f"raw push {w['push'][-1]:.3f}s pull {w['pull'][-1]:.3f}s")
+                log(f"round {i + 1}/{args.repeats}: " + " | ".join(
+                    f"{k} {sum(v[-1] for v in times[k].values() if v[-1] == v[-1]):.3f}s" for k in systems))
             else:
                 log(f"warm-up {r + 1}/{args.warmup} done")
 
         # The bytes made it: lr=0 keeps the weights, the raw servers echo what they got.
-        ok_shardps = all(torch.equal(outs[n], weights[n]) for n in shapes)
+        ok_shardps = all(torch.equal(outs[n], weights[n]) and torch.equal(outs_shm[n], weights[n]) for n in shapes)
+        ok_opt = all(torch.equal(p.detach(), weights[n]) for n, p in params.items())
         ok_raw = torch.equal(src, dst)
-        if not (ok_shardps and ok_raw):
-            raise RuntimeError(f"data check failed: shardps {ok_shardps}, raw {ok_raw}")
+        if not (ok_shardps and ok_raw and ok_opt):
+            raise RuntimeError(f"data check failed: shardps {ok_shardps}, optimizer {ok_opt}, raw {ok_raw}")
         stats = client.stats()
     finally:
-        for c in (rclient, client):
+        for c in (rclient, client, client_shm, opt_client):
             if c is not None:
                 try:
                     c.close()
@@ -336,18 +377,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if cluster is not None:
             cluster.stop()
 
-    res_s = summarize(times["shardps"]["push"], times["shardps"]["pull"], nbytes)
-    res_r = summarize(times["raw"]["push"], times["raw"]["pull"], nbytes)
+    res = {k: summarize(times[k]["push"], times[k]["pull"], nbytes) for k in systems if k != "optimizer"}
+    res_s, res_r = res["shardps"], res["raw"]
+    res["optimizer"] = {"round_MBps": 2 * nbytes / MB / median(times["optimizer"]["pull"])}
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "grpcio": grpc.__version__, "torch": torch.__version__,
                     "client_torch_threads": torch.get_num_threads()},
         "model": {"tensors": len(shapes), "bytes": nbytes, "MB": nbytes / MB},
-        "shards": args.shards, "chunk_bytes": args.chunk_bytes,
+        "shards": args.shards, "chunk_bytes": args.chunk_bytes, "optimizer_shm": args.optimizer_shm,
         "warmup": args.warmup, "repeats": args.repeats, "bytes_per_shard": loads,
-        "shardps": res_s, "raw": res_r,
+        "shardps": res_s, "raw": res_r, "shardps_shm": res["shardps-shm"], "memcpy": res["memcpy"],
+        "optimizer": res["optimizer"],
         "ratio": {k: res_s[f"{k}_MBps"] / res_r[f"{k}_MBps"] for k in ("push", "pull", "round")},
+        "ratio_shm": {k: res["shardps-shm"][f"{k}_MBps"] / res_r[f"{k}_MBps"] for k in ("push", "pull", "round")},
+        "ratio_shm_memcpy": {k: res["shardps-shm"][f"{k}_MBps"] / res["memcpy"][f"{k}_MBps"]
+                             for k in ("push", "pull", "round")},
+        "ratio_optimizer": res["optimizer"]["round_MBps"] / (res_s["round_MBps"] if not args.optimizer_shm
+                                                             else res["shardps-shm"]["round_MBps"]),
+        "ratio_optimizer_raw": res["optimizer"]["round_MBps"] / res_r["round_MBps"],
         "server_push_bytes_total": [s["push_bytes_total"] for s in stats],
         "server_pull_bytes_total": [s["pull_bytes_total"] for s in stats],
     }
@@ -355,6 +404,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     s, r, q = res["shardps"], res["raw"], res["ratio"]
+    m, h, qs, qm = res["shardps_shm"], res["memcpy"], res["ratio_shm"], res["ratio_shm_memcpy"]
     lines = [
         f"transport: {res['model']['MB']:.1f} MB fp32 ({res['model']['tensors']} tensors), "
         f"{res['shards']} shard processes, {res['chunk_bytes']} B chunks, "
@@ -363,6 +413,15 @@ def report(res: dict[str, Any]) -> str:
         f"{'shardps':10}{s['push_MBps']:12.1f}{s['pull_MBps']:12.1f}{s['round_MBps']:12.1f}",
         f"{'raw gRPC':10}{r['push_MBps']:12.1f}{r['pull_MBps']:12.1f}{r['round_MBps']:12.1f}",
         f"{'ratio':10}{q['push']:12.2f}{q['pull']:12.2f}{q['round']:12.2f}",
+        f"{'shm':10}{m['push_MBps']:12.1f}{m['pull_MBps']:12.1f}{m['round_MBps']:12.1f}"
+        "   (the same-host fast path)",
+        f"{'memcpy':10}{h['push_MBps']:12.1f}{h['pull_MBps']:12.1f}{h['round_MBps']:12.1f}"
+        "   (one copy each way: this machine's limit)",
+        f"{'shm/raw':10}{qs['push']:12.2f}{qs['pull']:12.2f}{qs['round']:12.2f}",
+        f"{'shm/memcpy':10}{qm['push']:12.2f}{qm['pull']:12.2f}{qm['round']:12.2f}",
+        f"DistributedOptimizer.step() ({'shm' if res['optimizer_shm'] else 'gRPC'}): round "
+        f"{res['optimizer']['round_MBps']:.1f} MB/s, {res['ratio_optimizer']:.2f} of PSClient push+pull on the "
+        f"same path, {res['ratio_optimizer_raw']:.2f} of raw gRPC",
         "(round: push then pull, 2 x model bytes over the round's time; ratio: shardps / raw)",
     ]
     return "\n".join(lines)
@@ -377,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=2, help="server processes per system (default 2)")
     p.add_argument("--client-threads", type=int, default=0,
                    help="torch intra-op threads in this (client) process (default 0: torch's default)")
+    p.add_argument("--optimizer-shm", action="store_true",
+                   help="DistributedOptimizer.step() through shared memory (default: over gRPC, as PSClient's row)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of every RPC, seconds (default 60)")
