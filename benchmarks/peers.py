@@ -62,14 +62,17 @@ SHARDPS_CONFIGS = [("bsp", "fp32", "off"), ("bsp", "fp32", "on"), ("bsp", "bf16"
                    ("every:4", "fp32", "off"), ("every:4", "fp32", "on"), ("every:4", "bf16", "on")]
 
 
-def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, str, str, str, int]) -> list[float]:
-    addresses, worker_id, workers, dims, batch_size, steps, sync, wire, overlap, threads = args
+def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, str, str, str, int, str]
+                    ) -> list[float]:
+    addresses, worker_id, workers, dims, batch_size, steps, sync, wire, overlap, threads, device = args
     import torch
 
     import shardps
 
     torch.set_num_threads(threads)
-    model = common.mlp(dims)
+    cuda = device == "cuda"
+    dev = torch.device("cuda", worker_id % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    model = common.mlp(dims).to(dev)
     times = []
     with shardps.connect(addresses, worker_id=worker_id, num_workers=workers) as client:
         half = torch.bfloat16 if wire == "bf16" else None
@@ -77,24 +80,27 @@ def _shardps_worker(args: tuple[list[str], int, int, tuple[int, ...], int, int, 
                                            grad_dtype=half, pull_dtype=half, overlap=overlap == "on")
         for step in range(steps):
             x, y = common.batch(step, worker_id, batch_size, dims)
+            x, y = x.to(dev), y.to(dev)
             t0 = time.perf_counter()
             common.loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t0)
         opt.synchronize()
     return times
 
 
 def run_shardps(dims: tuple[int, ...], servers: int, workers: int, batch_size: int, steps: int, sync: str,
-                wire: str, overlap: str, threads: int, timeout: float) -> list[list[float]]:
+                wire: str, overlap: str, threads: int, timeout: float, device: str = "cpu") -> list[list[float]]:
     import shardps
 
     ctx = multiprocessing.get_context("spawn")
     with shardps.LocalCluster(servers, processes=True) as cluster:
         with ctx.Pool(workers) as pool:
             res = pool.map_async(_shardps_worker, [(cluster.addresses, k, workers, dims, batch_size, steps, sync,
-                                                    wire, overlap, threads) for k in range(workers)])
+                                                    wire, overlap, threads, device) for k in range(workers)])
             return list(res.get(timeout))
 
 
@@ -141,14 +147,15 @@ class Runner:
         if system == "ddp":
             from baselines import ddp
 
-            times = ddp.run(dims, workers, a.batch, steps, a.threads, a.timeout)
+            times = ddp.run(dims, workers, a.batch, steps, a.threads, a.timeout, a.device)
         elif system == "ray-ps":
             from baselines import ray_ps
 
             self.ray()
             times = ray_ps.run(dims, workers, a.batch, steps, a.threads, a.timeout)
         else:
-            times = run_shardps(dims, servers, workers, a.batch, steps, sync, wire, overlap, a.threads, a.timeout)
+            times = run_shardps(dims, servers, workers, a.batch, steps, sync, wire, overlap, a.threads, a.timeout,
+                                a.device)
         numel = common.numel(dims)
         row = {"system": system, "sync": sync if system == "shardps" else "", "wire": wire,
                "overlap": overlap if system == "shardps" else ("on" if system == "ddp" else "off"),
@@ -164,7 +171,7 @@ class Runner:
 def table(runner: Runner, dims: tuple[int, ...]) -> list[dict[str, Any]]:
     a = runner.args
     rows = [runner.measure("ddp", dims, 0, a.workers)]
-    if "ray-ps" in a.systems:
+    if "ray-ps" in a.systems and a.device == "cpu":
         rows.append(runner.measure("ray-ps", dims, 1, a.workers))
     for sync, wire, overlap in SHARDPS_CONFIGS:
         if sync.split(":")[0] in a.systems or "shardps" in a.systems:
@@ -241,6 +248,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="timed steps (default 12; a multiple of 4)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (default 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the workers compute (cuda: DDP over NCCL, one GPU per worker, round robin)")
     p.add_argument("--systems", default="ddp,ray-ps,shardps",
                    help="comma-separated: ddp, ray-ps, shardps (all its modes) or bsp, asp, every")
     p.add_argument("--sweep", action="store_true", help="step time against servers, workers and model size")

@@ -8,6 +8,7 @@ gone when the client closes.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import grpc
@@ -85,7 +86,8 @@ def test_asp_one_worker_exact(make_cluster):
 
 
 def test_segments_are_removed_when_the_client_closes(cluster2):
-    before = set(Path("/dev/shm").glob("shardps-*"))
+    mine = f"shardps-{os.getpid()}-*"  # other processes on this machine may hold segments of their own
+    before = set(Path("/dev/shm").glob(mine))
     client = shardps.connect(cluster2.addresses)
     client.register({"w": torch.randn(100)}, shardps.optim.SGD(lr=0.1))
     names = {link.push.name for link in client.shm_links if link} | {link.pull.name for link in client.shm_links
@@ -93,7 +95,7 @@ def test_segments_are_removed_when_the_client_closes(cluster2):
     assert len(names) == 4 and all((Path("/dev/shm") / n).exists() for n in names)
     client.close()
     assert not any((Path("/dev/shm") / n).exists() for n in names)
-    assert set(Path("/dev/shm").glob("shardps-*")) <= before
+    assert set(Path("/dev/shm").glob(mine)) <= before
 
 
 def test_the_probe_reads_only_the_token_it_was_given():

@@ -89,6 +89,8 @@ class PSClient:
         # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default), and
         # per shard, whether that shard read this worker's probe at Register.
         self.use_shm = env.pick_bool(shm, env.SHM, True)
+        self._side_streams: dict[int, Any] = {}  # CUDA: a copy stream per device (worker/streams.py)
+        self._pinned: dict[str, torch.Tensor] = {}
         self.shm_links: list[ShmLink | None] = [None] * len(self.addresses)
         self.transport.on_moved = self._shm_off
         self._registered = False  # registered as a worker: close() says goodbye (Leave)
@@ -246,6 +248,20 @@ class PSClient:
         link, self.shm_links[shard] = self.shm_links[shard], None
         if link is not None:
             link.close()
+
+    def side_stream(self, device: torch.device) -> Any:
+        """The CUDA stream this client copies gradients to host on (one per device)."""
+        s = self._side_streams.get(device.index or 0)
+        if s is None:
+            s = self._side_streams[device.index or 0] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return s
+
+    def pinned(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host buffer for ``name``'s gradient (kept: reused every step)."""
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._pinned[name] = torch.empty(numel, dtype=dtype, pin_memory=True)
+        return buf
 
     def _serve_metrics(self) -> None:
         """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""

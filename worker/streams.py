@@ -91,6 +91,7 @@ class PushStream:
         self._done = False
         self._aborted = False
         self._found_inf = False
+        self._copies: dict[str, Any] = {}  # CUDA gradients: the event of their copy to host
         self._parts: list[dict[str, list[tuple[int, int]]]] = [{} for _ in range(client.num_shards)]
         for p in client.shard_map.parts:
             self._parts[p.server].setdefault(p.name, []).append((p.start, p.stop))
@@ -112,15 +113,41 @@ class PushStream:
             if name in self._names:
                 raise ValueError(f"gradient of {name!r} handed in twice in step {self._step}")
             self._names.add(name)
-            flat = g.detach().to("cpu", codec.to_torch_dtype(lay.push_dtype)).contiguous().view(-1)
+            dtype = codec.to_torch_dtype(lay.push_dtype)
+            if g.is_cuda:  # device-to-host on a side stream, into pinned memory: backward does not wait
+                flat = self._to_host(name, g, dtype)
+            else:
+                flat = g.detach().to("cpu", dtype).contiguous().view(-1)
             flats.append((name, flat))
             self.bytes_added += flat.numel() * flat.element_size()
         with self._cond:
             if self._done or self._aborted:
                 raise RuntimeError("this push stream has ended")
             self._ready.extend(flats)
-            self._found_inf = self._found_inf or not all(codec.all_finite(f) for _, f in flats)
+            host = [f for n, f in flats if n not in self._copies]
+            self._found_inf = self._found_inf or not all(codec.all_finite(f) for f in host)
             self._cond.notify_all()
+
+    def _to_host(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Start copying a CUDA gradient to a pinned host buffer (the client keeps one per tensor) on a
+        side stream; ``_host(name)`` waits for it."""
+        side = self._client.side_stream(g.device)
+        buf = self._client.pinned(name, g.numel(), dtype)
+        side.wait_stream(torch.cuda.current_stream(g.device))  # the gradient is complete on the compute stream
+        with torch.cuda.stream(side):
+            src = g.detach().reshape(-1)
+            buf.copy_(src.to(dtype) if src.dtype != dtype else src, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(side)
+        g.record_stream(side)
+        self._copies[name] = done
+        return buf
+
+    def _host(self, name: str) -> None:
+        """Wait until ``name``'s bytes are in host memory (CUDA gradients only)."""
+        done = self._copies.get(name)
+        if done is not None:
+            done.synchronize()
 
     @property
     def found_inf(self) -> bool:
@@ -134,9 +161,15 @@ class PushStream:
     def finish(self, found_inf: bool | None = None) -> list[PushResult]:
         """Close every shard's stream (``found_inf``: the step's flag, by default whether any gradient
         handed in held an inf/nan) and return each shard's answer; raise the first failure."""
+        late = False  # CUDA gradients are checked once in host memory
+        flats = dict(self._ready)
+        for name in list(self._copies):
+            self._host(name)
+            late = late or not codec.all_finite(flats[name])
         with self._cond:
             if found_inf is not None:
                 self._found_inf = self._found_inf or found_inf
+            self._found_inf = self._found_inf or late
             self._done = True
             self._cond.notify_all()
         responses = _gather(self._futures, self._wait_s)
@@ -177,6 +210,8 @@ class PushStream:
                 done = self._done
                 found_inf = self._found_inf
             i += len(batch)
+            for name, _ in batch:
+                self._host(name)
             if link is not None:  # same host: through the push segment
                 flats = {name: flat for name, flat in batch if name in parts}
                 if flats:
@@ -232,8 +267,10 @@ class PullInFlight:
             if direct:
                 self._staging[n] = target.detach().view(-1)
             else:
-                pin = target.device.type == "cuda"
-                self._staging[n] = torch.empty(lay.numel, dtype=tdt, pin_memory=pin)
+                if target.device.type == "cuda":  # pinned (kept by the client): the copy up is asynchronous
+                    self._staging[n] = client.pinned(f"pull:{n}", lay.numel, tdt)
+                else:
+                    self._staging[n] = torch.empty(lay.numel, dtype=tdt)
                 self._staged.add(n)
         # Each shard's tensors in the order asked; elements each tensor still waits for.
         order = {n: k for k, n in enumerate(names)}

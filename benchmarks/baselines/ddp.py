@@ -1,4 +1,4 @@
-"""PyTorch DistributedDataParallel over gloo: the all-reduce baseline.
+"""PyTorch DistributedDataParallel over gloo (NCCL with ``device="cuda"``): the all-reduce baseline.
 
 ``run(dims, workers, batch, steps, threads, timeout)`` starts ``workers``
 processes (spawn), each a rank of a gloo group on a free loopback port,
@@ -22,8 +22,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(args: tuple[int, int, int, tuple[int, ...], int, int, int, float]) -> list[float]:
-    rank, world, port, dims, batch_size, steps, threads, timeout = args
+def _rank(args: tuple[int, int, int, tuple[int, ...], int, int, int, float, str]) -> list[float]:
+    rank, world, port, dims, batch_size, steps, threads, timeout, device = args
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -31,18 +31,23 @@ def _rank(args: tuple[int, int, int, tuple[int, ...], int, int, int, float]) -> 
     from baselines.common import batch, loss_fn, mlp
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    cuda = device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
-        model = DistributedDataParallel(mlp(dims))
+        dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+        model = DistributedDataParallel(mlp(dims).to(dev), device_ids=[dev.index] if cuda else None)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         times = []
         for step in range(steps):
             x, y = batch(step, rank, batch_size, dims)
+            x, y = x.to(dev), y.to(dev)
             t0 = time.perf_counter()
             loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t0)
         return times
     finally:
@@ -50,10 +55,10 @@ def _rank(args: tuple[int, int, int, tuple[int, ...], int, int, int, float]) -> 
 
 
 def run(dims: tuple[int, ...], workers: int, batch_size: int, steps: int, threads: int = 1,
-        timeout: float = 300.0) -> list[list[float]]:
+        timeout: float = 300.0, device: str = "cpu") -> list[list[float]]:
     port = _free_port()
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers) as pool:
-        res: Any = pool.map_async(_rank, [(r, workers, port, dims, batch_size, steps, threads, timeout)
+        res: Any = pool.map_async(_rank, [(r, workers, port, dims, batch_size, steps, threads, timeout, device)
                                           for r in range(workers)])
         return list(res.get(timeout))
