@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """shardps against its peers, end to end: DDP (gloo), a Ray object-store parameter server, shardps.
 
-    .venv/bin/python benchmarks/peers.py [--params 25e6] [--workers 2] [--servers 2] [--json]
+    .venv/bin/python benchmarks/peers.py [--params 25e6] [--workers 2] [--servers 2] [--rounds 3] [--json]
     .venv/bin/python benchmarks/peers.py --sweep [--plot sweep.png]
 
 One run, one machine, the same workload for every system: an MLP
@@ -36,7 +36,9 @@ way; the Ray workers receive the weights and send their gradients.
 (1, 2, 4) and model size (1M, 10M, 25M, 100M parameters), each varied around
 the defaults, with DDP at the same point beside it; ``--plot PNG`` draws it.
 
-Absolute times drift on a shared machine: compare ratios from one run.
+Absolute times drift on a shared machine: compare ratios from one run, and
+use ``--rounds`` (each configuration that many times, in rotating order; the
+median counts) where other work shares the machine.
 """
 
 from __future__ import annotations
@@ -169,13 +171,28 @@ class Runner:
 
 
 def table(runner: Runner, dims: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Every configuration ``--rounds`` times, each round in another order (a rotation), so that load on a
+    shared machine hits all alike; a row's step time is the median of its rounds."""
     a = runner.args
-    rows = [runner.measure("ddp", dims, 0, a.workers)]
+    configs: list[tuple[str, int, str, str, str]] = [("ddp", 0, "bsp", "fp32", "off")]
     if "ray-ps" in a.systems and a.device == "cpu":
-        rows.append(runner.measure("ray-ps", dims, 1, a.workers))
+        configs.append(("ray-ps", 1, "bsp", "fp32", "off"))
     for sync, wire, overlap in SHARDPS_CONFIGS:
         if sync.split(":")[0] in a.systems or "shardps" in a.systems:
-            rows.append(runner.measure("shardps", dims, a.servers, a.workers, sync, wire, overlap))
+            configs.append(("shardps", a.servers, sync, wire, overlap))
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(configs))}
+    for r in range(a.rounds):
+        order = list(range(len(configs)))
+        k = (r * len(configs)) // max(1, a.rounds)
+        for i in order[k:] + order[:k]:
+            system, servers, sync, wire, overlap = configs[i]
+            runs[i].append(runner.measure(system, dims, servers, a.workers, sync, wire, overlap))
+    rows = []
+    for i in range(len(configs)):
+        row = dict(runs[i][0])
+        row["rounds_ms"] = [x["step_ms"] for x in runs[i]]
+        row["step_ms"] = statistics.median(row["rounds_ms"])
+        rows.append(row)
     ray_ps = next((r["step_ms"] for r in rows if r["system"] == "ray-ps"), None)
     ddp = rows[0]["step_ms"]
     for r in rows:
@@ -252,6 +269,8 @@ def main() -> int:
                    help="where the workers compute (cuda: DDP over NCCL, one GPU per worker, round robin)")
     p.add_argument("--systems", default="ddp,ray-ps,shardps",
                    help="comma-separated: ddp, ray-ps, shardps (all its modes) or bsp, asp, every")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, in rotating order; the median counts (default 1)")
     p.add_argument("--sweep", action="store_true", help="step time against servers, workers and model size")
     p.add_argument("--plot", metavar="PNG", default=None, help="with --sweep: draw the curves")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each system's run, seconds")
