@@ -31,7 +31,9 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
     cmd = [sys.executable, "-m", "shardps", "worker", "--example", "digits",
            "--addresses", ",".join(addresses), "--worker-id", str(k), "--num-workers", str(args.workers),
            "--sync", args.sync, "--optimizer", args.optimizer, "--epochs", str(args.epochs),
-           "--seed", str(args.seed), "--batch-size", str(args.batch_size)]
+           "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--wire", getattr(args, "wire", "fp32")]
+    if getattr(args, "overlap", False):
+        cmd.append("--overlap")
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     if backups:

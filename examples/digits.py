@@ -69,7 +69,8 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
                  batch_size: int = 64, seed: int = 0, progress: bool = False,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  on_step: Callable[[int, float], None] | None = None, security: Any = None,
-                 backups: list[str] | None = None, client: Any = None) -> dict[str, object]:
+                 backups: list[str] | None = None, client: Any = None, wire: str = "fp32",
+                 overlap: bool = False) -> dict[str, object]:
     """One worker's training run; returns its summary (steps, last loss, seconds, rollbacks).
 
     ``addresses``, ``worker_id``, ``num_workers``, ``metrics_port`` and
@@ -80,6 +81,8 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
     (``shardps.RolledBack``), training goes on from the step it names, on
     the same batches as the first time. ``client``: an already connected
     ``PSClient`` to train with (the caller closes it) instead of connecting.
+    ``wire="bf16"``: gradients up and weights down in bf16 (the masters stay
+    fp32 on the servers); ``overlap``: ``DistributedOptimizer(overlap=True)``.
     """
     import shardps
 
@@ -97,7 +100,11 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
     loss_val = float("nan")
     losses: list[float] = []
     try:
-        opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync)
+        if wire not in ("fp32", "bf16"):
+            raise ValueError(f"wire must be 'fp32' or 'bf16', got {wire!r}")
+        half = torch.bfloat16 if wire == "bf16" else None
+        opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync,
+                                           grad_dtype=half, pull_dtype=half, overlap=overlap)
         if progress:
             from tqdm import tqdm
 
@@ -128,6 +135,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
             if bar is not None:
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss_val:.3f}", refresh=False)
                 bar.update(1)
+        opt.synchronize()
     finally:
         if bar is not None:
             bar.close()
@@ -172,6 +180,7 @@ def main_worker(args: object, security: object = None) -> int:
     res = train_worker(a.addresses, a.worker_id, a.num_workers, sync=a.sync, optimizer=a.optimizer,  # type: ignore[attr-defined]
                        lr=a.lr, epochs=a.epochs, batch_size=a.batch_size, seed=a.seed,  # type: ignore[attr-defined]
                        progress=a.progress, metrics_port=a.metrics_port, metrics_host=a.metrics_host,  # type: ignore[attr-defined]
-                       security=security, backups=getattr(a, "backups", None))
+                       security=security, backups=getattr(a, "backups", None),
+                       wire=getattr(a, "wire", "fp32"), overlap=getattr(a, "overlap", False))
     print(json.dumps(res), flush=True)
     return 0

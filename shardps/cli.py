@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    w.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
+    w.add_argument("--overlap", action="store_true",
+                   help="push gradient buckets during backward, pull weights during the next forward")
     w.add_argument("--metrics-port", type=int, default=None,
                    help=f"serve Prometheus /metrics on this port (0: a free one; default off; env {env.METRICS_PORT})")
     w.add_argument("--metrics-host", default=None,
@@ -206,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--epochs", type=int, default=20)
     d.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
+    d.add_argument("--overlap", action="store_true",
+                   help="push gradient buckets during backward, pull weights during the next forward")
     d.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     d.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     d.add_argument("--quiet", action="store_true", help="no progress output")

@@ -44,6 +44,12 @@ def test_demo_every_4_pushes_a_quarter_and_plots(tmp_path):
     assert out["test_accuracy"] >= 0.8, out
 
 
+def test_demo_bf16_on_the_wire_with_overlap():
+    """Gradients up and weights down in bf16, buckets pushed during backward: still learns digits."""
+    out = run_demo("--wire", "bf16", "--overlap", "--epochs", "8", "--quiet")
+    assert out["steps"] == 8 * 22 and out["test_accuracy"] >= 0.9, out
+
+
 def test_demo_bad_flag_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "shardps", "demo", "--sync", "sometimes"],
                           capture_output=True, text=True, timeout=60)
