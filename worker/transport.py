@@ -70,7 +70,7 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 class Transport:
-    """Channels to the shards at ``addresses`` (in shard order) and a thread per shard to call them in parallel.
+    """Channels to the shards at ``addresses`` (in shard order) and threads to call them in parallel.
 
     ``backups``: each shard's backup ('' for none; ``--replicas 2``), learnt
     later too (``set_backup``). ``timeout`` is every RPC's deadline;
@@ -267,11 +267,21 @@ class Transport:
         return self.fan_out(lambda i: self.call(i, lambda: fn(i)), shards)
 
     def fan_out(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
-        """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure."""
+        """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure.
+
+        The first shard's call runs in the caller's thread, the others in the pool: one shard (or
+        one shard's share) costs no hand-over between threads.
+        """
         idx = list(range(self.num_shards)) if shards is None else list(shards)
-        futs = [self._pool.submit(fn, i) for i in idx]
+        if not idx:
+            return []
+        futs = [self._pool.submit(fn, i) for i in idx[1:]]
         results: list[T] = []
         first_err: BaseException | None = None
+        try:
+            results.append(fn(idx[0]))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after all finished (an interrupt: at once)
+            first_err = e
         for f in futs:
             try:
                 results.append(f.result())

@@ -179,6 +179,24 @@ def test_fan_out_waits_for_every_shard_then_raises_the_first_failure():
         t.close()
 
 
+def test_fan_out_runs_the_first_shard_in_the_callers_thread_and_the_others_in_the_pool():
+    threads: dict[int, int] = {}
+
+    def fn(i: int) -> int:
+        threads[i] = threading.get_ident()
+        return i
+
+    t = fake_transport(lambda a, m, r: None, addresses=("a:1", "b:1", "c:1"))
+    try:
+        assert t.fan_out(fn) == [0, 1, 2]
+        assert threads[0] == threading.get_ident()
+        assert threading.get_ident() not in (threads[1], threads[2])
+        assert t.fan_out(fn, [2]) == [2] and threads[2] == threading.get_ident()
+        assert t.fan_out(fn, []) == []
+    finally:
+        t.close()
+
+
 def test_backups_need_one_entry_per_shard():
     with pytest.raises(ValueError, match="one address \\(or ''\\) per shard: 2 shards, 1 backups"):
         fake_transport(lambda a, m, r: None, backups=["x:1"])
