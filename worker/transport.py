@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+import grpc.experimental
 
 from shardps.protos import framing
 from shardps.protos.security import Security
@@ -26,6 +27,7 @@ from shardps.worker.errors import ShardError, shard_error
 log = logging.getLogger("shardps.worker")
 
 WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
+SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
 
 
@@ -113,7 +115,10 @@ class Transport:
     # -- the shards' endpoints ----------------------------------------------
 
     def _channel(self, address: str) -> grpc.Channel:
-        return self.security.channel(address, role="worker")
+        # Pull's responses are read in the caller's thread: without this option gRPC starts a thread
+        # to drive the channel for every call made while no other call is under way (each Pull of one
+        # worker), and every response crosses from that thread to the caller's.
+        return self.security.channel(address, role="worker", options=[SINGLE_THREADED_UNARY_STREAM])
 
     def stub(self, shard: int) -> ps_pb2_grpc.WorkersStub:
         """The ``Workers`` stub that talks to ``shard`` now (after a fail-over: its backup)."""
