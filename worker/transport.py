@@ -9,6 +9,7 @@ backup when it has one); ``each`` runs a call on every shard in parallel.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ log = logging.getLogger("shardps.worker")
 WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
 SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
+_NONE: Any = object()  # no message
 
 
 def explain_unreachable(security: Security, details: str) -> str:
@@ -103,6 +105,7 @@ class Transport:
         self._stubs: list[ps_pb2_grpc.WorkersStub] = []
         self._operator_channels: dict[str, grpc.Channel] = {}
         self._push_raw: list[Any] = []
+        self._push_one: list[Any] = []
         self._pull_raw: list[Any] = []
         for i, a in enumerate(self.addresses):
             self._install(i, a, self._channel(a))
@@ -140,8 +143,19 @@ class Transport:
         return list(self._stubs)
 
     def push(self, shard: int, requests: Iterator[bytes]) -> ps_pb2.PushResponse:
-        """A Push of serialized PushRequests (``framing``) to ``shard``."""
-        response: ps_pb2.PushResponse = self._push_raw[shard](requests, timeout=self.timeout)
+        """A Push of serialized PushRequests (``framing``) to ``shard``.
+
+        A Push of one message (a small model's whole gradient) goes as a unary call of the same method:
+        on the wire a client stream of one message is exactly that, and a unary call runs in the
+        caller's thread, where gRPC reads a request stream in a thread it starts for every call.
+        """
+        first = next(requests, _NONE)
+        second = next(requests, _NONE) if first is not _NONE else _NONE
+        if second is _NONE and first is not _NONE:
+            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout)
+            return one
+        stream = requests if first is _NONE else itertools.chain((first, second), requests)
+        response: ps_pb2.PushResponse = self._push_raw[shard](stream, timeout=self.timeout)
         return response
 
     def pull(self, shard: int, request: ps_pb2.PullRequest) -> Iterator[Any]:
@@ -164,6 +178,9 @@ class Transport:
         push: Any = channel.stream_unary(  # type: ignore[call-arg]
             f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
             _registered_method=True)
+        push_one: Any = channel.unary_unary(  # type: ignore[call-arg]
+            f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
+            _registered_method=True)
         pull: Any = channel.unary_stream(  # type: ignore[call-arg]
             f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=framing.parse_pull_response, _registered_method=True)
@@ -171,11 +188,12 @@ class Transport:
             self._channels.append(channel)
             self._stubs.append(stub)
             self._push_raw.append(push)
+            self._push_one.append(push_one)
             self._pull_raw.append(pull)
         else:
             self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
             self._channels[shard], self._stubs[shard] = channel, stub
-            self._push_raw[shard], self._pull_raw[shard] = push, pull
+            self._push_raw[shard], self._push_one[shard], self._pull_raw[shard] = push, push_one, pull
         self.addresses[shard] = address
 
     # -- fail-over ------------------------------------------------------------
