@@ -298,7 +298,7 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
     add(servicer, recorder)
     handlers = recorder.handlers
     if service == WORKERS:
-        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)
+        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.read_push_request)
         handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
         handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))
@@ -312,8 +312,8 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     data path's copies cut.
 
     Every RPC keeps the generated handler; only Push's request deserializer
-    (framing.parse_push_request: chunk.data stays a view of the received
-    bytes) and Pull's response serializer (the servicer yields finished
+    (framing.read_push_request: chunk.data stays a view of the received
+    bytes, but for small messages) and Pull's response serializer (the servicer yields finished
     PullResponse bytes) are replaced, and every request deserializer hands
     over bytes that do not parse as a ``Malformed``. The wire format is unchanged.
     """

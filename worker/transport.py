@@ -183,7 +183,7 @@ class Transport:
             _registered_method=True)
         pull: Any = channel.unary_stream(  # type: ignore[call-arg]
             f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=framing.parse_pull_response, _registered_method=True)
+            response_deserializer=framing.read_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)
             self._stubs.append(stub)
