@@ -315,11 +315,14 @@ class PSClient:
             direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == tdt
             staging[n] = target.detach().view(-1) if direct else torch.empty(lay.numel, dtype=tdt)
         owners: dict[int, list[str]] = {}
+        messages: dict[int, int] = {}  # how many PullResponses each shard answers with (as it frames them)
         for p in self.shard_map.parts:
             if p.name in staging:
                 owners.setdefault(p.server, [])
                 if not owners[p.server] or owners[p.server][-1] != p.name:
                     owners[p.server].append(p.name)
+                per = max(1, self.chunk_bytes // staging[p.name].dtype.itemsize)
+                messages[p.server] = messages.get(p.server, 0) + -(-(p.stop - p.start) // per)
 
         def fetch(shard: int) -> int:
             req = ps_pb2.PullRequest(worker_id=self.worker_id, names=owners[shard],
@@ -329,7 +332,7 @@ class PSClient:
             with torch.no_grad():
                 # chunk.data is a view of the received message: decode copies nothing,
                 # copy_ is the one copy on this side.
-                for resp in self.transport.pull(shard, req):
+                for resp in self.transport.pull(shard, req, one=messages[shard] == 1):
                     c = resp.chunk
                     values = codec.decode(c.data, c.dtype)
                     dst = staging[c.name]

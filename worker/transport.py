@@ -31,6 +31,7 @@ WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go 
 SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
 _NONE: Any = object()  # no message
+_PULL_ONE = ((framing.PULL_ONE_HEADER, "1"),)
 
 
 def explain_unreachable(security: Security, details: str) -> str:
@@ -107,6 +108,7 @@ class Transport:
         self._push_raw: list[Any] = []
         self._push_one: list[Any] = []
         self._pull_raw: list[Any] = []
+        self._pull_one: list[Any] = []
         for i, a in enumerate(self.addresses):
             self._install(i, a, self._channel(a))
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
@@ -158,8 +160,21 @@ class Transport:
         response: ps_pb2.PushResponse = self._push_raw[shard](stream, timeout=self.timeout)
         return response
 
-    def pull(self, shard: int, request: ps_pb2.PullRequest) -> Iterator[Any]:
-        """A Pull from ``shard``: framed responses whose ``chunk.data`` views the received message."""
+    def pull(self, shard: int, request: ps_pb2.PullRequest, *, one: bool = False) -> Iterator[Any]:
+        """A Pull from ``shard``: its responses (``framing.read_pull_response``).
+
+        ``one``: the caller knows the answer is one message, which is then asked as a unary call with
+        ``framing.PULL_ONE_HEADER`` (the shard sends the message and its status at once). Should the
+        shard answer that it has more, the Pull is asked again as a stream.
+        """
+        if one:
+            try:
+                return iter((self._pull_one[shard](request, timeout=self.timeout, metadata=_PULL_ONE),))
+            except grpc.RpcError as e:
+                code, details = status_of(e)
+                if code != grpc.StatusCode.FAILED_PRECONDITION or not details.startswith(framing.PULL_NOT_ONE):
+                    raise
+                log.warning("shard %d: %s", shard, details)
         responses: Iterator[Any] = self._pull_raw[shard](request, timeout=self.timeout)
         return responses
 
@@ -184,16 +199,21 @@ class Transport:
         pull: Any = channel.unary_stream(  # type: ignore[call-arg]
             f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=framing.read_pull_response, _registered_method=True)
+        pull_one: Any = channel.unary_unary(  # type: ignore[call-arg]
+            f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=framing.read_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)
             self._stubs.append(stub)
             self._push_raw.append(push)
             self._push_one.append(push_one)
             self._pull_raw.append(pull)
+            self._pull_one.append(pull_one)
         else:
             self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
             self._channels[shard], self._stubs[shard] = channel, stub
-            self._push_raw[shard], self._push_one[shard], self._pull_raw[shard] = push, push_one, pull
+            self._push_raw[shard], self._push_one[shard] = push, push_one
+            self._pull_raw[shard], self._pull_one[shard] = pull, pull_one
         self.addresses[shard] = address
 
     # -- fail-over ------------------------------------------------------------
