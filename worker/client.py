@@ -330,8 +330,8 @@ class PSClient:
                                      min_clock=min_clock, epoch=self.epoch)
             version = -1
             with torch.no_grad():
-                # chunk.data is a view of the received message: decode copies nothing,
-                # copy_ is the one copy on this side.
+                # chunk.data is a view of the received message (one under 64 KiB is parsed whole:
+                # framing.read_pull_response): decode copies nothing, copy_ is the one copy here.
                 for resp in self.transport.pull(shard, req, one=messages[shard] == 1):
                     c = resp.chunk
                     values = codec.decode(c.data, c.dtype)
