@@ -5,6 +5,10 @@ The one module of the worker that speaks gRPC. Every failure leaves it as a
 here once; the client, the heartbeats and the optimizer above it see only
 those. ``call`` retries a shard that is UNAVAILABLE (and fails over to its
 backup when it has one); ``each`` runs a call on every shard in parallel.
+
+(Over 400 lines: the TLS diagnosis of a failed connection and the two
+endpoint helpers, ``unary`` and ``health_status``, live here because this
+is the one module that imports gRPC.)
 """
 
 from __future__ import annotations
