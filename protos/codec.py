@@ -7,6 +7,7 @@ payload back into a 1-D tensor that shares the payload's memory.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Iterator
@@ -87,7 +88,7 @@ def encode_range(
 def decode(data: bytes | memoryview, wire_dtype: int) -> torch.Tensor:
     """A read-only 1-D tensor viewing ``data``; ValueError if it does not fit."""
     dtype = to_torch_dtype(wire_dtype)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(data) % size:
         raise ValueError(
             f"payload of {len(data)} bytes is not a whole number of {dtype_name(wire_dtype)} elements"
@@ -98,7 +99,7 @@ def decode(data: bytes | memoryview, wire_dtype: int) -> torch.Tensor:
 
 
 def itemsize(wire_dtype: int) -> int:
-    return torch.empty((), dtype=to_torch_dtype(wire_dtype)).element_size()
+    return to_torch_dtype(wire_dtype).itemsize
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -106,8 +107,10 @@ def all_finite(t: torch.Tensor) -> bool:
 
     Uses min/max (nan propagates through both, an inf is one of them):
     one vectorized pass, much faster on CPU than ``isfinite(t).all()``.
+    The two results are checked as Python floats: for a small tensor, two
+    more torch calls on them cost more than the pass itself.
     """
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t.reshape(-1))
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())

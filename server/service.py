@@ -27,7 +27,7 @@ from shardps.protos import codec, framing
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
-from shardps.server.errors import InvalidArgument, StoreError
+from shardps.server.errors import FailedPrecondition, InvalidArgument, StoreError
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
@@ -97,14 +97,17 @@ def _details(e: StoreError) -> str:
     return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 20] + " ... (truncated)"
 
 
-def _unary_errors(fn: F) -> F:
+def _unary_errors(fn: F, method: str = "") -> F:
+    """``fn`` answering a StoreError with its status (and counting it under ``method``, else fn's name)."""
+    name = method or fn.__name__
+
     @functools.wraps(fn)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, _checked(request), context)
         except StoreError as e:
             if self.metrics is not None:
-                self.metrics.rpc_error(fn.__name__, e.code)
+                self.metrics.rpc_error(name, e.code)
             context.abort(_status_code(e), _details(e))
 
     return wrapper  # type: ignore[return-value]
@@ -176,9 +179,9 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
             self.metrics.replication_seconds.labels(self.metrics.shard).observe(time.perf_counter() - t0)
         return res.to_proto()
 
-    @_stream_errors
-    def Pull(self, request: ps_pb2.PullRequest,
-             context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> list[bytes]:
+        """Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
+        are (see add_servicers)."""
         self.store.check_serving()
         q = decode_pull(request, self.chunk_bytes, self.segments)
         waited, messages = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
@@ -186,10 +189,22 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
                                            timeout=self._timeout(context), segment=q.segment)
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
-        # Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
-        # are (see add_servicer).
-        for *_, msg in messages:
-            yield msg
+        return [msg for *_, msg in messages]
+
+    @_stream_errors
+    def Pull(self, request: ps_pb2.PullRequest,
+             context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._pull(request, context)
+
+    def _one_message(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> bytes:
+        """Pull asked as a unary call (framing.PULL_ONE_HEADER): the one message, sent with the status."""
+        messages = self._pull(request, context)
+        if len(messages) != 1:
+            raise FailedPrecondition(f"{framing.PULL_NOT_ONE} but {len(messages)}: ask without the "
+                                     f"{framing.PULL_ONE_HEADER} header")
+        return messages[0]
+
+    pull_one = _unary_errors(_one_message, "Pull")
 
     @_unary_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
@@ -299,16 +314,39 @@ def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
+class _PullByHeader(grpc.GenericRpcHandler):
+    """Workers.Pull: the streaming handler, or with framing.PULL_ONE_HEADER the unary one."""
+
+    def __init__(self, stream: grpc.RpcMethodHandler[Any, Any], one: grpc.RpcMethodHandler[Any, Any]) -> None:
+        self.method = f"/{WORKERS}/Pull"
+        self.stream, self.one = stream, one
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if handler_call_details.method != self.method:
+            return None
+        for key, _ in handler_call_details.invocation_metadata or ():
+            if key == framing.PULL_ONE_HEADER:
+                return self.one
+        return self.stream
+
+
 def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer, server: grpc.Server) -> None:
     recorder = _HandlerRecorder()
     add(servicer, recorder)
     handlers = recorder.handlers
     if service == WORKERS:
-        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.parse_push_request)
+        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.read_push_request)
         handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
         handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    generic: list[grpc.GenericRpcHandler] = [grpc.method_handlers_generic_handler(service, handlers)]
+    if service == WORKERS:  # Pull's handler depends on a header: not a registered method (those have one)
+        assert isinstance(servicer, WorkersServicer)
+        stream = handlers.pop("Pull")
+        one = grpc.unary_unary_rpc_method_handler(servicer.pull_one, request_deserializer=stream.request_deserializer,
+                                                  response_serializer=_pull_response_bytes)
+        generic.insert(0, _PullByHeader(stream, one))
+    server.add_generic_rpc_handlers(tuple(generic))
     server.add_registered_method_handlers(service, handlers)
 
 
@@ -318,10 +356,12 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     data path's copies cut.
 
     Every RPC keeps the generated handler; only Push's request deserializer
-    (framing.parse_push_request: chunk.data stays a view of the received
-    bytes) and Pull's response serializer (the servicer yields finished
+    (framing.read_push_request: chunk.data stays a view of the received
+    bytes, but for small messages) and Pull's response serializer (the servicer yields finished
     PullResponse bytes) are replaced, and every request deserializer hands
-    over bytes that do not parse as a ``Malformed``. The wire format is unchanged.
+    over bytes that do not parse as a ``Malformed``. A Pull that carries
+    framing.PULL_ONE_HEADER is answered by a unary handler (its one message
+    and the status at once). The wire format is unchanged.
     """
     segments = SegmentCache()
     server.segments = segments  # type: ignore[attr-defined]  # unmapped by stop_server

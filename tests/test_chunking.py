@@ -1,10 +1,12 @@
 """Large and odd-sized tensors cross intact in chunks, in fp32, fp16 and bf16."""
 
+import grpc
 import pytest
 import torch
 
 import shardps
-from shardps.protos import codec
+from shardps.protos import codec, framing
+from shardps.protos.shardps.v1 import ps_pb2
 
 
 def test_64mb_and_odd_sized_tensors_round_trip_through_2_shards(cluster2):
@@ -41,3 +43,37 @@ def test_half_precision_payloads(cluster2, dtype):
         for store in cluster2.stores:
             for part in store.weights("w").values():
                 assert part.dtype == torch.float32
+
+
+class _PullHeaders(grpc.ServerInterceptor):
+    """Records, per Pull, whether it carried framing.PULL_ONE_HEADER."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def intercept_service(self, continuation, details):
+        if details.method.endswith("/Pull"):
+            self.seen.append(any(k == framing.PULL_ONE_HEADER for k, _ in details.invocation_metadata))
+        return continuation(details)
+
+
+def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_a_stream(make_cluster):
+    headers = _PullHeaders()
+    cluster = make_cluster(1, interceptors=[headers])
+    w = torch.randn(1000)  # 4000 bytes: one message of 4096-byte chunks, two of 2048
+    with shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False) as client:  # gRPC chunks
+        client.register({"w": w}, shardps.optim.SGD(lr=0.0), sync="asp")
+        assert torch.equal(client.pull()["w"], w)
+        assert torch.equal(client.pull(dtype=torch.float16)["w"], w.half())
+        client.chunk_bytes = 2048
+        assert torch.equal(client.pull()["w"], w)
+        assert headers.seen == [True, True, False]  # asked as one message when it is one
+        t = client.transport
+        two = ps_pb2.PullRequest(names=["w"], chunk_bytes=2048)
+        with pytest.raises(grpc.RpcError) as refused:  # asked as one, the shard has two
+            t._pull_one[0](two, timeout=5, metadata=((framing.PULL_ONE_HEADER, "1"),))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details().startswith(framing.PULL_NOT_ONE)
+        got = list(t.pull(0, two, one=True))  # the transport then asks for the stream
+        assert [r.chunk.offset for r in got] == [0, 512]
+        assert torch.equal(torch.cat([codec.decode(r.chunk.data, r.chunk.dtype) for r in got]), w)

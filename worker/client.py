@@ -319,6 +319,10 @@ class PSClient:
             prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
                                             base_version=bases[shard], found_inf=found_inf,
                                             loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True)
+            _, last_suffix = framing.header(
+                ps_pb2.PushRequest, worker_id=self.worker_id, step=step, base_version=bases[shard],
+                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True)
+            pending = None  # one message behind: the last one says it is (a cut stream is refused)
             for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
                 flat = flats.get(p.name)
                 if flat is None:
@@ -327,11 +331,11 @@ class PSClient:
                 for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, p.name,
                                                         lay.push_dtype, lay.shape, flat, p.start, p.stop,
                                                         self.chunk_bytes):
-                    yield msg
-            last_prefix, last_suffix = framing.header(
-                ps_pb2.PushRequest, worker_id=self.worker_id, step=step, base_version=bases[shard],
-                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True)
-            yield last_prefix + last_suffix  # the stream's end, said (a cut stream is refused)
+                    if pending is not None:
+                        yield pending
+                    pending = msg
+            # The fields after the chunk are the message's end (protobuf writes fields in number order).
+            yield prefix + last_suffix if pending is None else pending[: len(pending) - len(suffix)] + last_suffix
 
         responses = self.transport.each(lambda i: self.transport.push(i, requests(i)))
         out = [PushResult.from_proto(r) for r in responses]
@@ -349,8 +353,7 @@ class PSClient:
         the client's timeout) until it has reached that version;
         ``min_clock`` until every worker has pushed that many steps (ssp).
         """
-        return self.pull_async(names, out=out, min_versions=min_versions, dtype=dtype,
-                               min_clock=min_clock).result()
+        return self._pull(names, out, min_versions, dtype, min_clock).start(inline=True).result()
 
     def pull_async(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
                    min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
@@ -358,13 +361,17 @@ class PSClient:
         """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
         ``result()`` until all are (and raises a failure). Each shard sends its tensors in the order of
         ``names`` (by default the order registered: a model's first layers first)."""
+        return self._pull(names, out, min_versions, dtype, min_clock).start()
+
+    def _pull(self, names: Iterable[str] | None, out: Mapping[str, torch.Tensor] | None,
+              min_versions: Sequence[int] | int | None, dtype: torch.dtype | None, min_clock: int) -> PullInFlight:
         wanted = list(self.layouts if names is None else names)
         self._require_layout(wanted)
         if isinstance(min_versions, int) or min_versions is None:
             mins = [min_versions or 0] * self.num_shards
         else:
             mins = list(min_versions)
-        return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock).start()
+        return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock)
 
     def push_stream(self, step: int, base_versions: Sequence[int] | None = None, *,
                     loss_scale: float = 0.0) -> PushStream:

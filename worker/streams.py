@@ -57,19 +57,25 @@ def push_via_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str
     """PushRequests for ``shard`` whose chunks lie in its push segment (written here, part by part);
     ``last``: end with the stream's last message (chunk-less, carrying ``found_inf``)."""
     assert client.shard_map is not None
+    pending = None  # one message behind: with ``last``, the last one says it is
     for p in client.shard_map.parts_for(shard):
         flat = flats.get(p.name)
         if flat is None:
             continue
         chunk = link.write_push(p.name, client.layouts[p.name].push_dtype, flat, p.start, p.stop)
         chunk.shape.extend(client.layouts[p.name].shape)  # one chunk per part: each says the shape
-        yield ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
-                                 found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
-                                 shm=link.push.name, chunk=chunk, ends_with_last=True).SerializeToString()
-    if last:
-        yield ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
-                                 found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
-                                 shm=link.push.name, ends_with_last=True, last=True).SerializeToString()
+        if pending is not None:
+            yield pending.SerializeToString()
+        pending = ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
+                                     found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
+                                     shm=link.push.name, chunk=chunk, ends_with_last=True)
+    if pending is None and last:
+        pending = ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
+                                     found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
+                                     shm=link.push.name, ends_with_last=True)
+    if pending is not None:
+        pending.last = last
+        yield pending.SerializeToString()
 
 
 class StreamAborted(Exception):
@@ -97,7 +103,7 @@ class PushStream:
             self._parts[p.server].setdefault(p.name, []).append((p.start, p.stop))
         t = client.transport
         self._wait_s = t.timeout + t.recovery_timeout + 5.0
-        self._futures = t.submit_each(lambda i: t.push(i, self._requests(i)))
+        self._futures = t.submit_each(lambda i: t.push(i, self._requests(i), stream=True))
         self.bytes_added = 0
 
     def add(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -276,9 +282,15 @@ class PullInFlight:
         order = {n: k for k, n in enumerate(names)}
         self._owners: dict[int, list[str]] = {}
         self._missing: dict[str, int] = dict.fromkeys(names, 0)
+        self._messages: dict[int, int] = {}  # how many PullResponses each shard answers with
         for p in client.shard_map.parts:
             if p.name in order:
                 self._missing[p.name] += p.stop - p.start
+                if client.shm_links[p.server] is not None:  # one per part
+                    self._messages[p.server] = self._messages.get(p.server, 0) + 1
+                else:  # one per chunk, as the shard frames them
+                    per = max(1, client.chunk_bytes // self._staging[p.name].dtype.itemsize)
+                    self._messages[p.server] = self._messages.get(p.server, 0) + -(-(p.stop - p.start) // per)
                 got = self._owners.setdefault(p.server, [])
                 if p.name not in got:
                     got.append(p.name)
@@ -298,8 +310,19 @@ class PullInFlight:
         self._finished = False
         self._broken = False
 
-    def start(self) -> PullInFlight:
-        self._futures = self._client.transport.submit_each(self._fetch, self._shards)
+    def start(self, *, inline: bool = False) -> PullInFlight:
+        """Start every shard's Pull; ``inline``: the first shard's in this thread, before returning (for a
+        caller that waits for the result anyway: no hand-over between threads for it)."""
+        t = self._client.transport
+        if not inline or not self._shards:
+            self._futures = t.submit_each(self._fetch, self._shards)
+        else:
+            first: Future[int] = Future()
+            self._futures = [first] + t.submit_each(self._fetch, self._shards[1:])
+            try:
+                first.set_result(t.call(self._shards[0], functools.partial(self._fetch, self._shards[0])))
+            except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
+                first.set_exception(e)
         for f in self._futures:
             f.add_done_callback(self._ended)
         return self
@@ -335,7 +358,7 @@ class PullInFlight:
         received = self._received[shard]
         with torch.no_grad():
             # chunk.data is a view of the received message: decode copies nothing, copy_ is the one copy.
-            for resp in client.transport.pull(shard, req):
+            for resp in client.transport.pull(shard, req, one=self._messages.get(shard) == 1):
                 c = resp.chunk
                 if c.shm_bytes:  # same host: the bytes are in our pull segment
                     if link is None:

@@ -5,11 +5,16 @@ The one module of the worker that speaks gRPC. Every failure leaves it as a
 here once; the client, the heartbeats and the optimizer above it see only
 those. ``call`` retries a shard that is UNAVAILABLE (and fails over to its
 backup when it has one); ``each`` runs a call on every shard in parallel.
+
+(Over 400 lines: the TLS diagnosis of a failed connection and the two
+endpoint helpers, ``unary`` and ``health_status``, live here because this
+is the one module that imports gRPC.)
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -18,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+import grpc.experimental
 
 from shardps.protos import framing
 from shardps.protos.security import Security
@@ -27,7 +33,10 @@ from shardps.worker.errors import ShardError, shard_error
 log = logging.getLogger("shardps.worker")
 
 WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
+SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
+_NONE: Any = object()  # no message
+_PULL_ONE = ((framing.PULL_ONE_HEADER, "1"),)
 
 
 def explain_unreachable(security: Security, details: str) -> str:
@@ -71,7 +80,7 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 class Transport:
-    """Channels to the shards at ``addresses`` (in shard order) and a thread per shard to call them in parallel.
+    """Channels to the shards at ``addresses`` (in shard order) and threads to call them in parallel.
 
     ``backups``: each shard's backup ('' for none; ``--replicas 2``), learnt
     later too (``set_backup``). ``timeout`` is every RPC's deadline;
@@ -103,7 +112,9 @@ class Transport:
         self._stubs: list[ps_pb2_grpc.WorkersStub] = []
         self._operator_channels: dict[str, grpc.Channel] = {}
         self._push_raw: list[Any] = []
+        self._push_one: list[Any] = []
         self._pull_raw: list[Any] = []
+        self._pull_one: list[Any] = []
         for i, a in enumerate(self.addresses):
             self._install(i, a, self._channel(a))
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
@@ -115,7 +126,10 @@ class Transport:
     # -- the shards' endpoints ----------------------------------------------
 
     def _channel(self, address: str) -> grpc.Channel:
-        return self.security.channel(address, role="worker")
+        # Pull's responses are read in the caller's thread: without this option gRPC starts a thread
+        # to drive the channel for every call made while no other call is under way (each Pull of one
+        # worker), and every response crosses from that thread to the caller's.
+        return self.security.channel(address, role="worker", options=[SINGLE_THREADED_UNARY_STREAM])
 
     def stub(self, shard: int) -> ps_pb2_grpc.WorkersStub:
         """The ``Workers`` stub that talks to ``shard`` now (after a fail-over: its backup)."""
@@ -136,13 +150,42 @@ class Transport:
         """The current stubs, one per shard (a snapshot)."""
         return list(self._stubs)
 
-    def push(self, shard: int, requests: Iterator[bytes]) -> ps_pb2.PushResponse:
-        """A Push of serialized PushRequests (``framing``) to ``shard``."""
-        response: ps_pb2.PushResponse = self._push_raw[shard](requests, timeout=self.timeout)
+    def push(self, shard: int, requests: Iterator[bytes], *, stream: bool = False) -> ps_pb2.PushResponse:
+        """A Push of serialized PushRequests (``framing``) to ``shard``.
+
+        A Push of one message (a small model's whole gradient) goes as a unary call of the same method:
+        on the wire a client stream of one message is exactly that, and a unary call runs in the
+        caller's thread, where gRPC reads a request stream in a thread it starts for every call.
+        ``stream``: a stream whatever its length (its messages come while the caller computes: nothing
+        is read ahead of the call).
+        """
+        if stream:
+            streamed: ps_pb2.PushResponse = self._push_raw[shard](requests, timeout=self.timeout)
+            return streamed
+        first = next(requests, _NONE)
+        second = next(requests, _NONE) if first is not _NONE else _NONE
+        if second is _NONE and first is not _NONE:
+            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout)
+            return one
+        messages = requests if first is _NONE else itertools.chain((first, second), requests)
+        response: ps_pb2.PushResponse = self._push_raw[shard](messages, timeout=self.timeout)
         return response
 
-    def pull(self, shard: int, request: ps_pb2.PullRequest) -> Iterator[Any]:
-        """A Pull from ``shard``: framed responses whose ``chunk.data`` views the received message."""
+    def pull(self, shard: int, request: ps_pb2.PullRequest, *, one: bool = False) -> Iterator[Any]:
+        """A Pull from ``shard``: its responses (``framing.read_pull_response``).
+
+        ``one``: the caller knows the answer is one message, which is then asked as a unary call with
+        ``framing.PULL_ONE_HEADER`` (the shard sends the message and its status at once). Should the
+        shard answer that it has more, the Pull is asked again as a stream.
+        """
+        if one:
+            try:
+                return iter((self._pull_one[shard](request, timeout=self.timeout, metadata=_PULL_ONE),))
+            except grpc.RpcError as e:
+                code, details = status_of(e)
+                if code != grpc.StatusCode.FAILED_PRECONDITION or not details.startswith(framing.PULL_NOT_ONE):
+                    raise
+                log.warning("shard %d: %s", shard, details)
         responses: Iterator[Any] = self._pull_raw[shard](request, timeout=self.timeout)
         return responses
 
@@ -161,18 +204,27 @@ class Transport:
         push: Any = channel.stream_unary(  # type: ignore[call-arg]
             f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
             _registered_method=True)
+        push_one: Any = channel.unary_unary(  # type: ignore[call-arg]
+            f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
+            _registered_method=True)
         pull: Any = channel.unary_stream(  # type: ignore[call-arg]
             f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=framing.parse_pull_response, _registered_method=True)
+            response_deserializer=framing.read_pull_response, _registered_method=True)
+        pull_one: Any = channel.unary_unary(  # type: ignore[call-arg]
+            f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=framing.read_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)
             self._stubs.append(stub)
             self._push_raw.append(push)
+            self._push_one.append(push_one)
             self._pull_raw.append(pull)
+            self._pull_one.append(pull_one)
         else:
             self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
             self._channels[shard], self._stubs[shard] = channel, stub
-            self._push_raw[shard], self._pull_raw[shard] = push, pull
+            self._push_raw[shard], self._push_one[shard] = push, push_one
+            self._pull_raw[shard], self._pull_one[shard] = pull, pull_one
         self.addresses[shard] = address
 
     # -- fail-over ------------------------------------------------------------
@@ -277,11 +329,21 @@ class Transport:
         return [self._pool.submit(self.call, i, functools.partial(fn, i)) for i in idx]
 
     def fan_out(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
-        """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure."""
+        """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure.
+
+        The first shard's call runs in the caller's thread, the others in the pool: one shard (or
+        one shard's share) costs no hand-over between threads.
+        """
         idx = list(range(self.num_shards)) if shards is None else list(shards)
-        futs = [self._pool.submit(fn, i) for i in idx]
+        if not idx:
+            return []
+        futs = [self._pool.submit(fn, i) for i in idx[1:]]
         results: list[T] = []
         first_err: BaseException | None = None
+        try:
+            results.append(fn(idx[0]))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after all finished (an interrupt: at once)
+            first_err = e
         for f in futs:
             try:
                 results.append(f.result())

@@ -249,3 +249,18 @@ def test_generated_stubs_still_talk_to_the_server(make_cluster):
         assert [(m.chunk.name, m.chunk.offset, tuple(m.chunk.shape)) for m in firsts] == [
             ("w", 0, (300, 7)), ("b", 0, (5,))]
         assert [m.chunk.dtype for m in resps if m.chunk.name == "b"] == [ps_pb2.BFLOAT16]
+
+
+@pytest.mark.parametrize("read, cls", [(framing.read_push_request, ps_pb2.PushRequest),
+                                       (framing.read_pull_response, ps_pb2.PullResponse)])
+def test_the_grpc_deserializers_parse_small_messages_whole_and_keep_large_data_a_view(read, cls):
+    for nbytes in (0, 4, 4096, framing.COPY_BELOW - 64, framing.COPY_BELOW, 1 << 20):
+        data = torch.arange(nbytes // 4, dtype=torch.float32).view(torch.uint8).numpy().tobytes()
+        exp = cls(chunk=ps_pb2.Chunk(name="w", offset=3, dtype=ps_pb2.FLOAT32, data=data))
+        buf = exp.SerializeToString()
+        parsed = read(buf)
+        assert_same(parsed, exp)
+        if len(buf) < framing.COPY_BELOW:
+            assert parsed == exp  # a plain message
+        else:
+            assert isinstance(parsed, framing.FramedMessage) and parsed.chunk.data.obj is buf
