@@ -88,7 +88,7 @@ def encode_range(
 def decode(data: bytes, wire_dtype: int) -> torch.Tensor:
     """A read-only 1-D tensor viewing ``data``; ValueError if it does not fit."""
     dtype = to_torch_dtype(wire_dtype)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(data) % size:
         raise ValueError(
             f"payload of {len(data)} bytes is not a whole number of {dtype_name(wire_dtype)} elements"
@@ -99,7 +99,7 @@ def decode(data: bytes, wire_dtype: int) -> torch.Tensor:
 
 
 def itemsize(wire_dtype: int) -> int:
-    return torch.empty((), dtype=to_torch_dtype(wire_dtype)).element_size()
+    return to_torch_dtype(wire_dtype).itemsize
 
 
 def all_finite(t: torch.Tensor) -> bool:
