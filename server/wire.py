@@ -19,7 +19,7 @@ from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument
 from shardps.server.scaling import LossScaler
-from shardps.server.sync import Grads, PartKey
+from shardps.server.sync import Grad, PartKey
 from shardps.server.table import TensorSpec
 
 
@@ -68,7 +68,7 @@ def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
             asm.add(first.chunk)
         for req in requests:
             asm.add(req.chunk)
-        values = asm.finish()
+        values = asm.finish_staged()
     else:
         for _ in requests:
             raise InvalidArgument("chunks sent in a Register without provides_values")
@@ -83,7 +83,7 @@ class Gradients:
     worker_id: int
     step: int
     base_version: int
-    grads: Grads
+    grads: dict[PartKey, Grad]  # fp32 staging buffers, or (keep_chunks) fp32 parts still in their chunks
     nbytes: int
     found_inf: bool  # the worker said so, or a chunk held an inf/nan
     loss_scale: float
@@ -91,12 +91,15 @@ class Gradients:
 
 
 def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
-                alloc: Callable[[PartKey, int], torch.Tensor] | None = None) -> Gradients:
-    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers."""
+                alloc: Callable[[PartKey, int], torch.Tensor] | None = None,
+                keep_chunks: Callable[[float], bool] | None = None) -> Gradients:
+    """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers;
+    ``keep_chunks(loss_scale)``: whether to keep fp32 chunks as received (``ShardStore.takes_chunked``)."""
     first = next(requests, None)
     if first is None:
         raise InvalidArgument("Push stream was empty")
-    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc)
+    keep = keep_chunks is not None and keep_chunks(first.loss_scale)
+    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep)
     header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
     if first.HasField("chunk"):  # a header alone: no gradients this step
         asm.add(first.chunk)

@@ -68,6 +68,19 @@ class ServerOptimizer(ABC):
         for param, grad, state, part in items:
             self.step(param, grad, state, part)
 
+    def takes_slices(self) -> bool:
+        """Whether ``step_many`` may be given slices of a part instead of the part (see ``slice_state``).
+
+        Then several items may cover one part, each with its own slice of the weight, the gradient and
+        the per-element state, sharing the part's scalar state (a step count), which ``step_many`` must
+        advance once per part however many slices it gets. Elementwise optimizers only.
+        """
+        return False
+
+    def slice_state(self, state: State, start: int, stop: int) -> State:
+        """Elements [start, stop) of a part's state: per-element tensors sliced (flat), scalars shared."""
+        return {k: v.view(-1)[start:stop] if v.dim() else v for k, v in state.items()}
+
 
 def check_row_block(name: str, param: torch.Tensor, part: PartInfo) -> None:
     """ValueError unless ``part`` is whole rows of its tensor and ``param`` has the part's shape.
