@@ -38,19 +38,21 @@ class ChunkAssembler:
     """
 
     def __init__(self, lookup: Callable[[str], TensorSpec], what: str = "gradient",
-                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None, keep_chunks: bool = False) -> None:
+                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None, keep_chunks: bool = False,
+                 check: bool = True) -> None:
         self._lookup = lookup
         self._alloc = alloc or (lambda key, n: torch.empty(n, dtype=torch.float32))
         self._what = what
         self._gradient = what == "gradient"  # gradients travel in the spec's grad dtype
         self._keep = keep_chunks and self._gradient
+        self._check = check and self._gradient  # False: the caller checks (unscaling does, in the same pass)
         self._specs: dict[str, TensorSpec] = {}
         self._starts: dict[str, list[int]] = {}
         self._stops: dict[str, dict[int, int]] = {}
         self._buffers: dict[PartKey, torch.Tensor] = {}
         self._pieces: dict[PartKey, list[tuple[int, torch.Tensor]]] = {}  # keep_chunks: fp32 chunks as received
         self._covered: dict[PartKey, list[tuple[int, int]]] = {}
-        self.all_finite = True  # gradients: no inf/nan in any chunk so far
+        self.all_finite = True  # gradients: no inf/nan in any chunk so far (if ``check``)
         self.nbytes = 0
 
     def add(self, chunk: ps_pb2.Chunk) -> None:
@@ -100,7 +102,7 @@ class ChunkAssembler:
             covered = self._covered[key] = []
         if self._keep and values.dtype == torch.float32:
             # Kept as received, checked now while the chunk is in cache (the step reads it later).
-            if self.all_finite and not codec.all_finite(values):
+            if self._check and self.all_finite and not codec.all_finite(values):
                 self.all_finite = False
             self._pieces.setdefault(key, []).append((a - start, values))
         else:
@@ -115,7 +117,7 @@ class ChunkAssembler:
             staged.copy_(values)
             # Checked in the fp32 copy just written, while it is in cache: one more read, no second pass
             # over memory (and a float16 chunk's sum cannot overflow in fp32: no min/max to confirm it).
-            if self._gradient and self.all_finite and not codec.all_finite(staged):
+            if self._check and self.all_finite and not codec.all_finite(staged):
                 self.all_finite = False
         covered.append((a, a + n))
         self.nbytes += len(data)

@@ -85,7 +85,7 @@ class Gradients:
     base_version: int
     grads: dict[PartKey, Grad]  # fp32 staging buffers, or (keep_chunks) fp32 parts still in their chunks
     nbytes: int
-    found_inf: bool  # the worker said so, or a chunk held an inf/nan
+    found_inf: bool  # the worker said so, or a chunk held an inf/nan (with a loss_scale: left to the unscaling)
     loss_scale: float
     epoch: int
 
@@ -99,7 +99,8 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     if first is None:
         raise InvalidArgument("Push stream was empty")
     keep = keep_chunks is not None and keep_chunks(first.loss_scale)
-    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep)
+    # A scaled gradient is checked by ShardStore.submit as it unscales it (one pass for both): not here too.
+    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep, check=not first.loss_scale)
     header = (first.worker_id, first.step, first.base_version, first.found_inf, first.loss_scale)
     if first.HasField("chunk"):  # a header alone: no gradients this step
         asm.add(first.chunk)

@@ -278,3 +278,16 @@ def test_slice_align_divides_the_default_chunk():
     assert (codec.DEFAULT_CHUNK_BYTES // 4) % SLICE_ALIGN == 0
     assert (codec.DEFAULT_CHUNK_BYTES // 2) % SLICE_ALIGN == 0
 
+
+@pytest.mark.parametrize("push", ["float32", "float16"])
+def test_a_scaled_push_is_checked_once_as_it_is_unscaled(push):
+    """With a loss scale the chunks are not checked on arrival: submit checks while unscaling, one pass."""
+    spec = _spec(push=DTYPES[push])
+    st = _store(spec)
+    grad = torch.randn(SHAPE)
+    grad.view(-1)[3000] = float("inf")
+    g = decode_push(iter(_messages(grad, spec, loss_scale=8.0)), st.spec, st.staging, st.takes_chunked)
+    assert not g.found_inf  # not looked at here
+    res = st.submit(0, g.step, g.base_version, g.grads, found_inf=g.found_inf, loss_scale=g.loss_scale,
+                    checked=True)
+    assert not res.applied and st.skipped_steps_total == 1
