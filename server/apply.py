@@ -174,12 +174,10 @@ class Applier:
 
 def slices(part: PartState, g: Chunked, impl: ServerOptimizer) -> list[Item]:
     """One step item per chunk of ``g``: the chunk, and the weight and state slices it covers."""
-    weight = part.weight.view(-1)
-    out: list[Item] = []
-    for a, v in g.pieces:
-        b = a + v.numel()
-        out.append((weight[a:b], v, impl.slice_state(part.state, a, b), part.info))
-    return out
+    chunks = [v for _, v in g.pieces]  # in order, from element 0 of the part, each after the last
+    sizes = [v.numel() for v in chunks]
+    weights = torch.split(part.weight.view(-1), sizes)
+    return [(w, v, st, part.info) for w, v, st in zip(weights, chunks, impl.split_state(part.state, sizes))]
 
 
 class ApplyMixin:

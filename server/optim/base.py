@@ -69,7 +69,7 @@ class ServerOptimizer(ABC):
             self.step(param, grad, state, part)
 
     def takes_slices(self) -> bool:
-        """Whether ``step_many`` may be given slices of a part instead of the part (see ``slice_state``).
+        """Whether ``step_many`` may be given slices of a part instead of the part (see ``split_state``).
 
         Then several items may cover one part, each with its own slice of the weight, the gradient and
         the per-element state, sharing the part's scalar state (a step count), which ``step_many`` must
@@ -77,9 +77,10 @@ class ServerOptimizer(ABC):
         """
         return False
 
-    def slice_state(self, state: State, start: int, stop: int) -> State:
-        """Elements [start, stop) of a part's state: per-element tensors sliced (flat), scalars shared."""
-        return {k: v.view(-1)[start:stop] if v.dim() else v for k, v in state.items()}
+    def split_state(self, state: State, sizes: Sequence[int]) -> list[State]:
+        """A part's state cut as ``torch.split`` cuts its flat weight: per-element tensors split, scalars shared."""
+        split = {k: torch.split(v.view(-1), list(sizes)) for k, v in state.items() if v.dim()}
+        return [{k: split[k][i] if k in split else v for k, v in state.items()} for i in range(len(sizes))]
 
 
 def check_row_block(name: str, param: torch.Tensor, part: PartInfo) -> None:

@@ -133,7 +133,9 @@ def test_adam_step_many_advances_a_shared_step_count_once():
     w = torch.randn(8)
     state = impl.init_state(w, info)
     g = torch.randn(8)
-    items = [(w[a:b], g[a:b], impl.slice_state(state, a, b), info) for a, b in ((0, 4), (4, 8))]
+    states = impl.split_state(state, [4, 4])
+    assert states[0]["step"] is state["step"] and states[1]["exp_avg"].data_ptr() == state["exp_avg"][4:].data_ptr()
+    items = [(w[a:b], g[a:b], st, info) for (a, b), st in zip(((0, 4), (4, 8)), states)]
     assert impl.takes_slices()
     impl.step_many(items)
     assert state["step"].item() == 1
