@@ -114,7 +114,7 @@ def all_finite(t: torch.Tensor) -> bool:
     """
     if t.numel() == 0:
         return True
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)
     if math.isfinite(flat.sum().item()):
         return True
     lo, hi = torch.aminmax(flat)
