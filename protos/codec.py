@@ -103,14 +103,19 @@ def itemsize(wire_dtype: int) -> int:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True when ``t`` holds no inf and no nan.
+    """True when ``t`` holds no inf and no nan. Exact.
 
-    Uses min/max (nan propagates through both, an inf is one of them):
-    one vectorized pass, much faster on CPU than ``isfinite(t).all()``.
-    The two results are checked as Python floats: for a small tensor, two
-    more torch calls on them cost more than the pass itself.
+    Usually one read-only pass, the sum: IEEE addition keeps an inf (inf +
+    -inf is nan) and a nan, so a finite sum means every element is finite.
+    Finite values can also sum to inf (huge values, or a float16 sum past
+    65504): a non-finite sum is confirmed with min/max (nan propagates
+    through both, an inf is one of them). The sum is about 4x faster than
+    min/max on CPU, which is itself much faster than ``isfinite(t).all()``.
     """
     if t.numel() == 0:
         return True
-    lo, hi = torch.aminmax(t.reshape(-1))
+    flat = t if t.dim() == 1 else t.reshape(-1)
+    if math.isfinite(flat.sum().item()):
+        return True
+    lo, hi = torch.aminmax(flat)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())

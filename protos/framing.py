@@ -202,13 +202,17 @@ def split_data(buf: bytes, chunk_field: int) -> tuple[bytes, memoryview] | None:
 
 
 class ChunkView:
-    """A Chunk whose ``data`` is a memoryview of the received buffer; other fields as parsed."""
+    """A Chunk whose ``data`` is a memoryview of the received buffer; other fields as parsed.
 
-    __slots__ = ("_chunk", "data")
+    The fields every receiver reads per chunk are plain attributes (a delegated read costs ~10x more).
+    """
+
+    __slots__ = ("_chunk", "data", "name", "offset", "dtype", "shape")
 
     def __init__(self, chunk: Any, data: memoryview) -> None:
         self._chunk = chunk
         self.data = data
+        self.name, self.offset, self.dtype, self.shape = chunk.name, chunk.offset, chunk.dtype, chunk.shape
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._chunk, name)

@@ -26,11 +26,11 @@ import torch
 from shardps.protos.optim import OptimizerSpec
 from shardps.server.errors import Unavailable
 from shardps.server.optim import ServerOptimizer, make_optimizer
-from shardps.server.optim.base import Reduce
+from shardps.server.optim.base import PartInfo, Reduce, State
 from shardps.server.peers import ExchangeTable, Key, PeerReducer
 from shardps.server.remedies import Remedy, compensate, lr_factor
 from shardps.server.scaling import LossScaler
-from shardps.server.sync import Update, staleness
+from shardps.server.sync import Chunked, Grads, Update, staleness
 from shardps.server.table import PartKey, PartState, TensorEntry, TensorTable
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from shardps.server.pullcache import PullCache
 
 ScalingConfig = tuple[float, float, float, int]  # init, growth, backoff, interval
+Item = tuple[torch.Tensor, torch.Tensor, State, PartInfo]  # what ServerOptimizer.step_many takes
 
 
 def scaling_config(scaler: LossScaler | None) -> ScalingConfig | None:
@@ -113,37 +114,70 @@ class Applier:
 
     def apply(self, tensors: TensorTable, update: Update, version: int,
               reduce_for: Callable[[TensorEntry], Reduce]) -> Applied:
-        """One optimizer step on every part of ``update`` (or a skipped one), at shard ``version``."""
+        """One optimizer step on every part of ``update`` (or a skipped one), at shard ``version``.
+
+        A gradient still in its received chunks (``Chunked``) is stepped from them, each chunk a slice
+        of its part, when nothing writes to it and the optimizer takes slices (a fused elementwise
+        kernel: the same result bit for bit); otherwise it is copied into a staging buffer first.
+        """
         t0 = time.perf_counter()
         skip = any(c.found_inf for c in update.contributions)
+        staged: Grads = {}  # buffers taken from the pool here, recycled below
         if not skip:
-            groups: dict[OptimizerSpec, list[tuple[TensorEntry, PartState, torch.Tensor]]] = {}
+            groups: dict[OptimizerSpec, tuple[ServerOptimizer, list[Item]]] = {}
             stale = staleness(version, update.contributions)
             factor = lr_factor(sum(stale) / len(stale)) if self.remedy.kind == "lr-scale" else 1.0
             backup = (self.stale_weights.get(update.contributions[0].worker_id)
                       if self.remedy.kind == "dc-asgd" and len(update.contributions) == 1 else None)
+
+            def group(entry: TensorEntry) -> tuple[ServerOptimizer, list[Item]]:
+                """The step_many group of ``entry``'s optimizer spec: its implementation and items."""
+                found = groups.get(entry.spec.optimizer)
+                if found is None:
+                    found = groups[entry.spec.optimizer] = (self.impl(entry, factor), [])
+                return found
+
             for (name, start), g in update.grads.items():
                 entry = tensors[name]
                 part = entry.parts[start]
+                pulled = backup.get((name, start)) if backup is not None else None  # dc-asgd compensates
+                grouped = not entry.spec.split and (entry.spec.optimizer.elementwise or part.info.whole)
+                if isinstance(g, Chunked):
+                    if grouped and pulled is None and entry.spec.optimizer.elementwise and g.sliceable:
+                        impl, items = group(entry)
+                        if impl.takes_slices():
+                            items.extend(slices(part, g, impl))
+                            continue
+                    g = staged[(name, start)] = g.copy_to(self.pool.take((name, start), g.numel()))
                 grad = g.view(part.weight.shape)
-                if backup is not None and (name, start) in backup:
-                    compensate(grad, part.weight, backup[(name, start)], self.remedy.dc_lambda)
+                if pulled is not None:
+                    compensate(grad, part.weight, pulled, self.remedy.dc_lambda)
                 if entry.spec.split:
                     entry.optimizer.step(part.weight, grad, part.state, part.info, reduce_for(entry))
-                elif entry.spec.optimizer.elementwise or part.info.whole:
-                    groups.setdefault(entry.spec.optimizer, []).append((entry, part, grad))
+                elif grouped:
+                    group(entry)[1].append((part.weight, grad, part.state, part.info))
                 else:
                     self.impl(entry, factor).step(part.weight, grad, part.state, part.info)
-            for items in groups.values():
-                impl = self.impl(items[0][0], factor)
-                impl.step_many([(p.weight, g, p.state, p.info) for _, p, g in items])
+            for impl, items in groups.values():
+                impl.step_many(items)
             for name in {name for name, _ in update.grads}:
                 tensors[name].rounds += 1
         for key, g in update.grads.items():
+            if isinstance(g, torch.Tensor):
+                self.pool.recycle(key, g)
+        for key, g in staged.items():
             self.pool.recycle(key, g)
         if self.scaler is not None:
             self.scaler.update(skip)
         return Applied(skip, time.perf_counter() - t0, staleness(version, update.contributions))
+
+
+def slices(part: PartState, g: Chunked, impl: ServerOptimizer) -> list[Item]:
+    """One step item per chunk of ``g``: the chunk, and the weight and state slices it covers."""
+    chunks = [v for _, v in g.pieces]  # in order, from element 0 of the part, each after the last
+    sizes = [v.numel() for v in chunks]
+    weights = torch.split(part.weight.view(-1), sizes)
+    return [(w, v, st, part.info) for w, v, st in zip(weights, chunks, impl.split_state(part.state, sizes))]
 
 
 class ApplyMixin:

@@ -3,6 +3,12 @@
 Used for pushed gradients and for initial values at registration. Nothing
 here touches the store's state: a stream that fails validation is dropped
 with an error that names the tensor, what was expected and what came.
+
+Each chunk is copied (cast to fp32 where it travels as bf16/fp16) into its
+part's staging buffer, and a gradient chunk is checked for inf/nan in that
+copy while it is in cache. With ``keep_chunks``, fp32 gradient chunks are
+not copied at all: the part is handed on as its chunks (``Chunked``, views
+of the received messages), each checked as it arrives.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument, ResourceExhausted
-from shardps.server.sync import PartKey
+from shardps.server.sync import Chunked, Grad, Grads, PartKey
 from shardps.server.table import TensorSpec, fmt_shape
 
 #: Largest part (in elements) a shard accepts: 16 GiB of fp32.
@@ -23,7 +29,7 @@ MAX_PART_ELEMENTS = 1 << 32
 
 
 class ChunkAssembler:
-    """Collects chunks into one fp32 staging buffer per part.
+    """Collects chunks into one fp32 staging buffer per part (or, ``keep_chunks``, keeps fp32 gradient chunks).
 
     ``lookup(name)`` returns the spec the chunks must match (raising
     NotFound for unknown names); ``alloc(key, numel)`` gives staging buffers
@@ -32,17 +38,21 @@ class ChunkAssembler:
     """
 
     def __init__(self, lookup: Callable[[str], TensorSpec], what: str = "gradient",
-                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None) -> None:
+                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None, keep_chunks: bool = False,
+                 check: bool = True) -> None:
         self._lookup = lookup
         self._alloc = alloc or (lambda key, n: torch.empty(n, dtype=torch.float32))
         self._what = what
         self._gradient = what == "gradient"  # gradients travel in the spec's grad dtype
+        self._keep = keep_chunks and self._gradient
+        self._check = check and self._gradient  # False: the caller checks (unscaling does, in the same pass)
         self._specs: dict[str, TensorSpec] = {}
         self._starts: dict[str, list[int]] = {}
         self._stops: dict[str, dict[int, int]] = {}
         self._buffers: dict[PartKey, torch.Tensor] = {}
+        self._pieces: dict[PartKey, list[tuple[int, torch.Tensor]]] = {}  # keep_chunks: fp32 chunks as received
         self._covered: dict[PartKey, list[tuple[int, int]]] = {}
-        self.all_finite = True  # gradients: no inf/nan in any chunk so far
+        self.all_finite = True  # gradients: no inf/nan in any chunk so far (if ``check``)
         self.nbytes = 0
 
     def add(self, chunk: ps_pb2.Chunk) -> None:
@@ -64,8 +74,9 @@ class ChunkAssembler:
                 f"tensor {name!r}: {self._what} shape expected {fmt_shape(spec.shape)}, "
                 f"got {fmt_shape(tuple(chunk.shape))}"
             )
+        data = chunk.data
         try:
-            values = codec.decode(chunk.data, chunk.dtype)
+            values = codec.decode(data, chunk.dtype)
         except ValueError as e:
             raise InvalidArgument(f"tensor {name!r}: {e}") from None
         n = values.numel()
@@ -83,25 +94,36 @@ class ChunkAssembler:
             )
         start = starts[i]
         key = (name, start)
-        buf = self._buffers.get(key)
-        if buf is None:
+        covered = self._covered.get(key)
+        if covered is None:
             if part - start > MAX_PART_ELEMENTS:
                 raise ResourceExhausted(f"tensor {name!r}: part [{start}, {part}) of {part - start} elements is "
                                         f"over the {MAX_PART_ELEMENTS} a shard takes")
-            try:
-                buf = self._alloc(key, part - start)
-            except RuntimeError as e:  # the allocation failed: out of memory
-                raise ResourceExhausted(f"tensor {name!r}: cannot allocate {part - start} elements: {e}") from None
-            self._buffers[key] = buf
-            self._covered[key] = []
-        if self._gradient and self.all_finite and not codec.all_finite(values):
-            self.all_finite = False  # checked while the chunk is in cache, not in a pass of its own later
-        buf[a - start : a - start + n].copy_(values)
-        self._covered[key].append((a, a + n))
-        self.nbytes += len(chunk.data)
+            covered = self._covered[key] = []
+        if self._keep and values.dtype == torch.float32:
+            # Kept as received, checked now while the chunk is in cache (the step reads it later).
+            if self._check and self.all_finite and not codec.all_finite(values):
+                self.all_finite = False
+            self._pieces.setdefault(key, []).append((a - start, values))
+        else:
+            buf = self._buffers.get(key)
+            if buf is None:
+                try:
+                    buf = self._buffers[key] = self._alloc(key, part - start)
+                except RuntimeError as e:  # the allocation failed: out of memory
+                    raise ResourceExhausted(
+                        f"tensor {name!r}: cannot allocate {part - start} elements: {e}") from None
+            staged = buf[a - start : a - start + n]
+            staged.copy_(values)
+            # Checked in the fp32 copy just written, while it is in cache: one more read, no second pass
+            # over memory (and a float16 chunk's sum cannot overflow in fp32: no min/max to confirm it).
+            if self._check and self.all_finite and not codec.all_finite(staged):
+                self.all_finite = False
+        covered.append((a, a + n))
+        self.nbytes += len(data)
 
-    def finish(self) -> dict[PartKey, torch.Tensor]:
-        """The staged parts; InvalidArgument if any part is partly covered or overlapped."""
+    def _check_coverage(self) -> None:
+        """InvalidArgument if any part is partly covered or overlapped."""
         for name, spec in self._specs.items():
             for a, b in spec.parts:
                 ranges = sorted(self._covered.get((name, a), []))
@@ -119,4 +141,26 @@ class ChunkAssembler:
                         f"tensor {name!r}: {self._what} covers {pos - a} of the {b - a} elements "
                         f"of part [{a}, {b})"
                     )
+
+    def finish(self) -> dict[PartKey, Grad]:
+        """Every part: its staging buffer, or its chunks as received; InvalidArgument as ``_check_coverage``."""
+        self._check_coverage()
+        out: dict[PartKey, Grad] = {}
+        for key in self._covered:
+            buf = self._buffers.get(key)
+            if buf is not None:
+                out[key] = buf
+            else:
+                name, start = key
+                out[key] = Chunked(self._stops[name][start] - start, sorted(self._pieces[key], key=_offset))
+        return out
+
+    def finish_staged(self) -> Grads:
+        """``finish`` for an assembler without ``keep_chunks``: every part in its staging buffer."""
+        self._check_coverage()
+        assert not self._pieces, "finish_staged: chunks were kept"
         return self._buffers
+
+
+def _offset(piece: tuple[int, torch.Tensor]) -> int:
+    return piece[0]

@@ -170,7 +170,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         store = self.store
         store.check_serving()
-        g = decode_push(request_iterator, store.spec, store.staging, self.segments)
+        g = decode_push(request_iterator, store.spec, store.staging, self.segments, store.takes_chunked)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
         t0 = time.perf_counter()

@@ -67,7 +67,7 @@ from shardps.server.replica import (
 )
 from shardps.server.scaling import LossScaler, unscale_and_check
 from shardps.server.snapshot import SnapshotMixin, pack, part_keys
-from shardps.server.sync import Contribution, Grads, SyncPolicy, make_policy
+from shardps.server.sync import Contribution, Grads, Received, SyncPolicy, make_policy, materialize
 from shardps.server.table import TableMixin, TensorSpec, TensorTable
 
 __all__ = ["DEFAULT_LEASE_S", "PushResult", "ShardStore", "TensorSpec"]
@@ -253,14 +253,26 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                               self.worker_clocks.get(worker_id, -1) + 1, self.lease_s, self.epoch,
                               rep.address if rep else "")
 
-    def submit(self, worker_id: int, step: int, base_version: int, grads: Grads,
+    def takes_chunked(self, loss_scale: float) -> bool:
+        """Whether a Push with ``loss_scale`` is best handed to ``submit`` still in its chunks (``Chunked``).
+
+        True when it would be stepped from them as they are: a policy that passes gradients through (asp),
+        nothing to unscale, no backup to send them to. Otherwise ``submit`` copies them into fp32 buffers,
+        which costs less while each chunk is still in cache, as it arrives. A hint: ``submit`` takes either.
+        """
+        policy = self._policy
+        return not loss_scale and self.replicator is None and policy is not None and policy.passes_through
+
+    def submit(self, worker_id: int, step: int, base_version: int, grads: Received,
                nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
                epoch: int | None = None, checked: bool = False) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
-        and modify (``checked``: the caller has already set ``found_inf`` for
-        any inf/nan in them). A gradient computed with a loss scale is unscaled here
+        and modify, or to gradients still in their received chunks
+        (``Chunked``, read only; see ``takes_chunked``). ``checked``: the
+        caller has already set ``found_inf`` for any inf/nan in them. A
+        gradient computed with a loss scale is unscaled here
         (x 1/loss_scale in fp32). An optimizer step any of whose gradients
         had an inf/nan (flagged by the worker or found here) is skipped on
         every shard alike, and the loss scale backs off. Raises (changing
@@ -282,18 +294,25 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                 )
             for (name, start), g in grads.items():
                 self._tensors.part(name, start, g.numel())
-        # Unscale and check outside the lock: the buffers are this request's own. ``checked``:
-        # the caller already looked at every value (the Push assembly does, chunk by chunk).
-        if loss_scale or not checked:
-            found_inf = unscale_and_check(list(grads.values()), loss_scale) or found_inf
+        # Gradients still in their chunks stay so only to be stepped from as they are (takes_chunked);
+        # anything else gets fp32 buffers, outside the lock (a no-op for fp32 tensors).
+        fp32 = None if checked and self.takes_chunked(loss_scale) else materialize(grads, self.staging)
+        if fp32 is not None:
+            grads = fp32
+            # Unscale and check outside the lock: the buffers are this request's own. ``checked``:
+            # the caller already looked at every value (the Push assembly does, chunk by chunk).
+            if loss_scale or not checked:
+                found_inf = unscale_and_check(list(fp32.values()), loss_scale) or found_inf
         # The backup replays the gradient as taken in here (unscaled); packed (copied) before the sync
         # policy may sum other workers' gradients into these buffers.
-        packed = pack(part_keys(grads)) if self.replicator else None
+        packed = pack(part_keys(fp32)) if self.replicator and fp32 is not None else None
         with self._cond:
             self._settle()
             self.check_epoch(epoch)
             policy = self._policy
             assert policy is not None  # registered workers imply a job
+            if not policy.passes_through:  # switched to a barrier since takes_chunked: fp32 buffers after all
+                grads = materialize(grads, self.staging)
             last = self.worker_clocks.get(worker_id, -1)
             if step <= last:  # a retry of a push already taken in
                 self.pushes_total += 1
@@ -308,7 +327,8 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                 )
             if self.replicator is not None:
                 if packed is None:  # a backup was attached in between
-                    packed = pack(part_keys(grads))
+                    grads = fp32 = materialize(grads, self.staging)
+                    packed = pack(part_keys(fp32))
                 self.replicator.record(OpKind.SUBMIT, {"worker": worker_id, "step": step,
                                                        "base_version": base_version, "found_inf": found_inf,
                                                        "nbytes": nbytes}, packed=packed)

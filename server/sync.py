@@ -29,7 +29,7 @@ and what it holds, to snapshot and restore (``held_state``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,57 @@ from shardps.server.errors import FailedPrecondition
 
 PartKey = tuple[str, int]  # (tensor name, start element of the part)
 Grads = dict[PartKey, torch.Tensor]
+
+#: Pieces of a ``Chunked`` gradient may be stepped as slices of their part only when every piece but the
+#: last is a multiple of this many elements: a fused kernel then splits the elements into vector lanes and
+#: a scalar tail exactly as it does for the whole part, so the step is bit for bit the same.
+SLICE_ALIGN = 64
+
+
+class Chunked:
+    """A part's fp32 gradient as it was received: views of the Push messages' payloads, never copied.
+
+    ``pieces`` are (offset in the part, 1-D fp32 view), in order, covering ``[0, numel)`` once (the
+    ChunkAssembler checked that). The memory is the received messages', read-only: it is read (stepped
+    from, copied or added elsewhere), never written. An asp step reads it where it lies (see
+    ``Applier.apply``); anything that modifies a gradient gets a copy first (``materialize``).
+    """
+
+    __slots__ = ("_numel", "pieces")
+
+    def __init__(self, numel: int, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        self._numel = numel
+        self.pieces = pieces
+
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def sliceable(self) -> bool:
+        """Every piece but the last is whole lanes of ``SLICE_ALIGN`` elements (see there)."""
+        return all(v.numel() % SLICE_ALIGN == 0 for _, v in self.pieces[:-1])
+
+    def copy_to(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (``numel`` fp32 elements) holding the gradient."""
+        flat = out.view(-1)
+        for a, v in self.pieces:
+            flat[a : a + v.numel()].copy_(v)
+        return out
+
+    def add_to(self, acc: torch.Tensor) -> None:
+        """``acc += gradient``, elementwise, read straight from the pieces."""
+        flat = acc.view(-1)
+        for a, v in self.pieces:
+            flat[a : a + v.numel()].add_(v)
+
+
+Grad = torch.Tensor | Chunked
+Received = Mapping[PartKey, Grad]  # gradients as the store takes them: fp32 tensors, or still in their chunks
+
+
+def materialize(grads: Received, alloc: Callable[[PartKey, int], torch.Tensor]) -> Grads:
+    """``grads`` as fp32 tensors the store may keep and modify: ``Chunked`` ones copied into ``alloc``'s buffers."""
+    return {key: g if isinstance(g, torch.Tensor) else g.copy_to(alloc(key, g.numel())) for key, g in grads.items()}
 
 
 @dataclass(frozen=True)
@@ -53,7 +104,7 @@ class Contribution:
 class Update:
     """Gradients due for one optimizer step, and where they came from."""
 
-    grads: Grads
+    grads: Received
     contributions: list[Contribution]
 
 
@@ -69,8 +120,12 @@ class HeldState:
 
 class SyncPolicy:
     spec: SyncSpec
+    #: ``offer`` hands every gradient on as it came, held by nobody: the store may then give it gradients
+    #: still in their received chunks (``Chunked``); otherwise it gives fp32 tensors only.
+    passes_through = False
 
-    def offer(self, c: Contribution, grads: Grads) -> list[Update]:
+    def offer(self, c: Contribution, grads: Received) -> list[Update]:
+        """The updates now due (a policy that does not pass gradients through is given fp32 tensors only)."""
         raise NotImplementedError
 
     def flush(self) -> list[Update]:
@@ -105,10 +160,12 @@ class SyncPolicy:
 
 
 class AsyncPolicy(SyncPolicy):
+    passes_through = True
+
     def __init__(self, spec: SyncSpec | None = None) -> None:
         self.spec = spec or SyncSpec("asp")
 
-    def offer(self, c: Contribution, grads: Grads) -> list[Update]:
+    def offer(self, c: Contribution, grads: Received) -> list[Update]:
         return [Update(grads, [c])]
 
 
@@ -168,7 +225,7 @@ class BarrierPolicy(SyncPolicy):
             return self.flush()
         return []
 
-    def offer(self, c: Contribution, grads: Grads) -> list[Update]:
+    def offer(self, c: Contribution, grads: Received) -> list[Update]:
         held = next((p for p in self._pending if p.worker_id == c.worker_id), None)
         if held is not None:
             raise FailedPrecondition(
@@ -176,6 +233,7 @@ class BarrierPolicy(SyncPolicy):
                 f"the barrier ({self.waiting_on()}): pull the next version before pushing again"
             )
         for key, g in grads.items():
+            assert isinstance(g, torch.Tensor), "a barrier is given fp32 tensors (passes_through is False)"
             acc = self._sum.get(key)
             if acc is None:
                 self._sum[key] = g  # the store hands over a fresh buffer it no longer uses

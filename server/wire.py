@@ -21,7 +21,7 @@ from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument
 from shardps.server.scaling import LossScaler
 from shardps.server.shm import SegmentCache
-from shardps.server.sync import Grads, PartKey
+from shardps.server.sync import Grad, PartKey
 from shardps.server.table import TensorSpec
 
 
@@ -71,7 +71,7 @@ def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
             asm.add(first.chunk)
         for req in requests:
             asm.add(req.chunk)
-        values = asm.finish()
+        values = asm.finish_staged()
     else:
         for _ in requests:
             raise InvalidArgument("chunks sent in a Register without provides_values")
@@ -86,18 +86,21 @@ class Gradients:
     worker_id: int
     step: int
     base_version: int
-    grads: Grads
+    grads: dict[PartKey, Grad]  # fp32 staging buffers, or (keep_chunks) fp32 parts still in their chunks
     nbytes: int
-    found_inf: bool  # the worker said so (in any message of the stream), or a chunk held an inf/nan
+    found_inf: bool  # said in any message of the stream, or a chunk held an inf/nan (with a loss_scale: left
+    # to the unscaling)
     loss_scale: float
     epoch: int
 
 
 def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None,
-                segments: SegmentCache | None = None) -> Gradients:
+                segments: SegmentCache | None = None,
+                keep_chunks: Callable[[float], bool] | None = None) -> Gradients:
     """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers;
-    ``segments``: the workers' shared-memory segments, for a Push whose chunks lie there (``shm``).
+    ``segments``: the workers' shared-memory segments, for a Push whose chunks lie there (``shm``);
+    ``keep_chunks(loss_scale)``: whether to keep fp32 chunks as received (``ShardStore.takes_chunked``).
 
     Every message carries the same header (worker, step, base version, loss
     scale, epoch). ``found_inf`` may differ: a worker that streams its
@@ -108,7 +111,9 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     first = next(requests, None)
     if first is None:
         raise InvalidArgument("Push stream was empty")
-    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc)
+    keep = keep_chunks is not None and keep_chunks(first.loss_scale)
+    # A scaled gradient is checked by ShardStore.submit as it unscales it (one pass for both): not here too.
+    asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep, check=not first.loss_scale)
     header = (first.worker_id, first.step, first.base_version, first.loss_scale, first.epoch, first.shm,
               first.ends_with_last)
     found_inf = first.found_inf
@@ -141,7 +146,7 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
             asm.add(chunk(req))
     if first.ends_with_last and not ended:
         raise InvalidArgument(f"Push stream of worker {first.worker_id}, step {first.step} ended before its last "
-                      f"message (cancelled, or the worker died): nothing of it is applied")
+                              f"message (cancelled, or the worker died): nothing of it is applied")
     grads = asm.finish()
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
                      found_inf or not asm.all_finite, first.loss_scale, first.epoch)

@@ -12,6 +12,7 @@ calls) over all parts that share a spec: the same update, several times faster.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,8 +63,14 @@ class AdamImpl(ServerOptimizer):
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(s.eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
+    def _fused(self) -> Any:
+        return getattr(torch, "_fused_adamw_" if self.decoupled else "_fused_adam_", None)
+
+    def takes_slices(self) -> bool:
+        return self._fused() is not None  # an elementwise kernel; the step count is advanced once per part
+
     def step_many(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, State, PartInfo]]) -> None:
-        fused = getattr(torch, "_fused_adamw_" if self.decoupled else "_fused_adam_", None)
+        fused = self._fused()
         if fused is None or len(items) == 0:
             return super().step_many(items)
         s = self.spec
@@ -71,7 +78,7 @@ class AdamImpl(ServerOptimizer):
         grads = [it[1] for it in items]
         states = [it[2] for it in items]
         steps = [st["step"] for st in states]
-        torch._foreach_add_(steps, 1)
+        torch._foreach_add_(list({id(t): t for t in steps}.values()), 1)  # slices of a part share its count
         fused(
             params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
             [st["max_exp_avg_sq"] for st in states] if s.amsgrad else [], steps,

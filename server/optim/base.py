@@ -68,6 +68,20 @@ class ServerOptimizer(ABC):
         for param, grad, state, part in items:
             self.step(param, grad, state, part)
 
+    def takes_slices(self) -> bool:
+        """Whether ``step_many`` may be given slices of a part instead of the part (see ``split_state``).
+
+        Then several items may cover one part, each with its own slice of the weight, the gradient and
+        the per-element state, sharing the part's scalar state (a step count), which ``step_many`` must
+        advance once per part however many slices it gets. Elementwise optimizers only.
+        """
+        return False
+
+    def split_state(self, state: State, sizes: Sequence[int]) -> list[State]:
+        """A part's state cut as ``torch.split`` cuts its flat weight: per-element tensors split, scalars shared."""
+        split = {k: torch.split(v.view(-1), list(sizes)) for k, v in state.items() if v.dim()}
+        return [{k: split[k][i] if k in split else v for k, v in state.items()} for i in range(len(sizes))]
+
 
 def check_row_block(name: str, param: torch.Tensor, part: PartInfo) -> None:
     """ValueError unless ``part`` is whole rows of its tensor and ``param`` has the part's shape.

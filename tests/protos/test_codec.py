@@ -51,3 +51,45 @@ def test_all_finite(dtype):
         y = x.clone()
         y[517] = bad
         assert not codec.all_finite(y), bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 255, 4097, 262_144])
+def test_all_finite_finds_one_bad_value_anywhere(dtype, n):
+    """The sum-first check: one inf, -inf or nan in the first, middle or last element (vector tails too)."""
+    x = torch.randn(n).to(dtype)
+    assert codec.all_finite(x)
+    for at in sorted({0, n // 2, n - 1}):
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            y = x.clone()
+            y[at] = bad
+            assert not codec.all_finite(y), (at, bad)
+            assert not codec.all_finite(y[at:])  # a view starting at the bad value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_inf_and_minus_inf_together(dtype):
+    x = torch.zeros(100, dtype=dtype)
+    x[3], x[70] = float("inf"), float("-inf")  # their sum is nan, not finite either
+    assert not codec.all_finite(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_huge_finite_values_are_finite(dtype):
+    """Finite values whose sum overflows to inf (or to -inf) are not flagged."""
+    big = torch.finfo(dtype).max
+    for sign in (1.0, -1.0):
+        x = torch.full((1000,), sign * big, dtype=dtype)
+        assert torch.isinf(x.sum()) and codec.all_finite(x)
+        x[500] = float("nan")
+        assert not codec.all_finite(x)
+    # float16: ordinary values past 65504 in total
+    y = torch.full((100_000,), 1000.0, dtype=torch.float16).to(dtype)
+    assert codec.all_finite(y)
+
+
+def test_all_finite_non_contiguous():
+    x = torch.randn(64, 64).t()
+    assert codec.all_finite(x)
+    x[5, 60] = float("nan")
+    assert not codec.all_finite(x)
