@@ -128,7 +128,8 @@ class ShardpsStep:
 
         store = self.store
         t0 = time.perf_counter()
-        g = decode_push(received(), store.spec, store.staging, keep_chunks=store.takes_chunked)  # as WorkersServicer.Push
+        # as WorkersServicer.Push
+        g = decode_push(received(), store.spec, store.staging, keep_chunks=store.takes_chunked)
         t1 = time.perf_counter()
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
