@@ -98,10 +98,18 @@ def create(tag: str, size: int) -> Segment:
     size = max(1, size)
     fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
+        # Reserve the pages now: a tmpfs too small (a container's 64 MB /dev/shm) then fails here, with
+        # OSError (ENOSPC), instead of killing the process with SIGBUS on first write.
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # pragma: no cover - not Linux
+            os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        (SHM_DIR / name).unlink(missing_ok=True)
+        raise
+    os.close(fd)
     with _lock:
         _owned.add(name)
     return Segment(name, size, mm, owner=True)

@@ -165,3 +165,23 @@ def test_a_pull_through_shared_memory_says_where_each_part_lies(one_shard):
         ("w", 0, 80, b"")]
     got = torch.frombuffer(bytearray(link.read(0, 80)), dtype=torch.float32)
     assert torch.equal(got, store.weights("w")[0].reshape(-1))
+
+
+def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
+    """A /dev/shm too small for the segments (a container's 64 MB) is an OSError when they are made, not a
+    SIGBUS later: the worker says so and trains over gRPC."""
+    import errno
+
+    from shardps.worker import shm as worker_shm
+
+    def full(tag, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(worker_shm.shm, "create", full)
+    model = make_model()
+    with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1))
+        assert client.shm_links == [None, None]
+        model(torch.randn(4, 10)).sum().backward()
+        opt.step()
+    assert "go through gRPC" in caplog.text

@@ -189,7 +189,12 @@ class PSClient:
                                     part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
-        probe = shm.probe() if self.use_shm else None
+        probe = None
+        if self.use_shm:
+            try:
+                probe = shm.probe()
+            except OSError as e:
+                log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", self.worker_id, e)
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
             return layout.register_requests(shard, smap, layouts, worker_id=self.worker_id,
