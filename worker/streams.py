@@ -259,7 +259,8 @@ class PullInFlight:
         self._min_clock = min_clock
         self.result_tensors: dict[str, torch.Tensor] = {}
         self._staging: dict[str, torch.Tensor] = {}  # flat CPU views written by the shard threads
-        self._staged: set[str] = set()  # destinations that need a last copy (device, layout or dtype)
+        self._staged: set[str] = set()  # destinations that need a last copy (a device, or not in one piece)
+        self._wire_itemsize: dict[str, int] = {}
         for n in names:
             lay = client.layouts[n]
             tdt = dtype or codec.to_torch_dtype(lay.dtype)
@@ -269,7 +270,10 @@ class PullInFlight:
             elif tuple(target.shape) != lay.shape:
                 raise ValueError(f"out[{n!r}]: expected shape {lay.shape}, got {tuple(target.shape)}")
             self.result_tensors[n] = target
-            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == tdt
+            # A CPU tensor in one piece is written in place, cast as each chunk is copied when its dtype is
+            # not the wire's (pull_dtype=bf16 into fp32 parameters): one pass, no staging.
+            direct = target.device.type == "cpu" and target.is_contiguous()
+            self._wire_itemsize[n] = tdt.itemsize
             if direct:
                 self._staging[n] = target.detach().view(-1)
             else:
@@ -289,7 +293,7 @@ class PullInFlight:
                 if client.shm_links[p.server] is not None:  # one per part
                     self._messages[p.server] = self._messages.get(p.server, 0) + 1
                 else:  # one per chunk, as the shard frames them
-                    per = max(1, client.chunk_bytes // self._staging[p.name].dtype.itemsize)
+                    per = max(1, client.chunk_bytes // self._wire_itemsize[p.name])
                     self._messages[p.server] = self._messages.get(p.server, 0) + -(-(p.stop - p.start) // per)
                 got = self._owners.setdefault(p.server, [])
                 if p.name not in got:
