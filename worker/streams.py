@@ -16,6 +16,10 @@ first). ``PSClient.pull`` is ``start`` then ``result``.
 Both run their RPCs on the transport's threads (one per shard) and never
 block without a deadline: the client's timeout per RPC, and for waits on
 them the timeout plus the transport's recovery time.
+
+(Over 400 lines: the two directions of one step's data path, each with its
+gRPC and shared-memory forms, sharing the gathering of the shards' results;
+apart, each would repeat the other's handling of failures and deadlines.)
 """
 
 from __future__ import annotations
