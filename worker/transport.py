@@ -117,7 +117,9 @@ class Transport:
         self._pull_one: list[Any] = []
         for i, a in enumerate(self.addresses):
             self._install(i, a, self._channel(a))
-        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="psclient")
+        # Per shard: a push stream and a pull in flight can each hold a thread for a whole backward or
+        # forward (overlap), and a heartbeat must still get through meanwhile.
+        self._pool = ThreadPoolExecutor(max_workers=3 * len(self.addresses), thread_name_prefix="psclient")
 
     @property
     def num_shards(self) -> int:
