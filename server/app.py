@@ -246,8 +246,40 @@ class ShardServer:
         self.wait()
 
 
+# glibc's malloc: M_TRIM_THRESHOLD and M_MMAP_THRESHOLD (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory(trim_bytes: int = 256 << 20, mmap_bytes: int = 64 << 20) -> bool:
+    """Have glibc's malloc keep freed memory for reuse (a server process's own setting; True if set).
+
+    A Pull frames its messages in fresh 1 MiB buffers and frees them once
+    sent. By default glibc returns such memory to the kernel at once (large
+    blocks are mapped and unmapped, the heap's free top is trimmed), so every
+    Pull pays page faults and the kernel's zeroing of the pages before its
+    own copy. Keeping up to ``trim_bytes`` free at the heap's top, and serving
+    blocks below ``mmap_bytes`` from the heap, takes that away (measured in
+    docs/performance.md). No-op off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or "musl" in name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+
+
 def run_server(**options: Any) -> int:
     """``shardps server``: serve one shard until SIGTERM or SIGINT (options: those of ``ShardServer``)."""
+    if not keep_freed_memory():
+        log.info("malloc not tuned (not glibc): every Pull's buffers come from fresh pages")
     server = ShardServer(**options).start()
 
     def on_signal(signum: int, frame: object) -> None:
