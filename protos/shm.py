@@ -11,17 +11,22 @@ holding a random token, and the shard says whether it read it
 (``RegisterResponse.shm``). Otherwise everything goes through gRPC.
 
 Segments are files in ``/dev/shm`` named ``shardps-...``; the worker that
-made them removes them when its client closes (and at exit).
+made them removes them when its client closes (and at exit), and holds a
+lock on each while it lives: a worker that died without removing its own
+(SIGKILL, the OOM killer) has them removed by the next worker that
+registers on the machine (``remove_stale``).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import threading
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -48,8 +53,9 @@ def check_name(name: str) -> str:
 class Segment:
     """A mapped segment: ``view(offset, nbytes)`` is a memoryview of its bytes (bounds checked)."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, *, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, *, owner: bool, fd: int = -1) -> None:
         self.name, self.size, self._mm, self.owner = name, size, mm, owner
+        self._fd = fd  # the maker's: it holds the file's lock while it lives (see remove_stale)
         self._buf = memoryview(mm)
         self.closed = False
 
@@ -75,6 +81,9 @@ class Segment:
                 (SHM_DIR / self.name).unlink()
             except FileNotFoundError:
                 pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 _owned: set[str] = set()
@@ -98,6 +107,7 @@ def create(tag: str, size: int) -> Segment:
     size = max(1, size)
     fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: it is in use
         # Reserve the pages now: a tmpfs too small (a container's 64 MB /dev/shm) then fails here, with
         # OSError (ENOSPC), instead of killing the process with SIGBUS on first write.
         if hasattr(os, "posix_fallocate"):
@@ -109,10 +119,37 @@ def create(tag: str, size: int) -> Segment:
         os.close(fd)
         (SHM_DIR / name).unlink(missing_ok=True)
         raise
-    os.close(fd)
     with _lock:
         _owned.add(name)
-    return Segment(name, size, mm, owner=True)
+    return Segment(name, size, mm, owner=True, fd=fd)
+
+
+def remove_stale(min_age_s: float = 60.0) -> list[str]:
+    """Remove the segments whose maker died without removing them (a SIGKILL, the OOM killer): each maker
+    holds a lock on its files while it lives, released by the kernel when it dies, in any PID namespace.
+    Files younger than ``min_age_s`` are left alone (a maker between making and locking). Returns the names
+    removed."""
+    gone = []
+    now = time.time()
+    for path in SHM_DIR.glob("shardps-*"):
+        if not NAME.fullmatch(path.name):
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # locked: its maker lives
+                continue
+            path.unlink(missing_ok=True)
+            gone.append(path.name)
+        finally:
+            os.close(fd)
+    return gone
 
 
 def open_segment(name: str) -> Segment:

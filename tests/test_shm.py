@@ -185,3 +185,23 @@ def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
         model(torch.randn(4, 10)).sum().backward()
         opt.step()
     assert "go through gRPC" in caplog.text
+
+
+def test_segments_of_a_dead_worker_are_removed_by_the_next(tmp_path):
+    """A worker killed without removing its segments (here: os._exit, no atexit) leaves them unlocked; the next
+    one to look removes them, and leaves a living worker's alone."""
+    import subprocess
+    import sys
+
+    code = ("from shardps.protos import shm; import os; s = shm.create('dead', 4096); "
+            "print(s.name, flush=True); os._exit(0)")
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          check=True).stdout.strip()
+    alive = shm.create("alive", 4096)
+    try:
+        assert (Path("/dev/shm") / dead).exists()
+        gone = shm.remove_stale(min_age_s=0.0)
+        assert dead in gone and alive.name not in gone
+        assert not (Path("/dev/shm") / dead).exists() and (Path("/dev/shm") / alive.name).exists()
+    finally:
+        alive.close()

@@ -192,6 +192,10 @@ class PSClient:
         probe = None
         if self.use_shm:
             try:
+                gone = shm.remove_stale()
+                if gone:
+                    log.info("worker %d: removed %d shared-memory segments of dead workers", self.worker_id,
+                             len(gone))
                 probe = shm.probe()
             except OSError as e:
                 log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", self.worker_id, e)
