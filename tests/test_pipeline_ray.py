@@ -119,12 +119,13 @@ def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_ser
             with pytest.raises(sray.PipelineError) as err:
                 pipe.train_step(*data(9, seed=1), nn.CrossEntropyLoss())
             assert time.monotonic() - t0 < 60
-            # The stage is exact; the micro-batch is the first result lost: 2 (running when it died), or 1 when
-            # the process died before Ray had sent micro-batch 1's reply (seen under load).
+            # The stage is exact; the micro-batch is the first result lost: 2 (running when it died), or an
+            # earlier one when the process died before Ray had sent its replies (under load: 1, and 0 once in
+            # 8 runs beside a busy core).
             assert (err.value.stage, err.value.kind) == (1, "forward"), str(err.value)
-            assert err.value.microbatch in (1, 2), str(err.value)
-            assert f"stage 1 (replica 0) died in or just after the forward of micro-batch {err.value.microbatch}" \
-                in str(err.value)
+            assert err.value.microbatch in (0, 1, 2), str(err.value)
+            assert f"stage 1 (replica 0) died, the forward of micro-batch {err.value.microbatch} the first result " \
+                   f"lost" in str(err.value)
         finally:
             pipe.close()
         with shardps.connect(servers.addresses) as c:

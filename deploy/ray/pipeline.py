@@ -456,8 +456,9 @@ class Pipeline:
         """The first task, in submission order, that failed: which stage, which micro-batch, why.
 
         A stage that died is named exactly; its micro-batch is the first whose result did not come
-        back: the one it was running, or the one before when the process died before it had sent that
-        result (Ray sends a task's reply after the task ends, so an abrupt death can lose it)."""
+        back: the one it was running, or an earlier one when the process died before it had sent that
+        one's result (Ray sends a task's reply after the task ends, so an abrupt death can lose the
+        replies still on their way: under load, those of several micro-batches)."""
         for t, rep, ref in order:
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -467,7 +468,7 @@ class Pipeline:
             except (RayActorError, RayError, GetTimeoutError) as e:
                 cause = type(e).__name__ if isinstance(e, RayActorError) else str(e).splitlines()[0]
                 dead = isinstance(e, RayActorError) or "ActorDiedError" in str(e)
-                where = (f"died in or just after the {_task_name(t)} of micro-batch {t.microbatch}" if dead
+                where = (f"died, the {_task_name(t)} of micro-batch {t.microbatch} the first result lost" if dead
                          else f"failed in the {_task_name(t)} of micro-batch {t.microbatch}")
                 return PipelineError(
                     f"step {self.step_count}: stage {t.stage} (replica {rep}) {where} ({cause})"
