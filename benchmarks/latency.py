@@ -111,6 +111,21 @@ def serve_raw(host: str) -> int:
     return 0
 
 
+
+def push_pull_rounds(client: Any, grads: dict[str, Any], out: dict[str, Any]) -> Callable[[], float]:
+    """A round function: ``client.push`` of the next step then ``client.pull`` into ``out``; its seconds."""
+    step = [client.clock]
+
+    def round_() -> float:
+        t = time.perf_counter()
+        client.push(grads, step=step[0])
+        client.pull(out=out)
+        dt = time.perf_counter() - t
+        step[0] += 1
+        return dt
+
+    return round_
+
 class RawClient:
     """Push: the tensor's bytes to the raw server; pull: its echo into an output tensor."""
 
@@ -254,15 +269,7 @@ class Bench:
             client.register({"w": weight}, sgd, sync="asp")
             out = {"w": torch.empty_like(weight)}
             grads = {"w": grad}
-            step = [client.clock]
-
-            def round_() -> float:
-                t = time.perf_counter()
-                client.push(grads, step=step[0])
-                client.pull(out=out)
-                dt = time.perf_counter() - t
-                step[0] += 1
-                return dt
+            round_ = push_pull_rounds(client, grads, out)
 
             self.checks.append(lambda: (f"{form} {system}", torch.equal(out["w"], weight)))
         else:
@@ -306,15 +313,7 @@ class Bench:
                                                             chunk)]
         canned.push, canned.pull = ps_pb2.PushResponse(version=1, sync="asp").SerializeToString(), pull_msg
         out = {"w": torch.empty_like(weight)}
-        step = [client.clock]
-
-        def client_round() -> float:
-            t = time.perf_counter()
-            client.push(grads, step=step[0])
-            client.pull(out=out)
-            dt = time.perf_counter() - t
-            step[0] += 1
-            return dt
+        client_round = push_pull_rounds(client, grads, out)
 
         prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=0, step=1)
         [push_msg] = [m for *_, m in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, "w",

@@ -146,10 +146,8 @@ class Overlap:
         acc = opt._acc.get(name)
         if acc is None:
             assert grad is not None
-            total = grad.detach().clone()
-        else:
-            total = acc + grad if grad is not None else acc
-        return total.div_(x) if total is not acc else total / x
+            return grad.detach() / x
+        return (acc + grad if grad is not None else acc) / x
 
     # -- step() ------------------------------------------------------------------
 
