@@ -30,6 +30,7 @@ from shardps.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
+from shardps.server.pullcache import FRAME_INLINE_BYTES
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICES, create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
@@ -66,11 +67,19 @@ def check_spare(backup_of: int, num_shards: int) -> None:
                          f"got shard {backup_of} of {num_shards}")
 
 
+def check_frame_inline_bytes(n: int) -> int:
+    """``frame_inline_bytes`` if it is one (an int >= 0; see server/pullcache.py), else ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"frame_inline_bytes must be an integer >= 0, got {n!r}")
+    return n
+
+
 def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int = 0, num_shards: int = 2,
               chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
               grace_s: float = 5.0, torch_threads: int | None = None, security: Security | None = None,
               lease_s: float = DEFAULT_LEASE_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
-              checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> int:
+              checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+              frame_inline_bytes: int = FRAME_INLINE_BYTES) -> int:
     """``shardps server --backup-only K``: only a backup endpoint for shard K (no primary).
 
     A spare to give a shard a copy again after a takeover: point the shard
@@ -81,6 +90,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     torch.set_num_threads(torch_threads or default_torch_threads())
     security = security or Security()
     backup = ShardStore(backup_of, num_shards, lease_s=lease_s, role="backup")
+    backup.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
     if checkpoint_dir:
         backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every)
     metrics = endpoint = None
@@ -131,8 +141,10 @@ class ShardServer:
                  torch_threads: int | None = None, security: Security | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S, replicas: int = 1,
-                 replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None) -> None:
+                 replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None,
+                 frame_inline_bytes: int = FRAME_INLINE_BYTES) -> None:
         check_replicas(replicas, num_shards, replica_target)
+        self.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
         self.host, self.port, self.shard_index, self.num_shards = host, port, shard_index, num_shards
         self.sync, self.num_workers, self.chunk_bytes, self.max_wait_s = sync, num_workers, chunk_bytes, max_wait_s
         self.grace_s, self.metrics_host, self.metrics_port = grace_s, metrics_host, metrics_port
@@ -161,6 +173,7 @@ class ShardServer:
                         "can read and change the model", shard_index, host, missing)
         store = ShardStore(shard_index, self.num_shards, sync=self.sync, num_workers=self.num_workers,
                            lease_s=self.lease_s)
+        store.frame_inline_bytes = self.frame_inline_bytes
         self.store = store
         if self.checkpoint_dir:
             store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
@@ -173,6 +186,7 @@ class ShardServer:
         if self.replicas == 2:  # this process keeps the copy of the previous shard
             self.backup = ShardStore((shard_index - 1) % self.num_shards, self.num_shards, lease_s=self.lease_s,
                                      role="backup")
+            self.backup.frame_inline_bytes = self.frame_inline_bytes
             if self.checkpoint_dir:  # used once it takes over
                 self.backup.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
                                                every_seconds=self.checkpoint_seconds)

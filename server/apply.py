@@ -202,6 +202,7 @@ class ApplyMixin:
 
     if TYPE_CHECKING:  # the store's own methods
         def _settle(self) -> None: ...
+        def _await_reads(self) -> None: ...
 
     def staging(self, key: PartKey, numel: int) -> torch.Tensor:
         """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
@@ -215,6 +216,7 @@ class ApplyMixin:
         other thread reads or changes the tensors meanwhile.
         """
         self._settle()
+        self._await_reads()  # no Pull frames these weights outside the lock while they change
         self.pullcache.clear()
         split = any(self._tensors[name].spec.split for name, _ in update.grads)
         self._applying = split

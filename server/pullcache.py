@@ -9,14 +9,28 @@ worker's, at once after the barrier) share one copy, which lives only as
 long as some Pull sends it. The store clears it whenever the weights or the
 version change. No lock of its own: called under the store's lock.
 ``ReadMixin`` is the part of ``ShardStore`` that reads its weights
-(``read``, ``export_state``, ``weights``).
+(``read``, ``read_into``, ``export_state``, ``weights``).
+
+Framing outside the lock. A Pull of more than ``frame_inline_bytes`` is not
+framed under the store's lock: under the lock it takes the version, the
+header and the tensor entries and counts itself in ``_reading``; a thread of
+its own then frames the weights into a ``Framing`` while the Pulls holding it
+send the responses already framed (framing overlaps sending), and leaves
+``_reading`` when done. The optimizer step changes weights in place, so
+``_apply`` (and ``submit`` before it offers a gradient) waits for
+``_reading == 0`` first (``_await_reads``); nothing else writes weights in
+place (a restore replaces the tensor table, leaving a framing in progress
+its own, older tensors). Every other request (pushes being taken in, stats,
+heartbeats, another version's Pull) goes on meanwhile. The same-host path
+(``read_into``) copies into the worker's segment the same way, outside the
+lock, in the Pull's own thread.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +38,7 @@ import torch
 from shardps.protos import codec, framing, shm
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.errors import InvalidArgument
+from shardps.server.errors import InvalidArgument, Unavailable
 from shardps.server.table import TensorEntry, TensorTable
 
 if TYPE_CHECKING:
@@ -41,39 +55,110 @@ class _Framed(list):  # type: ignore[type-arg]
     __slots__ = ("__weakref__",)
 
 
+# Pulls of up to this many payload bytes are framed under the store's lock (less than a millisecond's copy);
+# larger ones by a thread of their own, outside it.
+FRAME_INLINE_BYTES = 2 << 20
+# The longest a Pull waits for the next framed response, and a step for framings to end: framing is a copy
+# with no waits in it, so this is reached only by a process stalled for a minute.
+FRAMING_TIMEOUT_S = 60.0
+# Pulls waiting for a framing are woken for its first response, then every this many (and at its end).
+WAKE_EVERY = 4
+
+
+class Framing:
+    """Pull responses of one version being framed by one thread while the Pulls holding it send them.
+
+    Iterating gives the items in order, each as soon as it is framed (waiting up
+    to ``timeout`` for the next); an error in the framing is raised to every
+    Pull iterating as UNAVAILABLE. Held weakly by ``PullCache`` as a list is.
+    """
+
+    __slots__ = ("_items", "_done", "_error", "_cond", "_timeout", "__weakref__")
+
+    def __init__(self, timeout: float = FRAMING_TIMEOUT_S) -> None:
+        self._items: list[Item] = []
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition(threading.Lock())
+        self._timeout = timeout
+
+    def produce(self, items: Iterable[Item]) -> None:
+        """Append ``items`` as they come; then mark the framing done (failed, if ``items`` raised)."""
+        error: BaseException | None = None
+        try:
+            for i, item in enumerate(items):
+                with self._cond:
+                    self._items.append(item)
+                    if i % WAKE_EVERY == 0:  # the first at once; then in batches (fewer thread switches)
+                        self._cond.notify_all()
+        except BaseException as e:  # handed to every Pull iterating, not lost in a thread
+            error = e
+        finally:
+            with self._cond:
+                self._done, self._error = True, error
+                self._cond.notify_all()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def __iter__(self) -> Iterator[Item]:
+        at = 0
+
+        def ready() -> bool:
+            return at < len(self._items) or self._done
+
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(ready, self._timeout):
+                    raise Unavailable(f"Pull: the weights were not framed within {self._timeout:.0f}s "
+                                      f"({len(self._items)} responses framed so far)")
+                batch = self._items[at:]
+                if not batch:
+                    if self._error is not None:
+                        raise Unavailable(f"Pull: framing the weights failed: {self._error!r}") from self._error
+                    return
+            yield from batch
+            at += len(batch)
+
+
 class PullCache:
     def __init__(self) -> None:
-        self._framed: dict[Key, tuple[weakref.ref[_Framed], int]] = {}
+        self._framed: dict[Key, tuple[weakref.ref[Any], int]] = {}
         self.hits_total = 0
 
     def clear(self) -> None:
         self._framed.clear()
 
-    def get(self, key: Key) -> tuple[list[Item], int] | None:
+    def get(self, key: Key) -> tuple[list[Item] | Framing, int] | None:
         """The responses framed for ``key`` and their payload bytes, while some Pull still holds them."""
         ref, nbytes = self._framed.get(key, (None, 0))
         shared = ref() if ref is not None else None
-        if shared is None:
+        if shared is None or (isinstance(shared, Framing) and shared.failed):  # a failed one is framed again
             return None
         self.hits_total += 1
         return shared, nbytes
 
-    def put(self, key: Key, out: list[Item], nbytes: int) -> None:
+    def put(self, key: Key, out: list[Item] | Framing, nbytes: int) -> None:
+        """Keep ``out`` (a ``frame`` list or a ``Framing``) for ``key`` while some Pull holds it."""
         self._framed = {k: v for k, v in self._framed.items() if v[0]() is not None}
-        self._framed[key] = (weakref.ref(out), nbytes)  # type: ignore[arg-type]
+        self._framed[key] = (weakref.ref(out), nbytes)
 
 
-def frame(entries: Sequence[TensorEntry], wire_dtype: int | None, chunk_bytes: int,
-          header: tuple[bytes, bytes] | None) -> tuple[list[Item], int]:
-    """The parts of ``entries`` as items and their payload bytes.
+def payload_bytes(entries: Sequence[TensorEntry], wire_dtype: int | None) -> int:
+    """The tensor bytes a Pull of ``entries`` carries in ``wire_dtype`` (each tensor's own with None)."""
+    return sum(p.weight.numel() * codec.itemsize(e.spec.dtype if wire_dtype is None else wire_dtype)
+               for e in entries for p in e.parts.values())
+
+
+def frame_items(entries: Sequence[TensorEntry], wire_dtype: int | None, chunk_bytes: int,
+                header: tuple[bytes, bytes] | None) -> Iterator[Item]:
+    """The parts of ``entries`` as items, one chunk after another.
 
     ``header``: (prefix, suffix) of ``framing.pull_header``: each payload is
-    then a whole PullResponse (the tensor's shape on its first chunk), and
-    the list can be cached. ``wire_dtype=None``: each tensor in its
-    registered dtype.
+    then a whole PullResponse (the tensor's shape on its first chunk).
+    ``wire_dtype=None``: each tensor in its registered dtype.
     """
-    out: list[Item] = _Framed() if header is not None else []
-    nbytes = 0
     for e in entries:
         dt = e.spec.dtype if wire_dtype is None else wire_dtype
         tdt = codec.to_torch_dtype(dt)
@@ -84,23 +169,29 @@ def frame(entries: Sequence[TensorEntry], wire_dtype: int | None, chunk_bytes: i
                 w = w.to(tdt)
             if header is not None:
                 prefix, suffix = header
-                for off, n, msg in framing.chunk_messages(
+                for off, _, msg in framing.chunk_messages(
                         prefix, framing.PULL_CHUNK_FIELD, suffix, e.spec.name, dt, shape,
                         w, 0, w.numel(), chunk_bytes, base=start):
-                    out.append((e.spec.name, off, dt, msg))
-                    nbytes += n
+                    yield e.spec.name, off, dt, msg
                     shape = ()
                 continue
             for off, payload in codec.encode_range(w, 0, w.numel(), chunk_bytes):
-                out.append((e.spec.name, start + off, dt, payload))
-                nbytes += len(payload)
-    return out, nbytes
+                yield e.spec.name, start + off, dt, payload
+
+
+def frame(entries: Sequence[TensorEntry], wire_dtype: int | None, chunk_bytes: int,
+          header: tuple[bytes, bytes] | None) -> tuple[list[Item], int]:
+    """``frame_items`` as a list (one the cache can hold when ``header`` is given) and its payload bytes."""
+    out: list[Item] = _Framed() if header is not None else []
+    out.extend(frame_items(entries, wire_dtype, chunk_bytes, header))
+    return out, payload_bytes(entries, wire_dtype)
 
 
 class ReadMixin:
     """Read methods of ``ShardStore`` (it supplies the attributes annotated here)."""
 
     version: int
+    shard_index: int
     membership: Membership
     pullcache: PullCache
     pull_bytes_total: int
@@ -108,6 +199,11 @@ class ReadMixin:
     _tensors: TensorTable
     _sync: SyncSpec | None
     _cond: threading.Condition
+    # Set by the store's __init__: Pulls framing or copying weights outside _cond now (see the module
+    # docstring), steps waiting for them to end, and the largest Pull framed under _cond.
+    _reading: int
+    writers_waiting: int
+    frame_inline_bytes: int
 
     if TYPE_CHECKING:  # the store's properties
         @property
@@ -121,64 +217,104 @@ class ReadMixin:
         def spec(self, name: str) -> Any: ...
         def _remember_pulled(self, worker_id: int, names: list[str]) -> None: ...
 
+    def _entries_read(self, names: Sequence[str], worker_id: int | None) -> list[TensorEntry]:
+        """Under _cond: the entries of ``names`` (NotFound for one not held), once no step is in flight;
+        under dc-asgd, the weights a worker reads are remembered for it."""
+        self._settle()
+        entries = [self._tensors.get(n) for n in names]
+        for n, e in zip(names, entries):
+            if e is None:
+                self.spec(n)  # raises NotFound
+        if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self.membership.workers:
+            self._remember_pulled(worker_id, list(names))
+        return entries  # type: ignore[return-value]
+
+    def _await_reads(self) -> None:
+        """Under _cond, before weights change in place: wait until no Pull reads them outside the lock."""
+        if not self._reading:
+            return
+        self.writers_waiting += 1
+        self._cond.notify_all()  # for whoever watches writers_waiting (tests)
+        try:
+            ok = self._cond.wait_for(lambda: not self._reading, timeout=FRAMING_TIMEOUT_S)
+        finally:
+            self.writers_waiting -= 1
+        if not ok:
+            raise Unavailable(f"shard {self.shard_index}: {self._reading} Pull(s) still reading the weights "
+                              f"after {FRAMING_TIMEOUT_S:.0f}s; the step was not applied")
+
+    def _done_reading(self) -> None:
+        with self._cond:
+            self._reading -= 1
+            self._cond.notify_all()
+
+    def _frame_out(self, out: Framing, entries: list[TensorEntry], wire_dtype: int | None, chunk_bytes: int,
+                   header: tuple[bytes, bytes]) -> None:
+        """The framing thread of a large Pull (counted in ``_reading`` by its caller)."""
+        try:
+            out.produce(frame_items(entries, wire_dtype, chunk_bytes, header))
+        finally:
+            self._done_reading()
+
     def read(self, names: Sequence[str], wire_dtype: int | None,
              chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, *, messages: bool = False,
-             slowest_clock: int = 0, worker_id: int | None = None) -> tuple[int, list[Item]]:
+             slowest_clock: int = 0, worker_id: int | None = None) -> tuple[int, Sequence[Item] | Framing]:
         """A consistent snapshot: (version, [(name, offset, wire dtype, payload)]).
 
         ``wire_dtype=None`` sends each tensor in its registered dtype. The
-        payloads are taken under the lock, so they all belong to ``version``.
+        payloads all belong to ``version``.
 
         ``messages=True``: each payload is instead a whole serialized
         ``PullResponse`` (version, the loss scale and sync mode of that
         moment, ``slowest_clock`` as given, and the chunk, its tensor's shape
         on the tensor's first chunk), framed straight from the weights: one
         copy of the data, made once per version for all the Pulls that ask
-        the same (every worker's, under bsp; see pullcache.py).
+        the same (every worker's, under bsp; see pullcache.py). Over
+        ``frame_inline_bytes`` the result is a ``Framing`` being filled by a
+        thread outside the lock (iterate it; see the module docstring);
+        otherwise a list, framed under the lock.
         """
         with self._cond:
-            self._settle()
-            entries = [self._tensors.get(n) for n in names]
-            for n, e in zip(names, entries):
-                if e is None:
-                    self.spec(n)  # raises NotFound
-            if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self.membership.workers:
-                self._remember_pulled(worker_id, list(names))
-            header = None
-            if messages:
-                key = (tuple(names), wire_dtype, chunk_bytes, slowest_clock, self.loss_scale, str(self._sync or ""))
-                hit = self.pullcache.get(key)
-                if hit is not None:
-                    self.pull_bytes_total += hit[1]
-                    self.pulls_total += 1
-                    return self.version, hit[0]
-                header = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""), slowest_clock)
-            out, nbytes = frame(entries, wire_dtype, chunk_bytes, header)  # type: ignore[arg-type]
+            entries = self._entries_read(names, worker_id)
+            nbytes = payload_bytes(entries, wire_dtype)
             self.pull_bytes_total += nbytes
             self.pulls_total += 1
-            if messages:
+            if not messages:
+                return self.version, frame(entries, wire_dtype, chunk_bytes, None)[0]
+            key = (tuple(names), wire_dtype, chunk_bytes, slowest_clock, self.loss_scale, str(self._sync or ""))
+            hit = self.pullcache.get(key)
+            if hit is not None:
+                return self.version, hit[0]
+            header = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""), slowest_clock)
+            if nbytes <= self.frame_inline_bytes:
+                out, _ = frame(entries, wire_dtype, chunk_bytes, header)
                 self.pullcache.put(key, out, nbytes)
-            return self.version, out
+                return self.version, out
+            framed = Framing()
+            self.pullcache.put(key, framed, nbytes)
+            self._reading += 1
+            version = self.version
+        try:
+            threading.Thread(target=self._frame_out, args=(framed, entries, wire_dtype, chunk_bytes, header),
+                             name=f"shard{self.shard_index}-framing", daemon=True).start()
+        except BaseException:
+            self._done_reading()
+            raise
+        return version, framed
 
     def read_into(self, names: Sequence[str], wire_dtype: int | None, segment: shm.Segment, *,
                   slowest_clock: int = 0, worker_id: int | None = None) -> tuple[int, list[Item]]:
         """As ``read(messages=True)``, for the same-host fast path: the parts are copied (cast to the wire
-        dtype) into ``segment``, one after another from offset 0 (each on a 64-byte boundary), under the
-        lock (one version); each item's payload is a PullResponse whose chunk says where its part lies
-        (``shm_offset``, ``shm_bytes``) and carries no data. INVALID_ARGUMENT when the segment is too small.
+        dtype) into ``segment``, one after another from offset 0 (each on a 64-byte boundary), outside the
+        lock but of one version (counted in ``_reading``: no step runs meanwhile); each item's payload is a
+        PullResponse whose chunk says where its part lies (``shm_offset``, ``shm_bytes``) and carries no data.
+        INVALID_ARGUMENT when the segment is too small.
         """
         with self._cond:
-            self._settle()
-            entries = [self._tensors.get(n) for n in names]
-            for n, e in zip(names, entries):
-                if e is None:
-                    self.spec(n)  # raises NotFound
-            if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self.membership.workers:
-                self._remember_pulled(worker_id, list(names))
+            entries = self._entries_read(names, worker_id)
             layout: list[tuple[TensorEntry, int, int, int, int]] = []  # (entry, part start, dtype, offset, bytes)
             at = 0
             for e in entries:
-                assert e is not None
                 dt = e.spec.dtype if wire_dtype is None else wire_dtype
                 itemsize = codec.itemsize(dt)
                 for start in sorted(e.parts):
@@ -188,9 +324,12 @@ class ReadMixin:
             if layout and layout[-1][3] + layout[-1][4] > segment.size:
                 raise InvalidArgument(f"Pull: shared-memory segment {segment.name} holds {segment.size} bytes; "
                                       f"the weights asked need {layout[-1][3] + layout[-1][4]}")
+            version, loss_scale, sync = self.version, self.loss_scale, str(self._sync or "")
+            self.pull_bytes_total += sum(size for *_, size in layout)
+            self.pulls_total += 1
+            self._reading += 1
+        try:
             out: list[Item] = []
-            sync = str(self._sync or "")
-            nbytes = 0
             for e, start, dt, off, size in layout:
                 w = e.parts[start].weight.reshape(-1)
                 if size:
@@ -198,14 +337,13 @@ class ReadMixin:
                     dst.copy_(w)
                 first = start == min(e.parts) if e.spec.shape else True
                 msg = ps_pb2.PullResponse(
-                    version=self.version, loss_scale=self.loss_scale, sync=sync, slowest_clock=slowest_clock,
+                    version=version, loss_scale=loss_scale, sync=sync, slowest_clock=slowest_clock,
                     chunk=ps_pb2.Chunk(name=e.spec.name, offset=start, dtype=dt,  # type: ignore[arg-type]
                                        shape=e.spec.shape if first else (), shm_offset=off, shm_bytes=size))
                 out.append((e.spec.name, start, dt, msg.SerializeToString()))
-                nbytes += size
-            self.pull_bytes_total += nbytes
-            self.pulls_total += 1
-            return self.version, out
+        finally:
+            self._done_reading()
+        return version, out
 
     def export_state(self, names: Sequence[str]) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
         """A consistent copy of weights and optimizer state: (version, [(name, start, stop, key, tensor)]).

@@ -179,9 +179,9 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
             self.metrics.replication_seconds.labels(self.metrics.shard).observe(time.perf_counter() - t0)
         return res.to_proto()
 
-    def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> list[bytes]:
+    def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
-        are (see add_servicers)."""
+        are (see add_servicers), a large Pull's while the rest are being framed."""
         self.store.check_serving()
         q = decode_pull(request, self.chunk_bytes, self.segments)
         waited, messages = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
@@ -189,7 +189,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
                                            timeout=self._timeout(context), segment=q.segment)
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
-        return [msg for *_, msg in messages]
+        return (msg for *_, msg in messages)
 
     @_stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
@@ -198,7 +198,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
 
     def _one_message(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> bytes:
         """Pull asked as a unary call (framing.PULL_ONE_HEADER): the one message, sent with the status."""
-        messages = self._pull(request, context)
+        messages = list(self._pull(request, context))
         if len(messages) != 1:
             raise FailedPrecondition(f"{framing.PULL_NOT_ONE} but {len(messages)}: ask without the "
                                      f"{framing.PULL_ONE_HEADER} header")

@@ -23,6 +23,12 @@ LOCK ORDER (a lock may be taken while holding only those listed before it)::
                   membership, counters. Every wait on it has a timeout.
     leaf locks    taken under _cond, taking nothing else: StagingPool's, the
                   ExchangeTable's, the Replicator's (record), PeerChannels'
+    Framing._cond a large Pull's framed responses (pullcache.py); taken with no
+                  other lock held
+
+A large Pull frames (or, same-host, copies) the weights outside _cond,
+counted in ``_reading``; a step waits for ``_reading == 0`` before it
+changes weights in place (``_await_reads``, see pullcache.py).
 
 No network call is made while holding _cond or _replay_lock: a split
 tensor's step releases _cond around ``Peers.fetch`` (``_applying`` keeps
@@ -39,7 +45,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
@@ -56,7 +62,7 @@ from shardps.server.errors import (
 )
 from shardps.server.membership import DEFAULT_LEASE_S, Clock, Membership, MembershipMixin, Reaper
 from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
-from shardps.server.pullcache import Item, PullCache, ReadMixin
+from shardps.server.pullcache import FRAME_INLINE_BYTES, Framing, Item, PullCache, ReadMixin
 from shardps.server.remedies import Remedy
 from shardps.server.replica import (
     DEFAULT_REPLICA_TIMEOUT_S,
@@ -99,6 +105,9 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
         self.applier = Applier()
         self._scaling_config: tuple[float, float, float, int] | None = None  # as configured (the scale moves)
         self.pullcache = PullCache()
+        self._reading = 0  # Pulls framing or copying weights outside _cond (pullcache.py); steps wait for 0
+        self.writers_waiting = 0  # steps waiting for those Pulls
+        self.frame_inline_bytes = FRAME_INLINE_BYTES  # larger Pulls are framed outside _cond
         self._ckpt_dir: str | None = None
         self._ckpt_every, self._ckpt_seconds, self._ckpt_keep = 0, 0.0, 3
         self._ckpt_last = time.monotonic()
@@ -308,6 +317,7 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
         packed = pack(part_keys(fp32)) if self.replicator and fp32 is not None else None
         with self._cond:
             self._settle()
+            self._await_reads()  # before the policy takes the gradient: the step below changes weights in place
             self.check_epoch(epoch)
             policy = self._policy
             assert policy is not None  # registered workers imply a job
@@ -395,12 +405,13 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
 
     def pull(self, worker_id: int, names: list[str], wire_dtype: int | None, chunk_bytes: int, *,
              min_version: int, min_clock: int, epoch: int, timeout: float,
-             segment: Segment | None = None) -> tuple[float, list[Item]]:
+             segment: Segment | None = None) -> tuple[float, Sequence[Item] | Framing]:
         """A worker's Pull (decoded by server/wire.py): wait (up to ``timeout`` in all) for ``min_version``
         and, under ssp, for every worker's clock to reach ``min_clock``; then the weights of ``names`` (all
         when empty) as whole framed ``PullResponse`` messages (``read(messages=True)``), once the backup
         holds them. With ``segment`` (the same-host fast path) the weights go there instead and the messages
-        only say where (``read_into``). Returns (seconds waited, messages)."""
+        only say where (``read_into``). Returns (seconds waited, messages): a list, or for a large Pull a ``Framing``
+        being filled outside the lock (iterate it)."""
         self.check_epoch(epoch)
         self.touch(worker_id)
         names = names or self.names()
@@ -414,6 +425,7 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
             slowest = self.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
         waited = time.monotonic() - t0
         self.touch(worker_id)
+        messages: Sequence[Item] | Framing
         if segment is not None:
             _, messages = self.read_into(names, wire_dtype, segment, slowest_clock=slowest, worker_id=worker_id)
         else:
@@ -465,6 +477,7 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                     f"shard {self.shard_index} holds tensors split with cross-shard statistics, which "
                     f"need bsp or every:X; cannot switch to {spec}"
                 )
+            self._await_reads()
             self._record(OpKind.SET_SYNC, {"sync": str(spec)})
             for update in self._policy.flush():
                 self._apply(update)

@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-seconds", type=float, default=_or(_env_float(env.LEASE_SECONDS), 10.0),
                    help="evict a worker silent for this long; barriers then complete without it "
                         f"(default 10; env {env.LEASE_SECONDS})")
+    s.add_argument("--frame-inline-bytes", type=int, default=_env_int(env.FRAME_INLINE_BYTES), metavar="N",
+                   help="frame a Pull of up to N bytes under the shard's lock; larger ones are framed by a "
+                        "thread of their own while the first responses go out (default 2 MiB; env "
+                        f"{env.FRAME_INLINE_BYTES})")
     s.add_argument("--checkpoint-seconds", type=float, default=0.0,
                    help="checkpoint at the first step after every T seconds")
     r = s.add_argument_group("replication")
@@ -298,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.replicas not in (1, 2):  # from SHARDPS_REPLICAS: argparse checks choices of flags only
             print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
             return 2
+        extra = {} if args.frame_inline_bytes is None else {"frame_inline_bytes": args.frame_inline_bytes}
+        if args.frame_inline_bytes is not None and args.frame_inline_bytes < 0:
+            print(f"shardps server: --frame-inline-bytes / {env.FRAME_INLINE_BYTES} must be >= 0, "
+                  f"got {args.frame_inline_bytes}", file=sys.stderr)
+            return 2
         if args.backup_only is not None:
             try:
                 check_spare(args.backup_only, args.num_shards)
@@ -309,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                              torch_threads=args.torch_threads, security=security_from(args),
                              lease_s=args.lease_seconds, metrics_host=args.metrics_host,
                              metrics_port=args.metrics_port, checkpoint_dir=args.checkpoint_dir,
-                             checkpoint_every=args.checkpoint_every)
+                             checkpoint_every=args.checkpoint_every, **extra)
         try:
             check_replicas(args.replicas, args.num_shards, args.replica_target)
         except ValueError as e:
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           checkpoint_seconds=args.checkpoint_seconds, lease_s=args.lease_seconds,
                           replicas=args.replicas, replica_port=args.replica_port,
-                          replica_target=args.replica_target, advertise=args.advertise_address)
+                          replica_target=args.replica_target, advertise=args.advertise_address, **extra)
     if args.command == "worker":
         from shardps.examples.digits import main_worker
 

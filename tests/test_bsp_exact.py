@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,7 +24,11 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 10, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
 
 
-def test_bsp_three_workers_equal_one_process_with_torch_adam(cluster2):
+@pytest.mark.parametrize("frame_inline_bytes", [None, 0], ids=["pulls-framed-under-lock", "pulls-framed-by-thread"])
+def test_bsp_three_workers_equal_one_process_with_torch_adam(cluster2, frame_inline_bytes):
+    if frame_inline_bytes is not None:  # every Pull framed outside the lock, as large ones are
+        for st in cluster2.stores:
+            st.frame_inline_bytes = frame_inline_bytes
     reference = make_model()
     topt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for step in range(STEPS):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import shardps
@@ -86,3 +88,21 @@ def test_choices_come_from_the_registries():
     assert choices("ray", "--schedule") == list(SCHEDULES)
     assert choices("ray", "--recompute") == list(CHECKPOINT_MODES)
     assert choices("ray", "--compress") == list(ENCODINGS)
+
+
+def test_server_frame_inline_bytes_from_flag_or_env_and_a_bad_one_refused():
+    from shardps.server.app import ShardServer
+
+    proc = _cli("server", "--frame-inline-bytes", "-1")
+    assert proc.returncode == 2
+    assert "--frame-inline-bytes / SHARDPS_FRAME_INLINE_BYTES must be >= 0, got -1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "shardps", "server"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SHARDPS_FRAME_INLINE_BYTES": "lots"})
+    assert proc.returncode != 0 and "SHARDPS_FRAME_INLINE_BYTES='lots' is not an integer" in proc.stderr
+    server = ShardServer(frame_inline_bytes=0, replicas=1).start()
+    try:
+        assert server.store is not None and server.store.frame_inline_bytes == 0
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="frame_inline_bytes must be an integer >= 0, got -5"):
+        ShardServer(frame_inline_bytes=-5)

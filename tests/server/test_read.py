@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 import shardps
 from shardps.protos import framing
+from shardps.server.errors import Unavailable
+from shardps.server.pullcache import Framing
 from shardps.server.store import ShardStore, TensorSpec
 
 
@@ -62,3 +67,140 @@ def test_a_restore_invalidates_the_framed_pulls():
     st.restore(version, meta, tensors)  # back to version 0: a different state at an earlier version
     v, values = _values(st.read(["w"], None, messages=True)[1])
     assert v == 0 and torch.equal(values, torch.zeros(6))
+
+
+# -- large Pulls: framed outside the store's lock by a thread of their own -------------------------------
+
+def _big_store(monkeypatch, block_after: int | None = None, fail_after: int | None = None):
+    """A store whose Pulls of "w" (4096 fp32) go through a ``Framing`` in 1 KiB chunks; the framing thread
+    stops after ``block_after`` items until ``release`` is set, or raises after ``fail_after`` items."""
+    from shardps.server import pullcache
+
+    st = ShardStore(0, 1, sync="asp", num_workers=2)
+    st.register_tensors([TensorSpec("w", (4096,), 1, shardps.optim.SGD(lr=1.0), ((0, 4096),))],
+                        {("w", 0): torch.zeros(4096)})
+    st.register_worker(0)
+    st.register_worker(1)
+    st.frame_inline_bytes = 0
+    framed, release = threading.Event(), threading.Event()
+    real = pullcache.frame_items
+
+    def items(*args, **kw):
+        for i, item in enumerate(real(*args, **kw)):
+            if i == fail_after:
+                raise RuntimeError("injected framing fault")
+            if i == block_after:
+                framed.set()
+                assert release.wait(30), "the test never released the framing"
+            yield item
+
+    monkeypatch.setattr(pullcache, "frame_items", items)
+    return st, framed, release
+
+
+def _all_values(messages, n: int = 4096) -> tuple[set[int], torch.Tensor]:
+    out = torch.full((n,), float("nan"))
+    versions = set()
+    for msg in messages:
+        r = framing.parse_pull_response(msg)
+        vals = torch.frombuffer(bytearray(r.chunk.data), dtype=torch.float32)
+        out[r.chunk.offset:r.chunk.offset + vals.numel()] = vals
+        versions.add(r.version)
+    return versions, out
+
+
+def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeypatch):
+    st, framed, release = _big_store(monkeypatch, block_after=1)
+    version, framing_ = st.read(["w"], None, 1024, messages=True)
+    assert isinstance(framing_, Framing) and version == 0
+    assert framed.wait(30)  # the framing thread stopped after its first response, the weights half read
+    # The store's lock is free meanwhile: other requests are answered, a Pull of the same asks shares it.
+    assert st.stats().version == 0
+    again = st.read(["w"], None, 1024, messages=True)[1]
+    assert again is framing_ and st.framed_hits_total == 1
+    # A step must not change the weights under the framing: it waits for it (at an exact point, not a moment).
+    stepper = threading.Thread(target=st.submit, args=(0, 0, 0, {("w", 0): torch.ones(4096)}))
+    stepper.start()
+    with st._cond:
+        assert st._cond.wait_for(lambda: st.writers_waiting == 1, timeout=30)
+        assert st.version == 0 and st._reading == 1
+    release.set()
+    versions, values = _all_values(msg for *_, msg in framing_)
+    stepper.join(30)
+    assert not stepper.is_alive() and st.version == 1
+    assert versions == {0} and torch.equal(values, torch.zeros(4096))  # all of version 0, none torn
+    # The next Pull frames version 1 anew.
+    versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
+    assert versions == {1} and torch.equal(values, torch.full((4096,), -1.0))
+    assert st._reading == 0
+
+
+def test_a_failed_framing_fails_its_pulls_and_lets_steps_go_on(monkeypatch):
+    st, _, _ = _big_store(monkeypatch, fail_after=2)
+    _, failed = st.read(["w"], None, 1024, messages=True)
+    with pytest.raises(Unavailable, match="framing the weights failed.*injected framing fault"):
+        list(failed)
+    with st._cond:  # the framing thread let go of the weights
+        assert st._cond.wait_for(lambda: st._reading == 0, timeout=30)
+    monkeypatch.undo()  # framing works again: the failed one, still held, is not handed to the next Pull
+    _, fresh = st.read(["w"], None, 1024, messages=True)
+    assert fresh is not failed and st.framed_hits_total == 0
+    versions, values = _all_values(msg for *_, msg in fresh)
+    assert versions == {0} and torch.equal(values, torch.zeros(4096))
+    st.submit(0, 0, 0, {("w", 0): torch.ones(4096)})
+    versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
+    assert versions == {1} and torch.equal(values, torch.full((4096,), -1.0))
+
+
+def test_a_small_pull_is_still_framed_under_the_lock_as_a_list():
+    st = _store()
+    assert st.frame_inline_bytes >= 1 << 20
+    _, messages = st.read(["w"], None, messages=True)
+    assert isinstance(messages, list) and st._reading == 0
+
+
+class _SlowSegment:
+    """A same-host segment over a bytearray whose copy stops before its second part until released."""
+
+    def __init__(self, size: int) -> None:
+        self.name, self.size = "test-segment", size
+        self.buf = bytearray(size)
+        self.copying, self.release = threading.Event(), threading.Event()
+        self.views = 0
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        self.views += 1
+        if self.views == 2:
+            self.copying.set()
+            assert self.release.wait(30), "the test never released the copy"
+        return memoryview(self.buf)[offset:offset + nbytes]
+
+
+def test_a_same_host_pull_copies_outside_the_lock_and_a_step_waits_for_it():
+    st = ShardStore(0, 1, sync="asp", num_workers=1)
+    sgd = shardps.optim.SGD(lr=1.0)
+    st.register_tensors([TensorSpec("a", (64,), 1, sgd, ((0, 64),)), TensorSpec("b", (64,), 1, sgd, ((0, 64),))],
+                        {("a", 0): torch.zeros(64), ("b", 0): torch.zeros(64)})
+    st.register_worker(0)
+    seg = _SlowSegment(1024)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(st.read_into(["a", "b"], None, seg)))
+    reader.start()
+    assert seg.copying.wait(30)  # "a" copied, "b" not yet: the store's lock is free meanwhile
+    assert st.stats().version == 0
+    stepper = threading.Thread(target=st.submit, args=(0, 0, 0, {("a", 0): torch.ones(64), ("b", 0): torch.ones(64)}))
+    stepper.start()
+    with st._cond:
+        assert st._cond.wait_for(lambda: st.writers_waiting == 1, timeout=30)
+        assert st.version == 0
+    seg.release.set()
+    reader.join(30)
+    stepper.join(30)
+    assert not reader.is_alive() and not stepper.is_alive() and st.version == 1
+    version, items = got[0]
+    assert version == 0 and {framing.parse_pull_response(msg).version for *_, msg in items} == {0}
+    for *_, msg in items:  # both parts hold version 0's weights, none torn
+        c = framing.parse_pull_response(msg).chunk
+        assert torch.equal(torch.frombuffer(seg.buf, dtype=torch.uint8)[c.shm_offset:c.shm_offset + c.shm_bytes]
+                           .view(torch.float32), torch.zeros(64))
+    assert st._reading == 0
