@@ -260,8 +260,8 @@ class ShardServer:
         self.wait()
 
 
-# glibc's malloc: M_TRIM_THRESHOLD and M_MMAP_THRESHOLD (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc's malloc: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD and M_ARENA_MAX (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 
 def keep_freed_memory(trim_bytes: int = 256 << 20, mmap_bytes: int = 64 << 20) -> bool:
@@ -272,8 +272,14 @@ def keep_freed_memory(trim_bytes: int = 256 << 20, mmap_bytes: int = 64 << 20) -
     blocks are mapped and unmapped, the heap's free top is trimmed), so every
     Pull pays page faults and the kernel's zeroing of the pages before its
     own copy. Keeping up to ``trim_bytes`` free at the heap's top, and serving
-    blocks below ``mmap_bytes`` from the heap, takes that away (measured in
-    docs/performance.md). No-op off glibc.
+    blocks below ``mmap_bytes`` from the heap, takes that away; and one arena
+    for all threads (unless ``MALLOC_ARENA_MAX`` is set): the Pull handlers
+    and framing threads are not the main thread, and glibc gives a non-main
+    thread its own arena of 64 MB heaps, each unmapped as soon as it is all
+    free, whatever the trim threshold, so a Pull of tens of MB framed there
+    faulted its pages in again every time (measured in docs/performance.md).
+    The Python threads take turns on the interpreter's lock anyway. No-op off
+    glibc.
     """
     import ctypes
     import ctypes.util
@@ -287,6 +293,8 @@ def keep_freed_memory(trim_bytes: int = 256 << 20, mmap_bytes: int = 64 << 20) -
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not os.environ.get("MALLOC_ARENA_MAX") and not mallopt(_M_ARENA_MAX, 1):
+        return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
