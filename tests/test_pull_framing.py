@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import shardps
@@ -27,6 +28,7 @@ def _constant(weights: dict[str, torch.Tensor], value: float) -> bool:
     return all(torch.equal(w, torch.full(SHAPES[n], value)) for n, w in weights.items())
 
 
+@pytest.mark.fault
 def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
     """The framing thread stops after its first response until the other worker's push has reached the
     shard (waiting for the framing, or, were it not to wait, applied): the Pull is still all version 1."""
@@ -60,6 +62,7 @@ def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
         assert _constant(c0.pull(), -2.0) and c0.versions == [2]
 
 
+@pytest.mark.fault
 def test_asp_workers_pulling_and_pushing_at_once_see_whole_versions(cluster2):
     for st in cluster2.stores:
         st.frame_inline_bytes = 0

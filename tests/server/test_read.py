@@ -109,6 +109,7 @@ def _all_values(messages, n: int = 4096) -> tuple[set[int], torch.Tensor]:
     return versions, out
 
 
+@pytest.mark.fault
 def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeypatch):
     st, framed, release = _big_store(monkeypatch, block_after=1)
     version, framing_ = st.read(["w"], None, 1024, messages=True)
@@ -135,6 +136,7 @@ def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeyp
     assert st._reading == 0
 
 
+@pytest.mark.fault
 def test_a_failed_framing_fails_its_pulls_and_lets_steps_go_on(monkeypatch):
     st, _, _ = _big_store(monkeypatch, fail_after=2)
     _, failed = st.read(["w"], None, 1024, messages=True)
@@ -176,6 +178,7 @@ class _SlowSegment:
         return memoryview(self.buf)[offset:offset + nbytes]
 
 
+@pytest.mark.fault
 def test_a_same_host_pull_copies_outside_the_lock_and_a_step_waits_for_it():
     st = ShardStore(0, 1, sync="asp", num_workers=1)
     sgd = shardps.optim.SGD(lr=1.0)
