@@ -20,15 +20,17 @@ class PushResult:
     sync: str = ""  # the shard's sync mode (workers follow a live switch from it)
     loss_scale: float = 0.0  # the scale to use next (0 when loss scaling is off)
     ready_version: int = 0  # the first version that includes the gradient pushed
+    pulled: tuple[bytes, ...] = ()  # asked with pull_after: the shard's weights as serialized PullResponses
 
     def to_proto(self) -> ps_pb2.PushResponse:
         return ps_pb2.PushResponse(version=self.version, applied=self.applied, duplicate=self.duplicate,
-                                   sync=self.sync, loss_scale=self.loss_scale, ready_version=self.ready_version)
+                                   sync=self.sync, loss_scale=self.loss_scale, ready_version=self.ready_version,
+                                   pulled=list(self.pulled))
 
     @classmethod
     def from_proto(cls, r: ps_pb2.PushResponse) -> PushResult:
         return cls(version=r.version, applied=r.applied, duplicate=r.duplicate, sync=r.sync,
-                   loss_scale=r.loss_scale, ready_version=r.ready_version)
+                   loss_scale=r.loss_scale, ready_version=r.ready_version, pulled=tuple(r.pulled))
 
 
 @dataclass(frozen=True)

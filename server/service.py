@@ -177,7 +177,13 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
         if self.metrics is not None and store.replicator is not None:
             self.metrics.replication_seconds.labels(self.metrics.shard).observe(time.perf_counter() - t0)
-        return res.to_proto()
+        answer = res.to_proto()
+        if g.pull_after is not None:  # a small model's step in one call, when the weights are ready at once
+            answer.pulled.extend(store.weights_now(g.worker_id, res.ready_version, g.pull_after.wire_dtype,
+                                                   g.pull_after.min_clock, g.epoch, self.chunk_bytes))
+            if answer.pulled and self.metrics is not None:  # a Pull that waited for nothing, as _pull counts
+                self.metrics.observe_wait(0.0, str(store.sync or ""))
+        return answer
 
     def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they

@@ -47,6 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from shardps.protos import codec
 from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
 from shardps.protos.stats import ShardStats, TensorStats
@@ -58,11 +59,12 @@ from shardps.server.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    StoreError,
     Unavailable,
 )
 from shardps.server.membership import DEFAULT_LEASE_S, Clock, Membership, MembershipMixin, Reaper
 from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
-from shardps.server.pullcache import FRAME_INLINE_BYTES, Framing, Item, PullCache, ReadMixin
+from shardps.server.pullcache import FRAME_INLINE_BYTES, Framing, Item, PullCache, ReadMixin, payload_bytes
 from shardps.server.remedies import Remedy
 from shardps.server.replica import (
     DEFAULT_REPLICA_TIMEOUT_S,
@@ -79,6 +81,10 @@ from shardps.server.table import TableMixin, TensorSpec, TensorTable
 __all__ = ["DEFAULT_LEASE_S", "PushResult", "ShardStore", "TensorSpec"]
 
 log = logging.getLogger("shardps.server")
+
+# A Push that asks for the weights too (PushRequest.pull_after) gets them from a shard holding at most this
+# many bytes of them (in the wire dtype asked): a small model's step in one call.
+SMALL_PULL_BYTES = 1 << 20
 
 
 class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointMixin, SnapshotMixin, ReplicaMixin):
@@ -433,6 +439,23 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
                                     worker_id=worker_id)
         self.replicated()  # workers see only weights the backup holds too (--replicas 2)
         return waited, messages
+
+    def weights_now(self, worker_id: int, ready_version: int, wire_dtype: int | None, min_clock: int, epoch: int,
+                    chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> list[bytes]:
+        """A Push's ``pull_after``: what a Pull of every tensor of the shard (``min_version=ready_version``,
+        ``min_clock``) would answer, if it can be answered at once and the weights are small (at most
+        ``SMALL_PULL_BYTES`` in the wire dtype); else [] (the worker pulls). Never waits, never raises a
+        failure of its own: the worker's Pull meets it instead."""
+        with self._cond:
+            small = payload_bytes(list(self._tensors.values()), wire_dtype) <= SMALL_PULL_BYTES
+        if not small:
+            return []
+        try:
+            _, messages = self.pull(worker_id, [], wire_dtype, chunk_bytes, min_version=ready_version,
+                                    min_clock=min_clock, epoch=epoch, timeout=0.0)
+        except StoreError:  # not ready yet (a barrier still open, a slow worker under ssp), or anything else
+            return []
+        return [msg for *_, msg in messages]
 
     def clocks(self) -> dict[int, int]:
         """Each worker's clock: the number of steps it has pushed (0 before its first)."""

@@ -92,6 +92,15 @@ class Gradients:
     # to the unscaling)
     loss_scale: float
     epoch: int
+    pull_after: PullAfter | None = None  # answer with the weights too, when they are ready at once
+
+
+@dataclass(frozen=True)
+class PullAfter:
+    """What a Push asks to get back with its answer (``PushRequest.pull_after``)."""
+
+    wire_dtype: int | None  # None: each tensor's own dtype
+    min_clock: int
 
 
 def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
@@ -115,7 +124,7 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     # A scaled gradient is checked by ShardStore.submit as it unscales it (one pass for both): not here too.
     asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep, check=not first.loss_scale)
     header = (first.worker_id, first.step, first.base_version, first.loss_scale, first.epoch, first.shm,
-              first.ends_with_last)
+              first.ends_with_last, first.pull_after, first.pull_dtype, first.pull_min_clock)
     found_inf = first.found_inf
     ended = first.last
 
@@ -132,11 +141,12 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     if first.HasField("chunk"):  # a header alone: no gradients this step
         asm.add(chunk(first))
     for req in requests:
-        this = (req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch, req.shm, req.ends_with_last)
+        this = (req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch, req.shm, req.ends_with_last,
+                req.pull_after, req.pull_dtype, req.pull_min_clock)
         if this != header:
             raise InvalidArgument(
                 f"Push stream mixes headers: (worker_id, step, base_version, loss_scale, epoch, shm, "
-                f"ends_with_last) {header} then {this}"
+                f"ends_with_last, pull_after, pull_dtype, pull_min_clock) {header} then {this}"
             )
         if ended:
             raise InvalidArgument(f"Push stream of worker {first.worker_id} goes on after its last message")
@@ -148,8 +158,11 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
         raise InvalidArgument(f"Push stream of worker {first.worker_id}, step {first.step} ended before its last "
                               f"message (cancelled, or the worker died): nothing of it is applied")
     grads = asm.finish()
+    pull_after = None
+    if first.pull_after:
+        pull_after = PullAfter(_wire_dtype(first.pull_dtype, "Push"), first.pull_min_clock)
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
-                     found_inf or not asm.all_finite, first.loss_scale, first.epoch)
+                     found_inf or not asm.all_finite, first.loss_scale, first.epoch, pull_after)
 
 
 def _chunk_bytes(requested: int, default: int, rpc: str) -> int:
@@ -174,15 +187,20 @@ class PullQuery:
     segment: shm.Segment | None = None  # write the weights there (the same-host fast path)
 
 
+def _wire_dtype(dtype: int, rpc: str) -> int | None:
+    """A requested wire dtype (None: each tensor's own); INVALID_ARGUMENT for one that is not a dtype."""
+    if dtype == ps_pb2.DTYPE_UNSPECIFIED:
+        return None
+    try:
+        codec.to_torch_dtype(dtype)
+    except ValueError as e:
+        raise InvalidArgument(f"{rpc}: {e}") from None
+    return int(dtype)
+
+
 def decode_pull(request: ps_pb2.PullRequest, default_chunk_bytes: int,
                 segments: SegmentCache | None = None) -> PullQuery:
-    wire = None
-    if request.dtype != ps_pb2.DTYPE_UNSPECIFIED:
-        try:
-            codec.to_torch_dtype(request.dtype)
-        except ValueError as e:
-            raise InvalidArgument(f"Pull: {e}") from None
-        wire = int(request.dtype)
+    wire = _wire_dtype(request.dtype, "Pull")
     seg = None
     if request.shm:
         if segments is None:

@@ -296,7 +296,8 @@ class PSClient:
 
     def push(self, grads: Mapping[str, torch.Tensor], step: int,
              base_versions: Sequence[int] | None = None, *, loss_scale: float = 0.0,
-             found_inf: bool | None = None) -> list[PushResult]:
+             found_inf: bool | None = None, pull_after: tuple[torch.dtype | None, int] | None = None
+             ) -> list[PushResult]:
         """Send gradients (one per named tensor) to their shards; one result per shard.
 
         Every shard gets a Push, an empty one if it owns none of ``grads``,
@@ -305,6 +306,12 @@ class PSClient:
         were computed with (the shards unscale them). ``found_inf`` defaults
         to whether any gradient, as sent, holds an inf or nan; every shard is
         told, so all skip such a step together.
+
+        ``pull_after=(dtype, min_clock)``: a shard whose weights are ready at
+        once (its version includes this gradient, every clock >= min_clock)
+        and small (``SMALL_PULL_BYTES`` at most) answers with them too, as a
+        ``pull(dtype=dtype, min_versions=<ready versions>, min_clock=...)``
+        of all its tensors would; hand the results to ``pull(answered=...)``.
         """
         self._require_layout(grads)
         assert self.shard_map is not None
@@ -317,20 +324,26 @@ class PSClient:
             flats[name] = g.detach().to("cpu", codec.to_torch_dtype(lay.push_dtype)).contiguous().view(-1)
         if found_inf is None:
             found_inf = not all(codec.all_finite(f) for f in flats.values())
+        more: dict[str, Any] = {}
+        if pull_after is not None:
+            dtype, min_clock = pull_after
+            more = {"pull_after": True, "pull_min_clock": min_clock,
+                    "pull_dtype": codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED}
 
         def requests(shard: int) -> Iterator[bytes]:
             link = self.shm_links[shard]
             if link is not None:  # same host: the data goes through shared memory, gRPC carries where
                 yield from push_via_shm(self, link, shard, flats, step=step, base_version=bases[shard],
-                                        found_inf=found_inf, loss_scale=loss_scale)
+                                        found_inf=found_inf, loss_scale=loss_scale, fields=more)
                 return
             # Serialized PushRequests, the data copied once from the gradient (framing.py).
             prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
                                             base_version=bases[shard], found_inf=found_inf,
-                                            loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True)
+                                            loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, **more)
             _, last_suffix = framing.header(
                 ps_pb2.PushRequest, worker_id=self.worker_id, step=step, base_version=bases[shard],
-                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True)
+                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True,
+                **more)
             pending = None  # one message behind: the last one says it is (a cut stream is refused)
             for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
                 flat = flats.get(p.name)
@@ -354,33 +367,45 @@ class PSClient:
 
     def pull(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
              min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
-             min_clock: int = 0) -> dict[str, torch.Tensor]:
+             min_clock: int = 0, answered: Sequence[PushResult] | None = None) -> dict[str, torch.Tensor]:
         """Fetch weights from every shard in parallel.
 
         ``out`` tensors (any device) are filled in place; otherwise new CPU
         tensors are returned. ``min_versions`` makes each shard wait (up to
         the client's timeout) until it has reached that version;
         ``min_clock`` until every worker has pushed that many steps (ssp).
+        ``answered``: the results of a ``push(pull_after=(dtype, min_clock))``
+        just before, with ``min_versions`` their ready versions: the shards
+        that answered with their weights are not asked again (give every
+        tensor, as ``names=None``).
         """
-        return self._pull(names, out, min_versions, dtype, min_clock).start(inline=True).result()
+        return self._pull(names, out, min_versions, dtype, min_clock, answered).start(inline=True).result()
 
     def pull_async(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
                    min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
-                   min_clock: int = 0) -> PullInFlight:
+                   min_clock: int = 0, answered: Sequence[PushResult] | None = None) -> PullInFlight:
         """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
         ``result()`` until all are (and raises a failure). Each shard sends its tensors in the order of
         ``names`` (by default the order registered: a model's first layers first)."""
-        return self._pull(names, out, min_versions, dtype, min_clock).start()
+        return self._pull(names, out, min_versions, dtype, min_clock, answered).start()
 
     def _pull(self, names: Iterable[str] | None, out: Mapping[str, torch.Tensor] | None,
-              min_versions: Sequence[int] | int | None, dtype: torch.dtype | None, min_clock: int) -> PullInFlight:
+              min_versions: Sequence[int] | int | None, dtype: torch.dtype | None, min_clock: int,
+              answered: Sequence[PushResult] | None = None) -> PullInFlight:
         wanted = list(self.layouts if names is None else names)
         self._require_layout(wanted)
         if isinstance(min_versions, int) or min_versions is None:
             mins = [min_versions or 0] * self.num_shards
         else:
             mins = list(min_versions)
-        return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock)
+        given = None
+        if answered is not None:
+            if names is not None and set(wanted) != set(self.layouts):
+                raise ValueError("pull(answered=...): a push answers with every tensor of its shard; "
+                                 "pull them all (names=None)")
+            given = {shard: r.pulled for shard, r in enumerate(answered) if r.pulled}
+        return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock,
+                            answered=given)
 
     def push_stream(self, step: int, base_versions: Sequence[int] | None = None, *,
                     loss_scale: float = 0.0) -> PushStream:

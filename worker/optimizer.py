@@ -223,8 +223,10 @@ class DistributedOptimizer:
         bases = list(self.client.versions)
         t0 = time.perf_counter()
         try:
+            # A shard whose weights are ready at once and small answers with them (one call per step).
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
-                                              loss_scale=self.client.loss_scale)
+                                              loss_scale=self.client.loss_scale,
+                                              pull_after=(self.pull_dtype, mode.min_clock(self.round + 1)))
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss)
@@ -271,8 +273,10 @@ class DistributedOptimizer:
         if self.metrics is not None:
             self.metrics.push_seconds.observe(t1 - t0)
             self.metrics.clock.set(self.round)
+        # Weights a shard answered the push with are those this pull asks, unless the mode moved meanwhile.
+        answered = self.last_push if self.sync == mode else None
         pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round),
-                                      dtype=self.pull_dtype)
+                                      dtype=self.pull_dtype, answered=answered)
         if self.overlap is not None:  # the next forward waits for each module's weights as they come
             self.overlap.pull, self.overlap.pull_started = pull, t1
             return loss

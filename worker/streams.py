@@ -57,9 +57,12 @@ def _gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
 
 
 def push_via_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor], *, step: int,
-                 base_version: int, found_inf: bool, loss_scale: float, last: bool = True) -> Iterator[bytes]:
+                 base_version: int, found_inf: bool, loss_scale: float, last: bool = True,
+                 fields: Mapping[str, Any] | None = None) -> Iterator[bytes]:
     """PushRequests for ``shard`` whose chunks lie in its push segment (written here, part by part);
-    ``last``: end with the stream's last message (chunk-less, carrying ``found_inf``)."""
+    ``last``: end with the stream's last message (chunk-less, carrying ``found_inf``); ``fields``: more
+    PushRequest fields for every message (``pull_after``...)."""
+    more = dict(fields or {})
     assert client.shard_map is not None
     pending = None  # one message behind: with ``last``, the last one says it is
     for p in client.shard_map.parts_for(shard):
@@ -72,11 +75,11 @@ def push_via_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str
             yield pending.SerializeToString()
         pending = ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
                                      found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
-                                     shm=link.push.name, chunk=chunk, ends_with_last=True)
+                                     shm=link.push.name, chunk=chunk, ends_with_last=True, **more)
     if pending is None and last:
         pending = ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
                                      found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
-                                     shm=link.push.name, ends_with_last=True)
+                                     shm=link.push.name, ends_with_last=True, **more)
     if pending is not None:
         pending.last = last
         yield pending.SerializeToString()
@@ -255,9 +258,10 @@ class PullInFlight:
 
     def __init__(self, client: PSClient, names: Sequence[str], *, out: Mapping[str, torch.Tensor] | None = None,
                  min_versions: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-                 min_clock: int = 0) -> None:
+                 min_clock: int = 0, answered: Mapping[int, Sequence[bytes]] | None = None) -> None:
         assert client.shard_map is not None
         self._client = client
+        self._answered = dict(answered or {})  # shard -> the PullResponses its Push answered with
         self._mins = list(min_versions) if min_versions is not None else [0] * client.num_shards
         self._wire = codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED
         self._min_clock = min_clock
@@ -364,9 +368,12 @@ class PullInFlight:
                                  shm=link.pull.name if link is not None else "")
         version = -1
         received = self._received[shard]
+        given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
+        responses = (map(framing.read_pull_response, given) if given is not None
+                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1))
         with torch.no_grad():
             # chunk.data is a view of the received message: decode copies nothing, copy_ is the one copy.
-            for resp in client.transport.pull(shard, req, one=self._messages.get(shard) == 1):
+            for resp in responses:
                 c = resp.chunk
                 if c.shm_bytes:  # same host: the bytes are in our pull segment
                     if link is None:
@@ -375,6 +382,8 @@ class PullInFlight:
                 else:
                     values = codec.decode(c.data, c.dtype)
                 dst = self._staging.get(c.name)
+                if dst is None and given is not None and c.name not in client.layouts:
+                    continue  # a Push is answered with every tensor of its shard: others' (pipeline stages')
                 if dst is None or c.offset < 0 or c.offset + values.numel() > dst.numel():
                     size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"
                     raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
