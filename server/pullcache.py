@@ -145,6 +145,11 @@ class PullCache:
         self._framed[key] = (weakref.ref(out), nbytes)
 
 
+def _raising(error: BaseException) -> Iterator[Item]:
+    raise error
+    yield  # a generator: raises when iterated
+
+
 def payload_bytes(entries: Sequence[TensorEntry], wire_dtype: int | None) -> int:
     """The tensor bytes a Pull of ``entries`` carries in ``wire_dtype`` (each tensor's own with None)."""
     return sum(p.weight.numel() * codec.itemsize(e.spec.dtype if wire_dtype is None else wire_dtype)
@@ -297,7 +302,8 @@ class ReadMixin:
         try:
             threading.Thread(target=self._frame_out, args=(framed, entries, wire_dtype, chunk_bytes, header),
                              name=f"shard{self.shard_index}-framing", daemon=True).start()
-        except BaseException:
+        except BaseException as e:  # no thread (the process is out of them): the Pulls holding it fail at once
+            framed.produce(_raising(e))
             self._done_reading()
             raise
         return version, framed

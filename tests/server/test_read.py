@@ -207,3 +207,24 @@ def test_a_same_host_pull_copies_outside_the_lock_and_a_step_waits_for_it():
         assert torch.equal(torch.frombuffer(seg.buf, dtype=torch.uint8)[c.shm_offset:c.shm_offset + c.shm_bytes]
                            .view(torch.float32), torch.zeros(64))
     assert st._reading == 0
+
+
+def test_a_framing_thread_that_cannot_start_fails_its_pull_and_the_next_one_frames_again(monkeypatch):
+    from shardps.server import pullcache
+
+    st, _, _ = _big_store(monkeypatch)
+
+    class NoThread:
+        def __init__(self, *args, **kw):
+            pass
+
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(pullcache.threading, "Thread", NoThread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        st.read(["w"], None, 1024, messages=True)
+    assert st._reading == 0
+    monkeypatch.undo()
+    versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
+    assert versions == {0} and torch.equal(values, torch.zeros(4096))
