@@ -12,8 +12,9 @@ import pytest
 
 from shardps.server.app import keep_freed_memory
 
-glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
-                                reason="keep_freed_memory sets glibc's mallopt; this libc is not glibc")
+glibc_only = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc",
+    reason="the malloc tuning is glibc's (mallopt); on another C library shardps server leaves malloc as it is")
 
 # In a fresh process (mallopt is process-wide): a thread that is not the main one frames 96 MB in 1 MiB
 # messages, as a Pull's framing thread does, frees them, and does it again; the minor page faults of the
