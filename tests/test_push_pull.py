@@ -105,6 +105,38 @@ def test_under_bsp_only_the_push_that_completes_the_barrier_is_answered(cluster2
         assert torch.equal(w, results[1][2][name]), name  # both workers hold the same weights
 
 
+def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_returns(cluster2):
+    """No shard to call: nothing is handed to the client's threads, and the pull is complete at once."""
+    client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1, part_bytes=16)
+    try:
+        client.register({"a": torch.zeros(8), "b": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        assert {p.server for p in client.shard_map.parts} == {0, 1}
+        handed: list[list[int]] = []
+        real = client.transport.submit_each
+
+        def submit_each(fn, shards=None):
+            handed.append(list(range(client.num_shards)) if shards is None else list(shards))
+            return real(fn, shards)
+
+        client.transport.submit_each = submit_each  # type: ignore[method-assign]
+        res = client.push({"a": torch.ones(8), "b": torch.ones(8)}, step=0, pull_after=(None, 0))
+        assert all(r.pulled for r in res)
+        out = {"a": torch.empty(8), "b": torch.empty(8)}
+        pull = client.pull_async(out=out, min_versions=[r.ready_version for r in res], answered=res)
+        assert pull.done() and handed == [[]]
+        assert torch.equal(out["a"], torch.full((8,), -1.0)) and torch.equal(out["b"], torch.full((8,), -1.0))
+        pull.result()
+        assert client.versions == [1, 1]
+        # Not answered (no pull_after): the calls go to the client's threads; inline, the first in the caller's.
+        res = client.push({"a": torch.ones(8), "b": torch.ones(8)}, step=1)
+        client.pull_async(out=out, min_versions=[r.ready_version for r in res], answered=res).result()
+        client.pull_async(out=out, min_versions=[r.ready_version for r in res], inline=True).result()
+        assert handed == [[], [0, 1], [1]]
+        assert torch.equal(out["a"], torch.full((8,), -2.0))
+    finally:
+        client.close()
+
+
 def test_a_large_model_is_not_answered_and_is_pulled(cluster2):
     client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1)
     try:

@@ -383,11 +383,13 @@ class PSClient:
 
     def pull_async(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
                    min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
-                   min_clock: int = 0, answered: Sequence[PushResult] | None = None) -> PullInFlight:
+                   min_clock: int = 0, answered: Sequence[PushResult] | None = None,
+                   inline: bool = False) -> PullInFlight:
         """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
         ``result()`` until all are (and raises a failure). Each shard sends its tensors in the order of
-        ``names`` (by default the order registered: a model's first layers first)."""
-        return self._pull(names, out, min_versions, dtype, min_clock, answered).start()
+        ``names`` (by default the order registered: a model's first layers first). ``inline``: the first
+        shard's Pull runs in this thread before returning (for a caller about to wait for the result)."""
+        return self._pull(names, out, min_versions, dtype, min_clock, answered).start(inline=inline)
 
     def _pull(self, names: Iterable[str] | None, out: Mapping[str, torch.Tensor] | None,
               min_versions: Sequence[int] | int | None, dtype: torch.dtype | None, min_clock: int,

@@ -276,7 +276,7 @@ class DistributedOptimizer:
         # Weights a shard answered the push with are those this pull asks, unless the mode moved meanwhile.
         answered = self.last_push if self.sync == mode else None
         pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round),
-                                      dtype=self.pull_dtype, answered=answered)
+                                      dtype=self.pull_dtype, answered=answered, inline=self.overlap is None)
         if self.overlap is not None:  # the next forward waits for each module's weights as they come
             self.overlap.pull, self.overlap.pull_started = pull, t1
             return loss

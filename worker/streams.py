@@ -324,17 +324,22 @@ class PullInFlight:
 
     def start(self, *, inline: bool = False) -> PullInFlight:
         """Start every shard's Pull; ``inline``: the first shard's in this thread, before returning (for a
-        caller that waits for the result anyway: no hand-over between threads for it)."""
+        caller that waits for the result anyway: no hand-over between threads for it). The shards whose
+        Push answered with their weights need no call: their copies run in this thread, before returning."""
         t = self._client.transport
-        if not inline or not self._shards:
-            self._futures = t.submit_each(self._fetch, self._shards)
-        else:
-            first: Future[int] = Future()
-            self._futures = [first] + t.submit_each(self._fetch, self._shards[1:])
+        here = [s for s in self._shards if s in self._answered]
+        remote = [s for s in self._shards if s not in self._answered]
+        if inline and remote:
+            here.append(remote.pop(0))
+        futures = dict(zip(remote, t.submit_each(self._fetch, remote)))  # the calls go out first
+        for s in here:
+            f: Future[int] = Future()
             try:
-                first.set_result(t.call(self._shards[0], functools.partial(self._fetch, self._shards[0])))
+                f.set_result(t.call(s, functools.partial(self._fetch, s)))
             except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
-                first.set_exception(e)
+                f.set_exception(e)
+            futures[s] = f
+        self._futures = [futures[s] for s in self._shards]
         for f in self._futures:
             f.add_done_callback(self._ended)
         return self
