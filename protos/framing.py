@@ -283,6 +283,7 @@ COPY_BELOW = 64 << 10
 # PULL_NOT_ONE; the worker then asks again without the header. Shards that do not know the header
 # answer as a stream of one message, which a unary call reads as its answer.
 PULL_ONE_HEADER = "shardps-pull-one"
+PUSH_ONE_HEADER = "shardps-push-one"  # a Push of one message, asked as a unary call (the shard reads it whole)
 PULL_NOT_ONE = "Pull: the answer is not one message"
 read_push_request = parser(ps_pb2.PushRequest, copy_below=COPY_BELOW)
 read_pull_response = parser(ps_pb2.PullResponse, copy_below=COPY_BELOW)

@@ -168,9 +168,12 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     @_unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        return self._push(request_iterator)
+
+    def _push(self, requests: Iterator[ps_pb2.PushRequest]) -> ps_pb2.PushResponse:
         store = self.store
         store.check_serving()
-        g = decode_push(request_iterator, store.spec, store.staging, self.segments, store.takes_chunked)
+        g = decode_push(requests, store.spec, store.staging, self.segments, store.takes_chunked)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
         t0 = time.perf_counter()
@@ -211,6 +214,13 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         return messages[0]
 
     pull_one = _unary_errors(_one_message, "Pull")
+
+    def _push_one(self, request: ps_pb2.PushRequest, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        """Push asked as a unary call (framing.PUSH_ONE_HEADER): its one message, read whole before the
+        handler runs (no hand-over per message and per end of stream between gRPC's threads)."""
+        return self._push(iter((request,)))
+
+    push_one = _unary_errors(_push_one, "Push")
 
     @_unary_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
@@ -320,20 +330,23 @@ def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-class _PullByHeader(grpc.GenericRpcHandler):
-    """Workers.Pull: the streaming handler, or with framing.PULL_ONE_HEADER the unary one."""
+class _OneByHeader(grpc.GenericRpcHandler):
+    """Workers.Pull and Push: the streaming handler, or with the method's header (framing.PULL_ONE_HEADER,
+    PUSH_ONE_HEADER) the unary one."""
 
-    def __init__(self, stream: grpc.RpcMethodHandler[Any, Any], one: grpc.RpcMethodHandler[Any, Any]) -> None:
-        self.method = f"/{WORKERS}/Pull"
-        self.stream, self.one = stream, one
+    def __init__(self, handlers: dict[str, tuple[str, Any, Any]]) -> None:
+        self.handlers = handlers  # method path -> (header, streaming handler, unary handler)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if handler_call_details.method != self.method:
+        found = self.handlers.get(handler_call_details.method)
+        if found is None:
             return None
+        header, stream, one = found
+        chosen: grpc.RpcMethodHandler[Any, Any] = stream
         for key, _ in handler_call_details.invocation_metadata or ():
-            if key == framing.PULL_ONE_HEADER:
-                return self.one
-        return self.stream
+            if key == header:
+                chosen = one
+        return chosen
 
 
 def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer, server: grpc.Server) -> None:
@@ -346,12 +359,16 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
     for name, h in list(handlers.items()):
         handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))
     generic: list[grpc.GenericRpcHandler] = [grpc.method_handlers_generic_handler(service, handlers)]
-    if service == WORKERS:  # Pull's handler depends on a header: not a registered method (those have one)
+    if service == WORKERS:  # Pull's and Push's handlers depend on a header: not registered methods (those have one)
         assert isinstance(servicer, WorkersServicer)
-        stream = handlers.pop("Pull")
-        one = grpc.unary_unary_rpc_method_handler(servicer.pull_one, request_deserializer=stream.request_deserializer,
-                                                  response_serializer=_pull_response_bytes)
-        generic.insert(0, _PullByHeader(stream, one))
+        pull, push = handlers.pop("Pull"), handlers.pop("Push")
+        unary = grpc.unary_unary_rpc_method_handler
+        pull_one = unary(servicer.pull_one, request_deserializer=pull.request_deserializer,
+                         response_serializer=_pull_response_bytes)
+        push_one = unary(servicer.push_one, request_deserializer=push.request_deserializer,
+                         response_serializer=push.response_serializer)
+        generic.insert(0, _OneByHeader({f"/{WORKERS}/Pull": (framing.PULL_ONE_HEADER, pull, pull_one),
+                                        f"/{WORKERS}/Push": (framing.PUSH_ONE_HEADER, push, push_one)}))
     server.add_generic_rpc_handlers(tuple(generic))
     server.add_registered_method_handlers(service, handlers)
 
@@ -367,7 +384,9 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     PullResponse bytes) are replaced, and every request deserializer hands
     over bytes that do not parse as a ``Malformed``. A Pull that carries
     framing.PULL_ONE_HEADER is answered by a unary handler (its one message
-    and the status at once). The wire format is unchanged.
+    and the status at once); a Push that carries framing.PUSH_ONE_HEADER is
+    served by one (its one message read whole before the handler runs). The
+    wire format is unchanged.
     """
     segments = SegmentCache()
     server.segments = segments  # type: ignore[attr-defined]  # unmapped by stop_server

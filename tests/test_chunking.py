@@ -77,3 +77,51 @@ def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_
         got = list(t.pull(0, two, one=True))  # the transport then asks for the stream
         assert [r.chunk.offset for r in got] == [0, 512]
         assert torch.equal(torch.cat([codec.decode(r.chunk.data, r.chunk.dtype) for r in got]), w)
+
+
+class _PushHeaders(grpc.ServerInterceptor):
+    """Records, per Push, whether it carried framing.PUSH_ONE_HEADER and whether the shard's handler for it
+    reads a request stream."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bool]] = []
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if details.method.endswith("/Push"):
+            self.seen.append((any(k == framing.PUSH_ONE_HEADER for k, _ in details.invocation_metadata),
+                              handler.request_streaming))
+        return handler
+
+
+def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(make_cluster):
+    headers = _PushHeaders()
+    cluster = make_cluster(1, interceptors=[headers])
+    w = torch.randn(1000)  # 4000 bytes: one message of 4096-byte chunks, two of 2048
+    with shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False) as client:  # gRPC chunks
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp")
+        client.push({"w": torch.ones(1000)}, step=0)  # one message: a unary call, the shard's unary handler
+        client.chunk_bytes = 2048
+        client.push({"w": torch.ones(1000)}, step=1)  # two: a stream
+        assert headers.seen == [(True, False), (False, True)]  # (header, read as a stream)
+        # A worker that sends one message as a stream, without the header, is answered as before.
+        prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=0, step=2, base_version=0,
+                                        epoch=client.epoch, ends_with_last=True, last=True)
+        (_, _, msg), = framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, "w", ps_pb2.FLOAT32,
+                                              (1000,), torch.ones(1000), 0, 1000, 4096)
+        answer = client.transport._push_raw[0](iter([msg]), timeout=5)
+        assert answer.version == 3 and headers.seen[-1] == (False, True)
+        # Bad input through the unary handler: a clear status, and nothing changes.
+        with pytest.raises(shardps.ShardError) as bad:
+            client.push({"w": torch.ones(1000)}, step=7)
+        assert bad.value.code == grpc.StatusCode.FAILED_PRECONDITION and "step 7" in bad.value.details
+        prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=0, step=3, base_version=0,
+                                        epoch=client.epoch, ends_with_last=True, last=True)
+        (_, _, msg), = framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, "nope", ps_pb2.FLOAT32,
+                                              (1000,), torch.ones(1000), 0, 1000, 4096)
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.transport._push_one[0](msg, timeout=5, metadata=((framing.PUSH_ONE_HEADER, "1"),))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.value.details()
+        assert headers.seen[-1] == (True, False)
+        assert torch.equal(client.pull()["w"], w - 1 - 1 - 1)  # three steps of lr 1, each once
+        assert client.versions == [3]

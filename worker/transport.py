@@ -37,6 +37,7 @@ SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedU
 T = TypeVar("T")
 _NONE: Any = object()  # no message
 _PULL_ONE = ((framing.PULL_ONE_HEADER, "1"),)
+_PUSH_ONE = ((framing.PUSH_ONE_HEADER, "1"),)
 
 
 def explain_unreachable(security: Security, details: str) -> str:
@@ -167,7 +168,7 @@ class Transport:
         first = next(requests, _NONE)
         second = next(requests, _NONE) if first is not _NONE else _NONE
         if second is _NONE and first is not _NONE:
-            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout)
+            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout, metadata=_PUSH_ONE)
             return one
         messages = requests if first is _NONE else itertools.chain((first, second), requests)
         response: ps_pb2.PushResponse = self._push_raw[shard](messages, timeout=self.timeout)
