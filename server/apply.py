@@ -117,7 +117,7 @@ class Applier:
         """One optimizer step on every part of ``update`` (or a skipped one), at shard ``version``.
 
         A gradient still in its received chunks (``Chunked``) is stepped from them, each chunk a slice
-        of its part, when nothing writes to it and the optimizer takes slices (a fused elementwise
+        of its part, when nothing writes to it and the optimizer takes slices (an elementwise
         kernel: the same result bit for bit); otherwise it is copied into a staging buffer first.
         """
         t0 = time.perf_counter()

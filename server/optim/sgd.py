@@ -7,6 +7,8 @@ or g = buf; theta -= lr * g.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from shardps.protos.optim import SGD
@@ -24,9 +26,25 @@ class SGDImpl(ServerOptimizer):
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: State, part: PartInfo,
              reduce: Reduce = local_reduce) -> None:
-        s = self.spec
         first = bool(state["step"].item() == 0)
         state["step"] += 1
+        self._update(param, grad, state, first)
+
+    def takes_slices(self) -> bool:
+        return True  # elementwise, and the gradient is only read: a pushed one is stepped from its chunks
+
+    def step_many(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, State, PartInfo]]) -> None:
+        """Each item as ``step``; slices of one part (``split_state``) share its step count, read once
+        before and advanced once after."""
+        counts = {id(st["step"]): st["step"] for _, _, st, _ in items}
+        first = {k: bool(t.item() == 0) for k, t in counts.items()}
+        for param, grad, state, _ in items:
+            self._update(param, grad, state, first[id(state["step"])])
+        for t in counts.values():
+            t += 1
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: State, first: bool) -> None:
+        s = self.spec
         if s.weight_decay != 0:
             grad = grad.add(param, alpha=s.weight_decay)
         if s.momentum != 0:

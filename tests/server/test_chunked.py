@@ -18,6 +18,7 @@ from shardps.protos import codec, framing
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.optim.adam import AdamImpl
 from shardps.server.optim.base import PartInfo
+from shardps.server.optim.sgd import SGDImpl
 from shardps.server.store import ShardStore, TensorSpec
 from shardps.server.sync import SLICE_ALIGN, Chunked
 from shardps.server.wire import decode_push
@@ -141,12 +142,37 @@ def test_adam_step_many_advances_a_shared_step_count_once():
     assert state["step"].item() == 1
 
 
+
+@pytest.mark.parametrize("spec", [optim.SGD(lr=0.1, momentum=0.9, dampening=0.5),
+                                  optim.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1)])
+def test_sgd_step_many_over_slices_is_the_step_of_the_part(spec):
+    """Slices share the part's step count: the first step (which starts the momentum buffer) is the first
+    for every slice, and the count advances once."""
+    impl = SGDImpl(spec)
+    info = PartInfo((8,), 0, 8)
+    torch.manual_seed(4)
+    w = torch.randn(8)
+    whole_w, whole_state = w.clone(), impl.init_state(w, info)
+    state = impl.init_state(w, info)
+    assert impl.takes_slices()
+    for _ in range(3):
+        g = torch.randn(8)
+        impl.step(whole_w, g, whole_state, info)
+        states = impl.split_state(state, [4, 4])
+        impl.step_many([(w[a:b], g[a:b], st, info) for (a, b), st in zip(((0, 4), (4, 8)), states)])
+    assert state["step"].item() == 3
+    assert torch.equal(w, whole_w) and torch.equal(state["momentum_buffer"], whole_state["momentum_buffer"])
+
 OPTS = {
     "adam": optim.Adam(lr=1e-2),
     "adamw-amsgrad": optim.AdamW(lr=1e-2, weight_decay=0.1, amsgrad=True),
     "adam-wd": optim.Adam(lr=1e-2, weight_decay=0.01),
-    "sgd-momentum": optim.SGD(lr=0.1, momentum=0.9),  # no slices: stepped from a copy
+    "sgd": optim.SGD(lr=0.1),
+    "sgd-momentum": optim.SGD(lr=0.1, momentum=0.9),
+    "sgd-nesterov-wd": optim.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, dampening=0.0),
+    "adafactor": optim.Adafactor(),  # no slices (row and column statistics): stepped from a copy
 }
+SLICED = ("adam", "sgd")  # the optimizers whose step_many takes slices of a part
 
 
 def _store(spec: TensorSpec, sync: str = "asp", workers: int = 1, remedy: str | None = None) -> ShardStore:
@@ -193,7 +219,7 @@ def test_a_step_from_chunks_is_the_step_from_a_staged_copy(opt, chunk_bytes):
         assert _push(chunked, grad, spec, step, True, chunk_bytes=chunk_bytes).applied
         assert _push(staged, grad, spec, step, False, chunk_bytes=chunk_bytes).applied
     _same(chunked, staged)
-    from_slices = opt.startswith("adam") and chunk_bytes % (4 * SLICE_ALIGN) == 0
+    from_slices = opt.startswith(SLICED) and chunk_bytes % (4 * SLICE_ALIGN) == 0
     assert copies == ([] if from_slices else [("w", 0), ("w", 3000)] * 3)  # copied only when it must be
 
 
