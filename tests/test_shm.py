@@ -205,3 +205,51 @@ def test_segments_of_a_dead_worker_are_removed_by_the_next(tmp_path):
         assert not (Path("/dev/shm") / dead).exists() and (Path("/dev/shm") / alive.name).exists()
     finally:
         alive.close()
+
+
+def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shard(cluster2):
+    """Gradients are cast to their push dtype as they are copied into shared memory: the bytes checked for
+    inf/nan are those the shards read (1e5 is finite in fp32, inf in float16)."""
+    w = torch.randn(600)
+    with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.float16)
+        assert all(client.shm_links) and {p.server for p in client.shard_map.parts_of("w")} == {0, 1}
+        last = client.shard_map.parts_of("w")[-1]
+        grad = torch.full((600,), 0.5)
+        grad[last.start] = 1e5  # on the second shard only
+        client.push({"w": grad}, step=0)
+        assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
+        assert torch.equal(client.pull(min_versions=1)["w"], w)  # neither shard stepped
+        grad[last.start] = 0.5
+        client.push({"w": grad}, step=1)
+        assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5)
+        assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
+
+
+def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradient_over_grpc(make_cluster,
+                                                                                              monkeypatch):
+    """A fail-over turns a shard's segments off: a gradient meant to be cast into them goes over gRPC,
+    cast the same way."""
+    import shardps.worker.client as client_module
+
+    w = torch.randn(600)
+    grad = torch.randn(600)
+    results = []
+    for off in (False, True):
+        cluster = make_cluster(2)
+        with shardps.connect(cluster.addresses, part_bytes=1024) as client:
+            client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.bfloat16)
+            real = client_module.write_shm
+
+            def write_then_off(c, link, shard, flats, real=real, client=client, off=off):
+                out = real(c, link, shard, flats)
+                if off and shard == 1:
+                    client._shm_off(1)  # as Transport.on_moved does once the shard moved
+                return out
+
+            monkeypatch.setattr(client_module, "write_shm", write_then_off)
+            client.push({"w": grad}, step=0)
+            assert [link is not None for link in client.shm_links] == [True, not off]
+            results.append(client.pull(min_versions=1)["w"])
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], w - grad.bfloat16().float())

@@ -39,7 +39,7 @@ from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
 from shardps.worker.shm import ShmLink
-from shardps.worker.streams import PullInFlight, PushStream, push_via_shm
+from shardps.worker.streams import PullInFlight, PushStream, shm_messages, write_shm
 from shardps.worker.transport import Transport
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
@@ -316,24 +316,39 @@ class PSClient:
         self._require_layout(grads)
         assert self.shard_map is not None
         bases = list(self.versions if base_versions is None else base_versions)
-        flats: dict[str, torch.Tensor] = {}
+        flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
+        direct: set[str] = set()  # cast as they are copied into shared memory: no buffer in between
+        links = self.shm_links
         for name, g in grads.items():
             lay = self.layouts[name]
             if tuple(g.shape) != lay.shape:
                 raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
-            flats[name] = g.detach().to("cpu", codec.to_torch_dtype(lay.push_dtype)).contiguous().view(-1)
+            dtype = codec.to_torch_dtype(lay.push_dtype)
+            g = g.detach()
+            if g.dtype != dtype and g.device.type == "cpu" and all(
+                    links[p.server] is not None for p in self.shard_map.parts_of(name)):
+                flats[name] = g.reshape(-1)
+                direct.add(name)
+            else:
+                flats[name] = g.to("cpu", dtype).contiguous().view(-1)
+        # Same host: every shard's parts into its push segment first, the shards in parallel; the bytes the
+        # shards will read are those checked for inf/nan (a cast can overflow: 1e5 is inf in float16).
+        written = self.transport.fan_out(
+            lambda i: write_shm(self, link, i, flats) if (link := links[i]) is not None else None)
         if found_inf is None:
-            found_inf = not all(codec.all_finite(f) for f in flats.values())
+            found_inf = not (all(codec.all_finite(f) for n, f in flats.items() if n not in direct)
+                             and all(codec.all_finite(v) for w in written if w for c, v in w if c.name in direct))
         more: dict[str, Any] = {}
         if pull_after is not None:
-            dtype, min_clock = pull_after
+            pull_dtype, min_clock = pull_after
             more = {"pull_after": True, "pull_min_clock": min_clock,
-                    "pull_dtype": codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED}
+                    "pull_dtype": codec.to_wire_dtype(pull_dtype) if pull_dtype is not None
+                    else ps_pb2.DTYPE_UNSPECIFIED}
 
         def requests(shard: int) -> Iterator[bytes]:
-            link = self.shm_links[shard]
-            if link is not None:  # same host: the data goes through shared memory, gRPC carries where
-                yield from push_via_shm(self, link, shard, flats, step=step, base_version=bases[shard],
+            link, chunks = self.shm_links[shard], written[shard]
+            if link is not None and chunks is not None:  # same host: the data is in shared memory, gRPC says where
+                yield from shm_messages(self, link, [c for c, _ in chunks], step=step, base_version=bases[shard],
                                         found_inf=found_inf, loss_scale=loss_scale, fields=more)
                 return
             # Serialized PushRequests, the data copied once from the gradient (framing.py).
@@ -350,6 +365,8 @@ class PSClient:
                 if flat is None:
                     continue
                 lay = self.layouts[p.name]
+                if p.name in direct:  # meant for shared memory, but this shard's went off (a fail-over)
+                    flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
                 for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, p.name,
                                                         lay.push_dtype, lay.shape, flat, p.start, p.stop,
                                                         self.chunk_bytes):

@@ -2,7 +2,7 @@
 
 Made after Register for every shard that read the worker's probe (it
 shares this machine). ``write_push`` copies a gradient's part into the
-push segment, cast to its push dtype, and gives the control message that
+push segment, cast to its push dtype as it copies, and gives the control message that
 replaces the chunk; the shard reads it from there. The pull segment is
 the shard's to write during a Pull (one part after another: offsets come
 back in the answer's chunks). A shard's segments are rewritten only by the
@@ -38,15 +38,17 @@ class ShmLink:
             self.push.close()
             raise
 
-    def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int) -> ps_pb2.Chunk:
-        """Copy ``flat[start:stop]`` (already in ``dtype``) into the push segment; the chunk that says where."""
+    def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int
+                   ) -> tuple[ps_pb2.Chunk, torch.Tensor]:
+        """Copy ``flat[start:stop]`` into the push segment, cast to ``dtype`` as it is copied (one pass, no
+        buffer in between); the chunk that says where, and the values written (a view of the segment)."""
         off = self.offsets[(name, start)]
-        nbytes = (stop - start) * flat.element_size()
-        if nbytes:
-            dst = torch.frombuffer(self.push.view(off, nbytes), dtype=flat.dtype)
-            dst.copy_(flat[start:stop])
+        tdt = codec.to_torch_dtype(dtype)
+        nbytes = (stop - start) * tdt.itemsize
+        dst = torch.frombuffer(self.push.view(off, nbytes), dtype=tdt) if nbytes else torch.empty(0, dtype=tdt)
+        dst.copy_(flat[start:stop])
         return ps_pb2.Chunk(name=name, offset=start, dtype=dtype, shm_offset=off,  # type: ignore[arg-type]
-                            shm_bytes=nbytes)
+                            shm_bytes=nbytes), dst
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         return self.pull.view(offset, nbytes)

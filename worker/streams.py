@@ -56,33 +56,47 @@ def _gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
     return results
 
 
+def write_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor]
+              ) -> list[tuple[ps_pb2.Chunk, torch.Tensor]]:
+    """Copy ``shard``'s parts of ``flats`` (any float dtype: cast to each tensor's push dtype as they are
+    copied) into its push segment: per part the chunk that says where, and the values written."""
+    assert client.shard_map is not None
+    out = []
+    for p in client.shard_map.parts_for(shard):
+        flat = flats.get(p.name)
+        if flat is not None:
+            chunk, written = link.write_push(p.name, client.layouts[p.name].push_dtype, flat, p.start, p.stop)
+            chunk.shape.extend(client.layouts[p.name].shape)  # one chunk per part: each says the shape
+            out.append((chunk, written))
+    return out
+
+
+def shm_messages(client: PSClient, link: ShmLink, chunks: Sequence[ps_pb2.Chunk], *, step: int, base_version: int,
+                 found_inf: bool, loss_scale: float, last: bool = True,
+                 fields: Mapping[str, Any] | None = None) -> Iterator[bytes]:
+    """PushRequests for ``chunks`` already in ``link``'s push segment (``write_shm``); ``last``: end with
+    the stream's last message (carrying ``found_inf``); ``fields``: more PushRequest fields for every
+    message (``pull_after``...)."""
+    more = dict(fields or {})
+    head = dict(worker_id=client.worker_id, step=step, base_version=base_version, found_inf=found_inf,
+                loss_scale=loss_scale, epoch=client.epoch, shm=link.push.name, ends_with_last=True, **more)
+    requests = [ps_pb2.PushRequest(chunk=c, **head) for c in chunks]
+    if not requests and last:
+        requests = [ps_pb2.PushRequest(**head)]
+    if requests:
+        requests[-1].last = last  # with ``last``, the last one says it is
+    for r in requests:
+        yield r.SerializeToString()
+
+
 def push_via_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor], *, step: int,
                  base_version: int, found_inf: bool, loss_scale: float, last: bool = True,
                  fields: Mapping[str, Any] | None = None) -> Iterator[bytes]:
-    """PushRequests for ``shard`` whose chunks lie in its push segment (written here, part by part);
-    ``last``: end with the stream's last message (chunk-less, carrying ``found_inf``); ``fields``: more
-    PushRequest fields for every message (``pull_after``...)."""
-    more = dict(fields or {})
-    assert client.shard_map is not None
-    pending = None  # one message behind: with ``last``, the last one says it is
-    for p in client.shard_map.parts_for(shard):
-        flat = flats.get(p.name)
-        if flat is None:
-            continue
-        chunk = link.write_push(p.name, client.layouts[p.name].push_dtype, flat, p.start, p.stop)
-        chunk.shape.extend(client.layouts[p.name].shape)  # one chunk per part: each says the shape
-        if pending is not None:
-            yield pending.SerializeToString()
-        pending = ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
-                                     found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
-                                     shm=link.push.name, chunk=chunk, ends_with_last=True, **more)
-    if pending is None and last:
-        pending = ps_pb2.PushRequest(worker_id=client.worker_id, step=step, base_version=base_version,
-                                     found_inf=found_inf, loss_scale=loss_scale, epoch=client.epoch,
-                                     shm=link.push.name, ends_with_last=True, **more)
-    if pending is not None:
-        pending.last = last
-        yield pending.SerializeToString()
+    """PushRequests for ``shard`` whose chunks lie in its push segment (written here: ``write_shm``, then
+    ``shm_messages``)."""
+    chunks = [c for c, _ in write_shm(client, link, shard, flats)]
+    yield from shm_messages(client, link, chunks, step=step, base_version=base_version, found_inf=found_inf,
+                            loss_scale=loss_scale, last=last, fields=fields)
 
 
 class StreamAborted(Exception):
