@@ -56,8 +56,10 @@ def train(addresses, *, use_shm: bool, **opt_kw):
 
 @pytest.mark.parametrize("opt_kw", [dict(sync="bsp"), dict(sync="asp"),
                                     dict(sync="bsp", overlap=True, bucket_bytes=3000),
-                                    dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16)],
-                         ids=["bsp", "asp", "bsp-overlap", "every2-bf16"])
+                                    dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16),
+                                    dict(sync="bsp", overlap=True, bucket_bytes=3000, grad_dtype=torch.bfloat16,
+                                         pull_dtype=torch.bfloat16)],
+                         ids=["bsp", "asp", "bsp-overlap", "every2-bf16", "bsp-overlap-bf16"])
 def test_shared_memory_gives_the_weights_grpc_gives(make_cluster, opt_kw):
     over_grpc = train(make_cluster(2).addresses, use_shm=False, **opt_kw)
     over_shm = train(make_cluster(2).addresses, use_shm=True, **opt_kw)
@@ -207,9 +209,17 @@ def test_segments_of_a_dead_worker_are_removed_by_the_next(tmp_path):
         alive.close()
 
 
-def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shard(cluster2):
+def _push_streamed(client, grads, step):
+    stream = client.push_stream(step)
+    stream.add(grads)
+    return stream.finish()
+
+
+@pytest.mark.parametrize("push", ["push", "push_stream"])
+def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shard(cluster2, push):
     """Gradients are cast to their push dtype as they are copied into shared memory: the bytes checked for
     inf/nan are those the shards read (1e5 is finite in fp32, inf in float16)."""
+    send = (lambda c, g, step: c.push(g, step=step)) if push == "push" else _push_streamed
     w = torch.randn(600)
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.float16)
@@ -217,11 +227,11 @@ def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shar
         last = client.shard_map.parts_of("w")[-1]
         grad = torch.full((600,), 0.5)
         grad[last.start] = 1e5  # on the second shard only
-        client.push({"w": grad}, step=0)
+        send(client, {"w": grad}, 0)
         assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
         assert torch.equal(client.pull(min_versions=1)["w"], w)  # neither shard stepped
         grad[last.start] = 0.5
-        client.push({"w": grad}, step=1)
+        send(client, {"w": grad}, 1)
         assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5)
         assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
 
@@ -253,3 +263,24 @@ def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradi
             results.append(client.pull(min_versions=1)["w"])
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], w - grad.bfloat16().float())
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_a_streamed_push_cast_into_shared_memory_survives_a_fail_over(tmp_path):
+    """Overlap's push stream casts a gradient into each shard's segment as it is handed in. The primary of
+    shard 1 is killed after that, before the stream ends: the stream is retried on the backup over gRPC
+    (segments are for the shard's first address), cast the same way, and applied once."""
+    w, grad = torch.randn(600), torch.randn(600)
+    with shardps.LocalCluster(2, processes=True, replicas=2) as c:
+        with shardps.connect(c.addresses, part_bytes=1024) as client:
+            client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.bfloat16)
+            assert all(client.shm_links) and {p.server for p in client.shard_map.parts_of("w")} == {0, 1}
+            stream = client.push_stream(0)
+            stream.add({"w": grad})  # written into both segments now
+            c.kill(1)  # shard 1's primary: its stream has not ended, nothing of it was applied
+            res = stream.finish()
+            assert client.transport.failovers_total == 1 and [bool(link) for link in client.shm_links] == [True, False]
+            assert [r.version for r in res] == [1, 1]
+            got = client.pull(min_versions=1)["w"]
+    assert torch.equal(got, w - grad.bfloat16().float())

@@ -113,7 +113,10 @@ class PushStream:
         self._bases = list(base_versions)
         self._loss_scale = loss_scale
         self._cond = threading.Condition()
-        self._ready: list[tuple[str, torch.Tensor]] = []  # (name, flat CPU tensor in its push dtype)
+        self._ready: list[tuple[str, torch.Tensor]] = []  # (name, flat CPU tensor in its push dtype, see _written)
+        # Same host: CPU gradients that need a cast are cast as they are copied into every shard's push
+        # segment, in ``add`` (its flat above is then the gradient as handed in); each shard's chunks here.
+        self._written: dict[str, dict[int, list[ps_pb2.Chunk]]] = {}
         self._names: set[str] = set()
         self._done = False
         self._aborted = False
@@ -131,6 +134,7 @@ class PushStream:
         """Hand in finished gradients (any device, any dtype: cast to each tensor's push dtype here)."""
         client = self._client
         flats = []
+        finite = True
         for name, g in grads.items():
             lay = client.layouts.get(name)
             if lay is None:
@@ -141,18 +145,29 @@ class PushStream:
                 raise ValueError(f"gradient of {name!r} handed in twice in step {self._step}")
             self._names.add(name)
             dtype = codec.to_torch_dtype(lay.push_dtype)
+            links = {i: client.shm_links[i] for i in range(client.num_shards) if name in self._parts[i]}
             if g.is_cuda:  # device-to-host on a side stream, into pinned memory: backward does not wait
                 flat = self._to_host(name, g, dtype)
+            elif g.dtype != dtype and all(links.values()):
+                flat = g.detach().reshape(-1)
+                chunks: dict[int, list[ps_pb2.Chunk]] = {}
+                for i, link in links.items():
+                    assert link is not None
+                    written = write_shm(client, link, i, {name: flat})
+                    chunks[i] = [c for c, _ in written]
+                    # The bytes the shards will read are the ones checked (a cast can overflow).
+                    finite = finite and all(codec.all_finite(v) for _, v in written)
+                self._written[name] = chunks
             else:
                 flat = g.detach().to("cpu", dtype).contiguous().view(-1)
             flats.append((name, flat))
-            self.bytes_added += flat.numel() * flat.element_size()
+            self.bytes_added += flat.numel() * dtype.itemsize
         with self._cond:
             if self._done or self._aborted:
                 raise RuntimeError("this push stream has ended")
             self._ready.extend(flats)
-            host = [f for n, f in flats if n not in self._copies]
-            self._found_inf = self._found_inf or not all(codec.all_finite(f) for f in host)
+            host = [f for n, f in flats if n not in self._copies and n not in self._written]
+            self._found_inf = self._found_inf or not finite or not all(codec.all_finite(f) for f in host)
             self._cond.notify_all()
 
     def _to_host(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -240,7 +255,11 @@ class PushStream:
             for name, _ in batch:
                 self._host(name)
             if link is not None:  # same host: through the push segment
-                flats = {name: flat for name, flat in batch if name in parts}
+                chunks = [c for name, _ in batch if name in self._written for c in self._written[name].get(shard, ())]
+                if chunks:
+                    yield from shm_messages(client, link, chunks, step=self._step, base_version=self._bases[shard],
+                                            found_inf=False, loss_scale=self._loss_scale, last=False)
+                flats = {name: flat for name, flat in batch if name in parts and name not in self._written}
                 if flats:
                     yield from push_via_shm(client, link, shard, flats, step=self._step,
                                             base_version=self._bases[shard], found_inf=False,
@@ -253,6 +272,8 @@ class PushStream:
                 continue
             for name, flat in batch:
                 lay = client.layouts[name]
+                if name in self._written and name in parts:  # meant for shared memory, now off (a fail-over)
+                    flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
                 for start, stop in parts.get(name, ()):
                     for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, name,
                                                             lay.push_dtype, lay.shape, flat, start, stop,
