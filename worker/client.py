@@ -319,14 +319,16 @@ class PSClient:
         flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
         direct: set[str] = set()  # cast as they are copied into shared memory: no buffer in between
         links = self.shm_links
+        servers: dict[str, set[int]] = {}  # each tensor's shards
+        for p in self.shard_map.parts:
+            servers.setdefault(p.name, set()).add(p.server)
         for name, g in grads.items():
             lay = self.layouts[name]
             if tuple(g.shape) != lay.shape:
                 raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
             dtype = codec.to_torch_dtype(lay.push_dtype)
             g = g.detach()
-            if g.dtype != dtype and g.device.type == "cpu" and all(
-                    links[p.server] is not None for p in self.shard_map.parts_of(name)):
+            if g.dtype != dtype and g.device.type == "cpu" and all(links[i] is not None for i in servers[name]):
                 flats[name] = g.reshape(-1)
                 direct.add(name)
             else:

@@ -56,17 +56,21 @@ def _gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
     return results
 
 
-def write_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor]
-              ) -> list[tuple[ps_pb2.Chunk, torch.Tensor]]:
+def write_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor],
+              parts: Sequence[tuple[str, int, int]] | None = None) -> list[tuple[ps_pb2.Chunk, torch.Tensor]]:
     """Copy ``shard``'s parts of ``flats`` (any float dtype: cast to each tensor's push dtype as they are
-    copied) into its push segment: per part the chunk that says where, and the values written."""
+    copied) into its push segment: per part the chunk that says where, and the values written.
+    ``parts``: (name, start, stop) of the shard's parts to write, if the caller knows them."""
     assert client.shard_map is not None
+    if parts is None:
+        parts = [(p.name, p.start, p.stop) for p in client.shard_map.parts_for(shard)]
     out = []
-    for p in client.shard_map.parts_for(shard):
-        flat = flats.get(p.name)
+    for name, start, stop in parts:
+        flat = flats.get(name)
         if flat is not None:
-            chunk, written = link.write_push(p.name, client.layouts[p.name].push_dtype, flat, p.start, p.stop)
-            chunk.shape.extend(client.layouts[p.name].shape)  # one chunk per part: each says the shape
+            lay = client.layouts[name]
+            chunk, written = link.write_push(name, lay.push_dtype, flat, start, stop)
+            chunk.shape.extend(lay.shape)  # one chunk per part: each says the shape
             out.append((chunk, written))
     return out
 
@@ -153,7 +157,8 @@ class PushStream:
                 chunks: dict[int, list[ps_pb2.Chunk]] = {}
                 for i, link in links.items():
                     assert link is not None
-                    written = write_shm(client, link, i, {name: flat})
+                    written = write_shm(client, link, i, {name: flat},
+                                        [(name, start, stop) for start, stop in self._parts[i][name]])
                     chunks[i] = [c for c, _ in written]
                     # The bytes the shards will read are the ones checked (a cast can overflow).
                     finite = finite and all(codec.all_finite(v) for _, v in written)
