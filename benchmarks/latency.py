@@ -325,10 +325,11 @@ class Bench:
         push = channel.unary_unary("/shardps.v1.Workers/Push")
         pull = channel.unary_unary("/shardps.v1.Workers/Pull")
         one = ((framing.PULL_ONE_HEADER, "1"),)
+        push_one = ((framing.PUSH_ONE_HEADER, "1"),)
 
         def rpc_round() -> float:  # the two calls the client makes, as it makes them for one message each
             t = time.perf_counter()
-            push(push_msg, timeout=a.rpc_timeout)
+            push(push_msg, timeout=a.rpc_timeout, metadata=push_one)
             pull(pull_request, timeout=a.rpc_timeout, metadata=one)
             return time.perf_counter() - t
 

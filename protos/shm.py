@@ -50,6 +50,10 @@ def check_name(name: str) -> str:
     return name
 
 
+class SegmentClosed(ValueError):
+    """The segment was closed (unmapped) before a view of it was taken."""
+
+
 class Segment:
     """A mapped segment: ``view(offset, nbytes)`` is a memoryview of its bytes (bounds checked)."""
 
@@ -60,10 +64,16 @@ class Segment:
         self.closed = False
 
     def view(self, offset: int, nbytes: int) -> memoryview:
+        """SegmentClosed once ``close`` ran (another thread may close it: a worker's fail-over)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise ValueError(f"shared-memory segment {self.name}: bytes [{offset}, {offset + nbytes}) outside its "
                              f"{self.size} bytes")
-        return self._buf[offset : offset + nbytes]
+        try:
+            return self._buf[offset : offset + nbytes]
+        except ValueError:  # released by close()
+            if self.closed:
+                raise SegmentClosed(f"shared-memory segment {self.name} was closed") from None
+            raise
 
     def close(self) -> None:
         """Unmap (and, for the worker that made it, remove the file). Idempotent."""

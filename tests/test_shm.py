@@ -224,10 +224,15 @@ def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shar
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.float16)
         assert all(client.shm_links) and {p.server for p in client.shard_map.parts_of("w")} == {0, 1}
-        last = client.shard_map.parts_of("w")[-1]
+        sources = []  # what is copied into the segments: the fp32 gradient itself, cast as it is copied
+        for link in client.shm_links:
+            real = link.write_push
+            link.write_push = lambda *a, real=real: sources.append(a[2].dtype) or real(*a)
+        last = next(p for p in client.shard_map.parts_of("w") if p.server == 1)
         grad = torch.full((600,), 0.5)
         grad[last.start] = 1e5  # on the second shard only
         send(client, {"w": grad}, 0)
+        assert sources == [torch.float32] * len(client.shard_map.parts_of("w"))
         assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
         assert torch.equal(client.pull(min_versions=1)["w"], w)  # neither shard stepped
         grad[last.start] = 0.5
@@ -284,3 +289,33 @@ def test_a_streamed_push_cast_into_shared_memory_survives_a_fail_over(tmp_path):
             assert [r.version for r in res] == [1, 1]
             got = client.pull(min_versions=1)["w"]
     assert torch.equal(got, w - grad.bfloat16().float())
+
+
+def test_an_empty_tensor_beside_a_cast_one(cluster2):
+    with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
+        client.register({"w": torch.zeros(600), "e": torch.zeros(0)}, shardps.optim.SGD(lr=1.0), sync="asp",
+                        grad_dtype=torch.bfloat16)
+        client.push({"w": torch.ones(600), "e": torch.zeros(0)}, step=0)
+        got = client.pull(min_versions=1)
+    assert torch.equal(got["w"], torch.full((600,), -1.0)) and got["e"].numel() == 0
+
+
+def test_a_segment_closed_before_the_copy_sends_that_shards_share_over_grpc_checked_as_cast(cluster2):
+    """A fail-over in another thread may close a shard's segments between the push's look at its links
+    and its copy: that shard's share goes over gRPC, and what goes there is what is checked."""
+    w = torch.randn(600)
+    with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.float16)
+        last = next(p for p in client.shard_map.parts_of("w") if p.server == 1)
+        client.shm_links[1].push.close()  # closed, and still listed: as at the moment of the race
+        grad = torch.full((600,), 0.5)
+        grad[last.start] = 1e5  # inf in float16, on the closed shard's share only
+        client.push({"w": grad}, step=0)
+        assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
+        grad[last.start] = 0.5
+        client.push({"w": grad}, step=1)
+        assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5)
+        stream = client.push_stream(2)  # a stream casts into the segments as gradients are handed in
+        stream.add({"w": grad})  # shard 1's is closed: cast into a buffer instead, no error here
+        assert "w" not in stream._written
+        stream.abort()

@@ -92,6 +92,7 @@ class PSClient:
         self._side_streams: dict[int, Any] = {}  # CUDA: a copy stream per device (worker/streams.py)
         self._pinned: dict[str, torch.Tensor] = {}
         self.shm_links: list[ShmLink | None] = [None] * len(self.addresses)
+        self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
         self.transport.on_moved = self._shm_off
         self._registered = False  # registered as a worker: close() says goodbye (Leave)
         self._closed = False
@@ -318,28 +319,44 @@ class PSClient:
         bases = list(self.versions if base_versions is None else base_versions)
         flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
         direct: set[str] = set()  # cast as they are copied into shared memory: no buffer in between
-        links = self.shm_links
-        servers: dict[str, set[int]] = {}  # each tensor's shards
-        for p in self.shard_map.parts:
-            servers.setdefault(p.name, set()).add(p.server)
+        links = list(self.shm_links)  # one view of them for the choice, the writes and the check below
+        shards_of = self._shards_of()
         for name, g in grads.items():
             lay = self.layouts[name]
             if tuple(g.shape) != lay.shape:
                 raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
             dtype = codec.to_torch_dtype(lay.push_dtype)
             g = g.detach()
-            if g.dtype != dtype and g.device.type == "cpu" and all(links[i] is not None for i in servers[name]):
+            owners = shards_of.get(name, ())  # none for an empty tensor
+            if g.dtype != dtype and g.device.type == "cpu" and owners and all(links[i] for i in owners):
                 flats[name] = g.reshape(-1)
                 direct.add(name)
             else:
                 flats[name] = g.to("cpu", dtype).contiguous().view(-1)
         # Same host: every shard's parts into its push segment first, the shards in parallel; the bytes the
         # shards will read are those checked for inf/nan (a cast can overflow: 1e5 is inf in float16).
-        written = self.transport.fan_out(
-            lambda i: write_shm(self, link, i, flats) if (link := links[i]) is not None else None)
+        linked = [i for i, link in enumerate(links) if link is not None]
+        written: list[list[tuple[ps_pb2.Chunk, torch.Tensor]] | None] = [None] * self.num_shards
+
+        def write(i: int) -> list[tuple[ps_pb2.Chunk, torch.Tensor]] | None:
+            link = links[i]
+            assert link is not None
+            try:
+                return write_shm(self, link, i, flats)
+            except shm.SegmentClosed:  # the shard failed over meanwhile: its share goes over gRPC
+                return None
+
+        for i, w in zip(linked, self.transport.fan_out(write, linked) if linked else ()):
+            written[i] = w
         if found_inf is None:
+            checked = [v for w in written if w for c, v in w if c.name in direct]
+            for i in linked:
+                if written[i] is None:  # what gRPC will carry for it instead, cast as it will be
+                    checked += [flats[p.name][p.start : p.stop].to(codec.to_torch_dtype(self.layouts[p.name]
+                                                                                            .push_dtype))
+                                for p in self.shard_map.parts_for(i) if p.name in direct]
             found_inf = not (all(codec.all_finite(f) for n, f in flats.items() if n not in direct)
-                             and all(codec.all_finite(v) for w in written if w for c, v in w if c.name in direct))
+                             and all(codec.all_finite(v) for v in checked))
         more: dict[str, Any] = {}
         if pull_after is not None:
             pull_dtype, min_clock = pull_after
@@ -349,7 +366,7 @@ class PSClient:
 
         def requests(shard: int) -> Iterator[bytes]:
             link, chunks = self.shm_links[shard], written[shard]
-            if link is not None and chunks is not None:  # same host: the data is in shared memory, gRPC says where
+            if link is not None and link is links[shard] and chunks is not None:  # same host: gRPC says where
                 yield from shm_messages(self, link, [c for c, _ in chunks], step=step, base_version=bases[shard],
                                         found_inf=found_inf, loss_scale=loss_scale, fields=more)
                 return
@@ -383,6 +400,16 @@ class PSClient:
         self.sync = out[0].sync or self.sync
         self.loss_scale = out[0].loss_scale
         return out
+
+    def _shards_of(self) -> dict[str, set[int]]:
+        """Each tensor's shards (kept until the shard map changes)."""
+        smap, found = self._tensor_shards
+        if smap is not self.shard_map:
+            found = {}
+            for p in self.shard_map.parts if self.shard_map is not None else ():
+                found.setdefault(p.name, set()).add(p.server)
+            self._tensor_shards = (self.shard_map, found)
+        return found
 
     def pull(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
              min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,

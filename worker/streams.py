@@ -13,9 +13,11 @@ once those tensors are complete, ``result()`` once all are. The tensors of
 each shard come in the order asked (the model's order: the first layers
 first). ``PSClient.pull`` is ``start`` then ``result``.
 
-Both run their RPCs on the transport's threads (one per shard) and never
-block without a deadline: the client's timeout per RPC, and for waits on
-them the timeout plus the transport's recovery time.
+Both run their RPCs on the transport's threads (one per shard; a Pull's
+answered shards are copied, and with ``start(inline=True)`` its first
+shard's RPC made, in the caller's thread) and never block without a
+deadline: the client's timeout per RPC, and for waits on them the timeout
+plus the transport's recovery time.
 
 (Over 400 lines: the two directions of one step's data path, each with its
 gRPC and shared-memory forms, sharing the gathering of the shards' results;
@@ -36,6 +38,7 @@ import torch
 from shardps.protos import codec, framing
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.shm import SegmentClosed
 
 if TYPE_CHECKING:
     from shardps.worker.client import PSClient
@@ -95,10 +98,11 @@ def shm_messages(client: PSClient, link: ShmLink, chunks: Sequence[ps_pb2.Chunk]
 
 def push_via_shm(client: PSClient, link: ShmLink, shard: int, flats: Mapping[str, torch.Tensor], *, step: int,
                  base_version: int, found_inf: bool, loss_scale: float, last: bool = True,
-                 fields: Mapping[str, Any] | None = None) -> Iterator[bytes]:
+                 fields: Mapping[str, Any] | None = None,
+                 parts: Sequence[tuple[str, int, int]] | None = None) -> Iterator[bytes]:
     """PushRequests for ``shard`` whose chunks lie in its push segment (written here: ``write_shm``, then
     ``shm_messages``)."""
-    chunks = [c for c, _ in write_shm(client, link, shard, flats)]
+    chunks = [c for c, _ in write_shm(client, link, shard, flats, parts)]
     yield from shm_messages(client, link, chunks, step=step, base_version=base_version, found_inf=found_inf,
                             loss_scale=loss_scale, last=last, fields=fields)
 
@@ -139,6 +143,9 @@ class PushStream:
         client = self._client
         flats = []
         finite = True
+        with self._cond:  # before anything is written into the segments
+            if self._done or self._aborted:
+                raise RuntimeError("this push stream has ended")
         for name, g in grads.items():
             lay = client.layouts.get(name)
             if lay is None:
@@ -152,17 +159,10 @@ class PushStream:
             links = {i: client.shm_links[i] for i in range(client.num_shards) if name in self._parts[i]}
             if g.is_cuda:  # device-to-host on a side stream, into pinned memory: backward does not wait
                 flat = self._to_host(name, g, dtype)
-            elif g.dtype != dtype and all(links.values()):
-                flat = g.detach().reshape(-1)
-                chunks: dict[int, list[ps_pb2.Chunk]] = {}
-                for i, link in links.items():
-                    assert link is not None
-                    written = write_shm(client, link, i, {name: flat},
-                                        [(name, start, stop) for start, stop in self._parts[i][name]])
-                    chunks[i] = [c for c, _ in written]
-                    # The bytes the shards will read are the ones checked (a cast can overflow).
-                    finite = finite and all(codec.all_finite(v) for _, v in written)
-                self._written[name] = chunks
+            elif (g.device.type == "cpu" and g.dtype != dtype and links and all(links.values())
+                  and (direct := self._write_direct(name, g.detach().reshape(-1), links)) is not None):
+                flat, ok = direct
+                finite = finite and ok
             else:
                 flat = g.detach().to("cpu", dtype).contiguous().view(-1)
             flats.append((name, flat))
@@ -174,6 +174,25 @@ class PushStream:
             host = [f for n, f in flats if n not in self._copies and n not in self._written]
             self._found_inf = self._found_inf or not finite or not all(codec.all_finite(f) for f in host)
             self._cond.notify_all()
+
+    def _write_direct(self, name: str, flat: torch.Tensor, links: Mapping[int, ShmLink | None]
+                      ) -> tuple[torch.Tensor, bool] | None:
+        """Cast ``flat`` into each of its shards' push segments as it is copied; (``flat``, whether the bytes
+        written are all finite: they are what the shards read, and a cast can overflow). None when a
+        segment was closed meanwhile (a fail-over): the caller casts it into a buffer instead."""
+        chunks: dict[int, list[ps_pb2.Chunk]] = {}
+        finite = True
+        try:
+            for i, link in links.items():
+                assert link is not None
+                written = write_shm(self._client, link, i, {name: flat},
+                                    [(name, start, stop) for start, stop in self._parts[i][name]])
+                chunks[i] = [c for c, _ in written]
+                finite = finite and all(codec.all_finite(v) for _, v in written)
+        except SegmentClosed:
+            return None
+        self._written[name] = chunks
+        return flat, finite
 
     def _to_host(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Start copying a CUDA gradient to a pinned host buffer (the client keeps one per tensor) on a
@@ -268,7 +287,8 @@ class PushStream:
                 if flats:
                     yield from push_via_shm(client, link, shard, flats, step=self._step,
                                             base_version=self._bases[shard], found_inf=False,
-                                            loss_scale=self._loss_scale, last=False)
+                                            loss_scale=self._loss_scale, last=False,
+                                            parts=[(n, a, b) for n in flats for a, b in parts[n]])
                 if done and not batch:
                     yield from push_via_shm(client, link, shard, {}, step=self._step,
                                             base_version=self._bases[shard], found_inf=found_inf,
