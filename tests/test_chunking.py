@@ -45,20 +45,24 @@ def test_half_precision_payloads(cluster2, dtype):
                 assert part.dtype == torch.float32
 
 
-class _PullHeaders(grpc.ServerInterceptor):
-    """Records, per Pull, whether it carried framing.PULL_ONE_HEADER."""
+class _OneHeaders(grpc.ServerInterceptor):
+    """Records, per call of ``method`` (Push or Pull), whether it carried ``header`` (framing.PUSH_ONE_HEADER,
+    PULL_ONE_HEADER) and whether the shard's handler for it streams."""
 
-    def __init__(self) -> None:
-        self.seen: list[bool] = []
+    def __init__(self, method: str, header: str) -> None:
+        self.method, self.header = f"/{method}", header
+        self.seen: list[tuple[bool, bool]] = []
 
     def intercept_service(self, continuation, details):
-        if details.method.endswith("/Pull"):
-            self.seen.append(any(k == framing.PULL_ONE_HEADER for k, _ in details.invocation_metadata))
-        return continuation(details)
+        handler = continuation(details)
+        if details.method.endswith(self.method):
+            self.seen.append((any(k == self.header for k, _ in details.invocation_metadata),
+                              handler.request_streaming or handler.response_streaming))
+        return handler
 
 
 def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_a_stream(make_cluster):
-    headers = _PullHeaders()
+    headers = _OneHeaders("Pull", framing.PULL_ONE_HEADER)
     cluster = make_cluster(1, interceptors=[headers])
     w = torch.randn(1000)  # 4000 bytes: one message of 4096-byte chunks, two of 2048
     with shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False) as client:  # gRPC chunks
@@ -67,7 +71,7 @@ def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_
         assert torch.equal(client.pull(dtype=torch.float16)["w"], w.half())
         client.chunk_bytes = 2048
         assert torch.equal(client.pull()["w"], w)
-        assert headers.seen == [True, True, False]  # asked as one message when it is one
+        assert headers.seen == [(True, False), (True, False), (False, True)]  # (header, a stream): one when it is
         t = client.transport
         two = ps_pb2.PullRequest(names=["w"], chunk_bytes=2048)
         with pytest.raises(grpc.RpcError) as refused:  # asked as one, the shard has two
@@ -79,23 +83,8 @@ def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_
         assert torch.equal(torch.cat([codec.decode(r.chunk.data, r.chunk.dtype) for r in got]), w)
 
 
-class _PushHeaders(grpc.ServerInterceptor):
-    """Records, per Push, whether it carried framing.PUSH_ONE_HEADER and whether the shard's handler for it
-    reads a request stream."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[bool, bool]] = []
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if details.method.endswith("/Push"):
-            self.seen.append((any(k == framing.PUSH_ONE_HEADER for k, _ in details.invocation_metadata),
-                              handler.request_streaming))
-        return handler
-
-
 def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(make_cluster):
-    headers = _PushHeaders()
+    headers = _OneHeaders("Push", framing.PUSH_ONE_HEADER)
     cluster = make_cluster(1, interceptors=[headers])
     w = torch.randn(1000)  # 4000 bytes: one message of 4096-byte chunks, two of 2048
     with shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False) as client:  # gRPC chunks
