@@ -61,12 +61,20 @@ class _OneHeaders(grpc.ServerInterceptor):
         return handler
 
 
+def _one_shard(make_cluster, headers: _OneHeaders, lr: float) -> tuple[shardps.PSClient, torch.Tensor]:
+    """One shard recording ``headers``, and a client over gRPC (no shared memory) with one tensor of 4000
+    bytes registered: one message in 4096-byte chunks (the client's), two in 2048."""
+    cluster = make_cluster(1, interceptors=[headers])
+    w = torch.randn(1000)
+    client = shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False)
+    client.register({"w": w}, shardps.optim.SGD(lr=lr), sync="asp")
+    return client, w
+
+
 def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_a_stream(make_cluster):
     headers = _OneHeaders("Pull", framing.PULL_ONE_HEADER)
-    cluster = make_cluster(1, interceptors=[headers])
-    w = torch.randn(1000)  # 4000 bytes: one message of 4096-byte chunks, two of 2048
-    with shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False) as client:  # gRPC chunks
-        client.register({"w": w}, shardps.optim.SGD(lr=0.0), sync="asp")
+    client, w = _one_shard(make_cluster, headers, lr=0.0)
+    with client:
         assert torch.equal(client.pull()["w"], w)
         assert torch.equal(client.pull(dtype=torch.float16)["w"], w.half())
         client.chunk_bytes = 2048
@@ -85,10 +93,8 @@ def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_
 
 def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(make_cluster):
     headers = _OneHeaders("Push", framing.PUSH_ONE_HEADER)
-    cluster = make_cluster(1, interceptors=[headers])
-    w = torch.randn(1000)  # 4000 bytes: one message of 4096-byte chunks, two of 2048
-    with shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False) as client:  # gRPC chunks
-        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp")
+    client, w = _one_shard(make_cluster, headers, lr=1.0)
+    with client:
         client.push({"w": torch.ones(1000)}, step=0)  # one message: a unary call, the shard's unary handler
         client.chunk_bytes = 2048
         client.push({"w": torch.ones(1000)}, step=1)  # two: a stream
