@@ -55,6 +55,7 @@ from shardps.protos.framing import varint
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument
+from shardps.server.headers import check_continuation
 from shardps.server.replica import (
     DEFAULT_REPLICA_TIMEOUT_S,
     Deposed,
@@ -97,8 +98,17 @@ def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarna
         yield b"".join((head if a == 0 else rest, _TENSORS_KEY, varint(len(piece)), piece))
 
 
+#: What the later messages of one op of a Replicate stream carry (other fields, if set, must be the op's first's).
+REPLICATE_OWN = frozenset({"seq", "tensors"})
+
+
 def read_ops(messages: Iterator[ps_pb2.ReplicateRequest]) -> Iterator[tuple[ps_pb2.ReplicateRequest, Op]]:
-    """Group a Replicate stream back into ops: (the op's first message, the op)."""
+    """Group a Replicate stream back into ops: (the op's first message, the op).
+
+    An op is handed on once its last message is in and it is whole (its
+    messages agree, its bytes are the count its layout says): the unit a
+    backup replays and acknowledges is the op.
+    """
     head: ps_pb2.ReplicateRequest | None = None
     pieces: list[bytes] = []
 
@@ -116,12 +126,14 @@ def read_ops(messages: Iterator[ps_pb2.ReplicateRequest]) -> Iterator[tuple[ps_p
                                   f"says {nbytes}")
         return head, Op(head.seq, head.op, args, unpack(layout, data))
 
-    for m in messages:
+    for i, m in enumerate(messages, start=1):
         if head is not None and m.seq != head.seq:
             yield done()
             head, pieces = None, []
         if head is None:
-            head = m
+            head, first = m, i
+        else:  # the op's later messages carry its bytes (and its seq) only
+            check_continuation("Replicate", i - first + 1, head, m, REPLICATE_OWN)
         pieces.append(m.tensors)
     if head is not None:
         yield done()

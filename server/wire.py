@@ -19,10 +19,16 @@ from shardps.protos import codec, framing, shm
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument
+from shardps.server.headers import check_continuation, check_header, mixed
 from shardps.server.scaling import LossScaler
 from shardps.server.shm import SegmentCache
 from shardps.server.sync import Grad, PartKey
 from shardps.server.table import TensorSpec
+
+#: What every message of a Push stream repeats. ``chunk`` and ``last`` are each message's own; ``found_inf``
+#: is the header's too, but the last message of a stream that ends_with_last may raise it (``decode_push``).
+PUSH_HEADER = ("worker_id", "step", "base_version", "loss_scale", "epoch", "shm", "ends_with_last", "pull_after",
+               "pull_dtype", "pull_min_clock")
 
 
 def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
@@ -49,6 +55,10 @@ class Join:
     shm: bool = False  # the worker's shared-memory probe was read here: the same-host fast path works
 
 
+#: What a later message of a Register stream carries (its other fields, if set, must be the first's).
+REGISTER_OWN = frozenset({"chunk"})
+
+
 def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
     first = next(requests, None)
     if first is None:
@@ -69,7 +79,8 @@ def decode_register(requests: Iterator[ps_pb2.RegisterRequest]) -> Join:
         asm = ChunkAssembler(lookup, what="initial value")
         if first.HasField("chunk"):
             asm.add(first.chunk)
-        for req in requests:
+        for i, req in enumerate(requests, start=2):
+            check_continuation("Register", i, first, req, REGISTER_OWN)
             asm.add(req.chunk)
         values = asm.finish_staged()
     else:
@@ -111,11 +122,15 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     ``segments``: the workers' shared-memory segments, for a Push whose chunks lie there (``shm``);
     ``keep_chunks(loss_scale)``: whether to keep fp32 chunks as received (``ShardStore.takes_chunked``).
 
-    Every message carries the same header (worker, step, base version, loss
-    scale, epoch). ``found_inf`` may differ: a worker that streams its
-    gradient while backward still runs learns only at the end whether any
-    of it (on any shard) held an inf/nan, and says so in its last message;
-    the stream's flag is true when any message's is.
+    Every path that reads a Push comes here: the stream, the one-message
+    unary handler, the same-host path (chunks in shared memory). Every
+    message carries the same header (``PUSH_HEADER`` and ``found_inf``), or
+    the stream is refused (INVALID_ARGUMENT naming the field and both
+    values); nothing is handed on before the last message is in and valid.
+    One exception: a worker that streams its gradient while backward still
+    runs learns only at the end whether any of it (on any shard) held an
+    inf/nan, so the last message of a stream that ``ends_with_last`` may
+    raise ``found_inf`` (never lower it).
     """
     first = next(requests, None)
     if first is None:
@@ -123,8 +138,6 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     keep = keep_chunks is not None and keep_chunks(first.loss_scale)
     # A scaled gradient is checked by ShardStore.submit as it unscales it (one pass for both): not here too.
     asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep, check=not first.loss_scale)
-    header = (first.worker_id, first.step, first.base_version, first.loss_scale, first.epoch, first.shm,
-              first.ends_with_last, first.pull_after, first.pull_dtype, first.pull_min_clock)
     found_inf = first.found_inf
     ended = first.last
 
@@ -140,18 +153,15 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
 
     if first.HasField("chunk"):  # a header alone: no gradients this step
         asm.add(chunk(first))
-    for req in requests:
-        this = (req.worker_id, req.step, req.base_version, req.loss_scale, req.epoch, req.shm, req.ends_with_last,
-                req.pull_after, req.pull_dtype, req.pull_min_clock)
-        if this != header:
-            raise InvalidArgument(
-                f"Push stream mixes headers: (worker_id, step, base_version, loss_scale, epoch, shm, "
-                f"ends_with_last, pull_after, pull_dtype, pull_min_clock) {header} then {this}"
-            )
+    for i, req in enumerate(requests, start=2):
+        check_header("Push", i, first, req, PUSH_HEADER)
         if ended:
             raise InvalidArgument(f"Push stream of worker {first.worker_id} goes on after its last message")
-        found_inf = found_inf or req.found_inf
         ended = req.last
+        if req.found_inf != first.found_inf and not (first.ends_with_last and ended and req.found_inf):
+            raise mixed("Push", i, "found_inf", first.found_inf, req.found_inf,
+                        " (only the last message of a stream that ends_with_last may raise it)")
+        found_inf = found_inf or req.found_inf
         if req.HasField("chunk"):
             asm.add(chunk(req))
     if first.ends_with_last and not ended:

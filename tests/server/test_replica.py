@@ -84,3 +84,47 @@ def test_wire_and_stats_values_are_the_strings_they_were(enum_type, values):
         assert m == m.value and str(m) == m.value and f"{m}" == m.value and json.dumps(m) == f'"{m.value}"'
     assert ps_pb2.StatsResponse(role=Role.BACKUP, replica_state=ReplicaState.SYNCED).SerializeToString() == \
         ps_pb2.StatsResponse(role="backup", replica_state="synced").SerializeToString()
+
+
+def _op_stream(numel: int = (1 << 18) + 5) -> list[ps_pb2.ReplicateRequest]:
+    """One submit op whose tensor bytes take two messages (over BLOB_BYTES)."""
+    import torch
+
+    from shardps.server.replication import Op, op_messages
+
+    op = Op(7, str(OpKind.SUBMIT), {"worker": 1, "step": 2}, {"w@0": torch.arange(numel, dtype=torch.float32)})
+    return [ps_pb2.ReplicateRequest.FromString(m) for m in op_messages(op, 0, 2, "127.0.0.1:1", "run")]
+
+
+def test_an_op_is_read_whole_and_its_later_messages_carry_its_bytes_only():
+    from shardps.server.replication import read_ops
+
+    msgs = _op_stream()
+    assert len(msgs) == 2
+    [(head, op)] = list(read_ops(iter(msgs)))
+    assert (op.seq, op.kind, op.args, head.incarnation) == (7, "submit", {"worker": 1, "step": 2}, "run")
+    assert op.tensors["w@0"][-1].item() == (1 << 18) + 4
+
+
+@pytest.mark.parametrize("field, value", [("op", "leave"), ("args_json", "{}"), ("shard_index", 1),
+                                          ("num_shards", 3), ("primary", "10.0.0.1:1"), ("incarnation", "other")])
+def test_an_op_whose_later_message_disagrees_is_refused(field, value):
+    """The same check as a Push stream's (server/headers.py): nothing of the op is handed on to be replayed."""
+    from shardps.server.errors import InvalidArgument
+    from shardps.server.replication import read_ops
+
+    msgs = _op_stream()
+    setattr(msgs[1], field, value)
+    with pytest.raises(InvalidArgument, match=f"Replicate stream mixes headers: message 2 has {field} "):
+        list(read_ops(iter(msgs)))
+    same = _op_stream()
+    setattr(same[1], field, getattr(same[0], field))  # repeating the op's own value is fine
+    assert len(list(read_ops(iter(same)))) == 1
+
+
+def test_a_cut_op_is_refused():
+    from shardps.server.errors import InvalidArgument
+    from shardps.server.replication import read_ops
+
+    with pytest.raises(InvalidArgument, match=r"op 7 sent 1048576 tensor bytes, its layout says 1048[56]\d\d"):
+        list(read_ops(iter(_op_stream()[:1])))

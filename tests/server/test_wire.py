@@ -38,13 +38,66 @@ def test_push_assembles_gradients_and_header():
     assert g.grads[("w", 0)].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
-def test_found_inf_in_any_message_flags_the_stream():
-    """A streaming worker says found_inf in its last, header-only message."""
-    last = ps_pb2.PushRequest(worker_id=1, step=0, base_version=3, found_inf=True)
-    g = decode_push(iter([_push(values=[1.0, 2.0]), _push(values=[3.0, 4.0], offset=2), last]), _lookup)
+def _ends(msg, last=False):
+    msg.ends_with_last, msg.last = True, last
+    return msg
+
+
+def test_the_last_message_of_a_stream_that_ends_with_last_may_raise_found_inf():
+    """A streaming worker learns at the end of backward whether its gradient was finite, and says so in its
+    last, header-only message: that message alone may raise the flag."""
+    last = _ends(ps_pb2.PushRequest(worker_id=1, step=0, base_version=3, found_inf=True), last=True)
+    chunks = [_ends(_push(values=[1.0, 2.0])), _ends(_push(values=[3.0, 4.0], offset=2))]
+    g = decode_push(iter([*chunks, last]), _lookup)
     assert g.found_inf and g.grads[("w", 0)].tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert not decode_push(iter([_push(values=[1.0, 2.0, 3.0, 4.0]), last.__class__(worker_id=1, base_version=3)]),
-                           _lookup).found_inf
+    last.found_inf = False
+    assert not decode_push(iter([*chunks, last]), _lookup).found_inf
+
+
+# Regression (fuzzer, 2026-12-01, seed 20261201): a stream whose later message said found_inf where the first
+# did not was taken as one step, its flag the OR of the messages' (the rule the streaming worker needs, applied
+# to every stream): the shard stepped, or skipped, on a gradient whose messages disagreed.
+@pytest.mark.parametrize("flags, ends, why", [
+    ((False, True), False, "raised, no ends_with_last"),
+    ((True, False), False, "lowered, no ends_with_last"),
+    ((False, True, False), True, "raised before the last message"),
+    ((True, True, False), True, "lowered by the last message"),
+])
+def test_found_inf_that_disagrees_is_refused(flags, ends, why):
+    n = len(flags)
+    msgs = [_push(found_inf=f, values=[1.0] * (4 // n if i < n - 1 else 4 - (4 // n) * (n - 1)), offset=(4 // n) * i)
+            for i, f in enumerate(flags)]
+    if ends:
+        msgs = [_ends(m, last=i == n - 1) for i, m in enumerate(msgs)]
+    with pytest.raises(InvalidArgument, match=r"Push stream mixes headers: message \d has found_inf"):
+        decode_push(iter(msgs), _lookup)
+
+
+@pytest.mark.parametrize("field, value", [("worker_id", 2), ("step", 1), ("base_version", 4), ("loss_scale", 1024.0),
+                                          ("epoch", 1), ("shm", "seg"), ("ends_with_last", True),
+                                          ("pull_after", True), ("pull_dtype", ps_pb2.BFLOAT16),
+                                          ("pull_min_clock", 3)])
+def test_every_header_field_must_agree(field, value):
+    second = _push(values=[3.0, 4.0], offset=2)
+    setattr(second, field, value)
+    with pytest.raises(InvalidArgument) as e:
+        decode_push(iter([_push(values=[1.0, 2.0]), second]), _lookup)
+    first_value = getattr(_push(values=[1.0]), field)
+    assert f"message 2 has {field} {value!r}, the first message {first_value!r}" in str(e.value)
+
+
+def test_a_register_stream_whose_later_message_disagrees_is_refused():
+    spec = SPEC.to_proto()
+    first = ps_pb2.RegisterRequest(worker_id=0, num_workers=2, sync="bsp", tensors=[spec], provides_values=True,
+                                   chunk=_chunk([5.0, 6.0]))
+    rest = ps_pb2.RegisterRequest(chunk=_chunk([7.0, 8.0], offset=2))
+    assert decode_register(iter([first, rest])).values is not None
+    same = ps_pb2.RegisterRequest(worker_id=0, sync="bsp", chunk=_chunk([7.0, 8.0], offset=2))  # repeats: fine
+    assert decode_register(iter([first, same])).values is not None
+    other = ps_pb2.RegisterRequest(sync="asp", chunk=_chunk([7.0, 8.0], offset=2))
+    with pytest.raises(InvalidArgument, match="Register stream mixes headers: message 2 has sync 'asp', the first "
+                                              "message 'bsp'"):
+        decode_register(iter([first, other]))
 
 
 def test_a_stream_that_says_it_ends_with_last_and_does_not_is_refused():
