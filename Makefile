@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv tools demo test test-fast stress lint typecheck proto clean
+.PHONY: venv tools demo test test-fast stress fuzz lint typecheck proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,13 @@ REPEAT ?= 20
 LOAD ?= 2
 stress: venv tools
 	$(BIN)/python -m tests.stress --repeat $(REPEAT) --load $(LOAD)
+
+# A long fuzz campaign: every job shape the fuzzer supports, CASES cases each, with a fresh random seed
+# (printed first; replay a failure with SEED=N and, for one shape, benchmarks/fuzz.py --seed N --shards ...).
+CASES ?= 10000
+SEED ?=
+fuzz: venv
+	$(BIN)/python benchmarks/fuzz.py --all-shapes --cases $(CASES) $(if $(SEED),--seed $(SEED))
 
 lint: venv typecheck
 	$(BIN)/ruff check .

@@ -107,37 +107,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.close(saved)
     else:
         cluster.start()
-    with stack, fuzzgen.capture_server_errors() as errors, fuzzgen.Fuzzer(cluster.addresses) as fz:
+    with stack, fuzzgen.capture_server_errors() as errors, \
+            fuzzgen.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz:
         _log(args, f"fuzz.py: {args.shards} shard(s) {'as processes' if args.processes else 'in process'}, "
                    f"sync {args.sync}, {args.workers} workers; {args.cases} cases, seed {args.seed}")
         weights = fuzzgen.prepare_job(cluster.addresses, args.sync, num_workers=args.workers, steps=args.steps,
                                       timeout=args.rpc_timeout)
         target = fz.describe()
         first_fp = baseline_fp = fz.fingerprint(args.rpc_timeout)
-        local = fuzzgen.local_state(cluster.stores) if cluster.stores else None
+        stores = cluster.stores + cluster.backups  # in process: the backups' state is checked too
+        local = fuzzgen.local_state(stores) if stores else None
         src = fuzzgen.RandomSource(random.Random(args.seed))
         prev: fuzzgen.Case | None = None
         checked_at = 0
         t0 = time.monotonic()
 
-        def state_changed(i: int, case: fuzzgen.Case, suspects: list[fuzzgen.Case | None], since: int) -> None:
+        def state_changed(i: int, case: fuzzgen.Case, suspects: list[fuzzgen.Case | None], since: int,
+                          case_succeeded: bool = False) -> None:
+            """The state moved at case ``i`` (or since case ``since``). Blamed on a malformed stream among
+            ``suspects`` (the bug malformed-stream-prefix-applied) only when case ``i`` itself was not a
+            request that should have been refused and succeeded: that one changed it."""
             nonlocal target, baseline_fp, local
-            culprits = [c for c in suspects if c is not None and c.malformed and c.method in fuzzgen.CLIENT_STREAM]
+            culprits = [] if case_succeeded else \
+                [c for c in suspects if c is not None and c.malformed and c.method in fuzzgen.CLIENT_STREAM]
             bug = "malformed-stream-prefix-applied" if culprits else None
-            entry = {"case": i, "since_case": since, "known_bug": bug,
+            entry = {"case": i, "since_case": since, "known_bug": bug if bug and fuzzgen.KNOWN_BUGS[bug].open else None,
                      "request": repr(culprits[-1] if culprits else case)[:3000]}
             state_changes.append(entry)
-            if bug:
+            if bug and fuzzgen.KNOWN_BUGS[bug].open:
                 known[bug] += 1
                 known_examples.setdefault(bug, entry["request"])
                 _log(args, f"state changed at case {i}: known bug {bug}")
+            elif bug:
+                violation(i, f"fixed bug {bug} is back: the shards' state changed after a malformed stream",
+                          culprits[-1])
             else:
                 where = f"at case {i}" if since == i else f"between cases {since} and {i} (checked every --check-every)"
                 violation(i, f"the shards' state changed {where}", case if since == i else None)
             time.sleep(0.05)  # let a still-running handler finish before the state is read again
             target = fz.describe()
             baseline_fp = fz.fingerprint(args.rpc_timeout)
-            local = fuzzgen.local_state(cluster.stores) if cluster.stores else None
+            local = fuzzgen.local_state(stores) if stores else None
 
         for i in range(1, args.cases + 1):
             case = fuzzgen.make_case(src, target, avoid_known_bugs=args.avoid_known_bugs)
@@ -154,9 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 known_examples.setdefault(v.bug, repr(case)[:3000])
             elif v.kind == "violation":
                 violation(i, v.reason, case)
-            if cluster.stores:
-                if fuzzgen.local_state(cluster.stores) != local:
-                    state_changed(i, case, [prev, case], i)
+            if stores:
+                if fuzzgen.local_state(stores) != local:
+                    state_changed(i, case, [prev, case], i, case_succeeded=out.code == "OK" and not case.may_succeed)
             elif i - checked_at >= args.check_every or i == args.cases:
                 if fz.fingerprint(args.rpc_timeout) != baseline_fp:
                     state_changed(i, case, [], checked_at + 1)
@@ -270,7 +280,12 @@ def report(res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=10000, help="cases to send (default 10000)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the case generator (default: a fresh random one, printed first: replay a failure "
+                        "with --seed and the job's flags)")
+    p.add_argument("--all-shapes", action="store_true",
+                   help="run every job shape in turn (1 shard, 2 shards, 2 shards with backups; asp, bsp, "
+                        "every:2, ssp:1), --cases each, one seed; a table at the end")
     p.add_argument("--shards", type=int, default=1, help="servers in the job (default 1)")
     p.add_argument("--sync", default="asp", help="the job's sync mode (default asp)")
     p.add_argument("--workers", type=int, default=2, help="registered workers (default 2)")
@@ -295,16 +310,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             or args.progress_every < 1:
         p.error("need --cases, --shards, --workers, --check-every, --progress-every >= 1 and --steps >= 0")
 
-    res = run_guarded("fuzz.py", args.max_seconds, lambda: run(args), lambda: cluster_processes(_CLUSTERS))
-    if res is None:
-        return 130
-    print(json.dumps(res, indent=2) if args.json else report(res))
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**32)
+    print(f"fuzz.py: seed {args.seed}", file=sys.stderr, flush=True)
+    if not args.all_shapes:
+        res = run_guarded("fuzz.py", args.max_seconds, lambda: run(args), lambda: cluster_processes(_CLUSTERS))
+        if res is None:
+            return 130
+        print(json.dumps(res, indent=2) if args.json else report(res))
+        return status(res)
+    shapes = [argparse.Namespace(**{**vars(args), "shards": n, "replicas": r, "sync": sync})
+              for n, r in SHAPES for sync in SYNCS]
+    results: list[dict[str, Any]] = []
+
+    def every_shape() -> None:
+        for shape in shapes:
+            _log(args, f"fuzz.py: shape {_shape(shape)}")
+            results.append(run(shape))
+            if not args.json:
+                print(report(results[-1]) + "\n", flush=True)
+
+    done = run_guarded("fuzz.py", args.max_seconds * len(shapes), lambda: every_shape() or True,
+                       lambda: cluster_processes(_CLUSTERS))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(table(results))
+    return 130 if done is None else max(status(r) for r in results)
+
+
+SHAPES = ((1, 1), (2, 1), (2, 2))  # (shards, replicas)
+SYNCS = ("asp", "bsp", "every:2", "ssp:1")
+
+
+def _shape(ns: argparse.Namespace) -> str:
+    return f"{ns.shards} shard(s), replicas {ns.replicas}, {ns.sync}"
+
+
+def status(res: dict[str, Any]) -> int:
+    """0 clean; 2 open known bugs hit and nothing else; 1 anything unexplained."""
     unexplained = res["violations"] or not res["serving"] or not res["valid_pull_ok"] \
         or any(s["known_bug"] is None for s in res["state_changes"]) \
         or (not res["state_changes"] and not res["state_unchanged"])
     if unexplained:
         return 1
     return 2 if res["known_bugs"] else 0
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """One row per job shape: the markdown table of docs/performance.md."""
+    lines = ["| shards | replicas | sync | seed | cases | violations | state unchanged | seconds |",
+             "|---:|---:|---|---:|---:|---:|---|---:|"]
+    for r in results:
+        st = r["settings"]
+        lines.append(f"| {st['shards']} | {st['replicas']} | {st['sync']} | {st['seed']} | {r['cases']} | "
+                     f"{r['violations']} | {r['state_unchanged'] and not r['state_changes']} | {r['elapsed_s']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,12 @@
 
 tests/fuzzgen.py builds the requests and judges the answers (its docstring
 has the rules); hypothesis drives its choices here, derandomized, so every
-run sends the same ~450 cases (one job with --replicas 2). benchmarks/fuzz.py runs the same generators
-for 10,000+ cases.
+run sends the same cases: EXAMPLES to each job shape the fuzzer supports (1
+and 2 shards, with and without backups; asp, bsp, every:2, ssp:1). A bug
+that only one path shows (2026-12-01: a Push whose messages disagreed on
+found_inf was applied) hides from a fuzzer that runs one shape. `make fuzz`
+(benchmarks/fuzz.py --all-shapes) runs the same generators for 10,000+
+cases per shape with a fresh seed.
 
 Every bug the fuzzer has found is in fuzzgen.KNOWN_BUGS with a reproducer
 below (test_found_bug). While a bug is open (KnownBug.open) its reproducer
@@ -25,7 +29,8 @@ from hypothesis import strategies as st
 from shardps.protos.shardps.v1 import ps_pb2
 from tests import fuzzgen
 
-EXAMPLES = 150  # per job below: 450 cases in all
+EXAMPLES = 200  # per job shape below: 2,400 cases in all
+SHAPES = [(sync, n, r) for n, r in ((1, 1), (2, 1), (2, 2)) for sync in ("asp", "bsp", "every:2", "ssp:1")]
 
 
 @st.composite
@@ -33,14 +38,16 @@ def cases(draw, target):
     return fuzzgen.make_case(fuzzgen.HypothesisSource(draw), target, avoid_known_bugs=True)
 
 
-@pytest.mark.parametrize("sync, num_servers, replicas", [("asp", 1, 1), ("bsp", 2, 1), ("bsp", 2, 2)])
+@pytest.mark.parametrize("sync, num_servers, replicas", SHAPES)
 def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sync, num_servers, replicas):
     cluster = make_cluster(num_servers, lease_s=0, replicas=replicas)  # lease 0: the idle setup workers stay
     weights = fuzzgen.prepare_job(cluster.addresses, sync)
     seen: collections.Counter[str] = collections.Counter()
-    with fuzzgen.Fuzzer(cluster.addresses) as fz, fuzzgen.capture_server_errors() as errors:
+    stores = cluster.stores + cluster.backups
+    with fuzzgen.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz, \
+            fuzzgen.capture_server_errors() as errors:
         target = fz.describe()
-        before, local = fz.fingerprint(), fuzzgen.local_state(cluster.stores)
+        before, local = fz.fingerprint(), fuzzgen.local_state(stores)
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
@@ -52,7 +59,7 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
             assert verdict.kind != "violation", f"{verdict.reason}\n{case!r}"
             # An open bug the generators could not avoid (bytes that are not protobuf) is tolerated.
             assert verdict.kind != "known" or verdict.bug == "malformed-protobuf", f"{verdict.reason}\n{case!r}"
-            assert fuzzgen.local_state(cluster.stores) == local, f"the shard's state changed:\n{case!r}"
+            assert fuzzgen.local_state(stores) == local, f"the shard's state changed:\n{case!r}"
             seen[verdict.kind] += 1
 
         check()
@@ -104,6 +111,13 @@ def _repro(bug: str, target: fuzzgen.Target) -> tuple[fuzzgen.Case, set[str]]:
         return _register(first, values), {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
     if bug == "oversized-error-details":
         return fuzzgen.Case("pull", "Pull", 0, messages=[ps_pb2.PullRequest(names=["n" * 20000])]), {"NOT_FOUND"}
+    if bug == "mixed-found-inf-accepted":
+        # What the fuzzer sent (seed 20261201): two header-only messages of worker 1's next step, the second
+        # saying found_inf; no ends_with_last, so no message may raise it.
+        head = dict(worker_id=1, step=target.shards[0].clocks[1] + 1, base_version=target.shards[0].version)
+        return fuzzgen.Case("push", "Push", 0, messages=[ps_pb2.PushRequest(**head),
+                                                         ps_pb2.PushRequest(**head, found_inf=True)]), \
+            {"INVALID_ARGUMENT"}
     raise AssertionError(bug)
 
 
