@@ -578,8 +578,11 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
             extra.last = True  # the last message lowers it: refused (only raising it is allowed)
             messages[-1].last = False
             messages.append(extra)
-        elif ends:  # before the last message (a stream that ends_with_last may not end on it), maybe first
-            messages.insert(src.integer(1, len(messages) - 1) if len(messages) > 1 else 0, extra)
+        elif ends:  # after the first message (which sets the header) and before the last (which may raise
+            # found_inf: a stream that ends_with_last may not end on the odd one)
+            if len(messages) == 1:
+                messages.insert(0, ps_pb2.PushRequest(**header))
+            messages.insert(src.integer(1, len(messages) - 1), extra)
         else:
             messages.insert(src.integer(1, len(messages)), extra)
     if "empty_stream" in defects:
