@@ -151,21 +151,35 @@ class RayLocalCluster:
         return node
 
     def start(self) -> RayLocalCluster:
-        """Start the head node (about 5-15 s)."""
+        """Start the head node (about 5-15 s).
+
+        Its ports are free when chosen, but another process may take one before ``ray start`` binds it
+        (any outgoing connection is given a port of the same range): a start that fails is stopped and
+        tried once more on fresh ports; a second failure is raised with Ray's output.
+        """
         for key, value in self.env.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
         _reload_auth_config()
         try:
-            self.port, self.dashboard_port = free_port(), free_port()
-            args = ["--head", "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
-                    "--dashboard-host", "127.0.0.1", "--num-cpus", str(self.num_cpus),
-                    "--temp-dir", self.temp_dir, "--disable-usage-stats",
-                    "--object-store-memory", str(self.object_store_bytes), "--include-dashboard", "true",
-                    "--ray-client-server-port", str(free_port()), *self._node_ports()]
-            if self.resources:
-                args += ["--resources", json.dumps(self.resources)]
-            self._ray_start(args)
+            for attempt in (1, 2):
+                self.port, self.dashboard_port = free_port(), free_port()
+                args = ["--head", "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
+                        "--dashboard-host", "127.0.0.1", "--num-cpus", str(self.num_cpus),
+                        "--temp-dir", self.temp_dir, "--disable-usage-stats",
+                        "--object-store-memory", str(self.object_store_bytes), "--include-dashboard", "true",
+                        "--ray-client-server-port", str(free_port()), *self._node_ports()]
+                if self.resources:
+                    args += ["--resources", json.dumps(self.resources)]
+                try:
+                    self._ray_start(args)
+                    break
+                except RuntimeError as e:
+                    if attempt == 2:
+                        raise
+                    print(f"shardps: ray start failed, trying again on other ports: {str(e)[-500:]}",
+                          file=sys.stderr, flush=True)
+                    self._stop_nodes()
         except BaseException:
             self.stop()
             raise
@@ -176,13 +190,13 @@ class RayLocalCluster:
         returns; until then ``ray job submit`` fails with "No available agent to submit job")."""
         from ray.job_submission import JobStatus, JobSubmissionClient
 
-        client = JobSubmissionClient(self.dashboard_url)
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
-            try:
+            try:  # the client's constructor already asks the dashboard, which may not listen yet
+                client = JobSubmissionClient(self.dashboard_url)
                 job = client.submit_job(entrypoint="true")
-            except RuntimeError as e:  # the agent is not up yet: the head answers 500
+            except (RuntimeError, OSError) as e:  # the dashboard or its job agent is not up yet (500, refused)
                 last = e
                 time.sleep(0.5)  # another process starting: nothing to wait on here
                 continue
@@ -206,6 +220,17 @@ class RayLocalCluster:
 
     def stop(self, grace: float = 10.0) -> None:
         """End every process of the nodes started here (SIGTERM, then SIGKILL), newest node first."""
+        self._stop_nodes(grace)
+        # Worker processes run in their own sessions: they exit once their raylet is gone.
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
+
+    def _stop_nodes(self, grace: float = 10.0) -> None:
         for node in reversed(self.nodes):
             members = _group_members(node.pgid)
             if members:
@@ -220,14 +245,6 @@ class RayLocalCluster:
                         pass
                     wait_gone(members, grace)
         self.nodes = []
-        # Worker processes run in their own sessions: they exit once their raylet is gone.
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved_env = {}
 
     def __enter__(self) -> RayLocalCluster:
         return self.start()
