@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from torch import nn
 
 import shardps
 import shardps.ray as sray
+from shardps.deploy.ray.stage_actor import StageActor
 from shardps.worker.pipeline.local import LocalPipeline
 from shardps.worker.pipeline.partition import BalanceError
 
@@ -107,12 +110,27 @@ def test_under_asp_each_backward_runs_on_its_forwards_weights(ray_cluster):
         assert len(mixed) == 2, (stage, records)  # micro-batch 0 on the old weights, the rest on the new
 
 
+class DiesInStep1Microbatch2(StageActor):
+    """Stage 1 of replica 0 kills its own process (SIGKILL) as the forward of step 1, micro-batch 2 starts:
+    a fault at an exact point, injected here, not shipped. (Ray workers import this module: the tests'
+    cluster puts the repository on their PYTHONPATH.)"""
+
+    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        if (self.index, self.replica, self.rt.step, mb) == (1, 0, 1, 2):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(mb, x)
+
+
+class PipelineWithAFault(sray.Pipeline):
+    stage_actor = DiesInStep1Microbatch2
+
+
 @pytest.mark.fault
 def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_servers(ray_cluster):
     model = mlp()
     with sray.start_servers(2) as servers:
-        pipe = sray.Pipeline(model, balance=[3, 4], chunks=3, servers=servers, optimizer=shardps.optim.SGD(lr=0.1),
-                             _die_at={1: (1, 2)}, step_timeout=120)  # stage 1 dies in step 1, micro-batch 2
+        pipe = PipelineWithAFault(model, balance=[3, 4], chunks=3, servers=servers,
+                                  optimizer=shardps.optim.SGD(lr=0.1), step_timeout=120)
         try:
             pipe.train_step(*data(9, seed=0), nn.CrossEntropyLoss())
             t0 = time.monotonic()

@@ -247,54 +247,31 @@ def test_the_char_gpt_cut_in_stages_is_transparent():
         assert_grads(pipe.gradients(), ref)
 
 
-class _FakeOpt:
-    """Stands in for a stage's DistributedOptimizer (no servers)."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_walking_its_own_part_in_a_thread_is_transparent(schedule):
+    """The plan and walker run per stage (each stage its own tasks, activations handed to the neighbour
+    through a Mailbox): the gradients are still one process's."""
+    import threading
 
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.steps = fail, 0
+    from shardps.worker.pipeline.partition import scatter
+    from shardps.worker.pipeline.plan import plan_step
+    from shardps.worker.pipeline.walk import Mailbox, walk
 
-    def step(self) -> None:
-        if self.fail:
-            raise RuntimeError("push refused")
-        self.steps += 1
-
-    def zero_grad(self) -> None:
-        pass
-
-
-def _stage_actor(sync: str, weight_delay: int = 1):
-    from shardps.deploy.ray.pipeline import StageActor
-
-    torch.manual_seed(0)
-    actor = StageActor(nn.Linear(4, 2), 0, 1, 0, {"checkpoint": "never", "seed": 0, "sync": sync,
-                                                  "weight_delay": weight_delay})
-    actor.masters = {n: p.detach().clone() for n, p in actor.rt.params.items()}
-    return actor
-
-
-def _one_step(actor, step: int, chunks: int = 1) -> None:
-    actor.begin_step(step, chunks, nn.MSELoss())
-    for mb in range(chunks):
-        actor.forward(mb, torch.ones(1, 4))
-    for mb in reversed(range(chunks)):
-        actor.backward(mb, None, torch.zeros(1, 2), 1.0, None)
-
-
-def test_a_failed_bsp_sync_is_raised_not_lost():
-    """Review finding: the sync's error was kept for a background pull that bsp never starts."""
-    actor = _stage_actor("bsp")
-    actor.opt = _FakeOpt(fail=True)
-    _one_step(actor, 0)
-    with pytest.raises(RuntimeError, match="push refused"):
-        actor.sync()
-
-
-def test_new_weights_are_installed_even_when_the_delay_covers_every_micro_batch():
-    """Review finding: with weight_delay >= chunks (chunks=1 and the default delay of 1), no forward waited
-    for the pull under asp, and the stage trained on its first weights for ever."""
-    actor = _stage_actor("asp", weight_delay=1)
-    actor.opt = _FakeOpt()
-    for step in range(3):
-        _one_step(actor, step, chunks=1)
-        actor.sync()
-    assert actor.flush() == 3 and actor.opt.steps == 3  # three pulls, three versions installed
+    model, (x, y) = mlp(), data(10)
+    pipe = LocalPipeline(model, balance=[2, 2, 2, 1], chunks=3, schedule=schedule, checkpoint="never")
+    xs, ys = scatter(x, 3), scatter(y, 3)
+    plan = plan_step(schedule, [len(c) for c in xs], 4, "mean")
+    link: Mailbox[torch.Tensor] = Mailbox(timeout=60)
+    losses: dict[int, list[float]] = {}
+    for st in pipe.stages:
+        st.loss_fn = nn.CrossEntropyLoss()
+        st.begin_step(0, 3)
+    threads = [threading.Thread(target=lambda s=s: losses.__setitem__(s, walk(plan, {s: pipe.stages[s]}, link, xs,
+                                                                                ys))) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ref_loss, ref = one_process(model, x, y, nn.CrossEntropyLoss())
+    assert sum(losses[3]) == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads(pipe.gradients(), ref)

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from shardps.worker.pipeline.schedule import (
+    Kind,
     Task,
     bubble_fraction,
     clocks,
@@ -49,15 +50,15 @@ def test_clock_tables(schedule, m, d, expected):
 def test_every_schedule_runs_each_task_once_after_its_inputs_in_2_m_plus_d_minus_1_clocks(schedule, m, d):
     ticks = list(clocks(schedule, m, d))
     tasks = [t for tick in ticks for t in tick]
-    assert sorted(tasks) == sorted(Task(i, s, k) for i in range(m) for s in range(d) for k in "FB")
+    assert sorted(tasks) == sorted(Task(i, s, k) for i in range(m) for s in range(d) for k in Kind)
     at = {t: c for c, tick in enumerate(ticks) for t in tick}
     for t in tasks:
-        if t.kind == "F" and t.stage > 0:
-            assert at[Task(t.microbatch, t.stage - 1, "F")] < at[t]
-        if t.kind == "B":
-            assert at[Task(t.microbatch, t.stage, "F")] < at[t]
+        if t.kind is Kind.FORWARD and t.stage > 0:
+            assert at[Task(t.microbatch, t.stage - 1, Kind.FORWARD)] < at[t]
+        if t.kind is Kind.BACKWARD:
+            assert at[Task(t.microbatch, t.stage, Kind.FORWARD)] < at[t]
             if t.stage < d - 1:
-                assert at[Task(t.microbatch, t.stage + 1, "B")] < at[t]
+                assert at[Task(t.microbatch, t.stage + 1, Kind.BACKWARD)] < at[t]
     assert all(len({t.stage for t in tick}) == len(tick) for tick in ticks)  # one task per stage and clock
     assert len(ticks) == 2 * (m + d - 1)  # both schedules: the same bubble
     # A driver submits in this order; every stage then sees its own order.
@@ -84,3 +85,11 @@ def test_bad_arguments():
         stage_orders("interleaved", 4, 2)
     with pytest.raises(ValueError, match="at least one micro-batch"):
         list(clocks("gpipe", 0, 2))
+
+
+def test_kind_is_an_enum_ordered_forward_first():
+    assert sorted([Kind.BACKWARD, Kind.FORWARD]) == [Kind.FORWARD, Kind.BACKWARD]
+    assert (str(Kind.FORWARD), str(Kind.BACKWARD)) == ("F", "B")
+    assert (Kind.FORWARD.word, Kind.BACKWARD.word) == ("forward", "backward")
+    assert str(Task(3, 1, Kind.BACKWARD)) == "B3@1"
+    assert Task(0, 0, Kind.BACKWARD) > Task(0, 0, Kind.FORWARD)

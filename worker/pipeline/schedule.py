@@ -31,17 +31,40 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
+class Kind(Enum):
+    """What a task runs: a micro-batch's forward or its backward. Ordered forward before backward (so
+    tasks sort); ``str()`` is the letter of the tables, ``word`` the name errors use."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+    def __lt__(self, other: Kind) -> bool:
+        return self is Kind.FORWARD and other is Kind.BACKWARD
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def word(self) -> str:
+        """``"forward"`` or ``"backward"``."""
+        return "forward" if self is Kind.FORWARD else "backward"
+
+
+F, B = Kind.FORWARD, Kind.BACKWARD
+
+
 @dataclass(frozen=True, order=True)
 class Task:
-    """One unit of work: the forward (``"F"``) or backward (``"B"``) of a micro-batch on a stage."""
+    """One unit of work: the forward or backward (``kind``) of micro-batch ``microbatch`` on stage ``stage``."""
 
     microbatch: int
     stage: int
-    kind: str  # "F" or "B"
+    kind: Kind
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}@{self.stage}"
@@ -55,20 +78,20 @@ def _check(m: int, d: int) -> None:
 def gpipe_order(m: int, d: int, stage: int) -> list[Task]:
     """What stage ``stage`` runs under GPipe, in order: every forward, then every backward, last first."""
     _check(m, d)
-    return [Task(i, stage, "F") for i in range(m)] + [Task(i, stage, "B") for i in reversed(range(m))]
+    return [Task(i, stage, F) for i in range(m)] + [Task(i, stage, B) for i in reversed(range(m))]
 
 
 def one_f_one_b_order(m: int, d: int, stage: int) -> list[Task]:
     """What stage ``stage`` runs under 1F1B: d - stage - 1 warm-up forwards, one forward one backward, drain."""
     _check(m, d)
     warmup = min(m, d - stage - 1)
-    out = [Task(i, stage, "F") for i in range(warmup)]
+    out = [Task(i, stage, F) for i in range(warmup)]
     f, b = warmup, 0
     while b < m:
         if f < m:
-            out.append(Task(f, stage, "F"))
+            out.append(Task(f, stage, F))
             f += 1
-        out.append(Task(b, stage, "B"))
+        out.append(Task(b, stage, B))
         b += 1
     return out
 
@@ -83,11 +106,11 @@ def stage_orders(schedule: str, m: int, d: int) -> list[list[Task]]:
 
 
 def _ready(t: Task, done: set[Task], d: int) -> bool:
-    if t.kind == "F":
-        return t.stage == 0 or Task(t.microbatch, t.stage - 1, "F") in done
+    if t.kind is F:
+        return t.stage == 0 or Task(t.microbatch, t.stage - 1, F) in done
     # A backward needs its own forward, and the next stage's backward (the last stage: the loss).
-    return Task(t.microbatch, t.stage, "F") in done and (
-        t.stage == d - 1 or Task(t.microbatch, t.stage + 1, "B") in done)
+    return Task(t.microbatch, t.stage, F) in done and (
+        t.stage == d - 1 or Task(t.microbatch, t.stage + 1, B) in done)
 
 
 def clocks(schedule: str, m: int, d: int) -> Iterator[list[Task]]:
@@ -119,7 +142,7 @@ def max_in_flight(schedule: str, m: int, d: int) -> list[int]:
     for order in stage_orders(schedule, m, d):
         live = peak = 0
         for t in order:
-            live += 1 if t.kind == "F" else -1
+            live += 1 if t.kind is F else -1
             peak = max(peak, live)
         out.append(peak)
     return out

@@ -80,7 +80,6 @@ class StageRuntime:
     compress: tuple[str, ...] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     loss_fn: Callable[..., torch.Tensor] | None = None
-    on_forward: Callable[[int, int], None] | None = None  # (step, microbatch): fault injection in tests
     key_prefix: str = ""  # of its offloaded tensors' keys (a pipeline replica's, when stores are shared)
 
     def __post_init__(self) -> None:
@@ -123,8 +122,14 @@ class StageRuntime:
         return {n: p.detach().to("cpu").clone() for n, p in self.params.items()}
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The gradients summed over the last step's micro-batches (all weight versions they used)."""
+        """The gradients summed over the last step's micro-batches (all weight versions they used): CPU
+        copies, the caller's to keep."""
         return {n: g.detach().to("cpu").clone() for n, g in self._grads.items()}
+
+    def step_gradients(self) -> dict[str, torch.Tensor]:
+        """The same sums as ``gradients()``, not copied: the tensors this stage accumulates into, on its
+        device, to push as they are. Valid until the next ``begin_step``; the caller must not change them."""
+        return dict(self._grads)
 
     # -- the step ----------------------------------------------------------
 
@@ -150,8 +155,6 @@ class StageRuntime:
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         """The forward of micro-batch ``mb``; its output (detached, for the next stage or the loss)."""
         t0 = time.time()
-        if self.on_forward is not None:
-            self.on_forward(self.step, mb)
         x = x.to(self.device)
         if self.index > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
