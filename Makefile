@@ -52,11 +52,12 @@ tools:
 		fi; \
 	fi
 
-# Lint and types first (ruff, mypy --strict: the package ships py.typed), then the whole suite.
+# Lint and types first (ruff, mypy --strict: the package ships py.typed), then the whole suite (its 30
+# slowest tests listed at the end: where the wall time goes).
 # Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
 # those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
 test: venv tools lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
 
 # The edit-test loop: no servers on sockets, no processes (well under a minute).
 test-fast: venv

@@ -126,14 +126,14 @@ class StageActor:
 
     def _stepper(self, opts: StageOptions) -> Callable[[list[tuple[str, torch.Tensor]]], Stepper]:
         def make(masters: list[tuple[str, torch.Tensor]]) -> Stepper:
-            import shardps
+            from shardps.worker.client import connect
+            from shardps.worker.optimizer import DistributedOptimizer
 
             d, r = self.num_stages, self.replica
-            self.client = shardps.connect(list(opts.servers), worker_id=r * d + self.index,
-                                          num_workers=opts.replicas * d, backups=list(opts.backups) or None,
-                                          security=opts.security)
-            return shardps.DistributedOptimizer(masters, self.client, optimizer=opts.optimizer,
-                                                sync=str(opts.sync), provides_values=(r == 0))
+            self.client = connect(list(opts.servers), worker_id=r * d + self.index, num_workers=opts.replicas * d,
+                                  backups=list(opts.backups) or None, security=opts.security)
+            return DistributedOptimizer(masters, self.client, optimizer=opts.optimizer, sync=str(opts.sync),
+                                        provides_values=(r == 0))
         return make
 
     def info(self) -> dict[str, Any]:

@@ -84,13 +84,13 @@ class WorkerContext:
     def client(self) -> Any:
         """A ``PSClient`` connected to every shard as this worker (made on first use, closed after the loop)."""
         if self._client is None:
-            import shardps
+            from shardps.worker.client import connect
 
             # Its /metrics on the node's address, where a Prometheus elsewhere can scrape it.
             host = ray.util.get_node_ip_address() if self.metrics_port is not None else None
-            self._client = shardps.connect(self.addresses, worker_id=self.worker_id, num_workers=self.num_workers,
-                                           backups=self.backups or None, security=self.security,
-                                           metrics_port=self.metrics_port, metrics_host=host, **self.connect_options)
+            self._client = connect(self.addresses, worker_id=self.worker_id, num_workers=self.num_workers,
+                                   backups=self.backups or None, security=self.security,
+                                   metrics_port=self.metrics_port, metrics_host=host, **self.connect_options)
         return self._client
 
     @property
