@@ -26,20 +26,22 @@ from typing import Any
 import torch
 
 from shardps.exposition import MetricsEndpoint
-from shardps.protos import codec, env, framing, shm
+from shardps.protos import codec, env, shm
 from shardps.protos.amp import LossScaling
 from shardps.protos.results import PushResult
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
-from shardps.worker import layout
+from shardps.worker import export, layout, operator, push
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
+from shardps.worker.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
+from shardps.worker.pull import PullInFlight
+from shardps.worker.pushstream import PushStream
 from shardps.worker.shm import ShmLink
-from shardps.worker.streams import PullInFlight, PushStream, shm_messages, write_shm
 from shardps.worker.transport import Transport
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
@@ -156,6 +158,19 @@ class PSClient:
         """
         self.transport.wait_ready(timeout)
 
+    def apply(self, view: JobView) -> None:
+        """Take what the shards said about the job (a push's or pull's ``JobView``, or a register's,
+        attach's, recover's, set_sync's): the one place the client's ``sync``, ``loss_scale``,
+        ``slowest_clock`` and ``versions`` change. Call it from the thread that drives the client."""
+        if view.sync:
+            self.sync = view.sync
+        if view.loss_scale is not None:
+            self.loss_scale = view.loss_scale
+        if view.slowest_clock is not None:
+            self.slowest_clock = view.slowest_clock
+        for shard, version in view.versions:
+            self.versions[shard] = version
+
     def _require_layout(self, names: Iterable[str]) -> None:
         if self.shard_map is None:
             raise RuntimeError("no tensors known yet: call register() or attach() first")
@@ -223,11 +238,11 @@ class PSClient:
                     f"server {self.addresses[i]} is shard {r.shard_index} of {r.num_shards}, but was "
                     f"given as shard {i} of {self.num_shards}: list addresses in shard order"
                 )
-            self.versions[i] = r.version
             created.extend(r.created)
             self.backups[i] = r.backup
-        self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
-        self.loss_scale = responses[0].loss_scale
+        self.shard_map, self.layouts = smap, layouts
+        self.apply(JobView(sync=responses[0].sync, loss_scale=responses[0].loss_scale,
+                           versions=tuple((i, r.version) for i, r in enumerate(responses))))
         # The step to go on from: the lowest any shard expects. A push that reached some shards and
         # not others (a crash, a checkpoint taken between them) is sent again: the shards that took
         # it in acknowledge it as a duplicate, the others apply it, so every shard sees every step.
@@ -287,10 +302,9 @@ class PSClient:
                                                     wait_for_ready=True))
         self.layouts, self.shard_map = layout.from_stats(stats)
         for i, s in enumerate(stats):
-            self.versions[i] = s.version
             self.backups[i] = s.backup
-        self.sync = stats[0].sync
-        self.loss_scale = stats[0].loss_scale
+        self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
+                           versions=tuple((i, s.version) for i, s in enumerate(stats))))
         self.epoch = max(s.epoch for s in stats)
 
     # -- data path ----------------------------------------------------------
@@ -315,90 +329,10 @@ class PSClient:
         of all its tensors would; hand the results to ``pull(answered=...)``.
         """
         self._require_layout(grads)
-        assert self.shard_map is not None
         bases = list(self.versions if base_versions is None else base_versions)
-        flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
-        direct: set[str] = set()  # cast as they are copied into shared memory: no buffer in between
-        links = list(self.shm_links)  # one view of them for the choice, the writes and the check below
-        shards_of = self._shards_of()
-        for name, g in grads.items():
-            lay = self.layouts[name]
-            if tuple(g.shape) != lay.shape:
-                raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
-            dtype = codec.to_torch_dtype(lay.push_dtype)
-            g = g.detach()
-            owners = shards_of.get(name, ())  # none for an empty tensor
-            if g.dtype != dtype and g.device.type == "cpu" and owners and all(links[i] for i in owners):
-                flats[name] = g.reshape(-1)
-                direct.add(name)
-            else:
-                flats[name] = g.to("cpu", dtype).contiguous().view(-1)
-        # Same host: every shard's parts into its push segment first, the shards in parallel; the bytes the
-        # shards will read are those checked for inf/nan (a cast can overflow: 1e5 is inf in float16).
-        linked = [i for i, link in enumerate(links) if link is not None]
-        written: list[list[tuple[ps_pb2.Chunk, torch.Tensor]] | None] = [None] * self.num_shards
-
-        def write(i: int) -> list[tuple[ps_pb2.Chunk, torch.Tensor]] | None:
-            link = links[i]
-            assert link is not None
-            try:
-                return write_shm(self, link, i, flats)
-            except shm.SegmentClosed:  # the shard failed over meanwhile: its share goes over gRPC
-                return None
-
-        for i, w in zip(linked, self.transport.fan_out(write, linked) if linked else ()):
-            written[i] = w
-        if found_inf is None:
-            checked = [v for w in written if w for c, v in w if c.name in direct]
-            for i in linked:
-                if written[i] is None:  # what gRPC will carry for it instead, cast as it will be
-                    checked += [flats[p.name][p.start : p.stop].to(codec.to_torch_dtype(self.layouts[p.name]
-                                                                                            .push_dtype))
-                                for p in self.shard_map.parts_for(i) if p.name in direct]
-            found_inf = not (all(codec.all_finite(f) for n, f in flats.items() if n not in direct)
-                             and all(codec.all_finite(v) for v in checked))
-        more: dict[str, Any] = {}
-        if pull_after is not None:
-            pull_dtype, min_clock = pull_after
-            more = {"pull_after": True, "pull_min_clock": min_clock,
-                    "pull_dtype": codec.to_wire_dtype(pull_dtype) if pull_dtype is not None
-                    else ps_pb2.DTYPE_UNSPECIFIED}
-
-        def requests(shard: int) -> Iterator[bytes]:
-            link, chunks = self.shm_links[shard], written[shard]
-            if link is not None and link is links[shard] and chunks is not None:  # same host: gRPC says where
-                yield from shm_messages(self, link, [c for c, _ in chunks], step=step, base_version=bases[shard],
-                                        found_inf=found_inf, loss_scale=loss_scale, fields=more)
-                return
-            # Serialized PushRequests, the data copied once from the gradient (framing.py).
-            prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
-                                            base_version=bases[shard], found_inf=found_inf,
-                                            loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, **more)
-            _, last_suffix = framing.header(
-                ps_pb2.PushRequest, worker_id=self.worker_id, step=step, base_version=bases[shard],
-                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True,
-                **more)
-            pending = None  # one message behind: the last one says it is (a cut stream is refused)
-            for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
-                flat = flats.get(p.name)
-                if flat is None:
-                    continue
-                lay = self.layouts[p.name]
-                if p.name in direct:  # meant for shared memory, but this shard's went off (a fail-over)
-                    flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
-                for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, p.name,
-                                                        lay.push_dtype, lay.shape, flat, p.start, p.stop,
-                                                        self.chunk_bytes):
-                    if pending is not None:
-                        yield pending
-                    pending = msg
-            # The fields after the chunk are the message's end (protobuf writes fields in number order).
-            yield prefix + last_suffix if pending is None else pending[: len(pending) - len(suffix)] + last_suffix
-
-        responses = self.transport.each(lambda i: self.transport.push(i, requests(i)))
-        out = [PushResult.from_proto(r) for r in responses]
-        self.sync = out[0].sync or self.sync
-        self.loss_scale = out[0].loss_scale
+        out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
+                        found_inf=found_inf, pull_after=pull_after)
+        self.apply(JobView.of_push(out))
         return out
 
     def _shards_of(self) -> dict[str, set[int]]:
@@ -432,7 +366,8 @@ class PSClient:
                    min_clock: int = 0, answered: Sequence[PushResult] | None = None,
                    inline: bool = False) -> PullInFlight:
         """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
-        ``result()`` until all are (and raises a failure). Each shard sends its tensors in the order of
+        ``result()`` until all are (and raises a failure; once it succeeds the client takes the pull's
+        ``view``: ``apply``, in the thread calling it). Each shard sends its tensors in the order of
         ``names`` (by default the order registered: a model's first layers first). ``inline``: the first
         shard's Pull runs in this thread before returning (for a caller about to wait for the result)."""
         return self._pull(names, out, min_versions, dtype, min_clock, answered).start(inline=inline)
@@ -453,59 +388,27 @@ class PSClient:
                                  "pull them all (names=None)")
             given = {shard: r.pulled for shard, r in enumerate(answered) if r.pulled}
         return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock,
-                            answered=given)
+                            answered=given, on_result=self.apply)
 
     def push_stream(self, step: int, base_versions: Sequence[int] | None = None, *,
                     loss_scale: float = 0.0) -> PushStream:
         """A Push of step ``step`` opened on every shard now and fed bucket by bucket (``add``) while
-        backward runs; ``finish()`` closes it and returns one result per shard, as ``push``."""
+        backward runs; ``finish()`` closes it and returns one result per shard, as ``push`` (the client ``apply``s
+        what they say)."""
         self._require_layout(())
         return PushStream(self, step, list(self.versions if base_versions is None else base_versions),
-                          loss_scale)
+                          loss_scale, on_result=self.apply)
 
     def export_state(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
         """Weights and optimizer state from every shard, as a state_dict-style mapping.
 
         ``{name: {"weight": full fp32 tensor, "optimizer": {part_start: {key: tensor}}, "version": {shard: v}}}``:
-        optimizer state stays per part (factored state is sized by the part).
+        optimizer state stays per part (factored state is sized by the part; ``worker/export.py``).
         """
         wanted = list(self.layouts if names is None else names)
         self._require_layout(wanted)
         assert self.shard_map is not None
-        owners: dict[int, list[str]] = {}
-        for p in self.shard_map.parts:
-            if p.name in wanted and p.name not in owners.setdefault(p.server, []):
-                owners[p.server].append(p.name)
-
-        def fetch(shard: int) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
-            req = ps_pb2.PullStateRequest(names=owners[shard], chunk_bytes=self.chunk_bytes)
-            items: list[tuple[str, int, int, str, torch.Tensor]] = []
-            version = -1
-            for r in self.transport.operator(shard).PullState(req, timeout=self.timeout):
-                c = r.chunk
-                values = codec.decode(c.data, c.dtype)
-                if c.offset == 0:  # the first chunk of a state tensor carries its shape
-                    items.append((r.name, r.part_start, r.part_stop, r.key,
-                                  torch.empty(tuple(r.shape), dtype=values.dtype)))
-                dst = items[-1][4].view(-1)
-                dst[c.offset : c.offset + values.numel()].copy_(values)
-                version = r.version
-            return version, items
-
-        shards = sorted(owners)
-        out: dict[str, dict[str, Any]] = {
-            n: {"weight": torch.empty(self.layouts[n].shape, dtype=torch.float32), "optimizer": {}, "version": {}}
-            for n in wanted
-        }
-        for shard, (version, items) in zip(shards, self.transport.each(fetch, shards)):
-            for name, start, stop, key, t in items:
-                entry = out[name]
-                entry["version"][shard] = version
-                if key == "weight":
-                    entry["weight"].view(-1)[start:stop].copy_(t.reshape(-1))
-                else:
-                    entry["optimizer"].setdefault(start, {})[key] = t
-        return out
+        return export.export_state(self.transport, self.shard_map, self.layouts, wanted, self.chunk_bytes)
 
     def recover(self) -> int:
         """After an ABORTED answer: bring every shard to one rollback epoch; return our next step.
@@ -531,26 +434,21 @@ class PSClient:
                                                 timeout=self.timeout))
             stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
         self.epoch = max(s.epoch for s in stats)
-        self.versions = [s.version for s in stats]
-        self.sync = stats[0].sync or self.sync
-        self.loss_scale = stats[0].loss_scale
+        self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
+                           versions=tuple((i, s.version) for i, s in enumerate(stats))))
         return int(min(s.worker_clocks.get(self.worker_id, -1) for s in stats)) + 1  # as in register()
 
-    # -- operator calls: shardps/admin.py (kept here, as documented) --------
+    # -- operator calls: worker/operator.py ------------------------------------
 
     def checkpoint(self) -> list[tuple[int, str]]:
-        """Ask every shard to write a checkpoint now: [(version, path)] per shard (``shardps.admin.checkpoint``)."""
-        from shardps.admin import checkpoint
-
-        return checkpoint(self.transport)
+        """Ask every shard to write a checkpoint now: [(version, path)] per shard (``worker/operator.py``)."""
+        return operator.checkpoint(self.transport)
 
     def set_sync(self, sync: str) -> list[str]:
         """Switch the running job's sync mode on every shard; workers follow from their next step
-        (``shardps.admin.set_sync``)."""
-        from shardps.admin import set_sync
-
-        modes = set_sync(self.transport, sync)
-        self.sync = modes[0]
+        (``worker/operator.py``)."""
+        modes = operator.set_sync(self.transport, sync)
+        self.apply(JobView(sync=modes[0]))
         return modes
 
     def stats(self) -> list[dict[str, Any]]:

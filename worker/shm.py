@@ -11,6 +11,8 @@ next push or pull of this client, after the previous one has ended.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from shardps.protos import codec, shm
@@ -24,6 +26,8 @@ class ShmLink:
 
     def __init__(self, worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> None:
         self.offsets: dict[tuple[str, int], int] = {}
+        self.parts = [(p.name, p.start, p.stop) for p in smap.parts_for(shard)]  # the shard's, in shard-map order
+        self._layouts = layouts
         at = 0
         pull_bytes = 0
         for p in smap.parts_for(shard):
@@ -49,6 +53,23 @@ class ShmLink:
         dst.copy_(flat[start:stop])
         return ps_pb2.Chunk(name=name, offset=start, dtype=dtype, shm_offset=off,  # type: ignore[arg-type]
                             shm_bytes=nbytes), dst
+
+    def write(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
+              ) -> list[tuple[ps_pb2.Chunk, torch.Tensor]]:
+        """Copy the shard's parts of ``flats`` (flat CPU tensors of any float dtype: cast to each tensor's
+        push dtype as they are copied) into the push segment: per part the chunk that says where (with the
+        tensor's shape) and the values written. ``parts``: (name, start, stop) of the shard's parts to
+        write, if the caller knows them (default: all of the shard's). Raises ``SegmentClosed`` when the
+        segment was closed meanwhile (a fail-over)."""
+        out = []
+        for name, start, stop in self.parts if parts is None else parts:
+            flat = flats.get(name)
+            if flat is not None:
+                lay = self._layouts[name]
+                chunk, written = self.write_push(name, lay.push_dtype, flat, start, stop)
+                chunk.shape.extend(lay.shape)  # one chunk per part: each says the shape
+                out.append((chunk, written))
+        return out
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         return self.pull.view(offset, nbytes)
