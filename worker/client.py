@@ -1,20 +1,18 @@
 """PSClient: one worker's connection to every shard.
 
-Routes tensors by the shard map (``register``/``attach``; the layouts are
-``worker/layout.py``'s), pushes
-gradients and pulls weights over all shards in parallel, exports state and
-recovers from a rollback. The channels, deadlines, retries and fail-over are
-the transport's (``worker/transport.py``), the lease the heartbeats'
-(``worker/heartbeat.py``); failures surface as ``ShardError`` and its
-subclasses (``worker/errors.py``). Operator calls (stats, set_sync,
-checkpoint) live in ``shardps/admin.py``; the methods here delegate to it.
+Routes tensors by the shard map (``register``/``attach``; layouts:
+``worker/layout.py``), pushes gradients and pulls weights over all shards in
+parallel (``worker/push.py``, ``pushstream.py``, ``pull.py``: they return
+what the shards said, a ``JobView`` the client takes in ``apply``), exports
+state and recovers from a rollback. Channels, deadlines, retries and
+fail-over are the transport's, the lease the heartbeats'; failures surface
+as ``ShardError`` (``worker/errors.py``); operator calls are
+``worker/operator.py``'s.
 
-Why this file is over 400 lines: it is one class whose methods (register,
-attach, push, pull, export_state, recover, leave) read and update the same
-state (shard map, layouts, versions, epoch, clock, sync, loss scale), each
-an RPC pattern over the transport. Everything that is not that state lives
-in its own module: transport, errors, heartbeats, layouts, the rollback
-decision (``worker/rollback.py``), metrics, the operator calls.
+Over 400 lines: one class whose methods (register, attach, push, pull,
+recover, leave) read and update the same state (shard map, layouts,
+versions, epoch, clock, sync, loss scale); everything else lives in the
+modules named above.
 """
 
 from __future__ import annotations
@@ -26,14 +24,15 @@ from typing import Any
 import torch
 
 from shardps.exposition import MetricsEndpoint
-from shardps.protos import codec, env, shm
+from shardps.protos import codec, env
 from shardps.protos.amp import LossScaling
 from shardps.protos.results import PushResult
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
-from shardps.worker import export, layout, operator, push
+from shardps.worker import export, layout, operator, push, recovery
+from shardps.worker.buffers import HostBuffers
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.jobview import JobView
@@ -41,7 +40,7 @@ from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoi
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
-from shardps.worker.shm import ShmLink
+from shardps.worker.shm import ShmLink, shm_probe
 from shardps.worker.transport import Transport
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
@@ -91,8 +90,7 @@ class PSClient:
         # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default), and
         # per shard, whether that shard read this worker's probe at Register.
         self.use_shm = env.pick_bool(shm, env.SHM, True)
-        self._side_streams: dict[int, Any] = {}  # CUDA: a copy stream per device (worker/streams.py)
-        self._pinned: dict[str, torch.Tensor] = {}
+        self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
         self.shm_links: list[ShmLink | None] = [None] * len(self.addresses)
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
         self.transport.on_moved = self._shm_off
@@ -151,11 +149,8 @@ class PSClient:
         return self.transport.failovers_total
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every shard's channel is connected (TimeoutError names the laggards).
-
-        A shard with a known backup whose primary does not answer within a
-        few seconds fails over to it.
-        """
+        """Block until every shard's channel is connected (TimeoutError names the laggards); a shard with a
+        known backup whose primary does not answer within a few seconds fails over to it."""
         self.transport.wait_ready(timeout)
 
     def apply(self, view: JobView) -> None:
@@ -205,16 +200,7 @@ class PSClient:
                                     part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
-        probe = None
-        if self.use_shm:
-            try:
-                gone = shm.remove_stale()
-                if gone:
-                    log.info("worker %d: removed %d shared-memory segments of dead workers", self.worker_id,
-                             len(gone))
-                probe = shm.probe()
-            except OSError as e:
-                log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", self.worker_id, e)
+        probe = shm_probe(self.worker_id) if self.use_shm else None
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
             return layout.register_requests(shard, smap, layouts, worker_id=self.worker_id,
@@ -231,14 +217,9 @@ class PSClient:
         finally:
             if probe is not None:
                 probe[0].close()
-        created: list[str] = []
+        layout.check_shard_order(responses, self.addresses)
+        created = [n for r in responses for n in r.created]
         for i, r in enumerate(responses):
-            if (r.shard_index, r.num_shards) != (i, self.num_shards):
-                raise ValueError(
-                    f"server {self.addresses[i]} is shard {r.shard_index} of {r.num_shards}, but was "
-                    f"given as shard {i} of {self.num_shards}: list addresses in shard order"
-                )
-            created.extend(r.created)
             self.backups[i] = r.backup
         self.shard_map, self.layouts = smap, layouts
         self.apply(JobView(sync=responses[0].sync, loss_scale=responses[0].loss_scale,
@@ -262,31 +243,13 @@ class PSClient:
             if not readable[i]:
                 continue
             assert self.shard_map is not None
-            try:
-                self.shm_links[i] = ShmLink(self.worker_id, i, self.shard_map, self.layouts)
-            except OSError as e:
-                log.warning("worker %d: no shared memory for shard %d (%s): its bytes go through gRPC",
-                            self.worker_id, i, e)
+            self.shm_links[i] = ShmLink.open(self.worker_id, i, self.shard_map, self.layouts)
 
     def _shm_off(self, shard: int) -> None:
         """Shard ``shard`` no longer shares this machine (or the client closes): back to gRPC."""
         link, self.shm_links[shard] = self.shm_links[shard], None
         if link is not None:
             link.close()
-
-    def side_stream(self, device: torch.device) -> Any:
-        """The CUDA stream this client copies gradients to host on (one per device)."""
-        s = self._side_streams.get(device.index or 0)
-        if s is None:
-            s = self._side_streams[device.index or 0] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        return s
-
-    def pinned(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host buffer for ``name``'s gradient (kept: reused every step)."""
-        buf = self._pinned.get(name)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
-            buf = self._pinned[name] = torch.empty(numel, dtype=dtype, pin_memory=True)
-        return buf
 
     def _serve_metrics(self) -> None:
         """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""
@@ -413,26 +376,12 @@ class PSClient:
     def recover(self) -> int:
         """After an ABORTED answer: bring every shard to one rollback epoch; return our next step.
 
-        If a shard restarted from its checkpoint (it says ``recovering``), or
-        the shards are in different epochs (a rollback in progress), every
-        shard rolls back to the newest checkpoint version that all of them
-        hold. Idempotent: workers may do this concurrently. Then this client
-        takes the shards' epoch, versions and its own clock.
+        If a shard restarted from its checkpoint, or the shards are in
+        different epochs, every shard rolls back to the newest checkpoint
+        version all of them hold (``worker/recovery.py``). Idempotent. Then
+        this client takes the shards' epoch, versions and its own clock.
         """
-        t = self.transport
-        stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
-        epochs = [s.epoch for s in stats]
-        recovering = any(s.recovering for s in stats)
-        if recovering or len(set(epochs)) > 1:
-            common = set.intersection(*(set(s.checkpoint_versions) for s in stats))
-            if not common:
-                held = {i: list(s.checkpoint_versions) for i, s in enumerate(stats)}
-                raise RuntimeError(f"cannot recover: no checkpoint version is held by every shard ({held})")
-            version, epoch = max(common), max(epochs) + (1 if recovering else 0)
-            log.warning("worker %d: rolling the job back to version %d (epoch %d)", self.worker_id, version, epoch)
-            t.each(lambda i: t.stub(i).Recover(ps_pb2.RollbackRequest(version=version, epoch=epoch),
-                                                timeout=self.timeout))
-            stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
+        stats = recovery.bring_together(self.transport, self.worker_id)
         self.epoch = max(s.epoch for s in stats)
         self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
                            versions=tuple((i, s.version) for i, s in enumerate(stats))))
@@ -461,11 +410,8 @@ class PSClient:
     # -- the lease ----------------------------------------------------------------
 
     def start_heartbeats(self, interval: float | None = None) -> None:
-        """Renew this worker's lease on every shard in the background (every lease / 3 by default).
-
-        Push and Pull renew it too; heartbeats keep a worker that computes
-        for longer than its lease from being evicted.
-        """
+        """Renew this worker's lease on every shard in the background (every lease / 3 by default): Push
+        and Pull renew it too; heartbeats keep a worker that computes longer than its lease in the job."""
         if self.heartbeats.running or not self.lease_s:
             return
         self.heartbeats.start(interval or self.lease_s / 3)
@@ -483,16 +429,7 @@ class PSClient:
         if not self._registered:
             return
         self._registered = False
-        t = self.transport
-
-        def bye(i: int) -> None:
-            try:
-                t.attempt(i, lambda: t.stub(i).Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), timeout=timeout))
-            except ShardError as e:
-                log.info("worker %d: shard %d did not take its leave (%s); its lease will expire",
-                         self.worker_id, i, e.code)
-
-        t.fan_out(bye)
+        self.heartbeats.leave(timeout)
 
     def close(self, *, leave: bool = True) -> None:
         """Say goodbye (a registered worker), stop heartbeats and metrics, close the channels. Idempotent.
@@ -545,17 +482,7 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
     shard's backup, in shard order; workers also learn them when they
     register, so give them for a worker that may start after a server died.
     """
-    from_env = addresses is None
-    if addresses is None:
-        addresses = env.get_list(env.ADDRESSES)
-        if addresses is None:
-            raise ValueError(f"no server addresses: pass addresses= or set {env.ADDRESSES}=HOST:PORT,...")
-    if isinstance(addresses, str):
-        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-    if backups is None and from_env:  # the backups of those shards, not of shards passed here
-        backups = env.get_list(env.BACKUPS)
-    if isinstance(backups, str):
-        backups = [a.strip() for a in backups.split(",")]
+    addresses, backups = layout.addresses_and_backups(addresses, backups)
     wid = env.pick_int(worker_id, env.WORKER_ID, 0)
     nw = env.pick_int(num_workers, env.NUM_WORKERS, 1)
     assert wid is not None and nw is not None

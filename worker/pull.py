@@ -68,7 +68,7 @@ class PullInFlight:
                 self._staging[n] = target.detach().view(-1)
             else:
                 if target.device.type == "cuda":  # pinned (kept by the client): the copy up is asynchronous
-                    self._staging[n] = client.pinned(f"pull:{n}", lay.numel, tdt)
+                    self._staging[n] = client.buffers.pinned(f"pull:{n}", lay.numel, tdt)
                 else:
                     self._staging[n] = torch.empty(lay.numel, dtype=tdt)
                 self._staged.add(n)

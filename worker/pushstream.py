@@ -127,8 +127,8 @@ class PushStream:
     def _to_host(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Start copying a CUDA gradient to a pinned host buffer (the client keeps one per tensor) on a
         side stream; ``_host(name)`` waits for it."""
-        side = self._client.side_stream(g.device)
-        buf = self._client.pinned(name, g.numel(), dtype)
+        side = self._client.buffers.side_stream(g.device)
+        buf = self._client.buffers.pinned(name, g.numel(), dtype)
         side.wait_stream(torch.cuda.current_stream(g.device))  # the gradient is complete on the compute stream
         with torch.cuda.stream(side):
             src = g.detach().reshape(-1)

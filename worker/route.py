@@ -12,11 +12,10 @@ state: what the shards answer comes back as a value (``worker/jobview.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
-
-import torch
+from typing import Protocol
 
 from shardps.protos.shardmap import ShardMap
+from shardps.worker.buffers import HostBuffers
 from shardps.worker.layout import Layout
 from shardps.worker.shm import ShmLink
 from shardps.worker.transport import Transport
@@ -55,10 +54,7 @@ class Route(Protocol):
     @property
     def transport(self) -> Transport: ...
 
-    def pinned(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host buffer kept for ``name`` (reused every step)."""
-        ...
-
-    def side_stream(self, device: torch.device) -> Any:
-        """The CUDA stream gradients are copied to host on (one per device)."""
+    @property
+    def buffers(self) -> HostBuffers:
+        """Pinned host buffers and CUDA copy streams, kept across steps."""
         ...

@@ -11,6 +11,7 @@ next push or pull of this client, after the previous one has ended.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,6 +20,21 @@ from shardps.protos import codec, shm
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.layout import Layout
+
+log = logging.getLogger("shardps.worker")
+
+
+def shm_probe(worker_id: int) -> tuple[shm.Segment, bytes] | None:
+    """A probe segment and its token for Register (a shard on this machine reads it back), after removing
+    the segments of dead workers; None when this machine has no shared memory (gRPC carries the bytes)."""
+    try:
+        gone = shm.remove_stale()
+        if gone:
+            log.info("worker %d: removed %d shared-memory segments of dead workers", worker_id, len(gone))
+        return shm.probe()
+    except OSError as e:
+        log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", worker_id, e)
+        return None
 
 
 class ShmLink:
@@ -41,6 +57,16 @@ class ShmLink:
         except BaseException:
             self.push.close()
             raise
+
+    @staticmethod
+    def open(worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> ShmLink | None:
+        """The link to ``shard`` (which read this worker's probe), or None (logged) when its segments cannot
+        be made: its bytes then go through gRPC."""
+        try:
+            return ShmLink(worker_id, shard, smap, layouts)
+        except OSError as e:
+            log.warning("worker %d: no shared memory for shard %d (%s): its bytes go through gRPC", worker_id, shard, e)
+            return None
 
     def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int
                    ) -> tuple[ps_pb2.Chunk, torch.Tensor]:
