@@ -34,6 +34,7 @@ from shardps.server.app import READY_PREFIX, check_replicas
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
+from shardps.worker.operator import attach_replica
 
 
 def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_PREFIX) -> str:
@@ -115,18 +116,10 @@ def ready_field(rest: str, key: str) -> str | None:
 def attach_replicas(addresses: Sequence[str], replica_addresses: Sequence[str], security: Security,
                     timeout: float) -> None:
     """Point shard i's primary at the backup server i+1 holds; wait until every backup is in sync."""
-    from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-
     n = len(addresses)
     for i, address in enumerate(addresses):
         target = replica_addresses[(i + 1) % n]
-        channel = security.channel(address, role="operator")
-        try:
-            stub = ps_pb2_grpc.OperatorStub(channel)
-            state = stub.AttachReplica(ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
-                                       timeout=timeout + 5, wait_for_ready=True).replica_state
-        finally:
-            channel.close()
+        state = attach_replica(address, target, timeout=timeout, security=security, wait_for_ready=True).replica_state
         if state != "synced":
             raise RuntimeError(f"shard {i} ({address}): its backup at {target} is {state!r} after {timeout:.0f}s")
 

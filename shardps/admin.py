@@ -1,14 +1,13 @@
-"""Operating a running job: the operator's calls and ``shardps ctl ...`` (set-sync, checkpoint, promote,
-attach-replica), ``shardps stats`` and ``shardps health``.
+"""The operator's commands: ``shardps ctl ...`` (set-sync, checkpoint, promote, attach-replica),
+``shardps stats`` and ``shardps health``.
 
-The calls (``stats``, ``set_sync``, ``checkpoint`` over every shard of a
-transport; ``promote``, ``attach_replica``, ``health`` on one endpoint) are
-not on the worker's data path: they call each shard's ``Operator`` service
-with the operator token (``SHARDPS_OPERATOR_TOKEN``, else the shared one).
-``PSClient.set_sync()`` and ``.checkpoint()`` delegate here. The ``run_*`` functions are the commands:
-they connect, call and print. ``stats_rows`` turns the shards' Stats into
-table rows; ``render_table`` formats them for a terminal. Staleness
-percentiles come from the shards' exact staleness counts.
+The calls themselves (``stats``, ``set_sync``, ``checkpoint``, ``promote``,
+``attach_replica``, ``health``) live in ``worker/operator.py`` and are
+importable from here as before (``shardps.admin.stats`` ...). The ``run_*``
+functions are the commands: they connect, call and print. ``stats_rows``
+turns the shards' Stats into table rows; ``render_table`` formats them for a
+terminal. Staleness percentiles come from the shards' exact staleness
+counts.
 """
 
 from __future__ import annotations
@@ -19,57 +18,15 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from shardps.protos.security import Security
-from shardps.protos.shardps.v1 import ps_pb2
-from shardps.protos.stats import ShardStats
 from shardps.worker.client import connect
 from shardps.worker.errors import ShardError
-from shardps.worker.transport import Transport, explain_unreachable, health_status, unary
+from shardps.worker.operator import attach_replica, checkpoint, health, promote, set_sync, stats
+from shardps.worker.transport import explain_unreachable
 
-# -- the calls ----------------------------------------------------------------
-
-
-def stats(transport: Transport) -> list[dict[str, Any]]:
-    """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts."""
-    t = transport
-    res = t.each(lambda i: t.operator(i).Stats(ps_pb2.StatsRequest(), timeout=t.timeout))
-    return [ShardStats.from_proto(r).to_dict() for r in res]
-
-
-def set_sync(transport: Transport, sync: str) -> list[str]:
-    """Switch the running job's sync mode on every shard; workers follow from their next step."""
-    t = transport
-    res = t.each(lambda i: t.operator(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
-                                             wait_for_ready=True))
-    return [r.sync for r in res]
-
-
-def checkpoint(transport: Transport) -> list[tuple[int, str]]:
-    """Ask every shard to write a checkpoint now: [(version, path)] per shard."""
-    t = transport
-    res = t.each(lambda i: t.operator(i).Checkpoint(ps_pb2.CheckpointRequest(), timeout=t.timeout))
-    return [(r.version, r.path) for r in res]
-
-
-def promote(address: str, *, force: bool = False, reason: str = "shardps ctl promote", timeout: float = 30.0,
-            security: Security | None = None) -> ps_pb2.PromoteResponse:
-    """Make the backup at ``address`` (a server's replica port) serve its shard."""
-    r: ps_pb2.PromoteResponse = unary(address, "Promote", ps_pb2.PromoteRequest(reason=reason, force=force),
-                                      timeout=timeout, security=security)
-    return r
-
-
-def attach_replica(address: str, target: str, *, timeout: float = 30.0,
-                   security: Security | None = None) -> ps_pb2.AttachReplicaResponse:
-    """Give the shard at ``address`` a backup at ``target``; waits up to ``timeout`` for it to sync."""
-    r: ps_pb2.AttachReplicaResponse = unary(
-        address, "AttachReplica", ps_pb2.AttachReplicaRequest(address=target, timeout_seconds=timeout),
-        timeout=timeout + 5, security=security)
-    return r
-
-
-_COUNTERS = ("version", "pushes_total", "applied_updates_total", "gradients_applied_total",
-             "push_bytes_total", "pull_bytes_total")
-
+__all__ = [
+    "COLUMNS", "attach_replica", "checkpoint", "health", "percentile", "promote", "render_table", "run_attach_replica",
+    "run_checkpoint", "run_health", "run_promote", "run_set_sync", "run_stats", "set_sync", "stats", "stats_rows",
+]
 
 # -- the commands ---------------------------------------------------------------
 
@@ -177,7 +134,7 @@ def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1
     """Exit status 0 only when the server at ``address`` answers SERVING (a container healthcheck)."""
     sec = security if security is not None else Security.from_env()
     try:
-        status, serving = health_status(address, service=service, timeout=timeout, security=sec)
+        status, serving = health(address, service=service, timeout=timeout, security=sec)
     except ShardError as e:
         out.write(f"{address}: {e.code.name}: {explain_unreachable(sec, e.details) or e.details}\n")
         return 1

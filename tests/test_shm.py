@@ -245,7 +245,7 @@ def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradi
                                                                                               monkeypatch):
     """A fail-over turns a shard's segments off: a gradient meant to be cast into them goes over gRPC,
     cast the same way."""
-    import shardps.worker.client as client_module
+    from shardps.worker.shm import ShmLink
 
     w = torch.randn(600)
     grad = torch.randn(600)
@@ -254,15 +254,15 @@ def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradi
         cluster = make_cluster(2)
         with shardps.connect(cluster.addresses, part_bytes=1024) as client:
             client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.bfloat16)
-            real = client_module.write_shm
+            real = ShmLink.write
 
-            def write_then_off(c, link, shard, flats, real=real, client=client, off=off):
-                out = real(c, link, shard, flats)
-                if off and shard == 1:
+            def write_then_off(link, flats, parts=None, real=real, client=client, off=off):
+                out = real(link, flats, parts)
+                if off and link is client.shm_links[1]:
                     client._shm_off(1)  # as Transport.on_moved does once the shard moved
                 return out
 
-            monkeypatch.setattr(client_module, "write_shm", write_then_off)
+            monkeypatch.setattr(ShmLink, "write", write_then_off)
             client.push({"w": grad}, step=0)
             assert [link is not None for link in client.shm_links] == [True, not off]
             results.append(client.pull(min_versions=1)["w"])

@@ -1,20 +1,18 @@
 """PSClient: one worker's connection to every shard.
 
-Routes tensors by the shard map (``register``/``attach``; the layouts are
-``worker/layout.py``'s), pushes
-gradients and pulls weights over all shards in parallel, exports state and
-recovers from a rollback. The channels, deadlines, retries and fail-over are
-the transport's (``worker/transport.py``), the lease the heartbeats'
-(``worker/heartbeat.py``); failures surface as ``ShardError`` and its
-subclasses (``worker/errors.py``). Operator calls (stats, set_sync,
-checkpoint) live in ``shardps/admin.py``; the methods here delegate to it.
+Routes tensors by the shard map (``register``/``attach``; layouts:
+``worker/layout.py``), pushes gradients and pulls weights over all shards in
+parallel (``worker/push.py``, ``pushstream.py``, ``pull.py``: they return
+what the shards said, a ``JobView`` the client takes in ``apply``), exports
+state and recovers from a rollback. Channels, deadlines, retries and
+fail-over are the transport's, the lease the heartbeats'; failures surface
+as ``ShardError`` (``worker/errors.py``); operator calls are
+``worker/operator.py``'s.
 
-Why this file is over 400 lines: it is one class whose methods (register,
-attach, push, pull, export_state, recover, leave) read and update the same
-state (shard map, layouts, versions, epoch, clock, sync, loss scale), each
-an RPC pattern over the transport. Everything that is not that state lives
-in its own module: transport, errors, heartbeats, layouts, the rollback
-decision (``worker/rollback.py``), metrics, the operator calls.
+Over 400 lines: one class whose methods (register, attach, push, pull,
+recover, leave) read and update the same state (shard map, layouts,
+versions, epoch, clock, sync, loss scale); everything else lives in the
+modules named above.
 """
 
 from __future__ import annotations
@@ -26,20 +24,23 @@ from typing import Any
 import torch
 
 from shardps.exposition import MetricsEndpoint
-from shardps.protos import codec, env, framing, shm
+from shardps.protos import codec, env
 from shardps.protos.amp import LossScaling
 from shardps.protos.results import PushResult
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
-from shardps.worker import layout
+from shardps.worker import export, layout, operator, push, recovery
+from shardps.worker.buffers import HostBuffers
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
+from shardps.worker.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
-from shardps.worker.shm import ShmLink
-from shardps.worker.streams import PullInFlight, PushStream, shm_messages, write_shm
+from shardps.worker.pull import PullInFlight
+from shardps.worker.pushstream import PushStream
+from shardps.worker.shm import ShmLink, shm_probe
 from shardps.worker.transport import Transport
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
@@ -89,8 +90,7 @@ class PSClient:
         # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default), and
         # per shard, whether that shard read this worker's probe at Register.
         self.use_shm = env.pick_bool(shm, env.SHM, True)
-        self._side_streams: dict[int, Any] = {}  # CUDA: a copy stream per device (worker/streams.py)
-        self._pinned: dict[str, torch.Tensor] = {}
+        self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
         self.shm_links: list[ShmLink | None] = [None] * len(self.addresses)
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
         self.transport.on_moved = self._shm_off
@@ -149,12 +149,22 @@ class PSClient:
         return self.transport.failovers_total
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every shard's channel is connected (TimeoutError names the laggards).
-
-        A shard with a known backup whose primary does not answer within a
-        few seconds fails over to it.
-        """
+        """Block until every shard's channel is connected (TimeoutError names the laggards); a shard with a
+        known backup whose primary does not answer within a few seconds fails over to it."""
         self.transport.wait_ready(timeout)
+
+    def apply(self, view: JobView) -> None:
+        """Take what the shards said about the job (a push's or pull's ``JobView``, or a register's,
+        attach's, recover's, set_sync's): the one place the client's ``sync``, ``loss_scale``,
+        ``slowest_clock`` and ``versions`` change. Call it from the thread that drives the client."""
+        if view.sync:
+            self.sync = view.sync
+        if view.loss_scale is not None:
+            self.loss_scale = view.loss_scale
+        if view.slowest_clock is not None:
+            self.slowest_clock = view.slowest_clock
+        for shard, version in view.versions:
+            self.versions[shard] = version
 
     def _require_layout(self, names: Iterable[str]) -> None:
         if self.shard_map is None:
@@ -190,16 +200,7 @@ class PSClient:
                                     part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
-        probe = None
-        if self.use_shm:
-            try:
-                gone = shm.remove_stale()
-                if gone:
-                    log.info("worker %d: removed %d shared-memory segments of dead workers", self.worker_id,
-                             len(gone))
-                probe = shm.probe()
-            except OSError as e:
-                log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", self.worker_id, e)
+        probe = shm_probe(self.worker_id) if self.use_shm else None
 
         def requests(shard: int) -> Iterator[ps_pb2.RegisterRequest]:
             return layout.register_requests(shard, smap, layouts, worker_id=self.worker_id,
@@ -216,18 +217,13 @@ class PSClient:
         finally:
             if probe is not None:
                 probe[0].close()
-        created: list[str] = []
+        layout.check_shard_order(responses, self.addresses)
+        created = [n for r in responses for n in r.created]
         for i, r in enumerate(responses):
-            if (r.shard_index, r.num_shards) != (i, self.num_shards):
-                raise ValueError(
-                    f"server {self.addresses[i]} is shard {r.shard_index} of {r.num_shards}, but was "
-                    f"given as shard {i} of {self.num_shards}: list addresses in shard order"
-                )
-            self.versions[i] = r.version
-            created.extend(r.created)
             self.backups[i] = r.backup
-        self.shard_map, self.layouts, self.sync = smap, layouts, responses[0].sync
-        self.loss_scale = responses[0].loss_scale
+        self.shard_map, self.layouts = smap, layouts
+        self.apply(JobView(sync=responses[0].sync, loss_scale=responses[0].loss_scale,
+                           versions=tuple((i, r.version) for i, r in enumerate(responses))))
         # The step to go on from: the lowest any shard expects. A push that reached some shards and
         # not others (a crash, a checkpoint taken between them) is sent again: the shards that took
         # it in acknowledge it as a duplicate, the others apply it, so every shard sees every step.
@@ -247,31 +243,13 @@ class PSClient:
             if not readable[i]:
                 continue
             assert self.shard_map is not None
-            try:
-                self.shm_links[i] = ShmLink(self.worker_id, i, self.shard_map, self.layouts)
-            except OSError as e:
-                log.warning("worker %d: no shared memory for shard %d (%s): its bytes go through gRPC",
-                            self.worker_id, i, e)
+            self.shm_links[i] = ShmLink.open(self.worker_id, i, self.shard_map, self.layouts)
 
     def _shm_off(self, shard: int) -> None:
         """Shard ``shard`` no longer shares this machine (or the client closes): back to gRPC."""
         link, self.shm_links[shard] = self.shm_links[shard], None
         if link is not None:
             link.close()
-
-    def side_stream(self, device: torch.device) -> Any:
-        """The CUDA stream this client copies gradients to host on (one per device)."""
-        s = self._side_streams.get(device.index or 0)
-        if s is None:
-            s = self._side_streams[device.index or 0] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        return s
-
-    def pinned(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host buffer for ``name``'s gradient (kept: reused every step)."""
-        buf = self._pinned.get(name)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
-            buf = self._pinned[name] = torch.empty(numel, dtype=dtype, pin_memory=True)
-        return buf
 
     def _serve_metrics(self) -> None:
         """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""
@@ -287,10 +265,9 @@ class PSClient:
                                                     wait_for_ready=True))
         self.layouts, self.shard_map = layout.from_stats(stats)
         for i, s in enumerate(stats):
-            self.versions[i] = s.version
             self.backups[i] = s.backup
-        self.sync = stats[0].sync
-        self.loss_scale = stats[0].loss_scale
+        self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
+                           versions=tuple((i, s.version) for i, s in enumerate(stats))))
         self.epoch = max(s.epoch for s in stats)
 
     # -- data path ----------------------------------------------------------
@@ -315,90 +292,10 @@ class PSClient:
         of all its tensors would; hand the results to ``pull(answered=...)``.
         """
         self._require_layout(grads)
-        assert self.shard_map is not None
         bases = list(self.versions if base_versions is None else base_versions)
-        flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
-        direct: set[str] = set()  # cast as they are copied into shared memory: no buffer in between
-        links = list(self.shm_links)  # one view of them for the choice, the writes and the check below
-        shards_of = self._shards_of()
-        for name, g in grads.items():
-            lay = self.layouts[name]
-            if tuple(g.shape) != lay.shape:
-                raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
-            dtype = codec.to_torch_dtype(lay.push_dtype)
-            g = g.detach()
-            owners = shards_of.get(name, ())  # none for an empty tensor
-            if g.dtype != dtype and g.device.type == "cpu" and owners and all(links[i] for i in owners):
-                flats[name] = g.reshape(-1)
-                direct.add(name)
-            else:
-                flats[name] = g.to("cpu", dtype).contiguous().view(-1)
-        # Same host: every shard's parts into its push segment first, the shards in parallel; the bytes the
-        # shards will read are those checked for inf/nan (a cast can overflow: 1e5 is inf in float16).
-        linked = [i for i, link in enumerate(links) if link is not None]
-        written: list[list[tuple[ps_pb2.Chunk, torch.Tensor]] | None] = [None] * self.num_shards
-
-        def write(i: int) -> list[tuple[ps_pb2.Chunk, torch.Tensor]] | None:
-            link = links[i]
-            assert link is not None
-            try:
-                return write_shm(self, link, i, flats)
-            except shm.SegmentClosed:  # the shard failed over meanwhile: its share goes over gRPC
-                return None
-
-        for i, w in zip(linked, self.transport.fan_out(write, linked) if linked else ()):
-            written[i] = w
-        if found_inf is None:
-            checked = [v for w in written if w for c, v in w if c.name in direct]
-            for i in linked:
-                if written[i] is None:  # what gRPC will carry for it instead, cast as it will be
-                    checked += [flats[p.name][p.start : p.stop].to(codec.to_torch_dtype(self.layouts[p.name]
-                                                                                            .push_dtype))
-                                for p in self.shard_map.parts_for(i) if p.name in direct]
-            found_inf = not (all(codec.all_finite(f) for n, f in flats.items() if n not in direct)
-                             and all(codec.all_finite(v) for v in checked))
-        more: dict[str, Any] = {}
-        if pull_after is not None:
-            pull_dtype, min_clock = pull_after
-            more = {"pull_after": True, "pull_min_clock": min_clock,
-                    "pull_dtype": codec.to_wire_dtype(pull_dtype) if pull_dtype is not None
-                    else ps_pb2.DTYPE_UNSPECIFIED}
-
-        def requests(shard: int) -> Iterator[bytes]:
-            link, chunks = self.shm_links[shard], written[shard]
-            if link is not None and link is links[shard] and chunks is not None:  # same host: gRPC says where
-                yield from shm_messages(self, link, [c for c, _ in chunks], step=step, base_version=bases[shard],
-                                        found_inf=found_inf, loss_scale=loss_scale, fields=more)
-                return
-            # Serialized PushRequests, the data copied once from the gradient (framing.py).
-            prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=self.worker_id, step=step,
-                                            base_version=bases[shard], found_inf=found_inf,
-                                            loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, **more)
-            _, last_suffix = framing.header(
-                ps_pb2.PushRequest, worker_id=self.worker_id, step=step, base_version=bases[shard],
-                found_inf=found_inf, loss_scale=loss_scale, epoch=self.epoch, ends_with_last=True, last=True,
-                **more)
-            pending = None  # one message behind: the last one says it is (a cut stream is refused)
-            for p in self.shard_map.parts_for(shard):  # type: ignore[union-attr]
-                flat = flats.get(p.name)
-                if flat is None:
-                    continue
-                lay = self.layouts[p.name]
-                if p.name in direct:  # meant for shared memory, but this shard's went off (a fail-over)
-                    flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
-                for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, p.name,
-                                                        lay.push_dtype, lay.shape, flat, p.start, p.stop,
-                                                        self.chunk_bytes):
-                    if pending is not None:
-                        yield pending
-                    pending = msg
-            # The fields after the chunk are the message's end (protobuf writes fields in number order).
-            yield prefix + last_suffix if pending is None else pending[: len(pending) - len(suffix)] + last_suffix
-
-        responses = self.transport.each(lambda i: self.transport.push(i, requests(i)))
-        out = [PushResult.from_proto(r) for r in responses]
-        self.sync = out[0].sync or self.sync
-        self.loss_scale = out[0].loss_scale
+        out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
+                        found_inf=found_inf, pull_after=pull_after)
+        self.apply(JobView.of_push(out))
         return out
 
     def _shards_of(self) -> dict[str, set[int]]:
@@ -432,7 +329,8 @@ class PSClient:
                    min_clock: int = 0, answered: Sequence[PushResult] | None = None,
                    inline: bool = False) -> PullInFlight:
         """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
-        ``result()`` until all are (and raises a failure). Each shard sends its tensors in the order of
+        ``result()`` until all are (and raises a failure; once it succeeds the client takes the pull's
+        ``view``: ``apply``, in the thread calling it). Each shard sends its tensors in the order of
         ``names`` (by default the order registered: a model's first layers first). ``inline``: the first
         shard's Pull runs in this thread before returning (for a caller about to wait for the result)."""
         return self._pull(names, out, min_versions, dtype, min_clock, answered).start(inline=inline)
@@ -453,104 +351,53 @@ class PSClient:
                                  "pull them all (names=None)")
             given = {shard: r.pulled for shard, r in enumerate(answered) if r.pulled}
         return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock,
-                            answered=given)
+                            answered=given, on_result=self.apply)
 
     def push_stream(self, step: int, base_versions: Sequence[int] | None = None, *,
                     loss_scale: float = 0.0) -> PushStream:
         """A Push of step ``step`` opened on every shard now and fed bucket by bucket (``add``) while
-        backward runs; ``finish()`` closes it and returns one result per shard, as ``push``."""
+        backward runs; ``finish()`` closes it and returns one result per shard, as ``push`` (the client ``apply``s
+        what they say)."""
         self._require_layout(())
         return PushStream(self, step, list(self.versions if base_versions is None else base_versions),
-                          loss_scale)
+                          loss_scale, on_result=self.apply)
 
     def export_state(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
         """Weights and optimizer state from every shard, as a state_dict-style mapping.
 
         ``{name: {"weight": full fp32 tensor, "optimizer": {part_start: {key: tensor}}, "version": {shard: v}}}``:
-        optimizer state stays per part (factored state is sized by the part).
+        optimizer state stays per part (factored state is sized by the part; ``worker/export.py``).
         """
         wanted = list(self.layouts if names is None else names)
         self._require_layout(wanted)
         assert self.shard_map is not None
-        owners: dict[int, list[str]] = {}
-        for p in self.shard_map.parts:
-            if p.name in wanted and p.name not in owners.setdefault(p.server, []):
-                owners[p.server].append(p.name)
-
-        def fetch(shard: int) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
-            req = ps_pb2.PullStateRequest(names=owners[shard], chunk_bytes=self.chunk_bytes)
-            items: list[tuple[str, int, int, str, torch.Tensor]] = []
-            version = -1
-            for r in self.transport.operator(shard).PullState(req, timeout=self.timeout):
-                c = r.chunk
-                values = codec.decode(c.data, c.dtype)
-                if c.offset == 0:  # the first chunk of a state tensor carries its shape
-                    items.append((r.name, r.part_start, r.part_stop, r.key,
-                                  torch.empty(tuple(r.shape), dtype=values.dtype)))
-                dst = items[-1][4].view(-1)
-                dst[c.offset : c.offset + values.numel()].copy_(values)
-                version = r.version
-            return version, items
-
-        shards = sorted(owners)
-        out: dict[str, dict[str, Any]] = {
-            n: {"weight": torch.empty(self.layouts[n].shape, dtype=torch.float32), "optimizer": {}, "version": {}}
-            for n in wanted
-        }
-        for shard, (version, items) in zip(shards, self.transport.each(fetch, shards)):
-            for name, start, stop, key, t in items:
-                entry = out[name]
-                entry["version"][shard] = version
-                if key == "weight":
-                    entry["weight"].view(-1)[start:stop].copy_(t.reshape(-1))
-                else:
-                    entry["optimizer"].setdefault(start, {})[key] = t
-        return out
+        return export.export_state(self.transport, self.shard_map, self.layouts, wanted, self.chunk_bytes)
 
     def recover(self) -> int:
         """After an ABORTED answer: bring every shard to one rollback epoch; return our next step.
 
-        If a shard restarted from its checkpoint (it says ``recovering``), or
-        the shards are in different epochs (a rollback in progress), every
-        shard rolls back to the newest checkpoint version that all of them
-        hold. Idempotent: workers may do this concurrently. Then this client
-        takes the shards' epoch, versions and its own clock.
+        If a shard restarted from its checkpoint, or the shards are in
+        different epochs, every shard rolls back to the newest checkpoint
+        version all of them hold (``worker/recovery.py``). Idempotent. Then
+        this client takes the shards' epoch, versions and its own clock.
         """
-        t = self.transport
-        stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
-        epochs = [s.epoch for s in stats]
-        recovering = any(s.recovering for s in stats)
-        if recovering or len(set(epochs)) > 1:
-            common = set.intersection(*(set(s.checkpoint_versions) for s in stats))
-            if not common:
-                held = {i: list(s.checkpoint_versions) for i, s in enumerate(stats)}
-                raise RuntimeError(f"cannot recover: no checkpoint version is held by every shard ({held})")
-            version, epoch = max(common), max(epochs) + (1 if recovering else 0)
-            log.warning("worker %d: rolling the job back to version %d (epoch %d)", self.worker_id, version, epoch)
-            t.each(lambda i: t.stub(i).Recover(ps_pb2.RollbackRequest(version=version, epoch=epoch),
-                                                timeout=self.timeout))
-            stats = t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=self.timeout))
+        stats = recovery.bring_together(self.transport, self.worker_id)
         self.epoch = max(s.epoch for s in stats)
-        self.versions = [s.version for s in stats]
-        self.sync = stats[0].sync or self.sync
-        self.loss_scale = stats[0].loss_scale
+        self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
+                           versions=tuple((i, s.version) for i, s in enumerate(stats))))
         return int(min(s.worker_clocks.get(self.worker_id, -1) for s in stats)) + 1  # as in register()
 
-    # -- operator calls: shardps/admin.py (kept here, as documented) --------
+    # -- operator calls: worker/operator.py ------------------------------------
 
     def checkpoint(self) -> list[tuple[int, str]]:
-        """Ask every shard to write a checkpoint now: [(version, path)] per shard (``shardps.admin.checkpoint``)."""
-        from shardps.admin import checkpoint
-
-        return checkpoint(self.transport)
+        """Ask every shard to write a checkpoint now: [(version, path)] per shard (``worker/operator.py``)."""
+        return operator.checkpoint(self.transport)
 
     def set_sync(self, sync: str) -> list[str]:
         """Switch the running job's sync mode on every shard; workers follow from their next step
-        (``shardps.admin.set_sync``)."""
-        from shardps.admin import set_sync
-
-        modes = set_sync(self.transport, sync)
-        self.sync = modes[0]
+        (``worker/operator.py``)."""
+        modes = operator.set_sync(self.transport, sync)
+        self.apply(JobView(sync=modes[0]))
         return modes
 
     def stats(self) -> list[dict[str, Any]]:
@@ -563,11 +410,8 @@ class PSClient:
     # -- the lease ----------------------------------------------------------------
 
     def start_heartbeats(self, interval: float | None = None) -> None:
-        """Renew this worker's lease on every shard in the background (every lease / 3 by default).
-
-        Push and Pull renew it too; heartbeats keep a worker that computes
-        for longer than its lease from being evicted.
-        """
+        """Renew this worker's lease on every shard in the background (every lease / 3 by default): Push
+        and Pull renew it too; heartbeats keep a worker that computes longer than its lease in the job."""
         if self.heartbeats.running or not self.lease_s:
             return
         self.heartbeats.start(interval or self.lease_s / 3)
@@ -585,16 +429,7 @@ class PSClient:
         if not self._registered:
             return
         self._registered = False
-        t = self.transport
-
-        def bye(i: int) -> None:
-            try:
-                t.attempt(i, lambda: t.stub(i).Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), timeout=timeout))
-            except ShardError as e:
-                log.info("worker %d: shard %d did not take its leave (%s); its lease will expire",
-                         self.worker_id, i, e.code)
-
-        t.fan_out(bye)
+        self.heartbeats.leave(timeout)
 
     def close(self, *, leave: bool = True) -> None:
         """Say goodbye (a registered worker), stop heartbeats and metrics, close the channels. Idempotent.
@@ -647,17 +482,7 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
     shard's backup, in shard order; workers also learn them when they
     register, so give them for a worker that may start after a server died.
     """
-    from_env = addresses is None
-    if addresses is None:
-        addresses = env.get_list(env.ADDRESSES)
-        if addresses is None:
-            raise ValueError(f"no server addresses: pass addresses= or set {env.ADDRESSES}=HOST:PORT,...")
-    if isinstance(addresses, str):
-        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-    if backups is None and from_env:  # the backups of those shards, not of shards passed here
-        backups = env.get_list(env.BACKUPS)
-    if isinstance(backups, str):
-        backups = [a.strip() for a in backups.split(",")]
+    addresses, backups = layout.addresses_and_backups(addresses, backups)
     wid = env.pick_int(worker_id, env.WORKER_ID, 0)
     nw = env.pick_int(num_workers, env.NUM_WORKERS, 1)
     assert wid is not None and nw is not None

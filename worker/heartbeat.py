@@ -68,3 +68,17 @@ class Heartbeats:
                     return
                 if r.backup:  # a backup attached since registering (after a takeover, a spare)
                     t.set_backup(i, r.backup, stub)
+
+    def leave(self, timeout: float) -> None:
+        """Tell every shard this worker is done (``Leave``), so barriers go on without it at once. Best
+        effort: a shard that does not answer within ``timeout`` seconds evicts the worker later."""
+        t = self.transport
+
+        def bye(i: int) -> None:
+            try:
+                t.attempt(i, lambda: t.stub(i).Leave(ps_pb2.LeaveRequest(worker_id=self.worker_id), timeout=timeout))
+            except ShardError as e:
+                log.info("worker %d: shard %d did not take its leave (%s); its lease will expire",
+                         self.worker_id, i, e.code)
+
+        t.fan_out(bye)

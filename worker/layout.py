@@ -5,6 +5,8 @@ is a pure function of the tensors, so every worker computes the same);
 ``register_requests`` is what a shard is sent to register its parts (and,
 from the worker that provides values, their initial values); ``from_stats``
 reads them back from the shards (a client that attaches instead).
+``check_shard_order`` and ``addresses_and_backups``: where the shards are,
+as given or from the environment, and that each is the shard it is named.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, env
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.shardmap import Part, ShardMap, TensorInfo, build_shard_map
 from shardps.protos.shardps.v1 import ps_pb2
@@ -106,3 +109,29 @@ def from_stats(stats: Sequence[ps_pb2.StatsResponse]) -> tuple[dict[str, Layout]
     infos = tuple(TensorInfo(n, lay.shape, codec.itemsize(lay.dtype)) for n, lay in sorted(layouts.items()))
     smap = ShardMap(len(stats), tuple(sorted(parts, key=lambda p: (p.name, p.start))), infos)
     return layouts, smap
+
+
+def check_shard_order(responses: Sequence[Any], addresses: Sequence[str]) -> None:
+    """ValueError unless the server at ``addresses[i]`` answered Register as shard i of len(addresses)."""
+    for i, r in enumerate(responses):
+        if (r.shard_index, r.num_shards) != (i, len(addresses)):
+            raise ValueError(f"server {addresses[i]} is shard {r.shard_index} of {r.num_shards}, but was given as "
+                             f"shard {i} of {len(addresses)}: list addresses in shard order")
+
+
+def addresses_and_backups(addresses: Sequence[str] | str | None, backups: Sequence[str] | str | None
+                          ) -> tuple[list[str], list[str] | None]:
+    """``connect``'s shard addresses and backups: as given (a comma-separated string works), else from
+    ``SHARDPS_ADDRESSES`` (then the backups from ``SHARDPS_BACKUPS``: those of these shards)."""
+    from_env = addresses is None
+    if addresses is None:
+        addresses = env.get_list(env.ADDRESSES)
+        if addresses is None:
+            raise ValueError(f"no server addresses: pass addresses= or set {env.ADDRESSES}=HOST:PORT,...")
+    if isinstance(addresses, str):
+        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    if backups is None and from_env:  # the backups of those shards, not of shards passed here
+        backups = env.get_list(env.BACKUPS)
+    if isinstance(backups, str):
+        backups = [a.strip() for a in backups.split(",")]
+    return list(addresses), list(backups) if backups is not None else None

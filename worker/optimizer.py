@@ -22,13 +22,15 @@ from torch import nn
 from shardps.protos.amp import LossScaling
 from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
+from shardps.worker.accumulate import Accumulator
 from shardps.worker.client import PSClient, PushResult
 from shardps.worker.errors import RolledBack, ShardError
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.overlap import DEFAULT_BUCKET_BYTES, Overlap
+from shardps.worker.pull import PullInFlight
+from shardps.worker.pushstream import PushStream
 from shardps.worker.rollback import Action, During, decide, resume_step
-from shardps.worker.streams import PullInFlight, PushStream
 
 __all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
 
@@ -103,8 +105,7 @@ class DistributedOptimizer:
         self.round = 0  # syncs with the servers (the clock sent as `step`)
         self.pushes = 0
         self.last_push: list[PushResult] = []
-        self._acc: dict[str, torch.Tensor] = {}
-        self._acc_steps = 0
+        self.accumulator = Accumulator()  # every:X: the local steps' gradients before the one that pushes
         self.metrics = metrics
         self._last_step_end: float | None = None
         self.sync_history: list[str] = []  # the mode each sync round ran under
@@ -135,7 +136,7 @@ class DistributedOptimizer:
             if decide(e, During.JOIN) is not Action.RESYNC:
                 raise
             self._resync()  # joining a job whose shards restarted
-        self._acc, self._acc_steps = {}, 0
+        self.accumulator.reset()
         self.local_steps = resume_step(self.round, self.sync)
         self._follow()
 
@@ -158,7 +159,7 @@ class DistributedOptimizer:
     def _recover(self) -> RolledBack:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
         self._resync()
-        self._acc, self._acc_steps = {}, 0
+        self.accumulator.reset()
         self.local_steps = resume_step(self.round, self.sync)
         self.rollbacks += 1
         self._follow()
@@ -179,8 +180,11 @@ class DistributedOptimizer:
 
     @property
     def loss_scale(self) -> float:
-        """The current loss scale (1.0 when loss scaling is off)."""
-        return self.client.loss_scale or 1.0
+        """The current loss scale (1.0 when loss scaling is off); with ``overlap``, the newest the pull in
+        flight has seen (it comes with the weights)."""
+        pull = self.overlap.pull if self.overlap is not None else None
+        said = pull.view.loss_scale if pull is not None else None
+        return (said if said is not None else self.client.loss_scale) or 1.0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale``, as ``GradScaler.scale``: call ``backward()`` on the result."""
@@ -208,17 +212,10 @@ class DistributedOptimizer:
             return self._push_streamed(stream, loss)
         grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         if self.sync.accumulation > 1:
-            for n, g in grads.items():
-                acc = self._acc.get(n)
-                if acc is None:
-                    self._acc[n] = g.detach().clone()
-                else:
-                    acc.add_(g)
-            self._acc_steps += 1
-            if self._acc_steps < self.sync.accumulation:
+            self.accumulator.add(grads)
+            if self.accumulator.steps < self.sync.accumulation:
                 return loss
-            grads = {n: a.div_(self._acc_steps) for n, a in self._acc.items()}
-            self._acc, self._acc_steps = {}, 0
+            grads = self.accumulator.mean()
         mode = self.sync
         bases = list(self.client.versions)
         t0 = time.perf_counter()
@@ -237,7 +234,7 @@ class DistributedOptimizer:
         mode = self.sync
         t0 = time.perf_counter()
         rest = self.overlap.remaining(stream)
-        self._acc, self._acc_steps = {}, 0
+        self.accumulator.reset()
         try:
             if rest:
                 stream.add(rest)
@@ -261,6 +258,7 @@ class DistributedOptimizer:
         return loss
 
     def _pushed(self, mode: SyncSpec, t0: float, loss: Any) -> Any:
+        """The step's push was answered (``last_push``): take what it says of the job, start the pull."""
         t1 = time.perf_counter()
         self.pushes += 1
         self.round += 1
@@ -278,7 +276,7 @@ class DistributedOptimizer:
         pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round),
                                       dtype=self.pull_dtype, answered=answered, inline=self.overlap is None)
         if self.overlap is not None:  # the next forward waits for each module's weights as they come
-            self.overlap.pull, self.overlap.pull_started = pull, t1
+            self.overlap.coming(pull, t1)
             return loss
         self._pulled(pull, t1)
         return loss
@@ -295,14 +293,16 @@ class DistributedOptimizer:
         if self.metrics is not None:
             self.metrics.pull_seconds.observe(time.perf_counter() - t1)
 
+    def open_push_stream(self) -> PushStream:
+        """This step's push, opened on every shard from the versions pulled (the overlap hooks feed it)."""
+        return self.client.push_stream(self.round, list(self.client.versions), loss_scale=self.client.loss_scale)
+
     def synchronize(self) -> None:
         """With ``overlap``: wait until the weights of the last step are in every parameter (no-op
         otherwise). Raises the pull's failure, as ``step()`` would."""
-        ov = self.overlap
-        if ov is None or ov.pull is None:
-            return
-        pull, ov.pull = ov.pull, None
-        self._pulled(pull, ov.pull_started)
+        taken = self.overlap.take_pull() if self.overlap is not None else None
+        if taken is not None:
+            self._pulled(*taken)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():

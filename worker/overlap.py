@@ -24,20 +24,21 @@ that failed (its error is raised by ``step()``).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from shardps.worker.streams import PullInFlight, PushStream
-
-if TYPE_CHECKING:
-    from shardps.worker.optimizer import DistributedOptimizer
+from shardps.protos.syncspec import SyncSpec
+from shardps.worker.accumulate import Accumulator
+from shardps.worker.pull import PullInFlight
+from shardps.worker.pushstream import PushStream
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # as DDP's bucket_cap_mb
 
 
-def buckets(params: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+def buckets(params: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
     """Parameter names in reverse order, cut into buckets of at most ``bucket_bytes`` (fp32; a larger
     parameter is a bucket of its own)."""
     if bucket_bytes < 1:
@@ -57,13 +58,44 @@ def buckets(params: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str
     return out
 
 
-class Overlap:
-    """The hooks and per-step state of an overlapping ``DistributedOptimizer`` (see the module docstring)."""
+class Stepper(Protocol):
+    """What the hooks need of the optimizer they serve (``DistributedOptimizer`` is one)."""
 
-    def __init__(self, opt: DistributedOptimizer, model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    @property
+    def params(self) -> Mapping[str, torch.Tensor]:
+        """The parameters pushed and pulled, by name, in the model's order."""
+        ...
+
+    @property
+    def sync(self) -> SyncSpec:
+        """The sync mode now (it can be switched live)."""
+        ...
+
+    @property
+    def accumulator(self) -> Accumulator:
+        """The ``every:X`` sums of the steps before this one."""
+        ...
+
+    def open_push_stream(self) -> PushStream:
+        """This step's push, opened on every shard."""
+        ...
+
+    def synchronize(self) -> None:
+        """Take in the pull in flight (``take_pull``); raises its failure."""
+        ...
+
+
+class Overlap:
+    """The hooks and per-step state of an overlapping ``DistributedOptimizer`` (see the module docstring).
+
+    It holds the step's pull in flight between ``step()`` (``coming``) and
+    the optimizer taking it in (``take_pull``); the forward pre-hooks wait
+    on it.
+    """
+
+    def __init__(self, opt: Stepper, model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.opt = opt
-        self.pull: PullInFlight | None = None  # the last step's weights, coming in
-        self.pull_started = 0.0
+        self._pull: tuple[PullInFlight, float] | None = None  # the last step's weights, coming in; when started
         self.buckets = buckets(opt.params, bucket_bytes)
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b}
         self._stream: PushStream | None = None
@@ -87,6 +119,22 @@ class Overlap:
             h.remove()
         self._handles = []
 
+    # -- the pull in flight ----------------------------------------------------
+
+    def coming(self, pull: PullInFlight, started: float) -> None:
+        """``pull`` (started at ``started``, ``time.perf_counter()``) brings the next forward's weights."""
+        self._pull = (pull, started)
+
+    @property
+    def pull(self) -> PullInFlight | None:
+        """The pull in flight (None: the weights are in, or no step yet)."""
+        return self._pull[0] if self._pull is not None else None
+
+    def take_pull(self) -> tuple[PullInFlight, float] | None:
+        """The pull in flight and when it started, handed over (None then), for the optimizer to take in."""
+        taken, self._pull = self._pull, None
+        return taken
+
     # -- forward: wait for the module's own weights ---------------------------
 
     def _weights_in(self, names: list[str], module: nn.Module, args: Any) -> None:
@@ -108,8 +156,7 @@ class Overlap:
             except Exception:  # noqa: BLE001 - step() raises it again (synchronize), out of backward
                 return False
             opt.synchronize()
-        client = opt.client
-        self._stream = client.push_stream(opt.round, list(client.versions), loss_scale=client.loss_scale)
+        self._stream = opt.open_push_stream()
         return True
 
     def _grad_ready(self, name: str, param: torch.Tensor) -> None:
@@ -117,7 +164,7 @@ class Overlap:
             return
         opt = self.opt
         x = opt.sync.accumulation
-        if x > 1 and opt._acc_steps + 1 < x:  # not the step that pushes: step() sums it
+        if x > 1 and opt.accumulator.steps + 1 < x:  # not the step that pushes: step() sums it
             return
         if self._stream is None and not self._start():
             self._broken = True
@@ -138,16 +185,11 @@ class Overlap:
 
     def _value(self, name: str, grad: torch.Tensor | None) -> torch.Tensor:
         """What goes up for ``name``: its gradient, or under every:X the mean of the X steps' (as step())."""
-        opt = self.opt
-        x = opt.sync.accumulation
+        x = self.opt.sync.accumulation
         if x == 1:
             assert grad is not None
             return grad
-        acc = opt._acc.get(name)
-        if acc is None:
-            assert grad is not None
-            return grad.detach() / x
-        return (acc + grad if grad is not None else acc) / x
+        return self.opt.accumulator.mean_with(name, grad, x)
 
     # -- step() ------------------------------------------------------------------
 
@@ -175,7 +217,7 @@ class Overlap:
         for n, p in opt.params.items():
             if stream.handed_in(n):
                 continue
-            if p.grad is None and n not in opt._acc:
+            if p.grad is None and opt.accumulator.sum_of(n) is None:
                 continue
             out[n] = self._value(n, p.grad)
         return out

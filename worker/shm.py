@@ -11,6 +11,9 @@ next push or pull of this client, after the previous one has ended.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from shardps.protos import codec, shm
@@ -18,12 +21,29 @@ from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.layout import Layout
 
+log = logging.getLogger("shardps.worker")
+
+
+def shm_probe(worker_id: int) -> tuple[shm.Segment, bytes] | None:
+    """A probe segment and its token for Register (a shard on this machine reads it back), after removing
+    the segments of dead workers; None when this machine has no shared memory (gRPC carries the bytes)."""
+    try:
+        gone = shm.remove_stale()
+        if gone:
+            log.info("worker %d: removed %d shared-memory segments of dead workers", worker_id, len(gone))
+        return shm.probe()
+    except OSError as e:
+        log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", worker_id, e)
+        return None
+
 
 class ShmLink:
     """One shard's segments and where each of its parts lies in the push segment."""
 
     def __init__(self, worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> None:
         self.offsets: dict[tuple[str, int], int] = {}
+        self.parts = [(p.name, p.start, p.stop) for p in smap.parts_for(shard)]  # the shard's, in shard-map order
+        self._layouts = layouts
         at = 0
         pull_bytes = 0
         for p in smap.parts_for(shard):
@@ -38,6 +58,16 @@ class ShmLink:
             self.push.close()
             raise
 
+    @staticmethod
+    def open(worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> ShmLink | None:
+        """The link to ``shard`` (which read this worker's probe), or None (logged) when its segments cannot
+        be made: its bytes then go through gRPC."""
+        try:
+            return ShmLink(worker_id, shard, smap, layouts)
+        except OSError as e:
+            log.warning("worker %d: no shared memory for shard %d (%s): its bytes go through gRPC", worker_id, shard, e)
+            return None
+
     def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int
                    ) -> tuple[ps_pb2.Chunk, torch.Tensor]:
         """Copy ``flat[start:stop]`` into the push segment, cast to ``dtype`` as it is copied (one pass, no
@@ -49,6 +79,23 @@ class ShmLink:
         dst.copy_(flat[start:stop])
         return ps_pb2.Chunk(name=name, offset=start, dtype=dtype, shm_offset=off,  # type: ignore[arg-type]
                             shm_bytes=nbytes), dst
+
+    def write(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
+              ) -> list[tuple[ps_pb2.Chunk, torch.Tensor]]:
+        """Copy the shard's parts of ``flats`` (flat CPU tensors of any float dtype: cast to each tensor's
+        push dtype as they are copied) into the push segment: per part the chunk that says where (with the
+        tensor's shape) and the values written. ``parts``: (name, start, stop) of the shard's parts to
+        write, if the caller knows them (default: all of the shard's). Raises ``SegmentClosed`` when the
+        segment was closed meanwhile (a fail-over)."""
+        out = []
+        for name, start, stop in self.parts if parts is None else parts:
+            flat = flats.get(name)
+            if flat is not None:
+                lay = self._layouts[name]
+                chunk, written = self.write_push(name, lay.push_dtype, flat, start, stop)
+                chunk.shape.extend(lay.shape)  # one chunk per part: each says the shape
+                out.append((chunk, written))
+        return out
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         return self.pull.view(offset, nbytes)

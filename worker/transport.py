@@ -40,6 +40,20 @@ _PULL_ONE = ((framing.PULL_ONE_HEADER, "1"),)
 _PUSH_ONE = ((framing.PUSH_ONE_HEADER, "1"),)
 
 
+def gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
+    """Every future's result once all ended (each within ``timeout`` seconds); then the first failure raised."""
+    results: list[Any] = []
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            results.append(f.result(timeout=timeout))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once all ended
+            first = first or e
+    if first is not None:
+        raise first
+    return results
+
+
 def explain_unreachable(security: Security, details: str) -> str:
     """What a failed connection's gRPC details mean for this client's settings ("" if nothing to add).
 
@@ -398,16 +412,17 @@ class Transport:
 
 
 def unary(address: str, method: str, request: Any, *, timeout: float, security: Security | None = None,
-          service: str = "Operator", role: str = "operator") -> Any:
+          service: str = "Operator", role: str = "operator", wait_for_ready: bool = False) -> Any:
     """One ``service`` ``method`` call to the endpoint at ``address`` with ``role``'s token (no shard: no
-    retry, no fail-over).
+    retry, no fail-over; ``wait_for_ready``: wait, within ``timeout``, for the endpoint to accept a
+    connection).
 
     Failures raise a ShardError naming the endpoint, its details prefixed with ``method``.
     """
     channel = (security if security is not None else Security.from_env()).channel(address, role=role)
     try:
         stub = getattr(ps_pb2_grpc, f"{service}Stub")(channel)
-        return getattr(stub, method)(request, timeout=timeout)
+        return getattr(stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
     except grpc.RpcError as e:
         code, details = status_of(e)
         raise shard_error(address, None, code, f"{method}: {details}") from None

@@ -1,0 +1,227 @@
+"""``PullInFlight``: a pull from every shard whose tensors can be waited for one by one.
+
+One Pull per shard, started at once (``start``), writing each chunk into its
+destination as it arrives; ``wait(names)`` returns once those tensors are
+complete, ``result()`` once all are. The tensors of each shard come in the
+order asked (the model's order: the first layers first). ``PSClient.pull``
+is ``start`` then ``result``; ``result`` hands the pull's ``view`` (what the
+shards said about the job: ``worker/jobview.py``) to ``on_result``, the
+client's ``apply``, in the thread that takes the result.
+
+The RPCs run on the transport's threads (one per shard; the shards whose
+Push answered with their weights are copied, and with ``start(inline=True)``
+the first shard's RPC made, in the caller's thread) and never block without
+a deadline: the client's timeout per RPC, and for waits on them the timeout
+plus the transport's recovery time. The shard threads write only this
+object's state (the destinations, what each shard said), never the client's.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from shardps.protos import codec, framing
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.jobview import JobView
+from shardps.worker.route import Route
+from shardps.worker.transport import gather
+
+
+class PullInFlight:
+    """Weights being pulled from every shard into their destinations (see the module docstring)."""
+
+    def __init__(self, client: Route, names: Sequence[str], *, out: Mapping[str, torch.Tensor] | None = None,
+                 min_versions: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                 min_clock: int = 0, answered: Mapping[int, Sequence[bytes]] | None = None,
+                 on_result: Callable[[JobView], None] | None = None) -> None:
+        assert client.shard_map is not None
+        self._client = client
+        self._on_result = on_result
+        self._answered = dict(answered or {})  # shard -> the PullResponses its Push answered with
+        self._mins = list(min_versions) if min_versions is not None else [0] * client.num_shards
+        self._wire = codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED
+        self._min_clock = min_clock
+        self.result_tensors: dict[str, torch.Tensor] = {}
+        self._staging: dict[str, torch.Tensor] = {}  # flat CPU views written by the shard threads
+        self._staged: set[str] = set()  # destinations that need a last copy (a device, or not in one piece)
+        self._wire_itemsize: dict[str, int] = {}
+        for n in names:
+            lay = client.layouts[n]
+            tdt = dtype or codec.to_torch_dtype(lay.dtype)
+            target = out.get(n) if out is not None else None
+            if target is None:
+                target = torch.empty(lay.shape, dtype=tdt)
+            elif tuple(target.shape) != lay.shape:
+                raise ValueError(f"out[{n!r}]: expected shape {lay.shape}, got {tuple(target.shape)}")
+            self.result_tensors[n] = target
+            # A CPU tensor in one piece is written in place, cast as each chunk is copied when its dtype is
+            # not the wire's (pull_dtype=bf16 into fp32 parameters): one pass, no staging.
+            direct = target.device.type == "cpu" and target.is_contiguous()
+            self._wire_itemsize[n] = tdt.itemsize
+            if direct:
+                self._staging[n] = target.detach().view(-1)
+            else:
+                if target.device.type == "cuda":  # pinned (kept by the client): the copy up is asynchronous
+                    self._staging[n] = client.buffers.pinned(f"pull:{n}", lay.numel, tdt)
+                else:
+                    self._staging[n] = torch.empty(lay.numel, dtype=tdt)
+                self._staged.add(n)
+        # Each shard's tensors in the order asked; elements each tensor still waits for.
+        order = {n: k for k, n in enumerate(names)}
+        self._owners: dict[int, list[str]] = {}
+        self._missing: dict[str, int] = dict.fromkeys(names, 0)
+        self._messages: dict[int, int] = {}  # how many PullResponses each shard answers with
+        for p in client.shard_map.parts:
+            if p.name in order:
+                self._missing[p.name] += p.stop - p.start
+                if client.shm_links[p.server] is not None:  # one per part
+                    self._messages[p.server] = self._messages.get(p.server, 0) + 1
+                else:  # one per chunk, as the shard frames them
+                    per = max(1, client.chunk_bytes // self._wire_itemsize[p.name])
+                    self._messages[p.server] = self._messages.get(p.server, 0) + -(-(p.stop - p.start) // per)
+                got = self._owners.setdefault(p.server, [])
+                if p.name not in got:
+                    got.append(p.name)
+        for got in self._owners.values():
+            got.sort(key=order.__getitem__)
+        self._lock = threading.Lock()
+        self._events = {n: threading.Event() for n in names}
+        self._received: dict[int, dict[str, int]] = {s: {} for s in self._owners}
+        for n, m in self._missing.items():
+            if m == 0:
+                self._complete(n)
+        t = client.transport
+        self._wait_s = t.timeout + t.recovery_timeout + 5.0
+        self._shards = sorted(self._owners)
+        self._futures: list[Future[int]] = []
+        self._error: BaseException | None = None
+        self._finished = False
+        self._broken = False
+        self._said: tuple[str, float, int] | None = None  # (sync, loss scale, slowest clock) last answered
+        self._versions: tuple[tuple[int, int], ...] = ()  # (shard, version) once every shard answered
+
+    def start(self, *, inline: bool = False) -> PullInFlight:
+        """Start every shard's Pull; ``inline``: the first shard's in this thread, before returning (for a
+        caller that waits for the result anyway: no hand-over between threads for it). The shards whose
+        Push answered with their weights need no call: their copies run in this thread, before returning."""
+        t = self._client.transport
+        here = [s for s in self._shards if s in self._answered]
+        remote = [s for s in self._shards if s not in self._answered]
+        if inline and remote:
+            here.append(remote.pop(0))
+        futures = dict(zip(remote, t.submit_each(self._fetch, remote)))  # the calls go out first
+        for s in here:
+            f: Future[int] = Future()
+            try:
+                f.set_result(t.call(s, functools.partial(self._fetch, s)))
+            except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
+                f.set_exception(e)
+            futures[s] = f
+        self._futures = [futures[s] for s in self._shards]
+        for f in self._futures:
+            f.add_done_callback(self._ended)
+        return self
+
+    def _ended(self, f: Future[int]) -> None:
+        if f.exception() is not None:  # the shard gave up (after its retries): wake every waiter
+            self._broken = True
+            for ev in self._events.values():
+                ev.set()
+
+    def _complete(self, name: str) -> None:
+        if name in self._staged:
+            target = self.result_tensors[name]
+            with torch.no_grad():
+                target.copy_(self._staging[name].view(target.shape), non_blocking=target.device.type == "cuda")
+                if target.device.type == "cuda":
+                    torch.cuda.current_stream(target.device).synchronize()
+        self._events[name].set()
+
+    def _fetch(self, shard: int) -> int:
+        client = self._client
+        with self._lock:  # a retry starts the shard over: what it sent before counts no more
+            for n, k in self._received[shard].items():
+                if not self._events[n].is_set():
+                    self._missing[n] += k
+            self._received[shard] = {}
+        link = client.shm_links[shard]
+        req = ps_pb2.PullRequest(worker_id=client.worker_id, names=self._owners[shard],
+                                 min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
+                                 chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
+                                 shm=link.pull.name if link is not None else "")
+        version = -1
+        received = self._received[shard]
+        given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
+        responses = (map(framing.read_pull_response, given) if given is not None
+                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1))
+        with torch.no_grad():
+            # chunk.data is a view of the received message: decode copies nothing, copy_ is the one copy.
+            for resp in responses:
+                c = resp.chunk
+                if c.shm_bytes:  # same host: the bytes are in our pull segment
+                    if link is None:
+                        raise ValueError(f"shard {shard} answered with shared memory this client did not offer")
+                    values = codec.decode(link.read(c.shm_offset, c.shm_bytes), c.dtype)
+                else:
+                    values = codec.decode(c.data, c.dtype)
+                dst = self._staging.get(c.name)
+                if dst is None and given is not None and c.name not in client.layouts:
+                    continue  # a Push is answered with every tensor of its shard: others' (pipeline stages')
+                if dst is None or c.offset < 0 or c.offset + values.numel() > dst.numel():
+                    size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"
+                    raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
+                                     f"outside {size}")
+                dst[c.offset : c.offset + values.numel()].copy_(values)
+                version = resp.version
+                self._said = (resp.sync, resp.loss_scale, resp.slowest_clock)  # one store: the latest answer wins
+                with self._lock:
+                    received[c.name] = received.get(c.name, 0) + values.numel()
+                    self._missing[c.name] -= values.numel()
+                    done = self._missing[c.name] == 0 and not self._events[c.name].is_set()
+                if done:
+                    self._complete(c.name)
+        return version
+
+    def wait(self, names: Sequence[str], timeout: float | None = None) -> bool:
+        """Block until ``names`` are complete; False when the pull failed first (``result()`` raises it)."""
+        deadline = time.monotonic() + (self._wait_s if timeout is None else timeout)
+        for n in names:
+            if not self._events[n].wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"tensor {n!r} was not pulled within the deadline")
+        return not self._broken
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """Wait for every shard; the destination tensors. Raises the first shard's failure (again on each
+        call). The first that succeeds hands ``view`` to ``on_result`` (``PSClient.apply``), in this thread."""
+        if not self._finished:
+            try:
+                versions = gather(self._futures, self._wait_s)
+            except BaseException as e:
+                self._error = e
+                self._finished = True
+                raise
+            self._versions = tuple((s, v) for s, v in zip(self._shards, versions) if v >= 0)
+            self._finished = True
+            if self._on_result is not None:
+                self._on_result(self.view)
+        if self._error is not None:
+            raise self._error
+        return self.result_tensors
+
+    @property
+    def view(self) -> JobView:
+        """What the shards said about the job so far: the latest answer's sync, loss scale and slowest
+        clock (as soon as one came in), each shard's version once ``result()`` returned."""
+        said = self._said
+        if said is None:
+            return JobView(versions=self._versions)
+        return JobView(sync=said[0], loss_scale=said[1], slowest_clock=said[2], versions=self._versions)
