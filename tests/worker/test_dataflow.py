@@ -1,9 +1,6 @@
-"""The worker's data path as values: the push builder, the job view, and no import circle in the worker."""
+"""The worker's data path as values: the push builder and the job view. (Its imports: tests/test_layering.py.)"""
 
 from __future__ import annotations
-
-import ast
-import pathlib
 
 import torch
 
@@ -14,7 +11,6 @@ from shardps.worker.accumulate import Accumulator
 from shardps.worker.jobview import JobView
 from shardps.worker.pushframes import PushFramer
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEAD = dict(worker_id=1, step=7, base_version=5, loss_scale=8.0, epoch=2)
 
 
@@ -97,83 +93,3 @@ def test_the_accumulator_pushes_the_mean_and_forgets():
     acc.add({"w": torch.full((2,), 3.0)})
     assert acc.steps == 2 and torch.equal(acc.mean()["w"], torch.full((2,), 2.0))
     assert acc.steps == 0 and acc.sum_of("w") is None
-
-
-# -- the worker's imports ---------------------------------------------------------
-
-FACE = {"shardps." + p.stem for p in (ROOT / "shardps").glob("*.py")} | {"shardps"}
-ALLOWED_FACE = {"shardps.exposition"}  # moved down by another change; worker/client.py and metrics.py only
-
-
-def _module(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(["shardps", *parts]) if parts[0] != "shardps" else ".".join(parts)
-
-
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every module ``path`` imports: at the top, inside functions, under TYPE_CHECKING."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.startswith("shardps")}
-
-
-def _graph(folders: list[str]) -> dict[str, set[str]]:
-    files = [p for f in folders for p in (ROOT / f).rglob("*.py")]
-    names = {_module(p): p for p in files}
-    return {m: {i for i in _imports(p) if i in names and i != m} for m, p in names.items()}
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
-
-
-def test_the_worker_and_the_face_form_no_import_circle():
-    # Pins the circles shardps/admin <-> worker/client <-> worker/streams and worker/optimizer <-> worker/overlap.
-    assert _cycles(_graph(["worker", "shardps"])) == []
-
-
-def test_the_worker_imports_nothing_of_the_face_but_exposition():
-    for path in (ROOT / "worker").rglob("*.py"):
-        # The face's modules imported (``from shardps.worker import x`` names the package, not the face).
-        up = {f for m in _imports(path) for f in FACE - {"shardps"} if m == f or m.startswith(f + ".")}
-        allowed = ALLOWED_FACE if path.name in ("client.py", "metrics.py") else set()
-        assert up <= allowed, f"{path.relative_to(ROOT)} imports {sorted(up - allowed)} from the face"
