@@ -1,4 +1,4 @@
-"""ShardStore: one shard, a facade over the parts it owns; the data path (submit, pull) and the sync switches.
+"""ShardStore: one shard, a facade over the parts it owns, each an object with its own state.
 
 Pure Python/torch, no gRPC: other servers are reached through the ``Peers``
 and ``ReplicaLink`` interfaces it is given (server/peers.py). The store owns
@@ -6,8 +6,9 @@ its parts as objects, each holding its own state and given, at
 construction, the store's lock and what it needs (a Protocol or a
 callable); no part reaches another through the store::
 
-    ShardStore                 store.py: the lock; configure, join, submit, pull, set_sync, stats,
-    |                          snapshot/restore, rollback; the Replayer of the replica side
+    ShardStore                 store.py: the lock, the wiring, stats, snapshot/restore, rollback,
+    |                          the RPCs answered in one call; the Replayer of the replica side
+    |- path: DataPath          datapath.py: configure, join, submit, pull, set_sync over the parts below
     |- table: TensorTable      table.py: the tensors (fp32 master weights, optimizer state)
     |- job: Job                job.py: version, epoch, sync mode and policy, clocks, the waits
     |- leases: Leases          membership.py: who is registered, evicted, gone; the lease reaper
@@ -18,8 +19,12 @@ callable); no part reaches another through the store::
 
 and the snapshot codec (snapshot.py), the sync policies (sync.py), the
 role and op enums (roles.py). The store's public attributes of earlier
-versions (``version``, ``pushes_total``, ``role``, ...) delegate to the
-part that owns them.
+versions (``version``, ``pushes_total``, ``role``, ...) and methods
+(``submit``, ``pull``, ``promote``, ...) delegate to the part that owns them.
+
+(Over 400 lines: the wiring of the parts, the delegations that keep the
+store's surface, and the snapshot/restore that gathers every part's state
+belong to the facade.)
 
 Versions: a shard starts at version 0 and adds one per optimizer step it
 applies (under BSP, one per step of the job; under ASP, one per gradient).
@@ -397,6 +402,7 @@ class ShardStore:
             self.path.remember_locked(worker_id, names)
 
     def stats(self) -> ShardStats:
+        """Every part's figures, of one moment (taken under the lock)."""
         with self._cond:
             m, rep, job, ap, rd = self.leases.membership, self.replica.replicator, self.job, self.applier, self.reader
             return ShardStats(
