@@ -23,7 +23,6 @@ from typing import Any
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from shardps.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
@@ -31,7 +30,8 @@ from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
 from shardps.server.pullcache import FRAME_INLINE_BYTES
-from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICES, create_server, stop_server
+from shardps.server.roles import Role
+from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICES, create_server, served, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
 log = logging.getLogger("shardps.server")
@@ -89,7 +89,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     check_spare(backup_of, num_shards)
     torch.set_num_threads(torch_threads or default_torch_threads())
     security = security or Security()
-    backup = ShardStore(backup_of, num_shards, lease_s=lease_s, role="backup")
+    backup = ShardStore(backup_of, num_shards, lease_s=lease_s, role=Role.BACKUP)
     backup.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
     if checkpoint_dir:
         backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every)
@@ -106,8 +106,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     def on_signal(signum: int, frame: object) -> None:
         if not stopping.is_set():
             stopping.set()
-            for svc in SERVICES:
-                server.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+            served(server).not_serving(SERVICES)
             backup.close()
             server.stop(grace_s)
 
@@ -185,7 +184,7 @@ class ShardServer:
                             self.checkpoint_dir)
         if self.replicas == 2:  # this process keeps the copy of the previous shard
             self.backup = ShardStore((shard_index - 1) % self.num_shards, self.num_shards, lease_s=self.lease_s,
-                                     role="backup")
+                                     role=Role.BACKUP)
             self.backup.frame_inline_bytes = self.frame_inline_bytes
             if self.checkpoint_dir:  # used once it takes over
                 self.backup.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
@@ -223,8 +222,7 @@ class ShardServer:
             return
         self._stopping.set()
         for srv in self._servers:
-            for svc in ("", *SERVICES):
-                srv.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)  # type: ignore[attr-defined]
+            served(srv).not_serving()
         for st in (self.store, self.backup):
             if st is not None:
                 st.close()  # waits in progress end with UNAVAILABLE; new requests are refused
@@ -239,7 +237,7 @@ class ShardServer:
             stop_server(srv)  # stopped already: joins its handler threads
         if self.checkpoint_dir and self._stopping.is_set():
             for st in (self.store, self.backup):
-                if st is not None and st.role == "primary":
+                if st is not None and st.role is Role.PRIMARY:
                     path = st.checkpoint_now()
                     log.warning("shard %d: checkpoint on shutdown at version %d: %s", st.shard_index, st.version,
                                 path)

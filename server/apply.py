@@ -1,14 +1,18 @@
 """The apply step of one shard: an update the sync policy handed over becomes an optimizer step.
 
-``Applier`` holds what the step needs besides the tensors: the staleness
-remedy (lr-scale, dc-asgd and the weights each worker pulled), the loss
-scaler, the optimizers with a scaled lr, and the ``StagingPool`` of spare
-fp32 gradient buffers (one per part, its own small lock: Push assembly asks
-for buffers without the store's lock). No lock of its own otherwise: the
-store calls ``apply`` under its lock. Split tensors reduce their statistics
-with their peers through the ``reduce_for`` the store passes (see
-server/peers.py); the store releases its lock around that network call.
-``ApplyMixin`` is the part of ``ShardStore`` that does so (``_apply``).
+``Applier`` is the store's part that steps the tensors of its ``TensorTable``.
+It holds what the step needs besides the tensors: the staleness remedy
+(lr-scale, dc-asgd and the weights each worker pulled), the loss scaler and
+the scaling the job was configured with, the optimizers with a scaled lr,
+the ``StagingPool`` of spare fp32 gradient buffers (one per part, its own
+small lock: Push assembly asks for buffers without the store's lock), the
+step counters and hooks, and the way to the peers of split tensors
+(``peers``, ``exchange``: server/peers.py).
+
+Its ``step`` runs under the store's lock (``cond``), which it is given: a
+split tensor's step exchanges statistics with its peers and releases the
+lock around each fetch, with ``applying`` set; every other reader and
+writer of the tensors first waits for it to end (``settle``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,24 +30,13 @@ from shardps.protos.optim import OptimizerSpec
 from shardps.server.errors import Unavailable
 from shardps.server.optim import ServerOptimizer, make_optimizer
 from shardps.server.optim.base import PartInfo, Reduce, State
-from shardps.server.peers import ExchangeTable, Key, PeerReducer
-from shardps.server.remedies import Remedy, compensate, lr_factor
-from shardps.server.scaling import LossScaler
+from shardps.server.peers import ExchangeTable, Key, PeerReducer, Peers
+from shardps.server.remedies import Remedy, RemedyKind, compensate, lr_factor
+from shardps.server.scaling import LossScaler, ScalingConfig, scaling_config
 from shardps.server.sync import Chunked, Grads, Update, staleness
 from shardps.server.table import PartKey, PartState, TensorEntry, TensorTable
 
-if TYPE_CHECKING:
-    from shardps.server.peers import Peers
-    from shardps.server.pullcache import PullCache
-
-ScalingConfig = tuple[float, float, float, int]  # init, growth, backoff, interval
 Item = tuple[torch.Tensor, torch.Tensor, State, PartInfo]  # what ServerOptimizer.step_many takes
-
-
-def scaling_config(scaler: LossScaler | None) -> ScalingConfig | None:
-    if scaler is None:
-        return None
-    return (scaler.init_scale, scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval)
 
 
 class StagingPool:
@@ -75,12 +67,84 @@ class Applied:
 
 
 class Applier:
-    def __init__(self) -> None:
+    """The optimizer step of one shard's tensors, its counters and its remedies; see the module docstring."""
+
+    def __init__(self, shard_index: int, cond: threading.Condition, table: TensorTable, *,
+                 peers: Peers | None = None, exchange_timeout_s: float = 60.0) -> None:
+        self.shard_index = shard_index
+        self._cond = cond
+        self.table = table
         self.remedy = Remedy()
         self.scaler: LossScaler | None = None
+        self.scaling_configured: ScalingConfig | None = None  # as configured (the scale moves)
         self.stale_weights: dict[int, dict[PartKey, torch.Tensor]] = {}  # dc-asgd: what each worker pulled
         self.pool = StagingPool()
         self._scaled_impls: dict[OptimizerSpec, ServerOptimizer] = {}
+        self.peers = peers  # the other shards (split tensors); given at start-up
+        self.exchange = ExchangeTable()  # partials published for the peers (served by the Exchange RPC)
+        self.exchange_timeout_s = exchange_timeout_s
+        self.applying = False  # a split tensor's step waits for its peers with the lock released
+        # Counters, read by stats() (and by metrics).
+        self.applied_updates_total = 0
+        self.gradients_applied_total = 0
+        self.skipped_steps_total = 0
+        self.apply_seconds_total = 0.0
+        self.staleness_counts: Counter[int] = Counter()
+        self.on_apply: list[Callable[[float], None]] = []  # called with each step's seconds, under the lock
+
+    def settle(self) -> None:
+        """Under the lock: wait until no split tensor's step is in flight (its thread released the lock)."""
+        if self.applying and not self._cond.wait_for(lambda: not self.applying,
+                                                     timeout=2 * self.exchange_timeout_s + 5):
+            raise Unavailable(f"shard {self.shard_index}: a step waiting for its peers did not end")
+
+    def step(self, update: Update, version: int) -> bool:
+        """Under the lock, no Pull reading the weights: one optimizer step at ``version`` (or a skipped one, an
+        inf/nan in some contribution: False). The caller advances the version either way.
+
+        A split tensor's step exchanges statistics with its peers: the lock
+        is released around each fetch, with ``applying`` set so that no
+        other thread reads or changes the tensors meanwhile.
+        """
+        split = any(self.table[name].spec.split for name, _ in update.grads)
+        self.applying = split
+        try:
+            done = self.apply(self.table, update, version, self._reducer)
+        finally:
+            if split:
+                self.applying = False
+                self._cond.notify_all()
+        self.skipped_steps_total += 1 if done.skipped else 0
+        self.apply_seconds_total += done.seconds
+        for hook in self.on_apply:
+            hook(done.seconds)
+        self.staleness_counts.update(done.staleness)
+        self.gradients_applied_total += 0 if done.skipped else len(update.contributions)
+        self.applied_updates_total += 0 if done.skipped else 1
+        return not done.skipped
+
+    def _reducer(self, entry: TensorEntry) -> Reduce:
+        return PeerReducer(self.exchange, self._fetch_unlocked, entry.spec.name, entry.rounds, self.shard_index,
+                           entry.spec.holders, self.exchange_timeout_s)
+
+    def _fetch_unlocked(self, shard: int, key: Key, from_shard: int, timeout: float) -> torch.Tensor:
+        """A peer's partial, fetched with the lock released (the caller holds it, with ``applying`` set)."""
+        peers = self.peers
+        if peers is None:
+            raise Unavailable(f"shard {self.shard_index} has no connection to its peers: it is not served")
+        assert self.applying
+        self._cond.release()
+        try:
+            return peers.fetch(shard, key, from_shard, timeout)
+        finally:
+            self._cond.acquire()
+
+    def add_peers(self, entries: Iterable[TensorEntry]) -> None:
+        """Tell the peers the addresses of the split tensors among ``entries`` (when served)."""
+        if self.peers is not None:
+            for e in entries:
+                if e.spec.split:
+                    self.peers.set_addresses(e.spec.peers)
 
     @property
     def scaling(self) -> ScalingConfig | None:
@@ -126,9 +190,9 @@ class Applier:
         if not skip:
             groups: dict[OptimizerSpec, tuple[ServerOptimizer, list[Item]]] = {}
             stale = staleness(version, update.contributions)
-            factor = lr_factor(sum(stale) / len(stale)) if self.remedy.kind == "lr-scale" else 1.0
+            factor = lr_factor(sum(stale) / len(stale)) if self.remedy.kind is RemedyKind.LR_SCALE else 1.0
             backup = (self.stale_weights.get(update.contributions[0].worker_id)
-                      if self.remedy.kind == "dc-asgd" and len(update.contributions) == 1 else None)
+                      if self.remedy.kind is RemedyKind.DC_ASGD and len(update.contributions) == 1 else None)
 
             def group(entry: TensorEntry) -> tuple[ServerOptimizer, list[Item]]:
                 """The step_many group of ``entry``'s optimizer spec: its implementation and items."""
@@ -178,77 +242,4 @@ def slices(part: PartState, g: Chunked, impl: ServerOptimizer) -> list[Item]:
     sizes = [v.numel() for v in chunks]
     weights = torch.split(part.weight.view(-1), sizes)
     return [(w, v, st, part.info) for w, v, st in zip(weights, chunks, impl.split_state(part.state, sizes))]
-
-
-class ApplyMixin:
-    """The apply step of ``ShardStore`` (it supplies the attributes annotated here)."""
-
-    shard_index: int
-    version: int
-    applier: Applier
-    pullcache: PullCache
-    peers: Peers | None
-    exchange: ExchangeTable
-    exchange_timeout_s: float
-    apply_seconds_total: float
-    skipped_steps_total: int
-    gradients_applied_total: int
-    applied_updates_total: int
-    staleness_counts: Counter[int]
-    on_apply: list[Callable[[float], None]]
-    _tensors: TensorTable
-    _applying: bool
-    _cond: threading.Condition
-
-    if TYPE_CHECKING:  # the store's own methods
-        def _settle(self) -> None: ...
-        def _await_reads(self) -> None: ...
-
-    def staging(self, key: PartKey, numel: int) -> torch.Tensor:
-        """An fp32 buffer of ``numel`` for a pushed part: a recycled one when there is one."""
-        return self.applier.pool.take(key, numel)
-
-    def _apply(self, update: Update) -> bool:
-        """One optimizer step (or a skipped one); the version advances either way. Under the lock.
-
-        A split tensor's step exchanges statistics with its peers: ``_cond``
-        is released around each fetch, with ``_applying`` set so that no
-        other thread reads or changes the tensors meanwhile.
-        """
-        self._settle()
-        self._await_reads()  # no Pull frames these weights outside the lock while they change
-        self.pullcache.clear()
-        split = any(self._tensors[name].spec.split for name, _ in update.grads)
-        self._applying = split
-        try:
-            done = self.applier.apply(self._tensors, update, self.version, self._reducer)
-        finally:
-            if split:
-                self._applying = False
-                self._cond.notify_all()
-        self.skipped_steps_total += 1 if done.skipped else 0
-        self.apply_seconds_total += done.seconds
-        for hook in self.on_apply:
-            hook(done.seconds)
-        self.staleness_counts.update(done.staleness)
-        self.gradients_applied_total += 0 if done.skipped else len(update.contributions)
-        self.applied_updates_total += 0 if done.skipped else 1
-        self.version += 1
-        return not done.skipped
-
-    def _reducer(self, entry: TensorEntry) -> Reduce:
-        return PeerReducer(self.exchange, self._fetch_unlocked, entry.spec.name, entry.rounds, self.shard_index,
-                           entry.spec.holders, self.exchange_timeout_s)
-
-    def _fetch_unlocked(self, shard: int, key: Key, from_shard: int, timeout: float) -> torch.Tensor:
-        """A peer's partial, fetched with _cond released (the caller holds it, with _applying set)."""
-        peers = self.peers
-        if peers is None:
-            raise Unavailable(f"shard {self.shard_index} has no connection to its peers: it is not served")
-        assert self._applying
-        self._cond.release()
-        try:
-            return peers.fetch(shard, key, from_shard, timeout)
-        finally:
-            self._cond.acquire()
 

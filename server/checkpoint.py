@@ -11,8 +11,10 @@ directory, fsynced, renamed, and the directory fsynced. ``latest`` returns
 the newest complete checkpoint whose tensor file matches its recorded hash,
 so a crash mid-write leaves the previous one in force.
 
-``CheckpointMixin`` is the part of ``ShardStore`` that decides when to
-checkpoint, writes its snapshot (server/snapshot.py) and rolls back.
+``Checkpointer`` is the store's part that owns the files of one shard and
+their schedule: when a checkpoint is due, writing a snapshot it is handed
+(server/snapshot.py), listing and loading them; the store restores what it
+loads (a rollback, a restart).
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from shardps.server.errors import FailedPrecondition
-from shardps.server.replica import Role
 
 log = logging.getLogger("shardps.server")
 
@@ -141,31 +143,29 @@ def latest(root: str | Path, shard_index: int, at_most: int | None = None) -> Ch
     return None
 
 
-class CheckpointMixin:
-    """Checkpoint methods of ``ShardStore`` (it supplies the attributes annotated here)."""
 
-    shard_index: int
-    version: int
-    epoch: int
-    recovering: bool
-    role: Role
-    checkpoints_total: int
-    _ckpt_dir: str | None
-    _ckpt_every: int
-    _ckpt_seconds: float
-    _ckpt_keep: int
-    _ckpt_last: float
-    _ckpt_version: int
-    _ckpt_lock: threading.Lock
-    _cond: threading.Condition
+Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]  # (version, meta, tensors): server/snapshot.py
 
-    if TYPE_CHECKING:  # the store's own methods
-        def snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]: ...
-        def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
-        def _record_snapshot(self) -> None: ...
 
-    def enable_checkpoints(self, directory: str, *, every_steps: int = 0, every_seconds: float = 0.0,
-                           keep: int = 3) -> None:
+class Checkpointer:
+    """One shard's checkpoint files and their schedule.
+
+    ``lock`` is the first lock of the store's lock order: one checkpoint
+    write or rollback at a time, held over disk I/O (never over a call to
+    another server). The schedule (``due``) is read under the store's lock;
+    the rest needs no lock but ``lock``.
+    """
+
+    def __init__(self, shard_index: int) -> None:
+        self.shard_index = shard_index
+        self.directory: str | None = None
+        self.every_steps, self.every_seconds, self.keep = 0, 0.0, 3
+        self.last_time = time.monotonic()
+        self.last_version = -1  # the version of the newest checkpoint written or restored
+        self.lock = threading.Lock()
+        self.checkpoints_total = 0
+
+    def enable(self, directory: str, *, every_steps: int = 0, every_seconds: float = 0.0, keep: int = 3) -> None:
         """Checkpoint into ``directory`` every ``every_steps`` versions and/or after ``every_seconds``.
 
         Under bsp and every:X all shards apply the same rounds, so step-based
@@ -173,65 +173,43 @@ class CheckpointMixin:
         """
         if every_steps < 0 or every_seconds < 0:
             raise ValueError("checkpoint intervals must be >= 0")
-        self._ckpt_dir, self._ckpt_every, self._ckpt_seconds, self._ckpt_keep = (
-            directory, every_steps, every_seconds, keep)
-        self._ckpt_last = time.monotonic()
+        self.directory, self.every_steps, self.every_seconds, self.keep = directory, every_steps, every_seconds, keep
+        self.last_time = time.monotonic()
 
-    def _checkpoint_due(self) -> bool:
-        if not self._ckpt_dir or self._ckpt_version == self.version or self.role != Role.PRIMARY:
+    def due(self, version: int) -> bool:
+        """Whether a checkpoint is due at ``version`` (on a serving primary; the caller checks its role)."""
+        if not self.directory or self.last_version == version:
             return False
-        if self._ckpt_every and self.version % self._ckpt_every == 0:
+        if self.every_steps and version % self.every_steps == 0:
             return True
-        return bool(self._ckpt_seconds) and time.monotonic() - self._ckpt_last >= self._ckpt_seconds
+        return bool(self.every_seconds) and time.monotonic() - self.last_time >= self.every_seconds
 
-    def checkpoint_now(self) -> str:
-        """Write a checkpoint of the current state; return the path of its metadata."""
-        if not self._ckpt_dir:
+    def write(self, snapshot: Callable[[], Snapshot]) -> str:
+        """Write a checkpoint of what ``snapshot()`` returns (taken under ``lock``); the path of its metadata."""
+        if not self.directory:
             raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory (--checkpoint-dir)")
-        with self._ckpt_lock:
-            version, meta, tensors = self.snapshot()
-            path = write(self._ckpt_dir, self.shard_index, version, meta, tensors, keep=self._ckpt_keep)
-            self._ckpt_version, self._ckpt_last = version, time.monotonic()
+        with self.lock:
+            version, meta, tensors = snapshot()
+            path = write(self.directory, self.shard_index, version, meta, tensors, keep=self.keep)
+            self.last_version, self.last_time = version, time.monotonic()
             self.checkpoints_total += 1
         log.info("shard %d: checkpoint at version %d: %s", self.shard_index, version, path)
         return str(path)
 
-    def checkpoint_versions(self) -> list[int]:
-        return list_versions(self._ckpt_dir, self.shard_index) if self._ckpt_dir else []
+    def versions(self) -> list[int]:
+        """The versions of the complete checkpoints on disk, oldest first ([] without a directory)."""
+        return list_versions(self.directory, self.shard_index) if self.directory else []
 
-    def rollback(self, version: int, epoch: int) -> tuple[int, int]:
-        """Restore the checkpoint at ``version`` and enter ``epoch`` (no-op if already there).
+    def load(self, version: int) -> Checkpoint:
+        """The checkpoint at ``version``; FAILED_PRECONDITION when there is none or it does not load."""
+        if not self.directory:
+            raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory")
+        try:
+            return load(self.directory, self.shard_index, version)
+        except ValueError as e:
+            raise FailedPrecondition(f"shard {self.shard_index} cannot roll back to version {version}: {e} "
+                                     f"(checkpoints: {self.versions()})") from None
 
-        Waits in progress end with ABORTED, so their workers resync too.
-        """
-        with self._ckpt_lock:
-            if epoch <= self.epoch and not self.recovering:
-                return self.version, self.epoch
-            if not self._ckpt_dir:
-                raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory")
-            try:
-                c = load(self._ckpt_dir, self.shard_index, version)
-            except ValueError as e:
-                raise FailedPrecondition(f"shard {self.shard_index} cannot roll back to version {version}: {e} "
-                                         f"(checkpoints: {self.checkpoint_versions()})") from None
-            self.restore(c.version, c.meta, c.tensors())
-            with self._cond:
-                self.epoch = max(epoch, self.epoch + 1)
-                self.recovering = False
-                self._ckpt_version = c.version
-                self._record_snapshot()
-                self._cond.notify_all()
-        log.warning("shard %d: rolled back to version %d, epoch %d", self.shard_index, version, self.epoch)
-        return self.version, self.epoch
-
-    def restore_latest(self, at_most: int | None = None) -> int | None:
-        """Restore the newest complete checkpoint (at or below ``at_most``); its version, or None."""
-        if not self._ckpt_dir:
-            return None
-        c = latest(self._ckpt_dir, self.shard_index, at_most)
-        if c is None:
-            return None
-        self.restore(c.version, c.meta, c.tensors())
-        self._ckpt_version = c.version
-        return c.version
-
+    def latest(self, at_most: int | None = None) -> Checkpoint | None:
+        """The newest complete checkpoint (at or below ``at_most``), or None (also without a directory)."""
+        return latest(self.directory, self.shard_index, at_most) if self.directory else None

@@ -5,8 +5,8 @@ barriers and SSP clocks. It takes no lock of its own (the store calls it
 under its lock) and reads time only from the ``clock`` it is given, so
 eviction is tested as a table with a fake clock (tests/server/test_membership.py).
 ``Reaper`` checks leases in the background, a few times per lease.
-``MembershipMixin`` is the part of ``ShardStore`` that takes its lock and
-records the changes its backup replays.
+``Leases`` is the store's part: ``Membership`` and its reaper, given the
+store's lock and a ``Recorder`` for the changes its backup replays.
 
 A worker is in one of: unknown, registered (holds a lease), evicted (its
 lease expired: barriers go on without it; it may register again), left (said
@@ -22,13 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from shardps.server.errors import FailedPrecondition, InvalidArgument
-from shardps.server.replica import OpKind, Role
-
-if TYPE_CHECKING:
-    from shardps.server.sync import SyncPolicy, Update
+from shardps.server.roles import OpKind, Recorder
 
 log = logging.getLogger("shardps.server")
 
@@ -178,21 +174,29 @@ class Reaper:
             self._thread.join(timeout=10)
 
 
-class MembershipMixin:
-    """Membership methods of ``ShardStore`` (it supplies the attributes annotated here)."""
 
-    shard_index: int
-    membership: Membership
-    clock: Clock
-    role: Role
-    worker_clocks: dict[int, int]
-    _policy: SyncPolicy | None
-    _reaper: Reaper
-    _cond: threading.Condition
+class Leases:
+    """Membership as a part of the store: the leases, their reaper, and each change recorded.
 
-    if TYPE_CHECKING:  # the store's own methods
-        def _record(self, kind: OpKind, args: dict[str, Any], tensors: Any = None) -> None: ...
-        def _apply(self, update: Update) -> bool: ...
+    Given the store's lock (``cond``; its methods take it, the ``*_locked``
+    ones expect it held), the ``Recorder`` the backup's ops go to, the
+    ``Membership`` (shared with no other part but read by the job's clocks), and three
+    callables: ``on_live_changed`` (under the lock, with the live workers:
+    the sync policy may complete a barrier), ``may_evict`` (only a serving
+    primary evicts; a backup replays its primary's evictions) and
+    ``clock_of`` (a worker's clock, for the log).
+    """
+
+    def __init__(self, cond: threading.Condition, recorder: Recorder, membership: Membership, *,
+                 on_live_changed: Callable[[set[int]], None] = lambda live: None,
+                 may_evict: Callable[[], bool] = lambda: True,
+                 clock_of: Callable[[int], int] = lambda worker: 0) -> None:
+        self.shard_index = shard_index = membership.shard_index
+        self.clock = membership.clock
+        self.membership = membership
+        self._cond, self._recorder = cond, recorder
+        self._on_live_changed, self._may_evict, self._clock_of = on_live_changed, may_evict, clock_of
+        self._reaper = Reaper(self.evict_expired, lambda: max(0.05, self.lease_s / 4), f"shard{shard_index}-leases")
 
     @property
     def lease_s(self) -> float:
@@ -214,18 +218,18 @@ class MembershipMixin:
     def leaves_total(self, value: int) -> None:  # restored with the counters
         self.membership.leaves_total = value
 
-    def register_worker(self, worker_id: int) -> None:
+    def register(self, worker_id: int) -> None:
         """A worker joins (or rejoins after an eviction): it holds a lease from now on."""
         with self._cond:
-            self.check_worker_id(worker_id)
+            self.membership.check_worker_id(worker_id)
             m = self.membership
             if worker_id not in m.workers or worker_id in m.evicted:  # a change the backup replays
-                self._record(OpKind.REGISTER_WORKER, {"worker": worker_id})
+                self._recorder.record(OpKind.REGISTER_WORKER, {"worker": worker_id})
             joined = m.register(worker_id)
             if joined.rejoined:
                 log.log(logging.WARNING if joined.was_evicted else logging.INFO,
                         "shard %d: worker %d rejoined at clock %d", self.shard_index, worker_id,
-                        self.worker_clocks.get(worker_id, -1) + 1)
+                        self._clock_of(worker_id))
             if joined.live_changed:
                 self._live_changed()
 
@@ -237,13 +241,13 @@ class MembershipMixin:
         Returns whether the worker was registered.
         """
         with self._cond:
-            self.check_worker_id(worker_id)
+            self.membership.check_worker_id(worker_id)
             if worker_id not in self.membership.workers:
                 return False
-            self._record(OpKind.LEAVE, {"worker": worker_id})
+            self._recorder.record(OpKind.LEAVE, {"worker": worker_id})
             self.membership.leave(worker_id)
             log.info("shard %d: worker %d left at clock %d; steps now complete with workers %s", self.shard_index,
-                     worker_id, self.worker_clocks.get(worker_id, -1) + 1, sorted(self.live_workers()))
+                     worker_id, self._clock_of(worker_id), sorted(self.live()))
             self._live_changed()
             return True
 
@@ -252,32 +256,28 @@ class MembershipMixin:
         with self._cond:
             self.membership.touch(worker_id)
 
-    def live_workers(self) -> set[int]:
+    def live(self) -> set[int]:
         """Workers that count for barriers and SSP clocks: all of the job's but the evicted and those that left."""
         return self.membership.live()
 
     def _live_changed(self) -> None:
-        if self._policy is not None:
-            for update in self._policy.live_changed(self.live_workers()):
-                self._apply(update)
+        self._on_live_changed(self.live())
         self._cond.notify_all()
-
-    def _renew_leases(self) -> None:
-        self.membership.renew_all()
 
     def evict_expired(self, now: float | None = None) -> list[int]:
         """Evict registered workers whose lease expired; barriers complete with the live ones."""
         now = self.clock() if now is None else now
         with self._cond:
-            if self.role != Role.PRIMARY:  # a backup replays its primary's evictions; a starting one waits
+            if not self._may_evict():  # a backup replays its primary's evictions; a starting one waits
                 return []
             expired = self.membership.expired(now)
-            self._evict(expired, now)
+            self.evict_locked(expired, now)
             return expired
 
-    def _evict(self, expired: list[int], now: float | None = None) -> None:
+    def evict_locked(self, expired: list[int], now: float | None = None) -> None:
+        """Under the lock: evict ``expired`` (recorded; barriers go on without them)."""
         if expired:
-            self._record(OpKind.EVICT, {"workers": expired})
+            self._recorder.record(OpKind.EVICT, {"workers": expired})
             self.membership.evict(expired, now)
             self._live_changed()
 
@@ -286,13 +286,10 @@ class MembershipMixin:
         if self.lease_s > 0:
             self._reaper.start()
 
+    def signal_stop(self) -> None:
+        """Tell the reaper to stop (at once; ``stop_reaper`` also waits for its thread)."""
+        self._reaper.signal_stop()
+
     def stop_reaper(self) -> None:
         """Stop the lease checks and wait for the thread to end."""
         self._reaper.stop()
-
-    def check_worker_id(self, worker_id: int) -> None:
-        self.membership.check_worker_id(worker_id)
-
-    def _check_registered(self, worker_id: int) -> None:
-        self.membership.check_registered(worker_id)
-

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from shardps.protos.stats import ShardStats
-from shardps.server.replica import Role
+from shardps.server.roles import Role
 from shardps.server.store import ShardStore
 
 #: Staleness is counted in versions (steps); Fibonacci buckets.

@@ -8,18 +8,21 @@ that version answered while another one still streams them (under bsp every
 worker's, at once after the barrier) share one copy, which lives only as
 long as some Pull sends it. The store clears it whenever the weights or the
 version change. No lock of its own: called under the store's lock.
-``ReadMixin`` is the part of ``ShardStore`` that reads its weights
-(``read``, ``read_into``, ``export_state``, ``weights``).
+``Reader`` is the store's part that reads its weights (``read``,
+``read_into``, ``export_state``, ``weights``): it owns the cache, the count
+of reads in progress outside the lock and the Pull counters, and is given
+the store's lock, the ``TensorTable``, the ``Job`` (version, sync mode) and
+callables for the rest (see ``Reader``).
 
 Framing outside the lock. A Pull of more than ``frame_inline_bytes`` is not
 framed under the store's lock: under the lock it takes the version, the
-header and the tensor entries and counts itself in ``_reading``; a thread of
+header and the tensor entries and counts itself in ``reading``; a thread of
 its own then frames the weights into a ``Framing`` while the Pulls holding it
 send the responses already framed (framing overlaps sending), and leaves
-``_reading`` when done. The optimizer step changes weights in place, so
-``_apply`` (and ``submit`` before it offers a gradient) waits for
-``_reading == 0`` first (``_await_reads``); nothing else writes weights in
-place (a restore replaces the tensor table, leaving a framing in progress
+``reading`` when done. The optimizer step changes weights in place, so the
+store's step (and ``submit`` before it offers a gradient) waits for
+``reading == 0`` first (``await_reads``); nothing else writes weights in
+place (a restore replaces the table's entries, leaving a framing in progress
 its own, older tensors). Every other request (pushes being taken in, stats,
 heartbeats, another version's Pull) goes on meanwhile. The same-host path
 (``read_into``) copies into the worker's segment the same way, outside the
@@ -30,20 +33,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from shardps.protos import codec, framing, shm
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import InvalidArgument, Unavailable
+from shardps.server.job import Job
 from shardps.server.table import TensorEntry, TensorTable
-
-if TYPE_CHECKING:
-    from shardps.server.membership import Membership
-    from shardps.server.remedies import Remedy
 
 Item = tuple[str, int, int, bytes]  # (tensor name, offset, wire dtype, payload)
 Key = tuple[Any, ...]
@@ -192,70 +191,69 @@ def frame(entries: Sequence[TensorEntry], wire_dtype: int | None, chunk_bytes: i
     return out, payload_bytes(entries, wire_dtype)
 
 
-class ReadMixin:
-    """Read methods of ``ShardStore`` (it supplies the attributes annotated here)."""
 
-    version: int
-    shard_index: int
-    membership: Membership
-    pullcache: PullCache
-    pull_bytes_total: int
-    pulls_total: int
-    _tensors: TensorTable
-    _sync: SyncSpec | None
-    _cond: threading.Condition
-    # Set by the store's __init__: Pulls framing or copying weights outside _cond now (see the module
-    # docstring), steps waiting for them to end, and the largest Pull framed under _cond.
-    _reading: int
-    writers_waiting: int
-    frame_inline_bytes: int
+class Reader:
+    """Reads of one shard's weights, consistent per version; see the module docstring.
 
-    if TYPE_CHECKING:  # the store's properties
-        @property
-        def loss_scale(self) -> float: ...
+    Given the store's lock (``cond``; its reads take it), the tensors, the
+    ``Job`` (version and sync mode of what it reads), and callables:
+    ``settle`` (under the lock: waits out a split tensor's step),
+    ``loss_scale`` (the scale workers use next) and ``on_read`` (under the
+    lock, with the worker and the names it reads: dc-asgd remembers them).
+    """
 
-        @property
-        def remedy(self) -> Remedy: ...
-
-    if TYPE_CHECKING:  # the store's own methods
-        def _settle(self) -> None: ...
-        def spec(self, name: str) -> Any: ...
-        def _remember_pulled(self, worker_id: int, names: list[str]) -> None: ...
+    def __init__(self, shard_index: int, cond: threading.Condition, table: TensorTable, job: Job, *,
+                 settle: Callable[[], None] = lambda: None, loss_scale: Callable[[], float] = lambda: 0.0,
+                 on_read: Callable[[int | None, list[str]], None] = lambda worker, names: None,
+                 frame_inline_bytes: int = FRAME_INLINE_BYTES) -> None:
+        self.shard_index = shard_index
+        self._cond, self._table, self._job = cond, table, job
+        self._settle, self._loss_scale, self._on_read = settle, loss_scale, on_read
+        self.cache = PullCache()
+        self.reading = 0  # Pulls framing or copying weights outside the lock; steps wait for 0
+        self.writers_waiting = 0  # steps waiting for those Pulls
+        self.frame_inline_bytes = frame_inline_bytes  # larger Pulls are framed outside the lock
+        self.pull_bytes_total = 0
+        self.pulls_total = 0
 
     def _entries_read(self, names: Sequence[str], worker_id: int | None) -> list[TensorEntry]:
-        """Under _cond: the entries of ``names`` (NotFound for one not held), once no step is in flight;
-        under dc-asgd, the weights a worker reads are remembered for it."""
+        """Under the lock: the entries of ``names`` (NotFound for one not held), once no step is in flight;
+        ``on_read`` is told who reads them."""
         self._settle()
-        entries = [self._tensors.get(n) for n in names]
+        entries = [self._table.get(n) for n in names]
         for n, e in zip(names, entries):
             if e is None:
-                self.spec(n)  # raises NotFound
-        if self.remedy.kind == "dc-asgd" and worker_id is not None and worker_id in self.membership.workers:
-            self._remember_pulled(worker_id, list(names))
+                self._table.spec(n)  # raises NotFound
+        self._on_read(worker_id, list(names))
         return entries  # type: ignore[return-value]
 
-    def _await_reads(self) -> None:
-        """Under _cond, before weights change in place: wait until no Pull reads them outside the lock."""
-        if not self._reading:
+    def await_reads(self) -> None:
+        """Under the lock, before weights change in place: wait until no Pull reads them outside the lock."""
+        if not self.reading:
             return
         self.writers_waiting += 1
         self._cond.notify_all()  # for whoever watches writers_waiting (tests)
         try:
-            ok = self._cond.wait_for(lambda: not self._reading, timeout=FRAMING_TIMEOUT_S)
+            ok = self._cond.wait_for(lambda: not self.reading, timeout=FRAMING_TIMEOUT_S)
         finally:
             self.writers_waiting -= 1
         if not ok:
-            raise Unavailable(f"shard {self.shard_index}: {self._reading} Pull(s) still reading the weights "
+            raise Unavailable(f"shard {self.shard_index}: {self.reading} Pull(s) still reading the weights "
                               f"after {FRAMING_TIMEOUT_S:.0f}s; the step was not applied")
+
+    def before_write(self) -> None:
+        """Under the lock, before a step changes the weights: no Pull reads them, none is framed from them."""
+        self.await_reads()
+        self.cache.clear()
 
     def _done_reading(self) -> None:
         with self._cond:
-            self._reading -= 1
+            self.reading -= 1
             self._cond.notify_all()
 
     def _frame_out(self, out: Framing, entries: list[TensorEntry], wire_dtype: int | None, chunk_bytes: int,
                    header: tuple[bytes, bytes]) -> None:
-        """The framing thread of a large Pull (counted in ``_reading`` by its caller)."""
+        """The framing thread of a large Pull (counted in ``reading`` by its caller)."""
         try:
             out.produce(frame_items(entries, wire_dtype, chunk_bytes, header))
         finally:
@@ -284,21 +282,23 @@ class ReadMixin:
             nbytes = payload_bytes(entries, wire_dtype)
             self.pull_bytes_total += nbytes
             self.pulls_total += 1
+            job = self._job
             if not messages:
-                return self.version, frame(entries, wire_dtype, chunk_bytes, None)[0]
-            key = (tuple(names), wire_dtype, chunk_bytes, slowest_clock, self.loss_scale, str(self._sync or ""))
-            hit = self.pullcache.get(key)
+                return job.version, frame(entries, wire_dtype, chunk_bytes, None)[0]
+            loss_scale, sync = self._loss_scale(), job.sync_text
+            key = (tuple(names), wire_dtype, chunk_bytes, slowest_clock, loss_scale, sync)
+            hit = self.cache.get(key)
             if hit is not None:
-                return self.version, hit[0]
-            header = framing.pull_header(self.version, self.loss_scale, str(self._sync or ""), slowest_clock)
+                return job.version, hit[0]
+            header = framing.pull_header(job.version, loss_scale, sync, slowest_clock)
             if nbytes <= self.frame_inline_bytes:
                 out, _ = frame(entries, wire_dtype, chunk_bytes, header)
-                self.pullcache.put(key, out, nbytes)
-                return self.version, out
+                self.cache.put(key, out, nbytes)
+                return job.version, out
             framed = Framing()
-            self.pullcache.put(key, framed, nbytes)
-            self._reading += 1
-            version = self.version
+            self.cache.put(key, framed, nbytes)
+            self.reading += 1
+            version = job.version
         try:
             threading.Thread(target=self._frame_out, args=(framed, entries, wire_dtype, chunk_bytes, header),
                              name=f"shard{self.shard_index}-framing", daemon=True).start()
@@ -312,7 +312,7 @@ class ReadMixin:
                   slowest_clock: int = 0, worker_id: int | None = None) -> tuple[int, list[Item]]:
         """As ``read(messages=True)``, for the same-host fast path: the parts are copied (cast to the wire
         dtype) into ``segment``, one after another from offset 0 (each on a 64-byte boundary), outside the
-        lock but of one version (counted in ``_reading``: no step runs meanwhile); each item's payload is a
+        lock but of one version (counted in ``reading``: no step runs meanwhile); each item's payload is a
         PullResponse whose chunk says where its part lies (``shm_offset``, ``shm_bytes``) and carries no data.
         INVALID_ARGUMENT when the segment is too small.
         """
@@ -330,10 +330,10 @@ class ReadMixin:
             if layout and layout[-1][3] + layout[-1][4] > segment.size:
                 raise InvalidArgument(f"Pull: shared-memory segment {segment.name} holds {segment.size} bytes; "
                                       f"the weights asked need {layout[-1][3] + layout[-1][4]}")
-            version, loss_scale, sync = self.version, self.loss_scale, str(self._sync or "")
+            version, loss_scale, sync = self._job.version, self._loss_scale(), self._job.sync_text
             self.pull_bytes_total += sum(size for *_, size in layout)
             self.pulls_total += 1
-            self._reading += 1
+            self.reading += 1
         try:
             out: list[Item] = []
             for e, start, dt, off, size in layout:
@@ -360,19 +360,19 @@ class ReadMixin:
         with self._cond:
             self._settle()
             for n in names:
-                self.spec(n)
+                self._table.spec(n)
             out = []
             for n in names:
-                for start, part in sorted(self._tensors[n].parts.items()):
+                for start, part in sorted(self._table[n].parts.items()):
                     out.append((n, start, part.stop, "weight", part.weight.clone()))
                     for key in sorted(part.state):
                         out.append((n, start, part.stop, key, part.state[key].clone()))
-            return self.version, out
+            return self._job.version, out
 
     def weights(self, name: str) -> dict[int, torch.Tensor]:
         """Copies of the fp32 master weights of ``name``, by part start (for tests and tools)."""
         with self._cond:
             self._settle()
-            self.spec(name)
-            return {s: p.weight.clone() for s, p in self._tensors[name].parts.items()}
+            self._table.spec(name)
+            return {s: p.weight.clone() for s, p in self._table[name].parts.items()}
 

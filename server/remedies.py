@@ -21,23 +21,33 @@ from dataclasses import dataclass
 
 import torch
 
+from shardps.server.roles import StrEnum
+
+
+class RemedyKind(StrEnum):
+    NONE = "none"
+    LR_SCALE = "lr-scale"
+    DC_ASGD = "dc-asgd"
+
 
 @dataclass(frozen=True)
 class Remedy:
-    kind: str = "none"  # "none", "lr-scale", "dc-asgd"
+    """A staleness remedy as the job runs it: its kind and, for dc-asgd, its lambda."""
+
+    kind: RemedyKind = RemedyKind.NONE
     dc_lambda: float = 0.0
 
     def __str__(self) -> str:
-        return f"dc-asgd:{self.dc_lambda:g}" if self.kind == "dc-asgd" else self.kind
+        return f"dc-asgd:{self.dc_lambda:g}" if self.kind is RemedyKind.DC_ASGD else str(self.kind)
 
     @classmethod
     def parse(cls, text: str | None) -> Remedy:
         t = (text or "none").strip().lower()
         if t in ("none", ""):
             return cls()
-        if t == "lr-scale":
-            return cls("lr-scale")
-        if t.startswith("dc-asgd"):
+        if t == RemedyKind.LR_SCALE:
+            return cls(RemedyKind.LR_SCALE)
+        if t.startswith(RemedyKind.DC_ASGD):
             _, _, lam = t.partition(":")
             try:
                 value = float(lam) if lam else 0.04
@@ -45,7 +55,7 @@ class Remedy:
                 value = -1.0
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"staleness remedy {text!r}: dc-asgd:LAMBDA needs a number >= 0")
-            return cls("dc-asgd", value)
+            return cls(RemedyKind.DC_ASGD, value)
         raise ValueError(f"unknown staleness remedy {text!r}; expected none, lr-scale or dc-asgd:LAMBDA")
 
 

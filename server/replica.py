@@ -1,32 +1,26 @@
-"""The replica side of a shard (``--replicas 2``): roles, replication ops, and the backup's replay.
+"""The replica side of a shard (``--replicas 2``): recording ops on a primary, replaying them on a backup.
 
-Types instead of strings, str-valued where they go on the wire or into
-stats (the formats are unchanged): ``Role`` of a store, ``ReplicaState`` of
-the primary's replicator, ``OpKind`` of a replication op. Their allowed
-transitions are the tables ``ROLE_TRANSITIONS`` and ``REPLICA_TRANSITIONS``
-(tested in tests/server/test_replica.py); anything else raises
-``InvalidTransition``.
-
-``ReplicaMixin`` is the part of ``ShardStore`` that keeps or serves a copy:
-on a primary, recording ops and attaching a backup (through the injected
-``ReplicaLink``; the gRPC sender is server/replication.py); on a backup,
-replaying the primary's ops in order (``apply_replica``) and taking over
-(``promote``). Its methods use the store's lock and replay lock as the lock
-order in server/store.py says; no network call is made holding either.
-
-(Over 400 lines: the three enums' transition tables and the replica side
-of the store belong to one concept, the replicated role of a shard, and are
-read together.)
+``ReplicaSide`` is the store's part that keeps or serves a copy. It owns
+the shard's ``Role`` (server/roles.py, with the other enums and their
+transition tables), the replicator and the link that opens it, and the
+backup's bookkeeping (the last op replayed, whose copy it holds, the
+promotions). On a primary it is the ``Recorder`` the other parts record
+their changes into, and attaches a backup through the injected
+``ReplicaLink`` (the gRPC sender is server/replication.py); on a backup it
+replays the primary's ops in order (``apply_ops``) through the ``Replayer``
+it is given (the store: the same code path as the requests themselves) and
+takes over (``promote``). It takes the store's lock and the replay lock as
+the lock order in server/store.py says; no network call is made holding
+either.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,123 +31,32 @@ from shardps.server.errors import (
     StoreError,
     Unavailable,
 )
+from shardps.server.peers import ReplicaLink, ReplicaSink
+from shardps.server.roles import (
+    REPLICA_TRANSITIONS,
+    ROLE_TRANSITIONS,
+    InvalidTransition,
+    OpKind,
+    ReplicaEvent,
+    ReplicaState,
+    Role,
+    RoleEvent,
+    next_replica_state,
+    next_role,
+)
 from shardps.server.scaling import LossScaler
 from shardps.server.snapshot import Packed, parse_part_keys
-from shardps.server.table import TensorEntry, spec_from_json, spec_to_json
+from shardps.server.table import PartKey, TensorSpec, spec_from_json
 
-if TYPE_CHECKING:
-    from shardps.server.peers import ReplicaLink, ReplicaSink
+__all__ = ["DEFAULT_REPLICA_TIMEOUT_S", "REPLICA_TRANSITIONS", "ROLE_TRANSITIONS", "Deposed", "InvalidTransition",
+           "Op", "OpKind", "ReplicaEvent", "ReplicaSide", "ReplicaState", "Replayer", "Role", "RoleEvent",
+           "next_replica_state", "next_role"]
 
 log = logging.getLogger("shardps.server")
 
 DEFAULT_REPLICA_TIMEOUT_S = 30.0
 
-
-class StrEnum(str, enum.Enum):
-    """A str-valued enum that prints, formats and serializes as its value."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class InvalidTransition(ValueError):
-    pass
-
-
-class Role(StrEnum):
-    PRIMARY = "primary"
-    BACKUP = "backup"
-    STARTING = "starting"  # a restarted primary, until it knows its backup did not take over
-    DEPOSED = "deposed"  # its backup took over: it serves nothing more
-
-
-class RoleEvent(StrEnum):
-    START = "start"  # start_replicated: check the backup first
-    SETTLED = "settled"  # the first sync with the backup settled
-    PROMOTE = "promote"
-    DEPOSED = "deposed"  # the backup answered that it was promoted
-
-
-ROLE_TRANSITIONS: dict[tuple[Role, RoleEvent], Role] = {
-    (Role.PRIMARY, RoleEvent.START): Role.STARTING,
-    (Role.STARTING, RoleEvent.SETTLED): Role.PRIMARY,
-    (Role.DEPOSED, RoleEvent.SETTLED): Role.DEPOSED,
-    (Role.PRIMARY, RoleEvent.DEPOSED): Role.DEPOSED,
-    (Role.STARTING, RoleEvent.DEPOSED): Role.DEPOSED,
-    (Role.DEPOSED, RoleEvent.DEPOSED): Role.DEPOSED,
-    (Role.BACKUP, RoleEvent.PROMOTE): Role.PRIMARY,
-    (Role.PRIMARY, RoleEvent.PROMOTE): Role.PRIMARY,
-}
-
-
-def _transition(table: dict[tuple[Any, Any], Any], what: str, state: Any, event: Any) -> Any:
-    try:
-        return table[(state, event)]
-    except KeyError:
-        raise InvalidTransition(f"{what} {state}: no transition on {event}") from None
-
-
-def next_role(role: Role, event: RoleEvent) -> Role:
-    new: Role = _transition(ROLE_TRANSITIONS, "role", role, event)
-    return new
-
-
-class ReplicaState(StrEnum):
-    """The primary's replica (see the diagram in server/replication.py)."""
-
-    NONE = "none"
-    RESYNC = "resync"
-    SYNCING = "syncing"
-    SYNCED = "synced"
-    DEGRADED = "degraded"
-    DEPOSED = "deposed"
-
-
-class ReplicaEvent(StrEnum):
-    ATTACH = "attach"  # a backup address given: the whole state goes first
-    BEGIN_SYNC = "begin_sync"  # the snapshot op is recorded
-    CONFIRMED = "confirmed"  # the backup confirmed a batch holding the snapshot
-    FAILED = "failed"  # the backup is unreachable or failed: go on alone
-    ABORTED = "aborted"  # the backup asks for the whole state again
-    PROMOTED = "promoted"  # the backup answers that it took over
-
-
-def _replica_table() -> dict[tuple[ReplicaState, ReplicaEvent], ReplicaState]:
-    s, e = ReplicaState, ReplicaEvent
-    t = {}
-    for st in (s.RESYNC, s.SYNCING, s.SYNCED, s.DEGRADED):
-        t[(st, e.ATTACH)] = s.RESYNC
-        t[(st, e.BEGIN_SYNC)] = s.SYNCING
-        t[(st, e.CONFIRMED)] = s.SYNCED if st == s.SYNCING else st
-        t[(st, e.FAILED)] = s.DEGRADED
-        t[(st, e.ABORTED)] = s.RESYNC
-        t[(st, e.PROMOTED)] = s.DEPOSED
-    t[(s.NONE, e.ATTACH)] = s.RESYNC
-    for ev in (e.BEGIN_SYNC, e.CONFIRMED, e.FAILED, e.ABORTED, e.PROMOTED):
-        t[(s.DEPOSED, ev)] = s.DEPOSED  # fenced for good: nothing brings it back
-    return t
-
-
-REPLICA_TRANSITIONS = _replica_table()
-
-
-def next_replica_state(state: ReplicaState, event: ReplicaEvent) -> ReplicaState:
-    new: ReplicaState = _transition(REPLICA_TRANSITIONS, "replica state", state, event)
-    return new
-
-
-class OpKind(StrEnum):
-    """What a replication op records (the ``op`` field of ReplicateRequest)."""
-
-    SNAPSHOT = "snapshot"
-    CONFIGURE = "configure"
-    REGISTER_WORKER = "register_worker"
-    REGISTER_TENSORS = "register_tensors"
-    SUBMIT = "submit"
-    LEAVE = "leave"
-    EVICT = "evict"
-    SET_SYNC = "set_sync"
-    PULLED = "pulled"
+Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]  # (version, meta, tensors): server/snapshot.py
 
 
 @dataclass
@@ -173,63 +76,93 @@ class Deposed(Exception):
         self.address = address
 
 
-class ReplicaMixin:
-    """The replica side of ``ShardStore`` (it supplies the attributes annotated here)."""
+class Replayer(Protocol):
+    """What the replica side is given to replay ops and take over with (the store implements it).
 
-    shard_index: int
-    num_shards: int
-    address: str
-    version: int
-    epoch: int
-    role: Role
-    moved_to: str
-    replicator: ReplicaSink | None
-    replica_link: ReplicaLink | None
-    replica_timeout_s: float
-    primary_address: str
-    replica_seq: int
-    replica_synced: bool
-    replica_incarnation: str
-    promotions_total: int
-    _cond: threading.Condition
-    _replay_lock: threading.Lock
+    The methods take the store's lock themselves, but for ``*_locked``,
+    called with it held.
+    """
 
-    if TYPE_CHECKING:  # the store's own methods
-        def _snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]: ...
-        def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
-        def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None,
-                      remedy: str | None = None) -> Any: ...
-        def register_worker(self, worker_id: int) -> None: ...
-        def register_tensors(self, specs: Any, values: Any) -> list[str]: ...
-        def submit(self, *args: Any, **kwargs: Any) -> Any: ...
-        def leave(self, worker_id: int) -> bool: ...
-        def set_sync(self, sync: str) -> Any: ...
-        def _evict(self, expired: list[int], now: float | None = None) -> None: ...
-        def _remember_pulled(self, worker_id: int, names: list[str]) -> None: ...
-        def _renew_leases(self) -> None: ...
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    def snapshot_locked(self) -> Snapshot: ...
+
+    def split_names_locked(self) -> list[str]: ...
+
+    def renew_leases_locked(self) -> None: ...
+
+    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None,
+                  remedy: str | None = None) -> Any: ...
+
+    def register_worker(self, worker_id: int) -> None: ...
+
+    def register_tensors(self, specs: Sequence[TensorSpec],
+                         values: dict[PartKey, torch.Tensor] | None) -> list[str]: ...
+
+    def submit(self, worker_id: int, step: int, base_version: int, grads: Any, nbytes: int = 0, *,
+               found_inf: bool = False, checked: bool = False) -> Any: ...
+
+    def leave(self, worker_id: int) -> bool: ...
+
+    def set_sync(self, sync: str) -> Any: ...
+
+    def evict(self, workers: list[int]) -> None: ...
+
+    def remember_pulled(self, worker_id: int, names: list[str]) -> None: ...
+
+
+class ReplicaSide:
+    """The replica side of one shard, and its ``Recorder``; see the module docstring."""
+
+    def __init__(self, shard_index: int, num_shards: int, cond: threading.Condition, replayer: Replayer, *,
+                 role: Role = Role.PRIMARY, replica_link: ReplicaLink | None = None,
+                 timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S) -> None:
+        self.shard_index, self.num_shards = shard_index, num_shards
+        self._cond = cond
+        self._replay_lock = threading.Lock()  # backup: one replicated op replayed, or a promotion, at a time
+        self._replayer = replayer
+        self.role = role
+        self.address = ""  # this shard's own address, once served
+        self.replicator: ReplicaSink | None = None  # a primary with a backup records every change here
+        self.replica_link = replica_link  # opens the backup's sink; given at start-up
+        self.replica_timeout_s = timeout_s
+        self.moved_to = ""  # deposed: the backup that took over
+        self.primary_address = ""  # backup role: the primary it copies
+        self.replica_seq = 0  # backup role: the last op applied
+        self.replica_synced = False
+        self.replica_incarnation = ""  # backup role: the run of the primary whose copy it holds
+        self.promotions_total = 0
 
     # -- the primary's side ---------------------------------------------------
 
-    def _record(self, kind: OpKind, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+    @property
+    def recording(self) -> bool:
+        """Whether a backup is attached: changes are recorded for it."""
+        return self.replicator is not None
+
+    def record(self, kind: OpKind, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
+               packed: Any = None) -> None:
         """Under the lock: a change of state the backup must replay (nothing without a backup)."""
         if self.replicator is not None:
-            self.replicator.record(kind, args, tensors)
+            self.replicator.record(kind, args, tensors, packed)
 
-    def _record_registered(self, entries: list[TensorEntry]) -> None:
+    def record_snapshot(self) -> None:
+        """Under the lock: the whole state, for a backup (after a rollback, or to sync a new one)."""
         if self.replicator is not None:
-            self._record(OpKind.REGISTER_TENSORS, {"specs": [spec_to_json(e.spec) for e in entries]},
-                         {f"{a}/{e.spec.name}": p.weight.clone() for e in entries for a, p in e.parts.items()})
-
-    def _record_snapshot(self) -> None:
-        if self.replicator is not None:
-            version, meta, tensors = self._snapshot()
+            version, meta, tensors = self._replayer.snapshot_locked()
             self.replicator.record(OpKind.SNAPSHOT, {"version": version, "meta": meta}, tensors)
 
     def _replica_snapshot(self) -> None:
         with self._cond:
             assert self.replicator is not None
             self.replicator.begin_sync()
-            self._record_snapshot()
+            self.record_snapshot()
 
     def attach_replica(self, address: str, timeout: float = 0.0) -> str:
         """Keep a backup of this shard at ``address`` from now on; the replica state after ``timeout``."""
@@ -241,7 +174,7 @@ class ReplicaMixin:
         with self._cond:
             if self.role != Role.STARTING:
                 self.check_serving()
-            split = self._split_names()
+            split = self._replayer.split_names_locked()
             if split:
                 raise FailedPrecondition(f"shard {self.shard_index} holds tensors split with cross-shard statistics "
                                          f"({split[:3]}), which cannot be replicated; keep them whole")
@@ -260,9 +193,6 @@ class ReplicaMixin:
             raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
         log.info("shard %d: replicating to %s", self.shard_index, address)
         return str(rep.wait_synced(timeout) if timeout > 0 else rep.state)
-
-    def _split_names(self) -> list[str]:
-        raise NotImplementedError
 
     def _deposed(self, address: str) -> None:
         with self._cond:
@@ -322,7 +252,7 @@ class ReplicaMixin:
 
     # -- the backup's side ----------------------------------------------------
 
-    def apply_replica(self, ops: Iterable[tuple[Any, Op]]) -> tuple[int, int]:
+    def apply_ops(self, ops: Iterable[tuple[Any, Op]]) -> tuple[int, int]:
         """Backup side: replay the primary's ops in order; (last op applied, version).
 
         FAILED_PRECONDITION once promoted (the sender is deposed); ABORTED
@@ -342,8 +272,8 @@ class ReplicaMixin:
                 if self.replica_incarnation and head.incarnation != self.replica_incarnation:
                     raise FailedPrecondition(
                         f"the backup of shard {self.shard_index} here holds the state of an earlier run of its "
-                        f"primary (op {self.replica_seq}, version {self.version}): a restarted primary must not "
-                        f"overwrite acknowledged updates; this backup takes the shard over instead")
+                        f"primary (op {self.replica_seq}, version {self._replayer.version}): a restarted primary "
+                        f"must not overwrite acknowledged updates; this backup takes the shard over instead")
                 if op.kind != OpKind.SNAPSHOT and (not self.replica_synced or op.seq != self.replica_seq + 1):
                     why = "it never got the whole state" if not self.replica_synced else \
                         f"op {op.seq} came after op {self.replica_seq}"
@@ -358,37 +288,35 @@ class ReplicaMixin:
                 self.replica_seq = op.seq
                 self.primary_address = head.primary or self.primary_address
                 self.replica_incarnation = head.incarnation
-        return self.replica_seq, self.version
+        return self.replica_seq, self._replayer.version
 
     def _replay(self, op: Op) -> None:
-        a, t = op.args, op.tensors
+        a, t, r = op.args, op.tensors, self._replayer
         try:
             kind = OpKind(op.kind)
         except ValueError:
             raise InvalidArgument(f"unknown replication op {op.kind!r}") from None
         if kind == OpKind.SNAPSHOT:
-            self.restore(a["version"], a["meta"], t)
+            r.restore(a["version"], a["meta"], t)
             self.replica_synced = True
         elif kind == OpKind.CONFIGURE:
             sc = a["scaling"]
-            self.configure(a["num_workers"], a["sync"], LossScaler(*sc) if sc else None, a["remedy"])
+            r.configure(a["num_workers"], a["sync"], LossScaler(*sc) if sc else None, a["remedy"])
         elif kind == OpKind.REGISTER_WORKER:
-            self.register_worker(a["worker"])
+            r.register_worker(a["worker"])
         elif kind == OpKind.REGISTER_TENSORS:
-            self.register_tensors([spec_from_json(d) for d in a["specs"]], parse_part_keys(t))
+            r.register_tensors([spec_from_json(d) for d in a["specs"]], parse_part_keys(t))
         elif kind == OpKind.SUBMIT:
-            self.submit(a["worker"], a["step"], a["base_version"], parse_part_keys(t), a["nbytes"],
+            r.submit(a["worker"], a["step"], a["base_version"], parse_part_keys(t), a["nbytes"],
                         found_inf=a["found_inf"], checked=True)
         elif kind == OpKind.LEAVE:
-            self.leave(a["worker"])
+            r.leave(a["worker"])
         elif kind == OpKind.EVICT:
-            with self._cond:
-                self._evict(list(a["workers"]))
+            r.evict(list(a["workers"]))
         elif kind == OpKind.SET_SYNC:
-            self.set_sync(a["sync"])
+            r.set_sync(a["sync"])
         elif kind == OpKind.PULLED:
-            with self._cond:
-                self._remember_pulled(a["worker"], list(a["names"]))
+            r.remember_pulled(a["worker"], list(a["names"]))
 
     def take_over(self, reason: str = "") -> tuple[int, int, int]:
         """A worker's fail-over: ``promote`` without force (refused while the primary serves)."""
@@ -404,7 +332,7 @@ class ReplicaMixin:
         again under the replay lock.
         """
         self._promote(reason, force)
-        return self.shard_index, self.version, self.epoch
+        return self.shard_index, self._replayer.version, self._replayer.epoch
 
     def _promote(self, reason: str, force: bool) -> None:
         primary = None
@@ -430,11 +358,12 @@ class ReplicaMixin:
                     f"{self.primary_address}, not {primary}: ask again")
             with self._cond:
                 self.role = next_role(self.role, RoleEvent.PROMOTE)
-                self._renew_leases()  # a fresh lease at the new address
+                self._replayer.renew_leases_locked()  # a fresh lease at the new address
                 self.promotions_total += 1
                 self._cond.notify_all()
         log.warning("shard %d: the backup at %s took over from %s at version %d (op %d): %s", self.shard_index,
-                    self.address, self.primary_address, self.version, self.replica_seq, reason or "no reason given")
+                    self.address, self.primary_address, self._replayer.version, self.replica_seq,
+                    reason or "no reason given")
 
     def _may_promote(self) -> bool:
         """Under the replay lock: False when already primary; raises when this store cannot take over."""

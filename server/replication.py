@@ -56,13 +56,12 @@ from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument
 from shardps.server.headers import check_continuation
-from shardps.server.replica import (
-    DEFAULT_REPLICA_TIMEOUT_S,
-    Deposed,
-    Op,
+from shardps.server.replica import DEFAULT_REPLICA_TIMEOUT_S, Deposed, Op
+from shardps.server.roles import (
     OpKind,
     ReplicaEvent,
     ReplicaState,
+    Role,
     next_replica_state,
 )
 from shardps.server.snapshot import Packed, pack, unpack
@@ -377,7 +376,7 @@ def primary_serving(address: str, security: Security, timeout: float = 1.0) -> b
     channel = security.channel(address, role="peer")
     try:
         s = ps_pb2_grpc.PeersStub(channel).Describe(ps_pb2.StatsRequest(), timeout=timeout)  # type: ignore[no-untyped-call]
-        return s.role in ("primary", "") and not s.recovering
+        return s.role in (Role.PRIMARY, "") and not s.recovering
     except grpc.RpcError:
         return False
     finally:

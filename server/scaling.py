@@ -45,6 +45,16 @@ class LossScaler:
             self.growth_tracker = 0
 
 
+ScalingConfig = tuple[float, float, float, int]  # init, growth, backoff, interval
+
+
+def scaling_config(scaler: LossScaler | None) -> ScalingConfig | None:
+    """The loss scaling a job was configured with (the scale itself moves), None when off."""
+    if scaler is None:
+        return None
+    return (scaler.init_scale, scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval)
+
+
 def inv_scale(scale: float) -> torch.Tensor:
     """1 / scale computed as GradScaler does: in float64, then rounded to fp32."""
     return torch.tensor(scale, dtype=torch.float64).reciprocal().float()

@@ -1,7 +1,8 @@
 """The gRPC face of a shard: decode, call the store, encode, map errors.
 
 ``create_server(store, "127.0.0.1:0")`` returns a started server and the
-port it bound: the three services of ps.proto, one per audience (``Workers``,
+port it bound (what it starts beside the server is a ``Served``,
+``served(server)``): the three services of ps.proto, one per audience (``Workers``,
 ``Operator``, ``Peers``; server/auth.py checks each caller's token against
 the audience of the service it calls), with ``grpc.health.v1`` beside them
 (open, and SERVING under "" and each service's name). ``connect`` gives the
@@ -16,8 +17,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -138,6 +141,15 @@ class _Servicer:
         self.max_wait_s = max_wait_s
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
 
+    def _stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
+        """Operator.Stats, Workers.Describe and Peers.Describe: the shard's ``ShardStats``."""
+        return self.store.stats().to_proto()
+
+    def _rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
+        """Operator.Rollback and Workers.Recover: roll back to a checkpoint in a new epoch."""
+        version, epoch = self.store.recover(request.version, request.epoch)
+        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
+
     def _timeout(self, context: grpc.ServicerContext) -> float:
         """How long a wait may block: the server's max wait, and less than the caller's deadline.
 
@@ -233,14 +245,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         self.segments.forget(request.worker_id)
         return ps_pb2.LeaveResponse(version=version, live_workers=live)
 
-    @_unary_errors
-    def Describe(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
-        return self.store.stats().to_proto()
-
-    @_unary_errors
-    def Recover(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
-        version, epoch = self.store.recover(request.version, request.epoch)
-        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
+    Describe = _unary_errors(_Servicer._stats, "Describe")
+    Recover = _unary_errors(_Servicer._rollback, "Recover")
 
     @_unary_errors
     def TakeOver(self, request: ps_pb2.TakeOverRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
@@ -251,9 +257,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
 class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
     """Operating the job (``service Operator``): the operator token."""
 
-    @_unary_errors
-    def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
-        return self.store.stats().to_proto()
+    Stats = _unary_errors(_Servicer._stats, "Stats")
 
     @_unary_errors
     def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
@@ -266,10 +270,7 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
         version, path = self.store.checkpoint_request()
         return ps_pb2.CheckpointResponse(version=version, path=path)
 
-    @_unary_errors
-    def Rollback(self, request: ps_pb2.RollbackRequest, context: grpc.ServicerContext) -> ps_pb2.RollbackResponse:
-        version, epoch = self.store.recover(request.version, request.epoch)
-        return ps_pb2.RollbackResponse(version=version, epoch=epoch)
+    Rollback = _unary_errors(_Servicer._rollback, "Rollback")
 
     @_unary_errors
     def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
@@ -308,9 +309,7 @@ class PeersServicer(_Servicer, ps_pb2_grpc.PeersServicer):
         seq, version = self.store.apply_replica(read_ops(request_iterator))
         return ps_pb2.ReplicateResponse(seq=seq, version=version)
 
-    @_unary_errors
-    def Describe(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
-        return self.store.stats().to_proto()
+    Describe = _unary_errors(_Servicer._stats, "Describe")
 
 
 class _HandlerRecorder:
@@ -374,7 +373,8 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
 
 
 def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
+                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
+                  segments: SegmentCache | None = None) -> SegmentCache:
     """The three services of ``store`` on ``server``, as the generated ``add_*Servicer_to_server`` with the
     data path's copies cut.
 
@@ -386,14 +386,37 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     framing.PULL_ONE_HEADER is answered by a unary handler (its one message
     and the status at once); a Push that carries framing.PUSH_ONE_HEADER is
     served by one (its one message read whole before the handler runs). The
-    wire format is unchanged.
+    wire format is unchanged. Returns the workers' shared-memory segments the
+    services map (``segments``, or a new cache): the caller unmaps them.
     """
-    segments = SegmentCache()
-    server.segments = segments  # type: ignore[attr-defined]  # unmapped by stop_server
+    segments = segments if segments is not None else SegmentCache()
     kw: dict[str, Any] = dict(max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics, segments=segments)
     _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
+    return segments
+
+
+@dataclass(frozen=True)
+class Served:
+    """What ``create_server`` starts beside a ``grpc.Server`` and ``stop_server`` releases (``served(server)``)."""
+
+    executor: futures.ThreadPoolExecutor  # the handler threads: joined by stop_server
+    health: health.HealthServicer  # grpc.health.v1, SERVING under "" and each service's name once started
+    segments: SegmentCache  # the workers' same-host segments: unmapped by stop_server
+
+    def not_serving(self, services: Iterable[str] = ("", *SERVICES)) -> None:
+        """Answer NOT_SERVING for ``services`` from now on (a shutdown begins; safe in a signal handler)."""
+        for svc in services:
+            self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+_SERVED: weakref.WeakKeyDictionary[grpc.Server, Served] = weakref.WeakKeyDictionary()
+
+
+def served(server: grpc.Server) -> Served:
+    """What ``create_server`` keeps beside ``server``; KeyError for a server it did not create."""
+    return _SERVED[server]
 
 
 def connect(store: ShardStore, security: Security) -> None:
@@ -435,9 +458,9 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     ]
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
     server = grpc.server(executor, options=options, interceptors=chain)
-    server.executor = executor  # type: ignore[attr-defined]  # shut down by stop_server
-    add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics)
+    segments = add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics)
     health_servicer = health.HealthServicer()
+    _SERVED[server] = Served(executor, health_servicer, segments)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = security.server_credentials()
     port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
@@ -448,7 +471,6 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     store.start_reaper()
     for svc in ("", *SERVICES):
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    server.health = health_servicer  # type: ignore[attr-defined]
     return server, port
 
 
@@ -463,9 +485,10 @@ def stop_server(server: grpc.Server, grace: float | None = None, timeout: float 
     stopped = server.stop(grace).wait(timeout)
     if not stopped:
         log.warning("a server did not finish stopping within %.0fs", timeout)
-    executor = getattr(server, "executor", None)
-    if executor is not None:  # a handler still running after a stop that timed out is not waited for
-        executor.shutdown(wait=stopped, cancel_futures=True)
-    segments = getattr(server, "segments", None)
-    if segments is not None and stopped:
-        segments.close()
+    beside = _SERVED.get(server)
+    if beside is None:
+        return
+    # A handler still running after a stop that timed out is not waited for, nor its segments unmapped.
+    beside.executor.shutdown(wait=stopped, cancel_futures=True)
+    if stopped:
+        beside.segments.close()

@@ -14,44 +14,31 @@ unchanged; checkpoint files of earlier runs load):
   Replicate op carries them.
 
 server/checkpoint.py writes and reads snapshots as files; server/replication.py
-sends them as the ``snapshot`` op. ``SnapshotMixin`` is the part of
-``ShardStore`` that takes and installs them (and hashes its state).
+sends them as the ``snapshot`` op. Pure functions over tensors and a
+``ShardState``, no lock: the store gathers a ``ShardState`` from its parts
+under its lock (``ShardStore.snapshot``) and hands a decoded one back to
+them (``ShardStore.restore``). ``state_hash`` digests what must be equal
+between a primary and its backup.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
-import threading
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.apply import Applier, scaling_config
-from shardps.server.errors import FailedPrecondition, InvalidArgument
+from shardps.server.errors import InvalidArgument
 from shardps.server.optim import PartInfo, make_optimizer
 from shardps.server.remedies import Remedy
 from shardps.server.scaling import LossScaler
-from shardps.server.sync import Contribution, HeldState, SyncPolicy, make_policy
-from shardps.server.table import (
-    PartKey,
-    PartState,
-    TensorEntry,
-    TensorTable,
-    spec_from_json,
-    spec_to_json,
-)
-
-if TYPE_CHECKING:
-    from shardps.server.membership import Membership
-    from shardps.server.peers import Peers
-    from shardps.server.pullcache import PullCache
-
-log = logging.getLogger("shardps.server")
+from shardps.server.sync import Contribution, HeldState
+from shardps.server.table import PartKey, PartState, TensorEntry, spec_from_json, spec_to_json
 
 Meta = dict[str, Any]
 Tensors = dict[str, torch.Tensor]
@@ -228,98 +215,16 @@ def unpack(layout: Any, data: bytearray) -> Tensors:
     return out
 
 
-class SnapshotMixin:
-    """Snapshot methods of ``ShardStore`` (it supplies the attributes annotated here)."""
 
-    shard_index: int
-    num_shards: int
-    version: int
-    epoch: int
-    worker_clocks: dict[int, int]
-    staleness_counts: Counter[int]
-    membership: Membership
-    applier: Applier
-    pullcache: PullCache
-    peers: Peers | None
-    _tensors: TensorTable
-    _sync: SyncSpec | None
-    _policy: SyncPolicy | None
-    _scaling_config: tuple[float, float, float, int] | None
-    _cond: threading.Condition
-
-    if TYPE_CHECKING:  # the store's property, and its own methods
-        @property
-        def remedy(self) -> Remedy: ...
-
-        def _settle(self) -> None: ...
-        def live_workers(self) -> set[int]: ...
-
-    def snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
-        """Everything needed to restore this shard: (version, JSON-able meta, tensors).
-
-        Weights, optimizer state, the gradients a barrier round holds, the
-        version, each worker's last step (the exactly-once bookkeeping), the
-        loss scaler and the counters. Tensors are copies taken under the lock.
-        """
-        with self._cond:
-            return self._snapshot()
-
-    def _snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
-        self._settle()
-        m = self.membership
-        return encode(ShardState(
-            version=self.version, num_shards=self.num_shards, sync=self._sync, num_workers=m.num_workers,
-            workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left),
-            worker_clocks=self.worker_clocks, scaler=self.applier.scaler, remedy=self.remedy, epoch=self.epoch,
-            entries=self._tensors.entries, held=self._policy.held_state() if self._policy else None,
-            counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=self.staleness_counts,
-            stale_weights=self.applier.stale_weights))
-
-    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Replace this shard's whole state with a snapshot (see ``snapshot``)."""
-        if meta["num_shards"] != self.num_shards:
-            raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
-                                     f"{self.shard_index} of {self.num_shards}")
-        s = decode(version, meta, tensors)
-        with self._cond:
-            self._settle()
-            self.pullcache.clear()
-            self._tensors = TensorTable(self.shard_index, s.entries)
-            self.membership.restore(s.workers, s.evicted, s.left, s.num_workers)
-            self.worker_clocks = s.worker_clocks
-            self._sync = s.sync
-            ap = self.applier
-            ap.remedy, ap.scaler, self._scaling_config = s.remedy, s.scaler, scaling_config(s.scaler)
-            self._policy = (make_policy(self._sync, s.num_workers, ap.pool.recycle)
-                            if self._sync is not None and s.num_workers else None)
-            if self._policy is not None:
-                if s.held is not None:
-                    self._policy.restore_held(s.held)
-                self._policy.track_live(self.live_workers())
-            for k, v in s.counters.items():
-                setattr(self, k, v)
-            self.staleness_counts = s.staleness_counts
-            self.version = version
-            self.epoch = max(self.epoch, s.epoch)
-            ap.stale_weights = s.stale_weights
-            for e in s.entries.values():
-                if e.spec.split and self.peers is not None:
-                    self.peers.set_addresses(e.spec.peers)
-            self._cond.notify_all()
-        log.info("shard %d: restored version %d (%d tensors)", self.shard_index, version, len(s.entries))
-
-    def state_hash(self) -> str:
-        """A digest of weights, optimizer state and version: equal iff the state is."""
-        h = hashlib.sha256()
-        with self._cond:
-            self._settle()
-            h.update(str(self.version).encode())
-            for name in sorted(self._tensors):
-                for start, part in sorted(self._tensors[name].parts.items()):
-                    h.update(f"{name}:{start}".encode())
-                    h.update(part.weight.numpy().tobytes())
-                    for k in sorted(part.state):
-                        h.update(k.encode())
-                        h.update(part.state[k].numpy().tobytes())
-        return h.hexdigest()
-
+def state_hash(version: int, entries: Iterable[tuple[str, TensorEntry]]) -> str:
+    """A digest of weights, optimizer state and version: equal iff the state is (take it under the lock)."""
+    h = hashlib.sha256()
+    h.update(str(version).encode())
+    for name, entry in sorted(entries, key=lambda item: item[0]):
+        for start, part in sorted(entry.parts.items()):
+            h.update(f"{name}:{start}".encode())
+            h.update(part.weight.numpy().tobytes())
+            for k in sorted(part.state):
+                h.update(k.encode())
+                h.update(part.state[k].numpy().tobytes())
+    return h.hexdigest()

@@ -1,82 +1,86 @@
-"""ShardStore: one shard: its lock, version, epoch, the data path (submit, waits, reads) and sync switches.
+"""ShardStore: one shard, a facade over the parts it owns, each an object with its own state.
 
 Pure Python/torch, no gRPC: other servers are reached through the ``Peers``
-and ``ReplicaLink`` interfaces it is given (server/peers.py). The parts it
-is made of, each in its own module with the store's methods over it (a
-``...Mixin`` the store inherits, using the store's lock as below): the
-tensor table and registration (table.py), leases and membership
-(membership.py), the apply step (apply.py), reads and the pull framing cache
-(pullcache.py), the snapshot codec (snapshot.py), checkpoints and rollback
-(checkpoint.py), the replica side (replica.py); the sync policy (sync.py).
-What stays here: the lock, version, epoch, configure, submit, the waits,
-set_sync, close and stats. (Over 400 lines: these all read and write the same
-fields under ``_cond``; split further, one critical section would span files.)
+and ``ReplicaLink`` interfaces it is given (server/peers.py). The store owns
+its parts as objects, each holding its own state and given, at
+construction, the store's lock and what it needs (a Protocol or a
+callable); no part reaches another through the store::
+
+    ShardStore                 store.py: the lock, the wiring, stats, snapshot/restore, rollback,
+    |                          the RPCs answered in one call; the Replayer of the replica side
+    |- path: DataPath          datapath.py: configure, join, submit, pull, set_sync over the parts below
+    |- table: TensorTable      table.py: the tensors (fp32 master weights, optimizer state)
+    |- job: Job                job.py: version, epoch, sync mode and policy, clocks, the waits
+    |- leases: Leases          membership.py: who is registered, evicted, gone; the lease reaper
+    |- applier: Applier        apply.py: the optimizer step, remedies, loss scaler, step counters
+    |- reader: Reader          pullcache.py: reads, the Pull framing cache, reads in progress
+    |- checkpointer            checkpoint.py: checkpoint files and their schedule
+    '- replica: ReplicaSide    replica.py: role, replicator, replay and takeover; the parts' Recorder
+
+and the snapshot codec (snapshot.py), the sync policies (sync.py), the
+role and op enums (roles.py). The store's public attributes of earlier
+versions (``version``, ``pushes_total``, ``role``, ...) and methods
+(``submit``, ``pull``, ``promote``, ...) delegate to the part that owns them.
+
+(Over 400 lines: the wiring of the parts, the delegations that keep the
+store's surface, and the snapshot/restore that gathers every part's state
+belong to the facade.)
 
 Versions: a shard starts at version 0 and adds one per optimizer step it
 applies (under BSP, one per step of the job; under ASP, one per gradient).
 
 LOCK ORDER (a lock may be taken while holding only those listed before it)::
 
-    _ckpt_lock    one checkpoint write or rollback at a time (holds it over disk I/O)
-    _replay_lock  backup: one replicated op replayed, or a promotion, at a time
-    _cond         the store's lock and condition: tensors, version, epoch, policy,
-                  membership, counters. Every wait on it has a timeout.
+    checkpointer.lock   one checkpoint write or rollback at a time (holds it over disk I/O)
+    replica's replay lock  backup: one replicated op replayed, or a promotion, at a time
+    _cond         the store's lock and condition, given to every part: tensors, version,
+                  epoch, policy, membership, counters. Every wait on it has a timeout.
     leaf locks    taken under _cond, taking nothing else: StagingPool's, the
                   ExchangeTable's, the Replicator's (record), PeerChannels'
     Framing._cond a large Pull's framed responses (pullcache.py); taken with no
                   other lock held
 
 A large Pull frames (or, same-host, copies) the weights outside _cond,
-counted in ``_reading``; a step waits for ``_reading == 0`` before it
-changes weights in place (``_await_reads``, see pullcache.py).
+counted in ``reader.reading``; a step waits for it to be 0 before it
+changes weights in place (``Reader.before_write``, see pullcache.py).
 
-No network call is made while holding _cond or _replay_lock: a split
-tensor's step releases _cond around ``Peers.fetch`` (``_applying`` keeps
-every other reader and writer of the tensors out meanwhile, see
-``_settle``); a promotion asks the primary's health with no lock held, then
-checks its role again. (_ckpt_lock is held over the checkpoint's disk
-writes, never over a call to another server.)
+No network call is made while holding _cond or the replay lock: a split
+tensor's step releases _cond around ``Peers.fetch`` (``applier.applying``
+keeps every other reader and writer of the tensors out meanwhile, see
+``Applier.settle``); a promotion asks the primary's health with no lock
+held, then checks its role again. (The checkpoint lock is held over the
+checkpoint's disk writes, never over a call to another server.)
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
 
-from shardps.protos import codec
-from shardps.protos.results import PushResult, Registered
-from shardps.protos.shm import Segment
+import torch
+
+from shardps.protos.results import PushResult
 from shardps.protos.stats import ShardStats, TensorStats
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.apply import Applier, ApplyMixin, scaling_config
-from shardps.server.checkpoint import CheckpointMixin
-from shardps.server.errors import (
-    Aborted,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    StoreError,
-    Unavailable,
-)
-from shardps.server.membership import DEFAULT_LEASE_S, Clock, Membership, MembershipMixin, Reaper
+from shardps.server.apply import Applier
+from shardps.server.checkpoint import Checkpointer
+from shardps.server.datapath import DataPath
+from shardps.server.errors import FailedPrecondition
+from shardps.server.job import Job
+from shardps.server.membership import DEFAULT_LEASE_S, Clock, Leases, Membership
 from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
-from shardps.server.pullcache import FRAME_INLINE_BYTES, Framing, Item, PullCache, ReadMixin, payload_bytes
+from shardps.server.pullcache import PullCache, Reader
 from shardps.server.remedies import Remedy
-from shardps.server.replica import (
-    DEFAULT_REPLICA_TIMEOUT_S,
-    OpKind,
-    ReplicaMixin,
-    ReplicaState,
-    Role,
-)
-from shardps.server.scaling import LossScaler, unscale_and_check
-from shardps.server.snapshot import SnapshotMixin, pack, part_keys
-from shardps.server.sync import Contribution, Grads, Received, SyncPolicy, make_policy, materialize
-from shardps.server.table import TableMixin, TensorSpec, TensorTable
+from shardps.server.replica import ReplicaSide
+from shardps.server.roles import ReplicaState, Role
+from shardps.server.scaling import scaling_config
+from shardps.server.snapshot import COUNTERS, ShardState, decode, encode, state_hash
+from shardps.server.sync import make_policy
+from shardps.server.table import TensorSpec, TensorTable
 
 __all__ = ["DEFAULT_LEASE_S", "PushResult", "ShardStore", "TensorSpec"]
 
@@ -86,13 +90,40 @@ log = logging.getLogger("shardps.server")
 # many bytes of them (in the wire dtype asked): a small model's step in one call.
 SMALL_PULL_BYTES = 1 << 20
 
+T = TypeVar("T")
 
-class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointMixin, SnapshotMixin, ReplicaMixin):
-    """The state of one shard. See the module docstring for the contract."""
+
+class Via(Generic[T]):
+    """A store attribute that is the same-named attribute (or ``name``) of one of its parts."""
+
+    def __init__(self, part: str, name: str = "") -> None:
+        self.part, self.name = part, name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Via[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object, owner: type) -> T | Via[T]:
+        if obj is None:
+            return self
+        value: T = getattr(getattr(obj, self.part), self.name)
+        return value
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
+
+
+class ShardStore:
+    """The state of one shard, made of parts. See the module docstring for the contract."""
 
     def __init__(self, shard_index: int = 0, num_shards: int = 1, *, sync: str | None = None,
                  num_workers: int | None = None, exchange_timeout_s: float = 60.0,
-                 lease_s: float = DEFAULT_LEASE_S, role: str = "primary", clock: Clock = time.monotonic,
+                 lease_s: float = DEFAULT_LEASE_S, role: str = Role.PRIMARY, clock: Clock = time.monotonic,
                  peers: Peers | None = None, replica_link: ReplicaLink | None = None) -> None:
         if role not in (Role.PRIMARY, Role.BACKUP):
             raise ValueError(f"role must be 'primary' or 'backup', got {role!r}")
@@ -101,433 +132,138 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.clock = clock
-        self._cond = threading.Condition(threading.Lock())
-        self._applying = False  # a split tensor's step waits for its peers with _cond released
-        self._tensors = TensorTable(shard_index)
-        self.membership = Membership(shard_index, lease_s, clock)
-        self._reaper = Reaper(self.evict_expired, lambda: max(0.05, self.lease_s / 4), f"shard{shard_index}-leases")
-        self._sync: SyncSpec | None = None
-        self._policy: SyncPolicy | None = None
-        self.applier = Applier()
-        self._scaling_config: tuple[float, float, float, int] | None = None  # as configured (the scale moves)
-        self.pullcache = PullCache()
-        self._reading = 0  # Pulls framing or copying weights outside _cond (pullcache.py); steps wait for 0
-        self.writers_waiting = 0  # steps waiting for those Pulls
-        self.frame_inline_bytes = FRAME_INLINE_BYTES  # larger Pulls are framed outside _cond
-        self._ckpt_dir: str | None = None
-        self._ckpt_every, self._ckpt_seconds, self._ckpt_keep = 0, 0.0, 3
-        self._ckpt_last = time.monotonic()
-        self._ckpt_version = -1
-        self._ckpt_lock = threading.Lock()
-        self.checkpoints_total = 0
-        self.closing = False
-        self.waiting = 0  # Pulls parked in a barrier/SSP/version wait right now
-        self.epoch = 0  # rollbacks of the job so far
-        self.recovering = False  # restarted from a checkpoint: data RPCs wait for the job's rollback
-        self.exchange = ExchangeTable()  # partials published for the peers (served by the Exchange RPC)
-        self.peers = peers  # the other shards (split tensors); given by create_server
-        self.replica_link = replica_link  # opens the backup's sink; given by create_server
-        self.exchange_timeout_s = exchange_timeout_s
-        self.version = 0
-        # Counters, read by stats() (and by metrics).
-        self.pushes_total = 0
-        self.duplicate_pushes_total = 0
-        self.applied_updates_total = 0
-        self.gradients_applied_total = 0
-        self.push_bytes_total = 0
-        self.pull_bytes_total = 0
-        self.apply_seconds_total = 0.0
-        self.skipped_steps_total = 0
-        self.sync_switches_total = 0
-        self.pulls_total = 0
-        self.on_apply: list[Callable[[float], None]] = []  # called with each step's seconds, under the lock
-        self.staleness_counts: Counter[int] = Counter()
-        self.worker_clocks: dict[int, int] = {}
-        # Replication (replica.py). A primary with a backup records every change of its state into
-        # ``replicator``; a backup (role BACKUP) replays them and serves after a Promote.
-        self.role = Role(role)
-        self.address = ""  # this shard's own address, once served
-        self.replicator: ReplicaSink | None = None
-        self.replica_timeout_s = DEFAULT_REPLICA_TIMEOUT_S
-        self.moved_to = ""  # deposed: the backup that took over
-        self.primary_address = ""  # backup role: the primary it copies
-        self.replica_seq = 0  # backup role: the last op applied
-        self.replica_synced = False
-        self.replica_incarnation = ""  # backup role: the run of the primary whose copy it holds
-        self.promotions_total = 0
-        self._replay_lock = threading.Lock()
+        self._cond = cond = threading.Condition(threading.Lock())
+        # The parts, each given what it needs. Leases and the reader call back into the data path, built last
+        # (``path`` below is bound by the time any request runs).
+        path: DataPath
+        self.table = table = TensorTable(shard_index)
+        self.checkpointer = ck = Checkpointer(shard_index)
+        self.replica = replica = ReplicaSide(shard_index, num_shards, cond, self, role=Role(role),
+                                             replica_link=replica_link)
+        membership = Membership(shard_index, lease_s, clock)
+        self.job = job = Job(shard_index, cond, live=membership.live, moved_to=lambda: replica.moved_to,
+                             checkpoints=ck.versions)
+        self.leases = leases = Leases(cond, replica, membership, on_live_changed=lambda live: path.live_changed(live),
+                                      may_evict=lambda: replica.role is Role.PRIMARY,
+                                      clock_of=lambda w: job.worker_clocks.get(w, -1) + 1)
+        self.applier = applier = Applier(shard_index, cond, table, peers=peers, exchange_timeout_s=exchange_timeout_s)
+        self.reader = reader = Reader(shard_index, cond, table, job, settle=applier.settle,
+                                      loss_scale=lambda: applier.loss_scale,
+                                      on_read=lambda worker, names: path.on_read(worker, names))
+        self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
+                                    applier=applier, reader=reader, replica=replica, checkpointer=ck,
+                                    checkpoint=self.checkpoint_now, clock=clock)
+        # What the store does, each the method of the part that does it (its signature and docstring).
+        self.configure, self.join, self.register_tensors = path.configure, path.join, path.register_tensors
+        self.wait_for_tensors, self.takes_chunked, self.submit = path.wait_for_tensors, path.takes_chunked, path.submit
+        self.pull, self.weights_now, self.set_sync = path.pull, path.weights_now, path.set_sync
+        self.spec, self.staging = table.spec, applier.pool.take
+        self.check_epoch, self.wait_version, self.wait_clock = job.check_epoch, job.wait_version, job.wait_clock
+        self.register_worker, self.leave, self.touch, self.live_workers = (leases.register, leases.leave,
+                                                                           leases.touch, leases.live)
+        self.check_worker_id = membership.check_worker_id
+        self.evict_expired, self.start_reaper, self.stop_reaper = (leases.evict_expired, leases.start_reaper,
+                                                                   leases.stop_reaper)
+        self.read, self.read_into = reader.read, reader.read_into
+        self.export_state, self.weights = reader.export_state, reader.weights
+        self.checkpoint_versions, self.enable_checkpoints = ck.versions, ck.enable
+        self.check_serving, self.replicated, self.attach_replica = (replica.check_serving, replica.replicated,
+                                                                    replica.attach_replica)
+        self.start_replicated, self.stop_replication = replica.start_replicated, replica.stop_replication
+        self.apply_replica, self.promote, self.take_over = replica.apply_ops, replica.promote, replica.take_over
         if sync is not None or num_workers is not None:
             if sync is None or num_workers is None:
                 raise ValueError("give both sync and num_workers, or neither")
             self.configure(num_workers, sync)
 
+    # The attributes of earlier versions, now each part's own (read by service.py, metrics, tests, tools).
+    version: Via[int] = Via("job")
+    epoch: Via[int] = Via("job")
+    recovering: Via[bool] = Via("job")
+    closing: Via[bool] = Via("job")
+    waiting: Via[int] = Via("job")
+    worker_clocks: Via[dict[int, int]] = Via("job")
+    pushes_total: Via[int] = Via("job")
+    duplicate_pushes_total: Via[int] = Via("job")
+    push_bytes_total: Via[int] = Via("job")
+    sync_switches_total: Via[int] = Via("job")
+    sync: Via[SyncSpec | None] = Via("job")
+    membership: Via[Membership] = Via("leases")
+    lease_s: Via[float] = Via("leases")
+    evictions_total: Via[int] = Via("leases")
+    leaves_total: Via[int] = Via("leases")
+    peers: Via[Peers | None] = Via("applier")
+    exchange: Via[ExchangeTable] = Via("applier")
+    exchange_timeout_s: Via[float] = Via("applier")
+    applied_updates_total: Via[int] = Via("applier")
+    gradients_applied_total: Via[int] = Via("applier")
+    skipped_steps_total: Via[int] = Via("applier")
+    apply_seconds_total: Via[float] = Via("applier")
+    staleness_counts: Via[Counter[int]] = Via("applier")
+    on_apply: Via[list[Callable[[float], None]]] = Via("applier")
+    remedy: Via[Remedy] = Via("applier")
+    loss_scale: Via[float] = Via("applier")
+    pullcache: Via[PullCache] = Via("reader", "cache")
+    frame_inline_bytes: Via[int] = Via("reader")
+    writers_waiting: Via[int] = Via("reader")
+    pull_bytes_total: Via[int] = Via("reader")
+    pulls_total: Via[int] = Via("reader")
+    checkpoints_total: Via[int] = Via("checkpointer")
+    role: Via[Role] = Via("replica")
+    address: Via[str] = Via("replica")
+    replicator: Via[ReplicaSink | None] = Via("replica")
+    replica_link: Via[ReplicaLink | None] = Via("replica")
+    replica_timeout_s: Via[float] = Via("replica")
+    moved_to: Via[str] = Via("replica")
+    primary_address: Via[str] = Via("replica")
+    replica_seq: Via[int] = Via("replica")
+    replica_synced: Via[bool] = Via("replica")
+    promotions_total: Via[int] = Via("replica")
+
+    @property
+    def num_workers(self) -> int | None:
+        return self.leases.membership.num_workers
+
+    @property
+    def framed_hits_total(self) -> int:
+        return self.reader.cache.hits_total
+
     def connect(self, peers: Peers | None = None, replica_link: ReplicaLink | None = None) -> None:
         """Give the store its ways to other servers (at start-up; see service.connect)."""
         with self._cond:
             if peers is not None:
-                self.peers = peers
-                for e in self._tensors.values():  # split tensors restored before the store was served
-                    if e.spec.split:
-                        peers.set_addresses(e.spec.peers)
+                self.applier.peers = peers
+                self.applier.add_peers(self.table.values())  # split tensors restored before the store was served
             if replica_link is not None:
-                self.replica_link = replica_link
+                self.replica.replica_link = replica_link
 
-    def _settle(self) -> None:
-        """Under _cond: wait until no split tensor's step is in flight (its thread released _cond)."""
-        if self._applying and not self._cond.wait_for(lambda: not self._applying,
-                                                      timeout=2 * self.exchange_timeout_s + 5):
-            raise Unavailable(f"shard {self.shard_index}: a step waiting for its peers did not end")
-
-    # -- job and membership -------------------------------------------------
-
-    def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None,
-                  remedy: str | None = None) -> SyncSpec:
-        """Set the job's worker count, sync mode and loss scaling once; return the mode in force.
-
-        Later calls must agree on the worker count and loss scaling. The sync
-        mode is the job's (it may have been switched since): a worker asking
-        for another one is told the mode in force and follows it.
-        """
-        try:
-            spec = SyncSpec.parse(sync)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-        if num_workers < 1:
-            raise InvalidArgument(f"num_workers must be >= 1, got {num_workers}")
-        try:
-            rem = Remedy.parse(remedy)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-        scaling = scaling_config(loss_scaling)
+    def names(self) -> list[str]:
+        """The names of the tensors held, sorted."""
         with self._cond:
-            ap = self.applier
-            if self._sync is None:
-                self._sync, self.membership.num_workers = spec, num_workers
-                self._policy = make_policy(spec, num_workers, ap.pool.recycle)
-                ap.scaler, self._scaling_config = loss_scaling, scaling
-                ap.remedy = rem
-                self._record(OpKind.CONFIGURE, {"num_workers": num_workers, "sync": str(spec), "remedy": str(rem),
-                                                "scaling": list(scaling) if scaling else None})
-            elif self.num_workers != num_workers:
-                raise FailedPrecondition(
-                    f"shard {self.shard_index} runs a job of num_workers={self.num_workers}; "
-                    f"a worker registered with num_workers={num_workers}"
-                )
-            elif ap.remedy != rem:
-                raise FailedPrecondition(
-                    f"shard {self.shard_index} runs staleness remedy {ap.remedy}; a worker asked for {rem}"
-                )
-            elif self._scaling_config != scaling:
-                raise FailedPrecondition(
-                    f"shard {self.shard_index} runs loss scaling {self._scaling_config or 'off'} "
-                    f"(init, growth, backoff, interval); a worker asked for {scaling or 'off'}"
-                )
-            return self._sync
-
-    @property
-    def loss_scale(self) -> float:
-        """The scale workers should use next; 0.0 when loss scaling is off."""
-        return self.applier.loss_scale
-
-    @property
-    def remedy(self) -> Remedy:
-        return self.applier.remedy
-
-    @property
-    def sync(self) -> SyncSpec | None:
-        return self._sync
-
-    @property
-    def num_workers(self) -> int | None:
-        return self.membership.num_workers
-
-    @property
-    def framed_hits_total(self) -> int:
-        return self.pullcache.hits_total
-
-    def join(self, worker_id: int, num_workers: int, sync: str, scaling: LossScaler | None, remedy: str,
-             specs: list[TensorSpec], values: Grads | None, timeout: float) -> Registered:
-        """A worker's Register (decoded by server/wire.py): the job's settings agreed (``configure``), its
-        tensors created from ``values`` (worker 0's) or, with ``values=None``, waited for up to ``timeout``;
-        its lease started. Answered once the backup holds it."""
-        mode = self.configure(num_workers, sync, scaling, remedy)
-        self.check_worker_id(worker_id)
-        created: list[str] = []
-        if values is not None:
-            created = self.register_tensors(specs, values)
-        else:
-            self.wait_for_tensors([s.name for s in specs], timeout)
-            self.register_tensors(specs, None)
-        self.register_worker(worker_id)
-        self.replicated()
-        log.info("shard %d: worker %d registered (%d tensors, %d created)",
-                 self.shard_index, worker_id, len(specs), len(created))
-        with self._cond:
-            rep = self.replicator
-            return Registered(self.version, self.shard_index, self.num_shards, str(mode), created, self.loss_scale,
-                              self.worker_clocks.get(worker_id, -1) + 1, self.lease_s, self.epoch,
-                              rep.address if rep else "")
-
-    def takes_chunked(self, loss_scale: float) -> bool:
-        """Whether a Push with ``loss_scale`` is best handed to ``submit`` still in its chunks (``Chunked``).
-
-        True when it would be stepped from them as they are: a policy that passes gradients through (asp),
-        nothing to unscale, no backup to send them to. Otherwise ``submit`` copies them into fp32 buffers,
-        which costs less while each chunk is still in cache, as it arrives. A hint: ``submit`` takes either.
-        """
-        policy = self._policy
-        return not loss_scale and self.replicator is None and policy is not None and policy.passes_through
-
-    def submit(self, worker_id: int, step: int, base_version: int, grads: Received,
-               nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
-               epoch: int | None = None, checked: bool = False) -> PushResult:
-        """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
-
-        ``grads`` maps (name, part start) to fp32 tensors the store may keep
-        and modify, or to gradients still in their received chunks
-        (``Chunked``, read only; see ``takes_chunked``). ``checked``: the
-        caller has already set ``found_inf`` for any inf/nan in them. A
-        gradient computed with a loss scale is unscaled here
-        (x 1/loss_scale in fp32). An optimizer step any of whose gradients
-        had an inf/nan (flagged by the worker or found here) is skipped on
-        every shard alike, and the loss scale backs off. Raises (changing
-        nothing) for an unregistered worker, a step or base version that
-        cannot be, or a step the policy refuses.
-        """
-        if not (loss_scale == 0.0 or (math.isfinite(loss_scale) and loss_scale > 0)):
-            raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
-        with self._cond:
-            self.check_epoch(epoch)
-            self._check_registered(worker_id)
-            self.membership.last_seen[worker_id] = self.clock()
-            if step < 0:
-                raise InvalidArgument(f"step must be >= 0, got {step}")
-            if not 0 <= base_version <= self.version:
-                raise InvalidArgument(
-                    f"base_version {base_version} is outside [0, {self.version}] "
-                    f"(shard {self.shard_index} is at version {self.version})"
-                )
-            for (name, start), g in grads.items():
-                self._tensors.part(name, start, g.numel())
-        # Gradients still in their chunks stay so only to be stepped from as they are (takes_chunked);
-        # anything else gets fp32 buffers, outside the lock (a no-op for fp32 tensors).
-        fp32 = None if checked and self.takes_chunked(loss_scale) else materialize(grads, self.staging)
-        if fp32 is not None:
-            grads = fp32
-            # Unscale and check outside the lock: the buffers are this request's own. ``checked``:
-            # the caller already looked at every value (the Push assembly does, chunk by chunk).
-            if loss_scale or not checked:
-                found_inf = unscale_and_check(list(fp32.values()), loss_scale) or found_inf
-        # The backup replays the gradient as taken in here (unscaled); packed (copied) before the sync
-        # policy may sum other workers' gradients into these buffers.
-        packed = pack(part_keys(fp32)) if self.replicator and fp32 is not None else None
-        with self._cond:
-            self._settle()
-            self._await_reads()  # before the policy takes the gradient: the step below changes weights in place
-            self.check_epoch(epoch)
-            policy = self._policy
-            assert policy is not None  # registered workers imply a job
-            if not policy.passes_through:  # switched to a barrier since takes_chunked: fp32 buffers after all
-                grads = materialize(grads, self.staging)
-            last = self.worker_clocks.get(worker_id, -1)
-            if step <= last:  # a retry of a push already taken in
-                self.pushes_total += 1
-                self.duplicate_pushes_total += 1
-                ready = self.version + (1 if policy.holds(worker_id) else 0)
-                return PushResult(self.version, applied=False, duplicate=True, sync=str(self.sync or ""),
-                                  loss_scale=self.loss_scale, ready_version=ready)
-            if step != last + 1:
-                raise FailedPrecondition(
-                    f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
-                    f"was {last}: steps go up by one"
-                )
-            if self.replicator is not None:
-                if packed is None:  # a backup was attached in between
-                    grads = fp32 = materialize(grads, self.staging)
-                    packed = pack(part_keys(fp32))
-                self.replicator.record(OpKind.SUBMIT, {"worker": worker_id, "step": step,
-                                                       "base_version": base_version, "found_inf": found_inf,
-                                                       "nbytes": nbytes}, packed=packed)
-            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
-            self.pushes_total += 1
-            self.push_bytes_total += nbytes
-            self.worker_clocks[worker_id] = step
-            applied = False
-            for update in updates:
-                applied |= self._apply(update)
-            policy = self._policy
-            assert policy is not None
-            ready = self.version + (1 if policy.holds(worker_id) else 0)
-            self._cond.notify_all()  # versions and clocks moved
-            result = PushResult(self.version, applied=applied, duplicate=False, sync=str(self.sync or ""),
-                                loss_scale=self.loss_scale, ready_version=ready)
-            due = applied and self._checkpoint_due() and policy.quiescent()
-        if due:
-            self.checkpoint_now()
-        return result
-
-    def _check_halted(self) -> None:
-        if self.closing:
-            raise Unavailable(f"shard {self.shard_index} is shutting down")
-        if self.moved_to:
-            raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {self.moved_to}")
-
-    def check_epoch(self, epoch: int | None) -> None:
-        """ABORTED when the job was rolled back since the worker's epoch, or this shard awaits it."""
-        if self.recovering:
-            raise Aborted(f"shard {self.shard_index} restarted from its checkpoint at version {self.version}: "
-                          f"the job must roll back to a checkpoint all shards hold "
-                          f"(versions here: {self.checkpoint_versions()})")
-        if epoch is not None and epoch != self.epoch:
-            raise Aborted(f"the job was rolled back (shard {self.shard_index} is in epoch {self.epoch}, "
-                          f"the request in {epoch}): resync")
-
-    def _wait(self, ready: Callable[[], bool], timeout: float) -> tuple[bool, int]:
-        """Park until ``ready`` or a halt, rollback or takeover; (ready, epoch at the start)."""
-        start_epoch = self.epoch
-        self.waiting += 1
-        try:
-            ok = self._cond.wait_for(lambda: ready() or self.closing or self.epoch != start_epoch
-                                     or self.moved_to != "", timeout)
-        finally:
-            self.waiting -= 1
-            self._cond.notify_all()
-        if ok:
-            self._check_halted()
-        return ok, start_epoch
-
-    def wait_version(self, min_version: int, timeout: float, epoch: int | None = None) -> int:
-        """Block until the shard reaches ``min_version``; return the version then."""
-        with self._cond:
-            ok, start_epoch = self._wait(lambda: self.version >= min_version, timeout)
-            if ok:
-                self.check_epoch(start_epoch if epoch is None else epoch)
-                return self.version
-            waiting = self._policy.waiting_on() if self._policy else "no job configured"
-            raise DeadlineExceeded(
-                f"shard {self.shard_index} is at version {self.version}, waited {timeout:.1f}s "
-                f"for version {min_version}: {waiting}"
-            )
-
-    def pull(self, worker_id: int, names: list[str], wire_dtype: int | None, chunk_bytes: int, *,
-             min_version: int, min_clock: int, epoch: int, timeout: float,
-             segment: Segment | None = None) -> tuple[float, Sequence[Item] | Framing]:
-        """A worker's Pull (decoded by server/wire.py): wait (up to ``timeout`` in all) for ``min_version``
-        and, under ssp, for every worker's clock to reach ``min_clock``; then the weights of ``names`` (all
-        when empty) as whole framed ``PullResponse`` messages (``read(messages=True)``), once the backup
-        holds them. With ``segment`` (the same-host fast path) the weights go there instead and the messages
-        only say where (``read_into``). Returns (seconds waited, messages): a list, or for a large Pull a ``Framing``
-        being filled outside the lock (iterate it)."""
-        self.check_epoch(epoch)
-        self.touch(worker_id)
-        names = names or self.names()
-        for n in names:
-            self.spec(n)  # NotFound before any wait
-        t0 = time.monotonic()
-        slowest = 0
-        if min_version > self.version:
-            self.wait_version(min_version, timeout, epoch)
-        if min_clock > 0:
-            slowest = self.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
-        waited = time.monotonic() - t0
-        self.touch(worker_id)
-        messages: Sequence[Item] | Framing
-        if segment is not None:
-            _, messages = self.read_into(names, wire_dtype, segment, slowest_clock=slowest, worker_id=worker_id)
-        else:
-            _, messages = self.read(names, wire_dtype, chunk_bytes, messages=True, slowest_clock=slowest,
-                                    worker_id=worker_id)
-        self.replicated()  # workers see only weights the backup holds too (--replicas 2)
-        return waited, messages
-
-    def weights_now(self, worker_id: int, ready_version: int, wire_dtype: int | None, min_clock: int, epoch: int,
-                    chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> list[bytes]:
-        """A Push's ``pull_after``: what a Pull of every tensor of the shard (``min_version=ready_version``,
-        ``min_clock``) would answer, if it can be answered at once and the weights are small (at most
-        ``SMALL_PULL_BYTES`` in the wire dtype); else [] (the worker pulls). Never waits, never raises a
-        failure of its own: the worker's Pull meets it instead."""
-        with self._cond:
-            small = payload_bytes(list(self._tensors.values()), wire_dtype) <= SMALL_PULL_BYTES
-        if not small:
-            return []
-        try:
-            _, messages = self.pull(worker_id, [], wire_dtype, chunk_bytes, min_version=ready_version,
-                                    min_clock=min_clock, epoch=epoch, timeout=0.0)
-        except StoreError:  # not ready yet (a barrier still open, a slow worker under ssp), or anything else
-            return []
-        return [msg for *_, msg in messages]
+            return sorted(self.table)
 
     def clocks(self) -> dict[int, int]:
-        """Each worker's clock: the number of steps it has pushed (0 before its first)."""
+        """Each live worker's clock: the number of steps it has pushed (0 before its first)."""
         with self._cond:
-            return self._clocks()
-
-    def _clocks(self) -> dict[int, int]:
-        """Clocks of the live workers (evicted ones do not hold SSP back)."""
-        return {w: self.worker_clocks.get(w, -1) + 1 for w in sorted(self.live_workers())}
-
-    def wait_clock(self, min_clock: int, timeout: float) -> int:
-        """Block until every worker's clock is >= ``min_clock`` (SSP); return the slowest clock."""
-        with self._cond:
-            def slowest() -> int:
-                c = self._clocks()
-                return min(c.values()) if c else 0
-
-            ok, start_epoch = self._wait(lambda: slowest() >= min_clock, timeout)
-            if ok:
-                self.check_epoch(start_epoch)
-                return slowest()
-            behind = {w: c for w, c in self._clocks().items() if c < min_clock}
-            raise DeadlineExceeded(
-                f"shard {self.shard_index}: waited {timeout:.1f}s for every worker to reach clock "
-                f"{min_clock} ({self._sync}); behind: {behind}"
-            )
-
-    def set_sync(self, sync: str) -> SyncSpec:
-        """Switch the running job's sync mode. Held gradients are applied first, none is lost."""
-        try:
-            spec = SyncSpec.parse(sync)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-        with self._cond:
-            self._settle()
-            if self._sync is None or self.num_workers is None or self._policy is None:
-                raise FailedPrecondition(f"shard {self.shard_index} has no job yet: nothing to switch")
-            if spec == self._sync:
-                return spec
-            if not spec.barrier and self._tensors.has_split():
-                raise FailedPrecondition(
-                    f"shard {self.shard_index} holds tensors split with cross-shard statistics, which "
-                    f"need bsp or every:X; cannot switch to {spec}"
-                )
-            self._await_reads()
-            self._record(OpKind.SET_SYNC, {"sync": str(spec)})
-            for update in self._policy.flush():
-                self._apply(update)
-            old = self._sync
-            self._sync, self._policy = spec, make_policy(spec, self.num_workers, self.applier.pool.recycle)
-            self._policy.track_live(self.live_workers())
-            self.sync_switches_total += 1
-            self._cond.notify_all()
-        log.info("shard %d: sync %s -> %s", self.shard_index, old, spec)
-        return spec
+            return self.job.clocks()
 
     # -- what one RPC asks, in one call (server/service.py decodes and encodes around these) ------
 
     def heartbeat(self, worker_id: int) -> tuple[int, list[int], str]:
         """Renew ``worker_id``'s lease: (version, live workers, where the backup lives or "")."""
         self.check_serving()
-        self._check_registered(worker_id)  # an evicted worker learns it here
-        self.touch(worker_id)
-        rep = self.replicator
-        return self.version, sorted(self.live_workers()), rep.address if rep is not None and rep.state != "none" else ""
+        self.leases.membership.check_registered(worker_id)  # an evicted worker learns it here
+        self.leases.touch(worker_id)
+        rep = self.replica.replicator
+        backup = rep.address if rep is not None and rep.state != ReplicaState.NONE else ""
+        return self.job.version, sorted(self.leases.live()), backup
 
     def goodbye(self, worker_id: int) -> tuple[int, list[int]]:
         """``worker_id`` leaves the job (``leave``), once the backup knows: (version, live workers)."""
         self.check_serving()
-        self.leave(worker_id)
+        self.leases.leave(worker_id)
         self.replicated()
-        return self.version, sorted(self.live_workers())
+        return self.job.version, sorted(self.leases.live())
 
     def recover(self, version: int, epoch: int) -> tuple[int, int]:
         """Roll back to the checkpoint at ``version`` in ``epoch`` (``rollback``), once the backup holds it."""
@@ -541,45 +277,149 @@ class ShardStore(TableMixin, MembershipMixin, ApplyMixin, ReadMixin, CheckpointM
         self.check_serving()
         spec = self.set_sync(sync)
         self.replicated()
-        return str(spec), self.version
+        return str(spec), self.job.version
 
     def checkpoint_request(self) -> tuple[int, str]:
         """Write a checkpoint now: (version, path)."""
         self.check_serving()
         path = self.checkpoint_now()
-        return self.version, path
-
-    def _remember_pulled(self, worker_id: int, names: list[str]) -> None:
-        """dc-asgd: keep the weights ``worker_id`` pulled, to compensate its next gradient."""
-        self._record(OpKind.PULLED, {"worker": worker_id, "names": names})
-        self.applier.remember_pulled(self._tensors, worker_id, names)
+        return self.job.version, path
 
     def close(self) -> None:
         """Shutting down: waits in progress end with UNAVAILABLE, new requests are refused."""
-        self._reaper.signal_stop()
+        self.leases.signal_stop()
+        self.job.close()
+
+    # -- state: snapshots, checkpoints, rollback ---------------------------------------
+
+    def snapshot(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        """Everything needed to restore this shard: (version, JSON-able meta, tensors).
+
+        Weights, optimizer state, the gradients a barrier round holds, the
+        version, each worker's last step (the exactly-once bookkeeping), the
+        loss scaler and the counters. Tensors are copies taken under the lock.
+        """
         with self._cond:
-            self.closing = True
+            return self.snapshot_locked()
+
+    def snapshot_locked(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        """``snapshot`` with the lock held."""
+        self.applier.settle()
+        m, job, ap = self.leases.membership, self.job, self.applier
+        return encode(ShardState(
+            version=job.version, num_shards=self.num_shards, sync=job.sync, num_workers=m.num_workers,
+            workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left),
+            worker_clocks=job.worker_clocks, scaler=ap.scaler, remedy=ap.remedy, epoch=job.epoch,
+            entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
+            counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
+            stale_weights=ap.stale_weights))
+
+    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Replace this shard's whole state with a snapshot (see ``snapshot``), part by part."""
+        if meta["num_shards"] != self.num_shards:
+            raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
+                                     f"{self.shard_index} of {self.num_shards}")
+        s = decode(version, meta, tensors)
+        with self._cond:
+            ap, job = self.applier, self.job
+            ap.settle()
+            self.reader.cache.clear()
+            self.table.replace(s.entries)
+            self.leases.membership.restore(s.workers, s.evicted, s.left, s.num_workers)
+            job.worker_clocks, job.sync = s.worker_clocks, s.sync
+            ap.remedy, ap.scaler, ap.scaling_configured = s.remedy, s.scaler, scaling_config(s.scaler)
+            job.policy = (make_policy(job.sync, s.num_workers, ap.pool.recycle)
+                          if job.sync is not None and s.num_workers else None)
+            if job.policy is not None:
+                if s.held is not None:
+                    job.policy.restore_held(s.held)
+                job.policy.track_live(self.leases.live())
+            for k, v in s.counters.items():
+                setattr(self, k, v)
+            ap.staleness_counts = s.staleness_counts
+            job.version = version
+            job.epoch = max(job.epoch, s.epoch)
+            ap.stale_weights = s.stale_weights
+            ap.add_peers(s.entries.values())
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self.waiting == 0, timeout=5.0)  # parked waits have left
+        log.info("shard %d: restored version %d (%d tensors)", self.shard_index, version, len(s.entries))
+
+    def state_hash(self) -> str:
+        """A digest of weights, optimizer state and version: equal iff the state is."""
+        with self._cond:
+            self.applier.settle()
+            return state_hash(self.job.version, self.table.items())
+
+    def checkpoint_now(self) -> str:
+        """Write a checkpoint of the current state; return the path of its metadata."""
+        return self.checkpointer.write(self.snapshot)
+
+    def rollback(self, version: int, epoch: int) -> tuple[int, int]:
+        """Restore the checkpoint at ``version`` and enter ``epoch`` (no-op if already there).
+
+        Waits in progress end with ABORTED, so their workers resync too.
+        """
+        ck, job = self.checkpointer, self.job
+        with ck.lock:
+            if epoch <= job.epoch and not job.recovering:
+                return job.version, job.epoch
+            c = ck.load(version)
+            self.restore(c.version, c.meta, c.tensors())
+            with self._cond:
+                job.epoch = max(epoch, job.epoch + 1)
+                job.recovering = False
+                ck.last_version = c.version
+                self.replica.record_snapshot()
+                self._cond.notify_all()
+        log.warning("shard %d: rolled back to version %d, epoch %d", self.shard_index, version, job.epoch)
+        return job.version, job.epoch
+
+    def restore_latest(self, at_most: int | None = None) -> int | None:
+        """Restore the newest complete checkpoint (at or below ``at_most``); its version, or None."""
+        c = self.checkpointer.latest(at_most)
+        if c is None:
+            return None
+        self.restore(c.version, c.meta, c.tensors())
+        self.checkpointer.last_version = c.version
+        return c.version
+
+    # -- the Replayer the replica side is given (replica.py); its other methods are the data path's ---------
+
+    def split_names_locked(self) -> list[str]:
+        return self.table.split_names()
+
+    def renew_leases_locked(self) -> None:
+        self.leases.membership.renew_all()
+
+    def evict(self, workers: list[int]) -> None:
+        """Replayed: evict ``workers`` as the primary did."""
+        with self._cond:
+            self.leases.evict_locked(workers)
+
+    def remember_pulled(self, worker_id: int, names: list[str]) -> None:
+        """Replayed: dc-asgd keeps the weights ``worker_id`` pulled."""
+        with self._cond:
+            self.path.remember_locked(worker_id, names)
 
     def stats(self) -> ShardStats:
+        """Every part's figures, of one moment (taken under the lock)."""
         with self._cond:
-            m, rep = self.membership, self.replicator
+            m, rep, job, ap, rd = self.leases.membership, self.replica.replicator, self.job, self.applier, self.reader
             return ShardStats(
-                shard_index=self.shard_index, num_shards=self.num_shards, version=self.version,
-                sync=str(self._sync) if self._sync else "", num_workers=m.num_workers or 0,
+                shard_index=self.shard_index, num_shards=self.num_shards, version=job.version,
+                sync=job.sync_text, num_workers=m.num_workers or 0,
                 registered_workers=sorted(m.workers), evicted_workers=sorted(m.evicted),
                 evictions_total=m.evictions_total, left_workers=sorted(m.left), leaves_total=m.leaves_total,
-                epoch=self.epoch, recovering=self.recovering, waiting_pulls=self.waiting,
+                epoch=job.epoch, recovering=job.recovering, waiting_pulls=job.waiting,
                 tensors=[TensorStats(e.spec.to_proto(), e.weight_bytes, e.optimizer_state_bytes)
-                         for e in (self._tensors[n] for n in sorted(self._tensors))],
-                pushes_total=self.pushes_total, applied_updates_total=self.applied_updates_total,
-                gradients_applied_total=self.gradients_applied_total, push_bytes_total=self.push_bytes_total,
-                pull_bytes_total=self.pull_bytes_total, pulls_total=self.pulls_total,
-                staleness_counts=dict(self.staleness_counts), skipped_steps_total=self.skipped_steps_total,
-                sync_switches_total=self.sync_switches_total, staleness_remedy=str(self.remedy),
-                checkpoint_versions=self.checkpoint_versions(), duplicate_pushes_total=self.duplicate_pushes_total,
-                loss_scale=self.loss_scale, worker_clocks=dict(self.worker_clocks), role=str(self.role),
+                         for e in (self.table[n] for n in sorted(self.table))],
+                pushes_total=job.pushes_total, applied_updates_total=ap.applied_updates_total,
+                gradients_applied_total=ap.gradients_applied_total, push_bytes_total=job.push_bytes_total,
+                pull_bytes_total=rd.pull_bytes_total, pulls_total=rd.pulls_total,
+                staleness_counts=dict(ap.staleness_counts), skipped_steps_total=ap.skipped_steps_total,
+                sync_switches_total=job.sync_switches_total, staleness_remedy=str(ap.remedy),
+                checkpoint_versions=self.checkpointer.versions(), duplicate_pushes_total=job.duplicate_pushes_total,
+                loss_scale=ap.loss_scale, worker_clocks=dict(job.worker_clocks), role=str(self.replica.role),
                 backup=rep.address if rep else "", replica_state=str(rep.state) if rep else str(ReplicaState.NONE),
-                replicated_ops_total=rep.ops_total if rep else self.replica_seq,
-                replication_lag_ops=rep.lag if rep else 0, promotions_total=self.promotions_total)
+                replicated_ops_total=rep.ops_total if rep else self.replica.replica_seq,
+                replication_lag_ops=rep.lag if rep else 0, promotions_total=self.replica.promotions_total)

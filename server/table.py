@@ -8,18 +8,17 @@
 - ``PartState`` / ``TensorEntry``: the fp32 master weights and optimizer
   state of each owned part.
 - ``TensorTable``: the entries by name, registration with its validation
-  (all-or-nothing). No lock of its own: the store calls it under its lock.
-- ``TableMixin``: the store's methods over it (``register_tensors``,
-  ``wait_for_tensors``, ``spec``, ``names``), taking the store's lock.
+  (all-or-nothing). A part of the store that every other part reading
+  weights is given; no lock of its own: called under the store's lock. The
+  table object lives as long as its store (a restore replaces its entries).
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,12 +26,9 @@ from shardps.protos import codec
 from shardps.protos.optim import OptimizerSpec, spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from shardps.server.optim import PartInfo, ServerOptimizer, make_optimizer, state_bytes
-from shardps.server.remedies import Remedy
-
-if TYPE_CHECKING:
-    from shardps.server.peers import Peers, ReplicaSink
+from shardps.server.remedies import Remedy, RemedyKind
 
 PartKey = tuple[str, int]  # (tensor name, start element of the part)
 
@@ -206,7 +202,7 @@ class TensorEntry:
 
 
 class TensorTable:
-    """The tensors one shard holds, by name. Called under the store's lock."""
+    """The tensors one shard holds, by name. Called under the store's lock (it has none of its own)."""
 
     def __init__(self, shard_index: int, entries: dict[str, TensorEntry] | None = None) -> None:
         self.shard_index = shard_index
@@ -290,7 +286,7 @@ class TensorTable:
                     f"and is split across shards {list(s.holders)}: that needs sync bsp or every:X, "
                     f"not {sync}; keep it whole (a larger max_whole_bytes) or change the sync mode"
                 )
-        if remedy.kind == "lr-scale":
+        if remedy.kind is RemedyKind.LR_SCALE:
             for s in specs:
                 if not isinstance(getattr(s.optimizer, "lr", None), (int, float)):
                     raise FailedPrecondition(
@@ -320,68 +316,7 @@ class TensorTable:
         for e in entries:
             self.entries[e.spec.name] = e
 
-
-class TableMixin:
-    """Tensor methods of ``ShardStore`` (it supplies the attributes annotated here)."""
-
-    shard_index: int
-    replicator: ReplicaSink | None
-    peers: Peers | None
-    _tensors: TensorTable
-    _sync: SyncSpec | None
-    _cond: threading.Condition
-
-    if TYPE_CHECKING:  # the store's property, and its own methods
-        @property
-        def remedy(self) -> Remedy: ...
-
-
-        def _settle(self) -> None: ...
-        def _record_registered(self, entries: list[TensorEntry]) -> None: ...
-
-    def spec(self, name: str) -> TensorSpec:
-        """The registered spec of ``name``; NotFound if there is none."""
-        return self._tensors.spec(name)
-
-    def names(self) -> list[str]:
-        with self._cond:
-            return sorted(self._tensors)
-
-    def _split_names(self) -> list[str]:
-        return self._tensors.split_names()
-
-    def register_tensors(self, specs: Sequence[TensorSpec],
-                         values: dict[PartKey, torch.Tensor] | None) -> list[str]:
-        """Create the tensors not yet held, from ``values`` (fp32, one per part).
-
-        Tensors already held must have an equal spec (FAILED_PRECONDITION
-        otherwise) and keep their weights. With ``values=None`` nothing is
-        created: tensors not yet held are an error (see wait_for_tensors).
-        All-or-nothing. Returns the names created.
-        """
-        TensorTable.validate(specs, self.shard_index)
-        with self._cond:
-            self._settle()
-            entries = self._tensors.new_entries(specs, values, replicated=self.replicator is not None,
-                                                sync=self._sync, remedy=self.remedy)
-            self._tensors.add(entries)
-            for e in entries:
-                if e.spec.split and self.peers is not None:
-                    self.peers.set_addresses(e.spec.peers)
-            if entries:
-                self._record_registered(entries)
-                self._cond.notify_all()
-            return [e.spec.name for e in entries]
-
-    def wait_for_tensors(self, names: Iterable[str], timeout: float) -> None:
-        """Block until every name is registered; DeadlineExceeded names the missing."""
-        wanted = list(names)
-        with self._cond:
-            ok = self._cond.wait_for(lambda: all(n in self._tensors for n in wanted), timeout)
-            if not ok:
-                missing = [n for n in wanted if n not in self._tensors]
-                raise DeadlineExceeded(
-                    f"shard {self.shard_index}: waited {timeout:.1f}s for worker 0 to register "
-                    f"{len(missing)} tensors (first: {missing[:3]})"
-                )
+    def replace(self, entries: dict[str, TensorEntry]) -> None:
+        """Hold ``entries`` instead of every tensor now held (a restore). A Pull framing the old ones keeps them."""
+        self.entries = entries
 

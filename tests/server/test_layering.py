@@ -1,4 +1,4 @@
-"""The store and its parts import no gRPC and ask the sync policy nothing through its class."""
+"""The store and its parts: no gRPC, a tree of parts (each imports only parts below it), no import circle."""
 
 from __future__ import annotations
 
@@ -8,7 +8,21 @@ from pathlib import Path
 import pytest
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
-CORE = ["store", "table", "membership", "apply", "pullcache", "snapshot", "replica", "peers", "sync", "checkpoint"]
+
+# The store's parts, bottom up: a module imports only server modules of a lower layer (lazy and TYPE_CHECKING
+# imports included). optim/ is a package of its own below them all.
+LAYERS = [
+    ["errors", "roles"],
+    ["remedies", "scaling", "sync", "peers", "checkpoint"],
+    ["table", "job", "membership"],
+    ["apply", "pullcache", "snapshot"],
+    ["replica"],
+    ["datapath"],
+    ["store"],
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+RANK["optim"] = -1
+CORE = [name for layer in LAYERS for name in layer]
 
 
 def _imports(path: Path) -> set[str]:
@@ -21,18 +35,52 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def _server_modules(path: Path) -> set[str]:
+    """The server modules ``path`` imports, by first name under shardps.server (optim for the package)."""
+    return {m.split(".")[2] for m in _imports(path) if m.startswith("shardps.server.")}
+
+
 @pytest.mark.parametrize("name", CORE)
 def test_no_grpc_in_the_store_or_its_parts(name):
     mods = _imports(SERVER / f"{name}.py")
     bad = {m for m in mods if m.split(".")[0] in ("grpc", "grpc_health") or m.endswith(("ps_pb2_grpc", ".exchange",
                                                                                           ".replication", ".service"))}
     assert not bad, f"server/{name}.py imports {sorted(bad)}"
-    for m in mods:  # nor through another server module
-        if m.startswith("shardps.server.") and m.split(".")[2] not in ("optim", "errors", "remedies", "scaling"):
-            assert m.split(".")[2] in CORE, f"server/{name}.py imports {m}"
 
 
 @pytest.mark.parametrize("name", CORE)
-def test_no_isinstance_on_policies(name):
+def test_a_part_imports_only_parts_below_it(name):
+    for m in sorted(_server_modules(SERVER / f"{name}.py")):
+        assert m in RANK, f"server/{name}.py imports server/{m}, which is not one of the store's parts"
+        assert RANK[m] < RANK[name], (f"server/{name}.py (layer {RANK[name]}) imports server/{m} "
+                                      f"(layer {RANK[m]}): parts import only parts below them")
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_no_mixins_and_no_isinstance_on_policies(name):
     text = (SERVER / f"{name}.py").read_text()
+    assert "Mixin" not in text, f"server/{name}.py: the store is made of parts, not mixins"
     assert "isinstance(self._policy" not in text and "BarrierPolicy)" not in text
+
+
+def test_no_import_circle_among_server_modules():
+    graph = {p.stem: _server_modules(p) - {p.stem} for p in SERVER.glob("*.py") if p.stem != "__init__"}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            cycle = path[path.index(node):] + [node]
+            pytest.fail("import circle: " + " -> ".join(f"server/{n}" for n in cycle))
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_every_arrow_between_parts_points_down():
+    """Every import between the parts, at once (the parametrized test above says which one broke)."""
+    assert all(RANK[m] < RANK[n] for n in CORE for m in _server_modules(SERVER / f"{n}.py") if m in RANK)

@@ -101,5 +101,5 @@ def test_a_store_without_peers_refuses_a_split_step_and_is_not_left_applying():
     st.register_worker(0)
     with pytest.raises(Unavailable, match="no connection to its peers"):
         st.submit(0, 0, 0, {("w", 0): torch.ones(6)})
-    assert not st._applying
+    assert not st.applier.applying
     st.read(["w"], None)  # not stuck behind a step that ended

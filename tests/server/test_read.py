@@ -124,7 +124,7 @@ def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeyp
     stepper.start()
     with st._cond:
         assert st._cond.wait_for(lambda: st.writers_waiting == 1, timeout=30)
-        assert st.version == 0 and st._reading == 1
+        assert st.version == 0 and st.reader.reading == 1
     release.set()
     versions, values = _all_values(msg for *_, msg in framing_)
     stepper.join(30)
@@ -133,7 +133,7 @@ def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeyp
     # The next Pull frames version 1 anew.
     versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
     assert versions == {1} and torch.equal(values, torch.full((4096,), -1.0))
-    assert st._reading == 0
+    assert st.reader.reading == 0
 
 
 @pytest.mark.fault
@@ -143,7 +143,7 @@ def test_a_failed_framing_fails_its_pulls_and_lets_steps_go_on(monkeypatch):
     with pytest.raises(Unavailable, match="framing the weights failed.*injected framing fault"):
         list(failed)
     with st._cond:  # the framing thread let go of the weights
-        assert st._cond.wait_for(lambda: st._reading == 0, timeout=30)
+        assert st._cond.wait_for(lambda: st.reader.reading == 0, timeout=30)
     monkeypatch.undo()  # framing works again: the failed one, still held, is not handed to the next Pull
     _, fresh = st.read(["w"], None, 1024, messages=True)
     assert fresh is not failed and st.framed_hits_total == 0
@@ -158,7 +158,7 @@ def test_a_small_pull_is_still_framed_under_the_lock_as_a_list():
     st = _store()
     assert st.frame_inline_bytes >= 1 << 20
     _, messages = st.read(["w"], None, messages=True)
-    assert isinstance(messages, list) and st._reading == 0
+    assert isinstance(messages, list) and st.reader.reading == 0
 
 
 class _SlowSegment:
@@ -206,7 +206,7 @@ def test_a_same_host_pull_copies_outside_the_lock_and_a_step_waits_for_it():
         c = framing.parse_pull_response(msg).chunk
         assert torch.equal(torch.frombuffer(seg.buf, dtype=torch.uint8)[c.shm_offset:c.shm_offset + c.shm_bytes]
                            .view(torch.float32), torch.zeros(64))
-    assert st._reading == 0
+    assert st.reader.reading == 0
 
 
 def test_a_framing_thread_that_cannot_start_fails_its_pull_and_the_next_one_frames_again(monkeypatch):
@@ -224,7 +224,7 @@ def test_a_framing_thread_that_cannot_start_fails_its_pull_and_the_next_one_fram
     monkeypatch.setattr(pullcache.threading, "Thread", NoThread)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         st.read(["w"], None, 1024, messages=True)
-    assert st._reading == 0
+    assert st.reader.reading == 0
     monkeypatch.undo()
     versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
     assert versions == {0} and torch.equal(values, torch.zeros(4096))
