@@ -1,4 +1,5 @@
-"""The store and its parts: no gRPC, a tree of parts (each imports only parts below it), no import circle."""
+"""The store and its parts: no gRPC, a tree of parts (each imports only parts below it). (No import circle
+anywhere, and the layers of the whole house: tests/test_layering.py.)"""
 
 from __future__ import annotations
 
@@ -61,24 +62,6 @@ def test_no_mixins_and_no_isinstance_on_policies(name):
     text = (SERVER / f"{name}.py").read_text()
     assert "Mixin" not in text, f"server/{name}.py: the store is made of parts, not mixins"
     assert "isinstance(self._policy" not in text and "BarrierPolicy)" not in text
-
-
-def test_no_import_circle_among_server_modules():
-    graph = {p.stem: _server_modules(p) - {p.stem} for p in SERVER.glob("*.py") if p.stem != "__init__"}
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> None:
-        if node in path:
-            cycle = path[path.index(node):] + [node]
-            pytest.fail("import circle: " + " -> ".join(f"server/{n}" for n in cycle))
-        if node in done:
-            return
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, path + [node])
-        done.add(node)
-
-    for name in sorted(graph):
-        visit(name, [])
 
 
 def test_every_arrow_between_parts_points_down():
