@@ -32,25 +32,12 @@ from shardps.server.errors import (
     Unavailable,
 )
 from shardps.server.peers import ReplicaLink, ReplicaSink
-from shardps.server.roles import (
-    REPLICA_TRANSITIONS,
-    ROLE_TRANSITIONS,
-    InvalidTransition,
-    OpKind,
-    ReplicaEvent,
-    ReplicaState,
-    Role,
-    RoleEvent,
-    next_replica_state,
-    next_role,
-)
+from shardps.server.roles import OpKind, ReplicaState, Role, RoleEvent, next_role
 from shardps.server.scaling import LossScaler
 from shardps.server.snapshot import Packed, parse_part_keys
 from shardps.server.table import PartKey, TensorSpec, spec_from_json
 
-__all__ = ["DEFAULT_REPLICA_TIMEOUT_S", "REPLICA_TRANSITIONS", "ROLE_TRANSITIONS", "Deposed", "InvalidTransition",
-           "Op", "OpKind", "ReplicaEvent", "ReplicaSide", "ReplicaState", "Replayer", "Role", "RoleEvent",
-           "next_replica_state", "next_role"]
+__all__ = ["DEFAULT_REPLICA_TIMEOUT_S", "Deposed", "Op", "ReplicaSide", "Replayer"]
 
 log = logging.getLogger("shardps.server")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.server.replica import (
+from shardps.server.roles import (
     REPLICA_TRANSITIONS,
     ROLE_TRANSITIONS,
     InvalidTransition,
