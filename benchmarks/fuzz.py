@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fuzz a live shardps job with 10,000+ malformed and random requests.
 
-The generators and the rules are tests/fuzzgen.py's (tests/test_fuzz.py
+The generators and the rules are tests/fuzzgen/'s (tests/test_fuzz.py
 runs ~450 of the same cases under hypothesis): random and damaged Push,
 Register, Pull, PullState, Exchange, SetSync, Stats, Heartbeat, Rollback,
 Checkpoint and the replication RPCs (Replicate, Promote, AttachReplica)

@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Latency benchmark: one small model (4 KB by default), one server, one worker, push+pull rounds.
 
+(Over 400 lines: the raw gRPC ceiling, its server and the three paths measured
+against it run in one process, so that every ratio comes from one run.)
+
 Times ``--rounds`` push+pull rounds (after ``--warmup`` untimed ones) of a
 model of one fp32 tensor of ``--elements`` elements (1024: 4 KB) through
 one shard on loopback, and the same bytes through raw gRPC as the ceiling:

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Transport benchmark: shardps push/pull versus a raw gRPC byte stream.
 
+(Over 400 lines: the raw gRPC baseline (its server processes and client) and
+the shardps and shared-memory paths live in one script, so that every ratio
+comes from one run on one topology.)
+
 Moves a ~100 MB fp32 transformer-like model (``--mb``) through two shards
 and compares with the best that plain gRPC Python does with the same bytes
 on the same topology, in the same run:

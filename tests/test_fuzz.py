@@ -1,6 +1,6 @@
 """Fuzzing a live server: malformed and random requests get a proper status and change nothing.
 
-tests/fuzzgen.py builds the requests and judges the answers (its docstring
+tests/fuzzgen/ builds the requests and judges the answers (its docstring
 has the rules); hypothesis drives its choices here, derandomized, so every
 run sends the same cases: EXAMPLES to each job shape the fuzzer supports (1
 and 2 shards, with and without backups; asp, bsp, every:2, ssp:1). A bug

@@ -1,0 +1,82 @@
+"""The job the fuzzer runs against: its tensors, its set-up, and reading its state."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tests.fuzzgen.cases import VOLATILE_STATS
+
+# -- the job the fuzzer runs against ---------------------------------------------------
+
+
+def job_tensors() -> dict[str, torch.Tensor]:
+    """Small tensors of every wire dtype; with part_bytes=32 "w" is split across two shards."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(4, 5, generator=g),
+        "b": torch.randn(5, generator=g),
+        "h": torch.randn(2, 3, generator=g).to(torch.float16),
+        "e": torch.randn(7, generator=g).to(torch.bfloat16),
+    }
+
+
+def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, steps: int = 2,
+                timeout: float = 30.0) -> dict[str, torch.Tensor]:
+    """Register ``num_workers`` workers and push ``steps`` valid steps from each; return the weights then.
+
+    Optimizers with state (SGD momentum, Adam) so that the state hash covers
+    more than weights.
+    """
+    import shardps  # here: tests/fuzzgen is importable without the package's heavier parts
+
+    tensors = job_tensors()
+
+    def optimizer(name: str, t: torch.Tensor) -> Any:
+        if name == "b":
+            return shardps.optim.SGD(lr=0.5, momentum=0.5)
+        if name == "e":
+            return shardps.optim.Adam(lr=0.01)
+        return shardps.optim.SGD(lr=0.5)
+
+    clients = [shardps.connect(addresses, worker_id=k, num_workers=num_workers, timeout=timeout, part_bytes=32)
+               for k in range(num_workers)]
+    try:
+        clients[0].register(tensors, optimizer, sync=sync)
+        for c in clients[1:]:
+            c.register(tensors, optimizer, sync=sync)
+        for step in range(steps):
+            for k, c in enumerate(clients):
+                c.push({n: torch.full_like(t, 0.25 * (k + 1)) for n, t in tensors.items()}, step=step)
+        return clients[0].pull()
+    finally:
+        for c in clients:
+            c.close(leave=False)  # the job's workers stay registered while it is fuzzed
+
+
+def pull_all(addresses: Sequence[str], timeout: float = 30.0) -> dict[str, torch.Tensor]:
+    """Every tensor's weights, by a fresh pull-only client (a valid pull)."""
+    import shardps
+
+    with shardps.connect(addresses, worker_id=0, num_workers=1, timeout=timeout) as c:
+        c.attach()
+        return c.pull()
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
+
+
+def local_state(stores: Sequence[Any]) -> list[tuple[str, str]]:
+    """In-process shards: ``state_hash()`` and the counters and membership of ``stats()`` (less pulls)."""
+    out = []
+    for s in stores:
+        st = dataclasses.asdict(s.stats())
+        for k in VOLATILE_STATS:
+            st.pop(k, None)
+        st["tensors"] = [(t["spec"], t["weight_bytes"], t["optimizer_state_bytes"]) for t in st["tensors"]]
+        out.append((s.state_hash(), repr(sorted(st.items()))))
+    return out
