@@ -259,7 +259,7 @@ def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradi
             def write_then_off(link, flats, parts=None, real=real, client=client, off=off):
                 out = real(link, flats, parts)
                 if off and link is client.shm_links[1]:
-                    client._shm_off(1)  # as Transport.on_moved does once the shard moved
+                    client.paths.off(1)  # as Transport.on_moved does once the shard moved
                 return out
 
             monkeypatch.setattr(ShmLink, "write", write_then_off)

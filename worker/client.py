@@ -38,6 +38,7 @@ from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
+from shardps.worker.paths import ShardPaths
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
 from shardps.worker.shm import ShmLink, shm_probe
@@ -87,13 +88,13 @@ class PSClient:
         self.lease_s = 0.0  # the job's worker lease (0: none)
         self.epoch = 0  # the job's rollback epoch this client is in
         self.heartbeats = Heartbeats(self.transport, worker_id)
-        # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default), and
-        # per shard, whether that shard read this worker's probe at Register.
+        # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default); each
+        # shard's path (worker/paths.py): shared memory if it read this worker's probe at Register, else gRPC.
         self.use_shm = env.pick_bool(shm, env.SHM, True)
         self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
-        self.shm_links: list[ShmLink | None] = [None] * len(self.addresses)
+        self.paths = ShardPaths(worker_id, len(self.addresses))
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
-        self.transport.on_moved = self._shm_off
+        self.transport.on_moved = self.paths.off  # failed over to a backup (another machine): gRPC
         self._registered = False  # registered as a worker: close() says goodbye (Leave)
         self._closed = False
         # A worker's own /metrics (arguments, then SHARDPS_METRICS_PORT/HOST): served once it registers.
@@ -147,6 +148,11 @@ class PSClient:
     @property
     def failovers_total(self) -> int:
         return self.transport.failovers_total
+
+    @property
+    def shm_links(self) -> list[ShmLink | None]:
+        """Each shard's shared-memory link, None for gRPC (a snapshot of ``paths``, for tests and diagnostics)."""
+        return self.paths.links
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every shard's channel is connected (TimeoutError names the laggards); a shard with a
@@ -230,26 +236,11 @@ class PSClient:
         self.clock = min(r.worker_clock for r in responses)
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
-        self._open_shm([r.shm for r in responses])
+        self.paths.open(smap, layouts, [r.shm for r in responses])
         self._registered = True
         self._serve_metrics()
         self.start_heartbeats()
         return created
-
-    def _open_shm(self, readable: Sequence[bool]) -> None:
-        """Segments for every shard that read our probe (it shares this machine); the others use gRPC."""
-        for i in range(self.num_shards):
-            self._shm_off(i)
-            if not readable[i]:
-                continue
-            assert self.shard_map is not None
-            self.shm_links[i] = ShmLink.open(self.worker_id, i, self.shard_map, self.layouts)
-
-    def _shm_off(self, shard: int) -> None:
-        """Shard ``shard`` no longer shares this machine (or the client closes): back to gRPC."""
-        link, self.shm_links[shard] = self.shm_links[shard], None
-        if link is not None:
-            link.close()
 
     def _serve_metrics(self) -> None:
         """Serve this worker's /metrics when a port was given (argument or SHARDPS_METRICS_PORT)."""
@@ -447,8 +438,7 @@ class PSClient:
                 self.leave(timeout=min(5.0, self.timeout))
         finally:
             self.transport.close()
-            for i in range(self.num_shards):
-                self._shm_off(i)
+            self.paths.close()
             if self.metrics_endpoint is not None:
                 self.metrics_endpoint.close()
 

@@ -6,7 +6,9 @@ complete, ``result()`` once all are. The tensors of each shard come in the
 order asked (the model's order: the first layers first). ``PSClient.pull``
 is ``start`` then ``result``; ``result`` hands the pull's ``view`` (what the
 shards said about the job: ``worker/jobview.py``) to ``on_result``, the
-client's ``apply``, in the thread that takes the result.
+client's ``apply``, in the thread that takes the result. Each shard's path
+(``worker/paths.py``) names the segment a Pull asks for (same host) and reads
+its answers' chunks.
 
 The RPCs run on the transport's threads (one per shard; the shards whose
 Push answered with their weights are copied, and with ``start(inline=True)``
@@ -80,11 +82,9 @@ class PullInFlight:
         for p in client.shard_map.parts:
             if p.name in order:
                 self._missing[p.name] += p.stop - p.start
-                if client.shm_links[p.server] is not None:  # one per part
-                    self._messages[p.server] = self._messages.get(p.server, 0) + 1
-                else:  # one per chunk, as the shard frames them
-                    per = max(1, client.chunk_bytes // self._wire_itemsize[p.name])
-                    self._messages[p.server] = self._messages.get(p.server, 0) + -(-(p.stop - p.start) // per)
+                count = client.paths[p.server].pull_messages(p.stop - p.start, self._wire_itemsize[p.name],
+                                                             client.chunk_bytes)
+                self._messages[p.server] = self._messages.get(p.server, 0) + count
                 got = self._owners.setdefault(p.server, [])
                 if p.name not in got:
                     got.append(p.name)
@@ -150,26 +150,22 @@ class PullInFlight:
                 if not self._events[n].is_set():
                     self._missing[n] += k
             self._received[shard] = {}
-        link = client.shm_links[shard]
+        path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
         req = ps_pb2.PullRequest(worker_id=client.worker_id, names=self._owners[shard],
                                  min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
                                  chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
-                                 shm=link.pull.name if link is not None else "")
+                                 shm=path.pull_segment)
         version = -1
         received = self._received[shard]
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
         responses = (map(framing.read_pull_response, given) if given is not None
                      else client.transport.pull(shard, req, one=self._messages.get(shard) == 1))
         with torch.no_grad():
-            # chunk.data is a view of the received message: decode copies nothing, copy_ is the one copy.
+            # The path reads a view (of the received message, or of our pull segment): decode copies nothing,
+            # copy_ is the one copy.
             for resp in responses:
                 c = resp.chunk
-                if c.shm_bytes:  # same host: the bytes are in our pull segment
-                    if link is None:
-                        raise ValueError(f"shard {shard} answered with shared memory this client did not offer")
-                    values = codec.decode(link.read(c.shm_offset, c.shm_bytes), c.dtype)
-                else:
-                    values = codec.decode(c.data, c.dtype)
+                values = path.read(c)
                 dst = self._staging.get(c.name)
                 if dst is None and given is not None and c.name not in client.layouts:
                     continue  # a Push is answered with every tensor of its shard: others' (pipeline stages')

@@ -6,7 +6,8 @@ chunk-less message carrying the step's inf/nan flag (the shard ORs it over
 the stream, server/wire.py). A retried shard (UNAVAILABLE) is sent the
 whole stream again from its start: the requests are generated from the
 buckets kept until ``finish``. Every message is framed by ``PushFramer``
-(``worker/pushframes.py``), over gRPC or through the shard's push segment.
+(``worker/pushframes.py``), as the shard's path (``worker/paths.py``) has
+it: over gRPC or through the shard's push segment.
 
 The RPCs run on the transport's threads (one per shard) and never block
 without a deadline: the client's timeout per RPC, and for waits on them the
@@ -28,11 +29,10 @@ import torch
 from shardps.protos import codec
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.protos.shm import SegmentClosed
 from shardps.worker.jobview import JobView
+from shardps.worker.paths import ShardPath
 from shardps.worker.pushframes import PushFramer
 from shardps.worker.route import Route
-from shardps.worker.shm import ShmLink
 from shardps.worker.transport import gather
 
 
@@ -87,11 +87,11 @@ class PushStream:
                 raise ValueError(f"gradient of {name!r} handed in twice in step {self._step}")
             self._names.add(name)
             dtype = codec.to_torch_dtype(lay.push_dtype)
-            links = {i: client.shm_links[i] for i in range(client.num_shards) if name in self._parts[i]}
+            paths = [client.paths[i] for i in range(client.num_shards) if name in self._parts[i]]
             if g.is_cuda:  # device-to-host on a side stream, into pinned memory: backward does not wait
                 flat = self._to_host(name, g, dtype)
-            elif (g.device.type == "cpu" and g.dtype != dtype and links and all(links.values())
-                  and (direct := self._write_direct(name, g.detach().reshape(-1), links)) is not None):
+            elif (g.device.type == "cpu" and g.dtype != dtype and paths and all(p.writes_ahead for p in paths)
+                  and (direct := self._write_direct(name, g.detach().reshape(-1), paths)) is not None):
                 flat, ok = direct
                 finite = finite and ok
             else:
@@ -106,21 +106,20 @@ class PushStream:
             self._found_inf = self._found_inf or not finite or not all(codec.all_finite(f) for f in host)
             self._cond.notify_all()
 
-    def _write_direct(self, name: str, flat: torch.Tensor, links: Mapping[int, ShmLink | None]
+    def _write_direct(self, name: str, flat: torch.Tensor, paths: Sequence[ShardPath]
                       ) -> tuple[torch.Tensor, bool] | None:
-        """Cast ``flat`` into each of its shards' push segments as it is copied; (``flat``, whether the bytes
-        written are all finite: they are what the shards read, and a cast can overflow). None when a
-        segment was closed meanwhile (a fail-over): the caller casts it into a buffer instead."""
+        """Cast ``flat`` into each of its shards' push segments as it is copied (``paths``: its shards', all
+        writing ahead); (``flat``, whether the bytes written are all finite: they are what the shards read,
+        and a cast can overflow). None when a segment was closed meanwhile (a fail-over): the caller casts
+        it into a buffer instead."""
         chunks: dict[int, list[ps_pb2.Chunk]] = {}
         finite = True
-        try:
-            for i, link in links.items():
-                assert link is not None
-                written = link.write({name: flat}, [(name, start, stop) for start, stop in self._parts[i][name]])
-                chunks[i] = [c for c, _ in written]
-                finite = finite and all(codec.all_finite(v) for _, v in written)
-        except SegmentClosed:
-            return None
+        for path in paths:
+            written = path.stage({name: flat}, [(name, start, stop) for start, stop in self._parts[path.shard][name]])
+            if written is None:
+                return None
+            chunks[path.shard] = [c for c, _ in written]
+            finite = finite and all(codec.all_finite(v) for _, v in written)
         self._written[name] = chunks
         return flat, finite
 
@@ -192,10 +191,9 @@ class PushStream:
         """Shard ``shard``'s PushRequests, as the buckets come: the whole stream from its start at each call."""
         client = self._client
         parts = self._parts[shard]
-        link = client.shm_links[shard]
+        path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
         frames = PushFramer(worker_id=client.worker_id, step=self._step, base_version=self._bases[shard],
-                            loss_scale=self._loss_scale, epoch=client.epoch,
-                            shm=link.push.name if link is not None else "")
+                            loss_scale=self._loss_scale, epoch=client.epoch, shm=path.push_segment)
         i = 0
         while True:
             with self._cond:
@@ -209,21 +207,7 @@ class PushStream:
             i += len(batch)
             for name, _ in batch:
                 self._host(name)
-            if link is not None:  # same host: through the push segment
-                chunks = [c for name, _ in batch if name in self._written for c in self._written[name].get(shard, ())]
-                if chunks:  # cast into the segment in add()
-                    yield from frames.shm_chunks(chunks, last=False)
-                flats = {name: flat for name, flat in batch if name in parts and name not in self._written}
-                if flats:  # copied into it here
-                    written = link.write(flats, [(n, a, b) for n in flats for a, b in parts[n]])
-                    yield from frames.shm_chunks([c for c, _ in written], last=False)
-            else:
-                for name, flat in batch:
-                    lay = client.layouts[name]
-                    if name in self._written and name in parts:  # meant for shared memory, now off (a fail-over)
-                        flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
-                    for start, stop in parts.get(name, ()):
-                        yield from frames.chunks(name, lay.push_dtype, lay.shape, flat, start, stop, client.chunk_bytes)
+            yield from path.bucket_messages(frames, batch, self._written, parts, client)
             if done and not batch:
                 yield frames.end(found_inf)
                 return
