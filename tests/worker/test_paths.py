@@ -20,7 +20,9 @@ from shardps.worker.layout import Layout, plan
 from shardps.worker.paths import GrpcPath, ShardPaths, ShmPath
 from shardps.worker.pushframes import PushFramer
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
+pytestmark = pytest.mark.skipif(
+    not shm.available(),
+    reason="no writable /dev/shm on this machine: the same-host path is off, every shard is reached over gRPC")
 
 
 @dataclass
