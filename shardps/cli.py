@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logging level (env SHARDPS_LOG_LEVEL; default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("server", help="run one parameter server (one shard)")
+    s = sub.add_parser("server", help="run one parameter server (one shard, or --shards N)")
     s.add_argument("--host", default=env.get(env.HOST) or "127.0.0.1",
                    help=f"address to bind (default loopback; env {env.HOST})")
     s.add_argument("--port", type=int, default=_or(_env_int(env.PORT), 0),
@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"this server's shard (default 0; env {env.SHARD_INDEX})")
     s.add_argument("--num-shards", type=int, default=_or(_env_int(env.NUM_SHARDS), 1),
                    help=f"shards of the job (default 1; env {env.NUM_SHARDS})")
+    s.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="serve N consecutive shards from --shard-index in this process, each on its own "
+                        "port (--port, --port+1, ...; 0: free ones): a model cut finer than the server hosts "
+                        "(see DistributedOptimizer(push_window=...)); default 1")
     s.add_argument("--sync", type=_sync, default=None, help="fix the sync mode (default: the first worker's)")
     s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
     s.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_CHUNK_BYTES,
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by LocalCluster or the demo: stop when that process is gone
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
-        from shardps.server.app import check_replicas, check_spare, run_server, run_spare
+        from shardps.server.app import check_replicas, check_shards, check_spare, run_server, run_spare
 
         if args.replicas not in (1, 2):  # from SHARDPS_REPLICAS: argparse checks choices of flags only
             print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
@@ -321,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                              checkpoint_every=args.checkpoint_every, **extra)
         try:
             check_replicas(args.replicas, args.num_shards, args.replica_target)
+            check_shards(args.shards, args.shard_index, args.num_shards, args.replicas)
         except ValueError as e:
             print(f"shardps server: {e}", file=sys.stderr)
             return 2
-        return run_server(host=args.host, port=args.port, shard_index=args.shard_index,
+        return run_server(shards=args.shards, host=args.host, port=args.port, shard_index=args.shard_index,
                           num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
                           chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
