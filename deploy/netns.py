@@ -137,9 +137,11 @@ def sweep_stale() -> list[str]:
 def write_record(prefix: str, namespaces: Sequence[str], shm_dirs: Sequence[str]) -> None:
     """Say that this process owns ``namespaces`` (before making the first of them)."""
     RECORDS.mkdir(parents=True, exist_ok=True)
-    record_path(prefix).write_text(json.dumps({
+    tmp = RECORDS / f".{prefix}.tmp"  # written whole, then renamed: a sweep never reads half a record
+    tmp.write_text(json.dumps({
         "prefix": prefix, "pid": os.getpid(), "start_time": start_time(os.getpid()),
         "namespaces": list(namespaces), "shm_dirs": list(shm_dirs)}))
+    os.replace(tmp, record_path(prefix))
 
 
 def record_path(prefix: str) -> Path:

@@ -273,7 +273,9 @@ class NetCluster:
 
     def _add_host(self, name: str) -> None:
         ns, port = self.netns(name), self._port(name)
-        Path(self.shm_dir(name)).mkdir(mode=0o1777)
+        shm = Path(self.shm_dir(name))
+        shm.mkdir()
+        shm.chmod(0o1777)  # as /dev/shm itself: every user of the host may make segments
         sh(["ip", "netns", "add", ns])
         host, br = ["ip", "-n", ns], ["ip", "-n", self.bridge_netns]
         sh([*host, "link", "set", "lo", "up"])
