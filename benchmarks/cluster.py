@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""The parameter server against ring all-reduce on a simulated cluster, where bandwidth decides.
+
+    sudo .venv/bin/python benchmarks/cluster.py [--links 500mbit 200mbit] [--rounds 2] [--json]
+    sudo .venv/bin/python benchmarks/cluster.py --quick            # DDP and shardps bsp fp32, n = 4, k = 4
+    sudo .venv/bin/python benchmarks/cluster.py --plot hosts.png --timeline step.png
+
+One ``shardps.netsim.NetCluster`` of 8 hosts (4 worker hosts h0-h3, 4 server
+hosts h4-h7), every link shaped to the same rate, and on it, in one run and
+in rotating order, the systems of issue 20's table: DDP over gloo (ring
+all-reduce) on n = 2 and 4 worker hosts; shardps bsp with k = 0 (a server on
+each worker host), 2 and 4 server hosts, fp32, bf16 both ways, and
+every:4. The workload (``baselines/common.py``): an MLP ``--dims``
+(default 1024-2048-1024-10, 4.2M parameters, M = 16.8 MB in fp32), batch 8
+per worker, SGD, one torch thread per worker
+(``baselines/host_worker.py``: one process per host).
+
+shardps runs the partitioned schedule: each server host serves
+``--shards-per-host`` shards (``shardps server --shards``), and each worker
+pushes them ``--window`` at a time (``DistributedOptimizer(push_window=)``),
+each shard's pull beginning as soon as it answered; the row "bsp fp32,
+1 shard a host, all at once" is the schedule before it.
+
+Beside each measured step (the median over workers of each worker's median
+timed step), the time BytePS's analysis gives for that configuration, with
+M the bytes on the wire, B the link rate, n workers and k server hosts:
+ring all-reduce 2(n-1)/n * M/B; a parameter server on k separate hosts
+max(M/B, n*M/(k*B)); servers on the worker hosts (k = 0) 2(n-1)/n * M/B;
+every:4 a quarter of bsp's. The ratio measured / formula is what is left
+to explain (framing, Python, the step, and on this machine the CPU: every
+host shares the same 2 cores, so ``cpu/step``, the CPU seconds every
+process of the row spent per step, over the cores, is a floor no link can
+lift; it is printed beside).
+
+``--sweep``: the schedule's two settings instead, shards a server host
+serves (1, 2, 4, 8) against the window (all at once, 1, 2, 3, 4), at n = 4,
+k = 4, beside DDP: what the defaults were chosen from.
+
+``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
+``k``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``).
+Needs root (network namespaces): it says so in one line otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from baselines.common import numel  # noqa: E402
+
+from shardps.deploy.local import parse_ready, read_ready_lines  # noqa: E402
+from shardps.netsim import NetCluster, parse_rate, unavailable  # noqa: E402
+
+WORKER_HOSTS = ["h0", "h1", "h2", "h3"]
+SERVER_HOSTS = ["h4", "h5", "h6", "h7"]
+
+
+@dataclass(frozen=True)
+class Config:
+    system: str  # "ddp" or "shardps"
+    n: int
+    k: int = 0  # server hosts (0: a server on each worker host)
+    sync: str = "bsp"
+    wire: str = "fp32"
+    per: int = 1  # shards a server host serves
+    window: int | None = None  # push_window
+
+    @property
+    def label(self) -> str:
+        if self.system == "ddp":
+            return "DDP (gloo ring all-reduce)"
+        where = "servers on the worker hosts" if self.k == 0 else f"{self.k} server hosts"
+        how = (f"{self.per} shards a host, window {self.window}" if self.window
+               else f"{self.per} shard a host, all at once")
+        return f"shardps {self.sync} {self.wire}, {where}, {how}"
+
+
+def configs(quick: bool, per: int, window: int, sweep: bool = False) -> list[Config]:
+    if sweep:
+        return [Config("ddp", 4)] + [Config("shardps", 4, 4, per=p, window=w)
+                                     for p in (1, 2, 4, 8) for w in (None, 1, 2, 3, 4) if not (w and w >= 4 * p)]
+    if quick:
+        return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window)]
+    return [Config("ddp", 2), Config("ddp", 4),
+            Config("shardps", 4, 4),  # before the partitioned schedule
+            Config("shardps", 4, 0, per=per, window=window),
+            Config("shardps", 4, 2, per=per, window=window),
+            Config("shardps", 4, 4, per=per, window=window),
+            Config("shardps", 4, 4, wire="bf16", per=per, window=window),
+            Config("shardps", 4, 4, sync="every:4", per=per, window=window),
+            Config("shardps", 2, 2, per=per, window=window)]
+
+
+def formula(c: Config, model_bytes: float, bits_per_s: float) -> float:
+    """BytePS's step time for ``c`` (see the module docstring), in seconds."""
+    m = model_bytes * (0.5 if c.wire == "bf16" else 1.0)
+    b = bits_per_s / 8
+    if c.system == "ddp" or c.k == 0:
+        t = 2 * (c.n - 1) / c.n * m / b
+    else:
+        t = max(m / b, c.n * m / (c.k * b))
+    return t / 4 if c.sync == "every:4" else t
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU seconds (user + system) so far, 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -> dict[str, Any]:
+    """One row: start the servers (shardps), the workers, wait for their results, stop everything."""
+    env = dict(os.environ, SHARDPS_LOG_LEVEL="ERROR")
+    servers: list[subprocess.Popen[str]] = []
+    addresses: list[str] = []
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        if c.system == "shardps":
+            hosts = WORKER_HOSTS[:c.n] if c.k == 0 else SERVER_HOSTS[:c.k]
+            total = len(hosts) * c.per
+            for j, h in enumerate(hosts):
+                servers.append(net.start(h, [sys.executable, "-m", "shardps", "server", "--host", net.host(h),
+                                             "--port", "0", "--shard-index", str(j * c.per), "--shards",
+                                             str(c.per), "--num-shards", str(total)], env=env,
+                                         stdout=subprocess.PIPE))
+            for proc in servers:
+                addresses += [parse_ready(line)[0] for line in read_ready_lines(proc, 120, c.per)]
+        for r in range(c.n):
+            argv = [sys.executable, str(HERE / "baselines" / "host_worker.py"), c.system, "--rank", str(r),
+                    "--world", str(c.n), "--dims", a.dims, "--batch", str(a.batch), "--steps", str(a.steps),
+                    "--warmup", str(a.warmup), "--timeout", str(a.timeout)]
+            if c.system == "ddp":
+                argv += ["--master", f"{net.host(WORKER_HOSTS[0])}:29500"]
+            else:
+                argv += ["--addresses", ",".join(addresses), "--sync", c.sync, "--wire", c.wire]
+                argv += ["--window", str(c.window)] if c.window else []
+            if timeline and r == 0:
+                argv.append("--timeline")
+            workers.append(net.start(WORKER_HOSTS[r], argv, env=env, stdout=subprocess.PIPE))
+        deadline = time.monotonic() + a.timeout
+        first = workers[0].stdout.readline() if workers[0].stdout else ""
+        if '"timed"' not in first:
+            raise RuntimeError(f"{c.label}: worker 0 said {first!r} instead of starting its timed steps")
+        server_cpu0 = sum(cpu_seconds(p.pid) for p in servers)
+        results = []
+        for w in workers:
+            out, _ = w.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            lines = [ln for ln in out.strip().splitlines() if ln.startswith("{") and '"times"' in ln]
+            if w.returncode != 0 or not lines:
+                raise RuntimeError(f"{c.label}: a worker exited with {w.returncode}: {out[-500:]!r}")
+            results.append(json.loads(lines[-1]))
+        server_cpu = sum(cpu_seconds(p.pid) for p in servers) - server_cpu0
+    finally:
+        for p in workers + servers:
+            stop(p)
+    step = statistics.median(statistics.median(r["times"]) for r in results)
+    cpu = (sum(r["cpu_s"] for r in results) + server_cpu) / a.steps
+    return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline")}
+
+
+def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -> dict[str, Any]:
+    step = statistics.median(g["step_s"] for g in got)
+    f = formula(c, model_bytes, bits)
+    out = {"system": c.system, **{k: v for k, v in asdict(c).items() if k != "system"}, "label": c.label,
+           "link_mbit": round(bits / 1e6), "model_mb": round(model_bytes / 1e6, 2), "step_s": round(step, 4),
+           "formula_s": round(f, 4), "ratio": round(step / f, 3),
+           "cpu_s": round(statistics.median(g["cpu_s"] for g in got), 3)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--links", nargs="+", default=["500mbit", "200mbit"], help="link rates, one table each")
+    p.add_argument("--dims", default="1024-2048-1024-10")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per worker")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1, help="each row this many times, in rotating order")
+    p.add_argument("--shards-per-host", type=int, default=4)
+    p.add_argument("--window", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600.0, help="per row, seconds")
+    p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4, 200mbit")
+    p.add_argument("--sweep", action="store_true",
+                   help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")
+    p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    p.add_argument("--plot", metavar="PNG", help="step time against server hosts, with the formula's line")
+    p.add_argument("--timeline", metavar="PNG", help="worker 0's link in one shardps step (n = 4, k = 4)")
+    a = p.parse_args()
+    missing = unavailable()
+    if missing:
+        print(f"benchmarks/cluster.py: {missing}", file=sys.stderr)
+        return 2
+    links = ["200mbit"] if a.quick else a.links
+    dims = tuple(int(d) for d in a.dims.split("-"))
+    model_bytes = 4.0 * numel(dims)
+    rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep)
+    say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
+    say(f"model {model_bytes / 1e6:.1f} MB ({a.dims}), batch {a.batch}, {a.steps} timed steps after {a.warmup}; "
+        f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    table: list[dict[str, Any]] = []
+    timeline = None
+    with NetCluster(hosts=WORKER_HOSTS + SERVER_HOSTS, link=links[0]) as net:
+        for link in links:
+            for h in WORKER_HOSTS + SERVER_HOSTS:
+                net.shape(h, link)
+            got: dict[Config, list[dict[str, Any]]] = {c: [] for c in rows_}
+            for r in range(a.rounds):
+                for i in range(len(rows_)):
+                    c = rows_[(i + r) % len(rows_)]
+                    want_timeline = bool(a.timeline) and timeline is None and c.system == "shardps" \
+                        and c.k == 4 and c.window is not None and c.sync == "bsp" and c.wire == "fp32"
+                    t0 = time.monotonic()
+                    m = measure(net, c, a, want_timeline)
+                    if want_timeline:
+                        timeline = (m["timeline"], link)
+                    got[c].append(m)
+                    say(f"  [{link} round {r + 1}/{a.rounds}] {c.label}: {m['step_s']:.3f} s a step "
+                        f"({time.monotonic() - t0:.0f} s)")
+            bits = parse_rate(link)
+            for c in rows_:
+                table.append(row(c, got[c], model_bytes, bits))
+    for t in table:
+        if a.json:
+            print(json.dumps({k: v for k, v in t.items() if k != "label"}), flush=True)
+    if not a.json:
+        print_table(table)
+    if a.plot:
+        plot(a.plot, table)
+    if a.timeline and timeline is not None:
+        plot_timeline(a.timeline, *timeline)
+    return 0
+
+
+def print_table(table: list[dict[str, Any]]) -> None:
+    for link in sorted({t["link_mbit"] for t in table}, reverse=True):
+        rows_ = [t for t in table if t["link_mbit"] == link]
+        ddp = {t["n"]: t["step_s"] for t in rows_ if t["system"] == "ddp"}
+        print(f"\nlink {link} Mbit/s\n| system | n | step s | formula s | measured/formula | DDP/x | cpu s/step |")
+        print("|---|---|---|---|---|---|---|")
+        for t in rows_:
+            vs = ddp.get(t["n"])
+            print(f"| {t['label']} | {t['n']} | {t['step_s']:.3f} | {t['formula_s']:.3f} | {t['ratio']:.2f} | "
+                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} |" if vs else "")
+
+
+def plot(path: str, table: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for link in sorted({t["link_mbit"] for t in table}):
+        pts = sorted((t["k"], t["step_s"], t["formula_s"]) for t in table if t["link_mbit"] == link
+                     and t["system"] == "shardps" and t["n"] == 4 and t["sync"] == "bsp" and t["wire"] == "fp32"
+                     and t["window"])
+        line = ax.plot([k for k, _, _ in pts], [s for _, s, _ in pts], "o-", label=f"shardps bsp, {link} Mbit/s")
+        ax.plot([k for k, _, _ in pts], [f for _, _, f in pts], "--", color=line[0].get_color(),
+                label=f"formula, {link} Mbit/s")
+        for t in table:
+            if t["link_mbit"] == link and t["system"] == "ddp" and t["n"] == 4:
+                ax.axhline(t["step_s"], color=line[0].get_color(), linestyle=":", label=f"DDP, {link} Mbit/s")
+    ax.set_xlabel("server hosts k (0: a server on each worker host)")
+    ax.set_ylabel("step (s)")
+    ax.set_title("n = 4 workers")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_timeline(path: str, samples: list[list[float]], link: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s[0] for s in samples]
+    rate = [(t[i], (samples[i][1] - samples[i - 1][1]) * 8e-6 / (t[i] - t[i - 1]),
+             (samples[i][2] - samples[i - 1][2]) * 8e-6 / (t[i] - t[i - 1])) for i in range(1, len(samples))]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot([r[0] for r in rate], [r[1] for r in rate], label="uplink (gradients up)")
+    ax.plot([r[0] for r in rate], [r[2] for r in rate], label="downlink (weights down)")
+    ax.set_xlabel("s into the step")
+    ax.set_ylabel("Mbit/s")
+    ax.set_title(f"worker 0's link in one bsp step, {link}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
