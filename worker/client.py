@@ -33,6 +33,7 @@ from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
 from shardps.worker import export, layout, operator, push, recovery
 from shardps.worker.buffers import HostBuffers
+from shardps.worker.compress import Compressor
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.jobview import JobView
@@ -265,8 +266,8 @@ class PSClient:
 
     def push(self, grads: Mapping[str, torch.Tensor], step: int,
              base_versions: Sequence[int] | None = None, *, loss_scale: float = 0.0,
-             found_inf: bool | None = None, pull_after: tuple[torch.dtype | None, int] | None = None
-             ) -> list[PushResult]:
+             found_inf: bool | None = None, pull_after: tuple[torch.dtype | None, int] | None = None,
+             compressor: Compressor | None = None) -> list[PushResult]:
         """Send gradients (one per named tensor) to their shards; one result per shard.
 
         Every shard gets a Push, an empty one if it owns none of ``grads``,
@@ -280,12 +281,13 @@ class PSClient:
         once (its version includes this gradient, every clock >= min_clock)
         and small (``SMALL_PULL_BYTES`` at most) answers with them too, as a
         ``pull(dtype=dtype, min_versions=<ready versions>, min_clock=...)``
-        of all its tensors would; hand the results to ``pull(answered=...)``.
+        of all its tensors would; hand the results to ``pull(answered=...)``. ``compressor``: sends the
+        tensors it compresses compressed (``worker/compress.py``; ``DistributedOptimizer(compress=...)``).
         """
         self._require_layout(grads)
         bases = list(self.versions if base_versions is None else base_versions)
         out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
-                        found_inf=found_inf, pull_after=pull_after)
+                        found_inf=found_inf, pull_after=pull_after, compressor=compressor)
         self.apply(JobView.of_push(out))
         return out
 

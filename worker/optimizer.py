@@ -24,6 +24,7 @@ from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.accumulate import Accumulator
 from shardps.worker.client import PSClient, PushResult
+from shardps.worker.compress import CompressChoice, Compressor
 from shardps.worker.errors import RolledBack, ShardError
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
@@ -78,6 +79,12 @@ class DistributedOptimizer:
     call ``opt.scale(loss)``) before ``backward()``; a step in which any
     worker's gradient holds an inf/nan is skipped on every shard, and every
     worker gets the new scale with its next pull.
+
+    ``compress=shardps.compress.TopK(0.01)`` (or ``PowerSGD(rank=4)``, or
+    ``Rules`` of them per tensor) sends gradients compressed, with error
+    feedback and an optional dense warm-up; tensors under
+    ``shardps.compress.DENSE_BELOW`` elements and biases stay dense. Not
+    with ``overlap`` or ``loss_scaling``. See docs/compression.md.
     """
 
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
@@ -86,7 +93,7 @@ class DistributedOptimizer:
                  max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None,
                  staleness_remedy: str = "none", provides_values: bool | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 pull_dtype: torch.dtype | None = None) -> None:
+                 pull_dtype: torch.dtype | None = None, compress: CompressChoice | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -97,6 +104,10 @@ class DistributedOptimizer:
         if pull_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"pull_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {pull_dtype}")
         self.pull_dtype = None if pull_dtype == torch.float32 else pull_dtype
+        if compress is not None and (overlap or loss_scaling):
+            raise ValueError(f"compress= with {'overlap=True' if overlap else 'loss_scaling'} is not supported: "
+                             f"compression runs at step() on unscaled gradients (docs/compression.md)")
+        self.compressor: Compressor | None = None
         self.overlap: Overlap | None = None
         self.client = client
         self.sync = SyncSpec.parse(sync)
@@ -120,6 +131,9 @@ class DistributedOptimizer:
         self.rejoins = 0
         self.rollbacks = 0
         self._join()
+        if compress is not None:  # the registered layouts and shard map say where each part goes
+            assert client.shard_map is not None
+            self.compressor = Compressor(compress, self.params, client.layouts, client.shard_map, client.chunk_bytes)
         if self.metrics is None:  # the client's, when it serves metrics (metrics_port / SHARDPS_METRICS_PORT)
             self.metrics = client.metrics
         if overlap:
@@ -137,6 +151,8 @@ class DistributedOptimizer:
                 raise
             self._resync()  # joining a job whose shards restarted
         self.accumulator.reset()
+        if self.compressor is not None:  # a rejoin: what the residuals held is stale
+            self.compressor.reset()
         self.local_steps = resume_step(self.round, self.sync)
         self._follow()
 
@@ -160,6 +176,8 @@ class DistributedOptimizer:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
         self._resync()
         self.accumulator.reset()
+        if self.compressor is not None:
+            self.compressor.reset()
         self.local_steps = resume_step(self.round, self.sync)
         self.rollbacks += 1
         self._follow()
@@ -223,7 +241,8 @@ class DistributedOptimizer:
             # A shard whose weights are ready at once and small answers with them (one call per step).
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                               loss_scale=self.client.loss_scale,
-                                              pull_after=(self.pull_dtype, mode.min_clock(self.round + 1)))
+                                              pull_after=(self.pull_dtype, mode.min_clock(self.round + 1)),
+                                              compressor=self.compressor)
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss)

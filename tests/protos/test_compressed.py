@@ -46,7 +46,7 @@ def test_packed_messages_are_protobufs_bytes(seed):
     else:
         fields = dict(encoding=compressed.LOWRANK, numel=n * 7, rank=rng.randrange(1, 9),
                       factor=bytes(rng.randrange(256) for _ in range(rng.randrange(0, 500))))
-    chunk = dict(name="layer.%d" % seed, offset=rng.randrange(0, 1 << 50), dtype=dtype,
+    chunk = dict(name=f"layer.{seed}", offset=rng.randrange(0, 1 << 50), dtype=dtype,
                  shape=[rng.randrange(1, 500) for _ in range(rng.randrange(0, 4))], **fields)
     head = dict(worker_id=rng.randrange(1 << 20), step=rng.randrange(1 << 40), base_version=rng.randrange(1 << 30),
                 found_inf=rng.random() < 0.5, loss_scale=rng.choice([0.0, 1024.0]), epoch=rng.randrange(5),
