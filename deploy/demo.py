@@ -34,6 +34,8 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
            "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--wire", getattr(args, "wire", "fp32")]
     if getattr(args, "overlap", False):
         cmd.append("--overlap")
+    if getattr(args, "compress", "none") != "none":
+        cmd += ["--compress", args.compress, "--compress-warmup", str(args.compress_warmup)]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     if backups:
@@ -186,9 +188,9 @@ def run_demo(args: Any) -> int:
                     stop_processes(procs)  # workers first; the servers still hold the weights
             serving = cluster.serving_addresses()
             test_acc = evaluate(serving, seed=args.seed)
+            with connect(serving) as client:
+                stats = client.stats()
             if args.plot:
-                with connect(serving) as client:
-                    stats = client.stats()
                 staleness: dict[int, int] = {}
                 for st in stats:
                     for k, v in st["staleness_counts"].items():
@@ -220,6 +222,8 @@ def run_demo(args: Any) -> int:
         "final_loss": round(sum(r["final_loss"] for r in results) / len(results), 4),
         "replicas": replicas,
         "failovers": sum(r.get("failovers", 0) for r in results),
+        "compress": getattr(args, "compress", "none"),
+        "push_received_bytes": sum(st["push_received_bytes_total"] for st in stats),  # every shard's, measured
         "seconds": round(seconds, 2),
     }
     say(f"test accuracy {test_acc:.4f} after {summary['steps']} steps per worker "
