@@ -5,6 +5,9 @@ A model of ``--mb`` MB of fp32 matrices (``--rows`` x ``--cols`` each) on
 two shards; for dense fp32, top-k (``--ratio``, default 1 %) and PowerSGD
 (``--rank``, default 4), each in turn, ``--repeats`` times (median):
 
+CPU seconds of this process (``time.process_time``, one torch thread by
+default), so that other work on a shared machine does not count:
+
 * encode: the worker's work for one push: the compressor (error feedback,
   top-k or one power iteration, the chunks) and the framing of every
   message (dense: ``PushFramer``'s copy of the gradient into the messages);
@@ -13,7 +16,8 @@ two shards; for dense fp32, top-k (``--ratio``, default 1 %) and PowerSGD
   ``ChunkAssembler`` (checks, expansion into the fp32 staging);
 * bytes: of those messages, as a shard receives them;
 * push on loopback: ``client.push`` to two in-process shards over gRPC
-  (``shm=False``), SGD with lr = 0, asp.
+  (``shm=False``), SGD with lr = 0, asp: wall time, the rest of the
+  machine's load included.
 
 Break-even: compression pays on a link of bandwidth B when the time it saves
 on the wire, (dense bytes - compressed bytes) / B, exceeds the CPU it adds,
@@ -51,13 +55,25 @@ MB = 1_000_000
 
 
 def _median(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """The median CPU time of this process (all threads) over ``repeats`` calls after one, and the last result:
+    CPU seconds, not wall time, so that other work on a shared machine does not count."""
     fn()  # warm-up
     times, out = [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out = fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times), out
+
+
+def _wall(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _measure(args: argparse.Namespace, spec: Any, tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
@@ -96,14 +112,14 @@ def _measure(args: argparse.Namespace, spec: Any, tensors: dict[str, torch.Tenso
         client.register(tensors, shardps.optim.SGD(lr=0.0), sync="asp")
         step = iter(range(1 << 30))
         live = Compressor(spec, tensors, client.layouts, client.shard_map) if spec is not None else None
-        push_s, _ = _median(lambda: client.push(grads, step=next(step), compressor=live), args.repeats)
+        push_s = _wall(lambda: client.push(grads, step=next(step), compressor=live), args.repeats)
         received = sum(s["push_received_bytes_total"] for s in client.stats())
     row.update(push_ms=push_s * 1e3, received_bytes_per_push=received / (args.repeats + 1))
     return row
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    torch.set_num_threads(args.threads)
     n = max(1, round(args.mb * MB / (args.rows * args.cols * 4)))
     tensors = {f"layer{i}.weight": torch.zeros(args.rows, args.cols) for i in range(n)}
     gen = torch.Generator().manual_seed(0)
@@ -139,7 +155,7 @@ def main() -> int:
     p.add_argument("--ratio", type=float, default=0.01, help="top-k's ratio (default 0.01)")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of each; the median counts (default 5)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--max-seconds", type=float, default=600.0, help="watchdog for the whole run")
     args = p.parse_args()
@@ -150,7 +166,8 @@ def main() -> int:
         print(json.dumps(res))
         return 0
     print(f"{res['model_mb']:.0f} MB of fp32 in {res['tensors']} x {res['shape']}, 2 shards, median of "
-          f"{res['repeats']}, {res['torch_threads']} torch threads, load {res['load1']:.2f}")
+          f"{res['repeats']}, {res['torch_threads']} torch threads, load {res['load1']:.2f}; encode and decode in "
+          f"CPU ms, push in wall ms")
     print(f"{'system':<14} {'encode ms':>10} {'decode ms':>10} {'enc ms/MB':>10} {'dec ms/MB':>10} "
           f"{'wire MB':>9} {'push ms':>9} {'break-even Gbit/s':>18}")
     for label, r in res["rows"].items():

@@ -19,8 +19,10 @@ workers and the optimizer step, is unchanged). Per tensor:
   sends ``C(g + r)`` and keeps ``r <- g + r - D(C(g + r))``, ``D`` being
   exactly the shards' expansion (protos/compressed.py's ``topk_into`` and
   ``lowrank_into``, on the values as they travel: a bf16 value's rounding
-  stays in ``r`` too). A gradient with an inf/nan is not sent (the step is
-  skipped everywhere: ``found_inf``) and leaves ``r`` as it was;
+  stays in ``r`` too; ``g + r`` is formed in ``r``'s buffer and what is sent
+  subtracted there). A gradient with an inf/nan is not sent (the step is
+  skipped everywhere: ``found_inf``) and leaves ``r`` as it was (finite
+  ``g`` and ``r`` whose sum overflows: ``r`` is dropped);
 - warm-up: the first ``warmup_steps`` pushes go dense (Deep Gradient
   Compression's lesson: early gradients change fast; ``r`` stays 0).
 
@@ -209,14 +211,22 @@ class Compressor:
         out = Encoded()
         for name, g in grads.items():
             spec = self.specs[name]
-            m = g.detach().reshape(-1).to(torch.float32, copy=True)
-            r = self.residuals.get(name)
-            if r is not None:
-                m += r
-            if not codec.all_finite(m):
+            g = g.detach().reshape(-1)
+            if not codec.all_finite(g):
                 out.finite = False  # the shards skip the step: nothing to send, the residual stays
                 continue
-            sent = torch.empty_like(m)
+            # m = g + r, in the residual's own buffer: the encoders subtract what they send from it in place,
+            # leaving the next residual (no buffer of the tensor's size allocated per push).
+            m = self.residuals.get(name) if spec.error_feedback else None
+            if m is None:
+                m = g.to(torch.float32, copy=True)
+            else:
+                m.add_(g)
+                if not codec.all_finite(m):  # finite values that overflowed together: the residual is lost
+                    del self.residuals[name]
+                    out.finite = False
+                    continue
+            sent = torch.zeros_like(m) if self.keep_sent else None
             for start, stop, shard in self.parts[name]:
                 if isinstance(spec, TopK):
                     chunks = self._topk(name, spec, m, sent, start, stop)
@@ -225,14 +235,16 @@ class Compressor:
                     chunks = self._lowrank(name, spec, m, sent, start, stop)
                 out.chunks.setdefault(shard, []).extend(chunks)
             if spec.error_feedback:
-                self.residuals[name] = m.sub_(sent)
-            if self.keep_sent:
+                self.residuals[name] = m
+            if sent is not None:
                 self.sent[name] = sent
         self.pushes += 1
         return out
 
-    def _topk(self, name: str, spec: TopK, m: torch.Tensor, sent: torch.Tensor, start: int,
+    def _topk(self, name: str, spec: TopK, m: torch.Tensor, sent: torch.Tensor | None, start: int,
               stop: int) -> list[PackedChunk]:
+        """The part's chunks; ``m[start:stop]`` left less what the shards will expand (``topk_into``): the
+        values as they travel taken from the elements sent, every other one as it was."""
         lay = self.layouts[name]
         dtype = codec.to_torch_dtype(lay.push_dtype)
         x, n = m[start:stop], stop - start
@@ -242,7 +254,9 @@ class Compressor:
         else:
             idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
         values = x[idx].to(dtype)
-        compressed.topk_into(sent[start:stop], idx, values)
+        x.index_put_((idx,), x[idx] - values.to(torch.float32))
+        if sent is not None:
+            compressed.topk_into(sent[start:stop], idx, values)
         idx, values = idx.cpu(), values.cpu()
         per = max(1, self.chunk_bytes // (dtype.itemsize + 8))  # pairs per chunk (int64 indices at most)
         out = []
@@ -255,8 +269,10 @@ class Compressor:
                 encoding=compressed.TOPK, numel=b - a, indices=_bytes(rel.to(compressed.index_dtype(b - a))))))
         return out
 
-    def _lowrank(self, name: str, spec: PowerSGD, m: torch.Tensor, sent: torch.Tensor, start: int,
+    def _lowrank(self, name: str, spec: PowerSGD, m: torch.Tensor, sent: torch.Tensor | None, start: int,
                  stop: int) -> list[PackedChunk]:
+        """The part's chunks; ``m[start:stop]`` left less ``P Q^T`` as the shards will expand it, chunk by chunk
+        (``lowrank_into``)."""
         lay = self.layouts[name]
         dtype = codec.to_torch_dtype(lay.push_dtype)
         cols, rank = compressed.columns(lay.shape), spec.rank
@@ -275,7 +291,11 @@ class Compressor:
         out = []
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
-            compressed.lowrank_into(sent[start + r0 * cols : start + r1 * cols], ps[r0:r1], qs)
+            approx = torch.empty((r1 - r0) * cols, dtype=torch.float32, device=m.device)
+            compressed.lowrank_into(approx, ps[r0:r1], qs)
+            m[start + r0 * cols : start + r1 * cols].sub_(approx)
+            if sent is not None:
+                sent[start + r0 * cols : start + r1 * cols] = approx
             out.append(PackedChunk(ps[r0:r1].reshape(-1).cpu(), dict(
                 name=name, offset=start + r0 * cols, dtype=lay.push_dtype, shape=lay.shape if r0 == 0 else (),
                 encoding=compressed.LOWRANK, numel=(r1 - r0) * cols, rank=rank, factor=factor)))
