@@ -1,4 +1,4 @@
-"""``shardps demo``: servers and workers as separate processes on loopback.
+"""``shardps demo``: servers and workers as separate processes on loopback (``shardps sim``: on a NetCluster).
 
 Starts ``--servers`` parameter servers and ``--workers`` workers training the
 digits MLP, shows worker 0's progress, then evaluates the weights the
@@ -19,12 +19,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardps.deploy.lifeline import Lifeline
 from shardps.deploy.local import LocalCluster, stop_processes
+from shardps.protos import env as env_names
 from shardps.worker.client import connect
+
+Start = Callable[[int, list[str]], "subprocess.Popen[str]"]
+"""How worker k's command line starts (``_run_workers``)."""
 
 
 def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | None = None) -> list[str]:
@@ -47,12 +51,15 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
 
 def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]],
                  kill: Any = None, backups: list[str] | None = None,
-                 lifeline: Lifeline | None = None) -> list[dict[str, Any]]:
+                 lifeline: Lifeline | None = None, start: Start | None = None) -> list[dict[str, Any]]:
+    """Start the workers (``start``: how worker k's command starts, stdout a pipe; default here, in a session of
+    its own), wait for them, and return each one's JSON result."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     spawn = lifeline.spawn_kwargs(env) if lifeline is not None else {"env": env}
     for k in range(args.workers):
-        procs.append(subprocess.Popen(_worker_cmd(addresses, k, args, backups), stdout=subprocess.PIPE,
-                                      text=True, start_new_session=True, **spawn))
+        cmd = _worker_cmd(addresses, k, args, backups)
+        procs.append(start(k, cmd) if start is not None else
+                     subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, **spawn))
     results = []
     deadline = time.monotonic() + args.timeout
     if kill is not None:
@@ -209,7 +216,15 @@ def run_demo(args: Any) -> int:
         print(f"shardps demo failed: {e}", file=sys.stderr, flush=True)
         return 1
     seconds = time.perf_counter() - t0
-    summary = {
+    summary = _summary(args, results, test_acc, seconds)
+    summary.update(replicas=replicas, failovers=sum(r.get("failovers", 0) for r in results),
+                   push_received_bytes=sum(st["push_received_bytes_total"] for st in stats))  # measured by the shards
+    _report(args, summary, say)
+    return 0
+
+
+def _summary(args: Any, results: list[dict[str, Any]], test_acc: float, seconds: float) -> dict[str, Any]:
+    return {
         "test_accuracy": round(test_acc, 4),
         "steps": max(r["steps"] for r in results),
         "pushes_per_worker": max(r["pushes"] for r in results),
@@ -220,14 +235,81 @@ def run_demo(args: Any) -> int:
         "epochs": args.epochs,
         "seed": args.seed,
         "final_loss": round(sum(r["final_loss"] for r in results) / len(results), 4),
-        "replicas": replicas,
-        "failovers": sum(r.get("failovers", 0) for r in results),
         "compress": getattr(args, "compress", "none"),
-        "push_received_bytes": sum(st["push_received_bytes_total"] for st in stats),  # every shard's, measured
         "seconds": round(seconds, 2),
     }
-    say(f"test accuracy {test_acc:.4f} after {summary['steps']} steps per worker "
-        f"({summary['pushes_per_worker']} pushes) in {seconds:.1f}s")
+
+
+def _report(args: Any, summary: dict[str, Any], say: Callable[..., None]) -> None:
+    say(f"test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps per worker "
+        f"({summary['pushes_per_worker']} pushes) in {summary['seconds']:.1f}s")
     if args.json:
         print(json.dumps(summary), flush=True)
+
+
+_EVALUATE = ("import sys; from shardps.examples.digits import evaluate; "
+             "print(evaluate(sys.argv[1].split(','), seed=int(sys.argv[2])))")
+
+
+def run_sim(args: Any) -> int:
+    """``shardps sim``: the demo's job on a NetCluster (servers on the first hosts, workers on the next ones)."""
+    from shardps.deploy.netsim import NetCluster, NetsimUnavailable, format_rate, parse_rate, unavailable
+
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    reason = unavailable()
+    if reason is not None:
+        print(f"shardps sim: {reason}", file=sys.stderr)
+        return 2
+    try:
+        net = NetCluster(args.hosts, args.link, links=dict(args.host_link))
+    except ValueError as e:
+        print(f"shardps sim: {e}", file=sys.stderr)
+        return 2
+    server_hosts = net.names[:args.servers]
+    worker_hosts = net.names[args.servers:args.servers + args.workers]
+    t0 = time.perf_counter()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # as the demo: stop everything on either
+            signal.signal(sig, _interrupt)
+        try:
+            net.up()
+            slow = {h: format_rate(r) for h, r in net.rates.items() if r != parse_rate(args.link)}
+            say(f"shardps sim: {args.hosts} hosts on {args.link} links"
+                + (f" ({', '.join(f'{h} {r}' for h, r in slow.items())})" if slow else "")
+                + f"; servers on {', '.join(server_hosts)}, workers on {', '.join(worker_hosts)}; sync={args.sync}, "
+                f"optimizer={args.optimizer}, {args.epochs} epochs on {args.example}")
+            # (their warning that they bind a non-loopback address without TLS does not apply: nothing outside
+            # this machine's namespaces reaches them)
+            env = dict(os.environ)
+            env.setdefault(env_names.LOG_LEVEL, "ERROR")
+            servers = net.start_servers(server_hosts, timeout=min(60.0, args.timeout), env=env)
+            addresses = [s.address for s in servers]
+            say(f"servers up at {', '.join(addresses)}")
+            try:
+                results = _run_workers(addresses, args, procs, start=lambda k, cmd: net.start(
+                    worker_hosts[k], cmd, stdout=subprocess.PIPE))
+            finally:
+                with _signals_deferred("shardps sim"):
+                    stop_processes(procs)
+            sent = {h: round(net.traffic(h)[0] / 1e6, 2) for h in server_hosts + worker_hosts}
+            done = net.run(worker_hosts[0], [sys.executable, "-c", _EVALUATE, ",".join(addresses), str(args.seed)],
+                           timeout=min(120.0, args.timeout))
+            test_acc = float(done.stdout.split()[-1])
+        finally:
+            with _signals_deferred("shardps sim"):
+                stop_processes(procs)
+                net.close()
+    except KeyboardInterrupt:
+        say("interrupted: stopped the workers and servers, removed the network")
+        return 130
+    except NetsimUnavailable as e:
+        print(f"shardps sim: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError, subprocess.SubprocessError) as e:
+        print(f"shardps sim failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    summary = _summary(args, results, test_acc, time.perf_counter() - t0)
+    summary.update(hosts=args.hosts, link=args.link, host_links=dict(args.host_link), mb_sent=sent)
+    _report(args, summary, say)
     return 0

@@ -39,7 +39,14 @@ from shardps.worker.operator import attach_replica
 
 def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_PREFIX) -> str:
     """Wait (up to ``timeout``) for the process's line starting with ``prefix``; return the rest of it."""
+    return read_ready_lines(proc, timeout, 1, prefix)[0]
+
+
+def read_ready_lines(proc: subprocess.Popen[str], timeout: float, count: int,
+                     prefix: str = READY_PREFIX) -> list[str]:
+    """``read_ready`` for a process that prints ``count`` such lines (``shardps server --shards``)."""
     lines: queue.Queue[str | None] = queue.Queue()
+    found: list[str] = []
 
     def reader() -> None:
         assert proc.stdout is not None
@@ -64,7 +71,9 @@ def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_
                                f"output: {''.join(seen)[-2000:]}")
         seen.append(line)
         if line.startswith(prefix):
-            return line[len(prefix):].strip()
+            found.append(line[len(prefix):].strip())
+            if len(found) == count:
+                return found
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

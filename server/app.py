@@ -296,20 +296,53 @@ def keep_freed_memory(trim_bytes: int = 256 << 20, mmap_bytes: int = 64 << 20) -
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
-def run_server(**options: Any) -> int:
-    """``shardps server``: serve one shard until SIGTERM or SIGINT (options: those of ``ShardServer``)."""
+def check_shards(count: int, shard_index: int, num_shards: int, replicas: int) -> None:
+    """``--shards``: ``count`` consecutive shards from ``shard_index`` in one process."""
+    if count < 1:
+        raise ValueError(f"--shards must be >= 1, got {count}")
+    if not 0 <= shard_index or shard_index + count > num_shards:
+        raise ValueError(f"--shard-index {shard_index} with --shards {count}: shards {shard_index}.."
+                         f"{shard_index + count - 1} of --num-shards {num_shards} do not exist")
+    if count > 1 and replicas != 1:
+        raise ValueError("--shards > 1 serves primaries only: give each process one shard with --replicas 2")
+
+
+def shard_options(options: dict[str, Any], k: int) -> dict[str, Any]:
+    """The k-th shard's options of a process serving several (``--shards``): the next shard index, and
+    the next port of each port given (0 stays 0: a free one)."""
+    out = dict(options)
+    out["shard_index"] = options.get("shard_index", 0) + k
+    for key in ("port", "metrics_port"):
+        if out.get(key):
+            out[key] = out[key] + k
+    return out
+
+
+def run_server(*, shards: int = 1, **options: Any) -> int:
+    """``shardps server``: serve one shard (``shards``: that many consecutive ones, each on its own port)
+    until SIGTERM or SIGINT (options: those of ``ShardServer``)."""
     if not keep_freed_memory():
         log.info("malloc not tuned (not glibc): every Pull's buffers come from fresh pages")
-    server = ShardServer(**options).start()
+    servers: list[ShardServer] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        log.info("shard %d: signal %d, shutting down", server.shard_index, signum)
-        server.begin_stop()
+        log.info("shards %s: signal %d, shutting down", [s.shard_index for s in servers], signum)
+        for server in servers:
+            server.begin_stop()
 
+    try:
+        for k in range(shards):
+            servers.append(ShardServer(**shard_options(options, k)).start())
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(server.ready_line(), flush=True)
-    server.wait()
+    for server in servers:
+        print(server.ready_line(), flush=True)
+    for server in servers:
+        server.wait()
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The ``shardps`` command: server, worker, demo, stats, ctl, health, ray."""
+"""The ``shardps`` command: server, worker, demo, sim, stats, ctl, health, ray."""
 
 from __future__ import annotations
 
@@ -90,13 +90,48 @@ def _address_flag(p: argparse.ArgumentParser, help: str = "HOST:PORT,... in shar
                    required=default is None, help=f"{help} (env {env.ADDRESSES})")
 
 
+def _rate(text: str) -> str:
+    from shardps.deploy.netsim import parse_rate
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _host_rate(text: str) -> tuple[str, str]:
+    host, sep, rate = text.partition("=")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST=RATE (e.g. h5=100mbit), got {text!r}")
+    return host, _rate(rate)
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    """The job's flags that ``demo`` and ``sim`` share (their workers' command line: deploy/demo.py)."""
+    p.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
+    p.add_argument("--overlap", action="store_true",
+                   help="push gradient buckets during backward, pull weights during the next forward")
+    compress_flags(p)
+    p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
     p.add_argument("--log-level", default=env.get(env.LOG_LEVEL) or "WARNING",
                    help="logging level (env SHARDPS_LOG_LEVEL; default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("server", help="run one parameter server (one shard)")
+    s = sub.add_parser("server", help="run one parameter server (one shard, or --shards N)")
     s.add_argument("--host", default=env.get(env.HOST) or "127.0.0.1",
                    help=f"address to bind (default loopback; env {env.HOST})")
     s.add_argument("--port", type=int, default=_or(_env_int(env.PORT), 0),
@@ -105,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"this server's shard (default 0; env {env.SHARD_INDEX})")
     s.add_argument("--num-shards", type=int, default=_or(_env_int(env.NUM_SHARDS), 1),
                    help=f"shards of the job (default 1; env {env.NUM_SHARDS})")
+    s.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="serve N consecutive shards from --shard-index in this process, each on its own "
+                        "port (--port, --port+1, ...; 0: free ones): a model cut finer than the server hosts "
+                        "(see DistributedOptimizer(push_window=...)); default 1")
     s.add_argument("--sync", type=_sync, default=None, help="fix the sync mode (default: the first worker's)")
     s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
     s.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_CHUNK_BYTES,
@@ -210,20 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
-    d.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
-    d.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    d.add_argument("--epochs", type=int, default=20)
-    d.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
-                   help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
-    d.add_argument("--overlap", action="store_true",
-                   help="push gradient buckets during backward, pull weights during the next forward")
-    compress_flags(d)
-    d.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
-    d.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
-    d.add_argument("--quiet", action="store_true", help="no progress output")
+    _training_flags(d)
     d.add_argument("--plot", metavar="PNG", default=None,
                    help="save the loss curve and staleness histogram (needs matplotlib: shardps[plot])")
     d.add_argument("--replicas", type=int, choices=(1, 2), default=1,
@@ -232,6 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="failover drill (with --replicas 2): SIGKILL server I once its shard has done "
                         "--kill-at-step steps")
     d.add_argument("--kill-at-step", type=int, default=20, metavar="N", help="steps (default 20)")
+    sm = sub.add_parser("sim", help="the demo on a simulated cluster: hosts in network namespaces, shaped links",
+                        description="Builds a NetCluster (one network namespace per host, a bridge, tbf-shaped links "
+                                    "in both directions; needs root), starts the servers on the first hosts (h0, h1, "
+                                    "...) and the workers on the next ones, one process per host, and trains the "
+                                    "example across the links. Hosts left over stay idle. See docs/netsim.md.")
+    sm.add_argument("--hosts", type=int, default=6, help="hosts in the cluster, at least --servers + --workers "
+                                                          "(default 6)")
+    sm.add_argument("--link", type=_rate, default="1gbit",
+                    help="every host's link rate, both directions: NUMBER and kbit, mbit or gbit (default 1gbit)")
+    sm.add_argument("--host-link", type=_host_rate, action="append", default=[], metavar="HOST=RATE",
+                    help="one host's own rate, e.g. h5=100mbit for a slow straggler (repeatable)")
+    sm.add_argument("--example", choices=["digits"], default="digits")
+    sm.add_argument("--servers", type=int, default=2, help="servers, on hosts h0 .. h(S-1) (default 2)")
+    sm.add_argument("--workers", type=int, default=4, help="workers, on hosts hS .. h(S+W-1) (default 4)")
+    _training_flags(sm)
     ry = sub.add_parser("ray", help="train an example on the Ray cluster this runs on (a `ray job submit` entrypoint)",
                         description="Servers and workers as Ray actors placed by placement groups; see docs/ray.md.")
     ry.add_argument("--example", choices=["digits", "shakespeare"], default="digits",
@@ -300,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by LocalCluster or the demo: stop when that process is gone
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
-        from shardps.server.app import check_replicas, check_spare, run_server, run_spare
+        from shardps.server.app import check_replicas, check_shards, check_spare, run_server, run_spare
 
         if args.replicas not in (1, 2):  # from SHARDPS_REPLICAS: argparse checks choices of flags only
             print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
@@ -324,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                              checkpoint_every=args.checkpoint_every, **extra)
         try:
             check_replicas(args.replicas, args.num_shards, args.replica_target)
+            check_shards(args.shards, args.shard_index, args.num_shards, args.replicas)
         except ValueError as e:
             print(f"shardps server: {e}", file=sys.stderr)
             return 2
-        return run_server(host=args.host, port=args.port, shard_index=args.shard_index,
+        return run_server(shards=args.shards, host=args.host, port=args.port, shard_index=args.shard_index,
                           num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
                           chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
@@ -388,4 +430,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"shardps demo: --{name} must be >= 1", file=sys.stderr)
                 return 2
         return run_demo(args)
+    if args.command == "sim":
+        from shardps.deploy.demo import run_sim
+
+        for name in ("servers", "workers", "epochs", "hosts"):
+            if getattr(args, name) < 1:
+                print(f"shardps sim: --{name} must be >= 1", file=sys.stderr)
+                return 2
+        if args.hosts < args.servers + args.workers:
+            print(f"shardps sim: --hosts {args.hosts} is fewer than --servers {args.servers} + --workers "
+                  f"{args.workers}: each server and worker has a host of its own", file=sys.stderr)
+            return 2
+        return run_sim(args)
     return 2

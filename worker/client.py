@@ -267,6 +267,7 @@ class PSClient:
     def push(self, grads: Mapping[str, torch.Tensor], step: int,
              base_versions: Sequence[int] | None = None, *, loss_scale: float = 0.0,
              found_inf: bool | None = None, pull_after: tuple[torch.dtype | None, int] | None = None,
+             window: int | None = None, then: PullInFlight | None = None,
              compressor: Compressor | None = None) -> list[PushResult]:
         """Send gradients (one per named tensor) to their shards; one result per shard.
 
@@ -281,13 +282,31 @@ class PSClient:
         once (its version includes this gradient, every clock >= min_clock)
         and small (``SMALL_PULL_BYTES`` at most) answers with them too, as a
         ``pull(dtype=dtype, min_versions=<ready versions>, min_clock=...)``
-        of all its tensors would; hand the results to ``pull(answered=...)``. ``compressor``: sends the
-        tensors it compresses compressed (``worker/compress.py``; ``DistributedOptimizer(compress=...)``).
+        of all its tensors would; hand the results to ``pull(answered=...)``.
+
+        ``then``: a pull made with ``pull_async(later=True)``; each shard's
+        Pull begins as soon as that shard answered, from its ready version
+        (or with the weights it answered with), while the other shards'
+        pushes still go up. ``window``: at most that many shards' Pushes at
+        once, in ``worker/pushorder.py``'s order (None: all at once).
+        ``compressor``: the tensors it compresses go compressed (worker/compress.py).
         """
         self._require_layout(grads)
         bases = list(self.versions if base_versions is None else base_versions)
-        out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
-                        found_inf=found_inf, pull_after=pull_after, compressor=compressor)
+        begin = None
+        if then is not None:
+            pull = then
+
+            def begin(shard: int, r: PushResult) -> None:
+                pull.begin(shard, r.ready_version, r.pulled)
+        try:
+            out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
+                            found_inf=found_inf, pull_after=pull_after, window=window, then=begin,
+                            compressor=compressor)
+        except BaseException:
+            if then is not None:
+                then.abandon()
+            raise
         self.apply(JobView.of_push(out))
         return out
 
@@ -320,13 +339,15 @@ class PSClient:
     def pull_async(self, names: Iterable[str] | None = None, *, out: Mapping[str, torch.Tensor] | None = None,
                    min_versions: Sequence[int] | int | None = None, dtype: torch.dtype | None = None,
                    min_clock: int = 0, answered: Sequence[PushResult] | None = None,
-                   inline: bool = False) -> PullInFlight:
+                   inline: bool = False, later: bool = False) -> PullInFlight:
         """``pull`` started and returned at once: ``wait(names)`` blocks until those tensors are written,
         ``result()`` until all are (and raises a failure; once it succeeds the client takes the pull's
         ``view``: ``apply``, in the thread calling it). Each shard sends its tensors in the order of
         ``names`` (by default the order registered: a model's first layers first). ``inline``: the first
-        shard's Pull runs in this thread before returning (for a caller about to wait for the result)."""
-        return self._pull(names, out, min_versions, dtype, min_clock, answered).start(inline=inline)
+        shard's Pull runs in this thread before returning (for a caller about to wait for the result).
+        ``later``: no Pull starts yet; give the pull to ``push(then=...)``, which begins each shard's."""
+        pull = self._pull(names, out, min_versions, dtype, min_clock, answered)
+        return pull.start_later() if later else pull.start(inline=inline)
 
     def _pull(self, names: Iterable[str] | None, out: Mapping[str, torch.Tensor] | None,
               min_versions: Sequence[int] | int | None, dtype: torch.dtype | None, min_clock: int,

@@ -85,6 +85,13 @@ class DistributedOptimizer:
     feedback and an optional dense warm-up; tensors under
     ``shardps.compress.DENSE_BELOW`` elements and biases stay dense. Not
     with ``overlap`` or ``loss_scaling``. See docs/compression.md.
+
+    Each shard's pull begins as soon as that shard answered the step's push.
+    ``push_window=w`` sends the shards' pushes w at a time, in an order
+    that spreads the workers over the server hosts (``worker/pushorder.py``):
+    with a model cut into many shards (``shardps server --shards``) the
+    first shards' weights come down while the last gradients go up. None
+    (the default): every shard's push at once.
     """
 
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
@@ -93,7 +100,8 @@ class DistributedOptimizer:
                  max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None,
                  staleness_remedy: str = "none", provides_values: bool | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 pull_dtype: torch.dtype | None = None, compress: CompressChoice | None = None) -> None:
+                 pull_dtype: torch.dtype | None = None, push_window: int | None = None,
+                 compress: CompressChoice | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -108,6 +116,9 @@ class DistributedOptimizer:
             raise ValueError(f"compress= with {'overlap=True' if overlap else 'loss_scaling'} is not supported: "
                              f"compression runs at step() on unscaled gradients (docs/compression.md)")
         self.compressor: Compressor | None = None
+        if push_window is not None and push_window < 1:
+            raise ValueError(f"push_window must be >= 1 (or None: every shard at once), got {push_window}")
+        self.push_window = push_window
         self.overlap: Overlap | None = None
         self.client = client
         self.sync = SyncSpec.parse(sync)
@@ -237,15 +248,18 @@ class DistributedOptimizer:
         mode = self.sync
         bases = list(self.client.versions)
         t0 = time.perf_counter()
+        min_clock = mode.min_clock(self.round + 1)
+        # Each shard's pull begins as soon as that shard answered the push, while the others' go up.
+        pull = self.client.pull_async(out=self.params, min_clock=min_clock, dtype=self.pull_dtype, later=True)
         try:
             # A shard whose weights are ready at once and small answers with them (one call per step).
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
-                                              loss_scale=self.client.loss_scale,
-                                              pull_after=(self.pull_dtype, mode.min_clock(self.round + 1)),
+                                              loss_scale=self.client.loss_scale, window=self.push_window,
+                                              pull_after=(self.pull_dtype, min_clock), then=pull,
                                               compressor=self.compressor)
         except ShardError as e:
             return self._push_failed(e, loss)
-        return self._pushed(mode, t0, loss)
+        return self._pushed(mode, t0, loss, pull)
 
     def _push_streamed(self, stream: PushStream, loss: Any) -> Any:
         """Close the step's push stream (the gradients not handed in during backward go now)."""
@@ -276,7 +290,7 @@ class DistributedOptimizer:
         self._join()
         return loss
 
-    def _pushed(self, mode: SyncSpec, t0: float, loss: Any) -> Any:
+    def _pushed(self, mode: SyncSpec, t0: float, loss: Any, begun: PullInFlight | None = None) -> Any:
         """The step's push was answered (``last_push``): take what it says of the job, start the pull."""
         t1 = time.perf_counter()
         self.pushes += 1
@@ -290,9 +304,15 @@ class DistributedOptimizer:
         if self.metrics is not None:
             self.metrics.push_seconds.observe(t1 - t0)
             self.metrics.clock.set(self.round)
+        min_clock = self.sync.min_clock(self.round)
+        if begun is not None:  # each shard's pull began as its push answered
+            if self.sync == mode or min_clock <= mode.min_clock(self.round):
+                self._pulled(begun, t1)
+                return loss
+            self._pulled(begun, t1)  # the mode moved to one that waits for more: pull again as it asks
         # Weights a shard answered the push with are those this pull asks, unless the mode moved meanwhile.
         answered = self.last_push if self.sync == mode else None
-        pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=self.sync.min_clock(self.round),
+        pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=min_clock,
                                       dtype=self.pull_dtype, answered=answered, inline=self.overlap is None)
         if self.overlap is not None:  # the next forward waits for each module's weights as they come
             self.overlap.coming(pull, t1)

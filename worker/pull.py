@@ -104,6 +104,7 @@ class PullInFlight:
         self._finished = False
         self._broken = False
         self._said: tuple[str, float, int] | None = None  # (sync, loss scale, slowest clock) last answered
+        self._pending: dict[int, Future[int]] = {}  # start_later: the shards not begun yet
         self._versions: tuple[tuple[int, int], ...] = ()  # (shard, version) once every shard answered
 
     def start(self, *, inline: bool = False) -> PullInFlight:
@@ -127,6 +128,44 @@ class PullInFlight:
         for f in self._futures:
             f.add_done_callback(self._ended)
         return self
+
+    def start_later(self) -> PullInFlight:
+        """Start no Pull yet: each shard's starts with ``begin`` (as that shard answers the step's push),
+        and the shards that own none of the tensors are done. ``wait`` and ``result`` work as after
+        ``start``."""
+        self._pending = {s: Future() for s in self._shards}
+        self._futures = [self._pending[s] for s in self._shards]
+        for f in self._futures:
+            f.add_done_callback(self._ended)
+        return self
+
+    def begin(self, shard: int, min_version: int, answered: Sequence[bytes] = ()) -> None:
+        """Start ``shard``'s Pull (``start_later``) from ``min_version`` on; ``answered``: the
+        PullResponses its push answered with, copied in this thread instead of a call."""
+        with self._lock:
+            f = self._pending.pop(shard, None)
+        if f is None:  # owns none of the tensors, or begun already
+            return
+        self._mins[shard] = min_version
+        t = self._client.transport
+        if answered:
+            self._answered[shard] = list(answered)
+            try:
+                f.set_result(t.call(shard, functools.partial(self._fetch, shard)))
+            except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
+                f.set_exception(e)
+            return
+        inner = t.submit_each(self._fetch, [shard])[0]
+        inner.add_done_callback(functools.partial(_hand_on, f))
+
+    def abandon(self) -> None:
+        """The step's push failed: begin no more shards, and wait (within the deadline) for those begun,
+        so that nothing writes into the destinations afterwards."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for f in pending.values():
+            f.set_exception(RuntimeError("the step's push failed before this shard's pull began"))
+        gather_quietly(self._futures, self._wait_s)
 
     def _ended(self, f: Future[int]) -> None:
         if f.exception() is not None:  # the shard gave up (after its retries): wake every waiter
@@ -221,3 +260,22 @@ class PullInFlight:
         if said is None:
             return JobView(versions=self._versions)
         return JobView(sync=said[0], loss_scale=said[1], slowest_clock=said[2], versions=self._versions)
+
+
+def _hand_on(outer: Future[int], inner: Future[int]) -> None:
+    """``inner``'s outcome into ``outer``."""
+    e = inner.exception()
+    if e is not None:
+        outer.set_exception(e)
+    else:
+        outer.set_result(inner.result())
+
+
+def gather_quietly(futures: Sequence[Future[int]], timeout: float) -> None:
+    """Wait until every future ended (at most ``timeout`` in all), whatever each ended with."""
+    deadline = time.monotonic() + timeout
+    for f in futures:
+        try:
+            f.exception(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a timeout or a cancellation: nothing more to wait for
+            return

@@ -12,7 +12,7 @@ each shard's answer. It writes nothing of the client's: the caller takes
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ import torch
 from shardps.protos import codec
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker import pushorder
 from shardps.worker.compress import Compressor, Encoded
 from shardps.worker.paths import Staged
 from shardps.worker.pushframes import PushFramer
@@ -37,14 +38,18 @@ def pull_after_fields(pull_after: tuple[torch.dtype | None, int] | None) -> dict
 
 def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequence[int], *,
          owners: Mapping[str, set[int]], loss_scale: float = 0.0, found_inf: bool | None = None,
-         pull_after: tuple[torch.dtype | None, int] | None = None,
+         pull_after: tuple[torch.dtype | None, int] | None = None, window: int | None = None,
+         then: Callable[[int, PushResult], None] | None = None,
          compressor: Compressor | None = None) -> list[PushResult]:
     """Send ``grads`` (registered names, checked shapes) of ``step`` to every shard; one result per shard.
 
     ``bases``: each shard's base version; ``owners``: each tensor's shards.
     The other arguments are ``PSClient.push``'s. Blocks until every shard
     answered (each RPC within the transport's deadline); raises the first
-    failure. ``compressor``: the tensors it compresses go as its chunks
+    failure. ``window``: at most that many shards' Pushes at once, in
+    ``pushorder.push_order`` (None: every shard at once); ``then(shard,
+    result)`` runs as each shard answers (``PSClient.push``).
+    ``compressor``: the tensors it compresses go as its chunks
     (worker/compress.py), in the messages on either path.
     """
     assert route.shard_map is not None
@@ -93,4 +98,15 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
         yield from path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct, route)
 
     t = route.transport
-    return [PushResult.from_proto(r) for r in t.each(lambda i: t.push(i, requests(i)))]
+
+    def one(shard: int) -> PushResult:
+        result = PushResult.from_proto(t.push(shard, requests(shard)))
+        if then is not None:
+            then(shard, result)
+        return result
+
+    if window is None or window >= route.num_shards:
+        return t.each(one)
+    got = t.in_order(lambda i: PushResult.from_proto(t.push(i, requests(i))),
+                     pushorder.push_order(t.addresses, route.worker_id), window=window, then=then)
+    return [got[i] for i in range(route.num_shards)]

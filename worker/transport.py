@@ -28,6 +28,7 @@ import grpc.experimental
 from shardps.protos import framing
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.worker import pushorder
 from shardps.worker.errors import ShardError, shard_error
 
 log = logging.getLogger("shardps.worker")
@@ -344,6 +345,13 @@ class Transport:
         per shard, in order (for streams that run while the caller computes)."""
         idx = list(range(self.num_shards)) if shards is None else list(shards)
         return [self._pool.submit(self.call, i, functools.partial(fn, i)) for i in idx]
+
+    def in_order(self, fn: Callable[[int], T], order: Sequence[int], *, window: int,
+                 then: Callable[[int, T], None] | None = None) -> dict[int, T]:
+        """``fn(shard)`` for the shards of ``order`` (each retried as ``call``), started in that order, at
+        most ``window`` at once, ``then(shard, result)`` as each succeeds (``worker/pushorder.py``)."""
+        return pushorder.in_order(self._pool, lambda i: self.call(i, lambda: fn(i)), order, window=window,
+                                 wait_s=self.timeout + self.recovery_timeout + 5.0, then=then)
 
     def fan_out(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
         """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure.
