@@ -146,3 +146,19 @@ def test_specs_are_checked_and_parsed():
     assert parse("powersgd:2") == PowerSGD(2) and parse("none") == Dense()
     with pytest.raises(ValueError, match="expected none, topk:RATIO or powersgd:RANK"):
         parse("randk:3")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", [TopK(0.05), PowerSGD(2)], ids=str)
+def test_gradients_on_cuda_are_compressed_there_and_sent_from_the_cpu(spec):
+    comp, _ = setup(spec, part_bytes=8192, chunk_bytes=1024)
+    total, sent = torch.zeros(64 * 48, dtype=torch.float64), torch.zeros(64 * 48, dtype=torch.float64)
+    for step in range(4):
+        g = grads(step)["a.weight"]
+        enc = comp.encode({"a.weight": g.cuda()})
+        assert all(c.values.device.type == "cpu" for cs in enc.chunks.values() for c in cs)
+        total += g.reshape(-1).double()
+        sent += expand(enc, "a.weight", 64 * 48, (64, 48)).double()
+    residual = comp.residuals["a.weight"]
+    assert residual.device.type == "cuda"
+    assert (sent + residual.cpu().double() - total).abs().max().item() <= 1e-5 * total.abs().max().item()
