@@ -38,6 +38,8 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
            "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--wire", getattr(args, "wire", "fp32")]
     if getattr(args, "overlap", False):
         cmd.append("--overlap")
+    if getattr(args, "compress", "none") != "none":
+        cmd += ["--compress", args.compress, "--compress-warmup", str(args.compress_warmup)]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     if backups:
@@ -193,9 +195,9 @@ def run_demo(args: Any) -> int:
                     stop_processes(procs)  # workers first; the servers still hold the weights
             serving = cluster.serving_addresses()
             test_acc = evaluate(serving, seed=args.seed)
+            with connect(serving) as client:
+                stats = client.stats()
             if args.plot:
-                with connect(serving) as client:
-                    stats = client.stats()
                 staleness: dict[int, int] = {}
                 for st in stats:
                     for k, v in st["staleness_counts"].items():
@@ -215,7 +217,8 @@ def run_demo(args: Any) -> int:
         return 1
     seconds = time.perf_counter() - t0
     summary = _summary(args, results, test_acc, seconds)
-    summary.update(replicas=replicas, failovers=sum(r.get("failovers", 0) for r in results))
+    summary.update(replicas=replicas, failovers=sum(r.get("failovers", 0) for r in results),
+                   push_received_bytes=sum(st["push_received_bytes_total"] for st in stats))  # measured by the shards
     _report(args, summary, say)
     return 0
 
@@ -232,6 +235,7 @@ def _summary(args: Any, results: list[dict[str, Any]], test_acc: float, seconds:
         "epochs": args.epochs,
         "seed": args.seed,
         "final_loss": round(sum(r["final_loss"] for r in results) / len(results), 4),
+        "compress": getattr(args, "compress", "none"),
         "seconds": round(seconds, 2),
     }
 

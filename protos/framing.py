@@ -10,7 +10,9 @@ handle the one ``chunk.data`` field themselves:
   every other field is serialized by protobuf, the data is appended straight
   from the tensor's memory (one copy). The result is byte-for-byte what
   ``SerializeToString`` gives for the same message, so any client or server
-  using the generated stubs reads it.
+  using the generated stubs reads it. ``packed_message`` does the same for
+  one compressed chunk (protos/compressed.py: its indices or factor are
+  serialized by protobuf, its values copied once).
 * ``parse_push_request`` / ``parse_pull_response`` are gRPC deserializers:
   protobuf parses everything but ``chunk.data``, which stays a
   ``memoryview`` of the received buffer (no copy). (``read_push_request`` /
@@ -117,6 +119,17 @@ def chunk_messages(prefix: bytes, chunk_field: int, suffix: bytes, name: str, dt
         head = ps_pb2.Chunk(name=name, offset=base + a, dtype=dtype).SerializeToString()  # type: ignore[arg-type]
         yield base + a, (b - a) * size, frame(prefix, chunk_field, head, raw[a * size : b * size], tail, suffix)
         tail = b""
+
+
+def packed_message(prefix: bytes, chunk_field: int, suffix: bytes, values: torch.Tensor, **chunk: Any) -> bytes:
+    """One message whose Chunk has the fields ``chunk`` (any but data: a compressed chunk's indices, factor...)
+    and ``values``' bytes as its data, copied once from the tensor (a contiguous 1-D CPU tensor).
+
+    Byte for byte protobuf's serialization of the message with
+    ``Chunk(data=<values' bytes>, **chunk)`` in ``chunk_field`` (see ``header``).
+    """
+    head, tail = header(ps_pb2.Chunk, "data", **chunk)
+    return frame(prefix, chunk_field, head, values.detach().view(torch.uint8).numpy(), tail, suffix)
 
 
 # -- parsing without copying chunk.data ------------------------------------

@@ -65,6 +65,7 @@ class ShardStats:
     replicated_ops_total: int = 0
     replication_lag_ops: int = 0
     promotions_total: int = 0
+    push_received_bytes_total: int = 0  # Push messages as received (refused ones included)
 
     def to_proto(self) -> ps_pb2.StatsResponse:
         return ps_pb2.StatsResponse(
@@ -83,7 +84,7 @@ class ShardStats:
             recovering=self.recovering, waiting_pulls=self.waiting_pulls, role=self.role, backup=self.backup,
             replica_state=self.replica_state, replicated_ops_total=self.replicated_ops_total,
             replication_lag_ops=self.replication_lag_ops, left_workers=self.left_workers,
-            leaves_total=self.leaves_total)
+            leaves_total=self.leaves_total, push_received_bytes_total=self.push_received_bytes_total)
 
     @classmethod
     def from_proto(cls, r: ps_pb2.StatsResponse) -> ShardStats:
@@ -103,7 +104,7 @@ class ShardStats:
             duplicate_pushes_total=int(r.duplicate_pushes_total), loss_scale=float(r.loss_scale),
             worker_clocks={int(k): int(v) for k, v in r.worker_clocks.items()}, role=r.role, backup=r.backup,
             replica_state=r.replica_state, replicated_ops_total=int(r.replicated_ops_total),
-            replication_lag_ops=int(r.replication_lag_ops))
+            replication_lag_ops=int(r.replication_lag_ops), push_received_bytes_total=int(r.push_received_bytes_total))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values in the shape ``PSClient.stats()`` gives (the CLI's JSON)."""
@@ -149,5 +150,6 @@ class ShardStats:
             "applied_updates_total": self.applied_updates_total,
             "gradients_applied_total": self.gradients_applied_total,
             "push_bytes_total": self.push_bytes_total,
+            "push_received_bytes_total": self.push_received_bytes_total,
             "pull_bytes_total": self.pull_bytes_total,
         }

@@ -5,7 +5,8 @@ here touches the store's state: a stream that fails validation is dropped
 with an error that names the tensor, what was expected and what came.
 
 Each chunk is copied (cast to fp32 where it travels as bf16/fp16) into its
-part's staging buffer, and a gradient chunk is checked for inf/nan in that
+part's staging buffer (a compressed one expanded there: protos/compressed.py,
+after every field was checked), and a gradient chunk is checked for inf/nan in that
 copy while it is in cache. With ``keep_chunks``, fp32 gradient chunks are
 not copied at all: the part is handed on as its chunks (``Chunked``, views
 of the received messages), each checked as it arrives.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, compressed
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import InvalidArgument, ResourceExhausted
 from shardps.server.sync import Chunked, Grad, Grads, PartKey
@@ -75,11 +76,16 @@ class ChunkAssembler:
                 f"got {fmt_shape(tuple(chunk.shape))}"
             )
         data = chunk.data
+        packed = chunk.encoding != compressed.DENSE
+        if packed and not self._gradient:
+            raise InvalidArgument(f"tensor {name!r}: {self._what} encoding expected dense, "
+                                  f"got {compressed.encoding_name(chunk.encoding)}")
         try:
+            compressed.check(chunk, spec.shape)
             values = codec.decode(data, chunk.dtype)
         except ValueError as e:
             raise InvalidArgument(f"tensor {name!r}: {e}") from None
-        n = values.numel()
+        n = compressed.span(chunk) if packed else values.numel()
         a = chunk.offset
         if n == 0:
             raise InvalidArgument(f"tensor {name!r}: empty chunk at offset {a}")
@@ -100,7 +106,7 @@ class ChunkAssembler:
                 raise ResourceExhausted(f"tensor {name!r}: part [{start}, {part}) of {part - start} elements is "
                                         f"over the {MAX_PART_ELEMENTS} a shard takes")
             covered = self._covered[key] = []
-        if self._keep and values.dtype == torch.float32:
+        if self._keep and values.dtype == torch.float32 and not packed:
             # Kept as received, checked now while the chunk is in cache (the step reads it later).
             if self._check and self.all_finite and not codec.all_finite(values):
                 self.all_finite = False
@@ -114,13 +120,17 @@ class ChunkAssembler:
                     raise ResourceExhausted(
                         f"tensor {name!r}: cannot allocate {part - start} elements: {e}") from None
             staged = buf[a - start : a - start + n]
-            staged.copy_(values)
+            if packed:  # expanded into the staging buffer: what follows sees a dense gradient
+                checked = compressed.expand(chunk, spec.shape, staged)
+            else:
+                staged.copy_(values)
+                checked = staged
             # Checked in the fp32 copy just written, while it is in cache: one more read, no second pass
             # over memory (and a float16 chunk's sum cannot overflow in fp32: no min/max to confirm it).
-            if self._check and self.all_finite and not codec.all_finite(staged):
+            if self._check and self.all_finite and not codec.all_finite(checked):
                 self.all_finite = False
         covered.append((a, a + n))
-        self.nbytes += len(data)
+        self.nbytes += compressed.payload_bytes(chunk) if packed else len(data)
 
     def _check_coverage(self) -> None:
         """InvalidArgument if any part is partly covered or overlapped."""
@@ -149,6 +159,8 @@ class ChunkAssembler:
         for key in self._covered:
             buf = self._buffers.get(key)
             if buf is not None:
+                for at, values in self._pieces.get(key, ()):  # kept fp32 chunks beside compressed ones
+                    buf[at : at + values.numel()].copy_(values)
                 out[key] = buf
             else:
                 name, start = key

@@ -24,6 +24,24 @@ from shardps.server.errors import Aborted, DeadlineExceeded, Unavailable
 from shardps.server.sync import SyncPolicy
 
 
+class ByteCount:
+    """A running total of bytes, added to from any thread (gRPC's, as Push messages arrive): a leaf lock of its
+    own, so counting never waits for the store's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._total += nbytes
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+
 class Job:
     """One shard's job state and its waits; see the module docstring. Fields read and written under ``cond``."""
 
@@ -43,6 +61,7 @@ class Job:
         self.pushes_total = 0
         self.duplicate_pushes_total = 0
         self.push_bytes_total = 0
+        self.received = ByteCount()  # Push messages as received, refused ones included (not in snapshots)
         self.sync_switches_total = 0
 
     @property

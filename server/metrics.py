@@ -86,6 +86,9 @@ class StoreCollector(Collector):
         yield counter("shardps_duplicate_pushes_total", "Retried pushes acknowledged without applying.",
                       "duplicate_pushes_total")
         yield counter("shardps_push_bytes_total", "Gradient payload bytes taken in.", "push_bytes_total")
+        yield counter("shardps_push_received_bytes_total",
+                      "Bytes of Push request messages received (serialized, as gRPC handed them over; refused "
+                      "ones included).", "push_received_bytes_total")
         yield counter("shardps_pulls_total", "Pull RPCs served.", "pulls_total")
         yield counter("shardps_pull_bytes_total", "Weight payload bytes served.", "pull_bytes_total")
         yield counter("shardps_applied_updates_total", "Optimizer steps applied.", "applied_updates_total")

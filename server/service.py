@@ -36,7 +36,7 @@ from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
 from shardps.server.shm import SegmentCache
 from shardps.server.store import ShardStore
-from shardps.server.wire import decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
+from shardps.server.wire import counted, decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
 
 log = logging.getLogger("shardps.server")
 
@@ -353,7 +353,8 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
     add(servicer, recorder)
     handlers = recorder.handlers
     if service == WORKERS:
-        handlers["Push"] = handlers["Push"]._replace(request_deserializer=framing.read_push_request)
+        handlers["Push"] = handlers["Push"]._replace(
+            request_deserializer=counted(framing.read_push_request, servicer.store.job.received.add))
         handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
         handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))

@@ -422,4 +422,5 @@ class ShardStore:
                 loss_scale=ap.loss_scale, worker_clocks=dict(job.worker_clocks), role=str(self.replica.role),
                 backup=rep.address if rep else "", replica_state=str(rep.state) if rep else str(ReplicaState.NONE),
                 replicated_ops_total=rep.ops_total if rep else self.replica.replica_seq,
-                replication_lag_ops=rep.lag if rep else 0, promotions_total=self.replica.promotions_total)
+                replication_lag_ops=rep.lag if rep else 0, promotions_total=self.replica.promotions_total,
+                push_received_bytes_total=job.received.total)

@@ -31,6 +31,18 @@ PUSH_HEADER = ("worker_id", "step", "base_version", "loss_scale", "epoch", "shm"
                "pull_dtype", "pull_min_clock")
 
 
+def counted(parse: Callable[[bytes], Any], add: Callable[[int], None]) -> Callable[[bytes], Any]:
+    """A request deserializer that hands ``add`` the size of every buffer before ``parse`` reads it: the bytes
+    as they came off the wire (a Push's, ``Job.received``)."""
+
+    def read(buf: bytes) -> Any:
+        add(len(buf))
+        return parse(buf)
+
+    read.__qualname__ = read.__name__ = f"counted_{getattr(parse, '__name__', 'parse')}"
+    return read
+
+
 def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
     if not msg.enabled:
         return None
@@ -143,7 +155,7 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
 
     def chunk(req: ps_pb2.PushRequest) -> Any:
         c = req.chunk
-        if not req.shm:
+        if not req.shm or c.encoding != ps_pb2.DENSE:  # a compressed chunk carries its bytes (compressed.check)
             return c
         if segments is None:
             raise InvalidArgument("Push names a shared-memory segment, but this server does not take them")

@@ -7,7 +7,7 @@
         ...
 """
 
-from shardps import optim
+from shardps import compress, optim
 from shardps.deploy.local import LocalCluster
 from shardps.protos.amp import LossScaling
 from shardps.worker.client import PSClient, PushResult, connect
@@ -24,6 +24,7 @@ __all__ = [
     "PushResult",
     "RolledBack",
     "ShardError",
+    "compress",
     "connect",
     "optim",
 ]

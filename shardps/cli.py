@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import TypeVar
 
+from shardps.compress import compress_flags
 from shardps.protos import codec, env
 from shardps.protos.optim import SPECS
 from shardps.protos.security import Security
@@ -118,6 +119,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
     p.add_argument("--overlap", action="store_true",
                    help="push gradient buckets during backward, pull weights during the next forward")
+    compress_flags(p)
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -207,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
     w.add_argument("--overlap", action="store_true",
                    help="push gradient buckets during backward, pull weights during the next forward")
+    compress_flags(w)
     w.add_argument("--metrics-port", type=int, default=None,
                    help=f"serve Prometheus /metrics on this port (0: a free one; default off; env {env.METRICS_PORT})")
     w.add_argument("--metrics-host", default=None,

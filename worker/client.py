@@ -33,6 +33,7 @@ from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
 from shardps.worker import export, layout, operator, push, recovery
 from shardps.worker.buffers import HostBuffers
+from shardps.worker.compress import Compressor
 from shardps.worker.errors import ShardError
 from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.jobview import JobView
@@ -266,7 +267,8 @@ class PSClient:
     def push(self, grads: Mapping[str, torch.Tensor], step: int,
              base_versions: Sequence[int] | None = None, *, loss_scale: float = 0.0,
              found_inf: bool | None = None, pull_after: tuple[torch.dtype | None, int] | None = None,
-             window: int | None = None, then: PullInFlight | None = None) -> list[PushResult]:
+             window: int | None = None, then: PullInFlight | None = None,
+             compressor: Compressor | None = None) -> list[PushResult]:
         """Send gradients (one per named tensor) to their shards; one result per shard.
 
         Every shard gets a Push, an empty one if it owns none of ``grads``,
@@ -287,6 +289,7 @@ class PSClient:
         (or with the weights it answered with), while the other shards'
         pushes still go up. ``window``: at most that many shards' Pushes at
         once, in ``worker/pushorder.py``'s order (None: all at once).
+        ``compressor``: the tensors it compresses go compressed (worker/compress.py).
         """
         self._require_layout(grads)
         bases = list(self.versions if base_versions is None else base_versions)
@@ -298,7 +301,8 @@ class PSClient:
                 pull.begin(shard, r.ready_version, r.pulled)
         try:
             out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
-                            found_inf=found_inf, pull_after=pull_after, window=window, then=begin)
+                            found_inf=found_inf, pull_after=pull_after, window=window, then=begin,
+                            compressor=compressor)
         except BaseException:
             if then is not None:
                 then.abandon()

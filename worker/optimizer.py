@@ -24,6 +24,7 @@ from shardps.protos.optim import Adam
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.accumulate import Accumulator
 from shardps.worker.client import PSClient, PushResult
+from shardps.worker.compress import CompressChoice, Compressor
 from shardps.worker.errors import RolledBack, ShardError
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
@@ -79,6 +80,12 @@ class DistributedOptimizer:
     worker's gradient holds an inf/nan is skipped on every shard, and every
     worker gets the new scale with its next pull.
 
+    ``compress=shardps.compress.TopK(0.01)`` (or ``PowerSGD(rank=4)``, or
+    ``Rules`` of them per tensor) sends gradients compressed, with error
+    feedback and an optional dense warm-up; tensors under
+    ``shardps.compress.DENSE_BELOW`` elements and biases stay dense. Not
+    with ``overlap`` or ``loss_scaling``. See docs/compression.md.
+
     Each shard's pull begins as soon as that shard answered the step's push.
     ``push_window=w`` sends the shards' pushes w at a time, in an order
     that spreads the workers over the server hosts (``worker/pushorder.py``):
@@ -93,7 +100,8 @@ class DistributedOptimizer:
                  max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES, metrics: WorkerMetrics | None = None,
                  staleness_remedy: str = "none", provides_values: bool | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 pull_dtype: torch.dtype | None = None, push_window: int | None = None) -> None:
+                 pull_dtype: torch.dtype | None = None, push_window: int | None = None,
+                 compress: CompressChoice | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -104,6 +112,10 @@ class DistributedOptimizer:
         if pull_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"pull_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {pull_dtype}")
         self.pull_dtype = None if pull_dtype == torch.float32 else pull_dtype
+        if compress is not None and (overlap or loss_scaling):
+            raise ValueError(f"compress= with {'overlap=True' if overlap else 'loss_scaling'} is not supported: "
+                             f"compression runs at step() on unscaled gradients (docs/compression.md)")
+        self.compressor: Compressor | None = None
         if push_window is not None and push_window < 1:
             raise ValueError(f"push_window must be >= 1 (or None: every shard at once), got {push_window}")
         self.push_window = push_window
@@ -130,6 +142,9 @@ class DistributedOptimizer:
         self.rejoins = 0
         self.rollbacks = 0
         self._join()
+        if compress is not None:  # the registered layouts and shard map say where each part goes
+            assert client.shard_map is not None
+            self.compressor = Compressor(compress, self.params, client.layouts, client.shard_map, client.chunk_bytes)
         if self.metrics is None:  # the client's, when it serves metrics (metrics_port / SHARDPS_METRICS_PORT)
             self.metrics = client.metrics
         if overlap:
@@ -147,6 +162,8 @@ class DistributedOptimizer:
                 raise
             self._resync()  # joining a job whose shards restarted
         self.accumulator.reset()
+        if self.compressor is not None:  # a rejoin: what the residuals held is stale
+            self.compressor.reset()
         self.local_steps = resume_step(self.round, self.sync)
         self._follow()
 
@@ -170,6 +187,8 @@ class DistributedOptimizer:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
         self._resync()
         self.accumulator.reset()
+        if self.compressor is not None:
+            self.compressor.reset()
         self.local_steps = resume_step(self.round, self.sync)
         self.rollbacks += 1
         self._follow()
@@ -236,7 +255,8 @@ class DistributedOptimizer:
             # A shard whose weights are ready at once and small answers with them (one call per step).
             self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
                                               loss_scale=self.client.loss_scale, window=self.push_window,
-                                              pull_after=(self.pull_dtype, min_clock), then=pull)
+                                              pull_after=(self.pull_dtype, min_clock), then=pull,
+                                              compressor=self.compressor)
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss, pull)

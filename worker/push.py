@@ -21,6 +21,7 @@ from shardps.protos import codec
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker import pushorder
+from shardps.worker.compress import Compressor, Encoded
 from shardps.worker.paths import Staged
 from shardps.worker.pushframes import PushFramer
 from shardps.worker.route import Route
@@ -38,7 +39,8 @@ def pull_after_fields(pull_after: tuple[torch.dtype | None, int] | None) -> dict
 def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequence[int], *,
          owners: Mapping[str, set[int]], loss_scale: float = 0.0, found_inf: bool | None = None,
          pull_after: tuple[torch.dtype | None, int] | None = None, window: int | None = None,
-         then: Callable[[int, PushResult], None] | None = None) -> list[PushResult]:
+         then: Callable[[int, PushResult], None] | None = None,
+         compressor: Compressor | None = None) -> list[PushResult]:
     """Send ``grads`` (registered names, checked shapes) of ``step`` to every shard; one result per shard.
 
     ``bases``: each shard's base version; ``owners``: each tensor's shards.
@@ -47,16 +49,22 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
     failure. ``window``: at most that many shards' Pushes at once, in
     ``pushorder.push_order`` (None: every shard at once); ``then(shard,
     result)`` runs as each shard answers (``PSClient.push``).
+    ``compressor``: the tensors it compresses go as its chunks
+    (worker/compress.py), in the messages on either path.
     """
     assert route.shard_map is not None
     layouts = route.layouts
     flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
     direct: set[str] = set()  # cast as they are written ahead (into shared memory): no buffer in between
     paths = list(route.paths)  # one view of them for the choice, the writes and the check below
+    sparse: dict[str, torch.Tensor] = {}  # compressed: not in ``flats``, sent as the compressor's chunks
     for name, g in grads.items():
         lay = layouts[name]
         if tuple(g.shape) != lay.shape:
             raise ValueError(f"gradient of {name!r}: expected shape {lay.shape}, got {tuple(g.shape)}")
+        if compressor is not None and compressor.compresses(name):
+            sparse[name] = g
+            continue
         dtype = codec.to_torch_dtype(lay.push_dtype)
         g = g.detach()
         shards = owners.get(name, ())  # none for an empty tensor
@@ -65,6 +73,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
             direct.add(name)
         else:
             flats[name] = g.to("cpu", dtype).contiguous().view(-1)
+    packed = compressor.encode(sparse) if compressor is not None else Encoded()
     # Same host: every shard's parts into its push segment first, the shards in parallel; the bytes the
     # shards will read are those checked for inf/nan.
     ahead = [i for i, path in enumerate(paths) if path.writes_ahead]
@@ -75,6 +84,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
         checked = [v for i in ahead for v in paths[i].read_values(staged[i], flats, direct, route)]
         found_inf = not (all(codec.all_finite(f) for n, f in flats.items() if n not in direct)
                          and all(codec.all_finite(v) for v in checked))
+    found_inf = found_inf or not packed.finite  # a compressed gradient with an inf/nan was left out
     more = pull_after_fields(pull_after)
 
     def requests(shard: int) -> Iterator[bytes]:
@@ -82,7 +92,8 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
 
         def frames(segment: str) -> PushFramer:
             return PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
-                              epoch=route.epoch, found_inf=bool(found_inf), fields=more, shm=segment)
+                              epoch=route.epoch, found_inf=bool(found_inf), fields=more, shm=segment,
+                              packed=packed.of(shard))
 
         yield from path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct, route)
 

@@ -4,7 +4,8 @@ A shard's Push of one step is a stream of serialized PushRequests that
 share one header (worker, step, base version, loss scale, epoch,
 ``ends_with_last``, and for a plain push ``found_inf`` and ``pull_after``);
 the last message says it is (``last``), so a cut stream is refused. The
-chunks travel two ways:
+chunks travel two ways (a plain push's compressed chunks, ``packed``,
+always in the messages: worker/compress.py):
 
 - gRPC (``chunks``): the gradient's bytes copied once, straight into the
   message (``protos/framing.py``);
@@ -20,6 +21,7 @@ require (server/headers.py: only a stream's last message may raise it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch
 
 from shardps.protos import framing
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.compress import PackedChunk
 
 
 class PushFramer:
@@ -40,11 +43,13 @@ class PushFramer:
     """
 
     def __init__(self, *, worker_id: int, step: int, base_version: int, loss_scale: float, epoch: int,
-                 found_inf: bool = False, fields: Mapping[str, Any] | None = None, shm: str = "") -> None:
+                 found_inf: bool = False, fields: Mapping[str, Any] | None = None, shm: str = "",
+                 packed: Sequence[PackedChunk] = ()) -> None:
         self._head: dict[str, Any] = dict(worker_id=worker_id, step=step, base_version=base_version,
                                           loss_scale=loss_scale, epoch=epoch, ends_with_last=True, **(fields or {}))
         self._found_inf = found_inf
         self._shm = shm
+        self._packed = packed
         self._framing: tuple[bytes, bytes] | None = None  # (prefix, suffix) around a gRPC chunk
         self._last_suffix: bytes | None = None
 
@@ -71,17 +76,26 @@ class PushFramer:
                                                   **self._head)
         last_suffix = self._last_suffix
         pending = None
-        for msg in messages:
+        for msg in itertools.chain(messages, self._packed_messages()):
             if pending is not None:
                 yield pending
             pending = msg
         # The fields after the chunk are the message's end (protobuf writes fields in number order).
         yield prefix + last_suffix if pending is None else pending[: len(pending) - len(suffix)] + last_suffix
 
+    def _packed_messages(self) -> Iterator[bytes]:
+        """gRPC messages carrying the compressed chunks (``packed``), the values copied once."""
+        prefix, suffix = self._prefix_suffix()
+        for c in self._packed:
+            yield framing.packed_message(prefix, framing.PUSH_CHUNK_FIELD, suffix, c.values, **c.fields)
+
     def shm_chunks(self, chunks: Sequence[ps_pb2.Chunk], *, last: bool) -> Iterator[bytes]:
         """Messages for ``chunks`` already in the shard's push segment (one per chunk); ``last``: the last
-        one says it is (a chunk-less last message when there are none)."""
+        one says it is (a chunk-less last message when there are none), after the compressed chunks
+        (``packed``: they carry their bytes in the message)."""
         head = dict(self._head, found_inf=self._found_inf, shm=self._shm)
+        if last:
+            chunks = [*chunks, *(c.proto() for c in self._packed)]
         requests = [ps_pb2.PushRequest(chunk=c, **head) for c in chunks]
         if not requests and last:
             requests = [ps_pb2.PushRequest(**head)]

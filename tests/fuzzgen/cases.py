@@ -49,7 +49,7 @@ SHORT_TIMEOUT = 0.2  # requests that may wait on purpose (a version, a clock, a 
 EXCHANGE_TIMEOUT = 0.05  # Exchange always waits: nothing is ever published in these jobs
 TIMEOUT = 5.0  # everything else: none of these should take more than milliseconds
 # Stats that move without a change of state: pulls served and pulls parked in a wait right now.
-VOLATILE_STATS = ("pull_bytes_total", "pulls_total", "waiting_pulls")
+VOLATILE_STATS = ("pull_bytes_total", "pulls_total", "waiting_pulls", "push_received_bytes_total")
 
 # Status codes a refused request may get. Anything else (UNKNOWN, INTERNAL,
 # UNAVAILABLE, CANCELLED...) is a violation unless it matches KNOWN_BUGS.

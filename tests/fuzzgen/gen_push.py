@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from shardps.protos import compressed
 from shardps.protos.shardps.v1 import ps_pb2
 from tests.fuzzgen.bugs import avoiding
 from tests.fuzzgen.cases import INT32, INT64, ITEMSIZE, WIRE_DTYPES, Case, Source, Target, wild_int
@@ -15,7 +19,35 @@ from tests.fuzzgen.draws import unknown_name, values
 
 PUSH_DEFECTS = ("unregistered_worker", "negative_step", "future_step", "base_version", "loss_scale",
                 "unknown_name", "wrong_dtype", "wrong_shape", "ragged_data", "empty_data", "offset", "partial",
-                "overlap", "mixed_headers", "empty_stream", "wrong_epoch")
+                "overlap", "mixed_headers", "empty_stream", "wrong_epoch",
+                # compressed chunks (protos/compressed.py): a chunk made one, then broken
+                "topk_duplicate", "topk_index_range", "topk_indices_size", "lowrank_factor_size", "lowrank_rows",
+                "bad_encoding", "dense_with_indices")
+COMPRESSED_DEFECTS = PUSH_DEFECTS[-7:]
+
+
+def _indices(idx: Sequence[int], numel: int) -> bytes:
+    fmt = "i" if compressed.index_dtype(numel) == torch.int32 else "q"
+    return struct.pack(f"<{len(idx)}{fmt}", *idx)
+
+
+def _pack(src: Source, c: ps_pb2.Chunk, info: Any, n: int, lowrank: bool) -> bool:
+    """Make ``c`` a well-formed compressed chunk of the same ``n`` elements from its offset (TOPK: 1 to 8
+    values; LOWRANK: whole rows of a matrix, rank 1 to 3); False when LOWRANK cannot cover that range."""
+    cols = compressed.columns(info.shape)
+    packed = ps_pb2.Chunk(name=c.name, offset=c.offset, dtype=c.dtype, shape=c.shape, numel=n)
+    if lowrank:
+        if not cols or c.offset % cols or n % cols:
+            return False
+        rank = src.integer(1, 3)
+        packed.encoding, packed.rank = compressed.LOWRANK, rank  # type: ignore[assignment]
+        packed.data, packed.factor = values(src, n // cols * rank, c.dtype), values(src, cols * rank, c.dtype)
+    else:
+        idx = sorted({src.integer(0, n - 1) for _ in range(src.integer(1, min(n, 8)))})
+        packed.encoding, packed.indices = compressed.TOPK, _indices(idx, n)  # type: ignore[assignment]
+        packed.data = values(src, len(idx), c.dtype)
+    c.CopyFrom(packed)
+    return True
 
 
 def _inside_a_part(parts: Sequence[tuple[int, int]], offset: int, n: int) -> bool:
@@ -50,7 +82,12 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
             info = sh.tensors[name]
             tensor_chunks = []
             for a, b in info.parts:
-                tensor_chunks += _cover(src, name, info.push_dtype, a, b)
+                piece = _cover(src, name, info.push_dtype, a, b)
+                if src.integer(0, 3) == 0:  # a well-formed compressed chunk instead of the dense ones
+                    piece = piece[:1]
+                    if not _pack(src, piece[0], info, b - a, src.boolean()):
+                        _pack(src, piece[0], info, b - a, False)
+                tensor_chunks += piece
             if src.boolean():
                 tensor_chunks[0].shape.extend(info.shape)
             chunks += tensor_chunks
@@ -68,6 +105,9 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
             a, b = src.choice(info.parts)
             chunks.extend(_cover(src, info.name, info.push_dtype, a, b))
         return None
+
+    def span(c: ps_pb2.Chunk) -> int:
+        return compressed.span(c) if c.encoding in compressed.NAMES else len(c.data) // ITEMSIZE.get(c.dtype, 4)
 
     def splittable(c: ps_pb2.Chunk) -> bool:
         info = sh.tensors.get(c.name)
@@ -152,6 +192,36 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
                 drop = len(c.data) // size - keep
                 c.data = c.data[drop * size :]  # the start goes missing
                 c.offset += drop
+        elif d in COMPRESSED_DEFECTS:
+            c = pick(lambda c: c.name in sh.tensors and c.dtype == sh.tensors[c.name].push_dtype and span(c) > 0)
+            if c is None:
+                continue
+            n = span(c)
+            if d == "dense_with_indices":
+                c.CopyFrom(ps_pb2.Chunk(name=c.name, offset=c.offset, dtype=c.dtype, shape=c.shape,
+                                        data=values(src, n, c.dtype)))
+                if src.boolean():
+                    c.indices = _indices([0], n)
+                else:
+                    c.numel = n
+            elif not _pack(src, c, sh.tensors[c.name], n, d.startswith("lowrank")):
+                continue  # no whole rows here: another draw
+            elif d == "topk_duplicate":
+                i = src.integer(0, n - 1)
+                c.indices, c.data = _indices([i, i], n), values(src, 2, c.dtype)
+            elif d == "topk_index_range":
+                c.indices = _indices([src.choice([n + src.integer(0, 3), -1 - src.integer(0, 3)])], n)
+                c.data = values(src, 1, c.dtype)
+            elif d == "topk_indices_size":
+                c.indices = c.indices + src.binary(1, 3) if src.boolean() else c.indices[: src.integer(0, 3)]
+            elif d == "lowrank_factor_size":
+                c.factor = c.factor + values(src, src.integer(1, 3), c.dtype) if src.boolean() else c.factor[:-1]
+            elif d == "lowrank_rows":
+                c.numel = n + src.integer(1, compressed.columns(sh.tensors[c.name].shape) - 1) \
+                    if compressed.columns(sh.tensors[c.name].shape) > 1 else n + 1
+            elif d == "bad_encoding":
+                e = wild_int(src, *INT32)
+                c.encoding = e if e not in compressed.NAMES else 3  # type: ignore[assignment]
         elif d == "overlap":
             c = pick()
             assert c is not None

@@ -13,10 +13,19 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DENSE: _ClassVar[Encoding]
+    TOPK: _ClassVar[Encoding]
+    LOWRANK: _ClassVar[Encoding]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
+DENSE: Encoding
+TOPK: Encoding
+LOWRANK: Encoding
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "params_json")
@@ -55,7 +64,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., peers: _Optional[_Iterable[str]] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("name", "offset", "dtype", "data", "shape", "shm_offset", "shm_bytes")
+    __slots__ = ("name", "offset", "dtype", "data", "shape", "shm_offset", "shm_bytes", "encoding", "numel", "indices", "rank", "factor")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +72,11 @@ class Chunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     dtype: DType
@@ -70,7 +84,12 @@ class Chunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     shm_offset: int
     shm_bytes: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., shm_offset: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+    encoding: Encoding
+    numel: int
+    indices: bytes
+    rank: int
+    factor: bytes
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., shm_offset: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., numel: _Optional[int] = ..., indices: _Optional[bytes] = ..., rank: _Optional[int] = ..., factor: _Optional[bytes] = ...) -> None: ...
 
 class LossScaling(_message.Message):
     __slots__ = ("enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -337,7 +356,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops", "left_workers", "leaves_total")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops", "left_workers", "leaves_total", "push_received_bytes_total")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +402,7 @@ class StatsResponse(_message.Message):
     REPLICATION_LAG_OPS_FIELD_NUMBER: _ClassVar[int]
     LEFT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_RECEIVED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -414,7 +434,8 @@ class StatsResponse(_message.Message):
     replication_lag_ops: int
     left_workers: _containers.RepeatedScalarFieldContainer[int]
     leaves_total: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ..., left_workers: _Optional[_Iterable[int]] = ..., leaves_total: _Optional[int] = ...) -> None: ...
+    push_received_bytes_total: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ..., left_workers: _Optional[_Iterable[int]] = ..., leaves_total: _Optional[int] = ..., push_received_bytes_total: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

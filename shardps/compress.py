@@ -1,0 +1,37 @@
+"""Gradient compression for ``DistributedOptimizer(compress=...)``: ``TopK(0.01)``, ``PowerSGD(rank=4)``.
+
+Both run with error feedback (the part not sent is kept and added to the
+next gradient) and an optional dense warm-up (``warmup_steps``). A plain
+spec compresses every tensor of rank >= 2 and at least ``DENSE_BELOW``
+elements; ``Rules`` choose per tensor (``Dense()`` for none)::
+
+    compress=Rules([("embed.*", Dense()), ("*.bias", TopK(0.1))], default=TopK(0.01, warmup_steps=100))
+
+Shards decode and aggregate; pulls stay dense. See docs/compression.md.
+"""
+
+import argparse
+
+from shardps.protos.rules import Rules, max_rank, min_rank
+from shardps.worker.compress import DENSE_BELOW, CompressChoice, Compressor, Dense, PowerSGD, Spec, TopK, parse
+
+__all__ = ["DENSE_BELOW", "CompressChoice", "Compressor", "Dense", "PowerSGD", "Rules", "Spec", "TopK",
+           "compress_flags", "max_rank", "min_rank", "parse"]
+
+
+def _spec_text(text: str) -> str:
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def compress_flags(p: argparse.ArgumentParser) -> None:
+    """``--compress SPEC`` (checked by ``parse``, kept as text) and ``--compress-warmup N``: the worker's and
+    the demo's flags."""
+    p.add_argument("--compress", type=_spec_text, default="none", metavar="SPEC",
+                   help="compress gradients: none, topk:RATIO (e.g. topk:0.01) or powersgd:RANK, with error "
+                        "feedback (docs/compression.md)")
+    p.add_argument("--compress-warmup", type=int, default=0, metavar="N",
+                   help="with --compress: the first N pushes go dense (default 0)")
