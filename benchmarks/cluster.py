@@ -26,7 +26,8 @@ timed step), the time BytePS's analysis gives for that configuration, with
 M the bytes on the wire, B the link rate, n workers and k server hosts:
 ring all-reduce 2(n-1)/n * M/B; a parameter server on k separate hosts
 max(M/B, n*M/(k*B)); servers on the worker hosts (k = 0) 2(n-1)/n * M/B;
-every:4 a quarter of bsp's. The ratio measured / formula is what is left
+every:4 a quarter of bsp's; top-k sends values and indices up (2 x ratio
+x M) and pulls dense weights (M), so its bound is the pull's M/B. The ratio measured / formula is what is left
 to explain (framing, Python, the step, and on this machine the CPU: every
 host shares the same 2 cores, so ``cpu/step``, the CPU seconds every
 process of the row spent per step, over the cores, is a floor no link can
@@ -76,6 +77,7 @@ class Config:
     wire: str = "fp32"
     per: int = 1  # shards a server host serves
     window: int | None = None  # push_window
+    compress: str = "none"  # shardps.compress spec (topk:0.01)
 
     @property
     def label(self) -> str:
@@ -84,7 +86,8 @@ class Config:
         where = "servers on the worker hosts" if self.k == 0 else f"{self.k} server hosts"
         how = (f"{self.per} shards a host, window {self.window}" if self.window
                else f"{self.per} shard a host, all at once")
-        return f"shardps {self.sync} {self.wire}, {where}, {how}"
+        wire = self.wire if self.compress == "none" else f"{self.wire} {self.compress}"
+        return f"shardps {self.sync} {wire}, {where}, {how}"
 
 
 def configs(quick: bool, per: int, window: int, sweep: bool = False) -> list[Config]:
@@ -100,12 +103,17 @@ def configs(quick: bool, per: int, window: int, sweep: bool = False) -> list[Con
             Config("shardps", 4, 4, per=per, window=window),
             Config("shardps", 4, 4, wire="bf16", per=per, window=window),
             Config("shardps", 4, 4, sync="every:4", per=per, window=window),
+            Config("shardps", 4, 4, compress="topk:0.01", per=per, window=window),
             Config("shardps", 2, 2, per=per, window=window)]
 
 
 def formula(c: Config, model_bytes: float, bits_per_s: float) -> float:
     """BytePS's step time for ``c`` (see the module docstring), in seconds."""
     m = model_bytes * (0.5 if c.wire == "bf16" else 1.0)
+    if c.compress.startswith("topk:"):  # values and int32 indices go up; the weights come down dense
+        up = m * float(c.compress.partition(":")[2]) * 2
+        b = bits_per_s / 8
+        return max(up, m, c.n * m / c.k) / b if c.k else 2 * (c.n - 1) / c.n * m / b
     b = bits_per_s / 8
     if c.system == "ddp" or c.k == 0:
         t = 2 * (c.n - 1) / c.n * m / b
@@ -159,6 +167,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
             else:
                 argv += ["--addresses", ",".join(addresses), "--sync", c.sync, "--wire", c.wire]
                 argv += ["--window", str(c.window)] if c.window else []
+                argv += ["--compress", c.compress]
             if timeline and r == 0:
                 argv.append("--timeline")
             workers.append(net.start(WORKER_HOSTS[r], argv, env=env, stdout=subprocess.PIPE))

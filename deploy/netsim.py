@@ -31,6 +31,10 @@ die with this one (``Lifeline``), and the next ``up()`` anywhere on the
 machine removes what a cluster whose owner died (SIGKILL) left
 (``sweep_stale``: each run records its owner first; deploy/netns.py). Not
 thread-safe: one thread drives a cluster.
+
+Over 400 lines: one class that owns a run's namespaces, links, shaping,
+faults and processes, whose every call must leave the same record of what
+exists for the cleanup; the sweep of dead runs is deploy/netns.py.
 """
 
 from __future__ import annotations

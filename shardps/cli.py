@@ -1,4 +1,10 @@
-"""The ``shardps`` command: server, worker, demo, sim, stats, ctl, health, ray."""
+"""The ``shardps`` command: server, worker, demo, sim, stats, ctl, health, ray.
+
+Over 400 lines: one parser for eight subcommands, each flag with its help and
+its environment variable (docs/operations.md lists them; tests/test_docs.py
+checks the list), and the dispatch; what each subcommand runs lives in the
+module it names (server/app.py, examples/, deploy/demo.py, deploy/netsim.py).
+"""
 
 from __future__ import annotations
 

@@ -293,20 +293,9 @@ class PSClient:
         """
         self._require_layout(grads)
         bases = list(self.versions if base_versions is None else base_versions)
-        begin = None
-        if then is not None:
-            pull = then
-
-            def begin(shard: int, r: PushResult) -> None:
-                pull.begin(shard, r.ready_version, r.pulled)
-        try:
-            out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
-                            found_inf=found_inf, pull_after=pull_after, window=window, then=begin,
-                            compressor=compressor)
-        except BaseException:
-            if then is not None:
-                then.abandon()
-            raise
+        out = push.push(self, grads, step, bases, owners=self._shards_of(), loss_scale=loss_scale,
+                        found_inf=found_inf, pull_after=pull_after, window=window, then=then,
+                        compressor=compressor)
         self.apply(JobView.of_push(out))
         return out
 

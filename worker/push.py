@@ -23,6 +23,7 @@ from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker import pushorder
 from shardps.worker.compress import Compressor, Encoded
 from shardps.worker.paths import Staged
+from shardps.worker.pull import PullInFlight
 from shardps.worker.pushframes import PushFramer
 from shardps.worker.route import Route
 
@@ -39,7 +40,7 @@ def pull_after_fields(pull_after: tuple[torch.dtype | None, int] | None) -> dict
 def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequence[int], *,
          owners: Mapping[str, set[int]], loss_scale: float = 0.0, found_inf: bool | None = None,
          pull_after: tuple[torch.dtype | None, int] | None = None, window: int | None = None,
-         then: Callable[[int, PushResult], None] | None = None,
+         then: PullInFlight | None = None,
          compressor: Compressor | None = None) -> list[PushResult]:
     """Send ``grads`` (registered names, checked shapes) of ``step`` to every shard; one result per shard.
 
@@ -47,8 +48,9 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
     The other arguments are ``PSClient.push``'s. Blocks until every shard
     answered (each RPC within the transport's deadline); raises the first
     failure. ``window``: at most that many shards' Pushes at once, in
-    ``pushorder.push_order`` (None: every shard at once); ``then(shard,
-    result)`` runs as each shard answers (``PSClient.push``).
+    ``pushorder.push_order`` (None: every shard at once); ``then``: a pull
+    made with ``start_later``, each shard's begun as that shard answers (on
+    a failure: abandoned before it is raised).
     ``compressor``: the tensors it compresses go as its chunks
     (worker/compress.py), in the messages on either path.
     """
@@ -97,16 +99,31 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
 
         yield from path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct, route)
 
+    try:
+        return send(route, requests, window, then)
+    except BaseException:
+        if then is not None:  # nothing may write into the destinations once the caller handles the failure
+            then.abandon()
+        raise
+
+
+def send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int | None,
+         then: PullInFlight | None) -> list[PushResult]:
+    """Each shard's Push (``requests(shard)``): all at once, or ``window`` at a time in ``push_order``;
+    ``then``'s pull of a shard begun as that shard answers."""
     t = route.transport
+
+    def answered(shard: int, result: PushResult) -> None:
+        if then is not None:
+            then.begin(shard, result.ready_version, result.pulled)
 
     def one(shard: int) -> PushResult:
         result = PushResult.from_proto(t.push(shard, requests(shard)))
-        if then is not None:
-            then(shard, result)
+        answered(shard, result)
         return result
 
     if window is None or window >= route.num_shards:
         return t.each(one)
     got = t.in_order(lambda i: PushResult.from_proto(t.push(i, requests(i))),
-                     pushorder.push_order(t.addresses, route.worker_id), window=window, then=then)
+                     pushorder.push_order(t.addresses, route.worker_id), window=window, then=answered)
     return [got[i] for i in range(route.num_shards)]

@@ -120,14 +120,17 @@ def run_ddp(a: argparse.Namespace) -> dict[str, object]:
 
 def run_shardps(a: argparse.Namespace) -> dict[str, object]:
     import shardps
+    import shardps.compress
 
     model = mlp(a.dims)
     half = torch.bfloat16 if a.wire == "bf16" else None
     steps = Steps(a)
     with shardps.connect(a.addresses.split(","), worker_id=a.rank, num_workers=a.world,
                          timeout=a.timeout) as client:
+        compress = None if a.compress == "none" else shardps.compress.parse(a.compress)
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), sync=a.sync,
-                                           grad_dtype=half, pull_dtype=half, push_window=a.window)
+                                           grad_dtype=half, pull_dtype=half, push_window=a.window,
+                                           compress=compress)
         for step in range(a.warmup + a.steps):
             x, y = batch(step, a.rank, a.batch, a.dims)
             t0 = steps.begin(step)
@@ -156,6 +159,7 @@ def main() -> int:
     p.add_argument("--sync", default="bsp")
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--window", type=int, default=None, help="shardps: push_window (default: every shard at once)")
+    p.add_argument("--compress", default="none", help="shardps: none, topk:RATIO or powersgd:RANK")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     result = run_ddp(a) if a.system == "ddp" else run_shardps(a)
