@@ -213,6 +213,7 @@ def test_a_server_cut_mid_push_then_healed_the_push_completes_and_the_result_is_
         for w in workers:
             w.send("steps", n=1)
         failed = [w.answer(30) for w in workers]
+        assert obs.stats(addresses[0])[addresses[0]]["version"] == steps + 1  # shard 0 took the step
         net.heal("h1")
         for f in failed:
             assert not f["ok"] and "ShardError: shard 1" in f["error"] and "DEADLINE_EXCEEDED" in f["error"], f
