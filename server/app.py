@@ -30,6 +30,7 @@ from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.server.metrics import ServerMetrics
 from shardps.server.pullcache import FRAME_INLINE_BYTES
+from shardps.server.replica import DEFAULT_REPLICA_TIMEOUT_S
 from shardps.server.roles import Role
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICES, create_server, served, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
@@ -67,6 +68,13 @@ def check_spare(backup_of: int, num_shards: int) -> None:
                          f"got shard {backup_of} of {num_shards}")
 
 
+def check_replica_timeout(seconds: float) -> float:
+    """``seconds`` if it is a replica timeout (a number > 0), else ValueError."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"the replica timeout must be a number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
 def check_frame_inline_bytes(n: int) -> int:
     """``frame_inline_bytes`` if it is one (an int >= 0; see server/pullcache.py), else ValueError."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -79,7 +87,8 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
               grace_s: float = 5.0, torch_threads: int | None = None, security: Security | None = None,
               lease_s: float = DEFAULT_LEASE_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
               checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-              frame_inline_bytes: int = FRAME_INLINE_BYTES) -> int:
+              frame_inline_bytes: int = FRAME_INLINE_BYTES,
+              replica_timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S) -> int:
     """``shardps server --backup-only K``: only a backup endpoint for shard K (no primary).
 
     A spare to give a shard a copy again after a takeover: point the shard
@@ -91,6 +100,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     security = security or Security()
     backup = ShardStore(backup_of, num_shards, lease_s=lease_s, role=Role.BACKUP)
     backup.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
+    backup.replica_timeout_s = check_replica_timeout(replica_timeout_s)  # its own backup's, once promoted
     if checkpoint_dir:
         backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every)
     metrics = endpoint = None
@@ -141,8 +151,10 @@ class ShardServer:
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S, replicas: int = 1,
                  replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None,
-                 frame_inline_bytes: int = FRAME_INLINE_BYTES) -> None:
+                 frame_inline_bytes: int = FRAME_INLINE_BYTES,
+                 replica_timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S) -> None:
         check_replicas(replicas, num_shards, replica_target)
+        self.replica_timeout_s = check_replica_timeout(replica_timeout_s)
         self.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
         self.host, self.port, self.shard_index, self.num_shards = host, port, shard_index, num_shards
         self.sync, self.num_workers, self.chunk_bytes, self.max_wait_s = sync, num_workers, chunk_bytes, max_wait_s
@@ -173,6 +185,7 @@ class ShardServer:
         store = ShardStore(shard_index, self.num_shards, sync=self.sync, num_workers=self.num_workers,
                            lease_s=self.lease_s)
         store.frame_inline_bytes = self.frame_inline_bytes
+        store.replica_timeout_s = self.replica_timeout_s
         self.store = store
         if self.checkpoint_dir:
             store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
@@ -186,6 +199,7 @@ class ShardServer:
             self.backup = ShardStore((shard_index - 1) % self.num_shards, self.num_shards, lease_s=self.lease_s,
                                      role=Role.BACKUP)
             self.backup.frame_inline_bytes = self.frame_inline_bytes
+            self.backup.replica_timeout_s = self.replica_timeout_s  # once promoted, for a spare attached to it
             if self.checkpoint_dir:  # used once it takes over
                 self.backup.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
                                                every_seconds=self.checkpoint_seconds)

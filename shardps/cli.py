@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replica-target", default=env.get(env.REPLICA_TARGET), metavar="HOST:PORT",
                    help="with --replicas 2: the next server's --replica-port, where this shard's backup lives "
                         f"(or set it later: shardps ctl attach-replica; env {env.REPLICA_TARGET})")
+    r.add_argument("--replica-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --replicas 2: how long a primary waits for its backup to confirm a change (plus 1s "
+                        "per 20 MB) before it goes on alone, degraded: a backup cut off by the network holds "
+                        "Pushes this long (default 30)")
     r.add_argument("--backup-only", type=int, default=None, metavar="SHARD",
                    help="a spare: hold only a backup of shard SHARD on --replica-port, no shard of its own "
                         "(to give a shard a copy again after a takeover: shardps ctl attach-replica)")
@@ -353,9 +357,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
             return 2
         extra = {} if args.frame_inline_bytes is None else {"frame_inline_bytes": args.frame_inline_bytes}
+        if args.replica_timeout is not None:
+            extra["replica_timeout_s"] = args.replica_timeout
         if args.frame_inline_bytes is not None and args.frame_inline_bytes < 0:
             print(f"shardps server: --frame-inline-bytes / {env.FRAME_INLINE_BYTES} must be >= 0, "
                   f"got {args.frame_inline_bytes}", file=sys.stderr)
+            return 2
+        if args.replica_timeout is not None and not args.replica_timeout > 0:
+            print(f"shardps server: --replica-timeout must be > 0, got {args.replica_timeout}", file=sys.stderr)
             return 2
         if args.backup_only is not None:
             try:

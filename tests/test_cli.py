@@ -106,3 +106,19 @@ def test_server_frame_inline_bytes_from_flag_or_env_and_a_bad_one_refused():
         server.stop()
     with pytest.raises(ValueError, match="frame_inline_bytes must be an integer >= 0, got -5"):
         ShardServer(frame_inline_bytes=-5)
+
+
+def test_server_replica_timeout_reaches_the_primary_and_the_backup_and_a_bad_one_is_refused():
+    from shardps.server.app import ShardServer
+
+    proc = _cli("server", "--replica-timeout", "0")
+    assert proc.returncode == 2 and "--replica-timeout must be > 0, got 0.0" in proc.stderr
+    server = ShardServer(num_shards=2, replicas=2, replica_timeout_s=2.5).start()
+    try:
+        assert server.store is not None and server.backup is not None
+        assert server.store.replica_timeout_s == 2.5 and server.backup.replica_timeout_s == 2.5
+    finally:
+        server.stop()
+    assert ShardServer().replica_timeout_s == 30.0
+    with pytest.raises(ValueError, match="the replica timeout must be a number of seconds > 0, got -1"):
+        ShardServer(replica_timeout_s=-1)
