@@ -22,8 +22,9 @@ each shard's pull beginning as soon as it answered; the row "bsp fp32,
 1 shard a host, all at once" is the schedule before it.
 
 Beside each measured step (the median over workers of each worker's median
-timed step), the time BytePS's analysis gives for that configuration, with
-M the bytes on the wire, B the link rate, n workers and k server hosts:
+timed step; under every:4, of each worker's mean over whole rounds of 4),
+the time BytePS's analysis gives for that configuration, with M the bytes
+on the wire, B the link rate, n workers and k server hosts:
 ring all-reduce 2(n-1)/n * M/B; a parameter server on k separate hosts
 max(M/B, n*M/(k*B)); servers on the worker hosts (k = 0) 2(n-1)/n * M/B;
 every:4 a quarter of bsp's; top-k sends values and indices up (2 x ratio
@@ -122,6 +123,11 @@ def formula(c: Config, model_bytes: float, bits_per_s: float) -> float:
     return t / 4 if c.sync == "every:4" else t
 
 
+def accumulation(sync: str) -> int:
+    """X of every:X (1 for the other modes)."""
+    return int(sync.partition(":")[2]) if sync.startswith("every:") else 1
+
+
 def cpu_seconds(pid: int) -> float:
     """A process's CPU seconds (user + system) so far, 0 once it is gone."""
     try:
@@ -158,10 +164,12 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                                          stdout=subprocess.PIPE))
             for proc in servers:
                 addresses += [parse_ready(line)[0] for line in read_ready_lines(proc, 120, c.per)]
+        every = accumulation(c.sync)
+        steps, warmup = -(-a.steps // every) * every, -(-a.warmup // every) * every  # whole sync rounds
         for r in range(c.n):
             argv = [sys.executable, str(HERE / "baselines" / "host_worker.py"), c.system, "--rank", str(r),
-                    "--world", str(c.n), "--dims", a.dims, "--batch", str(a.batch), "--steps", str(a.steps),
-                    "--warmup", str(a.warmup), "--timeout", str(a.timeout)]
+                    "--world", str(c.n), "--dims", a.dims, "--batch", str(a.batch), "--steps", str(steps),
+                    "--warmup", str(warmup), "--timeout", str(a.timeout)]
             if c.system == "ddp":
                 argv += ["--master", f"{net.host(WORKER_HOSTS[0])}:29500"]
             else:
@@ -187,8 +195,10 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
     finally:
         for p in workers + servers:
             stop(p)
-    step = statistics.median(statistics.median(r["times"]) for r in results)
-    cpu = (sum(r["cpu_s"] for r in results) + server_cpu) / a.steps
+    # every:X syncs one step in X: its step is the mean over whole rounds; the others' the median
+    per_worker = statistics.mean if every > 1 else statistics.median
+    step = statistics.median(per_worker(r["times"]) for r in results)
+    cpu = (sum(r["cpu_s"] for r in results) + server_cpu) / steps
     return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline")}
 
 
@@ -287,7 +297,7 @@ def plot(path: str, table: list[dict[str, Any]]) -> None:
     for link in sorted({t["link_mbit"] for t in table}):
         pts = sorted((t["k"], t["step_s"], t["formula_s"]) for t in table if t["link_mbit"] == link
                      and t["system"] == "shardps" and t["n"] == 4 and t["sync"] == "bsp" and t["wire"] == "fp32"
-                     and t["window"])
+                     and t["window"] and t["compress"] == "none")
         line = ax.plot([k for k, _, _ in pts], [s for _, s, _ in pts], "o-", label=f"shardps bsp, {link} Mbit/s")
         ax.plot([k for k, _, _ in pts], [f for _, _, f in pts], "--", color=line[0].get_color(),
                 label=f"formula, {link} Mbit/s")

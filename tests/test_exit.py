@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent("""
                 reader.stats()
     print("done")
 """)
-RUNS = 8
+RUNS = 6
 
 
 @pytest.mark.fault

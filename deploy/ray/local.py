@@ -88,6 +88,12 @@ def _reload_auth_config() -> None:
         pass
 
 
+# A head's gcs_server, raylet and agents do not end on SIGTERM alone (measured here: still running after
+# 10 s, while a worker node's processes end within 0.1 s); nothing of a cluster started here outlives it
+# (its temp dir is removed), so they get 2 s before SIGKILL.
+STOP_GRACE_S = 2.0
+
+
 class RayLocalCluster:
     """``ray start`` on this machine, a head and optional more nodes, each on free ports."""
 
@@ -218,8 +224,9 @@ class RayLocalCluster:
             args += ["--resources", json.dumps(resources)]
         self._ray_start(args)
 
-    def stop(self, grace: float = 10.0) -> None:
-        """End every process of the nodes started here (SIGTERM, then SIGKILL), newest node first."""
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """End every process of the nodes started here (SIGTERM, then SIGKILL after ``grace`` s), newest node
+        first."""
         self._stop_nodes(grace)
         # Worker processes run in their own sessions: they exit once their raylet is gone.
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -230,7 +237,7 @@ class RayLocalCluster:
                 os.environ[key] = value
         self._saved_env = {}
 
-    def _stop_nodes(self, grace: float = 10.0) -> None:
+    def _stop_nodes(self, grace: float = STOP_GRACE_S) -> None:
         for node in reversed(self.nodes):
             members = _group_members(node.pgid)
             if members:
@@ -255,7 +262,7 @@ class RayLocalCluster:
 
 
 
-def stop_stale(grace: float = 10.0) -> list[str]:
+def stop_stale(grace: float = STOP_GRACE_S) -> list[str]:
     """End the clusters of ``RayLocalCluster``s whose owning process is gone (a killed test run, say).
 
     Finds each node's processes by its ``--temp-dir`` on their command line
