@@ -21,13 +21,13 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: installing the default (CUDA) torch build"; \
-		$(BIN)/pip install --no-compile $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
+		$(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
 	else \
 		echo "no GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
-		$(BIN)/pip install --no-compile $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)+cpu" \
-		  || $(BIN)/pip install --no-compile $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
+		$(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)+cpu" \
+		  || $(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
 	fi
-	$(BIN)/pip install --no-compile -e ".[dev]"
+	$(BIN)/pip install -e ".[dev]"
 	@touch $@
 
 venv: $(VENV)/.installed
