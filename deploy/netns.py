@@ -14,13 +14,13 @@ import fcntl
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from shardps.deploy.local import wait_gone
 
 RECORDS = Path("/run/shardps-netsim")  # <prefix>.json per run: its owner, namespaces and /dev/shm directories
 SHM_ROOT = Path("/dev/shm")  # a host's /dev/shm is the directory SHM_ROOT/<prefix>-<host>
@@ -65,23 +65,14 @@ def _netns_pids(ns: str) -> list[int]:
 
 def _kill_and_wait(pids: Iterable[int], sig: int, timeout: float) -> list[int]:
     """Send ``sig`` to every pid, wait (pidfd) until each has exited; the pids alive at the deadline."""
-    fds = []
+    sent = []
     for pid in pids:
         try:
-            fd = os.pidfd_open(pid)
             os.kill(pid, sig)
         except OSError:
             continue
-        fds.append((pid, fd))
-    alive = []
-    deadline = time.monotonic() + timeout
-    for pid, fd in fds:
-        try:
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                alive.append(pid)
-        finally:
-            os.close(fd)
-    return alive
+        sent.append(pid)
+    return wait_gone(sent, timeout)
 
 
 def remove_namespaces(namespaces: Iterable[str], shm_dirs: Iterable[str] = ()) -> None:
