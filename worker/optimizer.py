@@ -306,10 +306,10 @@ class DistributedOptimizer:
             self.metrics.clock.set(self.round)
         min_clock = self.sync.min_clock(self.round)
         if begun is not None:  # each shard's pull began as its push answered
+            self._pulled(begun, t1)
             if self.sync == mode or min_clock <= mode.min_clock(self.round):
-                self._pulled(begun, t1)
                 return loss
-            self._pulled(begun, t1)  # the mode moved to one that waits for more: pull again as it asks
+            # the mode moved to one that waits for more: pull again as it asks
         # Weights a shard answered the push with are those this pull asks, unless the mode moved meanwhile.
         answered = self.last_push if self.sync == mode else None
         pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=min_clock,
