@@ -30,6 +30,39 @@ from shardps.protos import env
 AUTH_HEADER = "authorization"
 #: The audiences with a token of their own: workers, operators, servers (peers).
 ROLES = ("worker", "operator", "peer")
+#: Seconds without a frame after which a channel pings its server (``SHARDPS_KEEPALIVE_S``; 0: never). No
+#: answer within half of that and the connection is given up, calls in flight or not: a link gone silent (cut,
+#: a host gone without a reset) becomes UNAVAILABLE for the calls on it, not a wait that only their deadline
+#: ends. A lost connection is retried after at most 2 s (gRPC's default grows to 120 s), so a healed link
+#: carries again within seconds.
+KEEPALIVE_S = 10.0
+#: What a server needs to accept those pings (by default it sends GOAWAY to a client that pings more often
+#: than every 5 minutes without data).
+KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    """The channel options for ``SHARDPS_KEEPALIVE_S`` (default ``KEEPALIVE_S``): pings, and the reconnect
+    backoff. ValueError naming the variable for a value that is not a number >= 0."""
+    raw = env.get(env.KEEPALIVE_S)
+    try:
+        seconds = KEEPALIVE_S if raw is None else float(raw)
+    except ValueError:
+        raise ValueError(f"{env.KEEPALIVE_S}={raw!r} is not a number of seconds") from None
+    if not seconds >= 0:
+        raise ValueError(f"{env.KEEPALIVE_S}={raw!r}: expected seconds >= 0 (0: no pings)")
+    opts = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2_000)]
+    if seconds > 0:
+        ms = max(1, int(seconds * 1000))
+        opts += [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", max(1, ms // 2)),
+                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    return opts
+
+
 _ROLE_ENV = {"worker": (env.WORKER_TOKEN, env.WORKER_TOKEN_FILE),
              "operator": (env.OPERATOR_TOKEN, env.OPERATOR_TOKEN_FILE),
              "peer": (env.PEER_TOKEN, env.PEER_TOKEN_FILE)}
@@ -144,7 +177,7 @@ class Security:
                 role: str | None = None) -> grpc.Channel:
         """A channel to ``address`` sending the token of ``role`` (``token_for``; None: the shared token)."""
         token = self.token_for(role)
-        opts = list(options or [])
+        opts = [*keepalive_options(), *(options or [])]
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
         if not self.tls:

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.protos import codec, framing
-from shardps.protos.security import Security
+from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.errors import FailedPrecondition, InvalidArgument, StoreError
@@ -456,6 +456,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
+        *KEEPALIVE_SERVER_OPTIONS,
     ]
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
     server = grpc.server(executor, options=options, interceptors=chain)

@@ -11,6 +11,7 @@ Needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root): without them they skip with the on
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -40,10 +41,10 @@ def needs_netns(test: Callable[..., None]) -> Any:
 class Driver:
     """tests/partition_driver.py in a host: a JSON command a line in, a JSON answer a line out."""
 
-    def __init__(self, net: NetCluster, host: str) -> None:
+    def __init__(self, net: NetCluster, host: str, env: dict[str, str] | None = None) -> None:
         self.host = host
         self.proc = net.start(host, [sys.executable, "-m", "tests.partition_driver"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, cwd=str(ROOT))
+                              stdout=subprocess.PIPE, cwd=str(ROOT), env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.sent: list[str] = []
         threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stdout], daemon=True).start()
@@ -85,9 +86,9 @@ class Driver:
         return out
 
 
-def drivers(net: NetCluster, hosts: list[str]) -> list[Driver]:
+def drivers(net: NetCluster, hosts: list[str], env: dict[str, str] | None = None) -> list[Driver]:
     """One driver per host, started together; returns once each said it is ready."""
-    ds = [Driver(net, h) for h in hosts]
+    ds = [Driver(net, h, env) for h in hosts]
     for d in ds:
         assert d.ok(90).get("ready")
     return ds
@@ -172,8 +173,8 @@ def test_a_server_cut_mid_push_then_healed_the_push_completes_and_the_result_is_
     workers' pushes to shard 0 are taken in (its version moves) while their pushes to shard 1 cannot arrive.
     Healed, the same pushes complete (TCP delivers what it held back: nothing is retried, nothing fails over)
     and the final weights equal those of a run without the cut, bit for bit. Cut for longer than the workers'
-    RPC deadline, the step fails instead: DEADLINE_EXCEEDED, which nobody retries (a silent link is not
-    UNAVAILABLE)."""
+    RPC deadline (3 s here, shorter than the channels' keepalive: the next test), the step fails instead:
+    DEADLINE_EXCEEDED, which nobody retries."""
     steps, at = 6, 3
     with NetCluster(4, "1gbit") as net:
         procs = [server(net, h, "--shard-index", str(i), "--num-shards", "2", port=port)
@@ -221,6 +222,38 @@ def test_a_server_cut_mid_push_then_healed_the_push_completes_and_the_result_is_
             assert (st["clock"], st["retries"], st["failovers"]) == (steps, 0, 0)  # the step is not taken
 
 
+@needs_netns
+@pytest.mark.timeout(120)
+def test_a_link_gone_silent_under_a_waiting_call_is_unavailable_after_the_keepalive_not_the_deadline():
+    """bsp, 2 workers, one shard on h0. Worker 0 has pushed its 2nd step and waits for worker 1's when h0's
+    link goes down: no reset, no FIN, nothing arrives. Its channel pings after SHARDPS_KEEPALIVE_S (1 s here)
+    and gives the connection up when no answer came within half of that, so the waiting call fails UNAVAILABLE
+    (Unreachable: recovery_timeout 0) and not at its 60 s deadline; without the pings only the deadline would
+    end it. Healed, worker 1's push completes the round with worker 0's (the shard kept it)."""
+    with NetCluster(3, "1gbit") as net:
+        srv = server(net, "h0", "--lease-seconds", "60")
+        workers = drivers(net, ["h1", "h2"], env={**os.environ, "SHARDPS_KEEPALIVE_S": "1"})
+        [address] = read_ready(srv, 60).split()[:1]
+        for k, w in enumerate(workers):
+            w.send("join", addresses=[address], worker=k, workers=2, timeout=60.0, recovery=30.0 * k)
+        for w in workers:
+            w.ok()
+        each(workers, "steps", n=1)
+        clocks = workers[1].stats(address)[address]["worker_clocks"]
+        workers[0].send("steps", n=1)
+        wait_for("worker 0's push of step 2 taken in",
+                 lambda: workers[1].stats(address)[address]["worker_clocks"] != clocks)
+        net.cut("h0")
+        cut = time.monotonic()
+        failed = workers[0].answer(60)
+        took = time.monotonic() - cut
+        print(f"the waiting call failed {took:.1f}s after the cut")
+        assert not failed["ok"] and "Unreachable" in failed["error"] and "UNAVAILABLE" in failed["error"], failed
+        assert "DEADLINE_EXCEEDED" not in failed["error"], failed
+        net.heal("h0")
+        assert workers[1].ask("steps", n=1)["versions"] == [2]
+
+
 # ---- 3. replicas 2: a primary cut off from its backup and from the workers --------------------------------------
 
 @needs_netns
@@ -231,14 +264,14 @@ def test_a_primary_partitioned_from_its_backup_and_the_workers_makes_two_primari
     primary and its backup on different sides: {h1 (primary 1), h5 (worker 2)} | {h2, h3 (workers 0, 1),
     h4 (backup 1)}, both processes up.
 
-    What happens: workers 0 and 1 keep waiting on their connections to h1 (nothing says UNAVAILABLE); restarted,
-    they cannot connect to h1 and ask the backup to take over, which it does, since it cannot reach h1 either
-    (Peers.Describe). From then on two primaries of shard 1 acknowledge writes: the old one, alone (degraded,
-    after --replica-timeout), worker 2's; the new one, workers 0's and 1's. Each applies the same 3 rounds with
-    different gradients, and worker 2's 3 acknowledged gradients on the old primary are lost. Healed, the old
-    primary is fenced (deposed) only once its replication connection to h4 carries again; worker 2 then fails
-    over, is refused as evicted and registers again at the new primary's clock for it, which is 3 steps behind
-    shard 0's: bsp rounds of the two shards then wait on each other, and the job stops (DEADLINE_EXCEEDED)."""
+    What happens: workers 0 and 1, restarted (between steps: no call of theirs waits on h1), cannot connect to h1
+    and ask the backup to take over, which it does, since it cannot reach h1 either (Peers.Describe). From then on
+    two primaries of shard 1 acknowledge writes: the old one, alone (degraded, after --replica-timeout), worker 2's;
+    the new one, workers 0's and 1's. Each applies the same 3 rounds with different gradients, and worker 2's 3
+    acknowledged gradients on the old primary are lost. Healed, the old primary is fenced (deposed) only once its
+    replication connection to h4 carries again; worker 2 then fails over, is refused as evicted and registers again
+    at the new primary's clock for it, which is 3 steps behind shard 0's: bsp rounds of the two shards then wait on
+    each other, and the job stops (DEADLINE_EXCEEDED)."""
     hosts = ["h0", "h1", "h2", "h3", "h4", "h5"]
     rounds = 3
     with NetCluster(hosts, "1gbit") as net:
