@@ -19,9 +19,8 @@ from typing import Any, TextIO
 
 from shardps.protos.security import Security
 from shardps.worker.client import connect
-from shardps.worker.errors import ShardError
 from shardps.worker.operator import attach_replica, checkpoint, health, promote, set_sync, stats
-from shardps.worker.transport import explain_unreachable
+from shardps.worker.reach import run_health
 
 __all__ = [
     "COLUMNS", "attach_replica", "checkpoint", "health", "percentile", "promote", "render_table", "run_attach_replica",
@@ -127,16 +126,3 @@ def run_attach_replica(addresses: list[str], shard: int, target: str, *, timeout
     r = attach_replica(addresses[shard], target, timeout=timeout, security=security)
     out.write(f"shard {shard}: backup at {target} is {r.replica_state}\n")
     return 0 if r.replica_state == "synced" else 1
-
-
-def run_health(address: str, *, timeout: float = 5.0, service: str = "shardps.v1.Workers",
-               out: TextIO = sys.stdout, security: Security | None = None) -> int:
-    """Exit status 0 only when the server at ``address`` answers SERVING (a container healthcheck)."""
-    sec = security if security is not None else Security.from_env()
-    try:
-        status, serving = health(address, service=service, timeout=timeout, security=sec)
-    except ShardError as e:
-        out.write(f"{address}: {e.code.name}: {explain_unreachable(sec, e.details) or e.details}\n")
-        return 1
-    out.write(f"{address}: {status}\n")
-    return 0 if serving else 1

@@ -13,13 +13,9 @@ import logging
 import sys
 from typing import TypeVar
 
-from shardps.compress import compress_flags
-from shardps.protos import codec, env
+from shardps.protos import env
 from shardps.protos.optim import SPECS
 from shardps.protos.security import Security
-from shardps.worker.pipeline.offload import ENCODINGS
-from shardps.worker.pipeline.schedule import SCHEDULES
-from shardps.worker.pipeline.stage import CHECKPOINT_MODES
 
 T = TypeVar("T")
 
@@ -115,6 +111,8 @@ def _host_rate(text: str) -> tuple[str, str]:
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
     """The job's flags that ``demo`` and ``sim`` share (their workers' command line: deploy/demo.py)."""
+    from shardps.compress import compress_flags
+
     p.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
@@ -131,7 +129,36 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
+HEALTH_HELP = "exit 0 only if the server answers SERVING (a container healthcheck)"
+
+
+def _health_flags(hp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    port = env.get(env.PORT)
+    hp.add_argument("--address", default=f"127.0.0.1:{port}" if port else None, required=port is None,
+                    help=f"HOST:PORT of the server (default 127.0.0.1:${env.PORT} when that is set)")
+    hp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    _security_flags(hp)
+    return hp
+
+
+def health_main(argv: list[str]) -> int:
+    """``shardps health ...``, parsed and run without the rest of the CLI: a healthcheck runs every few
+    seconds in every server's container, and the full parser's choices import torch (about 2 s of CPU)."""
+    from shardps.worker.reach import run_health
+
+    args = _health_flags(argparse.ArgumentParser(prog="shardps health", description=HEALTH_HELP)).parse_args(argv)
+    return run_health(args.address, timeout=args.timeout, security=security_from(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # The choices come from the modules that accept them, which import torch: here, not at the top, so that
+    # `shardps health` (health_main) stays light.
+    from shardps.compress import compress_flags
+    from shardps.protos import codec
+    from shardps.worker.pipeline.offload import ENCODINGS
+    from shardps.worker.pipeline.schedule import SCHEDULES
+    from shardps.worker.pipeline.stage import CHECKPOINT_MODES
+
     p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
     p.add_argument("--log-level", default=env.get(env.LOG_LEVEL) or "WARNING",
                    help="logging level (env SHARDPS_LOG_LEVEL; default WARNING)")
@@ -233,12 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     _security_flags(st)
 
-    hp = sub.add_parser("health", help="exit 0 only if the server answers SERVING (a container healthcheck)")
-    port = env.get(env.PORT)
-    hp.add_argument("--address", default=f"127.0.0.1:{port}" if port else None, required=port is None,
-                    help=f"HOST:PORT of the server (default 127.0.0.1:${env.PORT} when that is set)")
-    hp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
-    _security_flags(hp)
+    _health_flags(sub.add_parser("health", help=HEALTH_HELP))
 
     c = sub.add_parser("ctl", help="control a running job")
     _address_flag(c, "HOST:PORT,... in shard order (promote: the backups' replica ports)")
@@ -345,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:
+        return health_main(argv[1:])
     args = build_parser().parse_args(argv)
     from shardps.deploy.lifeline import watch_parent
 
@@ -397,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         from shardps.examples.digits import main_worker
 
         return main_worker(args, security_from(args))
-    if args.command == "health":
-        from shardps.admin import run_health
+    if args.command == "health":  # after top-level flags (`shardps --log-level debug health`)
+        from shardps.worker.reach import run_health
 
         return run_health(args.address, timeout=args.timeout, security=security_from(args))
     if args.command in ("stats", "ctl"):

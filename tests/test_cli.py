@@ -122,3 +122,14 @@ def test_server_replica_timeout_reaches_the_primary_and_the_backup_and_a_bad_one
     assert ShardServer().replica_timeout_s == 30.0
     with pytest.raises(ValueError, match="the replica timeout must be a number of seconds > 0, got -1"):
         ShardServer(replica_timeout_s=-1)
+
+
+def test_health_is_light_enough_for_a_healthcheck_every_few_seconds(cluster2):
+    """`shardps health` runs in every server's container every 10 s (deploy/docker-compose.yml): it imports
+    neither torch nor the rest of the CLI, and still answers SERVING, or names why not."""
+    code = ("import sys; from shardps.cli import main; rc = main(['health', '--address', sys.argv[1], '--timeout', "
+            "'5']); print(rc, sorted(m for m in ('torch', 'numpy', 'shardps.worker.client') if m in sys.modules))")
+    for address, expected in ((cluster2.addresses[0], "0 []"), ("127.0.0.1:1", "1 []")):
+        p = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
+        assert p.stdout.strip().splitlines()[-1] == expected, p.stdout + p.stderr
+        assert ("SERVING" if expected == "0 []" else "connection refused") in p.stdout

@@ -192,6 +192,26 @@ def test_a_server_is_configured_by_its_variables(clean_env):
         build_parser()
 
 
+def test_channels_ping_after_the_keepalive_and_a_bad_value_names_the_variable(clean_env):
+    """SHARDPS_KEEPALIVE_S sets the pings of every channel (default 10 s, half of it to answer), 0 turns them
+    off; the reconnect backoff stays at most 2 s either way; a value that is not seconds >= 0 is refused."""
+    from shardps.protos.security import keepalive_options
+
+    opts = dict(keepalive_options())
+    assert (opts["grpc.keepalive_time_ms"], opts["grpc.keepalive_timeout_ms"]) == (10_000, 5_000)
+    assert opts["grpc.max_reconnect_backoff_ms"] == 2_000
+    clean_env.setenv(env.KEEPALIVE_S, "1.5")
+    assert dict(keepalive_options())["grpc.keepalive_timeout_ms"] == 750
+    clean_env.setenv(env.KEEPALIVE_S, "0")
+    assert "grpc.keepalive_time_ms" not in dict(keepalive_options())
+    for bad in ("soon", "-1", "nan"):
+        clean_env.setenv(env.KEEPALIVE_S, bad)
+        with pytest.raises(ValueError, match=f"SHARDPS_KEEPALIVE_S={bad!r}"):
+            keepalive_options()
+        with pytest.raises(ValueError, match="SHARDPS_KEEPALIVE_S"):
+            Security().channel("127.0.0.1:1")
+
+
 def test_every_variable_is_tested_here():
     text = Path(__file__).read_text()
     missing = [name for name in env.ALL if f"env.{name.removeprefix('SHARDPS_')}" not in text]

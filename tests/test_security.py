@@ -196,24 +196,3 @@ def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
         assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
         assert client.failovers_total == 1 and backup_of[0].role == "primary"
-
-
-def test_channels_ping_after_the_keepalive_and_a_bad_value_names_the_variable(monkeypatch):
-    """SHARDPS_KEEPALIVE_S sets the pings of every channel (default 10 s, half of it to answer), 0 turns them
-    off; the reconnect backoff stays at most 2 s either way; a value that is not seconds >= 0 is refused."""
-    from shardps.protos.security import keepalive_options
-
-    monkeypatch.delenv("SHARDPS_KEEPALIVE_S", raising=False)
-    opts = dict(keepalive_options())
-    assert (opts["grpc.keepalive_time_ms"], opts["grpc.keepalive_timeout_ms"]) == (10_000, 5_000)
-    assert opts["grpc.max_reconnect_backoff_ms"] == 2_000
-    monkeypatch.setenv("SHARDPS_KEEPALIVE_S", "1.5")
-    assert dict(keepalive_options())["grpc.keepalive_timeout_ms"] == 750
-    monkeypatch.setenv("SHARDPS_KEEPALIVE_S", "0")
-    assert "grpc.keepalive_time_ms" not in dict(keepalive_options())
-    for bad in ("soon", "-1", "nan"):
-        monkeypatch.setenv("SHARDPS_KEEPALIVE_S", bad)
-        with pytest.raises(ValueError, match=f"SHARDPS_KEEPALIVE_S={bad!r}"):
-            keepalive_options()
-        with pytest.raises(ValueError, match="SHARDPS_KEEPALIVE_S"):
-            Security().channel("127.0.0.1:1")

@@ -1,14 +1,12 @@
 """The transport: a channel to every shard, retries, fail-over to backups, the fan-out over shards.
 
-The one module of the worker that speaks gRPC. Every failure leaves it as a
+The worker's calls to the shards go through here. Every failure leaves it as a
 ``ShardError`` of the type its status names (``worker/errors.py``), mapped
 here once; the client, the heartbeats and the optimizer above it see only
 those. ``call`` retries a shard that is UNAVAILABLE (and fails over to its
 backup when it has one); ``each`` runs a call on every shard in parallel.
-
-(Over 400 lines: the TLS diagnosis of a failed connection and the two
-endpoint helpers, ``unary`` and ``health_status``, live here because this
-is the one module that imports gRPC.)
+The health check and the diagnosis of a failed connection are in
+``worker/reach.py`` (light enough for a container's healthcheck).
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.worker import pushorder
 from shardps.worker.errors import ShardError, shard_error
+from shardps.worker.reach import explain_unreachable, health_status, status_of
 
 log = logging.getLogger("shardps.worker")
 
@@ -53,46 +52,6 @@ def gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
     if first is not None:
         raise first
     return results
-
-
-def explain_unreachable(security: Security, details: str) -> str:
-    """What a failed connection's gRPC details mean for this client's settings ("" if nothing to add).
-
-    gRPC reports a refused TLS handshake in words of its transport ("Socket
-    closed", "Hostname Verification Check failed"); this names the cause
-    and the setting that fixes it.
-    """
-    d = details
-    if "Hostname Verification" in d or "No match found for server name" in d:
-        name = security.server_name or "the host in its address"
-        return (f"TLS handshake failed: the server's certificate does not carry {name}; pass the name it carries "
-                f"as server_name (--server-name, SHARDPS_TLS_SERVER_NAME)")
-    if "CERTIFICATE_VERIFY_FAILED" in d:
-        return ("TLS handshake failed: the server's certificate is not signed by the CA this client trusts "
-                "(tls_ca, --tls-ca, SHARDPS_TLS_CA)")
-    if "WRONG_VERSION_NUMBER" in d or ("handshake" in d.lower() and not security.tls_cert and security.tls):
-        return "TLS handshake failed: the server does not speak TLS (drop tls_ca) or refused this client"
-    if "Tls handshake failed" in d or "SSL_ERROR" in d:
-        return "TLS handshake failed"
-    if "Socket closed" in d or "Connection reset" in d:
-        if security.tls and not security.tls_cert:
-            return ("the server closed the connection during the TLS handshake: it requires a client "
-                    "certificate (mutual TLS) and this client has none (tls_cert/tls_key, --tls-cert/--tls-key, "
-                    "SHARDPS_TLS_CERT/SHARDPS_TLS_KEY)")
-        if not security.tls:
-            return ("the server closed the connection: if it serves TLS, this client speaks plaintext "
-                    "(give the CA: tls_ca, --tls-ca, SHARDPS_TLS_CA)")
-        return "the server closed the connection during the TLS handshake: it does not accept this client's certificate"
-    if "Connection refused" in d:
-        return "nothing listens there (connection refused)"
-    return ""
-
-
-def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
-    """A gRPC failure's status code and details (UNKNOWN and its text when it carries none)."""
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = (e.details() if hasattr(e, "details") else str(e)) or ""
-    return code, details
 
 
 class Transport:
@@ -436,21 +395,3 @@ def unary(address: str, method: str, request: Any, *, timeout: float, security: 
         raise shard_error(address, None, code, f"{method}: {details}") from None
     finally:
         channel.close()
-
-
-def health_status(address: str, *, service: str = "", timeout: float = 5.0,
-                  security: Security | None = None) -> tuple[str, bool]:
-    """The gRPC health check of ``address``: (status name, whether SERVING); a failure raises ShardError."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    channel = (security if security is not None else Security.from_env()).channel(address)
-    try:
-        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                      timeout=timeout)
-    except grpc.RpcError as e:
-        code, details = status_of(e)
-        raise shard_error(address, None, code, details) from None
-    finally:
-        channel.close()
-    return (health_pb2.HealthCheckResponse.ServingStatus.Name(r.status),
-            r.status == health_pb2.HealthCheckResponse.SERVING)
