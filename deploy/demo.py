@@ -38,6 +38,8 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
            "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--wire", getattr(args, "wire", "fp32")]
     if getattr(args, "overlap", False):
         cmd.append("--overlap")
+    if getattr(args, "push_window", None) is not None:
+        cmd += ["--push-window", str(args.push_window)]
     if getattr(args, "compress", "none") != "none":
         cmd += ["--compress", args.compress, "--compress-warmup", str(args.compress_warmup)]
     if args.lr is not None:

@@ -70,7 +70,8 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  on_step: Callable[[int, float], None] | None = None, security: Any = None,
                  backups: list[str] | None = None, client: Any = None, wire: str = "fp32",
-                 overlap: bool = False, compress: str = "none", compress_warmup: int = 0) -> dict[str, object]:
+                 overlap: bool = False, compress: str = "none", compress_warmup: int = 0,
+                 push_window: int | None = None) -> dict[str, object]:
     """One worker's training run; returns its summary (steps, last loss, seconds, rollbacks).
 
     ``addresses``, ``worker_id``, ``num_workers``, ``metrics_port`` and
@@ -83,6 +84,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
     ``PSClient`` to train with (the caller closes it) instead of connecting.
     ``wire="bf16"``: gradients up and weights down in bf16 (the masters stay
     fp32 on the servers); ``overlap``: ``DistributedOptimizer(overlap=True)``;
+    ``push_window``: ``DistributedOptimizer(push_window=...)`` (shards pushed that many at a time);
     ``compress`` (``topk:0.01``, ``powersgd:4``; ``shardps.compress.parse``):
     gradients compressed with error feedback, the first ``compress_warmup``
     pushes dense.
@@ -109,6 +111,7 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
         spec = shardps.compress.parse(compress, warmup_steps=compress_warmup)
         opt = shardps.DistributedOptimizer(model, client, optimizer=make_spec(optimizer, lr), sync=sync,
                                            grad_dtype=half, pull_dtype=half, overlap=overlap,
+                                           push_window=push_window,
                                            compress=None if isinstance(spec, shardps.compress.Dense) else spec)
         if progress:
             from tqdm import tqdm
@@ -187,6 +190,7 @@ def main_worker(args: object, security: object = None) -> int:
                        progress=a.progress, metrics_port=a.metrics_port, metrics_host=a.metrics_host,  # type: ignore[attr-defined]
                        security=security, backups=getattr(a, "backups", None),
                        wire=getattr(a, "wire", "fp32"), overlap=getattr(a, "overlap", False),
-                       compress=getattr(a, "compress", "none"), compress_warmup=getattr(a, "compress_warmup", 0))
+                       compress=getattr(a, "compress", "none"), compress_warmup=getattr(a, "compress_warmup", 0),
+                       push_window=getattr(a, "push_window", None))
     print(json.dumps(res), flush=True)
     return 0

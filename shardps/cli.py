@@ -31,6 +31,16 @@ def _addresses(text: str) -> list[str]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def _sync(text: str) -> str:
     from shardps.protos.syncspec import SyncSpec
 
@@ -123,6 +133,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
     p.add_argument("--overlap", action="store_true",
                    help="push gradient buckets during backward, pull weights during the next forward")
+    p.add_argument("--push-window", type=_positive_int, default=None, metavar="N",
+                   help="push to N shards at a time, in the order the next forward needs them (default: all)")
     compress_flags(p)
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
@@ -246,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
     w.add_argument("--overlap", action="store_true",
                    help="push gradient buckets during backward, pull weights during the next forward")
+    w.add_argument("--push-window", type=_positive_int, default=None, metavar="N",
+                   help="push to N shards at a time, in the order the next forward needs them (default: all)")
     compress_flags(w)
     w.add_argument("--metrics-port", type=int, default=None,
                    help=f"serve Prometheus /metrics on this port (0: a free one; default off; env {env.METRICS_PORT})")

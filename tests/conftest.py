@@ -43,6 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+    # The tests on the session's Ray cluster run last, one after the other: the cluster starts before the first
+    # and stops with the session, right after the last, instead of idling (about 0.15 CPU) under the tests
+    # that do not use it. Their order among themselves, and everyone else's, is kept.
+    on_ray = [i for i in items if "ray_cluster" in getattr(i, "fixturenames", ())]
+    if on_ray:
+        items[:] = [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())] + on_ray
 
 
 @pytest.fixture(scope="session")

@@ -90,6 +90,22 @@ def test_choices_come_from_the_registries():
     assert choices("ray", "--compress") == list(ENCODINGS)
 
 
+def test_push_window_reaches_the_workers_of_the_demo_and_the_simulated_cluster(capsys):
+    from shardps.cli import build_parser
+    from shardps.deploy.demo import _worker_cmd
+
+    parser = build_parser()
+    for command in ("demo", "sim"):
+        args = parser.parse_args([command, "--push-window", "2"])
+        cmd = _worker_cmd(["a:1", "b:2", "c:3"], 0, args)
+        assert cmd[cmd.index("--push-window") + 1] == "2", command
+        assert parser.parse_args(cmd[cmd.index("worker"):]).push_window == 2
+        assert "--push-window" not in _worker_cmd(["a:1"], 0, parser.parse_args([command]))
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--push-window", "0"])
+        assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
 def test_server_frame_inline_bytes_from_flag_or_env_and_a_bad_one_refused():
     from shardps.server.app import ShardServer
 

