@@ -126,7 +126,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sync", type=_sync, default="bsp")
     w.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     w.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    w.add_argument("--epochs", type=int, default=20)
+    w.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
     w.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                     help="default: adam for digits, adafactor for shakespeare")
     ry.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    ry.add_argument("--epochs", type=int, default=20)
+    ry.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
     ry.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
     ry.add_argument("--seed", type=int, default=0)
     ry.add_argument("--strategy", default="SPREAD", type=str.upper,

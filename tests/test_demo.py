@@ -30,7 +30,7 @@ def test_demo_bsp_default_flags():
     out = run_demo()
     assert out["sync"] == "bsp" and out["optimizer"] == "adam"
     assert out["test_accuracy"] >= 0.95, out
-    assert out["steps"] == 440 and out["pushes_per_worker"] == 440
+    assert out["steps"] == 220 and out["pushes_per_worker"] == 220  # 10 epochs of 22 steps
     assert out["seconds"] > 0
 
 
