@@ -43,32 +43,76 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
-    # The tests on the session's Ray cluster run last, one after the other: the cluster starts before the first
-    # and stops with the session, right after the last, instead of idling (about 0.15 CPU) under the tests
-    # that do not use it. Their order among themselves, and everyone else's, is kept.
+    # The tests on the session's Ray cluster come first, one after the other, and in one xdist group (`make
+    # test` runs the suite in two processes, --dist loadgroup): one process starts the cluster at once and
+    # stops it after the last of them (pytest_runtest_teardown), while the other runs everything else.
+    # Their order among themselves, and everyone else's, is kept.
     on_ray = [i for i in items if "ray_cluster" in getattr(i, "fixturenames", ())]
-    if on_ray:
-        items[:] = [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())] + on_ray
+    for item in on_ray:
+        item.add_marker(pytest.mark.xdist_group("ray_cluster"))
+    items[:] = on_ray + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())]
+
+
+class SessionRay:
+    """The session's Ray cluster: a head (4 CPUs) and a second node (4 CPUs, resources ps and offload),
+    started with ``ray start`` on free ports, token auth on; this process is its driver. Started on first
+    use, stopped (exactly its own processes) after the last test that uses it, so that it does not idle
+    (about 0.15 CPU) under the tests that do not; a later use would start it again. Attributes are the
+    running ``RayLocalCluster``'s."""
+
+    def __init__(self) -> None:
+        self._rc: object | None = None
+
+    def running(self) -> object:
+        if self._rc is None:
+            import ray
+
+            from shardps.deploy.ray.local import RayLocalCluster
+
+            rc = RayLocalCluster(num_cpus=4).start()
+            try:
+                rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})
+                rc.wait_for_jobs()
+                # Actors import tests.* (training loops) from the repository: every node runs on this
+                # machine, so its path will do. (Not a working_dir: jobs the tests submit upload the same
+                # content, and Ray deleted the shared unpacked copy under a running job.)
+                ray.init(address=rc.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+                         log_to_driver=False)
+            except BaseException:
+                rc.stop()
+                raise
+            self._rc = rc
+        return self._rc
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.running(), name)
+
+    def stop(self) -> None:
+        rc, self._rc = self._rc, None
+        if rc is not None:
+            import ray
+
+            try:
+                ray.shutdown()
+            finally:
+                rc.stop()  # type: ignore[attr-defined]
+
+
+SESSION_RAY = SessionRay()
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[object]:
-    """A real Ray cluster for the session: a head (4 CPUs) and a second node (4 CPUs, resources ps and
-    offload), started with ``ray start`` on free ports, token auth on; this process is its driver.
-    Stopped (exactly its own processes) at the end, failures included."""
-    import ray
-
-    from shardps.deploy.ray.local import RayLocalCluster
-
-    rc = RayLocalCluster(num_cpus=4).start()
+def ray_cluster() -> Iterator[SessionRay]:
+    """The session's Ray cluster (``SessionRay``), running when the test starts."""
+    SESSION_RAY.running()
     try:
-        rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})
-        rc.wait_for_jobs()
-        # Actors import tests.* (training loops) from the repository: every node runs on this machine, so
-        # its path will do. (Not a working_dir: jobs the tests submit upload the same content, and Ray
-        # deleted the shared unpacked copy under a running job.)
-        ray.init(address=rc.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
-        yield rc
+        yield SESSION_RAY
     finally:
-        ray.shutdown()
-        rc.stop()
+        SESSION_RAY.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if "ray_cluster" in getattr(item, "fixturenames", ()) and (
+            nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ())):
+        SESSION_RAY.stop()

@@ -356,7 +356,7 @@ def test_a_cluster_without_shardps_gets_it_through_py_modules(tmp_path):
                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     Path(own_site, "deps.pth").write_text(site + "\n")
     assert subprocess.run([str(bare), "-c", "import ray, torch, grpc; import shardps"], capture_output=True,
-                          timeout=120).returncode == 1  # no shardps there
+                          cwd=tmp_path, timeout=120).returncode == 1  # no shardps there (nor the repository)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path / "dist"), str(ROOT)], check=True, timeout=300)
     [wheel] = (tmp_path / "dist").glob("shardps-*.whl")
