@@ -18,7 +18,8 @@ from typing import Any
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
-from shardps.worker.transport import Transport, health_status, unary
+from shardps.worker.reach import health_status
+from shardps.worker.transport import Transport, unary
 
 __all__ = ["attach_replica", "checkpoint", "health", "promote", "set_sync", "stats"]
 
