@@ -14,8 +14,9 @@ stage's side of it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,61 +38,74 @@ from shardps.worker.pipeline.weights import StageWeights, Stepper
 
 
 class OffloadStore:
-    """Holds offloaded activations between a forward and its backward (CPU memory of its node)."""
+    """Holds offloaded activations between a forward and its backward (CPU memory of its node): one
+    bundle (key -> (tensor, dtype, device)) per micro-batch of a stage, by the bundle's name."""
 
     def __init__(self) -> None:
-        self.data: dict[str, Any] = {}
+        self.data: dict[str, dict[str, Any]] = {}
         self.bytes = 0
         self.peak_bytes = 0
 
     @staticmethod
-    def _size(value: Any) -> int:
-        t = value[0] if isinstance(value, tuple) else value
-        return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
+    def _size(bundle: dict[str, Any]) -> int:
+        return sum(int(v[0].numel() * v[0].element_size()) for v in bundle.values()
+                   if isinstance(v, tuple) and isinstance(v[0], torch.Tensor))
 
-    def put(self, key: str, value: Any) -> None:
-        self.data[key] = value
-        self.bytes += self._size(value)
+    def put(self, group: str, bundle: dict[str, Any]) -> None:
+        self.data[group] = bundle
+        self.bytes += self._size(bundle)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
-    def get(self, key: str) -> Any:
-        return self.data[key]
+    def get(self, group: str) -> dict[str, Any]:
+        return self.data[group]
 
-    def drop(self, keys: list[str]) -> None:
-        for k in keys:
-            v = self.data.pop(k, None)
-            if v is not None:
-                self.bytes -= self._size(v)
+    def drop(self, group: str) -> None:
+        bundle = self.data.pop(group, None)
+        if bundle is not None:
+            self.bytes -= self._size(bundle)
 
     def info(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "bytes": self.bytes,
-                "peak_bytes": self.peak_bytes, "tensors": len(self.data)}
+                "peak_bytes": self.peak_bytes, "bundles": len(self.data)}
 
 
 class RaySink:
-    """A stage's side of the offload store: puts go out at once, backwards prefetch what they need."""
+    """A stage's side of the offload store. Its calls are made by one background thread, in the order
+    the stage asks (an actor runs one caller's calls in order, so a get follows its put): the stage's
+    forward does not wait for its bundle to be serialised and sent. ``get`` waits for the bundle's
+    prefetch (made now if none was), at most ``timeout`` seconds."""
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self._fetching: dict[str, Any] = {}
+    def __init__(self, store: Any, timeout: float = 300.0) -> None:
+        self.store, self.timeout = store, timeout
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload")
+        self._fetching: dict[str, concurrent.futures.Future[Any]] = {}
+        self._sent: list[concurrent.futures.Future[Any]] = []  # puts and drops: their errors raised later
 
-    def put(self, key: str, value: Any) -> None:
-        self.store.put.remote(key, value)  # an actor runs one caller's calls in order: a get comes after
+    def _check(self) -> None:
+        """Raise what a put or drop submitted in the background raised."""
+        done = [f for f in self._sent if f.done()]
+        self._sent = [f for f in self._sent if not f.done()]
+        for f in done:
+            f.result()
 
-    def prefetch(self, keys: Iterable[str]) -> None:
-        for k in keys:
-            if k not in self._fetching:
-                self._fetching[k] = self.store.get.remote(k)
+    def put(self, group: str, values: dict[str, Any]) -> None:
+        self._check()
+        self._sent.append(self._calls.submit(self.store.put.remote, group, values))
 
-    def get(self, key: str) -> Any:
-        ref = self._fetching.pop(key, None) or self.store.get.remote(key)
-        return ray.get(ref, timeout=300)
+    def prefetch(self, group: str) -> None:
+        if group not in self._fetching:
+            self._fetching[group] = self._calls.submit(self.store.get.remote, group)
 
-    def drop(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        for k in keys:
-            self._fetching.pop(k, None)
-        self.store.drop.remote(keys)
+    def get(self, group: str) -> dict[str, Any]:
+        self.prefetch(group)
+        ref = self._fetching.pop(group).result(timeout=self.timeout)
+        self._check()
+        out: dict[str, Any] = ray.get(ref, timeout=self.timeout)
+        return out
+
+    def drop(self, group: str) -> None:
+        self._fetching.pop(group, None)
+        self._sent.append(self._calls.submit(self.store.drop.remote, group))
 
 
 @dataclass(frozen=True)
@@ -183,7 +197,8 @@ class StageActor:
         self._task = None
         try:
             link.start(step, timeout, plan.orders)
-            losses: list[float] = walk(plan, {self.index: _Tracked(self)}, link, inputs, targets)
+            first_b = next(t.microbatch for t in plan.orders[self.index] if t.kind is Kind.BACKWARD)
+            losses: list[float] = walk(plan, {self.index: _Tracked(self, first_b)}, link, inputs, targets)
             link.flush()
         except Exception as e:
             link.close()
@@ -268,14 +283,19 @@ class StageActor:
 
 
 class _Tracked:
-    """A stage actor's calls as its walk makes them, each task noted first (to name it if it fails)."""
+    """A stage actor's calls as its walk makes them, each task noted first (to name it if it fails). After
+    the forward of ``first_backward`` (the micro-batch whose backward comes first on this stage) its
+    offloaded activations start on their way back (later ones are prefetched by the backward before)."""
 
-    def __init__(self, actor: StageActor) -> None:
-        self.actor = actor
+    def __init__(self, actor: StageActor, first_backward: int) -> None:
+        self.actor, self.first_backward = actor, first_backward
 
     def forward(self, mb: int, x: torch.Tensor, /) -> torch.Tensor:
         self.actor._task = Task(mb, self.actor.index, Kind.FORWARD)
-        return self.actor.forward(mb, x)
+        y = self.actor.forward(mb, x)
+        if mb == self.first_backward:
+            self.actor.rt.prefetch(mb)
+        return y
 
     def backward(self, mb: int, grad: torch.Tensor | None, target: torch.Tensor | None, weight: float,
                  next_mb: int | None, /) -> tuple[torch.Tensor | None, float]:
