@@ -174,6 +174,7 @@ class PipelineWithAnError(sray.Pipeline):
     stage_actor = FailsInStep0Microbatch1Backward
 
 
+@pytest.mark.fault
 def test_a_stage_that_raises_ends_the_step_everywhere_and_the_next_step_runs(ray_cluster):
     """The failing stage closes its group: stages 0 and 1, waiting for its gradients, end at once (with a
     step deadline of 600 s the error would otherwise come then); the next step runs on a new group, with
