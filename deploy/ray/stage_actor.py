@@ -215,7 +215,8 @@ class StageActor:
         link = self._link()
         self.weights.wait()
         try:
-            link.start(-1, timeout)
+            link.start(-1, timeout, [[Task(mb, s, Kind.FORWARD) for mb in range(chunks)]
+                                     for s in range(self.num_stages)])
             outs: list[torch.Tensor] = walk_eval(self.num_stages, chunks, {self.index: self.rt}, link, inputs)
             link.flush()
         except Exception as e:

@@ -125,10 +125,14 @@ class GroupLink:
         self._sends: list[_Sent] = []  # in the order sent
         self._position: dict[int, dict[tuple[Kind, int], int]] = {}  # neighbour -> (kind, mb) -> index in its order
         self._taken: dict[int, tuple[Kind, int]] = {}  # neighbour -> the last of our values it is known to have
+        self._expect: dict[int, int] = {}  # neighbour -> values still to come from it this step
+        self._early: dict[int, tuple[Any, torch.Tensor]] = {}  # neighbour -> the receive of its next header
 
     def start(self, step: int, timeout: float, orders: Sequence[Sequence[Task]] | None = None) -> None:
         """A step begins: its values carry ``step``, and every wait of it ends ``timeout`` seconds from now.
-        ``orders``: every stage's tasks in its order (``StepPlan.orders``), to free sent values early."""
+        ``orders``: every stage's tasks in its order (``StepPlan.orders``): sent values are freed early, and
+        the header of the next value from each neighbour is received ahead of the task that needs it (so
+        it is sent the moment the neighbour has it, rather than when this stage asks)."""
         if self.group is None:
             raise RuntimeError(f"stage {self.stage}: the pipeline's group was closed (after a failure)")
         self.step, self.timeout = step, timeout
@@ -136,6 +140,28 @@ class GroupLink:
         self._taken = {}
         self._position = {n: {(t.kind, t.microbatch): i for i, t in enumerate(orders[n])}
                           for n in (self.stage - 1, self.stage + 1) if orders and 0 <= n < len(orders)}
+        self._early, self._expect = {}, {}
+        if orders:
+            own = orders[self.stage]
+            self._expect = {n: sum(1 for t in own if t.kind is k) for n, k in
+                            ((self.stage - 1, Kind.FORWARD), (self.stage + 1, Kind.BACKWARD))
+                            if 0 <= n < self.num_stages}
+            for n, k in self._expect_kinds():
+                try:
+                    self._post_header(n)
+                except RuntimeError as e:
+                    first = next(t.microbatch for t in own if t.kind is k)
+                    raise self._error(e, n, k, first, False) from e
+
+    def _expect_kinds(self) -> list[tuple[int, Kind]]:
+        return [(n, Kind.FORWARD if n < self.stage else Kind.BACKWARD) for n in list(self._expect)]
+
+    def _post_header(self, peer: int) -> None:
+        """Receive ``peer``'s next header ahead, when one more value is to come from it this step."""
+        if self._expect.get(peer, 0) > 0 and self.group is not None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            self._early[peer] = (self.group.recv([header], peer, 0), header)
+            self._expect[peer] -= 1
 
     def _left(self) -> dt.timedelta:
         return dt.timedelta(seconds=max(0.001, self._deadline - time.monotonic()))
@@ -193,12 +219,15 @@ class GroupLink:
         if self.group is None:
             raise RuntimeError(f"stage {self.stage}: the pipeline's group was closed (after a failure)")
         header = encode_header(kind, mb, self.step, value).to(self.device)
-        sent = _Sent(kind, mb, peer, [self.group.send([header], peer, 0)], [header])
-        self._sends.append(sent)
-        if value is not None:
-            payload = value.detach().to(self.device).contiguous()
-            sent.tensors.append(payload)
-            sent.works.append(self.group.send([payload], peer, 0))
+        try:
+            sent = _Sent(kind, mb, peer, [self.group.send([header], peer, 0)], [header])
+            self._sends.append(sent)
+            if value is not None:
+                payload = value.detach().to(self.device).contiguous()
+                sent.tensors.append(payload)
+                sent.works.append(self.group.send([payload], peer, 0))
+        except RuntimeError as e:
+            raise self._error(e, peer, kind, mb, True) from e
 
     def recv(self, kind: Kind, stage: int, mb: int, /) -> torch.Tensor | None:
         """Stage ``stage``'s ``kind`` value of ``mb`` (the next one it sends here), blocking until it is
@@ -207,9 +236,13 @@ class GroupLink:
             raise ValueError(f"stage {self.stage} receives from its neighbours only, not from stage {stage}")
         if self.group is None:
             raise RuntimeError(f"stage {self.stage}: the pipeline's group was closed (after a failure)")
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         try:
-            self.group.recv([header], stage, 0).wait(self._left())
+            if stage in self._early:
+                work, header = self._early.pop(stage)
+            else:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                work = self.group.recv([header], stage, 0)
+            work.wait(self._left())
         except RuntimeError as e:
             raise self._error(e, stage, kind, mb, False) from e
         got_kind, got_mb, got_step, dtype, shape = decode_header(header.cpu())
@@ -217,12 +250,15 @@ class GroupLink:
             raise LinkError(f"stage {self.stage} expected {_what(kind, mb)} of step {self.step} from stage {stage}, "
                             f"got {_what(got_kind, got_mb)} of step {got_step}", stage, kind, mb, "mismatch")
         value = None
-        if dtype is not None:
-            value = torch.empty(shape, dtype=dtype, device=self.device)
-            try:
-                self.group.recv([value], stage, 0).wait(self._left())
-            except RuntimeError as e:
-                raise self._error(e, stage, kind, mb, False) from e
+        try:
+            if dtype is not None:
+                value = torch.empty(shape, dtype=dtype, device=self.device)
+                work = self.group.recv([value], stage, 0)
+            self._post_header(stage)  # after the payload's receive: a peer's messages match receives in order
+            if value is not None:
+                work.wait(self._left())
+        except RuntimeError as e:
+            raise self._error(e, stage, kind, mb, False) from e
         self._done_before(stage, kind, mb)
         return value
 
@@ -240,7 +276,7 @@ class GroupLink:
 
     def close(self) -> None:
         """Drop the group (its connections close: neighbours waiting on this stage fail at once)."""
-        self._sends = []
+        self._sends, self._early = [], {}
         self.group = None
 
     @property
