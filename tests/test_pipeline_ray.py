@@ -202,6 +202,8 @@ def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
         sray.Pipeline(mlp(), balance=[3, 3], chunks=2)
     with pytest.raises(ValueError, match="chunks must be a positive integer"):
         sray.Pipeline(mlp(), balance=[3, 4], chunks=0)
+    with pytest.raises(ValueError, match="step_timeout must be > 0 seconds, got 0"):
+        sray.Pipeline(mlp(), balance=[3, 4], chunks=2, step_timeout=0)
     pipe = sray.Pipeline(mlp(), balance=[3, 4], chunks=4)
     with pytest.raises(ValueError, match="batch of 2 samples cannot be cut into 4 micro-batches"):
         pipe.train_step(*data(2), nn.CrossEntropyLoss())

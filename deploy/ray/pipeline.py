@@ -108,6 +108,9 @@ class Pipeline:
         self.stage_modules = split_model(model, balance)
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        for name, value in (("step_timeout", step_timeout), ("placement_timeout", placement_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
         self.schedule, self.chunks, self.checkpoint, self.offload = schedule, chunks, checkpoint, offload
         self.compress = self.options.encodings
         self.strategy = check_strategy(strategy)
