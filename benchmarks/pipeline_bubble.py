@@ -10,8 +10,8 @@ each (schedule, m): the median over ``--steps`` steps of every stage's idle
 share of the step (1 - its busy time / the step's span, from the stages'
 own timelines), beside the formula; and the overhead per task (the step's
 span minus the ideal (m + d - 1) (t_F + t_B), divided by the 2 (m + d - 1)
-clocks): what dispatching a task and handing a tensor from actor to actor
-costs. ``--timeline``: a Gantt chart of the last step of each schedule at
+clocks): what handing a tensor from stage to stage (and the stage's own
+loop) costs per task. ``--timeline``: a Gantt chart of the last step of each schedule at
 the largest m (forward, backward, recompute, sync, idle).
 """
 

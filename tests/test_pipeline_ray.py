@@ -6,7 +6,6 @@ import copy
 import json
 import os
 import signal
-import time
 
 import pytest
 import ray
@@ -111,9 +110,10 @@ def test_under_asp_each_backward_runs_on_its_forwards_weights(ray_cluster):
 
 
 class DiesInStep1Microbatch2(StageActor):
-    """Stage 1 of replica 0 kills its own process (SIGKILL) as the forward of step 1, micro-batch 2 starts:
-    a fault at an exact point, injected here, not shipped. (Ray workers import this module: the tests'
-    cluster puts the repository on their PYTHONPATH.)"""
+    """Stage 1 of replica 0 kills its own process (SIGKILL) as the forward of step 1, micro-batch 2 starts
+    (its input taken): a fault at an exact point, injected here, not shipped. Stage 0 then waits for its
+    gradients and stage 2 for its outputs, over connections that close. (Ray workers import this module:
+    the tests' cluster puts the repository on their PYTHONPATH.)"""
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         if (self.index, self.replica, self.rt.step, mb) == (1, 0, 1, 2):
@@ -127,29 +127,26 @@ class PipelineWithAFault(sray.Pipeline):
 
 @pytest.mark.fault
 def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_servers(ray_cluster):
+    """Its neighbours notice at once (not at the step's deadline, 600 s here: the error would say so) and
+    the driver names the dead stage and the micro-batch it had taken the input of."""
     model = mlp()
     with sray.start_servers(2) as servers:
-        pipe = PipelineWithAFault(model, balance=[3, 4], chunks=3, servers=servers,
-                                  optimizer=shardps.optim.SGD(lr=0.1), step_timeout=120)
+        pipe = PipelineWithAFault(model, balance=[3, 2, 2], chunks=3, servers=servers,
+                                  optimizer=shardps.optim.SGD(lr=0.1))
         try:
             pipe.train_step(*data(9, seed=0), nn.CrossEntropyLoss())
-            t0 = time.monotonic()
             with pytest.raises(sray.PipelineError) as err:
                 pipe.train_step(*data(9, seed=1), nn.CrossEntropyLoss())
-            assert time.monotonic() - t0 < 60
-            # The stage is exact; the micro-batch is the first result lost: 2 (running when it died), or an
-            # earlier one when the process died before Ray had sent its replies (under load: 1, and 0 once in
-            # 8 runs beside a busy core).
-            assert (err.value.stage, err.value.kind) == (1, "forward"), str(err.value)
-            assert err.value.microbatch in (0, 1, 2), str(err.value)
-            assert f"stage 1 (replica 0) died, the forward of micro-batch {err.value.microbatch} the first result " \
-                   f"lost" in str(err.value)
+            assert (err.value.stage, err.value.microbatch, err.value.kind) == (1, 2, "forward"), str(err.value)
+            assert "step 1: stage 1 (replica 0) died in the forward of micro-batch 2" in str(err.value)
+            with pytest.raises(sray.PipelineError, match="cannot run another step"):
+                pipe.train_step(*data(9, seed=1), nn.CrossEntropyLoss())
         finally:
             pipe.close()
         with shardps.connect(servers.addresses) as c:
             c.attach()
             on_servers = c.pull()
-        with sray.Pipeline(model, balance=[3, 4], chunks=3, servers=servers,
+        with sray.Pipeline(model, balance=[3, 2, 2], chunks=3, servers=servers,
                            optimizer=shardps.optim.SGD(lr=0.1)) as again:
             again.train_step(*data(9, seed=1), nn.CrossEntropyLoss())  # step 1 once more, from the servers' weights
             expected = copy.deepcopy(model)
@@ -159,6 +156,40 @@ def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_ser
             x, y = data(9, seed=1)
             nn.CrossEntropyLoss()(expected(x), y).backward()
             assert_grads(again.gradients(), {n: p.grad for n, p in expected.named_parameters()})
+
+
+class FailsInStep0Microbatch1Backward(StageActor):
+    """Stage 2's backward of micro-batch 1 raises in step 0, once (the process lives on)."""
+
+    raised = False
+
+    def backward(self, mb, grad, target, weight, next_mb):
+        if (self.index, self.rt.step, mb) == (2, 0, 1) and not self.raised:
+            self.raised = True
+            raise FloatingPointError("injected")
+        return super().backward(mb, grad, target, weight, next_mb)
+
+
+class PipelineWithAnError(sray.Pipeline):
+    stage_actor = FailsInStep0Microbatch1Backward
+
+
+@pytest.mark.fault
+def test_a_stage_that_raises_ends_the_step_everywhere_and_the_next_step_runs(ray_cluster):
+    """The failing stage closes its group: stages 0 and 1, waiting for its gradients, end at once (with a
+    step deadline of 600 s the error would otherwise come then); the next step runs on a new group, with
+    batches of another size (the headers carry the shapes), and its gradients are one process's."""
+    model = mlp()
+    with PipelineWithAnError(model, balance=[3, 2, 2], chunks=2, schedule="1f1b") as pipe:
+        with pytest.raises(sray.PipelineError) as err:
+            pipe.train_step(*data(8), nn.CrossEntropyLoss())
+        assert (err.value.stage, err.value.microbatch, err.value.kind) == (2, 1, "backward"), str(err.value)
+        assert str(err.value) == ("step 0: stage 2 (replica 0) failed in the backward of micro-batch 1: "
+                                  "FloatingPointError: injected")
+        for n in (5, 11):
+            x, y = data(n, seed=n)
+            pipe.train_step(x, y, nn.CrossEntropyLoss())
+            assert_grads(pipe.gradients(), one_process(model, x, y))
 
 
 def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
@@ -171,6 +202,8 @@ def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
         sray.Pipeline(mlp(), balance=[3, 3], chunks=2)
     with pytest.raises(ValueError, match="chunks must be a positive integer"):
         sray.Pipeline(mlp(), balance=[3, 4], chunks=0)
+    with pytest.raises(ValueError, match="step_timeout must be > 0 seconds, got 0"):
+        sray.Pipeline(mlp(), balance=[3, 4], chunks=2, step_timeout=0)
     pipe = sray.Pipeline(mlp(), balance=[3, 4], chunks=4)
     with pytest.raises(ValueError, match="batch of 2 samples cannot be cut into 4 micro-batches"):
         pipe.train_step(*data(2), nn.CrossEntropyLoss())

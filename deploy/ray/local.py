@@ -38,9 +38,20 @@ TEMP_PREFIX = "shardps-ray-"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: bound all at once, since one bound and closed after another can be
+    handed out again (seen: a node's agent and node manager given the same port, and ray start refused)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def ray_command(python: str | None = None) -> list[str]:
@@ -133,10 +144,11 @@ class RayLocalCluster:
     def _node_ports() -> list[str]:
         """Free ports for a node's agents: their defaults (52365, ...) clash with any other Ray node
         or cluster on the machine, and the agent then never comes up."""
+        flags = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+                 "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port")
         out = []
-        for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
-                     "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"):
-            out += [flag, str(free_port())]
+        for flag, port in zip(flags, free_ports(len(flags))):
+            out += [flag, str(port)]
         return out
 
     def _ray_start(self, args: list[str]) -> _Node:
@@ -169,12 +181,12 @@ class RayLocalCluster:
         _reload_auth_config()
         try:
             for attempt in (1, 2):
-                self.port, self.dashboard_port = free_port(), free_port()
+                self.port, self.dashboard_port, client_port = free_ports(3)
                 args = ["--head", "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
                         "--dashboard-host", "127.0.0.1", "--num-cpus", str(self.num_cpus),
                         "--temp-dir", self.temp_dir, "--disable-usage-stats",
                         "--object-store-memory", str(self.object_store_bytes), "--include-dashboard", "true",
-                        "--ray-client-server-port", str(free_port()), *self._node_ports()]
+                        "--ray-client-server-port", str(client_port), *self._node_ports()]
                 if self.resources:
                     args += ["--resources", json.dumps(self.resources)]
                 try:

@@ -1,20 +1,27 @@
 """``shardps.ray.Pipeline``: pipeline stages as Ray actors, their weights on the parameter servers.
 
-The driver plans each step (``worker/pipeline/plan.py``) and walks it with
-the one walker (``worker/pipeline/walk.py``) that ``LocalPipeline`` walks too:
-here a stage's calls are actor calls that return object references at once
-(``_ActorCalls``), so the walk submits every task of a step, in an order that
-respects both the data dependencies and each stage's own order, and nothing
-waits on the driver. Activations and their gradients travel as those
-references: a stage's forward takes the previous stage's output reference and
-Ray hands the tensor over when it exists. Each actor runs one task at a time,
-in the order it received them, which is the schedule.
+The driver plans each step (``worker/pipeline/plan.py``) and makes one call
+per stage (``StageActor.run_step``): each stage walks its own part of the plan
+with the one walker (``worker/pipeline/walk.py``) that ``LocalPipeline`` walks
+too, receiving activations from the stage before and gradients from the stage
+after, and sending its own on, directly between the actors: point-to-point
+messages over a process group of the replica's stages (gloo; nccl on GPUs),
+each value behind a small header so that shapes may change between steps
+(``worker/pipeline/link.py``). The driver hands the micro-batches to the first
+stage and gets the losses from the last. The groups meet at a rendezvous
+store this driver hosts; each is named ``pp/r<replica>/g<n>`` (a new n after a
+failure), apart from any other group a stage may join.
 
 The actors (``stage_actor.py``) are shells over the Ray-free ``StageRuntime``
 and ``StageWeights``: with ``servers`` every stage is a parameter-server
 worker of its own parameters (worker id ``replica * stages + stage``); after
 its last backward of a step it pushes its gradients and pulls its weights
 under ``sync`` (asp/ssp: overlapping the next step, with weight stashing).
+
+A failed step ends on every stage of the replica (a stage that fails closes
+its group, so its neighbours stop waiting at once; a dead one's connections
+close by themselves); ``worker/pipeline/failure.py`` names the cause from what
+each stage saw, and ``PipelineError`` says it.
 
 ``offload="activations"`` sends what the stages save for backward to one
 ``OffloadStore`` actor, placed on a node offering the ``offload`` resource
@@ -27,13 +34,12 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from torch import nn
 
@@ -41,14 +47,16 @@ from shardps.deploy.ray.placement import DEFAULT_PLACEMENT_TIMEOUT_S, check_stra
 from shardps.deploy.ray.stage_actor import OffloadStore, RaySink, StageActor, StageOptions
 from shardps.protos.security import Security
 from shardps.protos.syncspec import SyncSpec
+from shardps.worker.groups import RendezvousServer
+from shardps.worker.pipeline.failure import Outcome, StageFailed, blame
 from shardps.worker.pipeline.partition import scatter, split_model
-from shardps.worker.pipeline.plan import PipelineOptions, loss_reduction, plan_step
-from shardps.worker.pipeline.schedule import Kind, Task
-from shardps.worker.pipeline.walk import Mailbox, walk
+from shardps.worker.pipeline.plan import PipelineOptions, StepPlan, loss_reduction, plan_step
 
 __all__ = ["OffloadStore", "Pipeline", "PipelineError", "RaySink", "StageActor", "StageOptions"]
 
 log = logging.getLogger("shardps.ray")
+
+GRACE_S = 15.0  # the driver waits this much longer than a step's deadline for the stages to report it
 
 
 class PipelineError(RuntimeError):
@@ -60,31 +68,21 @@ class PipelineError(RuntimeError):
         self.stage, self.microbatch, self.kind = stage, microbatch, kind
 
 
-@dataclass(frozen=True)
-class _Submitted:
-    """A task the driver submitted: on which replica, and the reference that is ready when it is done."""
-
-    task: Task
-    replica: int
-    ref: Any
-
-
-class _ActorCalls:
-    """A stage actor as the walker's ``StageCalls``: each call submits the task and returns its result's
-    object reference at once; every submission is recorded in ``submitted`` (to find a failed task)."""
-
-    def __init__(self, actor: Any, stage: int, replica: int, submitted: list[_Submitted]) -> None:
-        self.actor, self.stage, self.replica, self.submitted = actor, stage, replica, submitted
-
-    def forward(self, mb: int, x: Any, /) -> Any:
-        ref = self.actor.forward.remote(mb, x)
-        self.submitted.append(_Submitted(Task(mb, self.stage, Kind.FORWARD), self.replica, ref))
-        return ref
-
-    def backward(self, mb: int, grad: Any, target: Any, weight: float, next_mb: int | None, /) -> tuple[Any, Any]:
-        g, loss = self.actor.backward.options(num_returns=2).remote(mb, grad, target, weight, next_mb)
-        self.submitted.append(_Submitted(Task(mb, self.stage, Kind.BACKWARD), self.replica, g))
-        return g, loss
+def _outcome(stage: int, ref: Any) -> tuple[Outcome, Any]:
+    """How a stage's call ended (its ref is ready), and its result when it ended well."""
+    try:
+        return Outcome(stage, "ok"), ray.get(ref, timeout=60)
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, StageFailed):
+            return cause.outcome, None
+        if isinstance(cause, RayActorError) or "ActorDiedError" in str(e):
+            return Outcome(stage, "died", message="ActorDiedError"), None
+        return Outcome(stage, "failed", "error", message=str(cause or e).splitlines()[0]), None
+    except RayActorError as e:
+        return Outcome(stage, "died", message=type(e).__name__), None
+    except (RayError, GetTimeoutError) as e:
+        return Outcome(stage, "failed", "error", message=str(e).splitlines()[0]), None
 
 
 class Pipeline:
@@ -110,6 +108,9 @@ class Pipeline:
         self.stage_modules = split_model(model, balance)
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        for name, value in (("step_timeout", step_timeout), ("placement_timeout", placement_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
         self.schedule, self.chunks, self.checkpoint, self.offload = schedule, chunks, checkpoint, offload
         self.compress = self.options.encodings
         self.strategy = check_strategy(strategy)
@@ -126,6 +127,10 @@ class Pipeline:
         self.stages: list[list[Any]] = []  # [replica][stage]
         self.store: Any = None
         self.placement_group: Any = None
+        self.rendezvous: RendezvousServer | None = None
+        self._generation = 0  # of the stages' groups: a new one after a failure
+        self._connected = False
+        self._broken: str | None = None  # why this pipeline cannot run another step (a stage died or hangs)
         self.step_count = 0
         self._t0 = 0.0
         self._closed = False
@@ -178,9 +183,32 @@ class Pipeline:
             self.infos = ray.get([a.info.remote() for row in self.stages for a in row], timeout=600)
             if self.store is not None:
                 self.store_info = ray.get(self.store.info.remote(), timeout=120)
+            self.rendezvous = RendezvousServer(ray.util.get_node_ip_address(), timeout=self.placement_timeout)
+            self._connect()
         except BaseException:
             self.close()
             raise
+
+    def _connect(self) -> None:
+        """Every replica's stages join a new group of their own (at start, and after a failed step)."""
+        assert self.rendezvous is not None
+        self._generation += 1
+        refs = [a.connect.remote(self.rendezvous.address, f"pp/r{rep}/g{self._generation}", self.placement_timeout)
+                for rep, row in enumerate(self.stages) for a in row]
+        ray.get(refs, timeout=self.placement_timeout + GRACE_S)
+        self._connected = True
+
+    def _ready(self, x: torch.Tensor) -> None:
+        """Stages started and joined, or ``PipelineError`` saying why this pipeline cannot run."""
+        if self._closed:
+            raise RuntimeError("this pipeline was closed")
+        if self._broken:
+            raise PipelineError(self._broken)
+        if not self.stages:
+            self._dry_run(x)
+            self._start()
+        elif not self._connected:
+            self._connect()
 
     @property
     def node_ids(self) -> list[list[str]]:
@@ -200,84 +228,64 @@ class Pipeline:
         xr = scatter(x, self.replicas, "batch") if self.replicas > 1 else [x]
         yr = scatter(y, self.replicas, "targets") if self.replicas > 1 else [y]
         parts = [(scatter(a, self.chunks, "batch"), scatter(b, self.chunks, "targets")) for a, b in zip(xr, yr)]
-        if not self.stages:
-            self._dry_run(x)
-            self._start()
+        self._ready(x)
         total = len(x)
         d = self.num_stages
         self._t0 = time.time()
-        for row in self.stages:
-            for a in row:
-                a.begin_step.remote(self.step_count, self.chunks, loss_fn)
-        order: list[_Submitted] = []  # every task, in submission order, with its result's reference
-        losses: list[Any] = []
+        plans: list[StepPlan] = []
+        calls: dict[tuple[int, int], Any] = {}
         for rep, (xs, ys) in enumerate(parts):
             sizes = [len(c) for c in xs]
             # The servers average the replicas' gradients: weigh each so that the average is the gradient
             # of the whole batch (R * its share of the samples; the loss is divided by R again below).
             share = self.replicas * (sum(sizes) / total if red == "mean" else 1.0)
             plan = plan_step(self.schedule, sizes, d, red, scale=share)
-            calls = {s: _ActorCalls(self.stages[rep][s], s, rep, order) for s in range(d)}
-            losses += walk(plan, calls, Mailbox[Any](), xs, ys)
-        syncs = [(s, rep, self.stages[rep][s].sync.remote()) for rep in range(self.replicas) for s in range(d)]
-        refs = [o.ref for o in order] + losses + [ref for _, _, ref in syncs]
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.step_timeout)
-        failed = self._failure(order, syncs) if pending or not done else None
-        if failed is None:
-            try:
-                loss = sum(ray.get(losses, timeout=60)) / self.replicas
-                ray.get([ref for _, _, ref in syncs], timeout=60)
-            except RayError:
-                failed = self._failure(order, syncs)
-        if failed is not None:
-            raise failed
-        if pending:
-            late = set(pending)
-            first = next((o for o in order if o.ref in late), None)
-            if first is None:  # every task is done: a sync (a push or pull) is what is late
-                s, rep, _ = next(o for o in syncs if o[2] in late)
-                raise PipelineError(f"step {self.step_count}: stage {s} (replica {rep}) did not sync with the "
-                                    f"servers within {self.step_timeout:.0f}s", s, None, "sync")
-            t = first.task
-            raise PipelineError(f"step {self.step_count}: the {t.kind.word} of micro-batch {t.microbatch} on "
-                                f"stage {t.stage} (replica {first.replica}) did not finish within "
-                                f"{self.step_timeout:.0f}s", t.stage, t.microbatch, t.kind.word)
+            plans.append(plan)
+            for s, actor in enumerate(self.stages[rep]):
+                last = s == d - 1
+                calls[(rep, s)] = actor.run_step.remote(self.step_count, plan, xs if s == 0 else None,
+                                                        ys if last else None, loss_fn if last else None,
+                                                        self.step_timeout)
+        results = self._collect(calls, plans)
         self.step_count += 1
-        return float(loss)
+        return float(sum(sum(results[(rep, d - 1)]) for rep in range(self.replicas)) / self.replicas)
 
-    def _failure(self, order: list[_Submitted],
-                 syncs: list[tuple[int, int, Any]]) -> PipelineError | None:
-        """The first task, in submission order, that failed: which stage, which micro-batch, why.
-
-        A stage that died is named exactly; its micro-batch is the first whose result did not come
-        back: the one it was running, or an earlier one when the process died before it had sent that
-        one's result (Ray sends a task's reply after the task ends, so an abrupt death can lose the
-        replies still on their way: under load, those of several micro-batches)."""
-        for o in order:
-            t, rep, ref, what = o.task, o.replica, o.ref, o.task.kind.word
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                continue
-            try:
-                ray.get(ref, timeout=0)
-            except (RayActorError, RayError, GetTimeoutError) as e:
-                cause = type(e).__name__ if isinstance(e, RayActorError) else str(e).splitlines()[0]
-                dead = isinstance(e, RayActorError) or "ActorDiedError" in str(e)
-                where = (f"died, the {what} of micro-batch {t.microbatch} the first result lost" if dead
-                         else f"failed in the {what} of micro-batch {t.microbatch}")
-                return PipelineError(
-                    f"step {self.step_count}: stage {t.stage} (replica {rep}) {where} ({cause})"
-                    + ("; rebuild the pipeline: a new Pipeline with the same servers starts from their weights"
-                       if dead and self.servers else ""), t.stage, t.microbatch, what)
-        for s, rep, ref in syncs:
-            if not ray.wait([ref], timeout=0)[0]:
-                continue
-            try:
-                ray.get(ref, timeout=0)
-            except (RayError, GetTimeoutError) as e:
-                return PipelineError(f"step {self.step_count}: stage {s} (replica {rep}) failed to sync with the "
-                                     f"servers: {str(e).splitlines()[0]}", s, None, "sync")
-        return None
+    def _collect(self, calls: dict[tuple[int, int], Any], plans: list[StepPlan]) -> dict[tuple[int, int], Any]:
+        """The results of one call per stage ((replica, stage) -> reference), or ``PipelineError`` naming
+        the cause of a failure (``failure.blame``). Once a replica fails, only its stages are waited for:
+        they end at once (their groups close) or at the step's deadline."""
+        deadline = time.monotonic() + self.step_timeout + GRACE_S
+        pending = dict(calls)
+        key_of = {ref: key for key, ref in calls.items()}
+        results: dict[tuple[int, int], Any] = {}
+        outcomes: dict[tuple[int, int], Outcome] = {}
+        failing: set[int] = set()
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                key = key_of[ref]
+                del pending[key]
+                outcomes[key], results[key] = _outcome(key[1], ref)
+                if outcomes[key].state != "ok":
+                    failing.add(key[0])
+            if failing:
+                pending = {k: r for k, r in pending.items() if k[0] in failing}
+        for key in pending:
+            outcomes[key] = Outcome(key[1], "stuck")
+            failing.add(key[0])
+        if not failing:
+            return results
+        self._connected = False
+        rep = min(failing)
+        found = blame(plans[rep], [outcomes[(rep, s)] for s in range(self.num_stages)], step=self.step_count,
+                      replica=rep, timeout=self.step_timeout)
+        assert found is not None
+        message = found.message
+        if any(o.state in ("died", "stuck") for o in outcomes.values()):
+            self._broken = f"{message}; this pipeline cannot run another step: close it and build a new one"
+            if self.servers:
+                message += "; rebuild the pipeline: a new Pipeline with the same servers starts from their weights"
+        raise PipelineError(message, found.stage, found.microbatch, found.kind)
 
     # -- results ---------------------------------------------------------------
 
@@ -315,17 +323,15 @@ class Pipeline:
         return dict(enumerate(self._all("offload_stats")))
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
-        """A forward of ``x`` (eval mode, no gradients) through replica 0's stages, micro-batch by micro-batch."""
-        if not self.stages:
-            self._dry_run(x)
-            self._start()
-        outs = []
-        for xc in scatter(x, min(self.chunks, len(x)), "batch"):
-            ref: Any = xc
-            for a in self.stages[0]:
-                ref = a.eval_forward.remote(ref)
-            outs.append(ref)
-        return torch.cat(ray.get(outs, timeout=self.step_timeout))
+        """A forward of ``x`` (eval mode, no gradients) through replica 0's stages, micro-batch by
+        micro-batch, handed from stage to stage as a step's forwards are."""
+        self._ready(x)
+        xs = scatter(x, min(self.chunks, len(x)), "batch")
+        d = self.num_stages
+        calls = {(0, s): a.run_eval.remote(len(xs), xs if s == 0 else None, self.step_timeout)
+                 for s, a in enumerate(self.stages[0])}
+        results = self._collect(calls, [plan_step("gpipe", [len(c) for c in xs], d, "sum")])
+        return torch.cat(results[(0, d - 1)])
 
     def close(self) -> None:
         """Free the stage actors, the offload store and the placement group (idempotent)."""
@@ -344,6 +350,8 @@ class Pipeline:
             ray.kill(a, no_restart=True)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+        if self.rendezvous is not None:
+            self.rendezvous.close()
 
     def __enter__(self) -> Pipeline:
         return self

@@ -247,31 +247,36 @@ def test_the_char_gpt_cut_in_stages_is_transparent():
         assert_grads(pipe.gradients(), ref)
 
 
+@pytest.mark.parametrize("link", ["mailbox", "gloo"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_each_stage_walking_its_own_part_in_a_thread_is_transparent(schedule):
+def test_each_stage_walking_its_own_part_in_a_thread_is_transparent(schedule, link):
     """The plan and walker run per stage (each stage its own tasks, activations handed to the neighbour
-    through a Mailbox): the gradients are still one process's."""
-    import threading
-
+    through a Mailbox, or over a gloo group as on Ray): the gradients are still one process's."""
     from shardps.worker.pipeline.partition import scatter
     from shardps.worker.pipeline.plan import plan_step
     from shardps.worker.pipeline.walk import Mailbox, walk
+    from tests.worker.test_link import in_threads, links
 
     model, (x, y) = mlp(), data(10)
     pipe = LocalPipeline(model, balance=[2, 2, 2, 1], chunks=3, schedule=schedule, checkpoint="never")
     xs, ys = scatter(x, 3), scatter(y, 3)
     plan = plan_step(schedule, [len(c) for c in xs], 4, "mean")
-    link: Mailbox[torch.Tensor] = Mailbox(timeout=60)
-    losses: dict[int, list[float]] = {}
+    box: Mailbox[torch.Tensor] = Mailbox(timeout=60)
+    per_stage = links(4) if link == "gloo" else [box] * 4
     for st in pipe.stages:
         st.loss_fn = nn.CrossEntropyLoss()
         st.begin_step(0, 3)
-    threads = [threading.Thread(target=lambda s=s: losses.__setitem__(s, walk(plan, {s: pipe.stages[s]}, link, xs,
-                                                                                ys))) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+
+    def run(s: int) -> list[float]:
+        lk = per_stage[s]
+        if link == "gloo":
+            lk.start(0, 60, plan.orders)
+        out = walk(plan, {s: pipe.stages[s]}, lk, xs if s == 0 else None, ys if s == 3 else None)
+        if link == "gloo":
+            lk.flush()
+        return out
+
+    losses = in_threads(4, run)
     ref_loss, ref = one_process(model, x, y, nn.CrossEntropyLoss())
     assert sum(losses[3]) == pytest.approx(ref_loss, rel=1e-5)
     assert_grads(pipe.gradients(), ref)

@@ -19,7 +19,7 @@ from shardps.worker.pipeline.offload import LocalSink
 from shardps.worker.pipeline.partition import scatter, split_model
 from shardps.worker.pipeline.plan import PipelineOptions, loss_reduction, plan_step
 from shardps.worker.pipeline.stage import StageRuntime, seed_for
-from shardps.worker.pipeline.walk import Mailbox, walk
+from shardps.worker.pipeline.walk import Mailbox, walk, walk_eval
 
 
 class LocalPipeline:
@@ -63,12 +63,9 @@ class LocalPipeline:
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
         """A forward of ``x`` in eval mode (no gradients), micro-batch by micro-batch."""
-        outs = []
-        for xc in scatter(x, min(self.chunks, len(x)), "batch"):
-            for st in self.stages:
-                xc = st.eval_forward(xc)
-            outs.append(xc)
-        return torch.cat(outs)
+        xs = scatter(x, min(self.chunks, len(x)), "batch")
+        return torch.cat(walk_eval(len(self.stages), len(xs), dict(enumerate(self.stages)),
+                                   Mailbox[torch.Tensor](), xs))
 
 
 def reference_step(model: nn.Module | Sequence[nn.Module], balance: Sequence[int] | None, x: torch.Tensor,

@@ -1,12 +1,15 @@
 """Activation offload: what a stage saves for backward goes to a store, and comes back before its backward.
 
-Rides on ``torch.autograd.graph.saved_tensors_hooks``: ``pack`` hands each
-saved tensor (not the stage's parameters, not tiny ones) to a ``Sink`` under
-a key and keeps only the key; ``unpack`` gets it back. A tensor saved twice
-(a ReLU's output that the next Linear saves too) is stored once. The sink
-is an interface: ``LocalSink`` keeps a dict (tests, one process); on Ray it
-is the offload store actor (shardps.deploy.ray.pipeline), with ``prefetch``
-fetching a micro-batch's tensors ahead of the backward that needs them.
+Rides on ``torch.autograd.graph.saved_tensors_hooks``: ``pack`` takes each
+saved tensor (not the stage's parameters, not tiny ones) and keeps only a
+key; when the micro-batch's forward ends, all it saved goes to a ``Sink`` as
+one bundle, in one transfer, and the backward gets the bundle back in one
+(``unpack`` takes each tensor from it). A tensor saved twice (a ReLU's output
+that the next Linear saves too) is stored once. The sink is an interface:
+``LocalSink`` keeps a dict (tests, one process); on Ray it is the offload
+store actor (shardps.deploy.ray.stage_actor), its transfers made in the
+background, with ``prefetch`` fetching a micro-batch's bundle ahead of the
+backward that needs it.
 
 Encodings of what is stored (Gist, Jain et al. 2018):
 
@@ -35,35 +38,36 @@ MIN_OFFLOAD_ELEMENTS = 1024  # smaller saved tensors stay: a round trip costs mo
 
 
 class Sink(Protocol):
-    """Where offloaded tensors live between a forward and its backward."""
+    """Where offloaded tensors live between a forward and its backward: one bundle (key -> encoded
+    tensor) per micro-batch, named ``group``. ``put`` may return before the bundle has arrived; a later
+    ``prefetch``/``get`` of the same group still finds it."""
 
-    def put(self, key: str, value: Any) -> None: ...
+    def put(self, group: str, values: dict[str, Any]) -> None: ...
 
-    def prefetch(self, keys: Iterable[str]) -> None: ...
+    def prefetch(self, group: str) -> None: ...
 
-    def get(self, key: str) -> Any: ...
+    def get(self, group: str) -> dict[str, Any]: ...
 
-    def drop(self, keys: Iterable[str]) -> None: ...
+    def drop(self, group: str) -> None: ...
 
 
 class LocalSink:
     """A dict: offload within one process (tests, the bytes a store would hold)."""
 
     def __init__(self) -> None:
-        self.data: dict[str, Any] = {}
+        self.data: dict[str, dict[str, Any]] = {}
 
-    def put(self, key: str, value: Any) -> None:
-        self.data[key] = value
+    def put(self, group: str, values: dict[str, Any]) -> None:
+        self.data[group] = values
 
-    def prefetch(self, keys: Iterable[str]) -> None:
+    def prefetch(self, group: str) -> None:
         pass
 
-    def get(self, key: str) -> Any:
-        return self.data[key]
+    def get(self, group: str) -> dict[str, Any]:
+        return self.data[group]
 
-    def drop(self, keys: Iterable[str]) -> None:
-        for k in keys:
-            self.data.pop(k, None)
+    def drop(self, group: str) -> None:
+        self.data.pop(group, None)
 
 
 def check_compress(compress: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -153,21 +157,23 @@ class Offloader:
     prefix: str = ""  # keeps keys of stages that share one store apart
     min_elements: int = MIN_OFFLOAD_ELEMENTS
     stats: OffloadStats = field(default_factory=OffloadStats)
-    _keys: dict[int, list[str]] = field(default_factory=dict)  # micro-batch -> keys it stored
+    _groups: dict[int, str] = field(default_factory=dict)  # micro-batch -> the name of its stored bundle
+    _fetched: dict[int, dict[str, Any]] = field(default_factory=dict)  # micro-batch -> its bundle, back
     _held: dict[int, int] = field(default_factory=dict)  # micro-batch -> bytes kept locally
-    _sizes: dict[str, int] = field(default_factory=dict)
+    _sizes: dict[int, int] = field(default_factory=dict)  # micro-batch -> bytes stored
     _counter: Any = field(default_factory=itertools.count)
 
     @contextlib.contextmanager
     def hooks(self, mb: int) -> Iterator[None]:
-        """Offload what micro-batch ``mb``'s forward saves for its backward, while the context lasts.
+        """Offload what micro-batch ``mb``'s forward saves for its backward, while the context lasts: as
+        one bundle, put when it ends.
 
         A tensor saved twice is stored once: it is recognised by its memory,
         so every stored tensor is kept alive until the forward ends (freed
         earlier, its memory could hold another tensor by then).
         """
         seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], tuple[Any, torch.Tensor]] = {}
-        keys = self._keys.setdefault(mb, [])
+        bundle: dict[str, Any] = {}
 
         def pack(t: torch.Tensor) -> Any:
             nbytes = t.numel() * t.element_size()
@@ -182,31 +188,37 @@ class Offloader:
             ident = (storage, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
             if ident in seen:  # saved twice (an output that the next layer saves as its input)
                 return seen[ident][0]
-            key = f"{self.prefix}{mb}/{next(self._counter)}"
+            key = str(len(bundle))
             value = self._encode(t)
             stored = value[0].numel() * value[0].element_size()
-            self.sink.put(key, value)
-            keys.append(key)
-            self._sizes[key] = stored
+            bundle[key] = value
+            self._sizes[mb] = self._sizes.get(mb, 0) + stored
             s = self.stats
             s.stored_bytes += stored
             s.peak_stored_bytes = max(s.peak_stored_bytes, s.stored_bytes)
             s.stored_total += stored
             s.raw_total += nbytes
-            seen[ident] = (("off", key), t)
+            seen[ident] = (("off", mb, key), t)
             return seen[ident][0]
 
         def unpack(packed: Any) -> torch.Tensor:
             if packed[0] == "keep":
                 return packed[1]  # type: ignore[no-any-return]
-            assert self.sink is not None
-            return self._decode(self.sink.get(packed[1]))
+            _, owner, key = packed
+            if owner == mb and key in bundle:  # unpacked within its own forward: not sent yet
+                return self._decode(bundle[key])
+            return self._decode(self._bundle(owner)[key])
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 yield
         finally:
             seen.clear()
+        if bundle and self.sink is not None:
+            group = f"{self.prefix}{mb}/{next(self._counter)}"
+            self._groups[mb] = group
+            self.sink.put(group, dict(bundle))
+            bundle.clear()
 
     def _hold(self, mb: int, nbytes: int) -> None:
         self._held[mb] = self._held.get(mb, 0) + nbytes
@@ -226,14 +238,21 @@ class Offloader:
         data, dtype, device = value
         return data.to(device=device, dtype=dtype)
 
-    def keys(self, mb: int) -> list[str]:
-        return list(self._keys.get(mb, []))
+    def _bundle(self, mb: int) -> dict[str, Any]:
+        if mb not in self._fetched:
+            assert self.sink is not None
+            self._fetched[mb] = self.sink.get(self._groups[mb])
+        return self._fetched[mb]
+
+    def group(self, mb: int) -> str | None:
+        """The name of micro-batch ``mb``'s stored bundle (None: it stored nothing)."""
+        return self._groups.get(mb)
 
     def release(self, mb: int) -> None:
         """The backward of ``mb`` is done: its stored tensors and its held bytes are gone."""
-        keys = self._keys.pop(mb, [])
-        for k in keys:
-            self.stats.stored_bytes -= self._sizes.pop(k, 0)
-        if keys and self.sink is not None:
-            self.sink.drop(keys)
+        group = self._groups.pop(mb, None)
+        self._fetched.pop(mb, None)
+        self.stats.stored_bytes -= self._sizes.pop(mb, 0)
+        if group is not None and self.sink is not None:
+            self.sink.drop(group)
         self.stats.held_bytes -= self._held.pop(mb, 0)

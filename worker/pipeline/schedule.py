@@ -132,7 +132,7 @@ def clocks(schedule: str, m: int, d: int) -> Iterator[list[Task]]:
 
 def submission_order(schedule: str, m: int, d: int) -> list[Task]:
     """Every task once, in an order that respects both the data dependencies and each stage's own order
-    (what a driver submits: a stage runs its tasks in the order it receives them)."""
+    (what one loop that runs every stage runs: ``LocalPipeline``; on Ray each stage runs its own order)."""
     return [t for tick in clocks(schedule, m, d) for t in tick]
 
 

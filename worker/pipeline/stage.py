@@ -173,8 +173,9 @@ class StageRuntime:
 
     def prefetch(self, mb: int) -> None:
         """Start fetching micro-batch ``mb``'s offloaded activations (ahead of its backward)."""
-        if self.offload is not None:
-            self.offload.prefetch(self.offloader.keys(mb))
+        group = self.offloader.group(mb)
+        if self.offload is not None and group is not None:
+            self.offload.prefetch(group)
 
     def backward(self, mb: int, grad: torch.Tensor | None = None, target: torch.Tensor | None = None,
                  weight: float = 1.0, next_mb: int | None = None) -> tuple[torch.Tensor | None, float]:

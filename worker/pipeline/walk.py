@@ -9,12 +9,13 @@ One walk serves every driver. What a task does is the same everywhere::
                link.send(B, s, mb, g)                                  (not on the first stage)
 
 What varies is injected: ``StageCalls`` runs a stage's task (a ``StageRuntime``
-in this process, an actor call returning an object reference on Ray), and
-``Link`` carries what one stage hands its neighbour. ``walk`` runs the tasks of
-any set of stages in submission order: all of them (one driver, as
-``LocalPipeline`` and the Ray driver do today) or one (a stage walking its own
-part of the plan, its ``Link`` reaching the neighbours; ``Mailbox`` blocks
-until the value is there, so stages in threads can each walk their own).
+in this process, or the stage actor's own calls on Ray), and ``Link`` carries
+what one stage hands its neighbour. ``walk`` runs the tasks of any set of
+stages in submission order: all of them (one driver: ``LocalPipeline``, its
+link a ``Mailbox``) or one (a stage walking its own part of the plan: each Ray
+stage actor, its link a ``GroupLink`` to the neighbours' processes; or stages
+in threads over one ``Mailbox``, which blocks until the value is there).
+``walk_eval`` runs forwards only (inference) the same way.
 
 Pure: no torch, no Ray. tests/worker/test_walk.py checks it as tables.
 """
@@ -29,13 +30,13 @@ from typing import Generic, Protocol, TypeVar
 from shardps.worker.pipeline.plan import StepPlan
 from shardps.worker.pipeline.schedule import Kind, Task
 
-V = TypeVar("V")  # what stages hand over: a tensor in one process, an object reference on Ray
+V = TypeVar("V")  # what stages hand over: a tensor (names in the tests)
 L = TypeVar("L", covariant=True)  # a last-stage backward's loss: a float, or a reference to one
 
 
 class StageCalls(Protocol[V, L]):
-    """A stage's two calls, as the walker makes them (``StageRuntime`` is one; the Ray driver's actor
-    adapter another). Called one at a time, in the stage's own order."""
+    """A stage's two calls, as the walker makes them (``StageRuntime`` is one; the Ray stage actor, which
+    adds its weights' side, another). Called one at a time, in the stage's own order."""
 
     def forward(self, mb: int, x: V, /) -> V:
         """The forward of micro-batch ``mb`` on input ``x``; its output for the next stage."""
@@ -112,21 +113,51 @@ def run_task(plan: StepPlan, task: Task, stage: StageCalls[V, L], link: Link[V],
     return loss if s == last else None
 
 
-def walk(plan: StepPlan, stages: Mapping[int, StageCalls[V, L]], link: Link[V], inputs: Sequence[V],
-         targets: Sequence[V]) -> list[L]:
+def walk(plan: StepPlan, stages: Mapping[int, StageCalls[V, L]], link: Link[V], inputs: Sequence[V] | None,
+         targets: Sequence[V] | None) -> list[L]:
     """Run every task of the stages in ``stages`` (stage index -> its calls) in submission order: one
-    stage's own order when it is alone. ``inputs`` (micro-batches of the batch) are read by stage 0,
-    ``targets`` by the last stage. Returns the last stage's losses in the order its backwards ran
-    (empty when the last stage is not walked here)."""
-    if len(inputs) != plan.chunks or len(targets) != plan.chunks:
-        raise ValueError(f"the plan has {plan.chunks} micro-batches, got {len(inputs)} inputs and "
-                         f"{len(targets)} targets")
+    stage's own order when it is alone. ``inputs`` (micro-batches of the batch) are read by stage 0 and
+    ``targets`` by the last stage: each may be None when that stage is not walked here. Returns the last
+    stage's losses in the order its backwards ran (empty when the last stage is not walked here)."""
     unknown = sorted(s for s in stages if not 0 <= s < plan.num_stages)
     if unknown:
         raise ValueError(f"stages {unknown} are not in a plan of {plan.num_stages} stages")
+    need_in, need_tg = 0 in stages, plan.last_stage in stages
+    if need_in and (inputs is None or len(inputs) != plan.chunks) or \
+            need_tg and (targets is None or len(targets) != plan.chunks):
+        raise ValueError(f"the plan has {plan.chunks} micro-batches, got "
+                         f"{'no' if inputs is None else len(inputs)} inputs and "
+                         f"{'no' if targets is None else len(targets)} targets")
     losses: list[L] = []
     for t in plan.tasks_of(sorted(stages)):
-        loss = run_task(plan, t, stages[t.stage], link, inputs, targets)
+        loss = run_task(plan, t, stages[t.stage], link, inputs or (), targets or ())
         if loss is not None:
             losses.append(loss)
     return losses
+
+
+class EvalCalls(Protocol[V]):
+    """A stage's forward in eval mode (no gradients, nothing kept): ``StageRuntime.eval_forward``."""
+
+    def eval_forward(self, x: V, /) -> V: ...
+
+
+def walk_eval(num_stages: int, chunks: int, stages: Mapping[int, EvalCalls[V]], link: Link[V],
+              inputs: Sequence[V] | None) -> list[V]:
+    """Forwards only: ``chunks`` micro-batches through the stages in ``stages``, micro-batch after
+    micro-batch, handed over the link as a step's forwards are. Stage 0 reads ``inputs``; returns the
+    last stage's outputs in order (empty when it is not walked here)."""
+    if 0 in stages and (inputs is None or len(inputs) != chunks):
+        raise ValueError(f"eval of {chunks} micro-batches, got {'no' if inputs is None else len(inputs)} inputs")
+    outs: list[V] = []
+    for mb in range(chunks):
+        for s in sorted(stages):
+            x = inputs[mb] if s == 0 and inputs is not None else link.recv(Kind.FORWARD, s - 1, mb)
+            if x is None:
+                raise ValueError(f"stage {s - 1} handed stage {s} no output for micro-batch {mb}")
+            y = stages[s].eval_forward(x)
+            if s < num_stages - 1:
+                link.send(Kind.FORWARD, s, mb, y)
+            else:
+                outs.append(y)
+    return outs
