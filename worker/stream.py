@@ -17,8 +17,12 @@ FSDP does). Around each unit (``worker/streamplan.py``):
                         tied weight: autograd sums its uses first) handed to
                         the step's ``PushStream`` at once, then freed
 
-A weight is live while any slot holds it (a count per tensor): a weight
-tied between two units is pulled for each use that finds it released.
+A weight is live while any slot holds it (a count per tensor). Released,
+its storage is kept while the budget allows (the oldest released goes
+first when a pull needs room): a weight still there when backward wants
+it is not pulled again, and with a budget of the whole model nothing is
+pulled twice in a step. A weight tied between two units is pulled for
+each use that finds it freed. ``step()`` frees everything.
 The pulls of a step's forward ask for the versions the last push said
 ready (``weights_from``), as the resident path's pull does; under bsp and
 every:X no version can move between a unit's forward and its backward
@@ -84,6 +88,7 @@ class Streamer:
         self._refs: dict[str, int] = dict.fromkeys(opt.params, 0)
         self._inflight: dict[str, PullInFlight] = {}
         self._held: dict[Slot, tuple[str, ...]] = {}
+        self._cache: dict[str, None] = {}  # released by every slot, storage kept while the budget allows: oldest first
         self._calls: list[int] = []  # this step's unit calls, in forward order
         self._recorded: list[int] = []  # the last step's: the plan prefetching follows
         self._stack: list[int] = []  # the calls whose forward is running (units can nest)
@@ -188,10 +193,12 @@ class Streamer:
         if slot in self._held:
             return
         names = self.units[k].names
-        fetch = [n for n in names if self._refs[n] == 0 and n not in self._inflight]
+        fetch = [n for n in names if self._refs[n] == 0 and n not in self._inflight and n not in self._cache]
         for n in names:
             self._refs[n] += 1
+            self._cache.pop(n, None)
         self._held[slot] = names
+        self._make_room(sum(self._size[n] for n in fetch))
         net = []
         for n in fetch:
             self._alloc(n)
@@ -230,7 +237,19 @@ class Streamer:
                 pull = self._inflight.pop(n, None)
                 if pull is not None:  # a prefetch nobody waited for: it must stop writing first
                     _settle(pull)
-                self._free(n)
+                self._cache[n] = None
+        self._make_room(0)
+
+    def _make_room(self, more: int) -> None:
+        """Free the oldest released weights until ``more`` bytes fit the budget beside what is live."""
+        if not self._cache:
+            return
+        live = self.live_bytes()
+        while self._cache and live + more > self.spec.max_live_bytes:
+            n = next(iter(self._cache))
+            del self._cache[n]
+            self._free(n)
+            live -= self._size[n]
 
     def _unit_at(self, slot: Slot) -> int | None:
         calls = self._recorded if slot[0] == "f" else self._calls
@@ -246,8 +265,11 @@ class Streamer:
             k = self._unit_at(nxt)
             if k is None:
                 return
-            new = sum(self._size[n] for n in self.units[k].names if self._refs[n] == 0 and n not in self._inflight)
-            if not fits(self.live_bytes(), new * (2 if nxt[0] == "b" else 1), self.spec.max_live_bytes):
+            names = self.units[k].names
+            new = sum(self._size[n] for n in names if self._refs[n] == 0 and n not in self._inflight
+                      and n not in self._cache)
+            cached = sum(self._size[n] for n in self._cache if n not in names)  # freed to make room if need be
+            if not fits(self.live_bytes() - cached, new * (2 if nxt[0] == "b" else 1), self.spec.max_live_bytes):
                 return  # the budget is full: it is pulled when its turn comes
             self._acquire(nxt, k)
 
@@ -351,6 +373,9 @@ class Streamer:
         for pull in set(self._inflight.values()):
             _settle(pull)
         self._inflight.clear()
+        for n in self._cache:  # the next step's weights are new
+            self._free(n)
+        self._cache.clear()
         self._host.clear()
         if self._calls:
             self._recorded = self._calls
