@@ -33,6 +33,10 @@ Every wait has the pull's deadline (``PullInFlight``). Pull failures go
 to the optimizer's ``pull_failed`` (a rollback raises ``RolledBack`` out of
 forward or backward, after ``reset``: nothing held).
 Not thread-safe: the training thread (and the autograd hooks it runs) only.
+
+Over 400 lines: one class whose hooks share one step's state (hold counts,
+slots, pulls in flight, released weights kept, host copies, the push
+stream); the pure parts are worker/streamplan.py.
 """
 
 from __future__ import annotations
@@ -169,6 +173,7 @@ class Streamer:
             buf.copy_(t.view(-1), non_blocking=True)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
+        t.record_stream(side)  # the storage is not reused (after its release) before the copy has read it
         self._host[n] = (buf, done)
 
     def _from_host(self, n: str) -> None:
@@ -283,12 +288,7 @@ class Streamer:
         if pos < len(self._recorded) and self._recorded[pos] != k:
             self._recorded = []  # this forward goes another way: no prefetch until it is recorded again
         self._stack.append(pos)
-        slot: Slot = ("f", pos)
-        self._count_miss(slot)
-        self._acquire(slot, k)
-        self._ready(self.units[k].names)
-        self._prefetch(slot)
-        self._mark()
+        self._enter(("f", pos), k)
         if torch.is_grad_enabled():
             self._inputs[pos] = [t for t in _tensors(args) if t.requires_grad]
 
@@ -320,16 +320,16 @@ class Streamer:
         if self._closed or pos in self._backed:
             return
         self._backed.add(pos)
-        slot: Slot = ("b", pos)
-        self._count_miss(slot)
+        self._enter(("b", pos), k)
+
+    def _enter(self, slot: Slot, k: int) -> None:
+        """Unit ``k`` is about to run ``slot``: hold it, wait for its weights, prefetch what comes next."""
+        if self.steps > 0 and slot not in self._held:
+            self.misses_after_first += 1
         self._acquire(slot, k)
         self._ready(self.units[k].names)
         self._prefetch(slot)
         self._mark()
-
-    def _count_miss(self, slot: Slot) -> None:
-        if self.steps > 0 and slot not in self._held:
-            self.misses_after_first += 1
 
     def _done(self, pos: int, grads: Any) -> None:
         if self._closed:
