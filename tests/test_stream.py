@@ -84,7 +84,7 @@ def train(addresses, model_name: str, workers: int, sync: str, steps: int, strea
                                                optimizer=optimizer or shardps.optim.Adam(lr=1e-2), **kw)
             for step in range(steps):
                 x, y = batch(model_name, step, k)
-                nn.functional.cross_entropy(model(x), y).backward()
+                opt.scale(nn.functional.cross_entropy(model(x), y)).backward()
                 opt.step()
                 opt.zero_grad()
             if opt.stream is not None:
@@ -104,6 +104,7 @@ CASES = [
     ("mlp", "every:3", 2, "adam", None),
     ("mlp", "bsp", 2, "adafactor", None),
     ("mlp", "bsp", 2, "adam", torch.bfloat16),
+    ("mlp", "bsp", 2, "adam", "loss_scaling"),
     ("tied", "bsp", 2, "adam", None),
     ("reordered", "bsp", 2, "adam", None),
     ("mlp", "asp", 1, "adam", None),
@@ -115,7 +116,8 @@ CASES = [
 def test_streamed_equals_resident(make_cluster, model_name, sync, workers, opt_name, grad_dtype):
     steps = 6 if sync.startswith("every") else 3
     optimizer = shardps.optim.Adafactor() if opt_name == "adafactor" else None
-    kw = {"grad_dtype": grad_dtype} if grad_dtype is not None else {}
+    kw = {"loss_scaling": True, "grad_dtype": torch.float16} if grad_dtype == "loss_scaling" else \
+        {"grad_dtype": grad_dtype} if grad_dtype is not None else {}
     resident = train(make_cluster(2).addresses, model_name, workers, sync, steps, optimizer=optimizer, **kw)
     streamed = train(make_cluster(2).addresses, model_name, workers, sync, steps, optimizer=optimizer,
                      stream=shardps.Stream(1 << 20), **kw)
