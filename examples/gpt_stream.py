@@ -10,6 +10,11 @@ the modules running (docs/streaming.md), and prints the loss every
 ``--log-every`` steps and, at the end, the model's size, the peak live
 parameter + gradient bytes and their ratio. ``--resident``: the same run
 with the whole model held, to compare.
+
+On a CPU worker, run it with ``MALLOC_MMAP_THRESHOLD_=131072`` to see the
+freed weights leave the process's RSS: glibc otherwise raises its mmap
+threshold after the first large free, and the storage released keeps its
+pages in the heap (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -45,12 +50,12 @@ def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: i
     import shardps
 
     text = load_text()
+    rss0 = rss_bytes()  # before the model: its first weights count in the growth (streamed, they are freed)
     model = make_model(text.vocab, dim=dim, heads=heads, layers=layers, context=context, seed=seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     stream = shardps.Stream(max_live_bytes, prefetch=prefetch, keep=keep) if max_live_bytes is not None else None
     loss_fn = CharLoss()
     g = torch.Generator().manual_seed(seed)
-    rss0 = rss_bytes()
     losses: list[float] = []
     times: list[float] = []
     with shardps.connect(addresses) as client:
