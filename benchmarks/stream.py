@@ -9,9 +9,9 @@
   live parameter + gradient bytes over the model's, the process's RSS growth.
 - ``peers``: benchmarks/peers.py's workload (MLP 2048-4096-4096-10, 25.2M
   parameters, batch 64, SGD, bsp, fp32, one worker, ``--servers`` server
-  processes), resident and streamed (``--peers-budget`` of the model, 0.5,
-  so that the next layer's pull runs while one computes), in alternating
-  rounds; the step time ratio resident / streamed (1: streaming is free).
+  processes), resident and streamed under each ``--peers-budget`` (fractions
+  of the model: 0.5 and 1.0), in rounds of rotating order; the step time
+  ratio resident / streamed (1: streaming is free).
 - ``curve``: the GPT of ``--curve-dim`` / ``--curve-layers`` for budgets from
   0 (one unit at a time) to the whole model: peak live bytes and step time
   against the budget, resident beside; ``--plot PNG`` draws it.
@@ -57,7 +57,8 @@ def gpt(a: argparse.Namespace, say: Any) -> dict[str, Any]:
     return out
 
 
-def _peers_steps(addresses: list[str], budget: int | None, steps: int, seed_step: int) -> list[float]:
+def _peers_steps(addresses: list[str], budget: int | None, steps: int, seed_step: int) -> tuple[list[float], float]:
+    """Each timed step's seconds, and the seconds per step forward and backward waited for pulls."""
     import torch
 
     import shardps
@@ -65,9 +66,12 @@ def _peers_steps(addresses: list[str], budget: int | None, steps: int, seed_step
     model = common.mlp(PEERS_DIMS)
     stream = shardps.Stream(budget) if budget is not None else None
     times = []
+    waited = 0.0
     with shardps.connect(addresses) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), stream=stream)
         for step in range(steps + 1):  # the first: registering, recording the plan
+            if step == 1 and opt.stream is not None:
+                opt.stream.wait_seconds = 0.0
             x, y = common.batch(seed_step + step, 0, 64, PEERS_DIMS)
             t0 = time.perf_counter()
             common.loss_fn(model(x), y).backward()
@@ -76,28 +80,36 @@ def _peers_steps(addresses: list[str], budget: int | None, steps: int, seed_step
             if step:
                 times.append(time.perf_counter() - t0)
         if opt.stream is not None:
+            waited = opt.stream.wait_seconds / steps
             opt.stream.close()
     del torch
-    return times
+    return times, waited
 
 
 def peers(a: argparse.Namespace, say: Any) -> dict[str, Any]:
     import shardps
 
     model_bytes = common.numel(PEERS_DIMS) * 4
-    budget = int(a.peers_budget * model_bytes)
-    got: dict[str, list[float]] = {"resident": [], "streamed": []}
+    budgets = {f"streamed@{f:g}": int(f * model_bytes) for f in a.peers_budget}
+    kinds = ["resident", *budgets]
+    got: dict[str, list[float]] = {k: [] for k in kinds}
+    waits: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(a.rounds):
-        order = ["resident", "streamed"] if r % 2 == 0 else ["streamed", "resident"]
-        for kind in order:
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # each round in another order
             with shardps.LocalCluster(a.servers, processes=True) as cluster:
-                t = _peers_steps(cluster.addresses, budget if kind == "streamed" else None, a.peers_steps, 100 * r)
+                t, w = _peers_steps(cluster.addresses, budgets.get(kind), a.peers_steps, 100 * r)
             got[kind].append(statistics.median(t))
+            waits[kind].append(w)
             say(f"peers round {r}: {kind} {got[kind][-1]:.3f} s/step")
-    res, st = statistics.median(got["resident"]), statistics.median(got["streamed"])
-    return {"params": common.numel(PEERS_DIMS), "max_live_bytes": budget, "resident_step_s": round(res, 4),
-            "streamed_step_s": round(st, 4), "ratio_resident_over_streamed": round(res / st, 3),
-            "rounds": got}
+    res = statistics.median(got["resident"])
+    out: dict[str, Any] = {"params": common.numel(PEERS_DIMS), "resident_step_s": round(res, 4)}
+    for kind, budget in budgets.items():
+        st = statistics.median(got[kind])
+        out[kind] = {"max_live_bytes": budget, "step_s": round(st, 4),
+                     "ratio_resident_over_streamed": round(res / st, 3),
+                     "pull_wait_s_per_step": round(statistics.median(waits[kind]), 4)}
+    out["rounds"] = got
+    return out
 
 
 def curve(a: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
@@ -119,7 +131,8 @@ def curve(a: argparse.Namespace, say: Any) -> list[dict[str, Any]]:
                         context=a.context, batch_size=a.batch_size, steps=a.curve_steps, max_live_bytes=budget,
                         log_every=10**9, say=quiet)
         row = {"budget_fraction": frac, "max_live_bytes": budget, "peak_over_model": out["peak_over_model"],
-               "step_s": round(statistics.median(out["step_seconds"][1:]), 4), "pulls_per_step": out["pulls_per_step"]}
+               "step_s": round(statistics.median(out["step_seconds"][1:]), 4), "pulls_per_step": out["pulls_per_step"],
+               "pull_wait_s_per_step": out["pull_wait_s_per_step"]}
         say(f"curve: {row}")
         rows.append(row)
     return rows
@@ -145,7 +158,7 @@ def plot(path: str, rows: list[dict[str, Any]], load: str) -> None:
     ax2.set_ylabel("step time ratio resident / streamed", color="tab:red")
     ax2.set_ylim(0, 1.2)
     ax1.set_title(f"Streamed GPT, one worker, 2 servers (load {load})", fontsize=9)
-    fig.legend(loc="lower right", fontsize=8)
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.9), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -161,7 +174,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--gpt-steps", type=int, default=40)
     p.add_argument("--gpt-budget", type=float, default=0.06)
-    p.add_argument("--peers-budget", type=float, default=0.5)
+    p.add_argument("--peers-budget", type=float, nargs="+", default=[0.5, 1.0],
+                   help="budgets (fractions of the model) to stream the peers workload under")
     p.add_argument("--peers-steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--curve-dim", type=int, default=256)
@@ -182,7 +196,7 @@ def main() -> int:
         say(f"gpt: {out['gpt']}")
     if a.part in ("all", "peers"):
         out["peers"] = peers(a, say)
-        say(f"peers: { {k: v for k, v in out['peers'].items() if k != 'rounds'} }")
+        say(f"peers: { {k: v for k, v in out['peers'].items() if k != 'rounds'} }")  # noqa: E201,E202
     if a.part in ("all", "curve"):
         out["curve"] = curve(a, say)
         if a.plot:

@@ -83,7 +83,8 @@ def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: i
                "last_loss": round(sum(losses[-5:]) / len(losses[-5:]), 4),
                "step_seconds": times, "units": len(st.units) if st is not None else 0,
                "largest_unit_bytes": st.largest_unit_bytes if st is not None else 0,
-               "pulls_per_step": round(st.pulls / steps, 1) if st is not None else 0}
+               "pulls_per_step": round(st.pulls / steps, 1) if st is not None else 0,
+               "pull_wait_s_per_step": round(st.wait_seconds / steps, 4) if st is not None else 0}
     return out
 
 

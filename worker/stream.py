@@ -42,7 +42,8 @@ stream); the pure parts are worker/streamplan.py.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -108,6 +109,7 @@ class Streamer:
         self.peak_host_bytes = 0
         self.pulls = 0  # pulls started (one per unit fetched)
         self.pulled_bytes = 0
+        self.wait_seconds = 0.0  # forward and backward blocked on pulls (the cost prefetching did not hide)
         self.steps = 0
         self.misses_after_first = 0  # slots whose weights were not asked for before their hook (first step aside)
         self.trace: list[int] | None = None  # set to [] to record the live bytes at every boundary
@@ -222,7 +224,14 @@ class Streamer:
     def _ready(self, names: tuple[str, ...]) -> None:
         """Wait until ``names`` are in (the pull's deadline); a failed pull goes to the optimizer."""
         pulls = {id(p): p for n in names if (p := self._inflight.get(n)) is not None}
-        for pull in pulls.values():
+        t0 = time.perf_counter()
+        try:
+            self._take(pulls.values())
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def _take(self, pulls: Iterable[PullInFlight]) -> None:
+        for pull in pulls:
             for n in [n for n, q in self._inflight.items() if q is pull]:
                 del self._inflight[n]
             try:
