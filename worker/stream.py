@@ -109,6 +109,7 @@ class Streamer:
         self.peak_host_bytes = 0
         self.pulls = 0  # pulls started (one per unit fetched)
         self.pulled_bytes = 0
+        self._weight_bytes = 0  # the parameters' live storage bytes (kept by _alloc and _free)
         self.wait_seconds = 0.0  # forward and backward blocked on pulls (the cost prefetching did not hide)
         self.steps = 0
         self.misses_after_first = 0  # slots whose weights were not asked for before their hook (first step aside)
@@ -142,12 +143,17 @@ class Streamer:
         self.peak_live_bytes = self.live_bytes()
         self.peak_host_bytes = self.host_bytes()
 
-    def _mark(self) -> None:
-        live = self.live_bytes()
-        self.peak_live_bytes = max(self.peak_live_bytes, live)
-        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes())
+    def _mark(self, grad_bytes: int = 0) -> None:
+        """A boundary: the weights live (kept count) plus ``grad_bytes`` (the one gradient alive: each is freed
+        as soon as it is handed in) into the peak. With ``trace`` on, read from the tensors and checked."""
+        live = self._weight_bytes + grad_bytes
         if self.trace is not None:
+            scanned = self.live_bytes()
+            assert scanned == live, f"Streamer: {scanned} bytes live, {live} counted"
             self.trace.append(live)
+        self.peak_live_bytes = max(self.peak_live_bytes, live)
+        if self._host:
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes())
 
     # -- storage ----------------------------------------------------------------
 
@@ -155,9 +161,13 @@ class Streamer:
         st = self.params[n].data.untyped_storage()
         if st.nbytes() == 0:
             st.resize_(self._size[n])
+            self._weight_bytes += self._size[n]
 
     def _free(self, n: str) -> None:
-        self.params[n].data.untyped_storage().resize_(0)
+        st = self.params[n].data.untyped_storage()
+        if st.nbytes():
+            st.resize_(0)
+            self._weight_bytes -= self._size[n]
 
     def _keeps_host(self) -> bool:
         return self.spec.keep == "host" or not self.opt.sync.barrier
@@ -258,7 +268,7 @@ class Streamer:
         """Free the oldest released weights until ``more`` bytes fit the budget beside what is live."""
         if not self._cache:
             return
-        live = self.live_bytes()
+        live = self._weight_bytes
         while self._cache and live + more > self.spec.max_live_bytes:
             n = next(iter(self._cache))
             del self._cache[n]
@@ -283,7 +293,7 @@ class Streamer:
             new = sum(self._size[n] for n in names if self._refs[n] == 0 and n not in self._inflight
                       and n not in self._cache)
             cached = sum(self._size[n] for n in self._cache if n not in names)  # freed to make room if need be
-            if not fits(self.live_bytes() - cached, new * (2 if nxt[0] == "b" else 1), self.spec.max_live_bytes):
+            if not fits(self._weight_bytes - cached, new * (2 if nxt[0] == "b" else 1), self.spec.max_live_bytes):
                 return  # the budget is full: it is pulled when its turn comes
             self._acquire(nxt, k)
 
@@ -364,7 +374,7 @@ class Streamer:
                 self._push = opt.open_push_stream()
             self._push.add({name: value})
             self._handed.add(name)
-        self._mark()  # the gradient is counted while it exists
+        self._mark(g.untyped_storage().nbytes())  # the gradient is counted while it exists
         param.grad = None
         for pos, waiting in list(self._waiting.items()):
             waiting.discard(name)
