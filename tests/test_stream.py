@@ -157,6 +157,26 @@ def test_live_bytes_stay_under_the_budget_at_every_boundary(cluster2):
         assert st.peak_live_bytes == 0
 
 
+def test_named_units_and_an_evaluation_hold_nothing_after(cluster2):
+    """Units named by the user (each hidden layer with its activation, in a Sequential); an evaluation forward
+    (no autograd) between steps keeps nothing once it returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 24), nn.Sequential(nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24)),
+                          nn.Linear(24, 5))
+    with shardps.connect(cluster2.addresses, part_bytes=512) as client:
+        opt = shardps.DistributedOptimizer(model, client, stream=shardps.Stream(1 << 20, modules=[model[1]]))
+        st = opt.stream
+        assert st is not None and [len(u.names) for u in st.units] == [2, 4, 2]
+        for step in range(2):
+            x, y = batch("mlp", step, 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            with torch.no_grad():
+                out = model(x)
+            assert st.held() == {} and out.shape == (BATCH, 5)
+        assert st.misses_after_first == 1  # the second step: only its first unit was not prefetched
+
+
 def test_keep_host_brings_backward_weights_from_the_host(cluster2):
     torch.manual_seed(0)
     model = Mlp()

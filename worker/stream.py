@@ -261,7 +261,10 @@ class Streamer:
                 pull = self._inflight.pop(n, None)
                 if pull is not None:  # a prefetch nobody waited for: it must stop writing first
                     _settle(pull)
-                self._cache[n] = None
+                if slot[0] == "f" and torch.is_grad_enabled():  # its backward may want it: kept while room
+                    self._cache[n] = None
+                else:
+                    self._free(n)
         self._make_room(0)
 
     def _make_room(self, more: int) -> None:
@@ -302,6 +305,13 @@ class Streamer:
     def _pre_forward(self, k: int, module: nn.Module, args: Any) -> None:
         if self._closed:
             return
+        if not torch.is_grad_enabled():  # an evaluation: no plan, no prefetch, nothing kept after
+            pos = -1 - len(self._stack)
+            self._stack.append(pos)
+            self._acquire(("e", pos), k)
+            self._ready(self.units[k].names)
+            self._mark()
+            return
         pos = len(self._calls)
         self._calls.append(k)
         if pos < len(self._recorded) and self._recorded[pos] != k:
@@ -315,6 +325,10 @@ class Streamer:
         if self._closed:
             return
         pos = self._stack.pop()
+        if pos < 0:
+            self._release(("e", pos))
+            self._mark()
+            return
         names = self.units[k].names
         inputs = self._inputs.pop(pos, [])
         outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]

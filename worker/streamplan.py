@@ -76,6 +76,9 @@ def units(model: nn.Module, params: Mapping[str, torch.Tensor], chosen: Sequence
     for m in chosen:
         if id(m) not in ids:
             raise ValueError(f"Stream(modules=...): {type(m).__name__} is not a module of the model")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
+            raise ValueError(f"Stream(modules=...): a {type(m).__name__} has no forward to hook: name the "
+                             f"modules in it")
     inside: set[int] = set()  # modules within a chosen one
     for m in chosen:
         for sub in m.modules():
@@ -110,7 +113,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-Slot = tuple[str, int]  # ("f", k): the k-th call's forward; ("b", k): its backward
+Slot = tuple[str, int]  # ("f", k): the k-th call's forward; ("b", k): its backward; ("e", -d): an evaluation's
 
 
 def schedule(calls: int) -> list[Slot]:

@@ -73,5 +73,7 @@ def test_bad_module_lists_are_named():
     params = dict(net.named_parameters())
     with pytest.raises(ValueError, match="Linear is not a module of the model"):
         units(net, params, [nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="a ModuleList has no forward to hook"):
+        units(net, params, [net.blocks])
     with pytest.raises(ValueError, match="Linear is inside Block, also named"):
         units(net, params, [net.blocks[0], net.blocks[0].a])
