@@ -177,6 +177,26 @@ def test_named_units_and_an_evaluation_hold_nothing_after(cluster2):
         assert st.misses_after_first == 1  # the second step: only its first unit was not prefetched
 
 
+def test_a_rejoin_registers_shapes_only_and_goes_on(cluster2):
+    """After an eviction the optimizer registers again (``_join``): a streamed worker's weights are released,
+    so it sends shapes (meta tensors), not values, and the next forward pulls the job's weights."""
+    torch.manual_seed(0)
+    model = Mlp()
+    with shardps.connect(cluster2.addresses, part_bytes=512) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1),
+                                           stream=shardps.Stream(1 << 20))
+        x, y = batch("mlp", 0, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        before = opt.stream.weights()
+        opt._join()  # what _push_failed does on REJOIN
+        assert opt.stream.held() == {}
+        assert all(torch.equal(w, before[n]) for n, w in opt.stream.weights().items())  # the job's, unchanged
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.pushes == 2 and opt.stream.held() == {}
+
+
 def test_keep_host_brings_backward_weights_from_the_host(cluster2):
     torch.manual_seed(0)
     model = Mlp()
