@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardps.examples.shakespeare import CharLoss, batch, load_text, make_model
+from shardps.examples.shakespeare import Block, CharLoss, batch, load_text, make_model
 
 
 def rss_bytes() -> int:
@@ -44,16 +44,19 @@ def rss_bytes() -> int:
 
 def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: int, batch_size: int, steps: int,
           max_live_bytes: int | None, prefetch: int = 1, keep: str = "server", lr: float = 3e-3, seed: int = 0,
-          log_every: int = 10, say: Callable[[str], None] = print) -> dict[str, Any]:
+          log_every: int = 10, blocks: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
     """One worker trains ``steps`` steps on the servers at ``addresses``; streamed unless ``max_live_bytes``
-    is None. Returns losses, step times, bytes."""
+    is None (``blocks``: each transformer block one unit, else each module with parameters of its own).
+    Returns losses, step times, bytes."""
     import shardps
 
     text = load_text()
     rss0 = rss_bytes()  # before the model: its first weights count in the growth (streamed, they are freed)
     model = make_model(text.vocab, dim=dim, heads=heads, layers=layers, context=context, seed=seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    stream = shardps.Stream(max_live_bytes, prefetch=prefetch, keep=keep) if max_live_bytes is not None else None
+    units = [m for m in model if isinstance(m, Block)] if blocks else None
+    stream = (shardps.Stream(max_live_bytes, prefetch=prefetch, keep=keep, modules=units)
+              if max_live_bytes is not None else None)
     loss_fn = CharLoss()
     g = torch.Generator().manual_seed(seed)
     losses: list[float] = []
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resident", action="store_true", help="hold the whole model instead (to compare)")
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--keep", choices=["server", "host"], default="server")
+    p.add_argument("--blocks", action="store_true", help="stream each transformer block as one unit")
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     with shardps.LocalCluster(a.servers, processes=True) as cluster:
         out = train(cluster.addresses, dim=a.dim, layers=a.layers, heads=a.heads, context=a.context,
                     batch_size=a.batch_size, steps=a.steps, max_live_bytes=budget, prefetch=a.prefetch, keep=a.keep,
-                    log_every=a.log_every)
+                    log_every=a.log_every, blocks=a.blocks)
     times = out.pop("step_seconds")
     out["mean_step_seconds"] = round(sum(times[1:]) / max(1, len(times) - 1), 4)
     if a.json:
