@@ -25,6 +25,7 @@ _WHERE = {
     "PushResult": "shardps.worker.client",
     "RolledBack": "shardps.worker.errors",
     "ShardError": "shardps.worker.errors",
+    "Stream": "shardps.worker.streamplan",
     "connect": "shardps.worker.client",
 }
 _SUBMODULES = ("compress", "optim")
@@ -37,6 +38,7 @@ __all__ = [
     "PushResult",
     "RolledBack",
     "ShardError",
+    "Stream",
     "compress",
     "connect",
     "optim",
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from shardps.worker.client import PSClient, PushResult, connect
     from shardps.worker.errors import RolledBack, ShardError
     from shardps.worker.optimizer import DistributedOptimizer
+    from shardps.worker.streamplan import Stream
 
 
 def __getattr__(name: str) -> Any:

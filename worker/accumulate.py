@@ -30,6 +30,15 @@ class Accumulator:
                 acc.add_(g)
         self.steps += 1
 
+    def add_one(self, name: str, grad: torch.Tensor) -> None:
+        """Add one tensor's gradient of the step being taken, ``steps`` unchanged (a streamed model hands
+        each in as backward completes it; ``add({})`` then counts the step)."""
+        acc = self._sums.get(name)
+        if acc is None:
+            self._sums[name] = grad.detach().clone()
+        else:
+            acc.add_(grad)
+
     def mean(self) -> dict[str, torch.Tensor]:
         """The mean over the steps held (the sums divided in place) and forget them: the gradient to push."""
         grads = {n: a.div_(self.steps) for n, a in self._sums.items()}

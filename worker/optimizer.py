@@ -7,6 +7,11 @@ gradients and syncs once every X calls, like gradient accumulation; under
 ``ssp:S`` it waits before its next step until the slowest worker is at most
 S steps behind. The servers' sync mode is authoritative: when it is switched
 live (``shardps ctl set-sync``), workers follow from their next step.
+
+Over 400 lines: one class whose paths (plain, overlapped, streamed) share
+the step's bookkeeping (round, accumulation, rollback, rejoin, the sync mode
+followed); what each path does with tensors lives in worker/overlap.py,
+worker/stream.py and the client.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from shardps.worker.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
 from shardps.worker.rollback import Action, During, decide, resume_step
+from shardps.worker.stream import Stream, Streamer
 
 __all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
 
@@ -92,6 +98,13 @@ class DistributedOptimizer:
     with a model cut into many shards (``shardps server --shards``) the
     first shards' weights come down while the last gradients go up. None
     (the default): every shard's push at once.
+
+    ``stream=shardps.Stream(max_live_bytes)`` (``params`` must be the model):
+    the worker holds only the weights of the modules running, pulled before
+    each module's forward and backward and released after, each gradient
+    pushed as soon as backward completes it (``opt.stream``: the
+    ``Streamer``, its ``peak_live_bytes``). Not with ``overlap`` (it
+    overlaps already) or ``compress``. See docs/streaming.md.
     """
 
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
@@ -101,7 +114,7 @@ class DistributedOptimizer:
                  staleness_remedy: str = "none", provides_values: bool | None = None,
                  overlap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  pull_dtype: torch.dtype | None = None, push_window: int | None = None,
-                 compress: CompressChoice | None = None) -> None:
+                 compress: CompressChoice | None = None, stream: Stream | None = None) -> None:
         named = params.named_parameters() if isinstance(params, nn.Module) else params
         self.params: dict[str, torch.Tensor] = {n: p for n, p in named if p.requires_grad}
         if not self.params:
@@ -116,6 +129,15 @@ class DistributedOptimizer:
             raise ValueError(f"compress= with {'overlap=True' if overlap else 'loss_scaling'} is not supported: "
                              f"compression runs at step() on unscaled gradients (docs/compression.md)")
         self.compressor: Compressor | None = None
+        if stream is not None:
+            if not isinstance(stream, Stream):
+                raise ValueError(f"stream must be a shardps.Stream, got {stream!r}")
+            if not isinstance(params, nn.Module):
+                raise ValueError("stream= needs the model (an nn.Module): its modules' hooks fetch the weights")
+            if overlap or compress is not None:
+                raise ValueError(f"stream= with {'overlap=True' if overlap else 'compress='} is not supported: "
+                                 f"a streamed model pushes during backward already (docs/streaming.md)")
+        self.stream: Streamer | None = None
         if push_window is not None and push_window < 1:
             raise ValueError(f"push_window must be >= 1 (or None: every shard at once), got {push_window}")
         self.push_window = push_window
@@ -134,9 +156,14 @@ class DistributedOptimizer:
         scaling = LossScaling() if loss_scaling is True else (loss_scaling or None)
 
         def register() -> None:
-            client.register(self.params, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
+            tensors: dict[str, torch.Tensor] = self.params
+            provides = provides_values
+            if self.stream is not None:  # a rejoin: the weights are released; the shapes are what it needs
+                tensors = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.params.items()}
+                provides = False
+            client.register(tensors, self.optimizer, sync=str(self.sync), grad_dtype=grad_dtype,
                             loss_scaling=scaling, max_whole_bytes=max_whole_bytes,
-                            staleness_remedy=staleness_remedy, provides_values=provides_values)
+                            staleness_remedy=staleness_remedy, provides_values=provides)
 
         self._register = register
         self.rejoins = 0
@@ -150,13 +177,16 @@ class DistributedOptimizer:
         if overlap:
             assert isinstance(params, nn.Module)
             self.overlap = Overlap(self, params, bucket_bytes)
+        if stream is not None:  # from here on the weights come and go with the modules
+            assert isinstance(params, nn.Module)
+            self.stream = Streamer(self, params, stream)
 
     def _join(self) -> None:
         """Register (idempotent), pull the current weights and go on from this worker's clock."""
         self._register()
         self.round = self.client.clock  # a worker (re)joining a running job goes on from its clock
         try:
-            self.client.pull(out=self.params, dtype=self.pull_dtype)
+            self._pull_all()
         except ShardError as e:
             if decide(e, During.JOIN) is not Action.RESYNC:
                 raise
@@ -173,7 +203,7 @@ class DistributedOptimizer:
         for _ in range(attempts):
             self.round = self.client.recover()
             try:
-                self.client.pull(out=self.params, dtype=self.pull_dtype)
+                self._pull_all()
                 return
             except ShardError as e:
                 if decide(e, During.RESYNC) is not Action.RESYNC:
@@ -182,6 +212,20 @@ class DistributedOptimizer:
                          e.details)
         raise RuntimeError(f"worker {self.client.worker_id}: the job kept rolling back ({attempts} times) "
                            f"while this worker resynced")
+
+    def _pull_all(self) -> None:
+        """Every weight from the shards; streamed: none, the next forward pulls each module's (from the
+        versions the client has now)."""
+        if self.stream is not None:
+            self.stream.reset()
+            return
+        self.client.pull(out=self.params, dtype=self.pull_dtype)
+
+    def pull_failed(self, e: ShardError) -> None:
+        """A streamed module's pull failed: roll back (raises RolledBack out of forward or backward), or
+        return to let ``e`` be raised."""
+        if decide(e, During.PULL) is Action.ROLLBACK:
+            raise self._recover() from None
 
     def _recover(self) -> RolledBack:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
@@ -232,6 +276,9 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.stream is not None:
+            self.local_steps += 1
+            return self._step_streamed(loss)
         ov = self.overlap
         stream = ov.take_stream() if ov is not None else None
         if ov is not None and ov.pull is not None:  # a step without backward (or one that streamed nothing)
@@ -275,6 +322,40 @@ class DistributedOptimizer:
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss)
+
+    def _step_streamed(self, loss: Any) -> Any:
+        """A streamed model's step: its gradients went up during backward; close the push (every:X: sum
+        on the host until the step that pushes). The next forward pulls the weights this push made."""
+        assert self.stream is not None
+        push = self.stream.end_step()
+        x = self.sync.accumulation
+        if x > 1 and self.accumulator.steps + 1 < x:
+            if push is not None:  # the mode changed during the step: what went up cannot be summed again
+                push.abort()
+                raise RuntimeError("the sync mode changed to every:X during a streamed step's backward")
+            self.accumulator.add({})
+            return loss
+        mode = self.sync
+        t0 = time.perf_counter()
+        try:
+            if push is None:
+                push = self.open_push_stream()
+            rest = self.stream.remaining(push)
+            if rest:
+                push.add(rest)
+            self.last_push = push.finish()
+        except ShardError as e:
+            return self._push_failed(e, loss)
+        self.accumulator.reset()
+        self.pushes += 1
+        self.round += 1
+        self.sync_history.append(str(mode))
+        self._follow()
+        self.stream.weights_from([r.ready_version for r in self.last_push], self.sync.min_clock(self.round))
+        if self.metrics is not None:
+            self.metrics.push_seconds.observe(time.perf_counter() - t0)
+            self.metrics.clock.set(self.round)
+        return loss
 
     def _push_failed(self, e: ShardError, loss: Any) -> Any:
         """A push failed: roll back (raises RolledBack), rejoin after an eviction, or raise ``e``."""
