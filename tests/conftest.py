@@ -37,6 +37,7 @@ def cluster2(make_cluster: Callable[..., shardps.LocalCluster]) -> shardps.Local
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FIXTURES = {"make_cluster", "cluster2", "ray_cluster"}
+RAY_MODULES = {"test_ray.py", "test_pipeline_ray.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -46,10 +47,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The tests on the session's Ray cluster come first, one after the other, and in one xdist group (`make
     # test` runs the suite in two processes, --dist loadgroup): one process starts the cluster at once and
     # stops it after the last of them (pytest_runtest_teardown), while the other runs everything else.
+    # (Two Ray clusters starting at once on 2 cores were seen to time out: "node timed out during startup".)
     # Their order among themselves, and everyone else's, is kept.
     on_ray = [i for i in items if "ray_cluster" in getattr(i, "fixturenames", ())]
-    for item in on_ray:
-        item.add_marker(pytest.mark.xdist_group("ray_cluster"))
+    for item in items:  # and the Ray tests that start clusters of their own: one Ray start at a time
+        if item in on_ray or item.path.name in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = on_ray + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())]
 
 
