@@ -15,6 +15,7 @@ callable); no part reaches another through the store::
     |- applier: Applier        apply.py: the optimizer step, remedies, loss scaler, step counters
     |- reader: Reader          pullcache.py: reads, the Pull framing cache, reads in progress
     |- checkpointer            checkpoint.py: checkpoint files and their schedule
+    |- rows: RowTables         rows.py: row tables, pulled and pushed by key (docs/sparse.md)
     '- replica: ReplicaSide    replica.py: role, replicator, replay and takeover; the parts' Recorder
 
 and the snapshot codec (snapshot.py), the sync policies (sync.py), the
@@ -77,6 +78,7 @@ from shardps.server.pullcache import PullCache, Reader
 from shardps.server.remedies import Remedy
 from shardps.server.replica import ReplicaSide
 from shardps.server.roles import ReplicaState, Role
+from shardps.server.rows import RowTables
 from shardps.server.scaling import scaling_config
 from shardps.server.snapshot import COUNTERS, ShardState, decode, encode, state_hash
 from shardps.server.sync import make_policy
@@ -150,6 +152,7 @@ class ShardStore:
         self.reader = reader = Reader(shard_index, cond, table, job, settle=applier.settle,
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
+        self.rows = RowTables()  # row tables (server/rows.py): their own leaf lock, no part of the dense path's
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)

@@ -1,0 +1,148 @@
+"""Row tables on one shard: the rows its keys hash to, created on first touch (docs/sparse.md).
+
+``RowTables`` is the store's part for row tables: register, pull and push,
+each checked whole before anything changes (a refused request changes
+nothing: no row created, no step counted). A table keeps its rows in one
+fp32 tensor ``[capacity, dim]`` that doubles when full, a dict from key to
+row slot, and its optimizer's state beside the rows (server/optim/rowbase.py).
+
+Thread-safety: one lock per ``RowTables`` (a leaf lock: nothing else is
+taken under it), held over each whole request.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shardps.protos.rows import ROW_ITEMSIZE, RowTableSpec, init_rows
+from shardps.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.optim import RowOptimizer, make_row_optimizer
+
+INITIAL_CAPACITY = 1024
+
+
+@dataclass
+class RowTable:
+    """One table's rows on this shard."""
+
+    spec: RowTableSpec
+    optimizer: RowOptimizer
+    weights: torch.Tensor = field(init=False)
+    state: dict[str, torch.Tensor] = field(init=False)
+    slots: dict[int, int] = field(default_factory=dict)  # key (uint64 as int) -> row of ``weights``
+    steps: int = 0  # pushes applied (the optimizer's step count: one per push, touched or not)
+
+    def __post_init__(self) -> None:
+        self.weights = torch.empty(0, self.spec.dim)
+        self.state = {k: torch.zeros(0, *shape) for k, shape in self.optimizer.state_shapes(self.spec.dim).items()}
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    def _grow(self, need: int) -> None:
+        cap = len(self.weights)
+        if need <= cap:
+            return
+        new_cap = max(INITIAL_CAPACITY, cap * 2, need)
+        w = torch.empty(new_cap, self.spec.dim)
+        w[:cap] = self.weights
+        self.weights = w
+        for k, t in self.state.items():
+            s = torch.zeros(new_cap, *t.shape[1:])
+            s[:cap] = t
+            self.state[k] = s
+
+    def slots_of(self, keys: np.ndarray) -> torch.Tensor:
+        """The row slot of each (distinct) uint64 key, creating the rows not yet held with their init."""
+        found = self.slots
+        listed = keys.tolist()
+        out = [found.get(k, -1) for k in listed]
+        new = [i for i, s in enumerate(out) if s < 0]
+        if new:
+            start = len(found)
+            self._grow(start + len(new))
+            self.weights[start:start + len(new)] = init_rows(self.spec, keys[new])
+            for j, i in enumerate(new):
+                found[listed[i]] = out[i] = start + j
+        return torch.tensor(out, dtype=torch.int64)
+
+    def state_bytes(self) -> int:
+        return sum(t[: self.size].numel() * t.element_size() for t in self.state.values())
+
+
+def _coalesce(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Distinct keys and the sum of each key's gradient rows (as a sparse tensor's ``coalesce``)."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    if len(uniq) == len(keys):
+        return keys, grads
+    summed = torch.zeros(len(uniq), grads.shape[1])
+    summed.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), grads)
+    return uniq, summed
+
+
+class RowTables:
+    """The row tables of one shard."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tables: dict[str, RowTable] = {}
+
+    def register(self, spec: RowTableSpec) -> int:
+        """Declare a table (the same spec again: a no-op); its rows held here. FailedPrecondition for another
+        spec under a name in use."""
+        with self.lock:
+            held = self.tables.get(spec.name)
+            if held is not None:
+                if held.spec != spec:
+                    raise FailedPrecondition(f"row table {spec.name!r}: registered as {held.spec}, now asked as "
+                                             f"{spec}")
+                return held.size
+            try:
+                opt = make_row_optimizer(spec.optimizer)
+            except ValueError as e:
+                raise InvalidArgument(f"row table {spec.name!r}: {e}") from None
+            self.tables[spec.name] = RowTable(spec, opt)
+            return 0
+
+    def table(self, name: str, dim: int) -> RowTable:
+        t = self.tables.get(name)
+        if t is None:
+            raise NotFound(f"row table {name!r} is not registered on this shard (registered: "
+                           f"{sorted(self.tables)[:20]})")
+        if dim != t.spec.dim:
+            raise InvalidArgument(f"row table {name!r}: expected dim {t.spec.dim}, got {dim}")
+        return t
+
+    def pull(self, name: str, dim: int, keys: np.ndarray) -> torch.Tensor:
+        """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held."""
+        with self.lock:
+            t = self.table(name, dim)
+            slots = t.slots_of(keys)  # first: it may grow ``weights``
+            return t.weights[slots]
+
+    def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor) -> tuple[int, int]:
+        """One optimizer step of the table on the rows of ``keys`` (repeated keys' gradients summed first):
+        (distinct rows updated, the table's step count). Every push counts as a step, an empty one too."""
+        if grads.shape != (len(keys), dim):
+            raise InvalidArgument(f"row table {name!r}: expected gradients of shape [{len(keys)}, {dim}] for "
+                                  f"{len(keys)} keys, got {list(grads.shape)}")
+        if not bool(torch.isfinite(grads).all()):
+            raise InvalidArgument(f"row table {name!r}: the gradients hold inf or nan")
+        uniq, summed = _coalesce(keys, grads)
+        with self.lock:
+            t = self.table(name, dim)
+            slots = t.slots_of(uniq)
+            t.steps += 1
+            t.optimizer.step(t.weights, t.state, slots, summed, t.steps)
+            return len(uniq), t.steps
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per table: rows held, weight and state bytes, steps."""
+        with self.lock:
+            return {n: {"rows": t.size, "weight_bytes": t.size * t.spec.dim * ROW_ITEMSIZE,
+                        "state_bytes": t.state_bytes(), "steps": t.steps} for n, t in self.tables.items()}

@@ -1,0 +1,98 @@
+"""The gRPC face of a shard's row tables (``service Rows``, the worker token): decode, call, encode.
+
+Requests are checked whole before the store sees them (keys' dtype and
+length, gradient bytes against keys x dim, every message of a PushRows
+stream naming the same table, worker, step and dim); the store
+(server/rows.py) checks the table and the dim. Errors name the table, what
+was expected and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from shardps.protos import codec
+from shardps.protos.rows import KEY_DTYPES, ROW_ITEMSIZE, RowTableSpec, rows_per_message
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.server.errors import InvalidArgument
+from shardps.server.metrics import ServerMetrics
+from shardps.server.rows import RowTables
+from shardps.server.rpc import stream_errors, unary_errors
+
+
+def decode_keys(table: str, key_dtype: str, data: bytes) -> np.ndarray:
+    """The uint64 keys of a request; InvalidArgument for another dtype or a length not a multiple of 8."""
+    dtype = KEY_DTYPES.get(key_dtype)
+    if dtype is None:
+        raise InvalidArgument(f"row table {table!r}: expected keys of dtype {sorted(KEY_DTYPES)}, got "
+                              f"{key_dtype!r}")
+    if len(data) % 8:
+        raise InvalidArgument(f"row table {table!r}: expected keys of 8 bytes each, got {len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype).view(np.uint64)
+
+
+def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]) -> tuple[str, int, np.ndarray, torch.Tensor]:
+    """(table, dim, uint64 keys, [n, dim] fp32 gradients) of a whole PushRows stream."""
+    first: ps_pb2.PushRowsRequest | None = None
+    keys: list[np.ndarray] = []
+    grads: list[bytes] = []
+    for m in requests:
+        first = first or m
+        head, want = (m.table, m.dim, m.worker_id, m.step), (first.table, first.dim, first.worker_id, first.step)
+        if head != want:
+            raise InvalidArgument(f"row table {first.table!r}: every message of a PushRows stream names the same "
+                                  f"(table, dim, worker, step): expected {want}, got {head}")
+        k = decode_keys(m.table, m.key_dtype, m.keys)
+        if len(m.grads) != len(k) * m.dim * ROW_ITEMSIZE:
+            raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} x {m.dim} fp32 gradients "
+                                  f"({len(k) * m.dim * ROW_ITEMSIZE} bytes), got {len(m.grads)} bytes")
+        keys.append(k)
+        grads.append(m.grads)
+    if first is None:
+        raise InvalidArgument("PushRows: an empty stream")
+    data = b"".join(grads)
+    g = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
+    return first.table, first.dim, np.concatenate(keys), g.view(-1, max(1, first.dim))
+
+
+class RowsServicer(ps_pb2_grpc.RowsServicer):
+    """``service Rows`` over a shard's ``RowTables``."""
+
+    def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
+        self.rows = rows
+        self.check_serving = check_serving
+        self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
+        self.metrics = metrics
+
+    @unary_errors
+    def RegisterRows(self, request: ps_pb2.RegisterRowsRequest,
+                     context: grpc.ServicerContext) -> ps_pb2.RegisterRowsResponse:
+        self.check_serving()
+        try:
+            spec = RowTableSpec.from_proto(request.table)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        return ps_pb2.RegisterRowsResponse(rows=self.rows.register(spec))
+
+    @stream_errors
+    def PullRows(self, request: ps_pb2.PullRowsRequest,
+                 context: grpc.ServicerContext) -> Iterator[ps_pb2.PullRowsResponse]:
+        self.check_serving()
+        keys = decode_keys(request.table, request.key_dtype, request.keys)
+        rows = self.rows.pull(request.table, request.dim, keys)
+        per = rows_per_message(request.dim, self.chunk_bytes)
+        for first in range(0, len(keys), per):
+            yield ps_pb2.PullRowsResponse(first=first, rows=rows[first:first + per].numpy().tobytes())
+
+    @unary_errors
+    def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],
+                 context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
+        self.check_serving()
+        table, dim, keys, grads = decode_push_rows(request_iterator)
+        rows, steps = self.rows.push(table, dim, keys, grads)
+        return ps_pb2.PushRowsResponse(rows=rows, steps=steps)
