@@ -6,8 +6,13 @@ nothing: no row created, no step counted). A table keeps its rows in one
 fp32 tensor ``[capacity, dim]`` that doubles when full, a dict from key to
 row slot, and its optimizer's state beside the rows (server/optim/rowbase.py).
 
-Thread-safety: one lock per ``RowTables`` (a leaf lock: nothing else is
-taken under it), held over each whole request.
+Sync per table push: asp (``num_workers`` <= 1) applies a push at once;
+bsp holds step t's pushes until ``num_workers`` workers pushed it, then
+applies the mean of their gradients as one optimizer step and answers them
+all (a wait with a deadline that names the workers it waited for).
+
+Thread-safety: one lock (and condition) per ``RowTables``, a leaf lock:
+nothing else is taken under it; held over each whole request but a bsp wait.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 import torch
 
 from shardps.protos.rows import ROW_ITEMSIZE, RowTableSpec, init_rows
-from shardps.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from shardps.server.optim import RowOptimizer, make_row_optimizer
 
 INITIAL_CAPACITY = 1024
@@ -35,6 +40,8 @@ class RowTable:
     state: dict[str, torch.Tensor] = field(init=False)
     slots: dict[int, int] = field(default_factory=dict)  # key (uint64 as int) -> row of ``weights``
     steps: int = 0  # pushes applied (the optimizer's step count: one per push, touched or not)
+    held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor]]] = field(default_factory=dict)  # bsp: step -> pushes
+    bsp_done: int = -1  # the last bsp step applied
 
     def __post_init__(self) -> None:
         self.weights = torch.empty(0, self.spec.dim)
@@ -89,7 +96,7 @@ class RowTables:
     """The row tables of one shard."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Condition(threading.Lock())
         self.tables: dict[str, RowTable] = {}
 
     def register(self, spec: RowTableSpec) -> int:
@@ -125,21 +132,60 @@ class RowTables:
             slots = t.slots_of(keys)  # first: it may grow ``weights``
             return t.weights[slots]
 
-    def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor) -> tuple[int, int]:
+    def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
+             num_workers: int = 1, timeout: float = 60.0) -> tuple[int, int]:
         """One optimizer step of the table on the rows of ``keys`` (repeated keys' gradients summed first):
-        (distinct rows updated, the table's step count). Every push counts as a step, an empty one too."""
+        (distinct rows updated, the table's step count). Every push counts as a step, an empty one too;
+        under bsp (``num_workers`` > 1) once per step, when every worker pushed it (see the module)."""
         if grads.shape != (len(keys), dim):
             raise InvalidArgument(f"row table {name!r}: expected gradients of shape [{len(keys)}, {dim}] for "
                                   f"{len(keys)} keys, got {list(grads.shape)}")
         if not bool(torch.isfinite(grads).all()):
             raise InvalidArgument(f"row table {name!r}: the gradients hold inf or nan")
-        uniq, summed = _coalesce(keys, grads)
         with self.lock:
             t = self.table(name, dim)
-            slots = t.slots_of(uniq)
-            t.steps += 1
-            t.optimizer.step(t.weights, t.state, slots, summed, t.steps)
-            return len(uniq), t.steps
+            if num_workers <= 1:
+                return self._apply(t, keys, grads)
+            if step <= t.bsp_done:
+                raise FailedPrecondition(f"row table {name!r}: step {step} of worker {worker} was applied already "
+                                         f"(the table is at bsp step {t.bsp_done})")
+            pushes = t.held.setdefault(step, {})
+            pushes[worker] = (keys, grads)
+            if len(pushes) >= num_workers:
+                del t.held[step]
+                got = [pushes[w] for w in sorted(pushes)]
+                rows = self._apply(t, np.concatenate([k for k, _ in got]),
+                                   torch.cat([g for _, g in got]) / num_workers)
+                t.bsp_done = step
+                self.lock.notify_all()
+                return rows
+            if not self.lock.wait_for(lambda: t.bsp_done >= step, timeout):
+                missing = sorted(set(range(num_workers)) - set(t.held.get(step, {})))
+                raise DeadlineExceeded(f"row table {name!r}: bsp step {step} waited {timeout:.1f}s for workers "
+                                       f"{missing} of {num_workers}")
+            return len(np.unique(keys)), t.steps
+
+    @staticmethod
+    def _apply(t: RowTable, keys: np.ndarray, grads: torch.Tensor) -> tuple[int, int]:
+        uniq, summed = _coalesce(keys, grads)
+        slots = t.slots_of(uniq)
+        t.steps += 1
+        t.optimizer.step(t.weights, t.state, slots, summed, t.steps)
+        return len(uniq), t.steps
+
+    def assign(self, name: str, dim: int, keys: np.ndarray, values: torch.Tensor) -> int:
+        """Create the rows of distinct ``keys`` not held yet with ``values`` (their first values; rows held
+        keep theirs): the rows created."""
+        if values.shape != (len(keys), dim) or not bool(torch.isfinite(values).all()):
+            raise InvalidArgument(f"row table {name!r}: expected {len(keys)} finite rows of dim {dim}, got "
+                                  f"{list(values.shape)}")
+        with self.lock:
+            t = self.table(name, dim)
+            listed = keys.tolist()
+            new = [i for i, k in enumerate(listed) if k not in t.slots]
+            slots = t.slots_of(keys)
+            t.weights[slots[new]] = values[new]
+            return len(new)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per table: rows held, weight and state bytes, steps."""

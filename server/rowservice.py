@@ -35,17 +35,19 @@ def decode_keys(table: str, key_dtype: str, data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).view(np.uint64)
 
 
-def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]) -> tuple[str, int, np.ndarray, torch.Tensor]:
-    """(table, dim, uint64 keys, [n, dim] fp32 gradients) of a whole PushRows stream."""
+def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]
+                     ) -> tuple[ps_pb2.PushRowsRequest, np.ndarray, torch.Tensor]:
+    """(the first message, uint64 keys, [n, dim] fp32 gradients) of a whole PushRows stream."""
     first: ps_pb2.PushRowsRequest | None = None
     keys: list[np.ndarray] = []
     grads: list[bytes] = []
     for m in requests:
         first = first or m
-        head, want = (m.table, m.dim, m.worker_id, m.step), (first.table, first.dim, first.worker_id, first.step)
+        head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign)
+        want = (first.table, first.dim, first.worker_id, first.step, first.num_workers, first.assign)
         if head != want:
             raise InvalidArgument(f"row table {first.table!r}: every message of a PushRows stream names the same "
-                                  f"(table, dim, worker, step): expected {want}, got {head}")
+                                  f"(table, dim, worker, step, num_workers, assign): expected {want}, got {head}")
         k = decode_keys(m.table, m.key_dtype, m.keys)
         if len(m.grads) != len(k) * m.dim * ROW_ITEMSIZE:
             raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} x {m.dim} fp32 gradients "
@@ -56,15 +58,17 @@ def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]) -> tuple[str, i
         raise InvalidArgument("PushRows: an empty stream")
     data = b"".join(grads)
     g = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
-    return first.table, first.dim, np.concatenate(keys), g.view(-1, max(1, first.dim))
+    return first, np.concatenate(keys), g.view(-1, max(1, first.dim))
 
 
 class RowsServicer(ps_pb2_grpc.RowsServicer):
     """``service Rows`` over a shard's ``RowTables``."""
 
     def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
-                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None) -> None:
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
+                 max_wait_s: float = 300.0) -> None:
         self.rows = rows
+        self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
         self.check_serving = check_serving
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.metrics = metrics
@@ -93,6 +97,11 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
     def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],
                  context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         self.check_serving()
-        table, dim, keys, grads = decode_push_rows(request_iterator)
-        rows, steps = self.rows.push(table, dim, keys, grads)
+        head, keys, grads = decode_push_rows(request_iterator)
+        if head.assign:
+            return ps_pb2.PushRowsResponse(rows=self.rows.assign(head.table, head.dim, keys, grads))
+        remaining = context.time_remaining()
+        timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
+        rows, steps = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
+                                     num_workers=head.num_workers, timeout=timeout)
         return ps_pb2.PushRowsResponse(rows=rows, steps=steps)

@@ -27,7 +27,7 @@ _WHERE = {
     "ShardError": "shardps.worker.errors",
     "connect": "shardps.worker.client",
 }
-_SUBMODULES = ("compress", "optim")
+_SUBMODULES = ("compress", "nn", "optim")
 
 __all__ = [
     "DistributedOptimizer",
@@ -39,11 +39,12 @@ __all__ = [
     "ShardError",
     "compress",
     "connect",
+    "nn",
     "optim",
 ]
 
 if TYPE_CHECKING:
-    from shardps import compress, optim
+    from shardps import compress, nn, optim
     from shardps.deploy.local import LocalCluster
     from shardps.protos.amp import LossScaling
     from shardps.worker.client import PSClient, PushResult, connect

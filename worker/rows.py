@@ -113,9 +113,14 @@ class RowClient:
         self.wire_bytes += sum(t.each(pull_shard))
         return out[s.inverse].view(*keys.shape, dim)
 
-    def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int) -> int:
+    def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
+             assign: bool = False) -> int:
         """One optimizer step of the table from the gradient rows ``grads`` (``[*keys.shape, dim]``) of
-        ``keys``; repeated keys' rows are summed. Returns the distinct rows updated over all shards."""
+        ``keys``; repeated keys' rows are summed. Returns the distinct rows updated over all shards.
+
+        ``num_workers`` > 1: bsp, the step is applied once that many workers pushed ``step``, with the
+        mean of their gradients (this call returns then). ``assign``: ``grads`` are the rows' first
+        values (rows not held yet are created with them; no step)."""
         dim = self._spec(name).dim
         g = grads.detach().reshape(-1, dim).to(torch.float32, copy=False)
         if g.shape[0] != keys.numel():
@@ -131,7 +136,8 @@ class RowClient:
                 part = idx[lo:lo + per]
                 yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
                                              grads=summed[torch.from_numpy(part)].numpy().tobytes(), dim=dim,
-                                             worker_id=self.worker_id, step=step)
+                                             worker_id=self.worker_id, step=step, num_workers=num_workers,
+                                             assign=assign)
 
         def push_shard(shard: int) -> int:
             answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)

@@ -564,7 +564,7 @@ class PullRowsResponse(_message.Message):
     def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step")
+    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -572,6 +572,8 @@ class PushRowsRequest(_message.Message):
     DIM_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
@@ -579,7 +581,9 @@ class PushRowsRequest(_message.Message):
     dim: int
     worker_id: int
     step: int
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    num_workers: int
+    assign: bool
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
     __slots__ = ("rows", "steps")
