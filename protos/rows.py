@@ -75,6 +75,8 @@ class RowTableSpec:
     keys: str = "int64"
     init: dict[str, float | str] = field(default_factory=lambda: {"kind": "normal", "mean": 0.0, "std": 1.0})
     seed: int = 0
+    admit: int = 0  # > 1: a row is stored once this many pushes carried its key (before: init, gradients dropped)
+    expire: int = 0  # > 0: rows not pushed for this many of the table's steps are dropped
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -87,10 +89,28 @@ class RowTableSpec:
             raise ValueError(f"row table {self.name!r}: seed must be in [0, 2**64), got {self.seed}")
         optim.check_row_optimizer(self.optimizer)
         check_init(self.name, self.init)
+        for k in ("admit", "expire"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 32:
+                raise ValueError(f"row table {self.name!r}: {k} must be an int in [0, 2**32), got {v!r}")
 
     def to_proto(self) -> ps_pb2.RowTableSpec:
         return ps_pb2.RowTableSpec(name=self.name, dim=self.dim, keys=self.keys, optimizer=self.optimizer.to_proto(),
-                                   init_json=json.dumps(self.init, sort_keys=True), seed=self.seed)
+                                   init_json=json.dumps(self.init, sort_keys=True), seed=self.seed, admit=self.admit,
+                                   expire=self.expire)
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as JSON-able values (in a checkpoint's meta); ``from_json`` reads it back."""
+        return {"name": self.name, "dim": self.dim, "keys": self.keys, "optimizer": self.optimizer.name,
+                "params": self.optimizer.params(), "init": self.init, "seed": self.seed, "admit": self.admit,
+                "expire": self.expire}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RowTableSpec:
+        opt = ps_pb2.OptimizerSpec(name=d["optimizer"], params_json=json.dumps(d["params"]))
+        return cls.from_proto(ps_pb2.RowTableSpec(name=d["name"], dim=d["dim"], keys=d["keys"], optimizer=opt,
+                                                  init_json=json.dumps(d["init"]), seed=d["seed"],
+                                                  admit=d.get("admit", 0), expire=d.get("expire", 0)))
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.RowTableSpec) -> RowTableSpec:
@@ -101,7 +121,7 @@ class RowTableSpec:
         except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"row table {msg.name!r}: init_json is not valid JSON: {type(e).__name__}") from None
         return cls(name=msg.name, dim=msg.dim, optimizer=optim.spec_from_proto(msg.optimizer), keys=msg.keys,
-                   init=init, seed=msg.seed)
+                   init=init, seed=msg.seed, admit=msg.admit, expire=msg.expire)
 
 
 def check_init(table: str, init: Any) -> None:
@@ -123,28 +143,41 @@ def _table_seed(spec: RowTableSpec) -> int:
     return int(mixed[0])
 
 
-def _uniform01(keys: np.ndarray, salt: np.uint64, dim: int) -> np.ndarray:
-    """[len(keys), dim] float64 uniforms in (0, 1), one per (key, column), from the key's bits alone."""
+def _bits(keys: np.ndarray, salt: np.uint64, dim: int) -> np.ndarray:
+    """[len(keys), dim] uint64 hashes, one per (key, column), from the key's bits alone."""
     with np.errstate(over="ignore"):
         base = mix64(keys ^ salt)[:, None] + np.arange(dim, dtype=np.uint64)[None, :] * _GOLDEN
-    bits = mix64(base) >> np.uint64(11)  # 53 bits
-    u: np.ndarray = (bits.astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    return mix64(base)
+
+
+def _unit(bits: np.ndarray) -> np.ndarray:
+    """32-bit halves of hashes as float64 uniforms in (0, 1)."""
+    u: np.ndarray = (bits.astype(np.float64) + 0.5) * (1.0 / (1 << 32))
     return u
 
 
 def init_rows(spec: RowTableSpec, keys: np.ndarray) -> torch.Tensor:
-    """The first value of the rows of uint64 ``keys``: [len(keys), dim] fp32, from (seed, name, key) alone."""
+    """The first value of the rows of uint64 ``keys``: [len(keys), dim] fp32, from (seed, name, key) alone.
+
+    One 64-bit hash per (key, column); its two 32-bit halves are the uniforms of a Box-Muller normal
+    (``uniform``: the high half)."""
     n, dim, kind = len(keys), spec.dim, spec.init["kind"]
     if kind == "zeros" or n == 0:
         return torch.zeros(n, dim)
-    salt = np.uint64(_table_seed(spec))
+    bits = _bits(keys, np.uint64(_table_seed(spec)), dim)
+    u1 = _unit(bits >> np.uint64(32))
     if kind == "uniform":
         a, b = float(spec.init.get("a", -1.0)), float(spec.init.get("b", 1.0))
-        return torch.from_numpy(a + (b - a) * _uniform01(keys, salt, dim)).float()
-    u1 = _uniform01(keys, salt, dim)
-    u2 = _uniform01(keys, salt ^ _GOLDEN, dim)
-    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)  # Box-Muller
-    return torch.from_numpy(float(spec.init.get("mean", 0.0)) + float(spec.init.get("std", 1.0)) * z).float()
+        return torch.from_numpy(a + (b - a) * u1).float()
+    u2 = _unit(bits & np.uint64(0xFFFFFFFF))
+    np.log(u1, out=u1)
+    u1 *= -2.0
+    np.sqrt(u1, out=u1)
+    u2 *= 2.0 * math.pi
+    np.cos(u2, out=u2)
+    u1 *= u2  # Box-Muller: sqrt(-2 ln u1) cos(2 pi u2)
+    z = torch.from_numpy(u1).float()
+    return z.mul_(float(spec.init.get("std", 1.0))).add_(float(spec.init.get("mean", 0.0)))
 
 
 def rows_per_message(dim: int, chunk_bytes: int) -> int:

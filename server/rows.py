@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,14 @@ INITIAL_CAPACITY = 1024
 
 @dataclass
 class RowTable:
-    """One table's rows on this shard."""
+    """One table's rows on this shard.
+
+    Admission (``spec.admit`` > 1): a key not held is counted in ``seen`` at each push that carries it;
+    its gradients are dropped (``dropped``) until the push that makes the count ``admit``, which creates
+    the row and applies that push (``admitted``); a pull of it reads its init and stores nothing.
+    Expiry (``spec.expire`` > 0): after each step, rows not pushed for more than ``expire`` of the table's
+    steps are dropped (``expired``); touched again, they start from their init.
+    """
 
     spec: RowTableSpec
     optimizer: RowOptimizer
@@ -42,10 +50,14 @@ class RowTable:
     steps: int = 0  # pushes applied (the optimizer's step count: one per push, touched or not)
     held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor]]] = field(default_factory=dict)  # bsp: step -> pushes
     bsp_done: int = -1  # the last bsp step applied
+    seen: dict[int, int] = field(default_factory=dict)  # admission: pushes that carried each key not held
+    counts: dict[str, int] = field(default_factory=lambda: {"admitted": 0, "dropped": 0, "expired": 0})
 
     def __post_init__(self) -> None:
         self.weights = torch.empty(0, self.spec.dim)
         self.state = {k: torch.zeros(0, *shape) for k, shape in self.optimizer.state_shapes(self.spec.dim).items()}
+        self.last = torch.zeros(0, dtype=torch.int64)  # per slot: the table step that last pushed (or made) it
+        self.keys = np.zeros(0, dtype=np.uint64)  # per slot: its key
 
     @property
     def size(self) -> int:
@@ -56,27 +68,99 @@ class RowTable:
         if need <= cap:
             return
         new_cap = max(INITIAL_CAPACITY, cap * 2, need)
-        w = torch.empty(new_cap, self.spec.dim)
+        w = torch.zeros(new_cap, self.spec.dim)
         w[:cap] = self.weights
         self.weights = w
         for k, t in self.state.items():
             s = torch.zeros(new_cap, *t.shape[1:])
             s[:cap] = t
             self.state[k] = s
+        self.last = torch.cat([self.last, torch.zeros(new_cap - cap, dtype=torch.int64)])
+        self.keys = np.concatenate([self.keys, np.zeros(new_cap - cap, dtype=np.uint64)])
+
+    def find(self, keys: np.ndarray) -> list[int]:
+        """The slot of each uint64 key, -1 where not held."""
+        found = self.slots
+        return [found.get(k, -1) for k in keys.tolist()]
+
+    def create(self, keys: np.ndarray, values: torch.Tensor | None = None) -> list[int]:
+        """New rows for distinct uint64 ``keys`` not held (their init, or ``values``): their slots."""
+        start, n = self.size, len(keys)
+        self._grow(start + n)
+        self.weights[start:start + n] = init_rows(self.spec, keys) if values is None else values
+        self.last[start:start + n] = self.steps
+        self.keys[start:start + n] = keys
+        for j, k in enumerate(keys.tolist()):
+            self.slots[k] = start + j
+        return list(range(start, start + n))
 
     def slots_of(self, keys: np.ndarray) -> torch.Tensor:
         """The row slot of each (distinct) uint64 key, creating the rows not yet held with their init."""
-        found = self.slots
-        listed = keys.tolist()
-        out = [found.get(k, -1) for k in listed]
+        out = self.find(keys)
         new = [i for i, s in enumerate(out) if s < 0]
         if new:
-            start = len(found)
-            self._grow(start + len(new))
-            self.weights[start:start + len(new)] = init_rows(self.spec, keys[new])
-            for j, i in enumerate(new):
-                found[listed[i]] = out[i] = start + j
+            for i, slot in zip(new, self.create(keys[new]), strict=True):
+                out[i] = slot
         return torch.tensor(out, dtype=torch.int64)
+
+    def read(self, keys: np.ndarray) -> torch.Tensor:
+        """The rows of distinct uint64 ``keys``: created where not held, or (admission) their init, unstored."""
+        if self.spec.admit <= 1:
+            slots = self.slots_of(keys)  # first: it may grow ``weights``
+            return self.weights[slots]
+        out = self.find(keys)
+        held = [i for i, s in enumerate(out) if s >= 0]
+        rows = init_rows(self.spec, keys)
+        if held:
+            rows[torch.tensor(held)] = self.weights[torch.tensor([out[i] for i in held])]
+        return rows
+
+    def admit(self, keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """The keys (and their gradient rows) a push may step: held, or admitted by this push."""
+        if self.spec.admit <= 1:
+            return keys, grads
+        out = self.find(keys)
+        keep = []
+        for i, k in enumerate(keys.tolist()):
+            if out[i] >= 0:
+                keep.append(i)
+                continue
+            n = self.seen.get(k, 0) + 1
+            if n >= self.spec.admit:
+                self.seen.pop(k, None)
+                self.counts["admitted"] += 1
+                keep.append(i)
+            else:
+                self.seen[k] = n
+                self.counts["dropped"] += 1
+        return keys[keep], grads[keep]
+
+    def expire(self) -> None:
+        """Drop the rows not pushed for more than ``spec.expire`` steps (swap-remove: rows from the end fill
+        the holes)."""
+        if self.spec.expire <= 0 or not self.size:
+            return
+        n = self.size
+        gone = torch.nonzero(self.last[:n] < self.steps - self.spec.expire).flatten()
+        if not len(gone):
+            return
+        keep_n = n - len(gone)
+        holes = gone[gone < keep_n]
+        removed = set(gone.tolist())
+        movers = torch.tensor([s for s in range(keep_n, n) if s not in removed], dtype=torch.int64)
+        for k in self.keys[gone.numpy()].tolist():
+            del self.slots[k]
+        if len(holes):
+            self.weights[holes] = self.weights[movers]
+            for st in self.state.values():
+                st[holes] = st[movers]
+            self.last[holes] = self.last[movers]
+            self.keys[holes.numpy()] = self.keys[movers.numpy()]
+            for h, k in zip(holes.tolist(), self.keys[holes.numpy()].tolist(), strict=True):
+                self.slots[k] = h
+        for st in self.state.values():  # a slot used again starts with zero state
+            st[keep_n:n] = 0
+        self.counts["expired"] += len(gone)
 
     def state_bytes(self) -> int:
         return sum(t[: self.size].numel() * t.element_size() for t in self.state.values())
@@ -128,9 +212,7 @@ class RowTables:
     def pull(self, name: str, dim: int, keys: np.ndarray) -> torch.Tensor:
         """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held."""
         with self.lock:
-            t = self.table(name, dim)
-            slots = t.slots_of(keys)  # first: it may grow ``weights``
-            return t.weights[slots]
+            return self.table(name, dim).read(keys)
 
     def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
              num_workers: int = 1, timeout: float = 60.0) -> tuple[int, int]:
@@ -167,10 +249,12 @@ class RowTables:
 
     @staticmethod
     def _apply(t: RowTable, keys: np.ndarray, grads: torch.Tensor) -> tuple[int, int]:
-        uniq, summed = _coalesce(keys, grads)
+        uniq, summed = t.admit(*_coalesce(keys, grads))
         slots = t.slots_of(uniq)
         t.steps += 1
         t.optimizer.step(t.weights, t.state, slots, summed, t.steps)
+        t.last[slots] = t.steps
+        t.expire()
         return len(uniq), t.steps
 
     def assign(self, name: str, dim: int, keys: np.ndarray, values: torch.Tensor) -> int:
@@ -181,14 +265,47 @@ class RowTables:
                                   f"{list(values.shape)}")
         with self.lock:
             t = self.table(name, dim)
-            listed = keys.tolist()
-            new = [i for i, k in enumerate(listed) if k not in t.slots]
-            slots = t.slots_of(keys)
-            t.weights[slots[new]] = values[new]
+            new = [i for i, s in enumerate(t.find(keys)) if s < 0]
+            t.create(keys[new], values[new])
             return len(new)
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Every table as (JSON-able meta, tensors: ``rows/{name}/keys`` (uint64 bits as int64),
+        ``rows/{name}/weight``, ``rows/{name}/state/{key}``), copies: what a checkpoint holds of them."""
+        meta: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        with self.lock:
+            for name, t in self.tables.items():
+                n = t.size
+                meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "bsp_done": t.bsp_done,
+                              "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()]}
+                tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
+                tensors[f"rows/{name}/last"] = t.last[:n].clone()
+                tensors[f"rows/{name}/weight"] = t.weights[:n].clone()
+                for k, st in t.state.items():
+                    tensors[f"rows/{name}/state/{k}"] = st[:n].clone()
+        return meta, tensors
+
+    def restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Replace every table with a snapshot's (``snapshot``); a snapshot of no tables empties them."""
+        tables: dict[str, RowTable] = {}
+        for name, m in meta.items():
+            spec = RowTableSpec.from_json(m["spec"])
+            t = RowTable(spec, make_row_optimizer(spec.optimizer), steps=m["steps"], bsp_done=m["bsp_done"],
+                         seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]))
+            keys = tensors[f"rows/{name}/keys"].numpy().view(np.uint64)
+            t.create(keys, tensors[f"rows/{name}/weight"])
+            t.last[: len(keys)] = tensors[f"rows/{name}/last"]
+            for k in t.state:
+                t.state[k][: len(keys)] = tensors[f"rows/{name}/state/{k}"]
+            tables[name] = t
+        with self.lock:
+            self.tables = tables
+            self.lock.notify_all()
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per table: rows held, weight and state bytes, steps."""
         with self.lock:
             return {n: {"rows": t.size, "weight_bytes": t.size * t.spec.dim * ROW_ITEMSIZE,
-                        "state_bytes": t.state_bytes(), "steps": t.steps} for n, t in self.tables.items()}
+                        "state_bytes": t.state_bytes(), "steps": t.steps, "pending_admission": len(t.seen),
+                        **t.counts} for n, t in self.tables.items()}

@@ -309,13 +309,15 @@ class ShardStore:
         """``snapshot`` with the lock held."""
         self.applier.settle()
         m, job, ap = self.leases.membership, self.job, self.applier
-        return encode(ShardState(
+        version, meta, tensors = encode(ShardState(
             version=job.version, num_shards=self.num_shards, sync=job.sync, num_workers=m.num_workers,
             workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left),
             worker_clocks=job.worker_clocks, scaler=ap.scaler, remedy=ap.remedy, epoch=job.epoch,
             entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
             counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
             stale_weights=ap.stale_weights))
+        meta["rows"], row_tensors = self.rows.snapshot()  # row tables (server/rows.py): their own keys
+        return version, meta, {**tensors, **row_tensors}
 
     def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Replace this shard's whole state with a snapshot (see ``snapshot``), part by part."""
@@ -323,6 +325,7 @@ class ShardStore:
             raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
                                      f"{self.shard_index} of {self.num_shards}")
         s = decode(version, meta, tensors)
+        self.rows.restore(meta.get("rows") or {}, tensors)
         with self._cond:
             ap, job = self.applier, self.job
             ap.settle()

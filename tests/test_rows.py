@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
 import torch
 
 import shardps
+from shardps.deploy.local import read_ready
 from shardps.protos.optim import SGD, RowwiseAdagrad, SparseAdam
 from shardps.protos.rows import RowTableSpec, init_rows
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
@@ -61,7 +69,7 @@ def test_bad_row_requests_name_the_table_and_change_nothing(make_cluster):
     with shardps.connect(cluster.addresses) as client:
         client.rows.register("emb", 4, optimizer=SparseAdam())
         client.rows.pull("emb", torch.tensor([1, 2]))
-        before = (store.rows.stats(), store.rows.tables["emb"].weights.clone())
+        before = (store.rows.stats(), store.rows.tables["emb"].weights[:2].clone())
         channel = grpc.insecure_channel(cluster.addresses[0])
         stub = ps_pb2_grpc.RowsStub(channel)
         keys = np.array([1, 2, 3], dtype="<u8").tobytes()
@@ -99,7 +107,7 @@ def test_bad_row_requests_name_the_table_and_change_nothing(make_cluster):
             for w in words:
                 assert w in details, (what, details)
         assert store.rows.stats() == before[0] and "x" not in store.rows.tables
-        assert torch.equal(store.rows.tables["emb"].weights, before[1])
+        assert torch.equal(store.rows.tables["emb"].weights[:2], before[1])
         channel.close()
         with pytest.raises(ValueError, match="momentum"):
             client.rows.register("m", 4, optimizer=SGD(lr=0.1, momentum=0.9))
@@ -163,3 +171,78 @@ def test_rowwise_adagrad_equals_numpy(make_cluster):
                 w[r] -= 0.1 * summed[r] / (np.sqrt(s[r]) + 1e-5)
         got = client.rows.pull("t", torch.arange(10)).numpy()
     assert np.allclose(got, w, atol=1e-5, rtol=0)
+
+
+def _server(port: int, ckpt: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "shardps", "server", "--port", str(port), "--checkpoint-dir", str(ckpt)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    read_ready(proc, 60)
+    return proc
+
+
+@pytest.mark.fault
+@pytest.mark.cluster
+def test_kill_9_and_restart_restores_identical_rows(tmp_path):
+    """Rows, their optimizer state and step count are in the checkpoint: a server killed with -9 and started
+    again on the same checkpoint directory holds the rows it held at the checkpoint, bit for bit, and steps
+    on from the step count it held."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = _server(port, tmp_path)
+    try:
+        keys, grads = torch.arange(-50, 50), torch.randn(4, 100, 8, generator=torch.Generator().manual_seed(0))
+        with shardps.connect([f"127.0.0.1:{port}"]) as client:
+            client.rows.register("emb", 8, optimizer=SparseAdam(lr=0.1))
+            for step in range(2):
+                client.rows.push("emb", keys, grads[step], step)
+            client.checkpoint()
+            saved = client.rows.pull("emb", keys)
+            client.rows.push("emb", keys, grads[2], 2)  # after the checkpoint: lost with the server
+            client.rows.push("emb", keys, grads[3], 3)
+            want = client.rows.pull("emb", keys)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc = _server(port, tmp_path)
+        with shardps.connect([f"127.0.0.1:{port}"]) as client:
+            client.rows.register("emb", 8, optimizer=SparseAdam(lr=0.1))
+            assert torch.equal(client.rows.pull("emb", keys), saved)
+            client.rows.push("emb", keys, grads[2], 2)  # redone: the same moments and step count as before
+            client.rows.push("emb", keys, grads[3], 3)
+            assert torch.equal(client.rows.pull("emb", keys), want)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_admission_and_expiry_count_exactly(make_cluster):
+    """admit=3: a key's first two pushes are dropped (its pulls read the init, nothing stored), the third
+    creates and steps it. expire=2: a row not pushed for more than 2 of the table's steps is dropped."""
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("a", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"}, admit=3)
+        one = torch.ones(1, 2)
+        for step in range(2):
+            client.rows.push("a", torch.tensor([7]), one, step)
+            assert torch.equal(client.rows.pull("a", torch.tensor([7])), torch.zeros(1, 2))
+        st = store.rows.stats()["a"]
+        assert (st["rows"], st["admitted"], st["dropped"], st["pending_admission"]) == (0, 0, 2, 1)
+        client.rows.push("a", torch.tensor([7, 7, 8]), torch.ones(3, 2), 2)  # 7's third push (once, summed)
+        assert torch.equal(client.rows.pull("a", torch.tensor([7, 8])), torch.tensor([[-2.0, -2.0], [0.0, 0.0]]))
+        st = store.rows.stats()["a"]
+        assert (st["rows"], st["admitted"], st["dropped"], st["pending_admission"]) == (1, 1, 3, 1)
+
+        client.rows.register("e", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"}, expire=2)
+        client.rows.push("e", torch.tensor([1, 2, 3]), torch.ones(3, 2), 0)  # step 1: rows 1, 2, 3
+        client.rows.push("e", torch.tensor([2]), one, 1)  # step 2
+        client.rows.push("e", torch.tensor([3]), one, 2)  # step 3
+        assert store.rows.stats()["e"]["expired"] == 0
+        client.rows.push("e", torch.tensor([3]), one, 3)  # step 4: row 1 (last pushed at 1) is 3 steps old
+        st = store.rows.stats()["e"]
+        assert (st["rows"], st["expired"]) == (2, 1)
+        client.rows.push("e", torch.tensor([3]), one, 4)  # step 5: row 2 (at 2) goes too
+        st = store.rows.stats()["e"]
+        assert (st["rows"], st["expired"]) == (1, 2)
+        rows = client.rows.pull("e", torch.tensor([1, 2, 3]))
+        assert torch.equal(rows, torch.tensor([[0.0, 0.0], [0.0, 0.0], [-4.0, -4.0]]))  # 1, 2 start again

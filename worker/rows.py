@@ -63,14 +63,17 @@ class RowClient:
         self.wire_bytes = 0  # key and row bytes sent and received by this client's row calls
 
     def register(self, name: str, dim: int, *, optimizer: OptimizerSpec | None = None, keys: str = "int64",
-                 init: dict[str, float | str] | None = None, seed: int = 0) -> RowTableSpec:
+                 init: dict[str, float | str] | None = None, seed: int = 0, admit: int = 0,
+                 expire: int = 0) -> RowTableSpec:
         """Declare the row table ``name`` on every shard (the same spec again: a no-op). ``optimizer``:
         ``SparseAdam``, ``RowwiseAdagrad`` or ``SGD`` with ``lr`` alone (default ``SGD(lr=0.01)``);
         ``keys``: "int64" (ids given as int64/uint64 tensors) or "hash" (any str/bytes/int, see ``keys_of``);
-        ``init``: a new row's distribution (default normal(0, 1), as ``torch.nn.Embedding``)."""
+        ``init``: a new row's distribution (default normal(0, 1), as ``torch.nn.Embedding``); ``admit`` > 1:
+        a row is stored once that many pushes carried its key; ``expire`` > 0: rows not pushed for that
+        many of the table's steps are dropped (docs/sparse.md)."""
         opt = optimizer if optimizer is not None else SGD(lr=0.01)
-        spec = (RowTableSpec(name, dim, opt, keys, seed=seed) if init is None
-                else RowTableSpec(name, dim, opt, keys, init, seed=seed))
+        spec = (RowTableSpec(name, dim, opt, keys, seed=seed, admit=admit, expire=expire) if init is None
+                else RowTableSpec(name, dim, opt, keys, init, seed=seed, admit=admit, expire=expire))
         msg = ps_pb2.RegisterRowsRequest(table=spec.to_proto())
         t = self.transport
         t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout))

@@ -15,7 +15,7 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 LAYERS = [
     ["errors", "roles"],
     ["remedies", "scaling", "sync", "peers", "checkpoint"],
-    ["table", "job", "membership"],
+    ["table", "job", "membership", "rows"],
     ["apply", "pullcache", "snapshot"],
     ["replica"],
     ["datapath"],

@@ -516,20 +516,24 @@ class TakeOverRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class RowTableSpec(_message.Message):
-    __slots__ = ("name", "dim", "keys", "optimizer", "init_json", "seed")
+    __slots__ = ("name", "dim", "keys", "optimizer", "init_json", "seed", "admit", "expire")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     INIT_JSON_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     keys: str
     optimizer: OptimizerSpec
     init_json: str
     seed: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init_json: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    admit: int
+    expire: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init_json: _Optional[str] = ..., seed: _Optional[int] = ..., admit: _Optional[int] = ..., expire: _Optional[int] = ...) -> None: ...
 
 class RegisterRowsRequest(_message.Message):
     __slots__ = ("table",)
