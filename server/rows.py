@@ -9,7 +9,9 @@ row slot, and its optimizer's state beside the rows (server/optim/rowbase.py).
 Sync per table push: asp (``num_workers`` <= 1) applies a push at once;
 bsp holds step t's pushes until ``num_workers`` workers pushed it, then
 applies the mean of their gradients as one optimizer step and answers them
-all (a wait with a deadline that names the workers it waited for).
+all (a wait with a deadline that names the workers it waited for). A push
+is applied once: one of a step at or below its worker's last applied (asp)
+or the table's last bsp step is a retry, answered and counted, not applied.
 
 Thread-safety: one lock (and condition) per ``RowTables``, a leaf lock:
 nothing else is taken under it; held over each whole request but a bsp wait.
@@ -51,7 +53,9 @@ class RowTable:
     held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor]]] = field(default_factory=dict)  # bsp: step -> pushes
     bsp_done: int = -1  # the last bsp step applied
     seen: dict[int, int] = field(default_factory=dict)  # admission: pushes that carried each key not held
-    counts: dict[str, int] = field(default_factory=lambda: {"admitted": 0, "dropped": 0, "expired": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"admitted": 0, "dropped": 0, "expired": 0,
+                                                            "duplicates": 0})
+    pushed: dict[int, int] = field(default_factory=dict)  # asp: worker -> the last step of its applied
 
     def __post_init__(self) -> None:
         self.weights = torch.empty(0, self.spec.dim)
@@ -226,11 +230,12 @@ class RowTables:
             raise InvalidArgument(f"row table {name!r}: the gradients hold inf or nan")
         with self.lock:
             t = self.table(name, dim)
+            if step <= (t.pushed.get(worker, -1) if num_workers <= 1 else t.bsp_done):
+                t.counts["duplicates"] += 1  # a retry of a push applied already: applied once, answered again
+                return 0, t.steps
             if num_workers <= 1:
+                t.pushed[worker] = step
                 return self._apply(t, keys, grads)
-            if step <= t.bsp_done:
-                raise FailedPrecondition(f"row table {name!r}: step {step} of worker {worker} was applied already "
-                                         f"(the table is at bsp step {t.bsp_done})")
             pushes = t.held.setdefault(step, {})
             pushes[worker] = (keys, grads)
             if len(pushes) >= num_workers:
@@ -278,7 +283,8 @@ class RowTables:
             for name, t in self.tables.items():
                 n = t.size
                 meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "bsp_done": t.bsp_done,
-                              "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()]}
+                              "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()],
+                              "pushed": [[w, st] for w, st in t.pushed.items()]}
                 tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
                 tensors[f"rows/{name}/last"] = t.last[:n].clone()
                 tensors[f"rows/{name}/weight"] = t.weights[:n].clone()
@@ -292,7 +298,8 @@ class RowTables:
         for name, m in meta.items():
             spec = RowTableSpec.from_json(m["spec"])
             t = RowTable(spec, make_row_optimizer(spec.optimizer), steps=m["steps"], bsp_done=m["bsp_done"],
-                         seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]))
+                         seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]),
+                         pushed={int(w): int(st) for w, st in m["pushed"]})
             keys = tensors[f"rows/{name}/keys"].numpy().view(np.uint64)
             t.create(keys, tensors[f"rows/{name}/weight"])
             t.last[: len(keys)] = tensors[f"rows/{name}/last"]

@@ -246,3 +246,19 @@ def test_admission_and_expiry_count_exactly(make_cluster):
         assert (st["rows"], st["expired"]) == (1, 2)
         rows = client.rows.pull("e", torch.tensor([1, 2, 3]))
         assert torch.equal(rows, torch.tensor([[0.0, 0.0], [0.0, 0.0], [-4.0, -4.0]]))  # 1, 2 start again
+
+
+def test_a_retried_push_is_applied_once(make_cluster):
+    """A push of a step its worker had applied (a retry after a lost answer) is answered and counted, not
+    applied again; another worker's push of that step is its own."""
+    cluster = make_cluster(1)
+    with shardps.connect(cluster.addresses) as client, shardps.connect(cluster.addresses, worker_id=1,
+                                                                        num_workers=2) as other:
+        client.rows.register("t", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        other.rows.register("t", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        for _ in range(2):
+            client.rows.push("t", torch.tensor([1]), torch.ones(1, 2), 0)
+        other.rows.push("t", torch.tensor([1]), torch.ones(1, 2), 0)
+        assert torch.equal(client.rows.pull("t", torch.tensor([1])), torch.full((1, 2), -2.0))
+        st = cluster.stores[0].rows.stats()["t"]
+        assert (st["steps"], st["duplicates"]) == (2, 1)
