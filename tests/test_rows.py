@@ -13,12 +13,14 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import shardps
 from shardps.deploy.local import read_ready
 from shardps.protos.optim import SGD, RowwiseAdagrad, SparseAdam
 from shardps.protos.rows import RowTableSpec, init_rows
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.server.metrics import StoreCollector
 
 EDGE_KEYS = torch.tensor([0, -1, 7, 7, 2**63 - 1, -(2**63), 0], dtype=torch.int64)  # -1 is 2**64-1 on the wire
 
@@ -246,6 +248,12 @@ def test_admission_and_expiry_count_exactly(make_cluster):
         assert (st["rows"], st["expired"]) == (1, 2)
         rows = client.rows.pull("e", torch.tensor([1, 2, 3]))
         assert torch.equal(rows, torch.tensor([[0.0, 0.0], [0.0, 0.0], [-4.0, -4.0]]))  # 1, 2 start again
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    sample = registry.get_sample_value
+    assert sample("shardps_row_expired_total", {"shard": "0", "table": "e"}) == 2
+    assert sample("shardps_row_dropped_gradients_total", {"shard": "0", "table": "a"}) == 3
+    assert sample("shardps_row_table_rows", {"shard": "0", "table": "e"}) == 3
 
 
 def test_a_retried_push_is_applied_once(make_cluster):
