@@ -139,7 +139,15 @@ class StoreCollector(Collector):
             if b.role == Role.BACKUP:
                 standby.add_metric([str(b.shard_index)], b.replica_seq)
         yield standby
-        yield from row_families([(str(st.shard_index), st.rows) for st in serving])
+        rh = HistogramMetricFamily(
+            "shardps_row_staleness_steps",
+            "Per row pushed to a row table: the steps that updated the row between the worker's pull and its push.",
+            labels=lab)
+        for store in serving:
+            buckets, total = staleness_buckets(store.rows.staleness())
+            rh.add_metric([str(store.shard_index)], buckets, total)
+        yield rh
+        yield from row_families([(str(store.shard_index), store.rows) for store in serving])
 
 
 class ServerMetrics:

@@ -20,6 +20,7 @@ nothing else is taken under it; held over each whole request but a bsp wait.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,8 @@ class RowTable:
         self.weights = torch.empty(0, self.spec.dim)
         self.state = {k: torch.zeros(0, *shape) for k, shape in self.optimizer.state_shapes(self.spec.dim).items()}
         self.last = torch.zeros(0, dtype=torch.int64)  # per slot: the table step that last pushed (or made) it
+        self.updates = torch.zeros(0, dtype=torch.int64)  # per slot: the row's version (optimizer steps on it)
+        self.staleness: Counter[int] = Counter()  # per pushed row: steps that updated it since the worker's pull
         self.keys = np.zeros(0, dtype=np.uint64)  # per slot: its key
 
     @property
@@ -80,6 +83,7 @@ class RowTable:
             s[:cap] = t
             self.state[k] = s
         self.last = torch.cat([self.last, torch.zeros(new_cap - cap, dtype=torch.int64)])
+        self.updates = torch.cat([self.updates, torch.zeros(new_cap - cap, dtype=torch.int64)])
         self.keys = np.concatenate([self.keys, np.zeros(new_cap - cap, dtype=np.uint64)])
 
     def find(self, keys: np.ndarray) -> list[int]:
@@ -93,6 +97,7 @@ class RowTable:
         self._grow(start + n)
         self.weights[start:start + n] = init_rows(self.spec, keys) if values is None else values
         self.last[start:start + n] = self.steps
+        self.updates[start:start + n] = 0
         self.keys[start:start + n] = keys
         for j, k in enumerate(keys.tolist()):
             self.slots[k] = start + j
@@ -107,17 +112,31 @@ class RowTable:
                 out[i] = slot
         return torch.tensor(out, dtype=torch.int64)
 
-    def read(self, keys: np.ndarray) -> torch.Tensor:
-        """The rows of distinct uint64 ``keys``: created where not held, or (admission) their init, unstored."""
+    def read(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of distinct uint64 ``keys`` and their versions: created where not held, or (admission)
+        their init, unstored (version 0)."""
         if self.spec.admit <= 1:
             slots = self.slots_of(keys)  # first: it may grow ``weights``
-            return self.weights[slots]
+            return self.weights[slots], self.updates[slots]
         out = self.find(keys)
         held = [i for i, s in enumerate(out) if s >= 0]
-        rows = init_rows(self.spec, keys)
+        rows, versions = init_rows(self.spec, keys), torch.zeros(len(keys), dtype=torch.int64)
         if held:
-            rows[torch.tensor(held)] = self.weights[torch.tensor([out[i] for i in held])]
-        return rows
+            at, slots = torch.tensor(held), torch.tensor([out[i] for i in held])
+            rows[at], versions[at] = self.weights[slots], self.updates[slots]
+        return rows, versions
+
+    def observe_staleness(self, keys: np.ndarray, base: np.ndarray) -> None:
+        """Count, for each key pushed with a known base version (>= 0) whose row is held, the steps that
+        updated its row since."""
+        known = np.flatnonzero(base >= 0)
+        if not len(known):
+            return
+        out = self.find(keys[known])
+        held = [i for i, s in enumerate(out) if s >= 0]
+        if held:
+            now = self.updates[torch.tensor([out[i] for i in held])].numpy()
+            self.staleness.update((now - base[known[held]]).clip(min=0).tolist())
 
     def admit(self, keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """The keys (and their gradient rows) a push may step: held, or admitted by this push."""
@@ -159,6 +178,7 @@ class RowTable:
             for st in self.state.values():
                 st[holes] = st[movers]
             self.last[holes] = self.last[movers]
+            self.updates[holes] = self.updates[movers]
             self.keys[holes.numpy()] = self.keys[movers.numpy()]
             for h, k in zip(holes.tolist(), self.keys[holes.numpy()].tolist(), strict=True):
                 self.slots[k] = h
@@ -213,13 +233,14 @@ class RowTables:
             raise InvalidArgument(f"row table {name!r}: expected dim {t.spec.dim}, got {dim}")
         return t
 
-    def pull(self, name: str, dim: int, keys: np.ndarray) -> torch.Tensor:
-        """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held."""
+    def pull(self, name: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held, and
+        their versions."""
         with self.lock:
             return self.table(name, dim).read(keys)
 
     def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
-             num_workers: int = 1, timeout: float = 60.0) -> tuple[int, int]:
+             num_workers: int = 1, timeout: float = 60.0, base: np.ndarray | None = None) -> tuple[int, int]:
         """One optimizer step of the table on the rows of ``keys`` (repeated keys' gradients summed first):
         (distinct rows updated, the table's step count). Every push counts as a step, an empty one too;
         under bsp (``num_workers`` > 1) once per step, when every worker pushed it (see the module)."""
@@ -233,6 +254,8 @@ class RowTables:
             if step <= (t.pushed.get(worker, -1) if num_workers <= 1 else t.bsp_done):
                 t.counts["duplicates"] += 1  # a retry of a push applied already: applied once, answered again
                 return 0, t.steps
+            if base is not None:  # before any change: under bsp, no step applies while this one is held
+                t.observe_staleness(keys, base)
             if num_workers <= 1:
                 t.pushed[worker] = step
                 return self._apply(t, keys, grads)
@@ -259,6 +282,7 @@ class RowTables:
         t.steps += 1
         t.optimizer.step(t.weights, t.state, slots, summed, t.steps)
         t.last[slots] = t.steps
+        t.updates[slots] += 1
         t.expire()
         return len(uniq), t.steps
 
@@ -287,6 +311,7 @@ class RowTables:
                               "pushed": [[w, st] for w, st in t.pushed.items()]}
                 tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
                 tensors[f"rows/{name}/last"] = t.last[:n].clone()
+                tensors[f"rows/{name}/updates"] = t.updates[:n].clone()
                 tensors[f"rows/{name}/weight"] = t.weights[:n].clone()
                 for k, st in t.state.items():
                     tensors[f"rows/{name}/state/{k}"] = st[:n].clone()
@@ -303,12 +328,18 @@ class RowTables:
             keys = tensors[f"rows/{name}/keys"].numpy().view(np.uint64)
             t.create(keys, tensors[f"rows/{name}/weight"])
             t.last[: len(keys)] = tensors[f"rows/{name}/last"]
+            t.updates[: len(keys)] = tensors[f"rows/{name}/updates"]
             for k in t.state:
                 t.state[k][: len(keys)] = tensors[f"rows/{name}/state/{k}"]
             tables[name] = t
         with self.lock:
             self.tables = tables
             self.lock.notify_all()
+
+    def staleness(self) -> Counter[int]:
+        """Row staleness over every table: {steps that updated a row between its pull and its push: rows}."""
+        with self.lock:
+            return sum((t.staleness for t in self.tables.values()), Counter())
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per table: rows held, weight and state bytes, steps."""

@@ -36,11 +36,13 @@ def decode_keys(table: str, key_dtype: str, data: bytes) -> np.ndarray:
 
 
 def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]
-                     ) -> tuple[ps_pb2.PushRowsRequest, np.ndarray, torch.Tensor]:
-    """(the first message, uint64 keys, [n, dim] fp32 gradients) of a whole PushRows stream."""
+                     ) -> tuple[ps_pb2.PushRowsRequest, np.ndarray, torch.Tensor, np.ndarray]:
+    """(the first message, uint64 keys, [n, dim] fp32 gradients, int64 base versions (-1: not known)) of a
+    whole PushRows stream."""
     first: ps_pb2.PushRowsRequest | None = None
     keys: list[np.ndarray] = []
     grads: list[bytes] = []
+    bases: list[np.ndarray] = []
     for m in requests:
         first = first or m
         head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign)
@@ -52,13 +54,17 @@ def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]
         if len(m.grads) != len(k) * m.dim * ROW_ITEMSIZE:
             raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} x {m.dim} fp32 gradients "
                                   f"({len(k) * m.dim * ROW_ITEMSIZE} bytes), got {len(m.grads)} bytes")
+        if m.base_versions and len(m.base_versions) != 8 * len(k):
+            raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} base versions ({8 * len(k)} bytes), "
+                                  f"got {len(m.base_versions)} bytes")
         keys.append(k)
         grads.append(m.grads)
+        bases.append(np.frombuffer(m.base_versions, dtype="<i8") if m.base_versions else np.full(len(k), -1))
     if first is None:
         raise InvalidArgument("PushRows: an empty stream")
     data = b"".join(grads)
     g = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
-    return first, np.concatenate(keys), g.view(-1, max(1, first.dim))
+    return first, np.concatenate(keys), g.view(-1, max(1, first.dim)), np.concatenate(bases).astype(np.int64)
 
 
 class RowsServicer(ps_pb2_grpc.RowsServicer):
@@ -88,20 +94,21 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
                  context: grpc.ServicerContext) -> Iterator[ps_pb2.PullRowsResponse]:
         self.check_serving()
         keys = decode_keys(request.table, request.key_dtype, request.keys)
-        rows = self.rows.pull(request.table, request.dim, keys)
-        per = rows_per_message(request.dim, self.chunk_bytes)
+        rows, versions = self.rows.pull(request.table, request.dim, keys)
+        per = rows_per_message(request.dim + 2, self.chunk_bytes)  # + its version
         for first in range(0, len(keys), per):
-            yield ps_pb2.PullRowsResponse(first=first, rows=rows[first:first + per].numpy().tobytes())
+            yield ps_pb2.PullRowsResponse(first=first, rows=rows[first:first + per].numpy().tobytes(),
+                                          versions=versions[first:first + per].numpy().tobytes())
 
     @unary_errors
     def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],
                  context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         self.check_serving()
-        head, keys, grads = decode_push_rows(request_iterator)
+        head, keys, grads, base = decode_push_rows(request_iterator)
         if head.assign:
             return ps_pb2.PushRowsResponse(rows=self.rows.assign(head.table, head.dim, keys, grads))
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         rows, steps = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
-                                     num_workers=head.num_workers, timeout=timeout)
+                                     num_workers=head.num_workers, timeout=timeout, base=base)
         return ps_pb2.PushRowsResponse(rows=rows, steps=steps)

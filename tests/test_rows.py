@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -53,8 +54,9 @@ def test_push_sums_repeated_keys_and_chunks(make_cluster):
         assert torch.equal(rows, torch.full((3000, 16), -1.0))  # 0 - 0.5 * (1 + 1)
         held = sum(s.rows.stats()["t"]["rows"] for s in cluster.stores)
         assert held == 3000
-        # Only the distinct rows crossed the wire: keys (8 B) and rows (64 B) of 3000 rows, each way once.
-        assert client.rows.wire_bytes == 2 * 3000 * (8 + 64)
+        # Only the distinct rows crossed the wire: keys (8 B), rows (64 B) and versions (8 B) of 3000 rows, each
+        # way once.
+        assert client.rows.wire_bytes == 2 * 3000 * (8 + 64 + 8)
 
 
 def _abort_of(call):
@@ -270,3 +272,22 @@ def test_a_retried_push_is_applied_once(make_cluster):
         assert torch.equal(client.rows.pull("t", torch.tensor([1])), torch.full((1, 2), -2.0))
         st = cluster.stores[0].rows.stats()["t"]
         assert (st["steps"], st["duplicates"]) == (2, 1)
+
+
+def test_row_staleness_counts_the_updates_between_pull_and_push(make_cluster):
+    """Workers a and b pull rows 1 and 2; a pushes (staleness 0), then b pushes (each row was updated once
+    since b pulled it: 1); a row pushed without a pull is not counted."""
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses) as a, shardps.connect(cluster.addresses, worker_id=1,
+                                                                   num_workers=2) as b:
+        for c in (a, b):
+            c.rows.register("t", 2, optimizer=SGD(lr=1.0))
+            c.rows.pull("t", torch.tensor([1, 2, 2]))
+        a.rows.push("t", torch.tensor([1, 2]), torch.ones(2, 2), 0)
+        b.rows.push("t", torch.tensor([2, 1, 9]), torch.ones(3, 2), 0)  # 9 was never pulled
+    got = sum((s.rows.staleness() for s in cluster.stores), collections.Counter())
+    assert got == {0: 2, 1: 2}
+    registry = CollectorRegistry()
+    for s in cluster.stores:
+        registry.register(StoreCollector(s))
+    assert sum(registry.get_sample_value("shardps_row_staleness_steps_sum", {"shard": str(i)}) for i in (0, 1)) == 2

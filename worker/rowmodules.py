@@ -53,7 +53,7 @@ class _Rows(nn.Module):
                                                                  int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"row table {self.table!r}: ids out of range [0, {self.num_embeddings})")
         uniq, inverse = torch.unique(ids.to(torch.int64).cpu(), return_inverse=True)
-        rows = self.rows.pull(self.table, uniq).to(ids.device)
+        rows = self.rows.pull(self.table, uniq, track=torch.is_grad_enabled()).to(ids.device)
         if torch.is_grad_enabled():
             rows.requires_grad_()
             self._pulled.append((uniq, rows))

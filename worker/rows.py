@@ -29,6 +29,7 @@ from shardps.worker.transport import Transport
 
 # At most this many keys in one PullRows request (8 bytes each: well under gRPC's 4 MiB message limit).
 MAX_PULL_KEYS = 1 << 18
+MAX_TRACKED = 64  # pulls of a table whose versions are kept for its next push
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ class RowClient:
         self.worker_id = worker_id
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.specs: dict[str, RowTableSpec] = {}
-        self.wire_bytes = 0  # key and row bytes sent and received by this client's row calls
+        self.wire_bytes = 0  # key, row and version bytes sent and received by this client's row calls
+        # Per table, the (distinct keys, their row versions) of the pulls since its last push (the newest
+        # MAX_TRACKED): handed back with the push, so the shards count each row's staleness.
+        self.pulled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def register(self, name: str, dim: int, *, optimizer: OptimizerSpec | None = None, keys: str = "int64",
                  init: dict[str, float | str] | None = None, seed: int = 0, admit: int = 0,
@@ -90,11 +94,13 @@ class RowClient:
             raise KeyError(f"row table {name!r} is not registered by this client (registered: {sorted(self.specs)})")
         return spec
 
-    def pull(self, name: str, keys: torch.Tensor) -> torch.Tensor:
-        """The rows of ``keys`` (any shape, repeated keys allowed): ``[*keys.shape, dim]`` fp32."""
+    def pull(self, name: str, keys: torch.Tensor, *, track: bool = True) -> torch.Tensor:
+        """The rows of ``keys`` (any shape, repeated keys allowed): ``[*keys.shape, dim]`` fp32. ``track``:
+        keep their versions for the next push (row staleness; off for pulls no push follows)."""
         dim = self._spec(name).dim
         s = split(as_u64(keys), self.transport.num_shards)
         out = torch.empty(len(s.unique), dim)
+        versions = np.zeros(len(s.unique), dtype=np.int64)
         t = self.transport
 
         def pull_shard(shard: int) -> int:
@@ -108,13 +114,32 @@ class RowClient:
                     n = len(msg.rows) // (dim * 4)
                     rows[msg.first:msg.first + n] = torch.frombuffer(bytearray(msg.rows), dtype=torch.float32
                                                                      ).view(n, dim)
-                    got += len(msg.rows)
+                    versions[part[msg.first:msg.first + n]] = np.frombuffer(msg.versions, dtype="<i8")
+                    got += len(msg.rows) + len(msg.versions)
                 out[torch.from_numpy(part)] = rows
                 got += len(req.keys)
             return got
 
         self.wire_bytes += sum(t.each(pull_shard))
+        if track:
+            self.pulled.setdefault(name, []).append((s.unique, versions))
+            del self.pulled[name][:-MAX_TRACKED]
         return out[s.inverse].view(*keys.shape, dim)
+
+    def _bases(self, name: str, keys: np.ndarray) -> np.ndarray:
+        """The version each distinct uint64 key's row had when first pulled since the table's last push
+        (-1: not pulled); forgets those pulls."""
+        got = self.pulled.pop(name, [])
+        if not got:
+            return np.full(len(keys), -1, dtype=np.int64)
+        k = np.concatenate([a for a, _ in got])
+        v = np.concatenate([b for _, b in got])
+        order = np.lexsort((v, k))  # by key, then version: the oldest first
+        k, v = k[order], v[order]
+        first = np.r_[True, k[1:] != k[:-1]]
+        k, v = k[first], v[first]
+        at = np.minimum(np.searchsorted(k, keys), len(k) - 1)
+        return np.where(k[at] == keys, v[at], -1).astype(np.int64)
 
     def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
              assign: bool = False) -> int:
@@ -130,7 +155,8 @@ class RowClient:
             raise ValueError(f"row table {name!r}: {keys.numel()} keys but gradients of shape {list(grads.shape)}")
         s = split(as_u64(keys), self.transport.num_shards)
         summed = torch.zeros(len(s.unique), dim).index_add_(0, s.inverse, g.cpu())
-        per = rows_per_message(dim, self.chunk_bytes)
+        bases = np.full(len(s.unique), -1, dtype=np.int64) if assign else self._bases(name, s.unique)
+        per = rows_per_message(dim + 2, self.chunk_bytes)  # + the base version
         t = self.transport
 
         def messages(shard: int) -> Iterator[ps_pb2.PushRowsRequest]:
@@ -140,11 +166,11 @@ class RowClient:
                 yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
                                              grads=summed[torch.from_numpy(part)].numpy().tobytes(), dim=dim,
                                              worker_id=self.worker_id, step=step, num_workers=num_workers,
-                                             assign=assign)
+                                             assign=assign, base_versions=bases[part].tobytes())
 
         def push_shard(shard: int) -> int:
             answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)
             return int(answer.rows)
 
-        self.wire_bytes += len(s.unique) * (8 + 4 * dim)
+        self.wire_bytes += len(s.unique) * (8 + 4 * dim + 8)
         return sum(t.each(push_shard))

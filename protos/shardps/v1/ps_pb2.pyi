@@ -560,15 +560,17 @@ class PullRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class PullRowsResponse(_message.Message):
-    __slots__ = ("first", "rows")
+    __slots__ = ("first", "rows", "versions")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     first: int
     rows: bytes
-    def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
+    versions: bytes
+    def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ..., versions: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign")
+    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -578,6 +580,7 @@ class PushRowsRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
@@ -587,7 +590,8 @@ class PushRowsRequest(_message.Message):
     step: int
     num_workers: int
     assign: bool
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ...) -> None: ...
+    base_versions: bytes
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
     __slots__ = ("rows", "steps")
