@@ -89,10 +89,10 @@ def train(model: nn.Module, train_set: torch.Tensor, epochs: int, batch: int, st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", help="a folder holding ml-100k.inter (default: the installed recbole's)")
-    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1000)
-    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=0.005)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
