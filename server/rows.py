@@ -13,14 +13,17 @@ all (a wait with a deadline that names the workers it waited for). A push
 is applied once: one of a step at or below its worker's last applied (asp)
 or the table's last bsp step is a retry, answered and counted, not applied.
 
-Thread-safety: one lock (and condition) per ``RowTables``, a leaf lock:
-nothing else is taken under it; held over each whole request but a bsp wait.
+Thread-safety: the store's lock (and condition), held over each whole
+request but a bsp wait; changes are recorded for the shard's backup under
+it (``--replicas 2``: the backup replays them, ``replay``), in order with
+the dense ones.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,11 +203,22 @@ def _coalesce(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.
     return uniq, summed
 
 
-class RowTables:
-    """The row tables of one shard."""
+#: ``record(args, tensors)``: a change the shard's backup must replay (``RowTables.replay``), called under the
+#: lock (the store's recorder: server/replica.py).
+Record = Callable[[dict[str, Any], dict[str, torch.Tensor]], None]
 
-    def __init__(self) -> None:
-        self.lock = threading.Condition(threading.Lock())
+
+def _no_record(args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    pass
+
+
+class RowTables:
+    """The row tables of one shard. ``lock``: the condition it runs under (the store's; its own by default);
+    ``record``: where its changes go for a backup."""
+
+    def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record) -> None:
+        self.lock = lock if lock is not None else threading.Condition(threading.Lock())
+        self.record = record
         self.tables: dict[str, RowTable] = {}
 
     def register(self, spec: RowTableSpec) -> int:
@@ -222,6 +236,7 @@ class RowTables:
             except ValueError as e:
                 raise InvalidArgument(f"row table {spec.name!r}: {e}") from None
             self.tables[spec.name] = RowTable(spec, opt)
+            self.record({"op": "register", "spec": spec.to_json()}, {})
             return 0
 
     def table(self, name: str, dim: int) -> RowTable:
@@ -258,14 +273,16 @@ class RowTables:
                 t.observe_staleness(keys, base)
             if num_workers <= 1:
                 t.pushed[worker] = step
+                self._record_step(name, keys, grads, worker=worker, step=step, bsp=False)
                 return self._apply(t, keys, grads)
             pushes = t.held.setdefault(step, {})
             pushes[worker] = (keys, grads)
             if len(pushes) >= num_workers:
                 del t.held[step]
                 got = [pushes[w] for w in sorted(pushes)]
-                rows = self._apply(t, np.concatenate([k for k, _ in got]),
-                                   torch.cat([g for _, g in got]) / num_workers)
+                keys, grads = np.concatenate([k for k, _ in got]), torch.cat([g for _, g in got]) / num_workers
+                self._record_step(name, keys, grads, worker=worker, step=step, bsp=True)
+                rows = self._apply(t, keys, grads)
                 t.bsp_done = step
                 self.lock.notify_all()
                 return rows
@@ -274,6 +291,30 @@ class RowTables:
                 raise DeadlineExceeded(f"row table {name!r}: bsp step {step} waited {timeout:.1f}s for workers "
                                        f"{missing} of {num_workers}")
             return len(np.unique(keys)), t.steps
+
+    def _record_step(self, name: str, keys: np.ndarray, grads: torch.Tensor, *, worker: int, step: int,
+                     bsp: bool) -> None:
+        self.record({"op": "step", "table": name, "worker": worker, "step": step, "bsp": bsp},
+                    {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
+
+    def replay(self, args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """A backup: apply a change its primary recorded (``record``), as the primary did."""
+        with self.lock:
+            if args["op"] == "register":
+                spec = RowTableSpec.from_json(args["spec"])
+                self.tables.setdefault(spec.name, RowTable(spec, make_row_optimizer(spec.optimizer)))
+                return
+            t = self.tables[args["table"]]
+            keys = tensors["keys"].numpy().view(np.uint64)
+            if args["op"] == "assign":
+                new = [i for i, s in enumerate(t.find(keys)) if s < 0]
+                t.create(keys[new], tensors["values"][new])
+                return
+            if args["bsp"]:
+                t.bsp_done = args["step"]
+            else:
+                t.pushed[args["worker"]] = args["step"]
+            self._apply(t, keys, tensors["grads"])
 
     @staticmethod
     def _apply(t: RowTable, keys: np.ndarray, grads: torch.Tensor) -> tuple[int, int]:
@@ -295,26 +336,32 @@ class RowTables:
         with self.lock:
             t = self.table(name, dim)
             new = [i for i, s in enumerate(t.find(keys)) if s < 0]
+            self.record({"op": "assign", "table": name}, {"keys": torch.from_numpy(keys.view(np.int64).copy()),
+                                                          "values": values.clone()})
             t.create(keys[new], values[new])
             return len(new)
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Every table as (JSON-able meta, tensors: ``rows/{name}/keys`` (uint64 bits as int64),
         ``rows/{name}/weight``, ``rows/{name}/state/{key}``), copies: what a checkpoint holds of them."""
+        with self.lock:
+            return self.snapshot_locked()
+
+    def snapshot_locked(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``snapshot`` with the lock held (the store's snapshot, under its lock)."""
         meta: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
-        with self.lock:
-            for name, t in self.tables.items():
-                n = t.size
-                meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "bsp_done": t.bsp_done,
-                              "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()],
-                              "pushed": [[w, st] for w, st in t.pushed.items()]}
-                tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
-                tensors[f"rows/{name}/last"] = t.last[:n].clone()
-                tensors[f"rows/{name}/updates"] = t.updates[:n].clone()
-                tensors[f"rows/{name}/weight"] = t.weights[:n].clone()
-                for k, st in t.state.items():
-                    tensors[f"rows/{name}/state/{k}"] = st[:n].clone()
+        for name, t in self.tables.items():
+            n = t.size
+            meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "bsp_done": t.bsp_done,
+                          "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()],
+                          "pushed": [[w, st] for w, st in t.pushed.items()]}
+            tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
+            tensors[f"rows/{name}/last"] = t.last[:n].clone()
+            tensors[f"rows/{name}/updates"] = t.updates[:n].clone()
+            tensors[f"rows/{name}/weight"] = t.weights[:n].clone()
+            for k, st in t.state.items():
+                tensors[f"rows/{name}/state/{k}"] = st[:n].clone()
         return meta, tensors
 
     def restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -71,11 +71,13 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
     """``service Rows`` over a shard's ``RowTables``."""
 
     def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
+                 replicated: Callable[[], None] = lambda: None,
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
                  max_wait_s: float = 300.0) -> None:
         self.rows = rows
         self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
         self.check_serving = check_serving
+        self.replicated = replicated  # blocks until the backup holds every change so far (--replicas 2)
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.metrics = metrics
 
@@ -87,7 +89,9 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
             spec = RowTableSpec.from_proto(request.table)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        return ps_pb2.RegisterRowsResponse(rows=self.rows.register(spec))
+        rows = self.rows.register(spec)
+        self.replicated()
+        return ps_pb2.RegisterRowsResponse(rows=rows)
 
     @stream_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest,
@@ -106,9 +110,12 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
         self.check_serving()
         head, keys, grads, base = decode_push_rows(request_iterator)
         if head.assign:
-            return ps_pb2.PushRowsResponse(rows=self.rows.assign(head.table, head.dim, keys, grads))
+            created = self.rows.assign(head.table, head.dim, keys, grads)
+            self.replicated()
+            return ps_pb2.PushRowsResponse(rows=created)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         rows, steps = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
                                      num_workers=head.num_workers, timeout=timeout, base=base)
+        self.replicated()  # acknowledged only once the backup holds it
         return ps_pb2.PushRowsResponse(rows=rows, steps=steps)

@@ -322,8 +322,8 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
-    rows = RowsServicer(store.rows, check_serving=store.check_serving, chunk_bytes=chunk_bytes, metrics=metrics,
-                        max_wait_s=max_wait_s)
+    rows = RowsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
+                        chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
     _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
     return segments
 

@@ -77,7 +77,7 @@ from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
 from shardps.server.pullcache import PullCache, Reader
 from shardps.server.remedies import Remedy
 from shardps.server.replica import ReplicaSide
-from shardps.server.roles import ReplicaState, Role
+from shardps.server.roles import OpKind, ReplicaState, Role
 from shardps.server.rows import RowTables
 from shardps.server.scaling import scaling_config
 from shardps.server.snapshot import COUNTERS, ShardState, decode, encode, state_hash
@@ -152,7 +152,7 @@ class ShardStore:
         self.reader = reader = Reader(shard_index, cond, table, job, settle=applier.settle,
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
-        self.rows = RowTables()  # row tables (server/rows.py): their own leaf lock, no part of the dense path's
+        self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors))  # rows.py
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
@@ -174,6 +174,7 @@ class ShardStore:
                                                                     replica.attach_replica)
         self.start_replicated, self.stop_replication = replica.start_replicated, replica.stop_replication
         self.apply_replica, self.promote, self.take_over = replica.apply_ops, replica.promote, replica.take_over
+        self.replay_rows = self.rows.replay
         if sync is not None or num_workers is not None:
             if sync is None or num_workers is None:
                 raise ValueError("give both sync and num_workers, or neither")
@@ -316,7 +317,7 @@ class ShardStore:
             entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
             counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
             stale_weights=ap.stale_weights))
-        meta["rows"], row_tensors = self.rows.snapshot()  # row tables (server/rows.py): their own keys
+        meta["rows"], row_tensors = self.rows.snapshot_locked()  # row tables (server/rows.py): their own keys
         return version, meta, {**tensors, **row_tensors}
 
     def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

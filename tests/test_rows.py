@@ -291,3 +291,25 @@ def test_row_staleness_counts_the_updates_between_pull_and_push(make_cluster):
     for s in cluster.stores:
         registry.register(StoreCollector(s))
     assert sum(registry.get_sample_value("shardps_row_staleness_steps_sum", {"shard": str(i)}) for i in (0, 1)) == 2
+
+
+def test_the_backup_replays_row_changes_to_the_same_rows(make_cluster):
+    """--replicas 2: registered tables, asp and bsp steps and assigned rows reach each shard's backup before the
+    push is acknowledged; the backup's rows, moments and counts equal the primary's."""
+    cluster = make_cluster(2, replicas=2)
+    backup_of = {b.shard_index: b for b in cluster.backups}
+    keys = torch.arange(-20, 20)
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("t", 4, optimizer=SparseAdam(lr=0.1))
+        for step in range(3):
+            client.rows.pull("t", keys)
+            client.rows.push("t", keys, torch.randn(40, 4, generator=torch.Generator().manual_seed(step)), step)
+        client.rows.push("t", torch.tensor([100]), torch.ones(1, 4), 0, assign=True)
+        client.rows.push("t", keys[:5], torch.ones(5, 4), 3, num_workers=1)
+    for st in cluster.stores:
+        primary, backup = st.rows.snapshot(), backup_of[st.shard_index].rows.snapshot()
+        order_p = torch.argsort(primary[1]["rows/t/keys"])
+        order_b = torch.argsort(backup[1]["rows/t/keys"])
+        for k in ("keys", "weight", "state/exp_avg", "state/exp_avg_sq", "updates"):
+            assert torch.equal(primary[1][f"rows/t/{k}"][order_p], backup[1][f"rows/t/{k}"][order_b]), k
+        assert primary[0]["t"]["steps"] == backup[0]["t"]["steps"] == 4
