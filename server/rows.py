@@ -216,9 +216,11 @@ class RowTables:
     """The row tables of one shard. ``lock``: the condition it runs under (the store's; its own by default);
     ``record``: where its changes go for a backup."""
 
-    def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record) -> None:
+    def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record,
+                 recording: Callable[[], bool] = lambda: False) -> None:
         self.lock = lock if lock is not None else threading.Condition(threading.Lock())
         self.record = record
+        self.recording = recording  # whether a backup takes the changes: only then are they copied for it
         self.tables: dict[str, RowTable] = {}
 
     def register(self, spec: RowTableSpec) -> int:
@@ -294,6 +296,8 @@ class RowTables:
 
     def _record_step(self, name: str, keys: np.ndarray, grads: torch.Tensor, *, worker: int, step: int,
                      bsp: bool) -> None:
+        if not self.recording():
+            return
         self.record({"op": "step", "table": name, "worker": worker, "step": step, "bsp": bsp},
                     {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
 
@@ -336,8 +340,9 @@ class RowTables:
         with self.lock:
             t = self.table(name, dim)
             new = [i for i, s in enumerate(t.find(keys)) if s < 0]
-            self.record({"op": "assign", "table": name}, {"keys": torch.from_numpy(keys.view(np.int64).copy()),
-                                                          "values": values.clone()})
+            if self.recording():
+                self.record({"op": "assign", "table": name}, {"keys": torch.from_numpy(keys.view(np.int64).copy()),
+                                                              "values": values.clone()})
             t.create(keys[new], values[new])
             return len(new)
 

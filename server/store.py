@@ -152,7 +152,8 @@ class ShardStore:
         self.reader = reader = Reader(shard_index, cond, table, job, settle=applier.settle,
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
-        self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors))  # rows.py
+        self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows.py
+                              lambda: replica.recording)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
