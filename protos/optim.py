@@ -209,14 +209,68 @@ class SM3(OptimizerSpec):
         _check(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
 
 
+@dataclass(frozen=True)
+class SparseAdam(OptimizerSpec):
+    """Adam for row tables, as ``torch.optim.SparseAdam``: the moments of untouched rows stay as they are,
+    one step count per table (every push of the table counts, on every shard)."""
+
+    name: ClassVar[str] = "sparse_adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def validate(self) -> None:
+        _number("lr", self.lr)
+        _check(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
+        _check(isinstance(self.betas, tuple) and len(self.betas) == 2, f"betas must be a pair, got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _number(f"betas[{i}]", b)
+            _check(0.0 <= b < 1.0, f"betas[{i}] must be in [0, 1), got {b}")
+        _number("eps", self.eps)
+        _check(self.eps > 0, f"eps must be > 0, got {self.eps}")
+
+
+@dataclass(frozen=True)
+class RowwiseAdagrad(OptimizerSpec):
+    """FBGEMM's exact row-wise Adagrad: one float of state per row, ``s += mean(g**2)``,
+    ``w -= lr * g / (sqrt(s) + eps)``."""
+
+    name: ClassVar[str] = "rowwise_adagrad"
+    lr: float = 1e-2
+    eps: float = 1e-8
+
+    def validate(self) -> None:
+        _number("lr", self.lr)
+        _check(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
+        _number("eps", self.eps)
+        _check(self.eps > 0, f"eps must be > 0, got {self.eps}")
+
+
+#: The optimizers a row table takes; SGD only with its plain update (``ROW_SGD_DEFAULTS``).
+ROW_SPECS: tuple[type[OptimizerSpec], ...] = (SparseAdam, RowwiseAdagrad, SGD)
+
+
+def check_row_optimizer(spec: OptimizerSpec) -> None:
+    """ValueError unless ``spec`` is a row table's optimizer with hyper-parameters it supports (never
+    dropped: SGD's momentum, dampening, weight decay and Nesterov are refused, not ignored)."""
+    if type(spec) not in ROW_SPECS:
+        raise ValueError(f"optimizer {spec.name!r} does not step row tables; those take "
+                         f"{sorted(c.name for c in ROW_SPECS)}")
+    if isinstance(spec, SGD):
+        unsupported = {k: v for k, v in spec.params().items() if k != "lr" and v not in (0.0, False)}
+        _check(not unsupported, f"sgd on a row table takes lr only; unsupported here: {unsupported}")
+
+
 SPECS: dict[str, type[OptimizerSpec]] = {c.name: c for c in (Adam, AdamW, SGD, Adafactor, SM3)}
+#: Every spec the wire carries: the dense ones and the row tables' own.
+ALL_SPECS: dict[str, type[OptimizerSpec]] = {**SPECS, SparseAdam.name: SparseAdam, RowwiseAdagrad.name: RowwiseAdagrad}
 
 
 def spec_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
     """Parse and validate a wire spec; ValueError naming what is wrong."""
-    cls = SPECS.get(msg.name)
+    cls = ALL_SPECS.get(msg.name)
     if cls is None:
-        raise ValueError(f"unknown optimizer {msg.name!r}; known: {sorted(SPECS)}")
+        raise ValueError(f"unknown optimizer {msg.name!r}; known: {sorted(ALL_SPECS)}")
     if len(msg.params_json) > 10_000:
         raise ValueError(f"{msg.name}: params_json of {len(msg.params_json)} characters is too long (10000 at most)")
     try:

@@ -4,7 +4,7 @@ What is cheap to read (counters the store keeps, versions, clocks, bytes,
 the staleness histogram built from the store's exact counts) is collected
 at scrape time by ``StoreCollector``; what must be observed as it happens
 (apply time, barrier/SSP wait time, RPC errors) is recorded by
-``ServerMetrics``. Everything is created on the registry passed in; every
+``ServerMetrics``. Row tables' metrics: server/rowmetrics.py. Everything is created on the registry passed in; every
 sample carries the label ``shard``.
 """
 
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from shardps.protos.stats import ShardStats
 from shardps.server.roles import Role
+from shardps.server.rowmetrics import row_families
 from shardps.server.store import ShardStore
 
 #: Staleness is counted in versions (steps); Fibonacci buckets.
@@ -138,6 +139,15 @@ class StoreCollector(Collector):
             if b.role == Role.BACKUP:
                 standby.add_metric([str(b.shard_index)], b.replica_seq)
         yield standby
+        rh = HistogramMetricFamily(
+            "shardps_row_staleness_steps",
+            "Per row pushed to a row table: the steps that updated the row between the worker's pull and its push.",
+            labels=lab)
+        for store in serving:
+            buckets, total = staleness_buckets(store.rows.staleness())
+            rh.add_metric([str(store.shard_index)], buckets, total)
+        yield rh
+        yield from row_families([(str(store.shard_index), store.rows) for store in serving])
 
 
 class ServerMetrics:

@@ -103,6 +103,8 @@ class Replayer(Protocol):
 
     def remember_pulled(self, worker_id: int, names: list[str]) -> None: ...
 
+    def replay_rows(self, args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+
 
 class ReplicaSide:
     """The replica side of one shard, and its ``Recorder``; see the module docstring."""
@@ -304,6 +306,8 @@ class ReplicaSide:
             r.set_sync(a["sync"])
         elif kind == OpKind.PULLED:
             r.remember_pulled(a["worker"], list(a["names"]))
+        elif kind == OpKind.ROWS:
+            r.replay_rows(a, t)
 
     def take_over(self, reason: str = "") -> tuple[int, int, int]:
         """A worker's fail-over: ``promote`` without force (refused while the primary serves)."""

@@ -126,6 +126,7 @@ class OpKind(StrEnum):
     EVICT = "evict"
     SET_SYNC = "set_sync"
     PULLED = "pulled"
+    ROWS = "rows"  # a row table's change (server/rows.py): registered, stepped or assigned
 
 
 class Recorder(Protocol):

@@ -14,14 +14,13 @@ decoding and encoding; splitting the module would scatter the RPC table.)
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,10 +29,12 @@ from shardps.protos import codec, framing
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
-from shardps.server.errors import FailedPrecondition, InvalidArgument, StoreError
+from shardps.server.errors import FailedPrecondition
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
+from shardps.server.rowservice import RowsServicer
+from shardps.server.rpc import safe_deserializer, stream_errors, unary_errors
 from shardps.server.shm import SegmentCache
 from shardps.server.store import ShardStore
 from shardps.server.wire import counted, decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
@@ -43,90 +44,15 @@ log = logging.getLogger("shardps.server")
 WORKERS = "shardps.v1.Workers"
 OPERATOR = "shardps.v1.Operator"
 PEERS = "shardps.v1.Peers"
-SERVICES = (WORKERS, OPERATOR, PEERS)
+ROWS = "shardps.v1.Rows"
+SERVICES = (WORKERS, OPERATOR, PEERS, ROWS)
 DEFAULT_MAX_WAIT_S = 300.0
 # Room for a chunk of MAX_CHUNK_BYTES plus its header.
 MAX_MESSAGE_BYTES = codec.MAX_CHUNK_BYTES + (64 << 10)
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
 def deadline_margin(remaining: float) -> float:
     """Seconds a wait ends before the caller's deadline: a tenth of it, at most 2 s."""
     return min(2.0, 0.1 * remaining)
-
-
-def _status_code(err: StoreError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
-
-
-MAX_DETAILS = 2000  # error messages echo request fields: keep them well under gRPC's metadata limits
-
-
-class Malformed:
-    """What the request deserializers hand over for bytes that do not parse (never an exception:
-    gRPC would answer INTERNAL, and in a stream silently stop, applying what came before)."""
-
-    def __init__(self, method: str, error: Exception) -> None:
-        self.message = f"{method}: the request does not parse as a protobuf message: {error}"
-
-
-def _safe_deserializer(method: str, deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return deserialize(data)
-        except Exception as e:  # noqa: BLE001 - any parse failure becomes INVALID_ARGUMENT in the handler
-            return Malformed(method, e)
-
-    return parse
-
-
-def _checked(request: Any) -> Any:
-    """The request, or for a stream an iterator that refuses malformed messages as they come."""
-    if isinstance(request, Malformed):
-        raise InvalidArgument(request.message)
-    if hasattr(request, "__next__"):
-        def messages() -> Iterator[Any]:
-            for m in request:
-                if isinstance(m, Malformed):
-                    raise InvalidArgument(m.message)
-                yield m
-        return messages()
-    return request
-
-
-def _details(e: StoreError) -> str:
-    text = str(e)
-    return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 20] + " ... (truncated)"
-
-
-def _unary_errors(fn: F, method: str = "") -> F:
-    """``fn`` answering a StoreError with its status (and counting it under ``method``, else fn's name)."""
-    name = method or fn.__name__
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(self, _checked(request), context)
-        except StoreError as e:
-            if self.metrics is not None:
-                self.metrics.rpc_error(name, e.code)
-            context.abort(_status_code(e), _details(e))
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _stream_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from fn(self, _checked(request), context)
-        except StoreError as e:
-            if self.metrics is not None:
-                self.metrics.rpc_error(fn.__name__, e.code)
-            context.abort(_status_code(e), _details(e))
-
-    return wrapper  # type: ignore[return-value]
 
 
 class _Servicer:
@@ -167,7 +93,7 @@ class _Servicer:
 class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     """The worker data path (``service Workers``): the worker token."""
 
-    @_unary_errors
+    @unary_errors
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
                  context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
         self.store.check_serving()
@@ -177,7 +103,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         answer.shm = j.shm
         return answer
 
-    @_unary_errors
+    @unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         return self._push(request_iterator)
@@ -212,7 +138,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
         return (msg for *_, msg in messages)
 
-    @_stream_errors
+    @stream_errors
     def Pull(self, request: ps_pb2.PullRequest,
              context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._pull(request, context)
@@ -225,30 +151,30 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
                                      f"{framing.PULL_ONE_HEADER} header")
         return messages[0]
 
-    pull_one = _unary_errors(_one_message, "Pull")
+    pull_one = unary_errors(_one_message, "Pull")
 
     def _push_one(self, request: ps_pb2.PushRequest, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Push asked as a unary call (framing.PUSH_ONE_HEADER): its one message, read whole before the
         handler runs (no hand-over per message and per end of stream between gRPC's threads)."""
         return self._push(iter((request,)))
 
-    push_one = _unary_errors(_push_one, "Push")
+    push_one = unary_errors(_push_one, "Push")
 
-    @_unary_errors
+    @unary_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         version, live, backup = self.store.heartbeat(request.worker_id)
         return ps_pb2.HeartbeatResponse(version=version, live_workers=live, backup=backup)
 
-    @_unary_errors
+    @unary_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         version, live = self.store.goodbye(request.worker_id)
         self.segments.forget(request.worker_id)
         return ps_pb2.LeaveResponse(version=version, live_workers=live)
 
-    Describe = _unary_errors(_Servicer._stats, "Describe")
-    Recover = _unary_errors(_Servicer._rollback, "Recover")
+    Describe = unary_errors(_Servicer._stats, "Describe")
+    Recover = unary_errors(_Servicer._rollback, "Recover")
 
-    @_unary_errors
+    @unary_errors
     def TakeOver(self, request: ps_pb2.TakeOverRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
         shard_index, version, epoch = self.store.take_over(request.reason)
         return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch)
@@ -257,34 +183,34 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
 class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
     """Operating the job (``service Operator``): the operator token."""
 
-    Stats = _unary_errors(_Servicer._stats, "Stats")
+    Stats = unary_errors(_Servicer._stats, "Stats")
 
-    @_unary_errors
+    @unary_errors
     def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
         sync, version = self.store.switch_sync(request.sync)
         return ps_pb2.SetSyncResponse(sync=sync, version=version)
 
-    @_unary_errors
+    @unary_errors
     def Checkpoint(self, request: ps_pb2.CheckpointRequest,
                    context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
         version, path = self.store.checkpoint_request()
         return ps_pb2.CheckpointResponse(version=version, path=path)
 
-    Rollback = _unary_errors(_Servicer._rollback, "Rollback")
+    Rollback = unary_errors(_Servicer._rollback, "Rollback")
 
-    @_unary_errors
+    @unary_errors
     def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
         shard_index, version, epoch = self.store.promote(request.reason, request.force)
         return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch)
 
-    @_unary_errors
+    @unary_errors
     def AttachReplica(self, request: ps_pb2.AttachReplicaRequest,
                       context: grpc.ServicerContext) -> ps_pb2.AttachReplicaResponse:
         timeout = min(max(0.0, request.timeout_seconds), self._timeout(context))
         state = self.store.attach_replica(request.address, timeout)
         return ps_pb2.AttachReplicaResponse(replica_state=state)
 
-    @_stream_errors
+    @stream_errors
     def PullState(self, request: ps_pb2.PullStateRequest,
                   context: grpc.ServicerContext) -> Iterator[ps_pb2.StateChunk]:
         self.store.check_serving()
@@ -296,20 +222,20 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
 class PeersServicer(_Servicer, ps_pb2_grpc.PeersServicer):
     """Server to server (``service Peers``): the peer token."""
 
-    @_unary_errors
+    @unary_errors
     def Exchange(self, request: ps_pb2.ExchangeRequest,
                  context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
         key = (request.tensor, request.round, request.tag)
         partial = self.store.exchange.wait(key, self._timeout(context))
         return ps_pb2.ExchangeResponse(partial=encode_partial(partial))
 
-    @_unary_errors
+    @unary_errors
     def Replicate(self, request_iterator: Iterator[ps_pb2.ReplicateRequest],
                   context: grpc.ServicerContext) -> ps_pb2.ReplicateResponse:
         seq, version = self.store.apply_replica(read_ops(request_iterator))
         return ps_pb2.ReplicateResponse(seq=seq, version=version)
 
-    Describe = _unary_errors(_Servicer._stats, "Describe")
+    Describe = unary_errors(_Servicer._stats, "Describe")
 
 
 class _HandlerRecorder:
@@ -348,16 +274,17 @@ class _OneByHeader(grpc.GenericRpcHandler):
         return chosen
 
 
-def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer, server: grpc.Server) -> None:
+def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer | RowsServicer,
+              server: grpc.Server) -> None:
     recorder = _HandlerRecorder()
     add(servicer, recorder)
     handlers = recorder.handlers
-    if service == WORKERS:
+    if service == WORKERS and isinstance(servicer, _Servicer):
         handlers["Push"] = handlers["Push"]._replace(
             request_deserializer=counted(framing.read_push_request, servicer.store.job.received.add))
         handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
-        handlers[name] = h._replace(request_deserializer=_safe_deserializer(name, h.request_deserializer))
+        handlers[name] = h._replace(request_deserializer=safe_deserializer(name, h.request_deserializer))
     generic: list[grpc.GenericRpcHandler] = [grpc.method_handlers_generic_handler(service, handlers)]
     if service == WORKERS:  # Pull's and Push's handlers depend on a header: not registered methods (those have one)
         assert isinstance(servicer, WorkersServicer)
@@ -395,6 +322,9 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
+    rows = RowsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
+                        chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
+    _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
     return segments
 
 

@@ -15,6 +15,7 @@ callable); no part reaches another through the store::
     |- applier: Applier        apply.py: the optimizer step, remedies, loss scaler, step counters
     |- reader: Reader          pullcache.py: reads, the Pull framing cache, reads in progress
     |- checkpointer            checkpoint.py: checkpoint files and their schedule
+    |- rows: RowTables         rows.py: row tables, pulled and pushed by key (docs/sparse.md)
     '- replica: ReplicaSide    replica.py: role, replicator, replay and takeover; the parts' Recorder
 
 and the snapshot codec (snapshot.py), the sync policies (sync.py), the
@@ -76,7 +77,8 @@ from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
 from shardps.server.pullcache import PullCache, Reader
 from shardps.server.remedies import Remedy
 from shardps.server.replica import ReplicaSide
-from shardps.server.roles import ReplicaState, Role
+from shardps.server.roles import OpKind, ReplicaState, Role
+from shardps.server.rows import RowTables
 from shardps.server.scaling import scaling_config
 from shardps.server.snapshot import COUNTERS, ShardState, decode, encode, state_hash
 from shardps.server.sync import make_policy
@@ -150,6 +152,8 @@ class ShardStore:
         self.reader = reader = Reader(shard_index, cond, table, job, settle=applier.settle,
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
+        self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows.py
+                              lambda: replica.recording)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
@@ -171,6 +175,7 @@ class ShardStore:
                                                                     replica.attach_replica)
         self.start_replicated, self.stop_replication = replica.start_replicated, replica.stop_replication
         self.apply_replica, self.promote, self.take_over = replica.apply_ops, replica.promote, replica.take_over
+        self.replay_rows = self.rows.replay
         if sync is not None or num_workers is not None:
             if sync is None or num_workers is None:
                 raise ValueError("give both sync and num_workers, or neither")
@@ -306,13 +311,15 @@ class ShardStore:
         """``snapshot`` with the lock held."""
         self.applier.settle()
         m, job, ap = self.leases.membership, self.job, self.applier
-        return encode(ShardState(
+        version, meta, tensors = encode(ShardState(
             version=job.version, num_shards=self.num_shards, sync=job.sync, num_workers=m.num_workers,
             workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left),
             worker_clocks=job.worker_clocks, scaler=ap.scaler, remedy=ap.remedy, epoch=job.epoch,
             entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
             counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
             stale_weights=ap.stale_weights))
+        meta["rows"], row_tensors = self.rows.snapshot_locked()  # row tables (server/rows.py): their own keys
+        return version, meta, {**tensors, **row_tensors}
 
     def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Replace this shard's whole state with a snapshot (see ``snapshot``), part by part."""
@@ -320,6 +327,7 @@ class ShardStore:
             raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
                                      f"{self.shard_index} of {self.num_shards}")
         s = decode(version, meta, tensors)
+        self.rows.restore(meta.get("rows") or {}, tensors)
         with self._cond:
             ap, job = self.applier, self.job
             ap.settle()

@@ -28,7 +28,7 @@ _WHERE = {
     "Stream": "shardps.worker.streamplan",
     "connect": "shardps.worker.client",
 }
-_SUBMODULES = ("compress", "optim")
+_SUBMODULES = ("compress", "nn", "optim")
 
 __all__ = [
     "DistributedOptimizer",
@@ -41,11 +41,12 @@ __all__ = [
     "Stream",
     "compress",
     "connect",
+    "nn",
     "optim",
 ]
 
 if TYPE_CHECKING:
-    from shardps import compress, optim
+    from shardps import compress, nn, optim
     from shardps.deploy.local import LocalCluster
     from shardps.protos.amp import LossScaling
     from shardps.worker.client import PSClient, PushResult, connect

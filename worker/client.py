@@ -42,6 +42,7 @@ from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
 from shardps.worker.paths import ShardPaths
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
+from shardps.worker.rows import RowClient
 from shardps.worker.shm import ShmLink, shm_probe
 from shardps.worker.transport import Transport
 
@@ -71,8 +72,7 @@ class PSClient:
             raise ValueError("need at least one server address")
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id must be in [0, {num_workers}), got {worker_id}")
-        self.worker_id = worker_id
-        self.num_workers = num_workers
+        self.worker_id, self.num_workers = worker_id, num_workers
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.part_bytes = part_bytes
         # Each shard's backup (--replicas 2): given, learnt when registering and from heartbeats.
@@ -96,8 +96,8 @@ class PSClient:
         self.paths = ShardPaths(worker_id, len(self.addresses))
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
         self.transport.on_moved = self.paths.off  # failed over to a backup (another machine): gRPC
-        self._registered = False  # registered as a worker: close() says goodbye (Leave)
-        self._closed = False
+        self._registered = self._closed = False  # registered as a worker: close() says goodbye (Leave)
+        self.rows = RowClient(self.transport, worker_id, self.chunk_bytes)  # row tables (docs/sparse.md)
         # A worker's own /metrics (arguments, then SHARDPS_METRICS_PORT/HOST): served once it registers.
         self._metrics_port = env.pick_int(metrics_port, env.METRICS_PORT)
         self._metrics_host = env.pick(metrics_host, env.METRICS_HOST, "127.0.0.1") or "127.0.0.1"

@@ -37,6 +37,7 @@ from shardps.worker.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
 from shardps.worker.rollback import Action, During, decide, resume_step
+from shardps.worker.rowmodules import RowModules
 from shardps.worker.stream import Stream, Streamer
 
 __all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
@@ -169,6 +170,11 @@ class DistributedOptimizer:
         self.rejoins = 0
         self.rollbacks = 0
         self._join()
+        # Row tables (worker/rowmodules.py): the model's shardps.nn.Embedding modules, registered here, their
+        # gradients pushed at each step() (docs/sparse.md).
+        self.rows = RowModules.attach(params, client.rows, num_workers=client.num_workers, sync=str(self.sync),
+                                      provides_values=client.worker_id == 0 if provides_values is None
+                                      else provides_values)
         if compress is not None:  # the registered layouts and shard map say where each part goes
             assert client.shard_map is not None
             self.compressor = Compressor(compress, self.params, client.layouts, client.shard_map, client.chunk_bytes)
@@ -284,6 +290,7 @@ class DistributedOptimizer:
         if ov is not None and ov.pull is not None:  # a step without backward (or one that streamed nothing)
             self.synchronize()
         self.local_steps += 1
+        self.rows.step(self.local_steps - 1)  # the row modules' gradients (worker/rowmodules.py)
         if stream is not None:
             return self._push_streamed(stream, loss)
         grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}

@@ -7,6 +7,7 @@ those. ``call`` retries a shard that is UNAVAILABLE (and fails over to its
 backup when it has one); ``each`` runs a call on every shard in parallel.
 The health check and the diagnosis of a failed connection are in
 ``worker/reach.py`` (light enough for a container's healthcheck).
+(Just over 400 lines: one class holds every service's endpoints, retries and fan-out over the shards.)
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Transport:
     def num_shards(self) -> int:
         return len(self.addresses)
 
-    # -- the shards' endpoints ----------------------------------------------
+    # -- the shards' endpoints (Workers, Operator, Rows) --------------------
 
     def _channel(self, address: str) -> grpc.Channel:
         # Pull's responses are read in the caller's thread: without this option gRPC starts a thread
@@ -122,6 +123,10 @@ class Transport:
                 channel = self._operator_channels.get(address) or self._operator_channels.setdefault(
                     address, self.security.channel(address, role="operator"))
         return ps_pb2_grpc.OperatorStub(channel)  # type: ignore[no-untyped-call]
+
+    def rows(self, shard: int) -> ps_pb2_grpc.RowsStub:
+        """A ``Rows`` stub (row tables, worker/rows.py) on the channel that talks to ``shard`` now."""
+        return ps_pb2_grpc.RowsStub(self._channels[shard])  # type: ignore[no-untyped-call]
 
     def stubs(self) -> list[ps_pb2_grpc.WorkersStub]:
         """The current stubs, one per shard (a snapshot)."""

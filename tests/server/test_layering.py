@@ -15,7 +15,8 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 LAYERS = [
     ["errors", "roles"],
     ["remedies", "scaling", "sync", "peers", "checkpoint"],
-    ["table", "job", "membership"],
+    ["table", "job", "membership", "rowtable"],
+    ["rows"],
     ["apply", "pullcache", "snapshot"],
     ["replica"],
     ["datapath"],

@@ -76,7 +76,7 @@ def test_the_tables_list_nothing_else():
     (Role, ["primary", "backup", "starting", "deposed"]),
     (ReplicaState, ["none", "resync", "syncing", "synced", "degraded", "deposed"]),
     (OpKind, ["snapshot", "configure", "register_worker", "register_tensors", "submit", "leave", "evict",
-              "set_sync", "pulled"]),
+              "set_sync", "pulled", "rows"]),
 ])
 def test_wire_and_stats_values_are_the_strings_they_were(enum_type, values):
     assert [m.value for m in enum_type] == values

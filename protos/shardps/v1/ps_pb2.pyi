@@ -514,3 +514,89 @@ class TakeOverRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class RowTableSpec(_message.Message):
+    __slots__ = ("name", "dim", "keys", "optimizer", "init_json", "seed", "admit", "expire")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    keys: str
+    optimizer: OptimizerSpec
+    init_json: str
+    seed: int
+    admit: int
+    expire: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init_json: _Optional[str] = ..., seed: _Optional[int] = ..., admit: _Optional[int] = ..., expire: _Optional[int] = ...) -> None: ...
+
+class RegisterRowsRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: RowTableSpec
+    def __init__(self, table: _Optional[_Union[RowTableSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterRowsResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("table", "key_dtype", "keys", "dim")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    key_dtype: str
+    keys: bytes
+    dim: int
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class PullRowsResponse(_message.Message):
+    __slots__ = ("first", "rows", "versions")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    rows: bytes
+    versions: bytes
+    def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ..., versions: _Optional[bytes] = ...) -> None: ...
+
+class PushRowsRequest(_message.Message):
+    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    key_dtype: str
+    keys: bytes
+    grads: bytes
+    dim: int
+    worker_id: int
+    step: int
+    num_workers: int
+    assign: bool
+    base_versions: bytes
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ...) -> None: ...
+
+class PushRowsResponse(_message.Message):
+    __slots__ = ("rows", "steps")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    steps: int
+    def __init__(self, rows: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...

@@ -908,3 +908,164 @@ class Peers:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RowsStub:
+    """Row tables (the worker token): registered, pulled and pushed by key.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterRows = channel.unary_unary(
+                '/shardps.v1.Rows/RegisterRows',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRowsRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRowsResponse.FromString,
+                _registered_method=True)
+        self.PullRows = channel.unary_stream(
+                '/shardps.v1.Rows/PullRows',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRowsResponse.FromString,
+                _registered_method=True)
+        self.PushRows = channel.stream_unary(
+                '/shardps.v1.Rows/PushRows',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRowsRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRowsResponse.FromString,
+                _registered_method=True)
+
+
+class RowsServicer:
+    """Row tables (the worker token): registered, pulled and pushed by key.
+    """
+
+    def RegisterRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRows(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RowsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRows,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRowsRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRowsResponse.SerializeToString,
+            ),
+            'PullRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRowsRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRowsResponse.SerializeToString,
+            ),
+            'PushRows': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRowsRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRowsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shardps.v1.Rows', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shardps.v1.Rows', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Rows:
+    """Row tables (the worker token): registered, pulled and pushed by key.
+    """
+
+    @staticmethod
+    def RegisterRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Rows/RegisterRows',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRowsRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardps.v1.Rows/PullRows',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shardps.v1.Rows/PushRows',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRowsRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,242 @@
+"""Row tables on one shard: the rows its keys hash to, created on first touch (docs/sparse.md).
+
+``RowTables`` is the store's part for row tables: register, pull and push,
+each checked whole before anything changes (a refused request changes
+nothing: no row created, no step counted). Each table is a ``RowTable``
+(server/rowtable.py: its rows, first touch, admission, expiry, versions).
+
+Sync per table push: asp (``num_workers`` <= 1) applies a push at once;
+bsp holds step t's pushes until ``num_workers`` workers pushed it, then
+applies the mean of their gradients as one optimizer step and answers them
+all (a wait with a deadline that names the workers it waited for). A push
+is applied once: one of a step at or below its worker's last applied (asp)
+or the table's last bsp step is a retry, answered and counted, not applied.
+
+Thread-safety: the store's lock (and condition), held over each whole
+request but a bsp wait; changes are recorded for the shard's backup under
+it (``--replicas 2``: the backup replays them, ``replay``), in order with
+the dense ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardps.protos.rows import ROW_ITEMSIZE, RowTableSpec
+from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.optim import make_row_optimizer
+from shardps.server.rowtable import RowTable
+
+
+def _coalesce(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Distinct keys and the sum of each key's gradient rows (as a sparse tensor's ``coalesce``)."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    if len(uniq) == len(keys):
+        return keys, grads
+    summed = torch.zeros(len(uniq), grads.shape[1])
+    summed.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), grads)
+    return uniq, summed
+
+
+#: ``record(args, tensors)``: a change the shard's backup must replay (``RowTables.replay``), called under the
+#: lock (the store's recorder: server/replica.py).
+Record = Callable[[dict[str, Any], dict[str, torch.Tensor]], None]
+
+
+def _no_record(args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    pass
+
+
+class RowTables:
+    """The row tables of one shard. ``lock``: the condition it runs under (the store's; its own by default);
+    ``record``: where its changes go for a backup."""
+
+    def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record,
+                 recording: Callable[[], bool] = lambda: False) -> None:
+        self.lock = lock if lock is not None else threading.Condition(threading.Lock())
+        self.record = record
+        self.recording = recording  # whether a backup takes the changes: only then are they copied for it
+        self.tables: dict[str, RowTable] = {}
+
+    def register(self, spec: RowTableSpec) -> int:
+        """Declare a table (the same spec again: a no-op); its rows held here. FailedPrecondition for another
+        spec under a name in use."""
+        with self.lock:
+            held = self.tables.get(spec.name)
+            if held is not None:
+                if held.spec != spec:
+                    raise FailedPrecondition(f"row table {spec.name!r}: registered as {held.spec}, now asked as "
+                                             f"{spec}")
+                return held.size
+            try:
+                opt = make_row_optimizer(spec.optimizer)
+            except ValueError as e:
+                raise InvalidArgument(f"row table {spec.name!r}: {e}") from None
+            self.tables[spec.name] = RowTable(spec, opt)
+            self.record({"op": "register", "spec": spec.to_json()}, {})
+            return 0
+
+    def table(self, name: str, dim: int) -> RowTable:
+        t = self.tables.get(name)
+        if t is None:
+            raise NotFound(f"row table {name!r} is not registered on this shard (registered: "
+                           f"{sorted(self.tables)[:20]})")
+        if dim != t.spec.dim:
+            raise InvalidArgument(f"row table {name!r}: expected dim {t.spec.dim}, got {dim}")
+        return t
+
+    def pull(self, name: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held, and
+        their versions."""
+        with self.lock:
+            return self.table(name, dim).read(keys)
+
+    def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
+             num_workers: int = 1, timeout: float = 60.0, base: np.ndarray | None = None) -> tuple[int, int]:
+        """One optimizer step of the table on the rows of ``keys`` (repeated keys' gradients summed first):
+        (distinct rows updated, the table's step count). Every push counts as a step, an empty one too;
+        under bsp (``num_workers`` > 1) once per step, when every worker pushed it (see the module)."""
+        if grads.shape != (len(keys), dim):
+            raise InvalidArgument(f"row table {name!r}: expected gradients of shape [{len(keys)}, {dim}] for "
+                                  f"{len(keys)} keys, got {list(grads.shape)}")
+        if not bool(torch.isfinite(grads).all()):
+            raise InvalidArgument(f"row table {name!r}: the gradients hold inf or nan")
+        with self.lock:
+            t = self.table(name, dim)
+            if step <= (t.pushed.get(worker, -1) if num_workers <= 1 else t.bsp_done):
+                t.counts["duplicates"] += 1  # a retry of a push applied already: applied once, answered again
+                return 0, t.steps
+            if base is not None:  # before any change: under bsp, no step applies while this one is held
+                t.observe_staleness(keys, base)
+            if num_workers <= 1:
+                t.pushed[worker] = step
+                self._record_step(name, keys, grads, worker=worker, step=step, bsp=False)
+                return self._apply(t, keys, grads)
+            pushes = t.held.setdefault(step, {})
+            pushes[worker] = (keys, grads)
+            if len(pushes) >= num_workers:
+                del t.held[step]
+                got = [pushes[w] for w in sorted(pushes)]
+                keys, grads = np.concatenate([k for k, _ in got]), torch.cat([g for _, g in got]) / num_workers
+                self._record_step(name, keys, grads, worker=worker, step=step, bsp=True)
+                rows = self._apply(t, keys, grads)
+                t.bsp_done = step
+                self.lock.notify_all()
+                return rows
+            if not self.lock.wait_for(lambda: t.bsp_done >= step, timeout):
+                missing = sorted(set(range(num_workers)) - set(t.held.get(step, {})))
+                raise DeadlineExceeded(f"row table {name!r}: bsp step {step} waited {timeout:.1f}s for workers "
+                                       f"{missing} of {num_workers}")
+            return len(np.unique(keys)), t.steps
+
+    def _record_step(self, name: str, keys: np.ndarray, grads: torch.Tensor, *, worker: int, step: int,
+                     bsp: bool) -> None:
+        if not self.recording():
+            return
+        self.record({"op": "step", "table": name, "worker": worker, "step": step, "bsp": bsp},
+                    {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
+
+    def replay(self, args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """A backup: apply a change its primary recorded (``record``), as the primary did."""
+        with self.lock:
+            if args["op"] == "register":
+                spec = RowTableSpec.from_json(args["spec"])
+                self.tables.setdefault(spec.name, RowTable(spec, make_row_optimizer(spec.optimizer)))
+                return
+            t = self.tables[args["table"]]
+            keys = tensors["keys"].numpy().view(np.uint64)
+            if args["op"] == "assign":
+                new = [i for i, s in enumerate(t.find(keys)) if s < 0]
+                t.create(keys[new], tensors["values"][new])
+                return
+            if args["bsp"]:
+                t.bsp_done = args["step"]
+            else:
+                t.pushed[args["worker"]] = args["step"]
+            self._apply(t, keys, tensors["grads"])
+
+    @staticmethod
+    def _apply(t: RowTable, keys: np.ndarray, grads: torch.Tensor) -> tuple[int, int]:
+        uniq, summed = t.admit(*_coalesce(keys, grads))
+        slots = t.slots_of(uniq)
+        t.steps += 1
+        t.optimizer.step(t.weights, t.state, slots, summed, t.steps)
+        t.last[slots] = t.steps
+        t.updates[slots] += 1
+        t.expire()
+        return len(uniq), t.steps
+
+    def assign(self, name: str, dim: int, keys: np.ndarray, values: torch.Tensor) -> int:
+        """Create the rows of distinct ``keys`` not held yet with ``values`` (their first values; rows held
+        keep theirs): the rows created."""
+        if values.shape != (len(keys), dim) or not bool(torch.isfinite(values).all()):
+            raise InvalidArgument(f"row table {name!r}: expected {len(keys)} finite rows of dim {dim}, got "
+                                  f"{list(values.shape)}")
+        with self.lock:
+            t = self.table(name, dim)
+            new = [i for i, s in enumerate(t.find(keys)) if s < 0]
+            if self.recording():
+                self.record({"op": "assign", "table": name}, {"keys": torch.from_numpy(keys.view(np.int64).copy()),
+                                                              "values": values.clone()})
+            t.create(keys[new], values[new])
+            return len(new)
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Every table as (JSON-able meta, tensors: ``rows/{name}/keys`` (uint64 bits as int64),
+        ``rows/{name}/weight``, ``rows/{name}/state/{key}``), copies: what a checkpoint holds of them."""
+        with self.lock:
+            return self.snapshot_locked()
+
+    def snapshot_locked(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``snapshot`` with the lock held (the store's snapshot, under its lock)."""
+        meta: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in self.tables.items():
+            n = t.size
+            meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "bsp_done": t.bsp_done,
+                          "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()],
+                          "pushed": [[w, st] for w, st in t.pushed.items()]}
+            tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
+            tensors[f"rows/{name}/last"] = t.last[:n].clone()
+            tensors[f"rows/{name}/updates"] = t.updates[:n].clone()
+            tensors[f"rows/{name}/weight"] = t.weights[:n].clone()
+            for k, st in t.state.items():
+                tensors[f"rows/{name}/state/{k}"] = st[:n].clone()
+        return meta, tensors
+
+    def restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Replace every table with a snapshot's (``snapshot``); a snapshot of no tables empties them."""
+        tables: dict[str, RowTable] = {}
+        for name, m in meta.items():
+            spec = RowTableSpec.from_json(m["spec"])
+            t = RowTable(spec, make_row_optimizer(spec.optimizer), steps=m["steps"], bsp_done=m["bsp_done"],
+                         seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]),
+                         pushed={int(w): int(st) for w, st in m["pushed"]})
+            keys = tensors[f"rows/{name}/keys"].numpy().view(np.uint64)
+            t.create(keys, tensors[f"rows/{name}/weight"])
+            t.last[: len(keys)] = tensors[f"rows/{name}/last"]
+            t.updates[: len(keys)] = tensors[f"rows/{name}/updates"]
+            for k in t.state:
+                t.state[k][: len(keys)] = tensors[f"rows/{name}/state/{k}"]
+            tables[name] = t
+        with self.lock:
+            self.tables = tables
+            self.lock.notify_all()
+
+    def staleness(self) -> Counter[int]:
+        """Row staleness over every table: {steps that updated a row between its pull and its push: rows}."""
+        with self.lock:
+            return sum((t.staleness for t in self.tables.values()), Counter())
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per table: rows held, weight and state bytes, steps."""
+        with self.lock:
+            return {n: {"rows": t.size, "weight_bytes": t.size * t.spec.dim * ROW_ITEMSIZE,
+                        "state_bytes": t.state_bytes(), "steps": t.steps, "pending_admission": len(t.seen),
+                        **t.counts} for n, t in self.tables.items()}

@@ -1,0 +1,121 @@
+"""The gRPC face of a shard's row tables (``service Rows``, the worker token): decode, call, encode.
+
+Requests are checked whole before the store sees them (keys' dtype and
+length, gradient bytes against keys x dim, every message of a PushRows
+stream naming the same table, worker, step and dim); the store
+(server/rows.py) checks the table and the dim. Errors name the table, what
+was expected and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from shardps.protos import codec
+from shardps.protos.rows import KEY_DTYPES, ROW_ITEMSIZE, RowTableSpec, rows_per_message
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.server.errors import InvalidArgument
+from shardps.server.metrics import ServerMetrics
+from shardps.server.rows import RowTables
+from shardps.server.rpc import stream_errors, unary_errors
+
+
+def decode_keys(table: str, key_dtype: str, data: bytes) -> np.ndarray:
+    """The uint64 keys of a request; InvalidArgument for another dtype or a length not a multiple of 8."""
+    dtype = KEY_DTYPES.get(key_dtype)
+    if dtype is None:
+        raise InvalidArgument(f"row table {table!r}: expected keys of dtype {sorted(KEY_DTYPES)}, got "
+                              f"{key_dtype!r}")
+    if len(data) % 8:
+        raise InvalidArgument(f"row table {table!r}: expected keys of 8 bytes each, got {len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype).view(np.uint64)
+
+
+def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]
+                     ) -> tuple[ps_pb2.PushRowsRequest, np.ndarray, torch.Tensor, np.ndarray]:
+    """(the first message, uint64 keys, [n, dim] fp32 gradients, int64 base versions (-1: not known)) of a
+    whole PushRows stream."""
+    first: ps_pb2.PushRowsRequest | None = None
+    keys: list[np.ndarray] = []
+    grads: list[bytes] = []
+    bases: list[np.ndarray] = []
+    for m in requests:
+        first = first or m
+        head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign)
+        want = (first.table, first.dim, first.worker_id, first.step, first.num_workers, first.assign)
+        if head != want:
+            raise InvalidArgument(f"row table {first.table!r}: every message of a PushRows stream names the same "
+                                  f"(table, dim, worker, step, num_workers, assign): expected {want}, got {head}")
+        k = decode_keys(m.table, m.key_dtype, m.keys)
+        if len(m.grads) != len(k) * m.dim * ROW_ITEMSIZE:
+            raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} x {m.dim} fp32 gradients "
+                                  f"({len(k) * m.dim * ROW_ITEMSIZE} bytes), got {len(m.grads)} bytes")
+        if m.base_versions and len(m.base_versions) != 8 * len(k):
+            raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} base versions ({8 * len(k)} bytes), "
+                                  f"got {len(m.base_versions)} bytes")
+        keys.append(k)
+        grads.append(m.grads)
+        bases.append(np.frombuffer(m.base_versions, dtype="<i8") if m.base_versions else np.full(len(k), -1))
+    if first is None:
+        raise InvalidArgument("PushRows: an empty stream")
+    data = b"".join(grads)
+    g = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
+    return first, np.concatenate(keys), g.view(-1, max(1, first.dim)), np.concatenate(bases).astype(np.int64)
+
+
+class RowsServicer(ps_pb2_grpc.RowsServicer):
+    """``service Rows`` over a shard's ``RowTables``."""
+
+    def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
+                 replicated: Callable[[], None] = lambda: None,
+                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
+                 max_wait_s: float = 300.0) -> None:
+        self.rows = rows
+        self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
+        self.check_serving = check_serving
+        self.replicated = replicated  # blocks until the backup holds every change so far (--replicas 2)
+        self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
+        self.metrics = metrics
+
+    @unary_errors
+    def RegisterRows(self, request: ps_pb2.RegisterRowsRequest,
+                     context: grpc.ServicerContext) -> ps_pb2.RegisterRowsResponse:
+        self.check_serving()
+        try:
+            spec = RowTableSpec.from_proto(request.table)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        rows = self.rows.register(spec)
+        self.replicated()
+        return ps_pb2.RegisterRowsResponse(rows=rows)
+
+    @stream_errors
+    def PullRows(self, request: ps_pb2.PullRowsRequest,
+                 context: grpc.ServicerContext) -> Iterator[ps_pb2.PullRowsResponse]:
+        self.check_serving()
+        keys = decode_keys(request.table, request.key_dtype, request.keys)
+        rows, versions = self.rows.pull(request.table, request.dim, keys)
+        per = rows_per_message(request.dim + 2, self.chunk_bytes)  # + its version
+        for first in range(0, len(keys), per):
+            yield ps_pb2.PullRowsResponse(first=first, rows=rows[first:first + per].numpy().tobytes(),
+                                          versions=versions[first:first + per].numpy().tobytes())
+
+    @unary_errors
+    def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],
+                 context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
+        self.check_serving()
+        head, keys, grads, base = decode_push_rows(request_iterator)
+        if head.assign:
+            created = self.rows.assign(head.table, head.dim, keys, grads)
+            self.replicated()
+            return ps_pb2.PushRowsResponse(rows=created)
+        remaining = context.time_remaining()
+        timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
+        rows, steps = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
+                                     num_workers=head.num_workers, timeout=timeout, base=base)
+        self.replicated()  # acknowledged only once the backup holds it
+        return ps_pb2.PushRowsResponse(rows=rows, steps=steps)

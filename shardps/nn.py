@@ -1,0 +1,11 @@
+"""Modules whose weights live on the parameter servers: ``shardps.nn.Embedding`` and ``EmbeddingBag``.
+
+Embedding tables held as rows on the servers (docs/sparse.md): a forward
+pulls only the rows of the batch's ids, ``DistributedOptimizer.step()``
+pushes their gradients, and a sparse optimizer (``shardps.optim.SparseAdam``,
+``RowwiseAdagrad``, ``SGD``) updates only those rows on the servers.
+"""
+
+from shardps.worker.rowmodules import Embedding, EmbeddingBag
+
+__all__ = ["Embedding", "EmbeddingBag"]

@@ -1,0 +1,176 @@
+"""A worker's calls on row tables (docs/sparse.md): register, pull and push rows by key.
+
+``RowClient`` is ``PSClient.rows``. Keys come as an int64 (or uint64) tensor
+of any shape, unsorted and repeated; the client sends each distinct key
+once, to the shard its hash names (protos/rows.py), in messages of at most
+``chunk_bytes``, to every shard in parallel (``Transport.each``: retried
+while a shard is unavailable). A pull answers rows in the keys' shape,
+``[*keys.shape, dim]``; a push sums the gradient rows of repeated keys
+before sending (the shard sums again what it gets, so either side may).
+Every push reaches every shard, an empty one too: a table's step count
+(SparseAdam's bias correction) is the same on every shard.
+
+Thread-safety: as the PSClient, one thread at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardps.protos import codec
+from shardps.protos.optim import SGD, OptimizerSpec
+from shardps.protos.rows import RowTableSpec, as_u64, hash_key, rows_per_message, shard_of
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.transport import Transport
+
+# At most this many keys in one PullRows request (8 bytes each: well under gRPC's 4 MiB message limit).
+MAX_PULL_KEYS = 1 << 18
+MAX_TRACKED = 64  # pulls of a table whose versions are kept for its next push
+
+
+@dataclass(frozen=True)
+class Split:
+    """Distinct keys of a request split by shard: ``keys[s]`` (uint64) and where the distinct keys sit in
+    the request (``inverse``: for each key asked, its index among the distinct keys)."""
+
+    unique: np.ndarray  # distinct uint64 keys
+    inverse: torch.Tensor  # [n] int64: index into ``unique`` of each key asked
+    owner: np.ndarray  # [len(unique)]: the shard of each distinct key
+    num_shards: int
+
+    def of(self, shard: int) -> np.ndarray:
+        """Indices (into ``unique``) of the distinct keys ``shard`` holds."""
+        return np.flatnonzero(self.owner == shard)
+
+
+def split(keys: np.ndarray, num_shards: int) -> Split:
+    unique, inverse = np.unique(keys, return_inverse=True)
+    return Split(unique, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), shard_of(unique, num_shards),
+                 num_shards)
+
+
+class RowClient:
+    """Row tables over the shards of ``transport``."""
+
+    def __init__(self, transport: Transport, worker_id: int, chunk_bytes: int) -> None:
+        self.transport = transport
+        self.worker_id = worker_id
+        self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
+        self.specs: dict[str, RowTableSpec] = {}
+        self.wire_bytes = 0  # key, row and version bytes sent and received by this client's row calls
+        # Per table, the (distinct keys, their row versions) of the pulls since its last push (the newest
+        # MAX_TRACKED): handed back with the push, so the shards count each row's staleness.
+        self.pulled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def register(self, name: str, dim: int, *, optimizer: OptimizerSpec | None = None, keys: str = "int64",
+                 init: dict[str, float | str] | None = None, seed: int = 0, admit: int = 0,
+                 expire: int = 0) -> RowTableSpec:
+        """Declare the row table ``name`` on every shard (the same spec again: a no-op). ``optimizer``:
+        ``SparseAdam``, ``RowwiseAdagrad`` or ``SGD`` with ``lr`` alone (default ``SGD(lr=0.01)``);
+        ``keys``: "int64" (ids given as int64/uint64 tensors) or "hash" (any str/bytes/int, see ``keys_of``);
+        ``init``: a new row's distribution (default normal(0, 1), as ``torch.nn.Embedding``); ``admit`` > 1:
+        a row is stored once that many pushes carried its key; ``expire`` > 0: rows not pushed for that
+        many of the table's steps are dropped (docs/sparse.md)."""
+        opt = optimizer if optimizer is not None else SGD(lr=0.01)
+        spec = (RowTableSpec(name, dim, opt, keys, seed=seed, admit=admit, expire=expire) if init is None
+                else RowTableSpec(name, dim, opt, keys, init, seed=seed, admit=admit, expire=expire))
+        msg = ps_pb2.RegisterRowsRequest(table=spec.to_proto())
+        t = self.transport
+        t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout))
+        self.specs[name] = spec
+        return spec
+
+    def keys_of(self, name: str, values: list[object]) -> torch.Tensor:
+        """Keys of a ``keys="hash"`` table for any str, bytes or int values (BLAKE2b, 64 bits)."""
+        return torch.tensor([hash_key(v) for v in values], dtype=torch.uint64)
+
+    def _spec(self, name: str) -> RowTableSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise KeyError(f"row table {name!r} is not registered by this client (registered: {sorted(self.specs)})")
+        return spec
+
+    def pull(self, name: str, keys: torch.Tensor, *, track: bool = True) -> torch.Tensor:
+        """The rows of ``keys`` (any shape, repeated keys allowed): ``[*keys.shape, dim]`` fp32. ``track``:
+        keep their versions for the next push (row staleness; off for pulls no push follows)."""
+        dim = self._spec(name).dim
+        s = split(as_u64(keys), self.transport.num_shards)
+        out = torch.empty(len(s.unique), dim)
+        versions = np.zeros(len(s.unique), dtype=np.int64)
+        t = self.transport
+
+        def pull_shard(shard: int) -> int:
+            idx = s.of(shard)
+            got = 0
+            for lo in range(0, len(idx), MAX_PULL_KEYS):
+                part = idx[lo:lo + MAX_PULL_KEYS]
+                req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim)
+                rows = out[torch.from_numpy(part)]  # filled below, then put back in place
+                for msg in t.rows(shard).PullRows(req, timeout=t.timeout):
+                    n = len(msg.rows) // (dim * 4)
+                    rows[msg.first:msg.first + n] = torch.frombuffer(bytearray(msg.rows), dtype=torch.float32
+                                                                     ).view(n, dim)
+                    versions[part[msg.first:msg.first + n]] = np.frombuffer(msg.versions, dtype="<i8")
+                    got += len(msg.rows) + len(msg.versions)
+                out[torch.from_numpy(part)] = rows
+                got += len(req.keys)
+            return got
+
+        self.wire_bytes += sum(t.each(pull_shard))
+        if track:
+            self.pulled.setdefault(name, []).append((s.unique, versions))
+            del self.pulled[name][:-MAX_TRACKED]
+        return out[s.inverse].view(*keys.shape, dim)
+
+    def _bases(self, name: str, keys: np.ndarray) -> np.ndarray:
+        """The version each distinct uint64 key's row had when first pulled since the table's last push
+        (-1: not pulled); forgets those pulls."""
+        got = self.pulled.pop(name, [])
+        if not got:
+            return np.full(len(keys), -1, dtype=np.int64)
+        k = np.concatenate([a for a, _ in got])
+        v = np.concatenate([b for _, b in got])
+        order = np.lexsort((v, k))  # by key, then version: the oldest first
+        k, v = k[order], v[order]
+        first = np.r_[True, k[1:] != k[:-1]]
+        k, v = k[first], v[first]
+        at = np.minimum(np.searchsorted(k, keys), len(k) - 1)
+        return np.where(k[at] == keys, v[at], -1).astype(np.int64)
+
+    def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
+             assign: bool = False) -> int:
+        """One optimizer step of the table from the gradient rows ``grads`` (``[*keys.shape, dim]``) of
+        ``keys``; repeated keys' rows are summed. Returns the distinct rows updated over all shards.
+
+        ``num_workers`` > 1: bsp, the step is applied once that many workers pushed ``step``, with the
+        mean of their gradients (this call returns then). ``assign``: ``grads`` are the rows' first
+        values (rows not held yet are created with them; no step)."""
+        dim = self._spec(name).dim
+        g = grads.detach().reshape(-1, dim).to(torch.float32, copy=False)
+        if g.shape[0] != keys.numel():
+            raise ValueError(f"row table {name!r}: {keys.numel()} keys but gradients of shape {list(grads.shape)}")
+        s = split(as_u64(keys), self.transport.num_shards)
+        summed = torch.zeros(len(s.unique), dim).index_add_(0, s.inverse, g.cpu())
+        bases = np.full(len(s.unique), -1, dtype=np.int64) if assign else self._bases(name, s.unique)
+        per = rows_per_message(dim + 2, self.chunk_bytes)  # + the base version
+        t = self.transport
+
+        def messages(shard: int) -> Iterator[ps_pb2.PushRowsRequest]:
+            idx = s.of(shard)
+            for lo in range(0, max(1, len(idx)), per):
+                part = idx[lo:lo + per]
+                yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
+                                             grads=summed[torch.from_numpy(part)].numpy().tobytes(), dim=dim,
+                                             worker_id=self.worker_id, step=step, num_workers=num_workers,
+                                             assign=assign, base_versions=bases[part].tobytes())
+
+        def push_shard(shard: int) -> int:
+            answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)
+            return int(answer.rows)
+
+        self.wire_bytes += len(s.unique) * (8 + 4 * dim + 8)
+        return sum(t.each(push_shard))
