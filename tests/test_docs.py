@@ -68,6 +68,12 @@ def _benchmark_flags() -> dict[str, set[str]]:
             for p in (ROOT / "benchmarks").glob("*.py")}
 
 
+def _example_flags() -> set[str]:
+    """The flags of the examples run as modules (``python -m shardps.examples.gpt_stream --blocks``)."""
+    return set().union(*(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", p.read_text())
+                         for p in (ROOT / "examples").glob("*.py")))
+
+
 def test_every_metric_the_docs_name_exists():
     named = set(re.findall(r"\bshardps_[a-z_]+[a-z]", _text()))
     assert named, "no metric found in the docs"
@@ -94,7 +100,7 @@ def test_every_flag_the_docs_name_exists():
     for script, rest in re.findall(r"benchmarks/([a-z_]+)\.py((?:[^`\n#|])*)", text):
         assert script in benchmarks, f"benchmarks/{script}.py is named in the docs but does not exist"
         wrong += [f"benchmarks/{script}.py {f}" for f in FLAG.findall(rest) if f not in benchmarks[script]]
-    known = set().union(*commands.values(), *benchmarks.values())
+    known = set().union(*commands.values(), *benchmarks.values(), _example_flags())
     for span in re.findall(r"`(--[^`]*)`", text):  # a lone flag in a code span: some command has it
         wrong += [f for f in FLAG.findall(span) if f not in known]
     assert wrong == []
