@@ -11,7 +11,8 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many processes (pytest-xdist; 1: one process, in collection order).
-TEST_JOBS ?= 2
+# One by default: on 2 cores two processes measured no faster (docs/performance.md, "The test suite's time").
+TEST_JOBS ?= 1
 
 .PHONY: venv tools demo test test-fast stress fuzz lint typecheck proto clean
 
@@ -55,9 +56,8 @@ tools:
 	fi
 
 # Lint and types first (ruff, mypy --strict: the package ships py.typed), then the whole suite (its 30
-# slowest tests listed at the end: where the wall time goes) in TEST_JOBS processes: about a third of a
-# one-process run's wall time is waiting (processes starting, deadlines, scrapes), which the second
-# process fills. The tests on the session's Ray cluster stay together in one of them (tests/conftest.py).
+# slowest tests listed at the end: where the wall time goes), in TEST_JOBS processes (with more than one,
+# the Ray tests stay together in one of them: tests/conftest.py).
 # Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
 # those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
 test: venv tools lint
