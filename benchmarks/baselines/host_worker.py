@@ -25,7 +25,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,6 +95,22 @@ class Steps:
         return out
 
 
+def train(a: argparse.Namespace, model: torch.nn.Module, opt: Any,
+          at_warmup: Callable[[], object] | None = None) -> dict[str, object]:
+    """``a.warmup`` steps, then ``a.steps`` timed ones (``Steps``); ``at_warmup`` runs before the first timed."""
+    steps = Steps(a)
+    for step in range(a.warmup + a.steps):
+        x, y = batch(step, a.rank, a.batch, a.dims)
+        if step == a.warmup and at_warmup is not None:
+            at_warmup()
+        t0 = steps.begin(step)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        steps.end(step, t0)
+    return steps.result()
+
+
 def run_ddp(a: argparse.Namespace) -> dict[str, object]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -102,18 +120,7 @@ def run_ddp(a: argparse.Namespace) -> dict[str, object]:
                             timeout=datetime.timedelta(seconds=a.timeout))
     try:
         model = DistributedDataParallel(mlp(a.dims))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        steps = Steps(a)
-        for step in range(a.warmup + a.steps):
-            x, y = batch(step, a.rank, a.batch, a.dims)
-            if step == a.warmup:
-                dist.barrier()
-            t0 = steps.begin(step)
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            steps.end(step, t0)
-        return steps.result()
+        return train(a, model, torch.optim.SGD(model.parameters(), lr=0.01), at_warmup=dist.barrier)
     finally:
         dist.destroy_process_group()
 
@@ -124,21 +131,13 @@ def run_shardps(a: argparse.Namespace) -> dict[str, object]:
 
     model = mlp(a.dims)
     half = torch.bfloat16 if a.wire == "bf16" else None
-    steps = Steps(a)
     with shardps.connect(a.addresses.split(","), worker_id=a.rank, num_workers=a.world,
                          timeout=a.timeout) as client:
         compress = None if a.compress == "none" else shardps.compress.parse(a.compress)
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), sync=a.sync,
                                            grad_dtype=half, pull_dtype=half, push_window=a.window,
                                            compress=compress)
-        for step in range(a.warmup + a.steps):
-            x, y = batch(step, a.rank, a.batch, a.dims)
-            t0 = steps.begin(step)
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            steps.end(step, t0)
-        return steps.result()
+        return train(a, model, opt)
 
 
 def main() -> int:
