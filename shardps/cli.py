@@ -1,8 +1,8 @@
 """The ``shardps`` command: server, worker, demo, sim, stats, ctl, health, ray.
 
-Over 400 lines: one parser for eight subcommands, each flag with its help and
-its environment variable (docs/operations.md lists them; tests/test_docs.py
-checks the list), and the dispatch; what each subcommand runs lives in the
+Over 400 lines: one parser for seven subcommands (``ray`` has its own module,
+shardps/cli_ray.py), each flag with its help and its environment variable
+(docs/operations.md lists them; tests/test_docs.py checks the list), and the dispatch; what each subcommand runs lives in the
 module it names (server/app.py, examples/, deploy/demo.py, deploy/netsim.py).
 """
 
@@ -20,7 +20,7 @@ from shardps.protos.security import Security
 T = TypeVar("T")
 
 # Choices come from the registries that accept them. (Ray's placement strategies, --strategy, are
-# spelt out below: their registry, shardps.deploy.ray.placement, imports Ray.)
+# spelt out in shardps/cli_ray.py: their registry, shardps.deploy.ray.placement, imports Ray.)
 OPTIMIZERS = tuple(SPECS)  # the optimizer specs the servers know (shardps.protos.optim)
 
 
@@ -165,11 +165,9 @@ def health_main(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # The choices come from the modules that accept them, which import torch: here, not at the top, so that
     # `shardps health` (health_main) stays light.
+    from shardps.cli_ray import add_ray_parser
     from shardps.compress import compress_flags
     from shardps.protos import codec
-    from shardps.worker.pipeline.offload import ENCODINGS
-    from shardps.worker.pipeline.schedule import SCHEDULES
-    from shardps.worker.pipeline.stage import CHECKPOINT_MODES
 
     p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
     p.add_argument("--log-level", default=env.get(env.LOG_LEVEL) or "WARNING",
@@ -319,64 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--servers", type=int, default=2, help="servers, on hosts h0 .. h(S-1) (default 2)")
     sm.add_argument("--workers", type=int, default=4, help="workers, on hosts hS .. h(S+W-1) (default 4)")
     _training_flags(sm)
-    ry = sub.add_parser("ray", help="train an example on the Ray cluster this runs on (a `ray job submit` entrypoint)",
-                        description="Servers and workers as Ray actors placed by placement groups; see docs/ray.md.")
-    ry.add_argument("--example", choices=["digits", "shakespeare"], default="digits",
-                    help="digits: an MLP, data-parallel workers; shakespeare: a char-GPT in pipeline stages")
-    ry.add_argument("--servers", type=int, default=2)
-    ry.add_argument("--workers", type=int, default=2)
-    ry.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
-    ry.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
-                    help="default: adam for digits, adafactor for shakespeare")
-    ry.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    ry.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
-    ry.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
-    ry.add_argument("--seed", type=int, default=0)
-    ry.add_argument("--strategy", default="SPREAD", type=str.upper,
-                    choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"),
-                    help="how the servers' placement group spreads them over nodes (default SPREAD)")
-    ry.add_argument("--worker-strategy", default="SPREAD", type=str.upper,
-                    choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="the same for the workers")
-    ry.add_argument("--server-resources", default=None, metavar="JSON",
-                    help="extra resources each server asks for, e.g. '{\"ps\": 0.001}' to keep them on CPU nodes")
-    ry.add_argument("--server-cpus", type=float, default=1.0, help="CPUs per server actor (default 1)")
-    ry.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs per worker actor (default 1)")
-    ry.add_argument("--use-gpu", action="store_true", help="one GPU per worker actor")
-    ry.add_argument("--replicas", type=int, choices=(1, 2), default=1, help="2: a live backup of every shard")
-    ry.add_argument("--checkpoint-dir", default=env.get(env.CHECKPOINT_DIR),
-                    help=f"servers checkpoint here (env {env.CHECKPOINT_DIR})")
-    ry.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps")
-    ry.add_argument("--max-restarts", type=int, default=0,
-                    help="Ray restarts a dead server actor this often (needs --checkpoint-dir; the job rolls back)")
-    ry.add_argument("--metrics", action="store_true", help="servers and workers serve Prometheus /metrics")
-    ry.add_argument("--prometheus-sd", default=None, metavar="FILE",
-                    help="write the metrics endpoints as a Prometheus file_sd JSON file (with --metrics)")
-    ry.add_argument("--address", default=None,
-                    help="the Ray cluster (default: the job's own, else RAY_ADDRESS, else a local one)")
-    ry.add_argument("--placement-timeout", type=float, default=120.0,
-                    help="give up placing servers or workers after this many seconds (default 120)")
-    ry.add_argument("--timeout", type=float, default=3600.0, help="give up training after this many seconds")
-    ry.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
-    ry.add_argument("--quiet", action="store_true", help="no progress output")
-    pg = ry.add_argument_group("pipeline (--example shakespeare)")
-    pg.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    pg.add_argument("--chunks", type=int, default=4, help="micro-batches per step (default 4)")
-    pg.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
-    pg.add_argument("--recompute", choices=CHECKPOINT_MODES, default="except_last",
-                    help="activation recomputation (default except_last)")
-    pg.add_argument("--offload", action="store_true", help="offload saved activations to an offload store actor")
-    pg.add_argument("--compress", choices=ENCODINGS, default=None,
-                    help="encoding of offloaded activations")
-    pg.add_argument("--stage-strategy", default="SPREAD", type=str.upper,
-                    choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="placement of the stages")
-    pg.add_argument("--stage-cpus", type=float, default=1.0, help="CPUs per stage actor (default 1)")
-    pg.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    pg.add_argument("--dim", type=int, default=128, help="model width (default 128)")
-    pg.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    pg.add_argument("--context", type=int, default=64, help="characters per sample (default 64)")
-    pg.add_argument("--samples", type=int, default=2, help="sampled lines to report (default 2)")
-    pg.add_argument("--sample-length", type=int, default=120, help="characters per sample (default 120)")
-    pg.add_argument("--log-every", type=int, default=50, help="progress every N steps (default 50)")
+    add_ray_parser(sub)
     return p
 
 
@@ -466,16 +407,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardps {args.command}: {e}", file=sys.stderr)
             return 1
     if args.command == "ray":
-        try:
-            from shardps.deploy.ray.job import run_job
-        except ImportError as e:
-            print(f"shardps ray: {e}; install Ray: pip install 'shardps[ray]'", file=sys.stderr)
-            return 2
-        for name in ("servers", "workers", "epochs"):
-            if getattr(args, name) < 1:
-                print(f"shardps ray: --{name} must be >= 1", file=sys.stderr)
-                return 2
-        return run_job(args)
+        from shardps.cli_ray import run_ray
+
+        return run_ray(args)
     if args.command == "demo":
         from shardps.deploy.demo import run_demo
 
