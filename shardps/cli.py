@@ -2,8 +2,9 @@
 
 Over 400 lines: one parser for seven subcommands (``ray`` has its own module,
 shardps/cli_ray.py), each flag with its help and its environment variable
-(docs/operations.md lists them; tests/test_docs.py checks the list), and the dispatch; what each subcommand runs lives in the
-module it names (server/app.py, examples/, deploy/demo.py, deploy/netsim.py).
+(docs/operations.md lists them; tests/test_docs.py checks the list), and the
+dispatch; what each subcommand runs lives in the module it names (server/app.py,
+examples/, deploy/demo.py, deploy/netsim.py).
 """
 
 from __future__ import annotations

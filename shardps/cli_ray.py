@@ -9,7 +9,7 @@ from shardps.cli import OPTIMIZERS, _sync
 from shardps.protos import env
 
 
-def add_ray_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Adds ``ray`` to the ``shardps`` subcommands ``sub``; returns its parser."""
     from shardps.worker.pipeline.offload import ENCODINGS
     from shardps.worker.pipeline.schedule import SCHEDULES
