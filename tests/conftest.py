@@ -88,6 +88,11 @@ class SessionRay:
         return self._rc
 
     def __getattr__(self, name: str) -> object:
+        # Only the cluster's public attributes start it: pytest probes every object a conftest holds for
+        # private ones (`_mock_name`, `__wrapped__`) when it collects, which would start a cluster in every
+        # pytest process, xdist workers and runs without a Ray test included, and leave it running.
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self.running(), name)
 
     def stop(self) -> None:
