@@ -45,7 +45,8 @@ def linear() -> nn.Linear:
     return nn.Linear(4, 2)
 
 
-def stage(sync: str, weight_delay: int = 1, **fake: object) -> tuple[StageRuntime, StageWeights, list[FakeStepper]]:
+def stage(sync: str, weight_delay: int = 1, timeout: float = 600.0,
+          **fake: object) -> tuple[StageRuntime, StageWeights, list[FakeStepper]]:
     rt = StageRuntime(linear(), 0, 1, checkpoint="never", loss_fn=nn.MSELoss(reduction="sum"))
     made: list[FakeStepper] = []
 
@@ -53,7 +54,7 @@ def stage(sync: str, weight_delay: int = 1, **fake: object) -> tuple[StageRuntim
         made.append(FakeStepper(masters, **fake))  # type: ignore[arg-type]
         return made[-1]
 
-    return rt, StageWeights(rt, SyncSpec.parse(sync), weight_delay, make), made
+    return rt, StageWeights(rt, SyncSpec.parse(sync), weight_delay, make, timeout=timeout), made
 
 
 X, T = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(3, 2)
@@ -154,6 +155,24 @@ def test_a_failed_background_sync_is_raised_by_the_forward_that_waits_for_it():
     w.before_forward(0)  # within the delay: does not wait
     with pytest.raises(RuntimeError, match="push refused"):
         w.before_forward(1)
+
+
+def test_a_background_sync_that_does_not_land_is_a_timeout_naming_the_stage_not_a_hang():
+    gate = threading.Event()
+    rt, w, [fake] = stage("asp", weight_delay=1, timeout=0.2, gate=gate)
+    forwards(rt, w, 0, 2)
+    backwards(rt, 2)
+    w.sync()  # the push and pull wait at the gate, in the background
+    rt.begin_step(1, 2)
+    try:
+        with pytest.raises(TimeoutError, match=r"stage 0: the background push and pull did not land within "
+                                               r"0.2 s \(forwards run on version 1\)"):
+            w.before_forward(1)
+    finally:
+        gate.set()
+    assert w.wait() == 2 and fake.steps == 1  # landed once the gate opened: its weights installed
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got 0"):
+        StageWeights(rt, SyncSpec.parse("bsp"), 1, timeout=0)
 
 
 def test_without_servers_it_only_reports_the_version():

@@ -45,12 +45,16 @@ MakeStepper = Callable[[list[tuple[str, torch.Tensor]]], Stepper]
 class StageWeights:
     """The weights side of stage ``runtime`` under ``sync``; with ``make_stepper`` None (no servers) it
     only reports the runtime's version. ``weight_delay``: micro-batches of a step that may run before the
-    previous step's pull lands (asp/ssp only; 0 under barrier modes)."""
+    previous step's pull lands (asp/ssp only; 0 under barrier modes). ``timeout``: the longest a forward
+    waits for a background push and pull to land (seconds) before it raises ``TimeoutError``."""
 
     def __init__(self, runtime: StageRuntime, sync: SyncSpec, weight_delay: int = 1,
-                 make_stepper: MakeStepper | None = None) -> None:
+                 make_stepper: MakeStepper | None = None, timeout: float = 600.0) -> None:
         if weight_delay < 0:
             raise ValueError(f"weight_delay must be >= 0, got {weight_delay}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = timeout
         self.runtime = runtime
         self.sync_spec = sync
         self.stash = not sync.barrier  # the pull overlaps the next step: each version stashed for its backwards
@@ -124,10 +128,13 @@ class StageWeights:
 
     def wait(self) -> int:
         """Land a pull still in flight (join it, install the new weights); the version forwards run on
-        now. Raises what the background sync raised. Blocks for as long as that push and pull take (the
-        stepper's own deadlines bound it)."""
+        now. Raises what the background sync raised, or ``TimeoutError`` when it has not landed within
+        ``timeout`` seconds (the stepper's own deadlines should end it sooner; the thread is left to them)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self.timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"stage {self.runtime.index}: the background push and pull did not land "
+                                   f"within {self.timeout:g} s (forwards run on version {self.version})")
             self._thread = None
             self._raise()
             self._install()
