@@ -14,42 +14,11 @@ import logging
 import sys
 from typing import TypeVar
 
+from shardps.cliargs import OPTIMIZERS, addresses, host_rate, positive_int, rate, sync_mode
 from shardps.protos import env
-from shardps.protos.optim import SPECS
 from shardps.protos.security import Security
 
 T = TypeVar("T")
-
-# Choices come from the registries that accept them. (Ray's placement strategies, --strategy, are
-# spelt out in shardps/cli_ray.py: their registry, shardps.deploy.ray.placement, imports Ray.)
-OPTIMIZERS = tuple(SPECS)  # the optimizer specs the servers know (shardps.protos.optim)
-
-
-def _addresses(text: str) -> list[str]:
-    out = [a.strip() for a in text.split(",") if a.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError("expected comma-separated HOST:PORT addresses")
-    return out
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return n
-
-
-def _sync(text: str) -> str:
-    from shardps.protos.syncspec import SyncSpec
-
-    try:
-        return str(SyncSpec.parse(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
 
 def _security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security (env SHARDPS_TLS_CERT, SHARDPS_TLS_KEY, SHARDPS_TLS_CA, "
@@ -99,32 +68,15 @@ def _env_float(name: str) -> float | None:
 def _address_flag(p: argparse.ArgumentParser, help: str = "HOST:PORT,... in shard order") -> None:
     """--addresses, from SHARDPS_ADDRESSES when not given."""
     default = env.get(env.ADDRESSES)
-    p.add_argument("--addresses", type=_addresses, default=_addresses(default) if default else None,
+    p.add_argument("--addresses", type=addresses, default=addresses(default) if default else None,
                    required=default is None, help=f"{help} (env {env.ADDRESSES})")
-
-
-def _rate(text: str) -> str:
-    from shardps.deploy.netsim import parse_rate
-
-    try:
-        parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _host_rate(text: str) -> tuple[str, str]:
-    host, sep, rate = text.partition("=")
-    if not sep or not host:
-        raise argparse.ArgumentTypeError(f"expected HOST=RATE (e.g. h5=100mbit), got {text!r}")
-    return host, _rate(rate)
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
     """The job's flags that ``demo`` and ``sim`` share (their workers' command line: deploy/demo.py)."""
     from shardps.compress import compress_flags
 
-    p.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
+    p.add_argument("--sync", type=sync_mode, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     p.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
@@ -134,7 +86,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
     p.add_argument("--overlap", action="store_true",
                    help="push gradient buckets during backward, pull weights during the next forward")
-    p.add_argument("--push-window", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--push-window", type=positive_int, default=None, metavar="N",
                    help="push to N shards at a time, in the order the next forward needs them (default: all)")
     compress_flags(p)
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
@@ -188,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve N consecutive shards from --shard-index in this process, each on its own "
                         "port (--port, --port+1, ...; 0: free ones): a model cut finer than the server hosts "
                         "(see DistributedOptimizer(push_window=...)); default 1")
-    s.add_argument("--sync", type=_sync, default=None, help="fix the sync mode (default: the first worker's)")
+    s.add_argument("--sync", type=sync_mode, default=None, help="fix the sync mode (default: the first worker's)")
     s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
     s.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_CHUNK_BYTES,
                    help=f"bytes per streamed chunk on Pull (default {codec.DEFAULT_CHUNK_BYTES})")
@@ -240,13 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run one worker of an example")
     w.add_argument("--example", choices=["digits"], default="digits")
     _address_flag(w)
-    w.add_argument("--backups", type=_addresses, default=None,
+    w.add_argument("--backups", type=addresses, default=None,
                    help="each shard's backup (--replicas 2), HOST:PORT,... in shard order; learnt when "
                         f"registering otherwise (env {env.BACKUPS})")
     wid, nw = _env_int(env.WORKER_ID), _env_int(env.NUM_WORKERS)
     w.add_argument("--worker-id", type=int, default=wid, required=wid is None, help=f"(env {env.WORKER_ID})")
     w.add_argument("--num-workers", type=int, default=nw, required=nw is None, help=f"(env {env.NUM_WORKERS})")
-    w.add_argument("--sync", type=_sync, default="bsp")
+    w.add_argument("--sync", type=sync_mode, default="bsp")
     w.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     w.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
     w.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
@@ -257,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
     w.add_argument("--overlap", action="store_true",
                    help="push gradient buckets during backward, pull weights during the next forward")
-    w.add_argument("--push-window", type=_positive_int, default=None, metavar="N",
+    w.add_argument("--push-window", type=positive_int, default=None, metavar="N",
                    help="push to N shards at a time, in the order the next forward needs them (default: all)")
     compress_flags(w)
     w.add_argument("--metrics-port", type=int, default=None,
@@ -281,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _security_flags(c)
     csub = c.add_subparsers(dest="action", required=True)
     ss = csub.add_parser("set-sync", help="switch the sync mode live: bsp, asp, every:X, ssp:S")
-    ss.add_argument("sync", type=_sync)
+    ss.add_argument("sync", type=sync_mode)
     csub.add_parser("checkpoint", help="write a checkpoint on every shard now (servers with --checkpoint-dir)")
     pr = csub.add_parser("promote", help="make the backups at --addresses (servers' replica ports) serve their "
                                          "shards (workers do this themselves when a primary dies)")
@@ -310,9 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "example across the links. Hosts left over stay idle. See docs/netsim.md.")
     sm.add_argument("--hosts", type=int, default=6, help="hosts in the cluster, at least --servers + --workers "
                                                           "(default 6)")
-    sm.add_argument("--link", type=_rate, default="1gbit",
+    sm.add_argument("--link", type=rate, default="1gbit",
                     help="every host's link rate, both directions: NUMBER and kbit, mbit or gbit (default 1gbit)")
-    sm.add_argument("--host-link", type=_host_rate, action="append", default=[], metavar="HOST=RATE",
+    sm.add_argument("--host-link", type=host_rate, action="append", default=[], metavar="HOST=RATE",
                     help="one host's own rate, e.g. h5=100mbit for a slow straggler (repeatable)")
     sm.add_argument("--example", choices=["digits"], default="digits")
     sm.add_argument("--servers", type=int, default=2, help="servers, on hosts h0 .. h(S-1) (default 2)")

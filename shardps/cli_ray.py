@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardps.cli import OPTIMIZERS, _sync
+from shardps.cliargs import OPTIMIZERS, sync_mode
 from shardps.protos import env
 
 
@@ -21,7 +21,7 @@ def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                     help="digits: an MLP, data-parallel workers; shakespeare: a char-GPT in pipeline stages")
     ry.add_argument("--servers", type=int, default=2)
     ry.add_argument("--workers", type=int, default=2)
-    ry.add_argument("--sync", type=_sync, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
+    ry.add_argument("--sync", type=sync_mode, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     ry.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                     help="default: adam for digits, adafactor for shakespeare")
     ry.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
