@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from shardps.examples.shakespeare import Block, CharLoss, batch, load_text, make_model
+from shardps.protos.optim import OptimizerSpec
 
 
 def rss_bytes() -> int:
@@ -44,11 +45,17 @@ def rss_bytes() -> int:
 
 def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: int, batch_size: int, steps: int,
           max_live_bytes: int | None, prefetch: int = 1, keep: str = "server", lr: float = 3e-3, seed: int = 0,
-          log_every: int = 10, blocks: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+          log_every: int = 10, blocks: bool = False, say: Callable[[str], None] = print,
+          optimizer: OptimizerSpec | None = None, wire: str = "fp32") -> dict[str, Any]:
     """One worker trains ``steps`` steps on the servers at ``addresses``; streamed unless ``max_live_bytes``
     is None (``blocks``: each transformer block one unit, else each module with parameters of its own).
-    Returns losses, step times, bytes."""
+    ``optimizer``: the servers' (default Adam at ``lr``); ``wire="bf16"``: gradients up and weights down in
+    bf16. Returns losses, step times, bytes."""
     import shardps
+
+    if wire not in ("fp32", "bf16"):
+        raise ValueError(f"wire must be 'fp32' or 'bf16', got {wire!r}")
+    half = torch.bfloat16 if wire == "bf16" else None
 
     text = load_text()
     rss0 = rss_bytes()  # before the model: its first weights count in the growth (streamed, they are freed)
@@ -62,7 +69,8 @@ def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: i
     losses: list[float] = []
     times: list[float] = []
     with shardps.connect(addresses) as client:
-        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=lr), stream=stream)
+        opt = shardps.DistributedOptimizer(model, client, optimizer=optimizer or shardps.optim.Adam(lr=lr),
+                                           stream=stream, grad_dtype=half, pull_dtype=half)
         if opt.stream is not None:
             opt.stream.reset_peak()
         for step in range(1, steps + 1):

@@ -79,8 +79,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", type=sync_mode, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    p.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch, split over workers")
+    p.add_argument("--epochs", type=int, default=None, help="passes over the data (default 10; digits)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch, split over workers (default 64; the gpt example's: 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
@@ -113,6 +114,13 @@ def health_main(argv: list[str]) -> int:
 
     args = _health_flags(argparse.ArgumentParser(prog="shardps health", description=HEALTH_HELP)).parse_args(argv)
     return run_health(args.address, timeout=args.timeout, security=security_from(args))
+
+
+def _digits_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The digits example's defaults of the flags the demo's examples share (None: not given)."""
+    args.epochs = 10 if args.epochs is None else args.epochs
+    args.batch_size = 64 if args.batch_size is None else args.batch_size
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,10 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--shard", type=int, required=True, help="index into --addresses")
     ar.add_argument("target", metavar="TARGET", help="HOST:PORT of the backup endpoint")
 
-    d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
+    d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits (or a char-GPT)")
+    d.add_argument("--example", choices=("digits", "gpt"), default="digits",
+                   help="digits: an MLP, data-parallel workers (default); gpt: the tinyshakespeare char-GPT, one "
+                        "worker, its weights streamed from the servers with --stream")
     d.add_argument("--servers", type=int, default=2)
-    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--workers", type=int, default=None, help="workers (default 2; the gpt example has one)")
     _training_flags(d)
+    gd = d.add_argument_group("the char-GPT (--example gpt; docs/streaming.md)")
+    gd.add_argument("--stream", action="store_true",
+                    help="stream the weights from the servers module by module, at most --max-live-mb held")
+    gd.add_argument("--max-live-mb", type=float, default=64.0,
+                    help="the worker's budget of live parameter + gradient bytes, MiB (default 64)")
+    gd.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    gd.add_argument("--dim", type=int, default=512, help="model width, a multiple of 8 (default 512: 25M "
+                                                          "parameters, 101 MB, at 8 blocks)")
+    gd.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
+    gd.add_argument("--context", type=int, default=64, help="characters per sample (default 64)")
     d.add_argument("--plot", metavar="PNG", default=None,
                    help="save the loss curve and staleness histogram (needs matplotlib: shardps[plot])")
     d.add_argument("--replicas", type=int, choices=(1, 2), default=1,
@@ -364,16 +385,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_ray(args)
     if args.command == "demo":
-        from shardps.deploy.demo import run_demo
-
         for name in ("servers", "workers", "epochs"):
-            if getattr(args, name) < 1:
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 print(f"shardps demo: --{name} must be >= 1", file=sys.stderr)
                 return 2
-        return run_demo(args)
+        if args.example == "gpt":
+            from shardps.deploy.demo_gpt import run_gpt_demo
+
+            return run_gpt_demo(args)
+        from shardps.deploy.demo import run_demo
+
+        args.workers = 2 if args.workers is None else args.workers
+        return run_demo(_digits_defaults(args))
     if args.command == "sim":
         from shardps.deploy.demo import run_sim
 
+        _digits_defaults(args)
         for name in ("servers", "workers", "epochs", "hosts"):
             if getattr(args, name) < 1:
                 print(f"shardps sim: --{name} must be >= 1", file=sys.stderr)

@@ -50,6 +50,34 @@ def test_demo_bf16_on_the_wire_with_overlap():
     assert out["steps"] == 8 * 22 and out["test_accuracy"] >= 0.9, out
 
 
+def test_demo_gpt_streams_a_model_larger_than_its_budget():
+    """`shardps demo --example gpt --stream`: the char-GPT (6.4 MB here) trained by one worker holding at
+    most its budget of live parameter + gradient bytes (2 MiB), plus one unit (docs/streaming.md)."""
+    out = run_demo("--example", "gpt", "--stream", "--max-live-mb", "2", "--dim", "256", "--layers", "2",
+                   "--steps", "4", "--servers", "1", "--quiet")
+    assert out["example"] == "gpt" and out["stream"] and out["steps"] == 4, out
+    budget = 2 * 2**20
+    assert out["model_bytes"] > 3 * budget, out
+    assert 0 < out["peak_live_bytes"] <= budget + out["largest_unit_bytes"], out
+    assert out["pulls_per_step"] > out["units"], out  # units pulled for forward and again for backward
+    assert out["first_loss"] == out["first_loss"] and out["last_loss"] < 5.0, out  # finite, learning from ln 65
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "2"], "--example gpt trains with one worker (this process), got --workers 2"),
+    (["--overlap"], "--overlap does not apply to --example gpt (it is the digits example's)"),
+    (["--epochs", "3"], "--epochs does not apply to --example gpt"),
+    (["--sync", "asp"], "--example gpt has one worker: its sync is bsp, got --sync asp"),
+    (["--stream", "--max-live-mb", "0"], "--max-live-mb must be > 0, got 0"),
+    (["--dim", "100"], "--dim must be a multiple of the model's 8 heads, got 100"),
+])
+def test_demo_gpt_refuses_what_does_not_apply_before_starting_anything(flags, message, capsys):
+    from shardps.cli import main
+
+    assert main(["demo", "--example", "gpt", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_demo_bad_flag_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "shardps", "demo", "--sync", "sometimes"],
                           capture_output=True, text=True, timeout=60)
