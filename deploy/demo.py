@@ -31,7 +31,17 @@ Start = Callable[[int, list[str]], "subprocess.Popen[str]"]
 """How worker k's command line starts (``_run_workers``)."""
 
 
+def digits_defaults(args: Any) -> Any:
+    """The digits example's defaults of the flags ``demo``'s examples share, where not given (None; the gpt
+    example's are its own: deploy/demo_gpt.py). Returns ``args``, changed in place."""
+    for name, default in (("workers", 2), ("epochs", 10), ("batch_size", 64)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    return args
+
+
 def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | None = None) -> list[str]:
+    digits_defaults(args)
     cmd = [sys.executable, "-m", "shardps", "worker", "--example", "digits",
            "--addresses", ",".join(addresses), "--worker-id", str(k), "--num-workers", str(args.workers),
            "--sync", args.sync, "--optimizer", args.optimizer, "--epochs", str(args.epochs),
@@ -146,6 +156,7 @@ def _signals_deferred(who: str = "shardps demo") -> Iterator[None]:
 def run_demo(args: Any) -> int:
     from shardps.examples.digits import evaluate
 
+    digits_defaults(args)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     procs: list[subprocess.Popen[str]] = []
@@ -255,6 +266,7 @@ _EVALUATE = ("import sys; from shardps.examples.digits import evaluate; "
 
 def run_sim(args: Any) -> int:
     """``shardps sim``: the demo's job on a NetCluster (servers on the first hosts, workers on the next ones)."""
+    digits_defaults(args)
     from shardps.deploy.netsim import NetCluster, NetsimUnavailable, format_rate, parse_rate, unavailable
 
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))

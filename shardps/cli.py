@@ -116,13 +116,6 @@ def health_main(argv: list[str]) -> int:
     return run_health(args.address, timeout=args.timeout, security=security_from(args))
 
 
-def _digits_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """The digits example's defaults of the flags the demo's examples share (None: not given)."""
-    args.epochs = 10 if args.epochs is None else args.epochs
-    args.batch_size = 64 if args.batch_size is None else args.batch_size
-    return args
-
-
 def build_parser() -> argparse.ArgumentParser:
     # The choices come from the modules that accept them, which import torch: here, not at the top, so that
     # `shardps health` (health_main) stays light.
@@ -395,14 +388,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_gpt_demo(args)
         from shardps.deploy.demo import run_demo
 
-        args.workers = 2 if args.workers is None else args.workers
-        return run_demo(_digits_defaults(args))
+        return run_demo(args)
     if args.command == "sim":
         from shardps.deploy.demo import run_sim
 
-        _digits_defaults(args)
         for name in ("servers", "workers", "epochs", "hosts"):
-            if getattr(args, name) < 1:
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 print(f"shardps sim: --{name} must be >= 1", file=sys.stderr)
                 return 2
         if args.hosts < args.servers + args.workers:
