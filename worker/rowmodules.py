@@ -30,6 +30,8 @@ ROW_SYNCS = ("bsp", "asp")
 class _Rows(nn.Module):
     """What Embedding and EmbeddingBag share: the table, the client, the rows pulled this step."""
 
+    write_from_every_worker = False  # the first values (``pretrained``) written by every worker, not only one
+
     def __init__(self, num_embeddings: int | None, embedding_dim: int, *, name: str | None,
                  optimizer: OptimizerSpec | None, sync: str | None, init: dict[str, float | str] | None) -> None:
         super().__init__()
@@ -139,7 +141,7 @@ class RowModules:
             m.num_workers = num_workers if table_sync == "bsp" else 1
             rows.register(m.table, m.embedding_dim, optimizer=m.optimizer,
                           init={"kind": "zeros"} if m.pretrained is not None else m.init)
-            if m.pretrained is not None and provides_values:
+            if m.pretrained is not None and (provides_values or m.write_from_every_worker):
                 ids = torch.arange(m.pretrained.shape[0])
                 rows.push(m.table, ids, m.pretrained, 0, assign=True)
         return cls(found)

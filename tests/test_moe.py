@@ -1,0 +1,220 @@
+"""shardps.nn.MoE: routing as the stated rules, the layer equal to a per-token dense loop, bsp as one process."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import shardps
+from shardps.optim import SGD
+from shardps.worker.moe import MoECollector
+from shardps.worker.routing import capacity, route
+from tests.helpers import run_workers
+
+D, E = 8, 8
+
+
+def expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+
+def reference_keep(experts: list[list[int]], cap: int | None) -> list[list[bool]]:
+    """The drop rule, written as a loop: first choices of every token in order, then second choices."""
+    k = len(experts[0])
+    keep = [[True] * k for _ in experts]
+    taken = [0] * E
+    for rank in range(k):
+        for t, row in enumerate(experts):
+            e = row[rank]
+            keep[t][rank] = cap is None or taken[e] < cap
+            taken[e] += 1
+    return keep
+
+
+def dense_loop(x: torch.Tensor, gate: nn.Module, experts: list[nn.Module], k: int, cap: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor, list[list[bool]]]:
+    """(out, E * sum f_i P_i, kept) by a loop over tokens and their routed experts."""
+    h = x.reshape(-1, D)
+    probs = F.softmax(gate(h), -1)
+    top_p, top_i = torch.topk(probs, k, -1)
+    w = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
+    keep = reference_keep(top_i.tolist(), cap)
+    rows = []
+    for t in range(h.shape[0]):
+        y = torch.zeros(D)
+        for r in range(k):
+            if keep[t][r]:
+                y = y + w[t, r] * experts[int(top_i[t, r])](h[t:t + 1])[0]
+        rows.append(y)
+    first = [sum(1 for t in range(h.shape[0]) if int(top_i[t, 0]) == i) / h.shape[0] for i in range(E)]
+    aux = E * sum(first[i] * probs[:, i].mean() for i in range(E))
+    return torch.stack(rows).view(x.shape), aux, keep
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_routing_drops_by_the_reference_rule_and_the_aux_loss_is_switchs(top_k):
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(20, E, generator=g)
+    logits[:, 0] += 2.0  # a popular expert: some of its tokens go over capacity
+    probs = F.softmax(logits, -1)
+    cap = capacity(20, E, top_k, 1.0, min_capacity=1)
+    assert cap == math.ceil(top_k * 20 / E)
+    r = route(probs, top_k, cap)
+    want = reference_keep(r.expert.tolist(), cap)
+    assert r.keep.tolist() == want
+    assert r.dropped == sum(not k for row in want for k in row) > 0
+    assert torch.equal(r.counts, torch.bincount(r.expert.reshape(-1), minlength=E))
+    first = torch.bincount(probs.argmax(-1), minlength=E).float() / 20
+    torch.testing.assert_close(r.aux, E * (first * probs.mean(0)).sum(), rtol=0, atol=1e-6)
+    assert route(probs, top_k, None).dropped == 0  # dropless
+
+
+@pytest.mark.parametrize("top_k,drop_tokens", [(1, False), (2, False), (2, True)])
+def test_pull_equals_a_dense_loop_over_the_routed_experts(make_cluster, top_k, drop_tokens):
+    cluster = make_cluster(2)
+    torch.manual_seed(top_k)
+    moe = shardps.nn.MoE(D, E, expert, name="moe", top_k=top_k, capacity_factor=1.0, min_capacity=1,
+                         drop_tokens=drop_tokens, aux_loss_coef=0.1, optimizer=SGD(lr=1.0))
+    with torch.no_grad():
+        moe.gate.weight[:, 0] += 3.0  # skewed: drops where they are on
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.0))
+        before = client.pull_rows("moe", torch.arange(E), track=False)
+        refs = [moe.expert_module(i) for i in range(E)]
+        gate = copy.deepcopy(moe.gate)
+        asked: list[int] = []
+        for store in cluster.stores:  # the keys each server is asked for, counted where they arrive
+            pull = store.rows.pull
+            store.rows.pull = lambda name, dim, keys, pull=pull: (asked.extend(keys.tolist()), pull(name, dim, keys))[1]
+        x = torch.randn(2, 3, D) + 1.0  # 6 tokens: fewer than the experts for top-1
+        xr = x.clone().requires_grad_()
+        x.requires_grad_()
+        out, aux, counts = moe(x)
+        pulled = sorted(asked)
+        want, want_aux, kept = dense_loop(xr, gate, refs, top_k, moe.capacity(6))
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(aux, 0.1 * want_aux, rtol=0, atol=1e-6)
+        assert moe.last is not None and moe.last.keep.tolist() == kept
+        assert (moe.stats.dropped > 0) == drop_tokens
+        routed = sorted({int(e) for e, k in zip(moe.last.expert.reshape(-1), moe.last.keep.reshape(-1)) if k})
+        assert pulled == routed and len(routed) < E  # only the experts routed, each once
+        assert torch.equal(counts, torch.bincount(moe.last.expert.reshape(-1), minlength=E))
+        weight = torch.randn(2, 3, D)
+        ((out * weight).sum() + aux).backward()
+        ((want * weight).sum() + 0.1 * want_aux).backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(moe.gate.weight.grad, gate.weight.grad, rtol=0, atol=1e-6)
+        opt.step()
+        after = client.pull_rows("moe", torch.arange(E), track=False)
+    for i in range(E):
+        if i in routed:  # SGD(lr=1): the row moved by its gradient
+            grad = torch.cat([p.grad.reshape(-1) for p in refs[i].parameters()])
+            torch.testing.assert_close(before[i] - after[i], grad, rtol=0, atol=1e-6)
+        else:  # no token: not pulled, not pushed, unchanged
+            assert all(p.grad is None for p in refs[i].parameters())
+            assert torch.equal(after[i], before[i])
+
+
+STEPS, WORKERS, BATCH = 3, 2, 8
+
+
+class Net(nn.Module):
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, aux, _ = self.moe(x)
+        return self.head(x + out).squeeze(-1), aux
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, generator=g)
+
+
+def test_bsp_two_workers_equal_one_process(cluster2):
+    def build() -> Net:
+        torch.manual_seed(0)
+        return Net(shardps.nn.MoE(D, E, expert, top_k=2, drop_tokens=False, optimizer=SGD(lr=0.5)))
+
+    models = [build() for _ in range(WORKERS)]
+
+    def worker(k: int) -> torch.Tensor:
+        model = models[k]
+        with shardps.connect(cluster2.addresses, worker_id=k, num_workers=WORKERS) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=SGD(lr=0.5), sync="bsp")
+            for step in range(STEPS):
+                x, y = data(step)
+                mine = slice(k * BATCH // WORKERS, (k + 1) * BATCH // WORKERS)
+                pred, aux = model(x[mine])
+                (F.mse_loss(pred, y[mine]) + aux).backward()
+                opt.step()
+                opt.zero_grad()
+            return torch.stack([model.moe.expert_module(i)[0].weight for i in range(E)]).detach()
+
+    results = run_workers(worker, WORKERS)
+    ref = build()
+    experts = [copy.deepcopy(ref.moe.template[0]) for _ in range(E)]
+    for e, row in zip(experts, ref.moe.experts.pretrained):
+        torch.nn.utils.vector_to_parameters(row, e.parameters())
+    params = [*ref.moe.gate.parameters(), *ref.head.parameters(), *(p for e in experts for p in e.parameters())]
+    sgd = torch.optim.SGD(params, lr=0.5)
+    for step in range(STEPS):
+        x, y = data(step)
+        losses = []
+        for k in range(WORKERS):  # each worker's loss on its half (aux is per batch), their mean
+            mine = slice(k * BATCH // WORKERS, (k + 1) * BATCH // WORKERS)
+            out, aux, _ = dense_loop(x[mine], ref.moe.gate, experts, 2, None)
+            losses.append(F.mse_loss(ref.head(x[mine] + out).squeeze(-1), y[mine]) + 0.01 * aux)
+        (sum(losses) / WORKERS).backward()
+        sgd.step()
+        sgd.zero_grad()
+    want = torch.stack([e[0].weight for e in experts]).detach()
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert not torch.equal(got, torch.stack([r[0] for r in ref.moe.experts.pretrained.split(1)]))
+
+
+def test_bad_input_and_metrics(make_cluster):
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="m", capacity_factor=0.5, min_capacity=1)
+    with pytest.raises(RuntimeError, match="DistributedOptimizer"):
+        moe(torch.randn(4, D))
+    with pytest.raises(ValueError, match="placement"):
+        shardps.nn.MoE(D, E, expert, placement="far")
+    with pytest.raises(ValueError, match="top_k"):
+        shardps.nn.MoE(D, E, expert, top_k=E + 1)
+    registry = CollectorRegistry()
+    registry.register(MoECollector(nn.Sequential(moe)))
+    with shardps.connect(cluster.addresses) as client:
+        shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        before = client.pull_rows("m", torch.arange(E), track=False)
+        with pytest.raises(ValueError, match=r"x must be \[\.\.\., 8\] \(d_model\), got \[4, 7\]"):
+            moe(torch.randn(4, D - 1))
+        assert moe.stats.tokens == 0
+        out, _, counts = moe(torch.randn(4, 5, D))
+        assert out.shape == (4, 5, D) and int(counts.sum()) == 20
+        assert torch.equal(client.pull_rows("m", torch.arange(E), track=False), before)
+    dropped = registry.get_sample_value("shardps_moe_dropped_total", {"layer": "0"})
+    assert dropped == moe.stats.dropped == moe.last.dropped > 0
+    assert registry.get_sample_value("shardps_moe_tokens_total", {"layer": "0"}) == 20
+
+
+def test_row_calls_by_the_names_of_issue_24(make_cluster):
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses) as client:
+        client.register_rows("t", 3, keys="int64", init={"kind": "zeros"}, optimizer=SGD(lr=1.0))
+        keys = torch.tensor([5, 2**40, 5])
+        assert torch.equal(client.pull_rows("t", keys), torch.zeros(3, 3))
+        assert client.push_rows("t", keys, torch.ones(3, 3), step=1) == 2
+        assert torch.equal(client.pull_rows("t", torch.tensor([5, 2**40])), -torch.tensor([[2.0] * 3, [1.0] * 3]))
+        assert torch.equal(client.row_keys("t", ["a"]), client.rows.keys_of("t", ["a"]))
