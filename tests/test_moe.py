@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 
+import grpc
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from torch import nn
 
 import shardps
 from shardps.optim import SGD
+from shardps.protos.shardps.v1 import experts_pb2
 from shardps.worker.moe import MoECollector
 from shardps.worker.routing import capacity, route
 from tests.helpers import run_workers
@@ -75,12 +78,13 @@ def test_routing_drops_by_the_reference_rule_and_the_aux_loss_is_switchs(top_k):
     assert route(probs, top_k, None).dropped == 0  # dropless
 
 
+@pytest.mark.parametrize("placement", ["pull", "send"])
 @pytest.mark.parametrize("top_k,drop_tokens", [(1, False), (2, False), (2, True)])
-def test_pull_equals_a_dense_loop_over_the_routed_experts(make_cluster, top_k, drop_tokens):
+def test_layer_equals_a_dense_loop_over_the_routed_experts(make_cluster, top_k, drop_tokens, placement):
     cluster = make_cluster(2)
     torch.manual_seed(top_k)
     moe = shardps.nn.MoE(D, E, expert, name="moe", top_k=top_k, capacity_factor=1.0, min_capacity=1,
-                         drop_tokens=drop_tokens, aux_loss_coef=0.1, optimizer=SGD(lr=1.0))
+                         drop_tokens=drop_tokens, aux_loss_coef=0.1, optimizer=SGD(lr=1.0), placement=placement)
     with torch.no_grad():
         moe.gate.weight[:, 0] += 3.0  # skewed: drops where they are on
     with shardps.connect(cluster.addresses) as client:
@@ -102,6 +106,7 @@ def test_pull_equals_a_dense_loop_over_the_routed_experts(make_cluster, top_k, d
         torch.testing.assert_close(aux, 0.1 * want_aux, rtol=0, atol=1e-6)
         assert moe.last is not None and moe.last.keep.tolist() == kept
         assert (moe.stats.dropped > 0) == drop_tokens
+        assert moe.stats.placements[placement] == 1
         routed = sorted({int(e) for e, k in zip(moe.last.expert.reshape(-1), moe.last.keep.reshape(-1)) if k})
         assert pulled == routed and len(routed) < E  # only the experts routed, each once
         assert torch.equal(counts, torch.bincount(moe.last.expert.reshape(-1), minlength=E))
@@ -140,10 +145,12 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, generator=g)
 
 
-def test_bsp_two_workers_equal_one_process(cluster2):
+@pytest.mark.parametrize("placement", ["pull", "send"])
+def test_bsp_two_workers_equal_one_process(cluster2, placement):
     def build() -> Net:
         torch.manual_seed(0)
-        return Net(shardps.nn.MoE(D, E, expert, top_k=2, drop_tokens=False, optimizer=SGD(lr=0.5)))
+        return Net(shardps.nn.MoE(D, E, expert, top_k=2, drop_tokens=False, optimizer=SGD(lr=0.5),
+                                  placement=placement))
 
     models = [build() for _ in range(WORKERS)]
 
@@ -207,6 +214,33 @@ def test_bad_input_and_metrics(make_cluster):
     dropped = registry.get_sample_value("shardps_moe_dropped_total", {"layer": "0"})
     assert dropped == moe.stats.dropped == moe.last.dropped > 0
     assert registry.get_sample_value("shardps_moe_tokens_total", {"layer": "0"}) == 20
+
+
+def test_auto_takes_the_placement_of_fewer_bytes_and_counts_it(make_cluster):
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="auto", placement="auto", drop_tokens=False)
+    registry = CollectorRegistry()
+    registry.register(MoECollector(moe))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        for tokens in (2, 256):  # few tokens: their bytes are fewer than the experts'; many: the reverse
+            out, aux, _ = moe(torch.randn(tokens, D))
+            assert moe.last is not None
+            cost = moe.cost(moe.last)
+            want = "send" if cost["send"] < cost["pull"] else "pull"
+            assert registry.get_sample_value("shardps_moe_forwards_total", {"layer": "moe", "placement": want}) == 1
+            (out.sum() + aux).backward()
+            opt.step()
+            opt.zero_grad()
+        assert moe.stats.placements == {"pull": 1, "send": 1}
+        bad = experts_pb2.ExpertCall(table="auto", dim=moe.experts.embedding_dim, d_model=D,
+                                     experts=np.array([1], "<u8").tobytes(), counts=np.array([2], "<i8").tobytes(),
+                                     tokens=b"\0" * 4 * D)
+        with pytest.raises(grpc.RpcError) as e:
+            client.transport.experts(0).Forward(bad, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'auto': expected 2 tokens x 8 fp32 (64 bytes) of tokens, got 32" in e.value.details()
 
 
 def test_row_calls_by_the_names_of_issue_24(make_cluster):

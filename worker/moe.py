@@ -29,6 +29,8 @@ from torch import nn
 from torch.func import functional_call
 
 from shardps.protos.optim import OptimizerSpec
+from shardps.protos.shardps.v1 import experts_pb2
+from shardps.worker import expertsend
 from shardps.worker.routing import Routing, capacity, route
 from shardps.worker.rowmodules import _Rows
 
@@ -48,6 +50,7 @@ class ExpertRows(_Rows):
         if numel == 0:
             raise ValueError("MoE: the expert module has no parameters")
         super().__init__(num_experts, numel, name=name, optimizer=optimizer, sync=sync, init=None)
+        self.registered = False
         self.pretrained = torch.stack([self.flatten(e) for e in experts])
 
     def flatten(self, module: nn.Module) -> torch.Tensor:
@@ -66,6 +69,38 @@ class ExpertRows(_Rows):
             at += k
         return out
 
+    # -- placement "send" (worker/expertsend.py): the shards push this worker's gradients during backward --
+
+    program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
+    next_step = 0  # the step of this worker's next push of the table (the one after the last)
+    sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
+
+    def claim_step(self) -> int:
+        """The step a send's backward pushes: the next one, once (a second backward in one step is refused)."""
+        if self.sent_step is not None or self._pulled:
+            raise RuntimeError(f"MoE {self.table!r}: placement 'send' pushes the experts' gradients in backward, "
+                               f"once per optimizer step; this step already has a forward's gradients (call "
+                               f"step() between forwards of the layer)")
+        self.sent_step = self.next_step
+        return self.next_step
+
+    def register_program(self) -> None:
+        assert self.rows is not None and self.program is not None and self.table is not None
+        t, req = self.rows.transport, experts_pb2.RegisterExpertRequest(table=self.table, program=self.program)
+        t.each(lambda i: t.experts(i).RegisterExpert(req, timeout=t.timeout))
+        self.registered = True
+
+    def push(self, step: int) -> None:
+        """Push this step's gradients, unless a send's backward pushed them on the shards already."""
+        if self.sent_step is not None:
+            sent, self.sent_step = self.sent_step, None
+            if sent != step:
+                raise RuntimeError(f"MoE {self.table!r}: a send's backward pushed step {sent}, the optimizer is at "
+                                   f"step {step}")
+        else:
+            super().push(step)
+        self.next_step = step + 1
+
     def fetch(self, experts: torch.Tensor) -> torch.Tensor:
         """The rows of the distinct ``experts`` (ascending int64), a leaf recording its gradient when grad is on."""
         _, rows = self._lookup(experts)
@@ -80,6 +115,7 @@ class MoEStats:
     assignments: int = 0  # tokens x top_k
     dropped: int = 0  # assignments over capacity
     experts_pulled: int = 0  # rows pulled (distinct routed experts per forward)
+    bytes_sent: int = 0  # payload bytes both ways: rows and gradients (pull), tokens and their gradients (send)
     placements: dict[str, int] = field(default_factory=lambda: {"pull": 0, "send": 0})  # forwards by placement
 
 
@@ -114,6 +150,8 @@ class MoE(nn.Module):
             raise TypeError("MoE: expert() must return an nn.Module")
         self.template = [made[0]]  # a list: not a submodule (its parameters are not the model's)
         self.experts = ExpertRows(made[0], num_experts, made, name=name, optimizer=optimizer, sync=sync)
+        if placement != "pull":
+            self.experts.program = expertsend.program_bytes(made[0])
         self.stats = MoEStats()
         self.last: Routing | None = None  # the last forward's routing
 
@@ -151,14 +189,45 @@ class MoE(nn.Module):
         s.tokens += h.shape[0]
         s.assignments += r.expert.numel()
         s.dropped += r.dropped
-        out = self._pull(h, r)
+        out = self._send(h, r) if self.choose(r) == "send" else self._pull(h, r)
         return out.view(x.shape), self.aux_loss_coef * r.aux, r.counts
+
+    def cost(self, r: Routing) -> dict[str, int]:
+        """Payload bytes each placement moves for routing ``r`` (both take two round trips a step): "pull" the
+        routed experts' rows and their gradients (key and version beside each), "send" the kept tokens out
+        and their outputs back, then the tokens and their output gradients out and their gradients back."""
+        active, kept = len(r.active()), int(r.keep.sum())
+        return {"pull": 2 * active * (self.experts.embedding_dim * 4 + 16), "send": 5 * kept * self.d_model * 4}
+
+    def choose(self, r: Routing) -> str:
+        """The placement of this forward: the layer's, or for "auto" the one of fewer bytes (pull on a tie)."""
+        if self.placement != "auto":
+            return self.placement
+        c = self.cost(r)
+        return "send" if c["send"] < c["pull"] else "pull"
+
+    def _send(self, h: torch.Tensor, r: Routing) -> torch.Tensor:
+        """Send the tokens to the shards that hold their experts (worker/expertsend.py)."""
+        e = self.experts
+        if e.rows is None:
+            raise RuntimeError("MoE: not attached")
+        if not e.registered:
+            e.register_program()
+        self.stats.placements["send"] += 1
+        p = expertsend.plan(r, e.rows.transport.num_shards)
+        out = torch.zeros_like(h, dtype=torch.float32)
+        if not len(p.tok):
+            return out.to(h.dtype)
+        anchor = torch.zeros(0, requires_grad=torch.is_grad_enabled())
+        y = expertsend.Send.apply(h[p.tok].float(), anchor, e, p, self.stats)  # type: ignore[no-untyped-call]
+        return out.index_add(0, p.tok, y * r.weight[p.tok, p.rank].unsqueeze(-1)).to(h.dtype)
 
     def _pull(self, h: torch.Tensor, r: Routing) -> torch.Tensor:
         """Pull the routed experts' rows and run them here."""
         active = r.active()
         self.stats.placements["pull"] += 1
         self.stats.experts_pulled += len(active)
+        self.stats.bytes_sent += 2 * len(active) * (self.experts.embedding_dim * 4 + 16)
         out = torch.zeros_like(h, dtype=torch.float32)
         if not len(active):
             return out.to(h.dtype)
