@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("target", metavar="TARGET", help="HOST:PORT of the backup endpoint")
 
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits")
+    d.add_argument("--example", choices=["digits", "moe"], default="digits",
+                   help="digits, or moe: a char-GPT with mixture-of-experts layers, the servers in this process, "
+                        "the workers as its threads (docs/moe.md)")
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=2)
     _training_flags(d)
@@ -303,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="failover drill (with --replicas 2): SIGKILL server I once its shard has done "
                         "--kill-at-step steps")
     d.add_argument("--kill-at-step", type=int, default=20, metavar="N", help="steps (default 20)")
+    from shardps.examples.moe_flags import add_flags
+
+    add_flags(d.add_argument_group("--example moe"))
     sm = sub.add_parser("sim", help="the demo on a simulated cluster: hosts in network namespaces, shaped links",
                         description="Builds a NetCluster (one network namespace per host, a bridge, tbf-shaped links "
                                     "in both directions; needs root), starts the servers on the first hosts (h0, h1, "
@@ -418,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < 1:
                 print(f"shardps demo: --{name} must be >= 1", file=sys.stderr)
                 return 2
+        if args.example == "moe":
+            from shardps.examples.moe_gpt import run_cli
+
+            return run_cli(args)
         return run_demo(args)
     if args.command == "sim":
         from shardps.deploy.demo import run_sim

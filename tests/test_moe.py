@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import grpc
@@ -252,3 +253,15 @@ def test_row_calls_by_the_names_of_issue_24(make_cluster):
         assert client.push_rows("t", keys, torch.ones(3, 3), step=1) == 2
         assert torch.equal(client.pull_rows("t", torch.tensor([5, 2**40])), -torch.tensor([[2.0] * 3, [1.0] * 3]))
         assert torch.equal(client.row_keys("t", ["a"]), client.rows.keys_of("t", ["a"]))
+
+
+def test_demo_example_moe_trains(capsys):
+    # The CLI in this process (no extra interpreter): 2 workers as threads, bsp, a tiny model for 4 steps.
+    from shardps.cli import main
+
+    assert main(["demo", "--example", "moe", "--workers", "2", "--steps", "4", "--eval-every", "4", "--dim", "16",
+                 "--layers", "1", "--context", "16", "--batch-size", "8", "--placement", "auto", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["workers"] == 2 and summary["steps"] == 4
+    assert summary["val_loss"] < summary["initial_val_loss"]
+    assert sum(summary["placements"].values()) == 4 + 2 * 8  # a forward per step, 8 per evaluation
