@@ -18,6 +18,7 @@ import shardps
 from shardps.optim import SGD
 from shardps.protos.shardps.v1 import experts_pb2
 from shardps.worker.moe import MoECollector
+from shardps.worker.placement import AutoPlacement
 from shardps.worker.routing import capacity, route
 from tests.helpers import run_workers
 
@@ -242,6 +243,25 @@ def test_auto_takes_the_placement_of_fewer_bytes_and_counts_it(make_cluster):
             client.transport.experts(0).Forward(bad, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'auto': expected 2 tokens x 8 fp32 (64 bytes) of tokens, got 32" in e.value.details()
+
+
+def test_auto_placement_tries_each_then_takes_the_faster_and_reprobes():
+    auto = AutoPlacement(reprobe=4)
+    fewer_send = {"pull": 100, "send": 10}
+    walk = []
+    now = 0.0
+    for _ in range(6):
+        auto.close(now)
+        chosen = auto.choose(100, fewer_send)
+        auto.start(100, chosen, now)
+        now += {"pull": 1.0, "send": 3.0}[chosen]  # send takes 3 s a step, pull 1 s
+        walk.append(chosen)
+    # bytes first (send), then the other once (pull), then the faster (pull) but every 4th step the slower
+    assert walk == ["send", "pull", "pull", "send", "pull", "pull"]
+    assert auto.times[(auto.bucket(100), "pull")] == 1.0 and auto.times[(auto.bucket(100), "send")] == 3.0
+    auto.close(now + 50.0, valid=False)  # an interval with an evaluation in it: not counted
+    assert auto.times[(auto.bucket(100), "pull")] == 1.0
+    assert auto.choose(5000, fewer_send) == "send"  # another batch size: no times yet, the bytes decide
 
 
 def test_row_calls_by_the_names_of_issue_24(make_cluster):

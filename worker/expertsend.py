@@ -8,8 +8,8 @@ tokens' gradient, while the shard pushes the experts' parameter gradients
 into their row table as the worker's push of this step would (a shard with
 none of this batch's experts gets an empty one: every shard counts the
 step, and bsp waits for every worker on every shard). The step is the one
-after the row table's last push from this worker (``ExpertRows.next_step``),
-so a layer sends at most one forward's backward per optimizer step.
+the optimizer's next ``step()`` pushes (``ExpertRows.clock``), so a layer
+sends at most one forward's backward per optimizer step.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ when the model is attached, and the first write of a row wins.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from torch.func import functional_call
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.shardps.v1 import experts_pb2
 from shardps.worker import expertsend
+from shardps.worker.placement import PLACES, AutoPlacement
 from shardps.worker.routing import Routing, capacity, route
 from shardps.worker.rowmodules import _Rows
 
@@ -72,17 +74,19 @@ class ExpertRows(_Rows):
     # -- placement "send" (worker/expertsend.py): the shards push this worker's gradients during backward --
 
     program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
-    next_step = 0  # the step of this worker's next push of the table (the one after the last)
     sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
 
     def claim_step(self) -> int:
-        """The step a send's backward pushes: the next one, once (a second backward in one step is refused)."""
+        """The step a send's backward pushes: the optimizer's next, once (a second backward in one step is
+        refused)."""
         if self.sent_step is not None or self._pulled:
             raise RuntimeError(f"MoE {self.table!r}: placement 'send' pushes the experts' gradients in backward, "
                                f"once per optimizer step; this step already has a forward's gradients (call "
                                f"step() between forwards of the layer)")
-        self.sent_step = self.next_step
-        return self.next_step
+        if self.clock is None:
+            raise RuntimeError(f"MoE {self.table!r}: not attached to a DistributedOptimizer")
+        self.sent_step = self.clock()
+        return self.sent_step
 
     def register_program(self) -> None:
         assert self.rows is not None and self.program is not None and self.table is not None
@@ -99,7 +103,6 @@ class ExpertRows(_Rows):
                                    f"step {step}")
         else:
             super().push(step)
-        self.next_step = step + 1
 
     def fetch(self, experts: torch.Tensor) -> torch.Tensor:
         """The rows of the distinct ``experts`` (ascending int64), a leaf recording its gradient when grad is on."""
@@ -152,6 +155,7 @@ class MoE(nn.Module):
         self.experts = ExpertRows(made[0], num_experts, made, name=name, optimizer=optimizer, sync=sync)
         if placement != "pull":
             self.experts.program = expertsend.program_bytes(made[0])
+        self.auto = AutoPlacement()  # placement "auto": the measured step times (worker/placement.py)
         self.stats = MoEStats()
         self.last: Routing | None = None  # the last forward's routing
 
@@ -181,6 +185,8 @@ class MoE(nn.Module):
         if self.experts.rows is None:
             raise RuntimeError(f"MoE {self.experts.table or ''}: its experts live on the servers; give the model to "
                                f"shardps.DistributedOptimizer before the first forward")
+        if self.placement != "pull" and not self.experts.registered:
+            self.experts.register_program()  # before any step is timed
         h = x.reshape(-1, self.d_model)
         probs = F.softmax(self.gate(h).float(), dim=-1)
         r = route(probs, self.top_k, self.capacity(h.shape[0]))
@@ -200,19 +206,25 @@ class MoE(nn.Module):
         return {"pull": 2 * active * (self.experts.embedding_dim * 4 + 16), "send": 5 * kept * self.d_model * 4}
 
     def choose(self, r: Routing) -> str:
-        """The placement of this forward: the layer's, or for "auto" the one of fewer bytes (pull on a tie)."""
+        """The placement of this forward: the layer's, or for "auto" ``AutoPlacement``'s (worker/placement.py):
+        measured step times per batch size once it has them, the cost model's bytes before; a forward
+        without grad (evaluation) takes the fewer bytes and is not timed."""
         if self.placement != "auto":
             return self.placement
-        c = self.cost(r)
-        return "send" if c["send"] < c["pull"] else "pull"
+        cost, now, tokens = self.cost(r), time.perf_counter(), r.expert.shape[0]
+        if not (self.training and torch.is_grad_enabled()):
+            self.auto.close(now, valid=False)
+            return min(PLACES, key=lambda p: (cost[p], p != "pull"))
+        self.auto.close(now)
+        chosen = self.auto.choose(tokens, cost)
+        self.auto.start(tokens, chosen, now)
+        return chosen
 
     def _send(self, h: torch.Tensor, r: Routing) -> torch.Tensor:
         """Send the tokens to the shards that hold their experts (worker/expertsend.py)."""
         e = self.experts
         if e.rows is None:
             raise RuntimeError("MoE: not attached")
-        if not e.registered:
-            e.register_program()
         self.stats.placements["send"] += 1
         p = expertsend.plan(r, e.rows.transport.num_shards)
         out = torch.zeros_like(h, dtype=torch.float32)
