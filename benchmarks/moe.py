@@ -6,9 +6,9 @@
 ``placement``: one ``shardps.nn.MoE`` layer (``--d-model`` 64, experts
 ``Linear(d, 4d)``, GELU, ``Linear(4d, d)``: 33,088 floats each, top-1,
 dropless) on ``--shards`` server processes on loopback; for each number of
-experts and tokens per step, the median over ``--repeats`` steps (forward,
-backward, ``opt.step()``) of the step time and the payload bytes of each
-placement, and of "auto". The cost model: "pull" moves the rows of the
+experts and tokens per step, three layers (pull, send, auto) take a step
+each in turn (forward, backward, ``opt.step()``), ``--warmup`` rounds then
+``--repeats`` timed; the median step time and payload bytes of each. The cost model: "pull" moves the rows of the
 experts a batch hits and their gradients, 2 x U x (4P + 16) bytes with U =
 E(1 - (1 - k/E)^T) expected; "send" moves the tokens out and back and, in
 backward, the tokens and their output gradients out and the tokens'
@@ -38,6 +38,8 @@ from torch import nn
 import shardps
 from shardps.optim import SGD
 
+PLACEMENTS = ("pull", "send", "auto")
+
 
 def expert(d: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
@@ -58,51 +60,55 @@ def crossover(tokens: list[int], pull: list[float], send: list[float]) -> float 
     return None
 
 
-def point(addresses: list[str], experts: int, tokens: int, placement: str, a: argparse.Namespace) -> dict[str, float]:
+def point(addresses: list[str], experts: int, tokens: int, a: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per placement: the median step time and payload bytes over ``a.repeats`` rounds. A round is one step of
+    each of three layers (pull, send, auto) in turn, so the three meet the same load; ``a.warmup`` rounds
+    first (rows created, programs registered, "auto" trying both)."""
     torch.manual_seed(0)
-    tag = f"e{experts}_t{tokens}_{placement}"
-    moe = shardps.nn.MoE(a.d_model, experts, lambda: expert(a.d_model), name=tag, drop_tokens=False,
-                         placement=placement, optimizer=SGD(lr=0.01))
-    model = nn.ModuleDict({tag: moe})  # the gate's tensor named after the point: one cluster serves them all
+    layers = {p: shardps.nn.MoE(a.d_model, experts, lambda: expert(a.d_model), name=f"e{experts}_t{tokens}_{p}",
+                                drop_tokens=False, placement=p, optimizer=SGD(lr=0.01)) for p in PLACEMENTS}
+    model = nn.ModuleDict({f"e{experts}_t{tokens}_{p}": m for p, m in layers.items()})  # gate names per point
     x = torch.randn(tokens, a.d_model)
-    times, sent = [], []
+    times: dict[str, list[float]] = {p: [] for p in PLACEMENTS}
+    sent: dict[str, list[int]] = {p: [] for p in PLACEMENTS}
     with shardps.connect(addresses, timeout=600) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=SGD(lr=0.01), sync="asp")
-        for i in range(a.repeats + 1):  # the first: warm-up (the program registered, rows created)
-            before = moe.stats.bytes_sent
-            t0 = time.perf_counter()
-            out, aux, _ = moe(x)
-            (out.square().mean() + aux).backward()
-            opt.step()
-            opt.zero_grad()
-            if i:
-                times.append(time.perf_counter() - t0)
-                sent.append(moe.stats.bytes_sent - before)
-    return {"seconds": statistics.median(times), "bytes": statistics.median(sent),
-            "send_share": moe.stats.placements["send"] / max(1, sum(moe.stats.placements.values()))}
+        for i in range(a.warmup + a.repeats):
+            for p, moe in layers.items():
+                before = moe.stats.bytes_sent
+                t0 = time.perf_counter()
+                out, aux, _ = moe(x)
+                (out.square().mean() + aux).backward()
+                opt.step()
+                opt.zero_grad()
+                if i >= a.warmup:
+                    times[p].append(time.perf_counter() - t0)
+                    sent[p].append(moe.stats.bytes_sent - before)
+    auto = layers["auto"].stats.placements
+    return {p: {"seconds": statistics.median(times[p]), "bytes": statistics.median(sent[p]),
+                "send_share": auto["send"] / max(1, sum(auto.values()))} for p in PLACEMENTS}
 
 
 def placement_sweep(a: argparse.Namespace) -> dict[str, Any]:
     params = sum(p.numel() for p in expert(a.d_model).parameters())
-    out: dict[str, Any] = {"d_model": a.d_model, "expert_params": params, "shards": a.shards, "points": []}
+    out: dict[str, Any] = {"d_model": a.d_model, "expert_params": params, "shards": a.shards, "points": [],
+                           "crossover": []}
     cluster = shardps.LocalCluster(a.shards, processes=True).start()
     try:
         for e in a.experts:
-            rows = {p: [point(cluster.addresses, e, t, p, a) for t in a.tokens] for p in ("pull", "send", "auto")}
-            model_pull = [predicted_bytes(e, t, 1, a.d_model, params)["pull"] for t in a.tokens]
-            model_send = [predicted_bytes(e, t, 1, a.d_model, params)["send"] for t in a.tokens]
-            measured = crossover(a.tokens, [r["seconds"] for r in rows["pull"]], [r["seconds"] for r in rows["send"]])
-            predicted = crossover(a.tokens, model_pull, model_send)
-            for i, t in enumerate(a.tokens):
-                best = min(rows["pull"][i]["seconds"], rows["send"][i]["seconds"])
+            got = [point(cluster.addresses, e, t, a) for t in a.tokens]
+            model = [predicted_bytes(e, t, 1, a.d_model, params) for t in a.tokens]
+            measured = crossover(a.tokens, [g["pull"]["seconds"] for g in got], [g["send"]["seconds"] for g in got])
+            predicted = crossover(a.tokens, [m["pull"] for m in model], [m["send"] for m in model])
+            for t, g, m in zip(a.tokens, got, model):
+                best = min(g["pull"]["seconds"], g["send"]["seconds"])
                 out["points"].append({
-                    "experts": e, "tokens": t,
-                    **{f"{p}_ms": round(1e3 * rows[p][i]["seconds"], 2) for p in rows},
-                    **{f"{p}_bytes": int(rows[p][i]["bytes"]) for p in ("pull", "send")},
-                    "model_pull_bytes": int(model_pull[i]), "model_send_bytes": int(model_send[i]),
-                    "auto_sent_share": round(rows["auto"][i]["send_share"], 2),
-                    "auto_over_best": round(rows["auto"][i]["seconds"] / best, 3)})
-            out.setdefault("crossover", []).append({
+                    "experts": e, "tokens": t, **{f"{p}_ms": round(1e3 * g[p]["seconds"], 2) for p in PLACEMENTS},
+                    **{f"{p}_bytes": int(g[p]["bytes"]) for p in ("pull", "send")},
+                    "model_pull_bytes": int(m["pull"]), "model_send_bytes": int(m["send"]),
+                    "auto_send_share": round(g["auto"]["send_share"], 2),
+                    "auto_over_best": round(g["auto"]["seconds"] / best, 3)})
+            out["crossover"].append({
                 "experts": e, "measured_tokens": None if measured is None else round(measured),
                 "model_tokens": None if predicted is None else round(predicted),
                 "ratio": None if measured is None or predicted is None else round(measured / predicted, 2)})
@@ -146,7 +152,8 @@ def main() -> None:
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9, help="timed rounds (a step of each placement) per point")
+    p.add_argument("--warmup", type=int, default=4, help="rounds before those (default 4)")
     c = sub.add_parser("curves")
     c.add_argument("--moe-experts", type=int, default=8)
     c.add_argument("--steps", type=int, default=600)

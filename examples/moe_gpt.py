@@ -97,7 +97,7 @@ def train(model: MoEGPT, client: Any, text: Text, *, steps: int, batch_size: int
         opt.zero_grad()
         if first and (step % eval_every == 0 or step == steps):
             curve.append((step, evaluate(model, text.val, context=context)))
-            say(f"step {step}: train loss {float(loss):.3f}, validation loss {curve[-1][1]:.3f}")
+            say(f"step {step}: train loss {float(loss.detach()):.3f}, validation loss {curve[-1][1]:.3f}")
     if not first:
         return {}
     seconds = time.perf_counter() - t0

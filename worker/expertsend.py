@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shardps.protos import codec
 from shardps.protos.rows import shard_of
 from shardps.protos.shardps.v1 import experts_pb2
 from shardps.worker.routing import Routing
@@ -80,6 +81,16 @@ def plan(r: Routing, num_shards: int) -> Plan:
     return Plan(torch.cat(toks) if toks else empty, torch.cat(ranks) if ranks else empty, shards)
 
 
+def _fits(table: str, req: experts_pb2.ExpertCall) -> experts_pb2.ExpertCall:
+    """``req``, or a clear error where it would pass the servers' message limit (one message a shard)."""
+    size = len(req.tokens) + len(req.grad_out)
+    if size > codec.MAX_CHUNK_BYTES:
+        raise ValueError(f"MoE {table!r}: placement 'send' carries a shard's tokens in one message of at most "
+                         f"{codec.MAX_CHUNK_BYTES} bytes; this batch needs {size} (fewer tokens a step, more "
+                         f"shards, or placement 'pull')")
+    return req
+
+
 def _floats(data: bytes, d: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, d) if data else torch.zeros(0, d)
 
@@ -101,7 +112,7 @@ class Send(torch.autograd.Function):
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes())
-            ans = t.experts(shard).Forward(req, timeout=t.timeout)
+            ans = t.experts(shard).Forward(_fits(experts.table, req), timeout=t.timeout)
             stats.bytes_sent += 2 * len(req.tokens)
             return bytes(ans.out)
 
@@ -129,7 +140,7 @@ class Send(torch.autograd.Function):
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
                                          worker_id=rows.worker_id, step=step, num_workers=experts.num_workers)
-            ans = t.experts(shard).Backward(req, timeout=t.timeout)
+            ans = t.experts(shard).Backward(_fits(experts.table, req), timeout=t.timeout)
             stats.bytes_sent += len(req.tokens) * 3
             return bytes(ans.out)
 

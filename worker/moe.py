@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +75,7 @@ class ExpertRows(_Rows):
 
     program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
     sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
+    on_pushed: Callable[[float], None] | None = None  # called with the time each push (a step's) ended
 
     def claim_step(self) -> int:
         """The step a send's backward pushes: the optimizer's next, once (a second backward in one step is
@@ -103,6 +104,8 @@ class ExpertRows(_Rows):
                                    f"step {step}")
         else:
             super().push(step)
+        if self.on_pushed is not None:
+            self.on_pushed(time.perf_counter())
 
     def fetch(self, experts: torch.Tensor) -> torch.Tensor:
         """The rows of the distinct ``experts`` (ascending int64), a leaf recording its gradient when grad is on."""
@@ -156,6 +159,8 @@ class MoE(nn.Module):
         if placement != "pull":
             self.experts.program = expertsend.program_bytes(made[0])
         self.auto = AutoPlacement()  # placement "auto": the measured step times (worker/placement.py)
+        if placement == "auto":
+            self.experts.on_pushed = self.auto.close  # a step: from the layer's forward to its push
         self.stats = MoEStats()
         self.last: Routing | None = None  # the last forward's routing
 
@@ -207,15 +212,15 @@ class MoE(nn.Module):
 
     def choose(self, r: Routing) -> str:
         """The placement of this forward: the layer's, or for "auto" ``AutoPlacement``'s (worker/placement.py):
-        measured step times per batch size once it has them, the cost model's bytes before; a forward
-        without grad (evaluation) takes the fewer bytes and is not timed."""
+        measured step times per batch size once it has them (from this forward to the optimizer's push of
+        the layer's experts), the cost model's bytes before; a forward without grad (evaluation) takes the
+        fewer bytes and is not timed."""
         if self.placement != "auto":
             return self.placement
         cost, now, tokens = self.cost(r), time.perf_counter(), r.expert.shape[0]
+        self.auto.close(now, valid=False)  # a step still open (no push since its forward): not counted
         if not (self.training and torch.is_grad_enabled()):
-            self.auto.close(now, valid=False)
             return min(PLACES, key=lambda p: (cost[p], p != "pull"))
-        self.auto.close(now)
         chosen = self.auto.choose(tokens, cost)
         self.auto.start(tokens, chosen, now)
         return chosen

@@ -2,11 +2,12 @@
 
 Two sources, in this order of trust:
 
-1. Measured step times. A training step's time is the wall time from one
-   training forward of the layer to the next (forward, backward, the
-   optimizer's step and whatever else the model does, the same under both
-   placements); each is kept per placement and per batch size (tokens per
-   step, bucketed by powers of two) as an exponential moving average. Once
+1. Measured step times. A training step's time is the wall time from a
+   training forward of the layer to the optimizer's push of its experts
+   (the forward, the backward and whatever else the model does between:
+   the same under both placements); each is kept per placement and per
+   batch size (tokens per step, bucketed by powers of two) as an
+   exponential moving average. Once
    both placements have a time for this batch size, the faster is taken,
    and every ``reprobe`` steps the other once again (the link or the load
    may have changed).
@@ -14,9 +15,8 @@ Two sources, in this order of trust:
    would move for this batch's routing); a placement with no time yet for
    this batch size is tried once.
 
-A step whose interval held something else (an evaluation forward, the
-expert program's registration) is not counted. Pure: the caller passes the
-clock.
+A step that a second forward interrupts before the push is not counted.
+Pure: the caller passes the clock.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class AutoPlacement:
         return max(1, tokens).bit_length()
 
     def close(self, now: float, *, valid: bool = True) -> None:
-        """The step under way ended at ``now`` (a training forward of the layer starts the next)."""
+        """The step under way ended at ``now`` (its push); ``valid`` False: forget it, uncounted."""
         if self.open is not None and valid:
             b, p, t0 = self.open
             old = self.times.get((b, p))
