@@ -8,11 +8,15 @@ token, and runs each on its tokens with ``torch.func.functional_call``; the
 rows are a leaf that records its gradient, and ``DistributedOptimizer.step()``
 pushes the gradients of those rows alone (worker/rowmodules.py), which the
 servers' row optimizer applies. An expert with no token is neither pulled
-nor pushed.
+nor pushed. That is placement "pull"; "send" runs the experts on the shards
+(worker/expertsend.py), "auto" picks one of the two each step
+(worker/placement.py).
 
 The experts' first values are those ``expert()`` made on this worker
 (``torch.manual_seed`` the same on every worker): every worker writes them
-when the model is attached, and the first write of a row wins.
+when the model is attached, and the first write of a row wins. The layer
+keeps them (``experts.pretrained``, E x P floats) so that registering again
+(a rejoin) declares the same table.
 """
 
 from __future__ import annotations
