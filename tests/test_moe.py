@@ -264,6 +264,23 @@ def test_auto_placement_tries_each_then_takes_the_faster_and_reprobes():
     assert auto.choose(5000, fewer_send) == "send"  # another batch size: no times yet, the bytes decide
 
 
+def test_send_registers_the_program_again_where_a_shard_lost_it(make_cluster):
+    cluster = make_cluster(2)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="lost", placement="send", drop_tokens=False, optimizer=SGD(lr=0.1))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        before = client.pull_rows("lost", torch.arange(E), track=False)
+        moe.experts.registered = True  # as after a restart from a checkpoint: the shards hold the rows, no program
+        out, aux, _ = moe(torch.randn(16, D))
+        (out.sum() + aux).backward()
+        opt.step()
+        after = client.pull_rows("lost", torch.arange(E), track=False)
+    routed = moe.last.active() if moe.last is not None else torch.zeros(0)
+    assert moe.stats.placements["send"] == 1 and len(routed) > 1
+    assert all(not torch.equal(after[i], before[i]) for i in routed.tolist())
+
+
 def test_row_calls_by_the_names_of_issue_24(make_cluster):
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses) as client:

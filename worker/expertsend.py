@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from torch import nn
@@ -91,6 +93,21 @@ def _fits(table: str, req: experts_pb2.ExpertCall) -> experts_pb2.ExpertCall:
     return req
 
 
+NO_PROGRAM = "no expert program registered"  # server/experts.py's refusal: a shard that lost (or never had) it
+
+
+def _with_program(experts: Any, shard: int, call: Callable[[], experts_pb2.ExpertAnswer]) -> experts_pb2.ExpertAnswer:
+    """``call()``; where ``shard`` answers that it holds no program (a server restarted from a checkpoint, a
+    backup that took over), register it there and call again, once."""
+    try:
+        return call()
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or NO_PROGRAM not in (e.details() or ""):
+            raise
+    experts.register_program(shard)
+    return call()
+
+
 def _floats(data: bytes, d: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, d) if data else torch.zeros(0, d)
 
@@ -112,7 +129,8 @@ class Send(torch.autograd.Function):
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes())
-            ans = t.experts(shard).Forward(_fits(experts.table, req), timeout=t.timeout)
+            ans = _with_program(experts, shard, lambda: t.experts(shard).Forward(_fits(experts.table, req),
+                                                                                 timeout=t.timeout))
             stats.bytes_sent += 2 * len(req.tokens)
             return bytes(ans.out)
 
@@ -140,7 +158,8 @@ class Send(torch.autograd.Function):
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
                                          worker_id=rows.worker_id, step=step, num_workers=experts.num_workers)
-            ans = t.experts(shard).Backward(_fits(experts.table, req), timeout=t.timeout)
+            ans = _with_program(experts, shard, lambda: t.experts(shard).Backward(_fits(experts.table, req),
+                                                                                  timeout=t.timeout))
             stats.bytes_sent += len(req.tokens) * 3
             return bytes(ans.out)
 

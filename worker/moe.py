@@ -93,9 +93,14 @@ class ExpertRows(_Rows):
         self.sent_step = self.clock()
         return self.sent_step
 
-    def register_program(self) -> None:
+    def register_program(self, shard: int | None = None) -> None:
+        """Register the experts' program on every shard (or on ``shard`` alone: one that lost it, a server
+        restarted or a backup that took over)."""
         assert self.rows is not None and self.program is not None and self.table is not None
         t, req = self.rows.transport, experts_pb2.RegisterExpertRequest(table=self.table, program=self.program)
+        if shard is not None:
+            t.experts(shard).RegisterExpert(req, timeout=t.timeout)
+            return
         t.each(lambda i: t.experts(i).RegisterExpert(req, timeout=t.timeout))
         self.registered = True
 
