@@ -281,6 +281,25 @@ def test_send_registers_the_program_again_where_a_shard_lost_it(make_cluster):
     assert all(not torch.equal(after[i], before[i]) for i in routed.tolist())
 
 
+@pytest.mark.parametrize("sync", ["asp", "ssp:1", "every:2"])
+def test_send_steps_the_experts_under_other_sync_modes(make_cluster, sync):
+    cluster = make_cluster(2)
+    torch.manual_seed(0)
+    net = Net(shardps.nn.MoE(D, E, expert, name="s", placement="send", drop_tokens=False, optimizer=SGD(lr=0.1)))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(net, client, optimizer=SGD(lr=0.1), sync=sync)
+        before = client.pull_rows("s", torch.arange(E), track=False)
+        for step in range(3):
+            x, y = data(step)
+            pred, aux = net(x)
+            (F.mse_loss(pred, y) + aux).backward()
+            opt.step()
+            opt.zero_grad()
+        after = client.pull_rows("s", torch.arange(E), track=False)
+    assert [s.rows.tables["s"].steps for s in cluster.stores] == [3, 3]  # one table step a step(), every shard
+    assert not torch.equal(after, before)
+
+
 def test_row_calls_by_the_names_of_issue_24(make_cluster):
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses) as client:
