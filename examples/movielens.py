@@ -107,7 +107,7 @@ def main() -> None:
     items = torch.unique(torch.cat([train_set[:, 1], test[:, 1]])).long()
     with shardps.LocalCluster(a.servers) as cluster, shardps.connect(cluster.addresses) as client:
         dopt = shardps.DistributedOptimizer(model, client, optimizer=Adam(lr=a.lr), sync="bsp")
-        start = {n: client.rows.pull(n, users if n.startswith("user") else items)
+        start = {n: client.pull_rows(n, users if n.startswith("user") else items)
                  for n in ("users", "items", "user_bias", "item_bias")}
 
         def step() -> None:

@@ -34,7 +34,7 @@ OPEN_METHODS = ("/grpc.health.v1.Health/",)  # health checks need no token
 
 #: Which audience each service of ps.proto is for.
 AUDIENCES = {"shardps.v1.Workers": "worker", "shardps.v1.Operator": "operator", "shardps.v1.Peers": "peer",
-             "shardps.v1.Rows": "worker"}
+             "shardps.v1.Rows": "worker", "shardps.v1.Experts": "worker"}
 #: Where each audience's token comes from (in refusals).
 TOKEN_SOURCES = {
     "worker": "the worker token (SHARDPS_WORKER_TOKEN, --worker-token-file)",

@@ -27,10 +27,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.protos import codec, framing
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.errors import FailedPrecondition
 from shardps.server.exchange import PeerChannels, encode_partial
+from shardps.server.experts import ExpertsServicer
 from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
 from shardps.server.rowservice import RowsServicer
@@ -45,7 +46,8 @@ WORKERS = "shardps.v1.Workers"
 OPERATOR = "shardps.v1.Operator"
 PEERS = "shardps.v1.Peers"
 ROWS = "shardps.v1.Rows"
-SERVICES = (WORKERS, OPERATOR, PEERS, ROWS)
+EXPERTS = "shardps.v1.Experts"  # experts.proto: experts run where they live (server/experts.py)
+SERVICES = (WORKERS, OPERATOR, PEERS, ROWS, EXPERTS)
 DEFAULT_MAX_WAIT_S = 300.0
 # Room for a chunk of MAX_CHUNK_BYTES plus its header.
 MAX_MESSAGE_BYTES = codec.MAX_CHUNK_BYTES + (64 << 10)
@@ -274,7 +276,7 @@ class _OneByHeader(grpc.GenericRpcHandler):
         return chosen
 
 
-def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer | RowsServicer,
+def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer | RowsServicer | ExpertsServicer,
               server: grpc.Server) -> None:
     recorder = _HandlerRecorder()
     add(servicer, recorder)
@@ -325,6 +327,9 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     rows = RowsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
                         chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
     _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
+    experts = ExpertsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
+                              metrics=metrics, max_wait_s=max_wait_s)
+    _register(EXPERTS, experts_pb2_grpc.add_ExpertsServicer_to_server, experts, server)
     return segments
 
 

@@ -245,22 +245,29 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("target", metavar="TARGET", help="HOST:PORT of the backup endpoint")
 
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits (or a char-GPT)")
-    d.add_argument("--example", choices=("digits", "gpt"), default="digits",
+    d.add_argument("--example", choices=("digits", "gpt", "moe"), default="digits",
                    help="digits: an MLP, data-parallel workers (default); gpt: the tinyshakespeare char-GPT, one "
-                        "worker, its weights streamed from the servers with --stream")
+                        "worker, its weights streamed from the servers with --stream (docs/streaming.md); moe: a "
+                        "char-GPT with mixture-of-experts layers, the servers in this process, the workers as its "
+                        "threads (docs/moe.md)")
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=None, help="workers (default 2; the gpt example has one)")
     _training_flags(d)
-    gd = d.add_argument_group("the char-GPT (--example gpt; docs/streaming.md)")
+    from shardps.deploy.demo_examples import GPT_DEFAULTS
+    from shardps.examples.moe_flags import MODEL_DEFAULTS as MOE_DEFAULTS
+    from shardps.examples.moe_flags import add_flags as add_moe_flags
+
+    md = d.add_argument_group("the char-GPTs' size and length (--example gpt and moe)")
+    for name, what in (("steps", "training steps"), ("dim", "model width"), ("layers", "transformer blocks"),
+                       ("context", "characters per sample")):
+        md.add_argument(f"--{name}", type=int, default=None,
+                        help=f"{what} (default {GPT_DEFAULTS[name]} for gpt, {MOE_DEFAULTS[name]} for moe)")
+    gd = d.add_argument_group("--example gpt (docs/streaming.md)")
     gd.add_argument("--stream", action="store_true",
                     help="stream the weights from the servers module by module, at most --max-live-mb held")
     gd.add_argument("--max-live-mb", type=float, default=64.0,
                     help="the worker's budget of live parameter + gradient bytes, MiB (default 64)")
-    gd.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    gd.add_argument("--dim", type=int, default=512, help="model width, a multiple of 8 (default 512: 25M "
-                                                          "parameters, 101 MB, at 8 blocks)")
-    gd.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
-    gd.add_argument("--context", type=int, default=64, help="characters per sample (default 64)")
+    add_moe_flags(d.add_argument_group("--example moe (docs/moe.md)"), model=False)
     d.add_argument("--plot", metavar="PNG", default=None,
                    help="save the loss curve and staleness histogram (needs matplotlib: shardps[plot])")
     d.add_argument("--replicas", type=int, choices=(1, 2), default=1,
@@ -382,10 +389,14 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 print(f"shardps demo: --{name} must be >= 1", file=sys.stderr)
                 return 2
-        if args.example == "gpt":
-            from shardps.deploy.demo_gpt import run_gpt_demo
+        from shardps.deploy.demo_examples import digits_problem, run_example
 
-            return run_gpt_demo(args)
+        if args.example != "digits":
+            return run_example(args)
+        problem = digits_problem(args)
+        if problem is not None:
+            print(f"shardps demo: {problem}", file=sys.stderr)
+            return 2
         from shardps.deploy.demo import run_demo
 
         return run_demo(args)

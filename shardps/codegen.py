@@ -1,4 +1,4 @@
-"""Regenerate the committed protobuf/gRPC stubs from ``ps.proto``.
+"""Regenerate the committed protobuf/gRPC stubs from ``ps.proto`` and ``experts.proto``.
 
 Run ``make proto`` (or ``python -m shardps.codegen``). The stubs are
 generated under the import path ``shardps.protos.shardps.v1`` by mapping the
@@ -21,8 +21,8 @@ from pathlib import Path
 from shardps import protos
 
 PROTO_DIR = Path(protos.__file__).resolve().parent  # protos/ (installed as shardps.protos)
-PROTO_FILES = ("shardps/v1/ps.proto",)
-GENERATED = ("ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py")
+PROTO_FILES = ("shardps/v1/ps.proto", "shardps/v1/experts.proto")
+GENERATED = ("ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py", "experts_pb2.py", "experts_pb2.pyi", "experts_pb2_grpc.py")
 
 
 def generate(out_dir: Path) -> dict[str, str]:

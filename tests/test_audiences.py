@@ -48,6 +48,7 @@ def test_the_services_have_one_audience_each():
     assert audience_of("/shardps.v1.Operator/Rollback") == "operator"
     assert audience_of("/shardps.v1.Peers/Replicate") == "peer"
     assert audience_of("/shardps.v1.Rows/PushRows") == "worker"  # row tables: the workers' too
+    assert audience_of("/shardps.v1.Experts/Backward") == "worker"  # experts run where they live (MoE "send")
     assert audience_of("/grpc.health.v1.Health/Check") is None
     services = {s.name: [m.name for m in s.methods] for s in ps_pb2.DESCRIPTOR.services_by_name.values()}
     assert services == {

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from torch import nn
 
 from shardps.cli import build_parser
 from shardps.deploy.lifeline import LIFELINE_FD
@@ -23,6 +24,7 @@ from shardps.protos import env
 from shardps.server.metrics import ServerMetrics
 from shardps.server.store import ShardStore
 from shardps.worker.metrics import WorkerMetrics
+from shardps.worker.moe import MoECollector
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -38,6 +40,7 @@ def _metric_names() -> set[str]:
     reg = CollectorRegistry()
     ServerMetrics(ShardStore(0, 1, sync="bsp", num_workers=1), reg)
     WorkerMetrics(reg, 0)
+    reg.register(MoECollector(nn.Module()))  # shardps.nn.MoE layers' counters (docs/moe.md)
     names = set()
     suffixes = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",)}
     for family in reg.collect():  # labelled metrics have no samples until observed: name them by type

@@ -1,4 +1,4 @@
-"""The committed gRPC/protobuf stubs match ``ps.proto`` and the pinned runtimes.
+"""The committed gRPC/protobuf stubs match ``ps.proto`` and ``experts.proto`` and the pinned runtimes.
 
 ``make proto`` (``python -m shardps.codegen``) regenerates the stubs
 under ``protos/shardps/v1/``; this test regenerates them into a scratch folder
@@ -93,10 +93,13 @@ def test_codegen_targets_the_committed_folder() -> None:
     )
     for rel in codegen.PROTO_FILES:
         assert (codegen.PROTO_DIR / rel).is_file(), rel
-    assert set(codegen.GENERATED) == {"ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py"}
+    assert set(codegen.GENERATED) == set(STUBS)
 
 
-@pytest.mark.parametrize("name", ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py"])
+STUBS = ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py", "experts_pb2.py", "experts_pb2.pyi", "experts_pb2_grpc.py"]
+
+
+@pytest.mark.parametrize("name", STUBS)
 def test_committed_stub_is_up_to_date(regenerated: dict[str, str], name: str) -> None:
     committed_path = STUB_DIR / name
     assert committed_path.is_file(), f"{committed_path} is missing: {_FIX}"
@@ -108,7 +111,7 @@ def test_committed_stub_is_up_to_date(regenerated: dict[str, str], name: str) ->
                 committed.splitlines(keepends=True),
                 fresh.splitlines(keepends=True),
                 fromfile=f"committed {committed_path.relative_to(REPO)}",
-                tofile="regenerated from ps.proto",
+                tofile="regenerated from the .proto files",
                 n=1,
             )
         )

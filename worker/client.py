@@ -42,7 +42,7 @@ from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
 from shardps.worker.paths import ShardPaths
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
-from shardps.worker.rows import RowClient
+from shardps.worker.rows import RowCalls, RowClient
 from shardps.worker.shm import ShmLink, shm_probe
 from shardps.worker.transport import Transport
 
@@ -56,7 +56,7 @@ DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0
 
 
-class PSClient:
+class PSClient(RowCalls):
     """A worker's client for all shards. Use ``shardps.connect`` to make one.
 
     Thread-safety: one thread drives a client at a time (it uses its own

@@ -174,7 +174,7 @@ class DistributedOptimizer:
         # gradients pushed at each step() (docs/sparse.md).
         self.rows = RowModules.attach(params, client.rows, num_workers=client.num_workers, sync=str(self.sync),
                                       provides_values=client.worker_id == 0 if provides_values is None
-                                      else provides_values)
+                                      else provides_values, clock=lambda: self.local_steps)
         if compress is not None:  # the registered layouts and shard map say where each part goes
             assert client.shard_map is not None
             self.compressor = Compressor(compress, self.params, client.layouts, client.shard_map, client.chunk_bytes)

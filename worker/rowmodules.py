@@ -15,7 +15,7 @@ arrival); by default the optimizer's mode when it is bsp, else asp.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,8 @@ ROW_SYNCS = ("bsp", "asp")
 class _Rows(nn.Module):
     """What Embedding and EmbeddingBag share: the table, the client, the rows pulled this step."""
 
+    write_from_every_worker = False  # the first values (``pretrained``) written by every worker, not only one
+
     def __init__(self, num_embeddings: int | None, embedding_dim: int, *, name: str | None,
                  optimizer: OptimizerSpec | None, sync: str | None, init: dict[str, float | str] | None) -> None:
         super().__init__()
@@ -40,6 +42,7 @@ class _Rows(nn.Module):
         self.pretrained: torch.Tensor | None = None  # from_pretrained: the rows' first values
         self.rows: RowClient | None = None
         self.num_workers = 1  # > 1: bsp over that many workers
+        self.clock: Callable[[], int] | None = None  # the step the optimizer's next step() pushes
         self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their rows: a leaf)
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,20 +129,22 @@ class RowModules:
 
     @classmethod
     def attach(cls, model: nn.Module | Iterable[object], rows: RowClient, *, num_workers: int,
-               provides_values: bool, sync: str) -> RowModules:
+               provides_values: bool, sync: str, clock: Callable[[], int] | None = None) -> RowModules:
         """Find ``model``'s row modules, register their tables (named after their module path unless named)
-        and write the rows of ``from_pretrained`` ones (``provides_values``)."""
+        and write the rows of ``from_pretrained`` ones (``provides_values``). ``clock``: the step the next
+        ``step()`` pushes (the optimizer's; for pushes made before it, as MoE's "send" backward)."""
         if not isinstance(model, nn.Module):
             return cls({})
         found = {path or "rows": m for path, m in model.named_modules() if isinstance(m, _Rows)}
         for path, m in found.items():
             m.table = m.table or path
             m.rows = rows
+            m.clock = clock
             table_sync = m.sync or ("bsp" if sync == "bsp" else "asp")
             m.num_workers = num_workers if table_sync == "bsp" else 1
             rows.register(m.table, m.embedding_dim, optimizer=m.optimizer,
                           init={"kind": "zeros"} if m.pretrained is not None else m.init)
-            if m.pretrained is not None and provides_values:
+            if m.pretrained is not None and (provides_values or m.write_from_every_worker):
                 ids = torch.arange(m.pretrained.shape[0])
                 rows.push(m.table, ids, m.pretrained, 0, assign=True)
         return cls(found)

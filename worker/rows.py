@@ -174,3 +174,31 @@ class RowClient:
 
         self.wire_bytes += len(s.unique) * (8 + 4 * dim + 8)
         return sum(t.each(push_shard))
+
+
+class RowCalls:
+    """The row-table calls of ``PSClient`` (issue 24's names): ``register_rows``, ``pull_rows``, ``push_rows``
+    and ``row_keys``, each the ``RowClient`` method of the same job (``client.rows``, which holds the tables'
+    specs and the versions pulled)."""
+
+    rows: RowClient
+
+    def register_rows(self, name: str, dim: int, *, keys: str = "int64",
+                      init: dict[str, float | str] | None = None, optimizer: OptimizerSpec | None = None,
+                      admit: int = 0, expire: int = 0, seed: int = 0) -> RowTableSpec:
+        """Declare the row table ``name`` of ``dim``-float rows on every shard (``RowClient.register``)."""
+        return self.rows.register(name, dim, optimizer=optimizer, keys=keys, init=init, seed=seed, admit=admit,
+                                  expire=expire)
+
+    def pull_rows(self, name: str, keys: torch.Tensor, *, track: bool = True) -> torch.Tensor:
+        """The rows of ``keys`` (any shape, repeated allowed): ``[*keys.shape, dim]`` fp32 (``RowClient.pull``)."""
+        return self.rows.pull(name, keys, track=track)
+
+    def push_rows(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
+                  assign: bool = False) -> int:
+        """One optimizer step of ``keys``' rows from ``grads`` (``[*keys.shape, dim]``; ``RowClient.push``)."""
+        return self.rows.push(name, keys, grads, step, num_workers=num_workers, assign=assign)
+
+    def row_keys(self, name: str, values: list[object]) -> torch.Tensor:
+        """Keys of a ``keys="hash"`` table for any str, bytes or int values (``RowClient.keys_of``)."""
+        return self.rows.keys_of(name, values)

@@ -26,7 +26,7 @@ import grpc.experimental
 
 from shardps.protos import framing
 from shardps.protos.security import Security
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.worker import pushorder
 from shardps.worker.errors import ShardError, shard_error
 from shardps.worker.reach import explain_unreachable, health_status, status_of
@@ -127,6 +127,10 @@ class Transport:
     def rows(self, shard: int) -> ps_pb2_grpc.RowsStub:
         """A ``Rows`` stub (row tables, worker/rows.py) on the channel that talks to ``shard`` now."""
         return ps_pb2_grpc.RowsStub(self._channels[shard])  # type: ignore[no-untyped-call]
+
+    def experts(self, shard: int) -> experts_pb2_grpc.ExpertsStub:
+        """An ``Experts`` stub (experts run where they live, worker/expertsend.py) on ``shard``'s channel."""
+        return experts_pb2_grpc.ExpertsStub(self._channels[shard])  # type: ignore[no-untyped-call]
 
     def stubs(self) -> list[ps_pb2_grpc.WorkersStub]:
         """The current stubs, one per shard (a snapshot)."""

@@ -1,0 +1,51 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterExpertRequest(_message.Message):
+    __slots__ = ("table", "program")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    program: bytes
+    def __init__(self, table: _Optional[str] = ..., program: _Optional[bytes] = ...) -> None: ...
+
+class RegisterExpertResponse(_message.Message):
+    __slots__ = ("parameters",)
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    parameters: int
+    def __init__(self, parameters: _Optional[int] = ...) -> None: ...
+
+class ExpertCall(_message.Message):
+    __slots__ = ("table", "dim", "d_model", "experts", "counts", "tokens", "grad_out", "worker_id", "step", "num_workers")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    D_MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    d_model: int
+    experts: bytes
+    counts: bytes
+    tokens: bytes
+    grad_out: bytes
+    worker_id: int
+    step: int
+    num_workers: int
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., d_model: _Optional[int] = ..., experts: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., grad_out: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class ExpertAnswer(_message.Message):
+    __slots__ = ("out", "rows")
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    out: bytes
+    rows: int
+    def __init__(self, out: _Optional[bytes] = ..., rows: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,323 @@
+"""shardps.nn.MoE: routing as the stated rules, the layer equal to a per-token dense loop, bsp as one process."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import shardps
+from shardps.optim import SGD
+from shardps.protos.shardps.v1 import experts_pb2
+from shardps.worker.moe import MoECollector
+from shardps.worker.placement import AutoPlacement
+from shardps.worker.routing import capacity, route
+from tests.helpers import run_workers
+
+D, E = 8, 8
+
+
+def expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+
+def reference_keep(experts: list[list[int]], cap: int | None) -> list[list[bool]]:
+    """The drop rule, written as a loop: first choices of every token in order, then second choices."""
+    k = len(experts[0])
+    keep = [[True] * k for _ in experts]
+    taken = [0] * E
+    for rank in range(k):
+        for t, row in enumerate(experts):
+            e = row[rank]
+            keep[t][rank] = cap is None or taken[e] < cap
+            taken[e] += 1
+    return keep
+
+
+def dense_loop(x: torch.Tensor, gate: nn.Module, experts: list[nn.Module], k: int, cap: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor, list[list[bool]]]:
+    """(out, E * sum f_i P_i, kept) by a loop over tokens and their routed experts."""
+    h = x.reshape(-1, D)
+    probs = F.softmax(gate(h), -1)
+    top_p, top_i = torch.topk(probs, k, -1)
+    w = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
+    keep = reference_keep(top_i.tolist(), cap)
+    rows = []
+    for t in range(h.shape[0]):
+        y = torch.zeros(D)
+        for r in range(k):
+            if keep[t][r]:
+                y = y + w[t, r] * experts[int(top_i[t, r])](h[t:t + 1])[0]
+        rows.append(y)
+    first = [sum(1 for t in range(h.shape[0]) if int(top_i[t, 0]) == i) / h.shape[0] for i in range(E)]
+    aux = E * sum(first[i] * probs[:, i].mean() for i in range(E))
+    return torch.stack(rows).view(x.shape), aux, keep
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_routing_drops_by_the_reference_rule_and_the_aux_loss_is_switchs(top_k):
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(20, E, generator=g)
+    logits[:, 0] += 2.0  # a popular expert: some of its tokens go over capacity
+    probs = F.softmax(logits, -1)
+    cap = capacity(20, E, top_k, 1.0, min_capacity=1)
+    assert cap == math.ceil(top_k * 20 / E)
+    r = route(probs, top_k, cap)
+    want = reference_keep(r.expert.tolist(), cap)
+    assert r.keep.tolist() == want
+    assert r.dropped == sum(not k for row in want for k in row) > 0
+    assert torch.equal(r.counts, torch.bincount(r.expert.reshape(-1), minlength=E))
+    first = torch.bincount(probs.argmax(-1), minlength=E).float() / 20
+    torch.testing.assert_close(r.aux, E * (first * probs.mean(0)).sum(), rtol=0, atol=1e-6)
+    assert route(probs, top_k, None).dropped == 0  # dropless
+
+
+@pytest.mark.parametrize("placement", ["pull", "send"])
+@pytest.mark.parametrize("top_k,drop_tokens", [(1, False), (2, False), (2, True)])
+def test_layer_equals_a_dense_loop_over_the_routed_experts(make_cluster, top_k, drop_tokens, placement):
+    cluster = make_cluster(2)
+    torch.manual_seed(top_k)
+    moe = shardps.nn.MoE(D, E, expert, name="moe", top_k=top_k, capacity_factor=1.0, min_capacity=1,
+                         drop_tokens=drop_tokens, aux_loss_coef=0.1, optimizer=SGD(lr=1.0), placement=placement)
+    with torch.no_grad():
+        moe.gate.weight[:, 0] += 3.0  # skewed: drops where they are on
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.0))
+        before = client.pull_rows("moe", torch.arange(E), track=False)
+        refs = [moe.expert_module(i) for i in range(E)]
+        gate = copy.deepcopy(moe.gate)
+        asked: list[int] = []
+        for store in cluster.stores:  # the keys each server is asked for, counted where they arrive
+            pull = store.rows.pull
+            store.rows.pull = lambda name, dim, keys, pull=pull: (asked.extend(keys.tolist()), pull(name, dim, keys))[1]
+        x = torch.randn(2, 3, D) + 1.0  # 6 tokens: fewer than the experts for top-1
+        xr = x.clone().requires_grad_()
+        x.requires_grad_()
+        out, aux, counts = moe(x)
+        pulled = sorted(asked)
+        want, want_aux, kept = dense_loop(xr, gate, refs, top_k, moe.capacity(6))
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(aux, 0.1 * want_aux, rtol=0, atol=1e-6)
+        assert moe.last is not None and moe.last.keep.tolist() == kept
+        assert (moe.stats.dropped > 0) == drop_tokens
+        assert moe.stats.placements[placement] == 1
+        routed = sorted({int(e) for e, k in zip(moe.last.expert.reshape(-1), moe.last.keep.reshape(-1)) if k})
+        assert pulled == routed and len(routed) < E  # only the experts routed, each once
+        assert torch.equal(counts, torch.bincount(moe.last.expert.reshape(-1), minlength=E))
+        weight = torch.randn(2, 3, D)
+        ((out * weight).sum() + aux).backward()
+        ((want * weight).sum() + 0.1 * want_aux).backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(moe.gate.weight.grad, gate.weight.grad, rtol=0, atol=1e-6)
+        opt.step()
+        after = client.pull_rows("moe", torch.arange(E), track=False)
+    for i in range(E):
+        if i in routed:  # SGD(lr=1): the row moved by its gradient
+            grad = torch.cat([p.grad.reshape(-1) for p in refs[i].parameters()])
+            torch.testing.assert_close(before[i] - after[i], grad, rtol=0, atol=1e-6)
+        else:  # no token: not pulled, not pushed, unchanged
+            assert all(p.grad is None for p in refs[i].parameters())
+            assert torch.equal(after[i], before[i])
+
+
+STEPS, WORKERS, BATCH = 3, 2, 8
+
+
+class Net(nn.Module):
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, aux, _ = self.moe(x)
+        return self.head(x + out).squeeze(-1), aux
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, generator=g)
+
+
+@pytest.mark.parametrize("placement", ["pull", "send"])
+def test_bsp_two_workers_equal_one_process(cluster2, placement):
+    def build() -> Net:
+        torch.manual_seed(0)
+        return Net(shardps.nn.MoE(D, E, expert, top_k=2, drop_tokens=False, optimizer=SGD(lr=0.5),
+                                  placement=placement))
+
+    models = [build() for _ in range(WORKERS)]
+
+    def worker(k: int) -> torch.Tensor:
+        model = models[k]
+        with shardps.connect(cluster2.addresses, worker_id=k, num_workers=WORKERS) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=SGD(lr=0.5), sync="bsp")
+            for step in range(STEPS):
+                x, y = data(step)
+                mine = slice(k * BATCH // WORKERS, (k + 1) * BATCH // WORKERS)
+                pred, aux = model(x[mine])
+                (F.mse_loss(pred, y[mine]) + aux).backward()
+                opt.step()
+                opt.zero_grad()
+            return torch.stack([model.moe.expert_module(i)[0].weight for i in range(E)]).detach()
+
+    results = run_workers(worker, WORKERS)
+    ref = build()
+    experts = [copy.deepcopy(ref.moe.template[0]) for _ in range(E)]
+    for e, row in zip(experts, ref.moe.experts.pretrained):
+        torch.nn.utils.vector_to_parameters(row, e.parameters())
+    params = [*ref.moe.gate.parameters(), *ref.head.parameters(), *(p for e in experts for p in e.parameters())]
+    sgd = torch.optim.SGD(params, lr=0.5)
+    for step in range(STEPS):
+        x, y = data(step)
+        losses = []
+        for k in range(WORKERS):  # each worker's loss on its half (aux is per batch), their mean
+            mine = slice(k * BATCH // WORKERS, (k + 1) * BATCH // WORKERS)
+            out, aux, _ = dense_loop(x[mine], ref.moe.gate, experts, 2, None)
+            losses.append(F.mse_loss(ref.head(x[mine] + out).squeeze(-1), y[mine]) + 0.01 * aux)
+        (sum(losses) / WORKERS).backward()
+        sgd.step()
+        sgd.zero_grad()
+    want = torch.stack([e[0].weight for e in experts]).detach()
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert not torch.equal(got, torch.stack([r[0] for r in ref.moe.experts.pretrained.split(1)]))
+
+
+def test_bad_input_and_metrics(make_cluster):
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="m", capacity_factor=0.5, min_capacity=1)
+    with pytest.raises(RuntimeError, match="DistributedOptimizer"):
+        moe(torch.randn(4, D))
+    with pytest.raises(ValueError, match="placement"):
+        shardps.nn.MoE(D, E, expert, placement="far")
+    with pytest.raises(ValueError, match="top_k"):
+        shardps.nn.MoE(D, E, expert, top_k=E + 1)
+    registry = CollectorRegistry()
+    registry.register(MoECollector(nn.Sequential(moe)))
+    with shardps.connect(cluster.addresses) as client:
+        shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        before = client.pull_rows("m", torch.arange(E), track=False)
+        with pytest.raises(ValueError, match=r"x must be \[\.\.\., 8\] \(d_model\), got \[4, 7\]"):
+            moe(torch.randn(4, D - 1))
+        assert moe.stats.tokens == 0
+        out, _, counts = moe(torch.randn(4, 5, D))
+        assert out.shape == (4, 5, D) and int(counts.sum()) == 20
+        assert torch.equal(client.pull_rows("m", torch.arange(E), track=False), before)
+    dropped = registry.get_sample_value("shardps_moe_dropped_total", {"layer": "0"})
+    assert dropped == moe.stats.dropped == moe.last.dropped > 0
+    assert registry.get_sample_value("shardps_moe_tokens_total", {"layer": "0"}) == 20
+
+
+def test_auto_takes_the_placement_of_fewer_bytes_and_counts_it(make_cluster):
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="auto", placement="auto", drop_tokens=False)
+    registry = CollectorRegistry()
+    registry.register(MoECollector(moe))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        for tokens in (2, 256):  # few tokens: their bytes are fewer than the experts'; many: the reverse
+            out, aux, _ = moe(torch.randn(tokens, D))
+            assert moe.last is not None
+            cost = moe.cost(moe.last)
+            want = "send" if cost["send"] < cost["pull"] else "pull"
+            assert registry.get_sample_value("shardps_moe_forwards_total", {"layer": "moe", "placement": want}) == 1
+            (out.sum() + aux).backward()
+            opt.step()
+            opt.zero_grad()
+        assert moe.stats.placements == {"pull": 1, "send": 1}
+        bad = experts_pb2.ExpertCall(table="auto", dim=moe.experts.embedding_dim, d_model=D,
+                                     experts=np.array([1], "<u8").tobytes(), counts=np.array([2], "<i8").tobytes(),
+                                     tokens=b"\0" * 4 * D)
+        with pytest.raises(grpc.RpcError) as e:
+            client.transport.experts(0).Forward(bad, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'auto': expected 2 tokens x 8 fp32 (64 bytes) of tokens, got 32" in e.value.details()
+
+
+def test_auto_placement_tries_each_then_takes_the_faster_and_reprobes():
+    auto = AutoPlacement(reprobe=4)
+    fewer_send = {"pull": 100, "send": 10}
+    walk = []
+    now = 0.0
+    for _ in range(6):
+        auto.close(now)
+        chosen = auto.choose(100, fewer_send)
+        auto.start(100, chosen, now)
+        now += {"pull": 1.0, "send": 3.0}[chosen]  # send takes 3 s a step, pull 1 s
+        walk.append(chosen)
+    # bytes first (send), then the other once (pull), then the faster (pull) but every 4th step the slower
+    assert walk == ["send", "pull", "pull", "send", "pull", "pull"]
+    assert auto.times[(auto.bucket(100), "pull")] == 1.0 and auto.times[(auto.bucket(100), "send")] == 3.0
+    auto.close(now + 50.0, valid=False)  # an interval with an evaluation in it: not counted
+    assert auto.times[(auto.bucket(100), "pull")] == 1.0
+    assert auto.choose(5000, fewer_send) == "send"  # another batch size: no times yet, the bytes decide
+
+
+def test_send_registers_the_program_again_where_a_shard_lost_it(make_cluster):
+    cluster = make_cluster(2)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="lost", placement="send", drop_tokens=False, optimizer=SGD(lr=0.1))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        before = client.pull_rows("lost", torch.arange(E), track=False)
+        moe.experts.registered = True  # as after a restart from a checkpoint: the shards hold the rows, no program
+        out, aux, _ = moe(torch.randn(16, D))
+        (out.sum() + aux).backward()
+        opt.step()
+        after = client.pull_rows("lost", torch.arange(E), track=False)
+    routed = moe.last.active() if moe.last is not None else torch.zeros(0)
+    assert moe.stats.placements["send"] == 1 and len(routed) > 1
+    assert all(not torch.equal(after[i], before[i]) for i in routed.tolist())
+
+
+@pytest.mark.parametrize("sync", ["asp", "ssp:1", "every:2"])
+def test_send_steps_the_experts_under_other_sync_modes(make_cluster, sync):
+    cluster = make_cluster(2)
+    torch.manual_seed(0)
+    net = Net(shardps.nn.MoE(D, E, expert, name="s", placement="send", drop_tokens=False, optimizer=SGD(lr=0.1)))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(net, client, optimizer=SGD(lr=0.1), sync=sync)
+        before = client.pull_rows("s", torch.arange(E), track=False)
+        for step in range(3):
+            x, y = data(step)
+            pred, aux = net(x)
+            (F.mse_loss(pred, y) + aux).backward()
+            opt.step()
+            opt.zero_grad()
+        after = client.pull_rows("s", torch.arange(E), track=False)
+    assert [s.rows.tables["s"].steps for s in cluster.stores] == [3, 3]  # one table step a step(), every shard
+    assert not torch.equal(after, before)
+
+
+def test_row_calls_by_the_names_of_issue_24(make_cluster):
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses) as client:
+        client.register_rows("t", 3, keys="int64", init={"kind": "zeros"}, optimizer=SGD(lr=1.0))
+        keys = torch.tensor([5, 2**40, 5])
+        assert torch.equal(client.pull_rows("t", keys), torch.zeros(3, 3))
+        assert client.push_rows("t", keys, torch.ones(3, 3), step=1) == 2
+        assert torch.equal(client.pull_rows("t", torch.tensor([5, 2**40])), -torch.tensor([[2.0] * 3, [1.0] * 3]))
+        assert torch.equal(client.row_keys("t", ["a"]), client.rows.keys_of("t", ["a"]))
+
+
+def test_demo_example_moe_trains(capsys):
+    # The CLI in this process (no extra interpreter): 2 workers as threads, bsp, a tiny model for 4 steps.
+    from shardps.cli import main
+
+    assert main(["demo", "--example", "moe", "--workers", "2", "--steps", "4", "--eval-every", "4", "--dim", "16",
+                 "--layers", "1", "--context", "16", "--batch-size", "8", "--placement", "auto", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["workers"] == 2 and summary["steps"] == 4
+    assert summary["val_loss"] < summary["initial_val_loss"]
+    assert sum(summary["placements"].values()) == 4 + 2 * 8  # a forward per step, 8 per evaluation
