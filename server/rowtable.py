@@ -9,6 +9,7 @@ holds the lock over every call.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from shardps.protos.rows import RowTableSpec, init_rows
 from shardps.server.optim import RowOptimizer
 
 INITIAL_CAPACITY = 1024
+#: What a table counts (``RowTable.counts``; the metrics and Stats show them).
+COUNTS = ("admitted", "dropped", "expired", "duplicates", "skipped")
 
 
 @dataclass
@@ -38,14 +41,16 @@ class RowTable:
     state: dict[str, torch.Tensor] = field(init=False)
     slots: dict[int, int] = field(default_factory=dict)  # key (uint64 as int) -> row of ``weights``
     steps: int = 0  # pushes applied (the optimizer's step count: one per push, touched or not)
-    held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor]]] = field(default_factory=dict)  # bsp: step -> pushes
+    # bsp: step -> worker -> (keys, gradients, skip: an inf/nan in them)
+    held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor, bool]]] = field(default_factory=dict)
     bsp_done: int = -1  # the last bsp step applied
     seen: dict[int, int] = field(default_factory=dict)  # admission: pushes that carried each key not held
-    counts: dict[str, int] = field(default_factory=lambda: {"admitted": 0, "dropped": 0, "expired": 0,
-                                                            "duplicates": 0})
+    counts: dict[str, int] = field(default_factory=dict)
     pushed: dict[int, int] = field(default_factory=dict)  # asp: worker -> the last step of its applied
+    skipped_steps: set[int] = field(default_factory=set)  # the newest steps skipped (inf/nan): answers to retries
 
     def __post_init__(self) -> None:
+        self.counts = {**dict.fromkeys(COUNTS, 0), **self.counts}
         self.weights = torch.empty(0, self.spec.dim)
         self.state = {k: torch.zeros(0, *shape) for k, shape in self.optimizer.state_shapes(self.spec.dim).items()}
         self.last = torch.zeros(0, dtype=torch.int64)  # per slot: the table step that last pushed (or made) it
@@ -172,6 +177,14 @@ class RowTable:
         for st in self.state.values():  # a slot used again starts with zero state
             st[keep_n:n] = 0
         self.counts["expired"] += len(gone)
+
+    def index_bytes(self) -> int:
+        """Bytes held for the rows besides their weights and optimizer state: key, last step and version
+        per row, and the key -> slot dict (its table, and a Python int key and slot per entry: 32 + 28 bytes,
+        ``sys.getsizeof``)."""
+        n = self.size
+        return n * (self.keys.itemsize + self.last.element_size() + self.updates.element_size() + 60) + \
+            sys.getsizeof(self.slots)
 
     def state_bytes(self) -> int:
         return sum(t[: self.size].numel() * t.element_size() for t in self.state.values())
