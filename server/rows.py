@@ -38,6 +38,7 @@ from shardps.protos.stats import RowTableStats
 from shardps.server import rowreshard
 from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from shardps.server.optim import make_row_optimizer
+from shardps.server.rowindex import DictIndex, KeyIndex
 from shardps.server.rowtable import RowTable
 
 
@@ -73,9 +74,11 @@ class RowTables:
     ``record``: where its changes go for a backup."""
 
     def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record,
-                 recording: Callable[[], bool] = lambda: False, gone: Callable[[], set[int]] = set) -> None:
+                 recording: Callable[[], bool] = lambda: False, gone: Callable[[], set[int]] = set,
+                 index: Callable[[], KeyIndex | DictIndex] = KeyIndex) -> None:
         """``gone``: the workers evicted or gone from the job (the store's membership; called under the lock):
-        bsp steps complete without them."""
+        bsp steps complete without them. ``index``: each table's key -> slot index (server/rowindex.py)."""
+        self.index = index
         self.lock = lock if lock is not None else threading.Condition(threading.Lock())
         self.gone = gone
         self.record = record
@@ -96,7 +99,7 @@ class RowTables:
                 opt = make_row_optimizer(spec.optimizer)
             except ValueError as e:
                 raise InvalidArgument(f"row table {label(spec.name)}: {e}") from None
-            self.tables[spec.name] = RowTable(spec, opt)
+            self.tables[spec.name] = RowTable(spec, opt, index=self.index())
             self.record({"op": "register", "spec": spec.to_json()}, {})
             return 0
 
@@ -198,13 +201,14 @@ class RowTables:
         with self.lock:
             if args["op"] == "register":
                 spec = RowTableSpec.from_json(args["spec"])
-                self.tables.setdefault(spec.name, RowTable(spec, make_row_optimizer(spec.optimizer)))
+                self.tables.setdefault(spec.name, RowTable(spec, make_row_optimizer(spec.optimizer),
+                                                                 index=self.index()))
                 return
             t = self.tables[args["table"]]
             keys = tensors["keys"].numpy().view(np.uint64)
             if args["op"] == "assign":
-                new = [i for i, s in enumerate(t.find(keys)) if s < 0]
-                t.create(keys[new], tensors["values"][new])
+                new = np.flatnonzero(t.find(keys) < 0)
+                t.create(keys[new], tensors["values"][torch.from_numpy(new)])
                 return
             if args["bsp"]:
                 t.bsp_done = args["step"]
@@ -241,11 +245,11 @@ class RowTables:
                                   f"{len(keys) - len(np.unique(keys))} repeated")
         with self.lock:
             t = self.table(name, dim)
-            new = [i for i, s in enumerate(t.find(keys)) if s < 0]
+            new = np.flatnonzero(t.find(keys) < 0)
             if self.recording():
                 self.record({"op": "assign", "table": name}, {"keys": torch.from_numpy(keys.view(np.int64).copy()),
                                                               "values": values.clone()})
-            t.create(keys[new], values[new])
+            t.create(keys[new], values[torch.from_numpy(new)])
             return len(new)
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -276,7 +280,8 @@ class RowTables:
         tables: dict[str, RowTable] = {}
         for name, m in meta.items():
             spec = RowTableSpec.from_json(m["spec"])
-            t = RowTable(spec, make_row_optimizer(spec.optimizer), steps=m["steps"], bsp_done=m["bsp_done"],
+            t = RowTable(spec, make_row_optimizer(spec.optimizer), index=self.index(), steps=m["steps"],
+                         bsp_done=m["bsp_done"],
                          seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]),
                          pushed={int(w): int(st) for w, st in m["pushed"]})
             keys = tensors[f"rows/{name}/keys"].numpy().view(np.uint64)
