@@ -16,7 +16,7 @@ to 1 MiB, not counted). Prints rows/s for each and the ratio.
 ``--index``: no servers; one shard's ``RowTables`` in this process, the
 key -> slot index of server/rowindex.py (``KeyIndex``) against a Python
 dict (``DictIndex``, what the tables used before), on the same keys, the
-two runs interleaved ``--repeats`` times (medians): rows/s of the first
+two runs interleaved ``--repeats`` times, each first as often (medians): rows/s of the first
 pull, a pull of rows held and a push + SparseAdam step, and the bytes the
 shard allocates per row (rows, optimizer state, keys, versions, last
 steps and the index, at the capacity they have) against the raw row bytes
@@ -53,7 +53,8 @@ def index_compare(rows: int, dim: int, repeats: int) -> dict[str, object]:
     times: dict[str, dict[str, list[float]]] = {}
     memory: dict[str, float] = {}
     for rep in range(repeats):
-        for name, index in (("dict", DictIndex), ("array", KeyIndex)):
+        both = (("dict", DictIndex), ("array", KeyIndex))
+        for name, index in both if rep % 2 == 0 else both[::-1]:  # each goes first as often
             tables = RowTables(index=index)
             tables.register(RowTableSpec("t", dim, SparseAdamSpec(lr=1e-3)))
             got = times.setdefault(name, {"create": [], "pull": [], "push": []})

@@ -76,8 +76,8 @@ def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest], max_keys: int =
         bases.append(np.frombuffer(m.base_versions, dtype="<i8") if m.base_versions else np.full(len(k), -1))
     if first is None:
         raise InvalidArgument("PushRows: an empty stream")
-    data = b"".join(grads)
-    g = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
+    data = bytearray().join(grads)  # one copy, writable: the tensor is the request's own
+    g = torch.frombuffer(data, dtype=torch.float32) if data else torch.zeros(0)
     return (first, np.concatenate(keys), g.view(-1, max(1, first.dim)), np.concatenate(bases).astype(np.int64),
             found_inf)
 
