@@ -246,19 +246,23 @@ class RowwiseAdagrad(OptimizerSpec):
         _check(self.eps > 0, f"eps must be > 0, got {self.eps}")
 
 
-#: The optimizers a row table takes; SGD only with its plain update (``ROW_SGD_DEFAULTS``).
-ROW_SPECS: tuple[type[OptimizerSpec], ...] = (SparseAdam, RowwiseAdagrad, SGD)
+#: The optimizers a row table takes; SGD only with its plain update, SM3 without momentum.
+ROW_SPECS: tuple[type[OptimizerSpec], ...] = (SparseAdam, RowwiseAdagrad, SGD, SM3)
 
 
 def check_row_optimizer(spec: OptimizerSpec) -> None:
     """ValueError unless ``spec`` is a row table's optimizer with hyper-parameters it supports (never
-    dropped: SGD's momentum, dampening, weight decay and Nesterov are refused, not ignored)."""
+    dropped: SGD's momentum, dampening, weight decay and Nesterov, and SM3's momentum, are refused, not
+    ignored)."""
     if type(spec) not in ROW_SPECS:
         raise ValueError(f"optimizer {spec.name!r} does not step row tables; those take "
                          f"{sorted(c.name for c in ROW_SPECS)}")
     if isinstance(spec, SGD):
         unsupported = {k: v for k, v in spec.params().items() if k != "lr" and v not in (0.0, False)}
         _check(not unsupported, f"sgd on a row table takes lr only; unsupported here: {unsupported}")
+    if isinstance(spec, SM3):
+        _check(spec.momentum == 0, f"sm3 on a row table takes lr and eps; unsupported here: momentum="
+                                   f"{spec.momentum} (SM3's sparse update has none)")
 
 
 SPECS: dict[str, type[OptimizerSpec]] = {c.name: c for c in (Adam, AdamW, SGD, Adafactor, SM3)}

@@ -28,8 +28,15 @@ KEY_KINDS = ("int64", "hash")  # how the worker makes keys: int64 ids, or any ha
 KEY_DTYPES = {"int64": np.dtype("<i8"), "uint64": np.dtype("<u8")}  # how the wire's keys bytes are read
 INIT_KINDS = ("normal", "uniform", "zeros")
 ROW_ITEMSIZE = 4  # rows travel and live as fp32
+MAX_PULL_KEYS = 1 << 18  # keys in one PullRows request (8 bytes each: well under a message's limit)
+MAX_PUSH_KEYS = 1 << 24  # keys in one PushRows stream (a worker sends a step's distinct keys of a shard in one)
 
 _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def label(name: str) -> str:
+    """A table's name as errors show it: quoted, its first 100 characters (a status message has a limit)."""
+    return repr(name) if len(name) <= 100 else repr(name[:100]) + f"... ({len(name)} characters)"
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -80,19 +87,19 @@ class RowTableSpec:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("a row table needs a name")
+            raise ValueError(f"row table {label(self.name)}: expected a name, got an empty one")
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 0 < self.dim <= 1 << 16:
-            raise ValueError(f"row table {self.name!r}: dim must be an int in [1, 65536], got {self.dim!r}")
+            raise ValueError(f"row table {label(self.name)}: dim must be an int in [1, 65536], got {self.dim!r}")
         if self.keys not in KEY_KINDS:
-            raise ValueError(f"row table {self.name!r}: keys must be one of {KEY_KINDS}, got {self.keys!r}")
+            raise ValueError(f"row table {label(self.name)}: keys must be one of {KEY_KINDS}, got {self.keys!r}")
         if not 0 <= self.seed < 1 << 64:
-            raise ValueError(f"row table {self.name!r}: seed must be in [0, 2**64), got {self.seed}")
+            raise ValueError(f"row table {label(self.name)}: seed must be in [0, 2**64), got {self.seed}")
         optim.check_row_optimizer(self.optimizer)
         check_init(self.name, self.init)
         for k in ("admit", "expire"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 32:
-                raise ValueError(f"row table {self.name!r}: {k} must be an int in [0, 2**32), got {v!r}")
+                raise ValueError(f"row table {label(self.name)}: {k} must be an int in [0, 2**32), got {v!r}")
 
     def to_proto(self) -> ps_pb2.RowTableSpec:
         return ps_pb2.RowTableSpec(name=self.name, dim=self.dim, keys=self.keys, optimizer=self.optimizer.to_proto(),
@@ -119,22 +126,22 @@ class RowTableSpec:
         try:
             init = json.loads(msg.init_json) if msg.init_json else init
         except (json.JSONDecodeError, RecursionError) as e:
-            raise ValueError(f"row table {msg.name!r}: init_json is not valid JSON: {type(e).__name__}") from None
+            raise ValueError(f"row table {label(msg.name)}: init_json is not valid JSON: {type(e).__name__}") from None
         return cls(name=msg.name, dim=msg.dim, optimizer=optim.spec_from_proto(msg.optimizer), keys=msg.keys,
                    init=init, seed=msg.seed, admit=msg.admit, expire=msg.expire)
 
 
 def check_init(table: str, init: Any) -> None:
     if not isinstance(init, dict) or init.get("kind") not in INIT_KINDS:
-        raise ValueError(f"row table {table!r}: init must be a dict with kind in {INIT_KINDS}, got {init!r}")
+        raise ValueError(f"row table {label(table)}: init must be a dict with kind in {INIT_KINDS}, got {init!r}")
     allowed = {"normal": {"mean", "std"}, "uniform": {"a", "b"}, "zeros": set()}[str(init["kind"])]
     extra = sorted(set(init) - allowed - {"kind"})
     if extra:
-        raise ValueError(f"row table {table!r}: init {init['kind']!r} takes {sorted(allowed)}, got also {extra}")
+        raise ValueError(f"row table {label(table)}: init {init['kind']!r} takes {sorted(allowed)}, got also {extra}")
     for k in allowed & set(init):
         v = init[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"row table {table!r}: init {k} must be a finite number, got {v!r}")
+            raise ValueError(f"row table {label(table)}: init {k} must be a finite number, got {v!r}")
 
 
 def _table_seed(spec: RowTableSpec) -> int:

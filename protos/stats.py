@@ -29,6 +29,38 @@ class TensorStats:
         return self.spec.name
 
 
+#: The counts of a row table in Stats (``RowTableStats``), in the proto's order.
+ROW_TABLE_COUNTS = ("rows", "weight_bytes", "state_bytes", "index_bytes", "steps", "admitted", "dropped", "expired",
+                    "duplicates", "pending_admission", "skipped")
+
+
+@dataclass(frozen=True)
+class RowTableStats:
+    """One row table on a shard (server/rows.py ``RowTables.stats``)."""
+
+    spec: ps_pb2.RowTableSpec  # as registered (the wire form)
+    counts: dict[str, int]  # ROW_TABLE_COUNTS
+    staleness_counts: dict[int, int] = field(default_factory=dict)  # row staleness -> rows pushed with it
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def to_proto(self) -> ps_pb2.RowTableStats:
+        return ps_pb2.RowTableStats(spec=self.spec, staleness_counts=self.staleness_counts,
+                                    **{k: self.counts.get(k, 0) for k in ROW_TABLE_COUNTS})
+
+    @classmethod
+    def from_proto(cls, r: ps_pb2.RowTableStats) -> RowTableStats:
+        return cls(r.spec, {k: int(getattr(r, k)) for k in ROW_TABLE_COUNTS},
+                   {int(k): int(v) for k, v in r.staleness_counts.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.spec.name, "dim": self.spec.dim, "optimizer": self.spec.optimizer.name,
+                **{k: self.counts.get(k, 0) for k in ROW_TABLE_COUNTS},
+                "staleness_counts": dict(self.staleness_counts)}
+
+
 @dataclass(frozen=True)
 class ShardStats:
     shard_index: int
@@ -66,6 +98,7 @@ class ShardStats:
     replication_lag_ops: int = 0
     promotions_total: int = 0
     push_received_bytes_total: int = 0  # Push messages as received (refused ones included)
+    row_tables: list[RowTableStats] = field(default_factory=list)  # the row tables held here (docs/sparse.md)
 
     def to_proto(self) -> ps_pb2.StatsResponse:
         return ps_pb2.StatsResponse(
@@ -84,7 +117,8 @@ class ShardStats:
             recovering=self.recovering, waiting_pulls=self.waiting_pulls, role=self.role, backup=self.backup,
             replica_state=self.replica_state, replicated_ops_total=self.replicated_ops_total,
             replication_lag_ops=self.replication_lag_ops, left_workers=self.left_workers,
-            leaves_total=self.leaves_total, push_received_bytes_total=self.push_received_bytes_total)
+            leaves_total=self.leaves_total, push_received_bytes_total=self.push_received_bytes_total,
+            row_tables=[t.to_proto() for t in self.row_tables])
 
     @classmethod
     def from_proto(cls, r: ps_pb2.StatsResponse) -> ShardStats:
@@ -104,7 +138,8 @@ class ShardStats:
             duplicate_pushes_total=int(r.duplicate_pushes_total), loss_scale=float(r.loss_scale),
             worker_clocks={int(k): int(v) for k, v in r.worker_clocks.items()}, role=r.role, backup=r.backup,
             replica_state=r.replica_state, replicated_ops_total=int(r.replicated_ops_total),
-            replication_lag_ops=int(r.replication_lag_ops), push_received_bytes_total=int(r.push_received_bytes_total))
+            replication_lag_ops=int(r.replication_lag_ops), push_received_bytes_total=int(r.push_received_bytes_total),
+            row_tables=[RowTableStats.from_proto(t) for t in r.row_tables])
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values in the shape ``PSClient.stats()`` gives (the CLI's JSON)."""
@@ -152,4 +187,5 @@ class ShardStats:
             "push_bytes_total": self.push_bytes_total,
             "push_received_bytes_total": self.push_received_bytes_total,
             "pull_bytes_total": self.pull_bytes_total,
+            "row_tables": [t.to_dict() for t in self.row_tables],
         }

@@ -26,6 +26,8 @@ FAMILIES = (
     ("shardps_row_expired", "counter", "Rows dropped by expiry (not pushed for expire steps).", "expired"),
     ("shardps_row_duplicate_pushes", "counter", "Retried row pushes answered without applying.", "duplicates"),
     ("shardps_row_pending_admission", "gauge", "Keys seen but not admitted yet.", "pending_admission"),
+    ("shardps_row_skipped_steps", "counter", "Steps of the table skipped: an inf/nan in some gradient of them.",
+     "skipped"),
 )
 
 

@@ -16,9 +16,17 @@ import numpy as np
 import torch
 
 from shardps.protos import codec
-from shardps.protos.rows import KEY_DTYPES, ROW_ITEMSIZE, RowTableSpec, rows_per_message
+from shardps.protos.rows import (
+    KEY_DTYPES,
+    MAX_PULL_KEYS,
+    MAX_PUSH_KEYS,
+    ROW_ITEMSIZE,
+    RowTableSpec,
+    label,
+    rows_per_message,
+)
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from shardps.server.errors import InvalidArgument
+from shardps.server.errors import InvalidArgument, ResourceExhausted
 from shardps.server.metrics import ServerMetrics
 from shardps.server.rows import RowTables
 from shardps.server.rpc import stream_errors, unary_errors
@@ -28,43 +36,50 @@ def decode_keys(table: str, key_dtype: str, data: bytes) -> np.ndarray:
     """The uint64 keys of a request; InvalidArgument for another dtype or a length not a multiple of 8."""
     dtype = KEY_DTYPES.get(key_dtype)
     if dtype is None:
-        raise InvalidArgument(f"row table {table!r}: expected keys of dtype {sorted(KEY_DTYPES)}, got "
+        raise InvalidArgument(f"row table {label(table)}: expected keys of dtype {sorted(KEY_DTYPES)}, got "
                               f"{key_dtype!r}")
     if len(data) % 8:
-        raise InvalidArgument(f"row table {table!r}: expected keys of 8 bytes each, got {len(data)} bytes")
+        raise InvalidArgument(f"row table {label(table)}: expected keys of 8 bytes each, got {len(data)} bytes")
     return np.frombuffer(data, dtype=dtype).view(np.uint64)
 
 
-def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest]
-                     ) -> tuple[ps_pb2.PushRowsRequest, np.ndarray, torch.Tensor, np.ndarray]:
-    """(the first message, uint64 keys, [n, dim] fp32 gradients, int64 base versions (-1: not known)) of a
-    whole PushRows stream."""
+def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest], max_keys: int = MAX_PUSH_KEYS
+                     ) -> tuple[ps_pb2.PushRowsRequest, np.ndarray, torch.Tensor, np.ndarray, bool]:
+    """(the first message, uint64 keys, [n, dim] fp32 gradients, int64 base versions (-1: not known),
+    found_inf: said by any message) of a whole PushRows stream; RESOURCE_EXHAUSTED past ``max_keys`` keys."""
     first: ps_pb2.PushRowsRequest | None = None
     keys: list[np.ndarray] = []
     grads: list[bytes] = []
     bases: list[np.ndarray] = []
+    found_inf, total = False, 0
     for m in requests:
         first = first or m
         head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign)
         want = (first.table, first.dim, first.worker_id, first.step, first.num_workers, first.assign)
         if head != want:
-            raise InvalidArgument(f"row table {first.table!r}: every message of a PushRows stream names the same "
+            raise InvalidArgument(f"row table {label(first.table)}: every message of a PushRows stream names the same "
                                   f"(table, dim, worker, step, num_workers, assign): expected {want}, got {head}")
         k = decode_keys(m.table, m.key_dtype, m.keys)
         if len(m.grads) != len(k) * m.dim * ROW_ITEMSIZE:
-            raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} x {m.dim} fp32 gradients "
+            raise InvalidArgument(f"row table {label(m.table)}: expected {len(k)} x {m.dim} fp32 gradients "
                                   f"({len(k) * m.dim * ROW_ITEMSIZE} bytes), got {len(m.grads)} bytes")
         if m.base_versions and len(m.base_versions) != 8 * len(k):
-            raise InvalidArgument(f"row table {m.table!r}: expected {len(k)} base versions ({8 * len(k)} bytes), "
+            raise InvalidArgument(f"row table {label(m.table)}: expected {len(k)} base versions ({8 * len(k)} bytes), "
                                   f"got {len(m.base_versions)} bytes")
+        total += len(k)
+        if total > max_keys:
+            raise ResourceExhausted(f"row table {label(m.table)}: expected at most {max_keys} keys in one PushRows "
+                                    f"stream, got {total} so far")
+        found_inf = found_inf or m.found_inf
         keys.append(k)
         grads.append(m.grads)
         bases.append(np.frombuffer(m.base_versions, dtype="<i8") if m.base_versions else np.full(len(k), -1))
     if first is None:
         raise InvalidArgument("PushRows: an empty stream")
-    data = b"".join(grads)
-    g = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
-    return first, np.concatenate(keys), g.view(-1, max(1, first.dim)), np.concatenate(bases).astype(np.int64)
+    data = bytearray().join(grads)  # one copy, writable: the tensor is the request's own
+    g = torch.frombuffer(data, dtype=torch.float32) if data else torch.zeros(0)
+    return (first, np.concatenate(keys), g.view(-1, max(1, first.dim)), np.concatenate(bases).astype(np.int64),
+            found_inf)
 
 
 class RowsServicer(ps_pb2_grpc.RowsServicer):
@@ -88,7 +103,9 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
         try:
             spec = RowTableSpec.from_proto(request.table)
         except ValueError as e:
-            raise InvalidArgument(str(e)) from None
+            what = str(e)
+            named = what if what.startswith("row table ") else f"row table {label(request.table.name)}: {what}"
+            raise InvalidArgument(named) from None
         rows = self.rows.register(spec)
         self.replicated()
         return ps_pb2.RegisterRowsResponse(rows=rows)
@@ -98,6 +115,12 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
                  context: grpc.ServicerContext) -> Iterator[ps_pb2.PullRowsResponse]:
         self.check_serving()
         keys = decode_keys(request.table, request.key_dtype, request.keys)
+        if len(keys) > MAX_PULL_KEYS:
+            raise ResourceExhausted(f"row table {label(request.table)}: expected at most {MAX_PULL_KEYS} keys in one "
+                                    f"PullRows, got {len(keys)}")
+        if len(np.unique(keys)) != len(keys):
+            raise InvalidArgument(f"row table {label(request.table)}: expected distinct keys in a PullRows, got "
+                                  f"{len(keys) - len(np.unique(keys))} repeated")
         rows, versions = self.rows.pull(request.table, request.dim, keys)
         per = rows_per_message(request.dim + 2, self.chunk_bytes)  # + its version
         for first in range(0, len(keys), per):
@@ -108,14 +131,14 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
     def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],
                  context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         self.check_serving()
-        head, keys, grads, base = decode_push_rows(request_iterator)
+        head, keys, grads, base, found_inf = decode_push_rows(request_iterator)
         if head.assign:
             created = self.rows.assign(head.table, head.dim, keys, grads)
             self.replicated()
             return ps_pb2.PushRowsResponse(rows=created)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
-        rows, steps = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
-                                     num_workers=head.num_workers, timeout=timeout, base=base)
+        done = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
+                              num_workers=head.num_workers, timeout=timeout, base=base, found_inf=found_inf)
         self.replicated()  # acknowledged only once the backup holds it
-        return ps_pb2.PushRowsResponse(rows=rows, steps=steps)
+        return ps_pb2.PushRowsResponse(rows=done.rows, steps=done.steps, skipped=done.skipped)

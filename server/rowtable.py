@@ -1,10 +1,13 @@
 """One row table's rows on a shard: storage, first touch, admission, expiry, versions (docs/sparse.md).
 
 A ``RowTable`` keeps its rows in one fp32 tensor ``[capacity, dim]`` that
-doubles when full, a dict from key to row slot, per slot its key, last step
-and version, and its optimizer's state beside the rows
-(server/optim/rowbase.py). Not thread-safe: ``RowTables`` (server/rows.py)
-holds the lock over every call.
+grows by a quarter when full (at least to what a request needs), an index
+from key to row slot (server/rowindex.py: open addressing over NumPy
+arrays, each operation over a whole batch of keys), per slot its key, last
+step and version, and its optimizer's state beside the rows
+(server/optim/rowbase.py). Slots are dense: the rows held are slots
+``0..size-1`` and slot i holds ``keys[i]``. Not thread-safe: ``RowTables``
+(server/rows.py) holds the lock over every call.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import torch
 
 from shardps.protos.rows import RowTableSpec, init_rows
 from shardps.server.optim import RowOptimizer
+from shardps.server.rowindex import DictIndex, KeyIndex
 
 INITIAL_CAPACITY = 1024
+#: What a table counts (``RowTable.counts``; the metrics and Stats show them).
+COUNTS = ("admitted", "dropped", "expired", "duplicates", "skipped")
 
 
 @dataclass
@@ -36,16 +42,18 @@ class RowTable:
     optimizer: RowOptimizer
     weights: torch.Tensor = field(init=False)
     state: dict[str, torch.Tensor] = field(init=False)
-    slots: dict[int, int] = field(default_factory=dict)  # key (uint64 as int) -> row of ``weights``
+    index: KeyIndex | DictIndex = field(default_factory=KeyIndex)  # key -> row of ``weights``
     steps: int = 0  # pushes applied (the optimizer's step count: one per push, touched or not)
-    held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor]]] = field(default_factory=dict)  # bsp: step -> pushes
+    # bsp: step -> worker -> (keys, gradients, skip: an inf/nan in them)
+    held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor, bool]]] = field(default_factory=dict)
     bsp_done: int = -1  # the last bsp step applied
     seen: dict[int, int] = field(default_factory=dict)  # admission: pushes that carried each key not held
-    counts: dict[str, int] = field(default_factory=lambda: {"admitted": 0, "dropped": 0, "expired": 0,
-                                                            "duplicates": 0})
+    counts: dict[str, int] = field(default_factory=dict)
     pushed: dict[int, int] = field(default_factory=dict)  # asp: worker -> the last step of its applied
+    skipped_steps: set[int] = field(default_factory=set)  # the newest steps skipped (inf/nan): answers to retries
 
     def __post_init__(self) -> None:
+        self.counts = {**dict.fromkeys(COUNTS, 0), **self.counts}
         self.weights = torch.empty(0, self.spec.dim)
         self.state = {k: torch.zeros(0, *shape) for k, shape in self.optimizer.state_shapes(self.spec.dim).items()}
         self.last = torch.zeros(0, dtype=torch.int64)  # per slot: the table step that last pushed (or made) it
@@ -55,13 +63,18 @@ class RowTable:
 
     @property
     def size(self) -> int:
-        return len(self.slots)
+        return self.index.live
+
+    @property
+    def slots(self) -> dict[int, int]:
+        """{key: slot} of the rows held (a copy: for tests and reports)."""
+        return dict(zip(self.keys[: self.size].tolist(), range(self.size), strict=True))
 
     def _grow(self, need: int) -> None:
         cap = len(self.weights)
         if need <= cap:
             return
-        new_cap = max(INITIAL_CAPACITY, cap * 2, need)
+        new_cap = max(INITIAL_CAPACITY, cap + cap // 4, need)
         w = torch.zeros(new_cap, self.spec.dim)
         w[:cap] = self.weights
         self.weights = w
@@ -73,12 +86,11 @@ class RowTable:
         self.updates = torch.cat([self.updates, torch.zeros(new_cap - cap, dtype=torch.int64)])
         self.keys = np.concatenate([self.keys, np.zeros(new_cap - cap, dtype=np.uint64)])
 
-    def find(self, keys: np.ndarray) -> list[int]:
-        """The slot of each uint64 key, -1 where not held."""
-        found = self.slots
-        return [found.get(k, -1) for k in keys.tolist()]
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each uint64 key (int64), -1 where not held."""
+        return self.index.find(keys)
 
-    def create(self, keys: np.ndarray, values: torch.Tensor | None = None) -> list[int]:
+    def create(self, keys: np.ndarray, values: torch.Tensor | None = None) -> np.ndarray:
         """New rows for distinct uint64 ``keys`` not held (their init, or ``values``): their slots."""
         start, n = self.size, len(keys)
         self._grow(start + n)
@@ -86,18 +98,17 @@ class RowTable:
         self.last[start:start + n] = self.steps
         self.updates[start:start + n] = 0
         self.keys[start:start + n] = keys
-        for j, k in enumerate(keys.tolist()):
-            self.slots[k] = start + j
-        return list(range(start, start + n))
+        slots = np.arange(start, start + n, dtype=np.int64)
+        self.index.insert(keys, slots)
+        return slots
 
     def slots_of(self, keys: np.ndarray) -> torch.Tensor:
         """The row slot of each (distinct) uint64 key, creating the rows not yet held with their init."""
         out = self.find(keys)
-        new = [i for i, s in enumerate(out) if s < 0]
-        if new:
-            for i, slot in zip(new, self.create(keys[new]), strict=True):
-                out[i] = slot
-        return torch.tensor(out, dtype=torch.int64)
+        new = np.flatnonzero(out < 0)
+        if len(new):
+            out[new] = self.create(keys[new])
+        return torch.from_numpy(out)
 
     def read(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of distinct uint64 ``keys`` and their versions: created where not held, or (admission)
@@ -106,10 +117,10 @@ class RowTable:
             slots = self.slots_of(keys)  # first: it may grow ``weights``
             return self.weights[slots], self.updates[slots]
         out = self.find(keys)
-        held = [i for i, s in enumerate(out) if s >= 0]
+        held = np.flatnonzero(out >= 0)
         rows, versions = init_rows(self.spec, keys), torch.zeros(len(keys), dtype=torch.int64)
-        if held:
-            at, slots = torch.tensor(held), torch.tensor([out[i] for i in held])
+        if len(held):
+            at, slots = torch.from_numpy(held), torch.from_numpy(out[held])
             rows[at], versions[at] = self.weights[slots], self.updates[slots]
         return rows, versions
 
@@ -120,16 +131,17 @@ class RowTable:
         if not len(known):
             return
         out = self.find(keys[known])
-        held = [i for i, s in enumerate(out) if s >= 0]
-        if held:
-            now = self.updates[torch.tensor([out[i] for i in held])].numpy()
-            self.staleness.update((now - base[known[held]]).clip(min=0).tolist())
+        held = np.flatnonzero(out >= 0)
+        if len(held):
+            now = self.updates[torch.from_numpy(out[held])].numpy()
+            steps, rows = np.unique((now - base[known[held]]).clip(min=0), return_counts=True)
+            self.staleness.update(dict(zip(steps.tolist(), rows.tolist(), strict=True)))
 
     def admit(self, keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """The keys (and their gradient rows) a push may step: held, or admitted by this push."""
         if self.spec.admit <= 1:
             return keys, grads
-        out = self.find(keys)
+        out = self.find(keys).tolist()
         keep = []
         for i, k in enumerate(keys.tolist()):
             if out[i] >= 0:
@@ -158,8 +170,7 @@ class RowTable:
         holes = gone[gone < keep_n]
         removed = set(gone.tolist())
         movers = torch.tensor([s for s in range(keep_n, n) if s not in removed], dtype=torch.int64)
-        for k in self.keys[gone.numpy()].tolist():
-            del self.slots[k]
+        self.index.remove(self.keys[gone.numpy()])
         if len(holes):
             self.weights[holes] = self.weights[movers]
             for st in self.state.values():
@@ -167,11 +178,17 @@ class RowTable:
             self.last[holes] = self.last[movers]
             self.updates[holes] = self.updates[movers]
             self.keys[holes.numpy()] = self.keys[movers.numpy()]
-            for h, k in zip(holes.tolist(), self.keys[holes.numpy()].tolist(), strict=True):
-                self.slots[k] = h
+            self.index.move(self.keys[holes.numpy()], holes.numpy())
         for st in self.state.values():  # a slot used again starts with zero state
             st[keep_n:n] = 0
         self.counts["expired"] += len(gone)
+
+    def index_bytes(self) -> int:
+        """Bytes held for the rows besides their weights and optimizer state: key, last step and version
+        per row, and the key -> slot index."""
+        n = self.size
+        return n * (self.keys.itemsize + self.last.element_size() + self.updates.element_size()) + \
+            self.index.nbytes()
 
     def state_bytes(self) -> int:
         return sum(t[: self.size].numel() * t.element_size() for t in self.state.values())

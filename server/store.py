@@ -153,7 +153,7 @@ class ShardStore:
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
         self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows.py
-                              lambda: replica.recording)
+                              lambda: replica.recording, gone=lambda: membership.evicted | membership.left)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
@@ -431,4 +431,4 @@ class ShardStore:
                 backup=rep.address if rep else "", replica_state=str(rep.state) if rep else str(ReplicaState.NONE),
                 replicated_ops_total=rep.ops_total if rep else self.replica.replica_seq,
                 replication_lag_ops=rep.lag if rep else 0, promotions_total=self.replica.promotions_total,
-                push_received_bytes_total=job.received.total)
+                push_received_bytes_total=job.received.total, row_tables=self.rows.table_stats())

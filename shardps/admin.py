@@ -5,9 +5,10 @@ The calls themselves (``stats``, ``set_sync``, ``checkpoint``, ``promote``,
 ``attach_replica``, ``health``) live in ``worker/operator.py`` and are
 importable from here as before (``shardps.admin.stats`` ...). The ``run_*``
 functions are the commands: they connect, call and print. ``stats_rows``
-turns the shards' Stats into table rows; ``render_table`` formats them for a
-terminal. Staleness percentiles come from the shards' exact staleness
-counts.
+turns the shards' Stats into table rows (``row_table_rows``: a second table,
+one line per row table and shard, where there are row tables);
+``render_table`` formats them for a terminal. Staleness percentiles come
+from the shards' exact staleness counts.
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ from shardps.worker.reach import run_health
 
 __all__ = [
     "COLUMNS", "attach_replica", "checkpoint", "health", "percentile", "promote", "render_table", "run_attach_replica",
-    "run_checkpoint", "run_health", "run_promote", "run_set_sync", "run_stats", "set_sync", "stats", "stats_rows",
+    "ROW_COLUMNS", "row_table_rows", "run_checkpoint", "run_health", "run_promote", "run_set_sync", "run_stats",
+    "set_sync", "stats", "stats_rows",
 ]
 
 # -- the commands ---------------------------------------------------------------
 
 COLUMNS = ("shard", "version", "sync", "tensors", "weights MiB", "opt state MiB", "stale p50", "stale p99",
            "clock gap", "live workers", "pushes", "skipped", "replica")
+
+ROW_COLUMNS = ("shard", "row table", "dim", "optimizer", "rows", "MiB", "steps", "stale p50", "stale p99",
+               "admitted", "dropped", "expired", "skipped")
 
 
 def percentile(counts: dict[int, int], q: float) -> int | None:
@@ -63,6 +68,21 @@ def stats_rows(stats: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def row_table_rows(stats: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One line per (shard, row table): its rows, bytes (rows, optimizer state and index), steps, row
+    staleness percentiles and counts."""
+    rows = []
+    for s in stats:
+        for t in s.get("row_tables", ()):
+            p50, p99 = percentile(t["staleness_counts"], 0.5), percentile(t["staleness_counts"], 0.99)
+            mib = (t["weight_bytes"] + t["state_bytes"] + t["index_bytes"]) / 2**20
+            rows.append([str(s["shard_index"]), t["name"], str(t["dim"]), t["optimizer"], str(t["rows"]),
+                         f"{mib:.2f}", str(t["steps"]), "-" if p50 is None else str(p50),
+                         "-" if p99 is None else str(p99), str(t["admitted"]), str(t["dropped"]),
+                         str(t["expired"]), str(t["skipped"])])
+    return rows
+
+
 def render_table(rows: list[list[str]], columns: Sequence[str] = COLUMNS) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
@@ -78,7 +98,10 @@ def run_stats(addresses: list[str], *, watch: float | None = None, timeout: floa
         n = 0
         try:
             while True:
-                table = render_table(stats_rows(stats(client.transport)))
+                got = stats(client.transport)
+                table = render_table(stats_rows(got))
+                if row_table_rows(got):
+                    table += "\n\n" + render_table(row_table_rows(got), ROW_COLUMNS)
                 if watch:
                     out.write("\x1b[2J\x1b[H" if out.isatty() else "")
                     out.write(f"shardps stats  {time.strftime('%H:%M:%S')}  every {watch:g}s (Ctrl-C to stop)\n")

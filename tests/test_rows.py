@@ -92,8 +92,9 @@ def test_bad_row_requests_name_the_table_and_change_nothing(make_cluster):
             "ragged keys": (lambda: push(keys=keys[:-1]), grpc.StatusCode.INVALID_ARGUMENT, ["'emb'", "23 bytes"]),
             "short grads": (lambda: push(grads=grads[:-4]), grpc.StatusCode.INVALID_ARGUMENT,
                             ["'emb'", "48 bytes", "got 44"]),
-            "nan": (lambda: push(grads=np.full(12, np.nan, dtype="<f4").tobytes()), grpc.StatusCode.INVALID_ARGUMENT,
-                    ["'emb'", "nan"]),
+            "repeated pull keys": (lambda: stub.PullRows(ps_pb2.PullRowsRequest(
+                table="emb", key_dtype="uint64", keys=keys + keys[:8], dim=4), timeout=10),
+                grpc.StatusCode.INVALID_ARGUMENT, ["'emb'", "expected distinct keys", "got 1 repeated"]),
             "pull wrong dim": (lambda: stub.PullRows(ps_pb2.PullRowsRequest(table="emb", key_dtype="uint64", keys=keys,
                                                                             dim=5), timeout=10),
                                grpc.StatusCode.INVALID_ARGUMENT, ["'emb'", "expected dim 4", "got 5"]),

@@ -13,6 +13,7 @@ from shardps.protos import optim as specs
 from shardps.server.optim.adafactor import AdafactorImpl
 from shardps.server.optim.adam import AdamImpl
 from shardps.server.optim.base import PartInfo, Reduce, ServerOptimizer, local_reduce, state_bytes
+from shardps.server.optim.row_sm3 import RowSM3Impl
 from shardps.server.optim.rowbase import RowOptimizer, RowSGD, RowState
 from shardps.server.optim.rowwise_adagrad import RowwiseAdagradImpl
 from shardps.server.optim.sgd import SGDImpl
@@ -40,6 +41,7 @@ _ROW_IMPLS: dict[type[specs.OptimizerSpec], type[RowOptimizer]] = {
     specs.SparseAdam: SparseAdamImpl,
     specs.RowwiseAdagrad: RowwiseAdagradImpl,
     specs.SGD: RowSGD,
+    specs.SM3: RowSM3Impl,
 }
 
 

@@ -7,7 +7,7 @@ import math
 import random
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -22,6 +22,7 @@ SERVICES: dict[str, tuple[str, ...]] = {
     "Workers": ("Register", "Push", "Pull", "Heartbeat", "Leave", "Describe", "Recover", "TakeOver"),
     "Operator": ("Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"),
     "Peers": ("Exchange", "Replicate"),  # and Describe, which the workers' service has too
+    "Rows": ("RegisterRows", "PullRows", "PushRows"),  # row tables (docs/sparse.md)
 }
 SERVICE_OF = {m: svc for svc, methods in SERVICES.items() for m in methods}
 
@@ -187,6 +188,16 @@ class TensorInfo:
 
 
 @dataclass(frozen=True, eq=False)
+class RowTableInfo:
+    spec: ps_pb2.RowTableSpec  # as Stats reports it: registering it again is a no-op
+    rows: int  # held on this shard
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True, eq=False)
 class ShardInfo:
     index: int
     version: int
@@ -197,6 +208,7 @@ class ShardInfo:
     tensors: dict[str, TensorInfo]
     loss_scale: float
     epoch: int = 0
+    row_tables: dict[str, RowTableInfo] = field(default_factory=dict)
 
     @property
     def slowest_clock(self) -> int:
@@ -225,23 +237,30 @@ def describe(channels: Sequence[grpc.Channel], timeout: float = 10.0) -> Target:
             tensors[spec.name] = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.grad_dtype or spec.dtype,
                                             tuple((p.start, p.stop) for p in spec.parts), spec)
         clocks = {w: int(s.worker_clocks.get(w, -1)) for w in range(s.num_workers)}
+        row_tables = {}
+        for r in s.row_tables:
+            rspec = ps_pb2.RowTableSpec()
+            rspec.CopyFrom(r.spec)
+            row_tables[rspec.name] = RowTableInfo(rspec, int(r.rows))
         shards.append(ShardInfo(i, s.version, s.sync, s.num_workers, tuple(sorted(s.registered_workers)), clocks,
-                                tensors, s.loss_scale, getattr(s, "epoch", 0)))
+                                tensors, s.loss_scale, getattr(s, "epoch", 0), row_tables))
     return Target(tuple(shards))
 
 
 # -- cases -------------------------------------------------------------------
 
-UNARY = {"Exchange", "SetSync", "Stats", "Heartbeat", "Leave", "Rollback", "Checkpoint", "Promote", "AttachReplica"}
-CLIENT_STREAM = {"Push", "Register", "Replicate"}
-SERVER_STREAM = {"Pull", "PullState"}
+UNARY = {"Exchange", "SetSync", "Stats", "Heartbeat", "Leave", "Rollback", "Checkpoint", "Promote", "AttachReplica",
+         "RegisterRows"}
+CLIENT_STREAM = {"Push", "Register", "Replicate", "PushRows"}
+SERVER_STREAM = {"Pull", "PullState", "PullRows"}
 REQUEST_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushRequest, "Register": ps_pb2.RegisterRequest, "Pull": ps_pb2.PullRequest,
     "PullState": ps_pb2.PullStateRequest, "Exchange": ps_pb2.ExchangeRequest, "SetSync": ps_pb2.SetSyncRequest,
     "Stats": ps_pb2.StatsRequest, "Heartbeat": ps_pb2.HeartbeatRequest, "Leave": ps_pb2.LeaveRequest,
     "Rollback": ps_pb2.RollbackRequest,
     "Checkpoint": ps_pb2.CheckpointRequest, "Replicate": ps_pb2.ReplicateRequest, "Promote": ps_pb2.PromoteRequest,
-    "AttachReplica": ps_pb2.AttachReplicaRequest,
+    "AttachReplica": ps_pb2.AttachReplicaRequest, "RegisterRows": ps_pb2.RegisterRowsRequest,
+    "PullRows": ps_pb2.PullRowsRequest, "PushRows": ps_pb2.PushRowsRequest,
 }
 RESPONSE_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushResponse, "Register": ps_pb2.RegisterResponse, "Pull": ps_pb2.PullResponse,
@@ -250,6 +269,8 @@ RESPONSE_TYPES: dict[str, Any] = {
     "Rollback": ps_pb2.RollbackResponse,
     "Checkpoint": ps_pb2.CheckpointResponse, "Replicate": ps_pb2.ReplicateResponse,
     "Promote": ps_pb2.PromoteResponse, "AttachReplica": ps_pb2.AttachReplicaResponse,
+    "RegisterRows": ps_pb2.RegisterRowsResponse, "PullRows": ps_pb2.PullRowsResponse,
+    "PushRows": ps_pb2.PushRowsResponse,
 }
 
 

@@ -28,6 +28,7 @@ from tests.fuzzgen.cases import (
 from tests.fuzzgen.draws import _text, unknown_name
 from tests.fuzzgen.gen_push import gen_push
 from tests.fuzzgen.gen_register import bad_sync_string, gen_register
+from tests.fuzzgen.gen_rows import gen_pull_rows, gen_push_rows, gen_register_rows
 
 # -- the other RPCs -----------------------------------------------------------------
 
@@ -281,6 +282,8 @@ KINDS: tuple[tuple[str, Callable[[Source, Target, bool], Case]], ...] = (
     ("checkpoint", gen_checkpoint), ("raw", gen_raw), ("raw", gen_raw), ("raw", gen_raw),
     ("replicate", gen_replicate), ("promote", gen_promote), ("attach_replica", gen_attach_replica),
     ("replicate_backup", gen_replicate_backup),
+    ("push_rows", gen_push_rows), ("push_rows", gen_push_rows), ("pull_rows", gen_pull_rows),
+    ("register_rows", gen_register_rows),
 )
 
 

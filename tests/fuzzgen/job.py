@@ -12,6 +12,12 @@ from tests.fuzzgen.cases import VOLATILE_STATS
 
 # -- the job the fuzzer runs against ---------------------------------------------------
 
+#: The job's row table (docs/sparse.md): dim 4, SparseAdam (state to hash), its rows of ROW_KEYS pushed (so held
+#: on their shards); 0, -1 (2**64-1 on the wire) and the int64 extremes among them.
+ROW_TABLE = "emb"
+ROW_DIM = 4
+ROW_KEYS = torch.tensor([0, -1, 1, 2, 3, 5, 8, 2**63 - 1, -(2**63), 77, 1000, 31337], dtype=torch.int64)
+
 
 def job_tensors() -> dict[str, torch.Tensor]:
     """Small tensors of every wire dtype; with part_bytes=32 "w" is split across two shards."""
@@ -48,9 +54,12 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
         clients[0].register(tensors, optimizer, sync=sync)
         for c in clients[1:]:
             c.register(tensors, optimizer, sync=sync)
+        for c in clients:
+            c.rows.register(ROW_TABLE, ROW_DIM, optimizer=shardps.optim.SparseAdam(lr=0.1), seed=1)
         for step in range(steps):
             for k, c in enumerate(clients):
                 c.push({n: torch.full_like(t, 0.25 * (k + 1)) for n, t in tensors.items()}, step=step)
+                c.rows.push(ROW_TABLE, ROW_KEYS, torch.full((len(ROW_KEYS), ROW_DIM), 0.25 * (k + 1)), step)
         return clients[0].pull()
     finally:
         for c in clients:
@@ -78,5 +87,19 @@ def local_state(stores: Sequence[Any]) -> list[tuple[str, str]]:
         for k in VOLATILE_STATS:
             st.pop(k, None)
         st["tensors"] = [(t["spec"], t["weight_bytes"], t["optimizer_state_bytes"]) for t in st["tensors"]]
-        out.append((s.state_hash(), repr(sorted(st.items()))))
+        out.append((s.state_hash(), repr(sorted(st.items())), rows_hash(s)))
     return out
+
+
+def rows_hash(store: Any) -> str:
+    """A digest of a shard's row tables: their snapshot (rows, state, keys, versions, counts), as a checkpoint
+    holds them."""
+    import hashlib
+    import json
+
+    meta, tensors = store.rows.snapshot()
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].numpy().tobytes())
+    return h.hexdigest()

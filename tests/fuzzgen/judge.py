@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tests.fuzzgen.bugs import KNOWN_BUGS
 from tests.fuzzgen.cases import REFUSALS, Case
+from tests.fuzzgen.gen_rows import rows_detail_ok
 from tests.fuzzgen.send import Outcome
 
 # -- judging -----------------------------------------------------------------------
@@ -45,6 +46,9 @@ def _judge_status(case: Case, out: Outcome) -> Verdict:
             return Verdict("violation", out.bad_response)
         return Verdict("ok")
     if out.code in REFUSALS:
+        vague = rows_detail_ok(case, out.details)
+        if vague:
+            return Verdict("violation", vague)
         if out.code == "DEADLINE_EXCEEDED" and not case.may_block:
             return Verdict("violation", f"DEADLINE_EXCEEDED after {out.seconds:.2f}s for a request that has "
                                         f"nothing to wait for (a hang?): {out.details[:300]}")

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardps.protos.framing import PUSH_ONE_HEADER
+from shardps.protos.rows import shard_of
 from shardps.protos.shardps.v1 import ps_pb2
 from tests.fuzzgen.cases import (
     CLIENT_STREAM,
@@ -27,8 +28,15 @@ from tests.fuzzgen.cases import (
     describe,
     method_path,
 )
+from tests.fuzzgen.job import ROW_DIM, ROW_KEYS, ROW_TABLE
 
 # -- sending ----------------------------------------------------------------------
+
+
+def held_rows(shard: int, num_shards: int) -> dict[str, Any]:
+    """The keys of the job's row table that ``shard`` holds (job.ROW_KEYS on their shard): {table: uint64 keys}."""
+    keys = ROW_KEYS.numpy().view("<u8")
+    return {ROW_TABLE: keys[shard_of(keys, num_shards) == shard]}
 
 
 @dataclass
@@ -120,13 +128,18 @@ class Fuzzer:
         return out
 
     def fingerprint(self, timeout: float = 10.0) -> str:
-        """A digest of every shard's state as its RPCs show it: Stats (less the pull counters) and PullState.
+        """A digest of every shard's state as its RPCs show it: Stats (less the pull counters), PullState and
+        the rows of each row table the shard holds (``held_rows``).
 
         Equal iff versions, workers, clocks, counters of pushes and steps,
-        specs, weights and optimizer state are.
+        specs, weights and optimizer state, row tables' counts and rows are.
         """
         h = hashlib.sha256()
-        for stub in self.stubs:
+        for i, stub in enumerate(self.stubs):
+            for table, keys in held_rows(i, len(self.stubs)).items():
+                req = ps_pb2.PullRowsRequest(table=table, key_dtype="uint64", keys=keys.tobytes(), dim=ROW_DIM)
+                for r in stub.PullRows(req, timeout=timeout):
+                    h.update(r.SerializeToString(deterministic=True))
             s = stub.Stats(ps_pb2.StatsRequest(), timeout=timeout)
             for name in VOLATILE_STATS:
                 if name in s.DESCRIPTOR.fields_by_name:

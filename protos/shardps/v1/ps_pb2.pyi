@@ -356,7 +356,7 @@ class TensorStats(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops", "left_workers", "leaves_total", "push_received_bytes_total")
+    __slots__ = ("shard_index", "num_shards", "version", "sync", "num_workers", "registered_workers", "tensors", "pushes_total", "applied_updates_total", "gradients_applied_total", "push_bytes_total", "pull_bytes_total", "staleness_counts", "worker_clocks", "skipped_steps_total", "loss_scale", "duplicate_pushes_total", "sync_switches_total", "checkpoint_versions", "evicted_workers", "evictions_total", "epoch", "recovering", "waiting_pulls", "role", "backup", "replica_state", "replicated_ops_total", "replication_lag_ops", "left_workers", "leaves_total", "push_received_bytes_total", "row_tables")
     class StalenessCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +403,7 @@ class StatsResponse(_message.Message):
     LEFT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PUSH_RECEIVED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROW_TABLES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -435,7 +436,8 @@ class StatsResponse(_message.Message):
     left_workers: _containers.RepeatedScalarFieldContainer[int]
     leaves_total: int
     push_received_bytes_total: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ..., left_workers: _Optional[_Iterable[int]] = ..., leaves_total: _Optional[int] = ..., push_received_bytes_total: _Optional[int] = ...) -> None: ...
+    row_tables: _containers.RepeatedCompositeFieldContainer[RowTableStats]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., sync: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_workers: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorStats, _Mapping]]] = ..., pushes_total: _Optional[int] = ..., applied_updates_total: _Optional[int] = ..., gradients_applied_total: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ..., worker_clocks: _Optional[_Mapping[int, int]] = ..., skipped_steps_total: _Optional[int] = ..., loss_scale: _Optional[float] = ..., duplicate_pushes_total: _Optional[int] = ..., sync_switches_total: _Optional[int] = ..., checkpoint_versions: _Optional[_Iterable[int]] = ..., evicted_workers: _Optional[_Iterable[int]] = ..., evictions_total: _Optional[int] = ..., epoch: _Optional[int] = ..., recovering: _Optional[bool] = ..., waiting_pulls: _Optional[int] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replica_state: _Optional[str] = ..., replicated_ops_total: _Optional[int] = ..., replication_lag_ops: _Optional[int] = ..., left_workers: _Optional[_Iterable[int]] = ..., leaves_total: _Optional[int] = ..., push_received_bytes_total: _Optional[int] = ..., row_tables: _Optional[_Iterable[_Union[RowTableStats, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
@@ -570,7 +572,7 @@ class PullRowsResponse(_message.Message):
     def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ..., versions: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions")
+    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions", "found_inf")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -581,6 +583,7 @@ class PushRowsRequest(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_INF_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
@@ -591,12 +594,52 @@ class PushRowsRequest(_message.Message):
     num_workers: int
     assign: bool
     base_versions: bytes
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ...) -> None: ...
+    found_inf: bool
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ..., found_inf: _Optional[bool] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
-    __slots__ = ("rows", "steps")
+    __slots__ = ("rows", "steps", "skipped")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     rows: int
     steps: int
-    def __init__(self, rows: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    skipped: bool
+    def __init__(self, rows: _Optional[int] = ..., steps: _Optional[int] = ..., skipped: _Optional[bool] = ...) -> None: ...
+
+class RowTableStats(_message.Message):
+    __slots__ = ("spec", "rows", "weight_bytes", "state_bytes", "steps", "admitted", "dropped", "expired", "duplicates", "pending_admission", "skipped", "index_bytes", "staleness_counts")
+    class StalenessCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    spec: RowTableSpec
+    rows: int
+    weight_bytes: int
+    state_bytes: int
+    steps: int
+    admitted: int
+    dropped: int
+    expired: int
+    duplicates: int
+    pending_admission: int
+    skipped: int
+    index_bytes: int
+    staleness_counts: _containers.ScalarMap[int, int]
+    def __init__(self, spec: _Optional[_Union[RowTableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., admitted: _Optional[int] = ..., dropped: _Optional[int] = ..., expired: _Optional[int] = ..., duplicates: _Optional[int] = ..., pending_admission: _Optional[int] = ..., skipped: _Optional[int] = ..., index_bytes: _Optional[int] = ..., staleness_counts: _Optional[_Mapping[int, int]] = ...) -> None: ...

@@ -1,0 +1,192 @@
+"""Row tables on the server side: SM3 on rows, bsp that follows leases, inf/nan steps, Stats, failover.
+
+Real servers in this process on loopback ports (LocalCluster); faults are
+injected at exact points (an eviction once the others are held at the
+barrier, a primary stopped between two steps).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import shardps
+from shardps.admin import run_stats
+from shardps.protos.optim import SGD, SM3, SparseAdam
+from shardps.protos.rows import RowTableSpec, shard_of
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.server.rows import RowTables
+from tests.helpers import run_workers
+
+
+def test_sm3_rows_equal_the_reference_and_refuse_momentum(make_cluster):
+    """SM3 on a row table against a NumPy transcription of google-research sm3's sparse path (the row
+    cover set alone): nu = mu_i + g^2, w -= lr g / sqrt(nu + eps), mu_i = max_j nu. Untouched rows keep a
+    zero accumulator; momentum, which that path does not apply, is refused rather than dropped."""
+    cluster = make_cluster(2)
+    rng = np.random.default_rng(1)
+    lr, eps, n, dim = 0.3, 1e-6, 12, 5
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("t", dim, optimizer=SM3(lr=lr, eps=eps), seed=4)
+        w = client.rows.pull("t", torch.arange(n)).numpy().astype(np.float64)
+        mu = np.zeros(n)
+        for step in range(15):
+            ids = rng.integers(0, n - 3, 9)  # the last 3 rows are never touched
+            g = rng.standard_normal((9, dim)).astype(np.float32)
+            client.rows.push("t", torch.from_numpy(ids), torch.from_numpy(g), step)
+            summed = np.zeros((n, dim))
+            np.add.at(summed, ids, g.astype(np.float64))
+            for r in np.unique(ids):
+                nu = mu[r] + summed[r] ** 2
+                w[r] -= lr * summed[r] / np.sqrt(nu + eps)
+                mu[r] = nu.max()
+        got = client.rows.pull("t", torch.arange(n)).numpy()
+        with pytest.raises(ValueError, match="momentum"):
+            client.rows.register("m", dim, optimizer=SM3(lr=0.1, momentum=0.9))
+    assert np.allclose(got, w, atol=1e-5, rtol=0)
+    for store in cluster.stores:
+        t = store.rows.tables["t"]
+        for key, slot in t.slots.items():
+            assert t.state["accumulator"][slot].item() == pytest.approx(mu[key], rel=1e-5)
+
+
+def test_bsp_row_steps_go_on_without_an_evicted_worker(make_cluster):
+    """Three workers push a bsp table; two are held at step 0 when the third is evicted: the step completes
+    with the mean of the two held (no wait until the deadline), the evicted worker's next push is refused
+    naming it, and the next step needs only the live two."""
+    cluster = make_cluster(2, max_wait_s=120.0)
+    keys = torch.tensor([3, 4, 5, 6])
+    clients = [shardps.connect(cluster.addresses, worker_id=k, num_workers=3, timeout=120) for k in range(3)]
+    try:
+        clients[0].rows.register("t", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        for c in clients[1:]:
+            c.rows.register("t", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        pushed: dict[int, int] = {}
+
+        def push(k: int, step: int) -> None:
+            pushed[k] = clients[k].rows.push("t", keys, torch.full((4, 2), float(k + 1)), step, num_workers=3)
+
+        threads = [threading.Thread(target=push, args=(k, 0)) for k in (0, 1)]
+        for th in threads:
+            th.start()
+        for store in cluster.stores:  # both pushes held at the barrier of step 0, on every shard
+            with store.rows.lock:
+                assert store.rows.lock.wait_for(lambda s=store: len(s.rows.tables["t"].held.get(0, {})) == 2, 60)
+        for store in cluster.stores:
+            store.evict([2])
+        for th in threads:
+            th.join(60)
+            assert not th.is_alive()
+        assert pushed == {0: 4, 1: 4}
+        assert torch.equal(clients[0].rows.pull("t", keys), torch.full((4, 2), -1.5))  # 0 - (1 + 2) / 2
+        with pytest.raises(shardps.ShardError, match="worker 2 is gone from the job"):
+            clients[2].rows.push("t", keys, torch.ones(4, 2), 1, num_workers=3)
+        run_workers(lambda k: push(k, 1), 2)
+        assert torch.equal(clients[0].rows.pull("t", keys), torch.full((4, 2), -3.0))
+        assert sum(s.rows.stats()["t"]["steps"] for s in cluster.stores) == 4
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_step_with_inf_or_nan_is_skipped_on_every_shard_as_a_dense_one(make_cluster):
+    """An inf/nan in a row push skips the step (no row, moment or step count changes; counted), as a dense
+    step with found_inf: on the shard that finds it, and on the others when the worker says found_inf."""
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("t", 3, optimizer=SparseAdam(lr=0.1))
+        keys = torch.tensor([1, 2])
+        client.rows.push("t", keys, torch.ones(2, 3), 0)
+        before = client.rows.pull("t", keys)
+        state = {k: v.clone() for k, v in store.rows.tables["t"].state.items()}
+        bad = torch.ones(2, 3)
+        bad[1, 2] = float("nan")
+        client.rows.push("t", keys, bad, 1)
+        stub = ps_pb2_grpc.RowsStub(grpc.insecure_channel(cluster.addresses[0]))
+        answer = stub.PushRows(iter([ps_pb2.PushRowsRequest(  # finite here; the worker found an inf elsewhere
+            table="t", key_dtype="uint64", keys=np.array([1], dtype="<u8").tobytes(),
+            grads=np.ones(3, dtype="<f4").tobytes(), dim=3, step=2, found_inf=True)]), timeout=30)
+        assert answer.skipped and answer.rows == 0 and answer.steps == 1
+        retried = stub.PushRows(iter([ps_pb2.PushRowsRequest(table="t", key_dtype="uint64", dim=3, step=2)]),
+                                timeout=30)
+        assert retried.skipped  # a retry of a skipped step is answered as it was
+        t = store.rows.tables["t"]
+        assert torch.equal(client.rows.pull("t", keys), before) and t.steps == 1
+        assert all(torch.equal(t.state[k], v) for k, v in state.items())
+        assert store.rows.stats()["t"]["skipped"] == 2 and store.rows.stats()["t"]["duplicates"] == 1
+        client.rows.push("t", keys, torch.ones(2, 3), 3)
+        assert t.steps == 2
+
+
+def test_stats_and_shardps_stats_show_row_tables(make_cluster):
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("emb", 4, optimizer=SparseAdam(), admit=2)
+        client.rows.push("emb", torch.arange(10), torch.ones(10, 4), 0)
+        client.rows.push("emb", torch.arange(6), torch.ones(6, 4), 1)
+        got = client.stats()
+        out = io.StringIO()
+        run_stats(cluster.addresses, out=out)
+    for s, store in zip(got, cluster.stores, strict=True):
+        [t] = s["row_tables"]
+        want = store.rows.stats()["emb"]
+        assert {k: t[k] for k in want} == want and t["dim"] == 4 and t["optimizer"] == "sparse_adam"
+    assert sum(s["row_tables"][0]["rows"] for s in got) == 6
+    assert sum(s["row_tables"][0]["admitted"] for s in got) == 6
+    assert sum(s["row_tables"][0]["pending_admission"] for s in got) == 4
+    text = out.getvalue()
+    assert "row table" in text and text.count(" emb ") == 2
+
+
+def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_path):
+    """--replicas 2: shard 0's primary stops between two steps; the worker fails over to its backup and the
+    table goes on: its rows equal a single table's fed the same pushes, bit for bit. Then the 2 shards'
+    checkpoints are read into 3 shards: every row, its moments and the step count are where the new count
+    puts them, and a further step gives the same rows as on the 2 shards."""
+    cluster = make_cluster(2, replicas=2)
+    spec = RowTableSpec("emb", 8, SparseAdam(lr=0.05), seed=2)
+    ref = RowTables()
+    ref.register(spec)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(-40, 40, (6, 30), generator=gen)
+    grads = torch.randn(6, 30, 8, generator=gen)
+    with shardps.connect(cluster.addresses, timeout=60) as client:
+        client.register({"b": torch.zeros(2)}, SGD(lr=0.1))  # the dense part: it learns the backups
+        client.rows.register("emb", 8, optimizer=SparseAdam(lr=0.05), seed=2)
+        for step in range(6):
+            if step == 3:
+                cluster._servers[1].stop(None)  # shard 0's primary goes away
+            client.rows.push("emb", keys[step], grads[step], step)
+            ref.push("emb", 8, keys[step].numpy().view(np.uint64), grads[step], step=step)
+        every = torch.arange(-45, 45)  # 10 never pushed: their init, on the backup too
+        got = client.rows.pull("emb", every)
+        assert client.transport.failovers_total == 1
+        want, _ = ref.pull("emb", 8, np.unique(every.numpy().view(np.uint64)))
+        order = np.argsort(np.argsort(every.numpy().view(np.uint64)))
+        assert torch.equal(got, want[torch.from_numpy(order)])
+        promoted = next(b for b in cluster.backups if b.shard_index == 0)
+        for store in (promoted, cluster.stores[1]):
+            store.enable_checkpoints(str(tmp_path), every_steps=0)
+            store.checkpoint_now()
+    resharded = [RowTables() for _ in range(3)]
+    for i, tables in enumerate(resharded):
+        tables.restore_resharded(str(tmp_path), i, 3)
+    keys_u64 = np.unique(every.numpy().view(np.uint64))  # every row the 2 shards held: all were pulled
+    for i, tables in enumerate(resharded):
+        t = tables.tables["emb"]
+        mine = keys_u64[shard_of(keys_u64, 3) == i]
+        assert sorted(t.slots) == sorted(mine.tolist()) and t.steps == 6
+        rows, _ = tables.pull("emb", 8, mine)
+        assert torch.equal(rows, ref.pull("emb", 8, mine)[0])
+        step_keys = keys_u64[shard_of(keys_u64, 3) == i]
+        tables.push("emb", 8, step_keys, torch.ones(len(step_keys), 8), step=6)
+    ref.push("emb", 8, keys_u64, torch.ones(len(keys_u64), 8), step=6)
+    for i, tables in enumerate(resharded):
+        mine = keys_u64[shard_of(keys_u64, 3) == i]
+        assert torch.equal(tables.pull("emb", 8, mine)[0], ref.pull("emb", 8, mine)[0])
