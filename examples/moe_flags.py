@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-
 # The model's size and length, flags the demo's gpt example has too (``shardps demo``: their defaults there
 # are per example, applied when the example is chosen).
 MODEL_DEFAULTS = {"steps": 200, "dim": 64, "layers": 2, "context": 64}

@@ -64,6 +64,12 @@ def test_demo_gpt_streams_a_model_larger_than_its_budget():
 
 
 @pytest.mark.parametrize("flags, message", [
+    (["--example", "digits", "--steps", "5"], "--steps does not apply to --example digits (it is the char-GPTs')"),
+    (["--example", "digits", "--stream"], "--stream does not apply to --example digits (it is gpt's)"),
+    (["--example", "moe", "--stream"], "--stream does not apply to --example moe (it is gpt's)"),
+    (["--example", "moe", "--overlap"], "--overlap does not apply to --example moe (it is the digits example's)"),
+    (["--example", "moe", "--sync", "asp"], "--example moe trains with --sync bsp, got asp"),
+    (["--experts", "4"], "--experts does not apply to --example gpt (it is moe's)"),
     (["--workers", "2"], "--example gpt trains with one worker (this process), got --workers 2"),
     (["--overlap"], "--overlap does not apply to --example gpt (it is the digits example's)"),
     (["--epochs", "3"], "--epochs does not apply to --example gpt"),
@@ -71,10 +77,10 @@ def test_demo_gpt_streams_a_model_larger_than_its_budget():
     (["--stream", "--max-live-mb", "0"], "--max-live-mb must be > 0, got 0"),
     (["--dim", "100"], "--dim must be a multiple of the model's 8 heads, got 100"),
 ])
-def test_demo_gpt_refuses_what_does_not_apply_before_starting_anything(flags, message, capsys):
+def test_demo_examples_refuse_what_does_not_apply_before_starting_anything(flags, message, capsys):
     from shardps.cli import main
 
-    assert main(["demo", "--example", "gpt", *flags]) == 2
+    assert main(["demo", "--example", "gpt", *flags]) == 2  # a later --example wins
     assert message in capsys.readouterr().err
 
 
