@@ -175,7 +175,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         g = torch.stack(grads) if grads else torch.zeros(0, request.dim)
-        updated, _ = self.rows.push(request.table, request.dim, experts.copy(), g, worker=request.worker_id,
-                                    step=request.step, num_workers=request.num_workers, timeout=timeout)
+        updated = self.rows.push(request.table, request.dim, experts.copy(), g, worker=request.worker_id,
+                                 step=request.step, num_workers=request.num_workers, timeout=timeout).rows
         self.replicated()
         return experts_pb2.ExpertAnswer(out=torch.cat(dxs).numpy().tobytes() if dxs else b"", rows=updated)
