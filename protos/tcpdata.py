@@ -185,6 +185,11 @@ class Receiver:
             assert not arrived
             raise DataError(f"{where}, received none within {timeout:.1f}s")
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the connection ended (``on_end`` ran); whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def close(self) -> None:
         """End the connection and join the thread (unless called from it). Idempotent."""
         self.closed = True

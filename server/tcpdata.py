@@ -67,7 +67,10 @@ class Conn:
         self.pull_size = max(1, pull_size)
         self.pull_mm = mmap.mmap(-1, self.pull_size)
         self.send_lock = threading.Lock()
-        self.receiver = tcpdata.Receiver(sock, memoryview(self.push_mm)[:push_size], f"w{worker_id}")
+        # Once the reading ends (a torn or bad frame, the worker went) the socket closes: the worker's path
+        # goes off. The connection stays until replaced, so that a Push naming it learns why.
+        self.receiver = tcpdata.Receiver(sock, memoryview(self.push_mm)[:push_size], f"w{worker_id}",
+                                         on_end=lambda why: self.receiver.close())
 
     def close(self) -> None:
         self.receiver.close()
