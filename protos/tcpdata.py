@@ -102,12 +102,14 @@ class Receiver:
     """Reads frames from ``sock`` into ``buf`` in a thread of its own (module docstring).
 
     ``on_end(reason)`` runs in that thread when the connection ends for
-    another reason than ``close`` (the peer went, a protocol error).
+    another reason than ``close`` (the peer went, a protocol error);
+    ``counted(nbytes)`` after each whole frame.
     """
 
     def __init__(self, sock: socket.socket, buf: memoryview, what: str,
-                 on_end: Callable[[str], None] | None = None) -> None:
+                 on_end: Callable[[str], None] | None = None, counted: Callable[[int], None] | None = None) -> None:
         self._sock, self._buf, self._what, self._on_end = sock, buf, what, on_end
+        self._counted = counted  # handed each whole frame's size, header included
         self._cond = threading.Condition()
         self.seq = -1  # the latest seq a frame came with
         self._frames: dict[int, int] = {}  # offset -> nbytes of the latest seq's frames that arrived whole
@@ -146,6 +148,8 @@ class Receiver:
                 with self._cond:
                     self._frames[offset] = nbytes
                     self._cond.notify_all()
+                if self._counted is not None:
+                    self._counted(FRAME.size + nbytes)
         except Torn as t:
             why = "" if self.closed else f"{t.why} between frames"
         except Exception as e:  # noqa: BLE001 - whatever ends the reading ends the connection, said below

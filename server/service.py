@@ -407,7 +407,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     if env.pick_bool(tcp, env.TCP, True) and not security.tls and not security.any_token:
-        segments.remote = TcpData(address.rsplit(":", 1)[0])
+        segments.remote = TcpData(address.rsplit(":", 1)[0], store.job.received.add)  # frames count as received
     server.start()
     store.address = f"{address.rsplit(':', 1)[0]}:{port}"
     store.start_reaper()

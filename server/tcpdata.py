@@ -26,6 +26,7 @@ import mmap
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 
 from shardps.protos import shm, tcpdata
 from shardps.server.errors import InvalidArgument
@@ -61,7 +62,8 @@ class PullSegment(shm.Segment):
 class Conn:
     """One worker's data connection: its buffers and the thread that fills the push buffer."""
 
-    def __init__(self, worker_id: int, sock: socket.socket, push_size: int, pull_size: int, timeout: float) -> None:
+    def __init__(self, worker_id: int, sock: socket.socket, push_size: int, pull_size: int, timeout: float,
+                 counted: Callable[[int], None] | None = None) -> None:
         self.worker_id, self.sock, self.timeout = worker_id, sock, timeout
         self.push_mm = mmap.mmap(-1, max(1, push_size))
         self.pull_size = max(1, pull_size)
@@ -70,7 +72,7 @@ class Conn:
         # Once the reading ends (a torn or bad frame, the worker went) the socket closes: the worker's path
         # goes off. The connection stays until replaced, so that a Push naming it learns why.
         self.receiver = tcpdata.Receiver(sock, memoryview(self.push_mm)[:push_size], f"w{worker_id}",
-                                         on_end=lambda why: self.receiver.close())
+                                         on_end=lambda why: self.receiver.close(), counted=counted)
 
     def close(self) -> None:
         self.receiver.close()
@@ -84,7 +86,10 @@ class Conn:
 class TcpData:
     """The data port of one shard (module docstring)."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, received: Callable[[int], None] | None = None) -> None:
+        """``received(nbytes)``: each frame's bytes as they came (a Push's, as ``Job.received`` counts its
+        messages)."""
+        self._received = received
         self._lock = threading.Lock()
         self._tokens: dict[int, bytes] = {}  # worker -> the token its latest Register was given
         self._conns: dict[int, Conn] = {}
@@ -142,7 +147,7 @@ class TcpData:
                 sock.close()
                 return
             sock.settimeout(timeout)
-            conn = Conn(worker, sock, push_size, pull_size, timeout)
+            conn = Conn(worker, sock, push_size, pull_size, timeout, self._received)
         except (OSError, tcpdata.Torn) as e:
             log.warning("a data connection failed before its hello (%s): closed", e)
             sock.close()
