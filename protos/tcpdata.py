@@ -39,7 +39,6 @@ HELLO = struct.Struct("!4s16sQQd")  # b"SPH1", token, push buffer bytes, pull bu
 ACK = struct.Struct("!4sI")  # b"SPA1", 0
 FRAME = struct.Struct("!4sQQQ")  # b"SPD1", seq, offset, nbytes
 HELLO_MAGIC, ACK_MAGIC, FRAME_MAGIC = b"SPH1", b"SPA1", b"SPD1"
-SOCKET_BUFFER = 4 << 20  # 4 MiB each way: a whole chunk of a step in flight
 
 
 class DataError(ValueError):
@@ -58,10 +57,10 @@ def parse_name(name: str) -> int:
 
 
 def tune(sock: socket.socket, timeout: float) -> None:
-    """Large buffers, no Nagle delay, and a deadline on every blocking call."""
+    """No Nagle delay, and a deadline on every blocking call. The buffers are left to the kernel's
+    autotuning: fixed 4 MiB ones let every connection put megabytes into a shaped link's queue at once
+    (docs/performance.md, the simulated cluster)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
     sock.settimeout(timeout)
 
 
