@@ -10,7 +10,9 @@ and compares with the best that plain gRPC Python does with the same bytes
 on the same topology, in the same run:
 
 * shardps: ``LocalCluster(2, processes=True)`` (two ``shardps server``
-  processes), ``client.register(..., SGD(lr=0.0), sync="asp")``, then timed
+  processes, ``SHARDPS_TCP=0`` unless set: gRPC carries the bytes;
+  benchmarks/tcppath.py measures the TCP bulk path against it),
+  ``client.register(..., SGD(lr=0.0), sync="asp")``, then timed
   ``client.push(grads, step=i)`` and ``client.pull(out=...)``.
 * raw: two server processes (this script with ``--serve-raw``) exposing a
   generic handler with identity (bytes) serializers: ``Push`` takes a client
@@ -240,6 +242,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import shardps
 
+    # shardps over gRPC, as these figures always were (the servers open no data port): benchmarks/tcppath.py
+    # sets the TCP bulk path against it.
+    os.environ.setdefault("SHARDPS_TCP", "0")
     if args.client_threads > 0:
         torch.set_num_threads(args.client_threads)
     nbytes_target = int(args.mb * MB)

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardps.protos import codec, framing
+from shardps.protos import codec, env, framing
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
@@ -38,6 +38,7 @@ from shardps.server.rowservice import RowsServicer
 from shardps.server.rpc import safe_deserializer, stream_errors, unary_errors
 from shardps.server.shm import SegmentCache
 from shardps.server.store import ShardStore
+from shardps.server.tcpdata import PullSegment, TcpData
 from shardps.server.wire import counted, decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
 
 log = logging.getLogger("shardps.server")
@@ -103,6 +104,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         answer = self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
                                  self._timeout(context)).to_proto()
         answer.shm = j.shm
+        if self.segments.remote is not None:  # the TCP bulk path: where to connect, and with which token
+            answer.data_port, answer.data_token = self.segments.remote.offer(j.worker_id)
         return answer
 
     @unary_errors
@@ -136,6 +139,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         waited, messages = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
                                            min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
                                            timeout=self._timeout(context), segment=q.segment)
+        if isinstance(q.segment, PullSegment):  # the TCP bulk path: the bytes go before the answers
+            q.segment.flush()
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
         return (msg for *_, msg in messages)
@@ -371,12 +376,15 @@ def connect(store: ShardStore, security: Security) -> None:
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
                   max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                   metrics: ServerMetrics | None = None, security: Security | None = None,
-                  interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
+                  interceptors: Sequence[grpc.ServerInterceptor] = (), tcp: bool | None = None
+                  ) -> tuple[grpc.Server, int]:
     """Start a server for ``store`` on ``address``; return it and the bound port.
 
     Binding port 0 picks a free port. Raises RuntimeError if the address
     cannot be bound. ``security`` adds TLS (mutual with a CA) and token
-    auth; ``interceptors`` run before auth (tests inject faults there).
+    auth; ``interceptors`` run before auth (tests inject faults there). ``tcp``
+    (``SHARDPS_TCP``, on): a data port for the TCP bulk path
+    (server/tcpdata.py), never beside TLS or tokens.
     """
     security = security or Security()
     chain = list(interceptors)
@@ -403,6 +411,8 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
+    if env.pick_bool(tcp, env.TCP, True) and not security.tls and not security.any_token:
+        segments.remote = TcpData(address.rsplit(":", 1)[0], store.job.received.add)  # frames count as received
     server.start()
     store.address = f"{address.rsplit(':', 1)[0]}:{port}"
     store.start_reaper()

@@ -161,7 +161,7 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
             raise InvalidArgument("Push names a shared-memory segment, but this server does not take them")
         if c.data:
             raise InvalidArgument(f"tensor {c.name!r}: a chunk carries data and a shared-memory range at once")
-        return framing.ChunkView(c, segments.view(req.worker_id, req.shm, c.shm_offset, c.shm_bytes))
+        return framing.ChunkView(c, segments.view(req.worker_id, req.shm, c.shm_offset, c.shm_bytes, c.name))
 
     if first.HasField("chunk"):  # a header alone: no gradients this step
         asm.add(chunk(first))

@@ -10,8 +10,8 @@ under ``TYPE_CHECKING``. The packages as installed::
 
 (shardps.examples sits beside the face and may import all of it, and so do
 the commands that run the examples, ``shardps.deploy.demo``,
-``shardps.deploy.demo_examples`` and ``shardps.deploy.ray.job``: they are the face's commands, kept beside what
-they start.) The face's
+``shardps.deploy.demo_examples`` and ``shardps.deploy.ray.job``: they are
+the face's commands, kept beside what they start.) The face's
 ``shardps.exposition`` (serving a Prometheus registry over HTTP) is imported
 by the server, the worker and deploy alike: the one arrow that points up
 today, allowed here by name until it has a home of its own below the face.
@@ -31,7 +31,8 @@ PACKAGES = {"shardps": "shardps", "shardps.server": "server", "shardps.worker": 
 LAYER = {"shardps": 3, "shardps.examples": 3, "shardps.deploy": 2, "shardps.worker": 1, "shardps.server": 1,
          "shardps.protos": 0}
 UPWARD_ALLOWED = {"shardps.exposition"}
-COMMANDS = {"shardps.deploy.demo", "shardps.deploy.demo_examples", "shardps.deploy.ray.job"}  # run the examples: the face's layer
+# Run the examples: the face's layer.
+COMMANDS = {"shardps.deploy.demo", "shardps.deploy.demo_examples", "shardps.deploy.ray.job"}
 
 
 def _modules() -> dict[str, Path]:

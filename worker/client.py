@@ -237,7 +237,7 @@ class PSClient(RowCalls):
         self.clock = min(r.worker_clock for r in responses)
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
-        self.paths.open(smap, layouts, [r.shm for r in responses])
+        self.paths.open(smap, layouts, [r.shm for r in responses], responses, self.transport)
         self._registered = True
         self._serve_metrics()
         self.start_heartbeats()

@@ -1,6 +1,6 @@
 """How one shard's tensor bytes travel: a ``ShardPath``, over gRPC or through shared memory, chosen once per shard.
 
-A push's messages and a pull's answers take one of two paths:
+A push's messages and a pull's answers take one of three paths:
 
 - ``GrpcPath``: the bytes travel in the messages (a push's copied once from
   the gradient into them by ``PushFramer``, a pull's read from each answer's
@@ -12,10 +12,14 @@ A push's messages and a pull's answers take one of two paths:
   gradient needs no cast of its own); should the segment close meanwhile (a
   fail-over in another thread), that push's share goes over gRPC, cast the
   same way (the shard's ``GrpcPath``).
+- ``TcpPath`` (worker/tcppath.py): the shard is on another machine and gave
+  a data port at Register: the messages are those of ``ShmPath``, the bytes
+  travel on a TCP connection of their own.
 
 ``ShardPaths`` holds one path per shard and is the one place the choice is
 made: ``open`` after Register (shared memory for each shard that read the
-probe and whose segments could be made), ``off`` when a shard fails over to
+probe and whose segments could be made, else TCP where the shard offers
+it), ``off`` when a shard fails over to
 its backup on another machine (``Transport.on_moved``) or the client
 closes. The data path (``push.py``, ``pushstream.py``, ``pull.py``) reads a
 shard's path as a call to it starts (a retry after a fail-over reads it
@@ -30,7 +34,7 @@ fail-over): it swaps the list entry, then closes the old path.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol, overload
+from typing import TYPE_CHECKING, Protocol, overload
 
 import torch
 
@@ -41,6 +45,9 @@ from shardps.protos.shm import SegmentClosed
 from shardps.worker.layout import Layout
 from shardps.worker.pushframes import PushFramer
 from shardps.worker.shm import ShmLink
+
+if TYPE_CHECKING:
+    from shardps.worker.transport import Transport
 
 Staged = list[tuple[ps_pb2.Chunk, torch.Tensor]]
 """A shard's parts written ahead where it reads them: per part the chunk that says where, and the values."""
@@ -277,16 +284,32 @@ class ShardPaths(Sequence[ShardPath]):
     def __iter__(self) -> Iterator[ShardPath]:
         return iter(self._paths)
 
-    def open(self, smap: ShardMap, layouts: dict[str, Layout], readable: Sequence[bool]) -> None:
+    def open(self, smap: ShardMap, layouts: dict[str, Layout], readable: Sequence[bool],
+             answers: Sequence[ps_pb2.RegisterResponse] = (), transport: Transport | None = None) -> None:
         """After Register: shared memory for every shard that read the probe (``readable``) and whose segments
-        can be made (``ShmLink.open`` logs why not), gRPC for the others."""
+        can be made (``ShmLink.open`` logs why not); else, given the shards' ``answers`` and the
+        ``transport``, the TCP bulk path (worker/tcppath.py) to each that gave a data port, unless
+        ``SHARDPS_TCP`` is 0 or the transport has TLS or a token; gRPC for the others."""
+        from shardps.worker import tcppath  # it builds on this module
+
+        tcp = transport is not None and tcppath.wanted(transport.security)
         for i in range(len(self._paths)):
             self.off(i)
-            if not readable[i]:
-                continue
-            link = ShmLink.open(self._worker_id, i, smap, layouts)
-            if link is not None:
-                self._paths[i] = ShmPath(link, self._grpc[i])
+            if readable[i]:
+                link = ShmLink.open(self._worker_id, i, smap, layouts)
+                if link is not None:
+                    self._paths[i] = ShmPath(link, self._grpc[i])
+            elif tcp and answers and answers[i].data_port:
+                assert transport is not None
+                path = tcppath.TcpPath.open(transport.addresses[i], answers[i], self._grpc[i], smap, layouts,
+                                            transport.timeout, self.lost)
+                if path is not None:
+                    self._paths[i] = path
+
+    def lost(self, path: ShardPath) -> None:
+        """``path``'s connection ended: its shard takes gRPC from now on (if ``path`` is still its path)."""
+        if self._paths[path.shard] is path:
+            self.off(path.shard)
 
     def off(self, shard: int) -> None:
         """Shard ``shard`` no longer shares this machine (it failed over to its backup): gRPC from now on, its

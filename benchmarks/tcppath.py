@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""The TCP bulk path against gRPC: CPU seconds per MB and MB/s, one process, alternating rounds.
+
+Two ``shardps server`` processes (``LocalCluster(2, processes=True)``), two
+workers of one asp job in this process: one that declines the shards' data
+ports (``SHARDPS_TCP=0`` when it registers: every byte in gRPC messages)
+and one that takes them (worker/tcppath.py), both with ``shm=False``.
+After ``--warmup`` untimed rounds, ``--repeats`` rounds of push then pull
+per worker, the two alternating (the order swapped each round) so that
+background load hits both alike. Per round: wall time, and the CPU time of
+this process plus the server processes (``/proc/<pid>/stat``), both sides
+of the transport. Reported: medians of CPU-s per MB moved (push + pull:
+2 x model bytes) and MB/s, and the ratios TCP / gRPC; the load average
+beside them (the machine is shared).
+
+    .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from guard import run_guarded
+
+MB = 1_000_000
+_CHILDREN: list[Any] = []
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of this process and ``pids`` so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(os.times()[:2])
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import shardps
+    from shardps.protos import env
+
+    gen = torch.Generator().manual_seed(0)
+    n = int(args.mb * MB / 4 / 1024)
+    shapes = {f"w{i}": (n // 8, 1024) for i in range(8)}
+    weights = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    outs = {k: torch.empty(s) for k, s in shapes.items()}
+    nbytes = sum(t.numel() * 4 for t in weights.values())
+    with shardps.LocalCluster(2, processes=True, max_wait_s=args.rpc_timeout) as cluster:
+        _CHILDREN.extend(getattr(cluster, "_procs", []))
+        pids = [p.pid for p in getattr(cluster, "_procs", [])]
+        clients = {}
+        for wid, (name, tcp) in enumerate((("grpc", "0"), ("tcp", "1"))):
+            os.environ[env.TCP] = tcp  # read when the worker registers
+            c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=2, shm=False, timeout=args.rpc_timeout)
+            c.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
+            kinds = {type(p).__name__ for p in c.paths}
+            if kinds != {"GrpcPath" if name == "grpc" else "TcpPath"}:
+                raise RuntimeError(f"{name}: the worker took {kinds}")
+            clients[name] = c
+        os.environ.pop(env.TCP, None)
+        steps = dict.fromkeys(clients, 0)
+        rows: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in clients}
+        for r in range(args.warmup + args.repeats):
+            order = list(clients) if r % 2 == 0 else list(reversed(clients))
+            for name in order:
+                c = clients[name]
+                cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+                c.push(grads, step=steps[name])
+                c.pull(out=outs)
+                cpu, wall = cpu_seconds(pids) - cpu0, time.perf_counter() - t0
+                steps[name] += 1
+                if r >= args.warmup:
+                    rows[name]["cpu"].append(cpu)
+                    rows[name]["wall"].append(wall)
+        for c in clients.values():
+            c.close()
+    moved = 2 * nbytes / MB
+    res: dict[str, Any] = {"mb": nbytes / MB, "repeats": args.repeats, "load": os.getloadavg()}
+    for name, row in rows.items():
+        res[name] = {"cpu_s_per_mb": statistics.median(row["cpu"]) / moved,
+                     "mb_per_s": moved / statistics.median(row["wall"])}
+    res["cpu_ratio_tcp_over_grpc"] = res["tcp"]["cpu_s_per_mb"] / res["grpc"]["cpu_s_per_mb"]
+    res["speed_ratio_tcp_over_grpc"] = res["tcp"]["mb_per_s"] / res["grpc"]["mb_per_s"]
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = [f"{res['mb']:.1f} MB model, push + pull, {res['repeats']} rounds each, alternating; "
+             f"load {' '.join(f'{x:.1f}' for x in res['load'])}",
+             f"{'path':6} {'CPU ms/MB (both ends)':>22} {'MB/s':>8}"]
+    for name in ("grpc", "tcp"):
+        lines.append(f"{name:6} {1000 * res[name]['cpu_s_per_mb']:>22.2f} {res[name]['mb_per_s']:>8.1f}")
+    lines.append(f"TCP / gRPC: CPU per MB x{res['cpu_ratio_tcp_over_grpc']:.2f}, "
+                 f"MB/s x{res['speed_ratio_tcp_over_grpc']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=float, default=50.0, help="model size in MB (10^6 bytes; default 50)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per path (default 5; the median counts)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--rpc-timeout", type=float, default=120.0, help="deadline of every RPC, seconds (default 120)")
+    p.add_argument("--max-seconds", type=float, default=600.0, help="watchdog for the whole run (default 600)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    args = p.parse_args(argv)
+    res = run_guarded("tcppath", args.max_seconds, lambda: run(args), lambda: _CHILDREN)
+    if res is None:
+        return 1
+    print(json.dumps(res) if args.json else report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
