@@ -61,9 +61,12 @@ class _OneHeaders(grpc.ServerInterceptor):
         return handler
 
 
-def _one_shard(make_cluster, headers: _OneHeaders, lr: float) -> tuple[shardps.PSClient, torch.Tensor]:
-    """One shard recording ``headers``, and a client over gRPC (no shared memory) with one tensor of 4000
-    bytes registered: one message in 4096-byte chunks (the client's), two in 2048."""
+def _one_shard(make_cluster, headers: _OneHeaders, lr: float,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[shardps.PSClient, torch.Tensor]:
+    """One shard recording ``headers``, and a client over gRPC (no shared memory, no TCP path: the bytes in
+    the messages) with one tensor of 4000 bytes registered: one message in 4096-byte chunks (the client's),
+    two in 2048."""
+    monkeypatch.setenv("SHARDPS_TCP", "0")
     cluster = make_cluster(1, interceptors=[headers])
     w = torch.randn(1000)
     client = shardps.connect(cluster.addresses, chunk_bytes=4096, shm=False)
@@ -71,9 +74,9 @@ def _one_shard(make_cluster, headers: _OneHeaders, lr: float) -> tuple[shardps.P
     return client, w
 
 
-def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_a_stream(make_cluster):
+def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_a_stream(make_cluster, monkeypatch):
     headers = _OneHeaders("Pull", framing.PULL_ONE_HEADER)
-    client, w = _one_shard(make_cluster, headers, lr=0.0)
+    client, w = _one_shard(make_cluster, headers, 0.0, monkeypatch)
     with client:
         assert torch.equal(client.pull()["w"], w)
         assert torch.equal(client.pull(dtype=torch.float16)["w"], w.half())
@@ -91,9 +94,9 @@ def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_
         assert torch.equal(torch.cat([codec.decode(r.chunk.data, r.chunk.dtype) for r in got]), w)
 
 
-def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(make_cluster):
+def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(make_cluster, monkeypatch):
     headers = _OneHeaders("Push", framing.PUSH_ONE_HEADER)
-    client, w = _one_shard(make_cluster, headers, lr=1.0)
+    client, w = _one_shard(make_cluster, headers, 1.0, monkeypatch)
     with client:
         client.push({"w": torch.ones(1000)}, step=0)  # one message: a unary call, the shard's unary handler
         client.chunk_bytes = 2048

@@ -32,6 +32,7 @@ def _constant(weights: dict[str, torch.Tensor], value: float) -> bool:
 def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
     """The framing thread stops after its first response until the other worker's push has reached the
     shard (waiting for the framing, or, were it not to wait, applied): the Pull is still all version 1."""
+    monkeypatch.setenv("SHARDPS_TCP", "0")  # the bytes in gRPC's answers, framed by frame_items (no TCP path)
     cluster = make_cluster(1)
     st = cluster.stores[0]
     st.frame_inline_bytes = 0

@@ -39,10 +39,10 @@ from shardps.worker.heartbeat import Heartbeats
 from shardps.worker.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
-from shardps.worker.paths import ShardPaths
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
 from shardps.worker.rows import RowCalls, RowClient
+from shardps.worker.shardpaths import ShardPaths
 from shardps.worker.shm import ShmLink, shm_probe
 from shardps.worker.transport import Transport
 

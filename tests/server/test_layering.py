@@ -13,9 +13,9 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 # The store's parts, bottom up: a module imports only server modules of a lower layer (lazy and TYPE_CHECKING
 # imports included). optim/ is a package of its own below them all.
 LAYERS = [
-    ["errors", "roles"],
+    ["errors", "roles", "rowindex"],
     ["remedies", "scaling", "sync", "peers", "checkpoint"],
-    ["table", "job", "membership", "rowtable"],
+    ["table", "job", "membership", "rowtable", "rowreshard"],
     ["rows"],
     ["apply", "pullcache", "snapshot"],
     ["replica"],
@@ -34,6 +34,8 @@ def _imports(path: Path) -> set[str]:
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
+            if node.module == "shardps.server":  # from shardps.server import part
+                out |= {f"shardps.server.{a.name}" for a in node.names}
     return out
 
 

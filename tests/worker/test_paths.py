@@ -17,8 +17,9 @@ from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker import shm as worker_shm
 from shardps.worker.layout import Layout, plan
-from shardps.worker.paths import GrpcPath, ShardPaths, ShmPath
+from shardps.worker.paths import GrpcPath, ShmPath
 from shardps.worker.pushframes import PushFramer
+from shardps.worker.shardpaths import ShardPaths
 
 pytestmark = pytest.mark.skipif(
     not shm.available(),
