@@ -16,6 +16,7 @@ owner's gather and scatter run over the TP group's links instead (docs/tensor-pa
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -48,21 +49,27 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class TPOptimizer:
-    """The servers' optimizer for one TP rank of a split ``module``: ``step()`` pushes the gradients of the
-    tensors this rank owns (whole, gathered from the group) and hands every rank its new slices; each rank
-    must call every method at the same point (they are collectives over ``group``).
+    """The servers' optimizer for one TP rank of a split model (``params``: the module, or its parameters
+    by name with ``slices``, ``tp_slices`` of the module, as a pipeline stage's weights hand them over):
+    ``step()`` pushes the gradients of the tensors this rank owns (whole, gathered from the group) and hands
+    every rank its new slices; every rank calls each method at the same point (collectives over ``group``).
 
     ``client``: this rank's ``PSClient`` (a worker of its own; replica r's rank t is worker ``r * p + t``
     of ``R * p`` in plain data parallelism). ``provides_values``: whether this group's values are the ones
     registered (default: replica 0's, i.e. ``client.worker_id < group.size``). The other arguments are
     ``DistributedOptimizer``'s."""
 
-    def __init__(self, module: nn.Module, client: PSClient, group: TPGroup | None = None, *,
+    def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient,
+                 group: TPGroup | None = None, *, slices: Mapping[str, tuple[Slice, tuple[int, ...]]] | None = None,
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp", provides_values: bool | None = None,
                  **options: Any) -> None:
         self.group = g = group if group is not None else TPGroup.single()
-        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.split = tp_slices(module)
+        if isinstance(params, nn.Module):
+            self.split = dict(slices) if slices is not None else tp_slices(params)
+            params = params.named_parameters()
+        else:
+            self.split = dict(slices or {})
+        self.params = [(n, p) for n, p in params if p.requires_grad]
         shapes = [(n, self.split[n][1] if n in self.split else tuple(p.shape)) for n, p in self.params]
         if len(shapes) < g.size:
             raise ValueError(f"TPOptimizer: {len(shapes)} parameters cannot give each of {g.size} TP ranks one")
@@ -74,6 +81,9 @@ class TPOptimizer:
                 self.masters[n] = nn.Parameter(full)
         if provides_values is None:
             provides_values = client.worker_id < g.size
+        # The shard map of the whole model, whichever tensors this rank owns: the same at every TP size.
+        client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
+                            for (n, shape), (_, p) in zip(shapes, self.params)}
         self.opt = DistributedOptimizer(list(self.masters.items()), client, optimizer=optimizer, sync=sync,
                                         provides_values=provides_values, **options)
         self._hand_out()  # every rank starts from the servers' values
