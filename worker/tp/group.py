@@ -72,15 +72,13 @@ class Slice:
 class TPGroup:
     """One tensor-parallel group: this member's ``rank`` of ``size`` and its collectives (blocking).
 
-    Wrap a process group from ``shardps.worker.groups.open_group`` (``TPGroup(pg, rank, size)``); ``pg`` is
-    None only for the group of one. Not thread-safe: one thread issues a group's collectives, in the same
-    order on every rank (as in any torch.distributed program)."""
+    Wrap a process group from ``shardps.worker.groups.open_group`` (``TPGroup(pg, rank, size)``); ``pg``
+    None: not connected yet (``attach`` it before the first collective). Not thread-safe: one thread
+    issues a group's collectives, in the same order on every rank (as in any torch.distributed program)."""
 
     def __init__(self, pg: Any, rank: int, size: int) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"a TP group's rank must be in [0, size), got rank {rank} of {size}")
-        if pg is None and size > 1:
-            raise ValueError(f"a TP group of {size} ranks needs a process group")
         self.pg, self.rank, self.size = pg, rank, size
         self.collectives: dict[str, int] = {}  # collective kind -> calls, counted (benchmarks/tp.py)
         self.bytes: dict[str, int] = {}  # collective kind -> bytes of this rank's input, counted
@@ -91,6 +89,16 @@ class TPGroup:
     @classmethod
     def single(cls) -> TPGroup:
         return cls(None, 0, 1)
+
+    def attach(self, pg: Any) -> None:
+        """Use process group ``pg`` from now on: a group made before its connections (a pipeline stage splits
+        its model when it starts, and joins its TP group later, and again after a failed step)."""
+        self.pg = pg
+
+    def _pg(self) -> Any:
+        if self.pg is None:
+            raise RuntimeError(f"TP rank {self.rank} of {self.size}: not connected to its group yet")
+        return self.pg
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self.collectives[kind] = self.collectives.get(kind, 0) + 1
@@ -103,7 +111,7 @@ class TPGroup:
         self._count(f"all_reduce_{op}", t)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        self.pg.allreduce([t], opts).wait()
+        self._pg().allreduce([t], opts).wait()
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -113,7 +121,7 @@ class TPGroup:
         self._count("all_gather", t)
         t = t.contiguous()
         outs = [torch.empty_like(t) for _ in range(self.size)]
-        self.pg.allgather([outs], [t]).wait()
+        self._pg().allgather([outs], [t]).wait()
         return outs
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
@@ -123,7 +131,7 @@ class TPGroup:
         self._count("broadcast", t)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.pg.broadcast([t], opts).wait()
+        self._pg().broadcast([t], opts).wait()
         return t
 
     def all_gather_padded(self, t: torch.Tensor, dim: int, sizes: list[int]) -> list[torch.Tensor]:
@@ -144,7 +152,7 @@ class TPGroup:
         outs = [torch.empty_like(padded) for _ in range(self.size)] if self.rank == dst else []
         opts = dist.GatherOptions()
         opts.rootRank = dst
-        self.pg.gather([outs] if outs else [], [padded], opts).wait()
+        self._pg().gather([outs] if outs else [], [padded], opts).wait()
         return [g.narrow(dim, 0, n) for g, n in zip(outs, sizes)] if self.rank == dst else None
 
     def scatter_padded(self, pieces: list[torch.Tensor] | None, out: torch.Tensor, dim: int, sizes: list[int],
@@ -162,7 +170,7 @@ class TPGroup:
         self._count("scatter", recv)
         opts = dist.ScatterOptions()
         opts.rootRank = src
-        self.pg.scatter([recv], ins, opts).wait()
+        self._pg().scatter([recv], ins, opts).wait()
         return out.copy_(recv.narrow(dim, 0, sizes[self.rank]))
 
 

@@ -57,10 +57,12 @@ def _split_one(name: str, module: nn.Module, kind: str, group: TPGroup) -> nn.Mo
     return RowParallelLinear.from_dense(module, group)
 
 
-def split(module: nn.Module, plan: Mapping[str, str], group: TPGroup | None = None) -> nn.Module:
+def split(module: nn.Module, plan: Mapping[str, str], group: TPGroup | None = None, *,
+          strict: bool = True) -> nn.Module:
     """Split ``module``'s layers named by ``plan`` over ``group`` in place (every rank calls it on the same
     dense model); returns ``module``. Raises ``ValueError`` (naming the pattern or module) before changing
-    anything when a kind is unknown or a pattern matches nothing."""
+    anything when a kind is unknown or (``strict``) a pattern matches nothing: a pipeline stage, which holds
+    a part of the model, splits with ``strict=False``."""
     g = group if group is not None else TPGroup.single()
     for pattern, kind in plan.items():
         if kind not in KINDS:
@@ -69,7 +71,7 @@ def split(module: nn.Module, plan: Mapping[str, str], group: TPGroup | None = No
     chosen: dict[str, str] = {}
     for pattern, kind in plan.items():
         hits = [n for n in names if fnmatchcase(n, pattern)]
-        if not hits:
+        if not hits and strict:
             raise ValueError(f"tp.split: pattern {pattern!r} matches no module of {type(module).__name__}")
         for n in hits:
             if n in chosen and chosen[n] != kind:
@@ -98,6 +100,14 @@ def tp_slices(module: nn.Module) -> dict[str, tuple[Slice, tuple[int, ...]]]:
         for local, spec in getattr(m, "tp_params", {}).items():
             out[f"{prefix}.{local}" if prefix else local] = spec
     return out
+
+
+def join_slices(pieces: list[torch.Tensor], sl: Slice, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole tensor from every rank's slice (``pieces[rank]``), held in one place (a driver's)."""
+    full = pieces[0].new_empty(shape)
+    for r, piece in enumerate(pieces):
+        sl.put(full, piece, len(pieces), r)
+    return full
 
 
 def assemble(local: torch.Tensor, sl: Slice, shape: tuple[int, ...], group: TPGroup) -> torch.Tensor:
@@ -152,3 +162,30 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, group: TPGroup | None = 
             p.grad.mul_(scale)  # type: ignore[union-attr]
     return total
 
+
+
+def check_tp(size: int, plan: Mapping[str, str] | None, stages: list[nn.Sequential], offload: str | None,
+             sync: str) -> int:
+    """A pipeline's ``tensor_parallel`` checked against its other options before any actor starts; the TP
+    size. Every pattern of ``plan`` must match a module of some stage."""
+    from shardps.protos.syncspec import SyncSpec
+
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel must be an integer >= 1, got {size!r}")
+    if size == 1:
+        return 1
+    if not plan:
+        raise ValueError(f"tensor_parallel={size} needs tp_plan: which modules to split, and how "
+                         f"(shardps.tp.split's plan)")
+    if offload:
+        raise ValueError(f"tensor_parallel={size} with offload={offload!r} is not supported yet")
+    if not SyncSpec.parse(sync).barrier:
+        raise ValueError(f"tensor_parallel={size} needs a barrier sync mode (bsp or every:X), not {sync}: "
+                         f"a stage's push overlapping its next forwards would interleave its TP collectives")
+    names = [n for st in stages for n, _ in st.named_modules() if n]
+    for pattern, kind in plan.items():
+        if kind not in KINDS:
+            raise ValueError(f"tp_plan: {pattern!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if not any(fnmatchcase(n, pattern) for n in names):
+            raise ValueError(f"tp_plan: pattern {pattern!r} matches no module of the model")
+    return size
