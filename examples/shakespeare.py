@@ -187,12 +187,13 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
     optimizer = make_spec(args.optimizer or "adafactor", args.lr)
     g = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
+    tp = getattr(args, "tensor_parallel", 1)
     with sray.Pipeline(model, balance=per, chunks=args.chunks, schedule=args.schedule, checkpoint=args.recompute,
                        offload="activations" if args.offload else None, compress=args.compress or None,
                        servers=servers, optimizer=optimizer, sync=args.sync, strategy=args.stage_strategy,
-                       seed=args.seed, use_gpu=args.use_gpu,
-                       num_cpus=args.stage_cpus) as pipe:
-        loss_fn = CharLoss()
+                       seed=args.seed, use_gpu=args.use_gpu, num_cpus=args.stage_cpus, replicas=args.workers,
+                       tensor_parallel=tp, tp_plan=tp_plan(args.layers) if tp > 1 else None) as pipe:
+        loss_fn: nn.Module = TPCharLoss(text.vocab) if tp > 1 else CharLoss()
         val0 = evaluate(pipe.eval, text.val, context=args.context)  # before training (starts the stages)
         start = None
         losses: list[float] = []
@@ -218,4 +219,5 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
             round(start or math.nan, 4), "initial_val_loss": round(val0, 4), "steps": args.steps,
             "tokens_per_second": round(args.batch_size * args.context * args.steps / train_t, 1),
             "seconds": round(time.perf_counter() - t0, 2), "stages": args.stages, "chunks": args.chunks,
+            "tensor_parallel": tp, "replicas": args.workers,
             "schedule": args.schedule, "stage_nodes": stage_nodes, "samples": samples}
