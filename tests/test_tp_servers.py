@@ -8,6 +8,7 @@ the unsplit model too.
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import shardps
 import shardps.tp as tp
 from shardps.examples import shakespeare as gpt
+from shardps.worker.tp.split import join_slices
 from tests.helpers import run_workers
 from tests.test_tp import run_tp
 
@@ -103,3 +105,58 @@ def test_a_checkpoint_written_at_tp2_resumes_at_tp4_and_tp1(make_cluster, tmp_pa
         again.stop()
     for n, t in after[4].items():  # two more steps from the checkpoint: the same at TP = 4 and TP = 1
         torch.testing.assert_close(t, after[1][n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_20_adam_steps_of_2_stages_x_tp2_equal_the_unsplit_model(make_cluster):
+    """PP 2 x TP 2 without Ray: the four stage actors' own class run as threads (each its stage's TP rank,
+    its pipeline group per TP rank, its TP group per stage, from one rendezvous store), the servers in
+    this process; 20 steps equal the unsplit model's 20 (tests/test_tp_ray.py does it on Ray, 3 steps)."""
+    from shardps.deploy.ray.stage_actor import StageActor, StageOptions
+    from shardps.protos.syncspec import SyncSpec
+    from shardps.worker.groups import RendezvousServer
+    from shardps.worker.pipeline.partition import scatter, split_model
+    from shardps.worker.pipeline.plan import plan_step
+
+    layers = 2
+    model = gpt.make_model(VOCAB, dim=DIM, heads=4, layers=layers, context=CONTEXT, seed=4)
+    ref = copy.deepcopy(model)
+    with shardps.connect(make_cluster(2).addresses) as client:
+        opt = shardps.DistributedOptimizer(ref, client, optimizer=ADAM, sync="bsp")
+        for step in range(20):
+            x, y = _batch(step)
+            gpt.CharLoss()(ref(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    cluster = make_cluster(2)
+    opts = StageOptions(servers=tuple(cluster.addresses), sync=SyncSpec("bsp"), optimizer=ADAM,
+                        tensor_parallel=2, tp_plan=gpt.tp_plan(layers))
+    stages = split_model(model, [2, 2])
+    keys = [(s, t) for s in range(2) for t in range(2)]
+    actors = {(s, t): StageActor(copy.deepcopy(stages[s]), s, 2, 0, opts, t) for s, t in keys}
+    rendezvous = RendezvousServer("127.0.0.1", timeout=60)
+    try:
+        run_workers(lambda k: actors[keys[k]].connect(rendezvous.address, f"pp/r0/t{keys[k][1]}/g1", 60,
+                                                      f"tp/r0/s{keys[k][0]}/g1"), 4, timeout=90)
+        for step in range(20):
+            x, y = _batch(step)
+            xs, ys = scatter(x, 2), scatter(y, 2)
+            plan = plan_step("1f1b", [len(c) for c in xs], 2, "mean")
+            def run(k, step=step, plan=plan, xs=xs, ys=ys):
+                first, last = keys[k][0] == 0, keys[k][0] == 1
+                return actors[keys[k]].run_step(step, plan, xs if first else None, ys if last else None,
+                                                gpt.TPCharLoss(VOCAB) if last else None, 60)
+
+            losses = run_workers(run, 4, timeout=90)
+            assert sum(losses[keys.index((1, 0))]) == pytest.approx(sum(losses[keys.index((1, 1))]), rel=1e-6)
+        states = {key: a.state_dict() for key, a in actors.items()}
+        slices = {key: a.tp_slices() for key, a in actors.items()}
+    finally:
+        for a in actors.values():
+            a.close()
+        rendezvous.close()
+    want = ref.state_dict()
+    for s in range(2):
+        for n, t in states[(s, 0)].items():
+            split = slices[(s, 0)].get(n)
+            got = join_slices([states[(s, r)][n] for r in range(2)], *split) if split else t
+            torch.testing.assert_close(got, want[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
