@@ -19,7 +19,7 @@ import shardps.tp as tp
 from shardps.examples import shakespeare as gpt
 from shardps.worker.tp.split import join_slices
 from tests.helpers import run_workers
-from tests.test_tp import run_tp
+from tests.test_tp import _RNG, run_tp
 
 pytestmark = pytest.mark.cluster
 
@@ -48,7 +48,9 @@ def _train_tp(addresses, p: int, replicas: int, steps: range, resume: bool = Fal
 
     def replica(r: int):
         def rank(t: int, group: tp.TPGroup):
-            m = tp.split(_model(), gpt.tp_plan(LAYERS), group)
+            with _RNG:  # the ranks are threads: one default random stream, seeded and drawn one rank at a time
+                dense = _model()
+            m = tp.split(dense, gpt.tp_plan(LAYERS), group)
             loss_fn = gpt.TPCharLoss(VOCAB, group)
             with shardps.connect(addresses, worker_id=r * p + t, num_workers=replicas * p) as client:
                 opt = tp.TPOptimizer(m, client, group, optimizer=ADAM, sync="bsp",
@@ -63,15 +65,20 @@ def _train_tp(addresses, p: int, replicas: int, steps: range, resume: bool = Fal
     return [res for rep in run_workers(replica, replicas, timeout=90) for res in rep]
 
 
-def test_20_adam_steps_at_tp2_equal_the_unsplit_model_and_each_tensor_is_pushed_once(make_cluster):
-    ref = _model()
-    with shardps.connect(make_cluster(2).addresses) as client:
-        opt = shardps.DistributedOptimizer(ref, client, optimizer=ADAM, sync="bsp")
-        for step in range(20):
+def _reference(model, addresses, steps: int = 20):
+    """``model`` unsplit, trained ``steps`` steps through the servers at ``addresses`` by one worker."""
+    with shardps.connect(addresses) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=ADAM, sync="bsp")
+        for step in range(steps):
             x, y = _batch(step)
-            gpt.CharLoss()(ref(x), y).backward()
+            gpt.CharLoss()(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+    return model
+
+
+def test_20_adam_steps_at_tp2_equal_the_unsplit_model_and_each_tensor_is_pushed_once(make_cluster):
+    ref = _reference(_model(), make_cluster(2).addresses)
     results = _train_tp(make_cluster(2).addresses, 2, 1, range(20))
     want = ref.state_dict()
     for state, _ in results:
@@ -119,14 +126,7 @@ def test_20_adam_steps_of_2_stages_x_tp2_equal_the_unsplit_model(make_cluster):
 
     layers = 2
     model = gpt.make_model(VOCAB, dim=DIM, heads=4, layers=layers, context=CONTEXT, seed=4)
-    ref = copy.deepcopy(model)
-    with shardps.connect(make_cluster(2).addresses) as client:
-        opt = shardps.DistributedOptimizer(ref, client, optimizer=ADAM, sync="bsp")
-        for step in range(20):
-            x, y = _batch(step)
-            gpt.CharLoss()(ref(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+    ref = _reference(copy.deepcopy(model), make_cluster(2).addresses)
     cluster = make_cluster(2)
     opts = StageOptions(servers=tuple(cluster.addresses), sync=SyncSpec("bsp"), optimizer=ADAM,
                         tensor_parallel=2, tp_plan=gpt.tp_plan(layers))

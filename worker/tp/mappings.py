@@ -73,33 +73,28 @@ class _Scatter(torch.autograd.Function):
         return torch.cat(ctx.group.all_gather_padded(grad, grad.dim() - 1, _sizes(ctx.n, ctx.group)), -1), None
 
 
+def _apply(fn: Any, x: torch.Tensor, group: TPGroup, *more: Any) -> torch.Tensor:
+    if group.size == 1:
+        return x  # every operator is the identity on a group of one
+    out: torch.Tensor = fn.apply(x, group, *more)
+    return out
+
+
 def copy_to(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
-    if group.size == 1:
-        return x
-    out: torch.Tensor = _Copy.apply(x, group)  # type: ignore[no-untyped-call]
-    return out
+    return _apply(_Copy, x, group)
 
 
 def reduce_from(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
-    if group.size == 1:
-        return x
-    out: torch.Tensor = _Reduce.apply(x, group)  # type: ignore[no-untyped-call]
-    return out
+    return _apply(_Reduce, x, group)
 
 
 def gather_from(x: torch.Tensor, group: TPGroup, n: int) -> torch.Tensor:
     """The whole last dimension (``n`` wide) from every rank's ``torch.chunk`` slice of it."""
-    if group.size == 1:
-        return x
-    out: torch.Tensor = _Gather.apply(x, group, n)  # type: ignore[no-untyped-call]
-    return out
+    return _apply(_Gather, x, group, n)
 
 
 def scatter_to(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """This rank's ``torch.chunk`` slice of the last dimension."""
-    if group.size == 1:
-        return x
-    out: torch.Tensor = _Scatter.apply(x, group)  # type: ignore[no-untyped-call]
-    return out
+    return _apply(_Scatter, x, group)
