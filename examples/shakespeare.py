@@ -82,10 +82,11 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The heads this module holds come from the tensors, so that shardps.tp.split(plan "heads") can give
+        # each rank of a TP group its share of them (qkv's three parts, proj's inputs).
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        q, k, v = (z.view(b, t, -1, d // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).chunk(3, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
         x = x + self.proj(a)
         return x + self.mlp(self.ln2(x))
 
@@ -108,6 +109,15 @@ def make_model(vocab: int, *, dim: int = 128, heads: int = 4, layers: int = 2, c
                          Head(dim, vocab))
 
 
+def tp_plan(layers: int) -> dict[str, str]:
+    """The tensor-parallel plan of ``make_model(layers=...)`` (``shardps.tp.split``): the token table by
+    vocabulary, each block's attention by heads and MLP by columns then rows, the head by vocabulary (its
+    logits feed ``TPCharLoss``). Position embeddings and layer norms stay replicated."""
+    plan = {"0.tok": "vocab", f"{layers + 1}.out": "column", "*.mlp.0": "column", "*.mlp.2": "row"}
+    plan.update({str(i): "heads" for i in range(1, layers + 1)})
+    return plan
+
+
 class CharLoss(nn.Module):
     """Cross-entropy of (batch, time, vocab) logits against (batch, time) next characters."""
 
@@ -115,6 +125,22 @@ class CharLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class TPCharLoss(nn.Module):
+    """``CharLoss`` of logits split by vocabulary over a TP group (``vocab_parallel_cross_entropy``)."""
+
+    reduction = "mean"
+
+    def __init__(self, vocab: int, group: Any = None) -> None:
+        super().__init__()
+        self.vocab, self.group = vocab, group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from shardps.tp import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), self.group,
+                                            vocab=self.vocab)
 
 
 def batch(data: torch.Tensor, size: int, context: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,12 +187,13 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
     optimizer = make_spec(args.optimizer or "adafactor", args.lr)
     g = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
+    tp = getattr(args, "tensor_parallel", 1)
     with sray.Pipeline(model, balance=per, chunks=args.chunks, schedule=args.schedule, checkpoint=args.recompute,
                        offload="activations" if args.offload else None, compress=args.compress or None,
                        servers=servers, optimizer=optimizer, sync=args.sync, strategy=args.stage_strategy,
-                       seed=args.seed, use_gpu=args.use_gpu,
-                       num_cpus=args.stage_cpus) as pipe:
-        loss_fn = CharLoss()
+                       seed=args.seed, use_gpu=args.use_gpu, num_cpus=args.stage_cpus, replicas=args.workers,
+                       tensor_parallel=tp, tp_plan=tp_plan(args.layers) if tp > 1 else None) as pipe:
+        loss_fn: nn.Module = TPCharLoss(text.vocab) if tp > 1 else CharLoss()
         val0 = evaluate(pipe.eval, text.val, context=args.context)  # before training (starts the stages)
         start = None
         losses: list[float] = []
@@ -192,4 +219,5 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
             round(start or math.nan, 4), "initial_val_loss": round(val0, 4), "steps": args.steps,
             "tokens_per_second": round(args.batch_size * args.context * args.steps / train_t, 1),
             "seconds": round(time.perf_counter() - t0, 2), "stages": args.stages, "chunks": args.chunks,
+            "tensor_parallel": tp, "replicas": args.workers,
             "schedule": args.schedule, "stage_nodes": stage_nodes, "samples": samples}

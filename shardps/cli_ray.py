@@ -20,7 +20,8 @@ def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     ry.add_argument("--example", choices=["digits", "shakespeare"], default="digits",
                     help="digits: an MLP, data-parallel workers; shakespeare: a char-GPT in pipeline stages")
     ry.add_argument("--servers", type=int, default=2)
-    ry.add_argument("--workers", type=int, default=2)
+    ry.add_argument("--workers", type=int, default=None,
+                    help="data-parallel workers (digits, default 2) or pipeline replicas (shakespeare, default 1)")
     ry.add_argument("--sync", type=sync_mode, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     ry.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                     help="default: adam for digits, adafactor for shakespeare")
@@ -66,6 +67,8 @@ def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     pg.add_argument("--stage-strategy", default="SPREAD", type=str.upper,
                     choices=("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"), help="placement of the stages")
     pg.add_argument("--stage-cpus", type=float, default=1.0, help="CPUs per stage actor (default 1)")
+    pg.add_argument("--tensor-parallel", type=int, default=1,
+                    help="actors per stage, its layers split over them (docs/tensor-parallel.md; default 1)")
     pg.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     pg.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     pg.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
@@ -78,12 +81,13 @@ def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 def run_ray(args: argparse.Namespace) -> int:
     try:
-        from shardps.deploy.ray.job import run_job
+        from shardps.deploy.ray.job import default_workers, run_job
     except ImportError as e:
         print(f"shardps ray: {e}; install Ray: pip install 'shardps[ray]'", file=sys.stderr)
         return 2
-    for name in ("servers", "workers", "epochs"):
+    default_workers(args)
+    for name in ("servers", "workers", "epochs", "tensor_parallel"):
         if getattr(args, name) < 1:
-            print(f"shardps ray: --{name} must be >= 1", file=sys.stderr)
+            print(f"shardps ray: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     return run_job(args)

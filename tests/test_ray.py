@@ -320,6 +320,8 @@ def test_needed_cpus_counts_servers_and_workers_or_stages():
     assert needed_cpus(parse(["ray", "--servers", "2", "--replicas", "2"])) == 4  # backups share server actors
     assert needed_cpus(parse(["ray", "--example", "shakespeare", "--servers", "1", "--stages", "3",
                               "--stage-cpus", "2"])) == 7
+    assert needed_cpus(parse(["ray", "--example", "shakespeare", "--servers", "1", "--stages", "2",
+                              "--tensor-parallel", "2", "--workers", "2", "--stage-cpus", "0.5"])) == 5
 
 
 @pytest.mark.timeout(300)

@@ -63,6 +63,9 @@ class PSClient(RowCalls):
     pool to talk to the shards in parallel).
     """
 
+    # A superset of the tensors registered whose shard map register() plans (a TP rank's: worker/tp/servers.py).
+    placement: Mapping[str, torch.Tensor] | None = None
+
     def __init__(self, addresses: Sequence[str], worker_id: int = 0, num_workers: int = 1, *,
                  timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                  part_bytes: int | None = None, security: Security | None = None,
@@ -203,8 +206,8 @@ class PSClient(RowCalls):
         """
         if provides_values is None:
             provides_values = self.worker_id == 0
-        layouts, smap = layout.plan(tensors, optimizer, self.num_shards, grad_dtype=grad_dtype,
-                                    part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
+        layouts, smap = layout.plan(tensors, optimizer, self.num_shards, placement=self.placement,
+                                    grad_dtype=grad_dtype, part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
         probe = shm_probe(self.worker_id) if self.use_shm else None
@@ -469,15 +472,12 @@ def connect(addresses: Sequence[str] | str | None = None, worker_id: int | None 
             metrics_port: int | None = None, metrics_host: str | None = None, shm: bool | None = None) -> PSClient:
     """Connect to the shards at ``addresses`` (in shard order; a comma-separated string works).
 
-    Every setting comes from its argument, else its environment variable,
-    else the default: ``addresses`` (``SHARDPS_ADDRESSES``), ``worker_id``
-    (``SHARDPS_WORKER_ID``, 0), ``num_workers`` (``SHARDPS_NUM_WORKERS``, 1),
-    ``backups`` (``SHARDPS_BACKUPS``, when the addresses come from it too), ``security`` (``SHARDPS_TLS_*``,
-    ``SHARDPS_AUTH_TOKEN[_FILE]``), ``metrics_port`` / ``metrics_host``
-    (``SHARDPS_METRICS_PORT`` / ``_HOST``: a registered worker serves its
-    Prometheus metrics there), ``shm`` (``SHARDPS_SHM``, on: tensor bytes to
-    and from a shard on this machine go through shared memory, see
-    protos/shm.py).
+    Every setting comes from its argument, else its environment variable, else the default: ``addresses``
+    (``SHARDPS_ADDRESSES``), ``worker_id`` (``SHARDPS_WORKER_ID``, 0), ``num_workers`` (``SHARDPS_NUM_WORKERS``,
+    1), ``backups`` (``SHARDPS_BACKUPS``, when the addresses come from it too), ``security`` (``SHARDPS_TLS_*``,
+    ``SHARDPS_AUTH_TOKEN[_FILE]``), ``metrics_port`` / ``metrics_host`` (``SHARDPS_METRICS_PORT`` / ``_HOST``:
+    a registered worker serves its Prometheus metrics there), ``shm`` (``SHARDPS_SHM``, on: tensor bytes to
+    and from a shard on this machine go through shared memory, see protos/shm.py).
 
     Waits up to ``ready_timeout`` seconds for every shard to accept a
     connection (None: do not wait). ``backups`` (``--replicas 2``): each

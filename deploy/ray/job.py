@@ -48,12 +48,20 @@ def digits_loop(ctx: WorkerContext) -> dict[str, Any]:
     return {**out, "node_id": ctx.node_id}
 
 
+def default_workers(args: Any) -> int:
+    """``--workers``, or its default: 2 data-parallel workers (digits), 1 pipeline (shakespeare)."""
+    if args.workers is None:
+        args.workers = 1 if args.example == "shakespeare" else 2
+    return int(args.workers)
+
+
 def needed_cpus(args: Any) -> float:
-    """CPUs the run asks Ray for: servers (a backup lives in another server's actor) and workers, or stages."""
+    """CPUs the run asks Ray for: servers (a backup lives in another server's actor) and workers, or stages
+    (times their TP ranks and the pipeline replicas)."""
     servers = args.servers * args.server_cpus
     if args.example == "shakespeare":
-        return servers + args.stages * args.stage_cpus
-    return servers + args.workers * args.worker_cpus
+        return servers + args.stages * args.stage_cpus * args.tensor_parallel * default_workers(args)
+    return servers + default_workers(args) * args.worker_cpus
 
 
 def _init_ray(args: Any, say: Any) -> None:

@@ -51,6 +51,7 @@ from shardps.worker.groups import RendezvousServer
 from shardps.worker.pipeline.failure import Outcome, StageFailed, blame
 from shardps.worker.pipeline.partition import scatter, split_model
 from shardps.worker.pipeline.plan import PipelineOptions, StepPlan, loss_reduction, plan_step
+from shardps.worker.tp.split import check_tp, join_slices
 
 __all__ = ["OffloadStore", "Pipeline", "PipelineError", "RaySink", "StageActor", "StageOptions"]
 
@@ -103,9 +104,12 @@ class Pipeline:
                  optimizer: Any = None, sync: str = "bsp", replicas: int = 1, use_gpu: bool = False,
                  num_cpus: float = 1.0, seed: int = 0, weight_delay: int = 1,
                  placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT_S, step_timeout: float = 600.0,
-                 security: Security | None = None, offload_resources: dict[str, float] | None = None) -> None:
+                 security: Security | None = None, offload_resources: dict[str, float] | None = None,
+                 tensor_parallel: int = 1, tp_plan: dict[str, str] | None = None, split_output: bool = True) -> None:
         self.options = PipelineOptions(schedule, chunks, checkpoint, offload, compress)
         self.stage_modules = split_model(model, balance)
+        self.tp = check_tp(tensor_parallel, tp_plan, self.stage_modules, offload, sync if servers else "bsp")
+        self.tp_plan, self.split_output = dict(tp_plan or {}), split_output
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         for name, value in (("step_timeout", step_timeout), ("placement_timeout", placement_timeout)):
@@ -127,6 +131,7 @@ class Pipeline:
         self.stages: list[list[Any]] = []  # [replica][stage]
         self.store: Any = None
         self.placement_group: Any = None
+        self.placement_groups: list[Any] = []  # with TP, one per stage of each replica (STRICT_PACK)
         self.rendezvous: RendezvousServer | None = None
         self._generation = 0  # of the stages' groups: a new one after a failure
         self._connected = False
@@ -154,12 +159,24 @@ class Pipeline:
                                 f"must return one tensor for the next")
 
     def _start(self) -> None:
-        d, r = self.num_stages, self.replicas
+        d, r, p = self.num_stages, self.replicas, self.tp
         bundle = {"CPU": float(self.num_cpus), **self.stage_resources}
         if self.use_gpu:
             bundle["GPU"] = 1.0
-        self.placement_group = place([dict(bundle) for _ in range(d * r)], self.strategy,
-                                     timeout=self.placement_timeout, what=f"pipeline stages ({r} x {d})")
+        if p == 1:
+            self.placement_group = place([dict(bundle) for _ in range(d * r)], self.strategy,
+                                         timeout=self.placement_timeout, what=f"pipeline stages ({r} x {d})")
+            self.placement_groups = [self.placement_group]
+        else:  # each stage's TP group on one node: a STRICT_PACK bundle set per stage
+            try:
+                for k in range(r * d):
+                    self.placement_groups.append(place([dict(bundle) for _ in range(p)], "STRICT_PACK",
+                                                       timeout=self.placement_timeout,
+                                                       what=f"stage {k % d} of replica {k // d} (TP {p})"))
+            except BaseException:
+                self.close()
+                raise
+            self.placement_group = self.placement_groups[0]
         try:
             if self.offload:
                 res = self.offload_resources
@@ -172,13 +189,15 @@ class Pipeline:
                                 use_gpu=self.use_gpu, num_cpus=self.num_cpus, servers=tuple(self.addresses or ()),
                                 backups=tuple(getattr(self.servers, "backup_addresses", []) or ()), replicas=r,
                                 sync=self.sync_spec, optimizer=self.optimizer, security=self.security,
-                                weight_delay=self.weight_delay)
-            for rep in range(r):
+                                weight_delay=self.weight_delay, tensor_parallel=p, tp_plan=self.tp_plan or None)
+            for row_index in range(r * p):  # a row: one TP rank of one replica, all its stages
+                rep, t = divmod(row_index, p)
                 row = []
                 for s, mod in enumerate(self.stage_modules):
+                    where = (in_bundle(self.placement_group, rep * d + s) if p == 1 else
+                             in_bundle(self.placement_groups[rep * d + s], t))
                     row.append(cls.options(num_cpus=self.num_cpus, num_gpus=1 if self.use_gpu else 0,
-                                           resources=self.stage_resources,
-                                           **in_bundle(self.placement_group, rep * d + s)).remote(mod, s, d, rep, opts))
+                                           resources=self.stage_resources, **where).remote(mod, s, d, rep, opts, t))
                 self.stages.append(row)
             self.infos = ray.get([a.info.remote() for row in self.stages for a in row], timeout=600)
             if self.store is not None:
@@ -193,8 +212,11 @@ class Pipeline:
         """Every replica's stages join a new group of their own (at start, and after a failed step)."""
         assert self.rendezvous is not None
         self._generation += 1
-        refs = [a.connect.remote(self.rendezvous.address, f"pp/r{rep}/g{self._generation}", self.placement_timeout)
-                for rep, row in enumerate(self.stages) for a in row]
+        n, p = self._generation, self.tp
+        refs = [a.connect.remote(self.rendezvous.address,
+                                 f"pp/r{k // p}/g{n}" if p == 1 else f"pp/r{k // p}/t{k % p}/g{n}",
+                                 self.placement_timeout, f"tp/r{k // p}/s{s}/g{n}")
+                for k, row in enumerate(self.stages) for s, a in enumerate(row)]
         ray.get(refs, timeout=self.placement_timeout + GRACE_S)
         self._connected = True
 
@@ -212,9 +234,9 @@ class Pipeline:
 
     @property
     def node_ids(self) -> list[list[str]]:
-        """The node of every stage: ``node_ids[replica][stage]``."""
+        """The node of every stage: ``node_ids[replica][stage]`` (with TP, ``[replica * p + rank][stage]``)."""
         d = self.num_stages
-        return [[i["node_id"] for i in self.infos[r * d:(r + 1) * d]] for r in range(self.replicas)]
+        return [[i["node_id"] for i in self.infos[r * d:(r + 1) * d]] for r in range(len(self.stages))]
 
     # -- a step --------------------------------------------------------------
 
@@ -240,15 +262,16 @@ class Pipeline:
             # of the whole batch (R * its share of the samples; the loss is divided by R again below).
             share = self.replicas * (sum(sizes) / total if red == "mean" else 1.0)
             plan = plan_step(self.schedule, sizes, d, red, scale=share)
-            plans.append(plan)
-            for s, actor in enumerate(self.stages[rep]):
-                last = s == d - 1
-                calls[(rep, s)] = actor.run_step.remote(self.step_count, plan, xs if s == 0 else None,
-                                                        ys if last else None, loss_fn if last else None,
-                                                        self.step_timeout)
+            for row in range(rep * self.tp, (rep + 1) * self.tp):  # every TP rank runs the same plan
+                plans.append(plan)
+                for s, actor in enumerate(self.stages[row]):
+                    last = s == d - 1
+                    calls[(row, s)] = actor.run_step.remote(self.step_count, plan, xs if s == 0 else None,
+                                                            ys if last else None, loss_fn if last else None,
+                                                            self.step_timeout)
         results = self._collect(calls, plans)
         self.step_count += 1
-        return float(sum(sum(results[(rep, d - 1)]) for rep in range(self.replicas)) / self.replicas)
+        return float(sum(sum(results[(rep * self.tp, d - 1)]) for rep in range(self.replicas)) / self.replicas)
 
     def _collect(self, calls: dict[tuple[int, int], Any], plans: list[StepPlan]) -> dict[tuple[int, int], Any]:
         """The results of one call per stage ((replica, stage) -> reference), or ``PipelineError`` naming
@@ -289,24 +312,35 @@ class Pipeline:
 
     # -- results ---------------------------------------------------------------
 
-    def _all(self, method: str, replica: int = 0) -> list[Any]:
+    def _all(self, method: str, replica: int = 0, rank: int = 0) -> list[Any]:
         if not self.stages:
             raise RuntimeError("no step has run yet: the stages start with the first train_step")
-        return ray.get([getattr(a, method).remote() for a in self.stages[replica]], timeout=300)
+        return ray.get([getattr(a, method).remote() for a in self.stages[replica * self.tp + rank]], timeout=300)
+
+    def _dense(self, method: str, replica: int) -> list[dict[str, torch.Tensor]]:
+        """Per stage, ``method``'s tensors by name, split ones joined from the replica's TP ranks."""
+        ranks = [self._all(method, replica, t) for t in range(self.tp)]
+        if self.tp == 1:
+            return ranks[0]
+        out = []
+        for s, slices in enumerate(self._all("tp_slices", replica)):
+            out.append({n: join_slices([ranks[t][s][n] for t in range(self.tp)], *slices[n]) if n in slices else v
+                        for n, v in ranks[0][s].items()})
+        return out
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients by name: of the whole batch (the mean over the replicas' gradients,
         each weighted by its share, as the servers apply it)."""
         out: dict[str, torch.Tensor] = {}
         for rep in range(self.replicas):
-            for part in self._all("gradients", rep):
+            for part in self._dense("gradients", rep):
                 for n, g in part.items():
                     out[n] = g / self.replicas if n not in out else out[n] + g / self.replicas
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights every stage computes with now (after any pull in flight)."""
-        return {n: t for part in self._all("state_dict") for n, t in part.items()}
+        return {n: t for part in self._dense("state_dict", 0) for n, t in part.items()}
 
     def timeline(self) -> dict[int, list[tuple[str, int, float, float]]]:
         """Replica 0's stages' busy intervals of the last step, in seconds from its start:
@@ -328,10 +362,11 @@ class Pipeline:
         self._ready(x)
         xs = scatter(x, min(self.chunks, len(x)), "batch")
         d = self.num_stages
-        calls = {(0, s): a.run_eval.remote(len(xs), xs if s == 0 else None, self.step_timeout)
-                 for s, a in enumerate(self.stages[0])}
-        results = self._collect(calls, [plan_step("gpipe", [len(c) for c in xs], d, "sum")])
-        return torch.cat(results[(0, d - 1)])
+        calls = {(t, s): a.run_eval.remote(len(xs), xs if s == 0 else None, self.step_timeout)
+                 for t in range(self.tp) for s, a in enumerate(self.stages[t])}
+        results = self._collect(calls, [plan_step("gpipe", [len(c) for c in xs], d, "sum")] * self.tp)
+        outs = [torch.cat(results[(t, d - 1)]) for t in range(self.tp)]
+        return torch.cat(outs, -1) if self.tp > 1 and self.split_output else outs[0]
 
     def close(self) -> None:
         """Free the stage actors, the offload store and the placement group (idempotent)."""
@@ -348,8 +383,8 @@ class Pipeline:
                 log.warning("closing a pipeline stage: %s", str(e).splitlines()[0])
         for a in actors + ([self.store] if self.store is not None else []):
             ray.kill(a, no_restart=True)
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
         if self.rendezvous is not None:
             self.rendezvous.close()
 

@@ -35,6 +35,8 @@ from shardps.worker.pipeline.schedule import Kind, Task
 from shardps.worker.pipeline.stage import StageRuntime
 from shardps.worker.pipeline.walk import walk, walk_eval
 from shardps.worker.pipeline.weights import StageWeights, Stepper
+from shardps.worker.tp.group import Slice, TPGroup
+from shardps.worker.tp.split import split, tp_slices
 
 
 class OffloadStore:
@@ -128,17 +130,30 @@ class StageOptions:
     optimizer: Any = None
     security: Security | None = None
     weight_delay: int = 1
+    tensor_parallel: int = 1  # ranks of each stage's TP group (docs/tensor-parallel.md)
+    tp_plan: dict[str, str] | None = None  # shardps.tp.split's plan over the whole model's module names
 
 
 class StageActor:
     """Stage ``index`` of ``num_stages`` of pipeline replica ``replica``: runs its part of each step of
     ``module`` (``run_step``, one call a step); with servers it is parameter-server worker ``replica *
     num_stages + index`` of its own parameters. ``forward`` and ``backward`` are what its walk calls per
-    task: subclasses may add to them (the fault tests do)."""
+    task: subclasses may add to them (the fault tests do).
 
-    def __init__(self, module: nn.Module, index: int, num_stages: int, replica: int, opts: StageOptions) -> None:
+    With ``opts.tensor_parallel`` p > 1 it is rank ``tp_rank`` of its stage's TP group: it splits its
+    module by ``opts.tp_plan`` at once, joins the group in ``connect`` (beside its pipeline's, which links
+    the stages of the same TP rank) and, with servers, is worker ``(replica * num_stages + index) * p +
+    tp_rank`` of the whole tensors it owns (``TPOptimizer``)."""
+
+    def __init__(self, module: nn.Module, index: int, num_stages: int, replica: int, opts: StageOptions,
+                 tp_rank: int = 0) -> None:
         actor_logging()
         self.index, self.num_stages, self.replica = index, num_stages, replica
+        self.opts, self.tp_rank = opts, tp_rank
+        self.tp: TPGroup | None = None
+        if opts.tensor_parallel > 1:
+            self.tp = TPGroup(None, tp_rank, opts.tensor_parallel)  # its connections come in connect()
+            module = split(module, opts.tp_plan or {}, self.tp, strict=False)
         gpu = opts.use_gpu and torch.cuda.is_available()
         device = torch.device("cuda") if gpu else torch.device("cpu")
         self.link: GroupLink | None = None
@@ -149,38 +164,57 @@ class StageActor:
         self.rt = StageRuntime(module, index, num_stages, checkpoint=opts.checkpoint, seed=opts.seed,
                                offload=sink, compress=opts.compress, device=device, key_prefix=f"r{replica}")
         self.client: Any = None
+        # A TP stage's stepper is a collective over its group: made once the group is there (connect).
         self.weights = StageWeights(self.rt, opts.sync, opts.weight_delay,
-                                    self._stepper(opts) if opts.servers else None)
+                                    self._stepper(opts) if opts.servers and self.tp is None else None)
 
     def _stepper(self, opts: StageOptions) -> Callable[[list[tuple[str, torch.Tensor]]], Stepper]:
         def make(masters: list[tuple[str, torch.Tensor]]) -> Stepper:
             from shardps.worker.client import connect
             from shardps.worker.optimizer import DistributedOptimizer
 
-            d, r = self.num_stages, self.replica
-            self.client = connect(list(opts.servers), worker_id=r * d + self.index, num_workers=opts.replicas * d,
-                                  backups=list(opts.backups) or None, security=opts.security)
+            d, r, p = self.num_stages, self.replica, opts.tensor_parallel
+            self.client = connect(list(opts.servers), worker_id=(r * d + self.index) * p + self.tp_rank,
+                                  num_workers=opts.replicas * d * p, backups=list(opts.backups) or None,
+                                  security=opts.security)
+            if self.tp is not None:
+                from shardps.worker.tp.servers import TPOptimizer
+
+                return TPOptimizer(masters, self.client, self.tp, slices=tp_slices(self.rt.module),
+                                   optimizer=opts.optimizer, sync=str(opts.sync), provides_values=(r == 0))
             return DistributedOptimizer(masters, self.client, optimizer=opts.optimizer, sync=str(opts.sync),
                                         provides_values=(r == 0))
         return make
+
+    def tp_slices(self) -> dict[str, tuple[Slice, tuple[int, ...]]]:
+        """This stage's split parameters: how each is split and its whole shape (empty without TP)."""
+        return tp_slices(self.rt.module)
 
     def info(self) -> dict[str, Any]:
         return {"stage": self.index, "replica": self.replica, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "device": str(self.rt.device)}
 
-    def connect(self, rendezvous: Rendezvous, name: str, timeout: float) -> None:
+    def connect(self, rendezvous: Rendezvous, name: str, timeout: float, tp_name: str = "") -> None:
         """Join the pipeline's process group ``name`` (a new one after a failure: the old is dropped) as
         rank ``index``, at ``rendezvous``; every stage of the replica calls this at once. gloo, or nccl
-        when the stage computes on a GPU."""
+        when the stage computes on a GPU. A TP stage then joins its TP group ``tp_name`` as ``tp_rank``."""
         if self.link is not None:
             self.link.close()
             self.link = None
         gpu = self.rt.device.type == "cuda"
         spec = GroupSpec(name, self.index, self.num_stages, "nccl" if gpu else "gloo", timeout)
-        group = open_group(connect_store(rendezvous, timeout), spec, ray.util.get_node_ip_address())
+        store, host = connect_store(rendezvous, timeout), ray.util.get_node_ip_address()
+        group = open_group(store, spec, host)
         self.link = GroupLink(group, self.index, self.num_stages, self.rt.device if gpu else None)
+        if self.tp is not None:
+            self.tp.attach(open_group(store, GroupSpec(tp_name, self.tp_rank, self.tp.size, spec.backend, timeout),
+                                      host))
+            if self.opts.servers and self.weights.stepper is None:
+                self.weights = StageWeights(self.rt, self.opts.sync, self.opts.weight_delay, self._stepper(self.opts))
 
     def begin_step(self, step: int, chunks: int, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+        if self.tp is not None and loss_fn is not None and hasattr(loss_fn, "group"):
+            loss_fn.group = self.tp  # a loss over split logits (vocab_parallel_cross_entropy) takes the group
         self.rt.begin_step(step, chunks)
         self.rt.loss_fn = loss_fn
         self.weights.begin_step()

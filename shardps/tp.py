@@ -1,0 +1,25 @@
+"""Tensor parallelism (Megatron-LM's column, row and vocabulary splits) inside a worker or a pipeline stage.
+
+``split(model, plan, group)`` turns an ordinary model's ``nn.Linear`` / ``nn.Embedding`` into the parallel
+layers from glob patterns over module names; ``gather`` returns the dense state dict; ``TPOptimizer`` makes
+a TP group's ranks parameter-server workers of the dense tensors. See docs/tensor-parallel.md.
+"""
+
+from shardps.worker.tp.group import Slice, TPGroup, chunk_range, open_tp_group
+from shardps.worker.tp.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RNGTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shardps.worker.tp.loss import vocab_parallel_cross_entropy
+from shardps.worker.tp.servers import TPOptimizer
+from shardps.worker.tp.split import clip_grad_norm_, gather, gather_grads, split, tp_slices
+
+__all__ = [
+    "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RNGTracker", "RowParallelLinear", "Slice",
+    "TPGroup", "TPOptimizer", "VocabParallelEmbedding", "chunk_range", "clip_grad_norm_", "gather",
+    "gather_grads", "open_tp_group", "split", "tp_slices", "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,138 @@
+"""A TP group's ranks as parameter-server workers: the servers hold whole tensors under the dense names.
+
+Every parameter of a split model has one owner in its TP group (the largest tensors first, each to the
+rank that owns the fewest bytes so far: every rank owns at least one when there are as many parameters as
+ranks). The owner keeps the whole tensor (its master) and is the group's only parameter-server worker
+for it: a step gathers each split gradient's slices to its owner over the TP group (one gather), the owner
+pushes the whole gradient, pulls the new weights, and scatters each rank its slice back (one scatter);
+a replicated parameter (layer norms, a row-parallel bias: the same gradient on every rank) is pushed
+by its owner alone and broadcast after the pull. So each tensor reaches the servers once per TP group,
+the servers' tensors and checkpoints are the dense model's (names and shapes do not depend on the TP size:
+train at TP = 2, resume at TP = 1 or 4), and R data-parallel replicas of a TP group are R x p workers.
+
+Not yet: a rank pushing and pulling its slice itself (a slice along dim 1 served by the servers); the
+owner's gather and scatter run over the TP group's links instead (docs/tensor-parallel.md, limits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardps.worker.client import PSClient
+from shardps.worker.layout import OptimizerChoice
+from shardps.worker.optimizer import DistributedOptimizer
+from shardps.worker.tp.group import Slice, TPGroup
+from shardps.worker.tp.split import tp_slices
+
+
+def owners(shapes: list[tuple[str, tuple[int, ...]]], size: int) -> dict[str, int]:
+    """Each tensor's owning rank: largest first, to the rank with the fewest elements owned (lowest rank on
+    a tie); deterministic, so every rank computes the same."""
+    load = [0] * size
+    out: dict[str, int] = {}
+    for name, shape in sorted(shapes, key=lambda ns: (-_numel(ns[1]), ns[0])):
+        r = min(range(size), key=lambda k: (load[k], k))
+        out[name] = r
+        load[r] += max(1, _numel(shape))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class TPOptimizer:
+    """The servers' optimizer for one TP rank of a split model (``params``: the module, or its parameters
+    by name with ``slices``, ``tp_slices`` of the module, as a pipeline stage's weights hand them over):
+    ``step()`` pushes the gradients of the tensors this rank owns (whole, gathered from the group) and hands
+    every rank its new slices; every rank calls each method at the same point (collectives over ``group``).
+
+    ``client``: this rank's ``PSClient`` (a worker of its own; replica r's rank t is worker ``r * p + t``
+    of ``R * p`` in plain data parallelism). ``provides_values``: whether this group's values are the ones
+    registered (default: replica 0's, i.e. ``client.worker_id < group.size``). The other arguments are
+    ``DistributedOptimizer``'s."""
+
+    def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient,
+                 group: TPGroup | None = None, *, slices: Mapping[str, tuple[Slice, tuple[int, ...]]] | None = None,
+                 optimizer: OptimizerChoice | None = None, sync: str = "bsp", provides_values: bool | None = None,
+                 **options: Any) -> None:
+        self.group = g = group if group is not None else TPGroup.single()
+        if isinstance(params, nn.Module):
+            self.split = dict(slices) if slices is not None else tp_slices(params)
+            params = params.named_parameters()
+        else:
+            self.split = dict(slices or {})
+        self.params = [(n, p) for n, p in params if p.requires_grad]
+        shapes = [(n, self.split[n][1] if n in self.split else tuple(p.shape)) for n, p in self.params]
+        if len(shapes) < g.size:
+            raise ValueError(f"TPOptimizer: {len(shapes)} parameters cannot give each of {g.size} TP ranks one")
+        self.owner = owners(shapes, g.size)
+        self.masters: dict[str, nn.Parameter] = {}
+        for n, p in self.params:
+            full = self._whole(n, p.detach())
+            if full is not None:
+                self.masters[n] = nn.Parameter(full)
+        if provides_values is None:
+            provides_values = client.worker_id < g.size
+        # The shard map of the whole model, whichever tensors this rank owns: the same at every TP size.
+        client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
+                            for (n, shape), (_, p) in zip(shapes, self.params)}
+        self.opt = DistributedOptimizer(list(self.masters.items()), client, optimizer=optimizer, sync=sync,
+                                        provides_values=provides_values, **options)
+        self._hand_out()  # every rank starts from the servers' values
+
+    def _sizes(self, sl: Slice, shape: tuple[int, ...]) -> list[int]:
+        return [sl.local_shape(shape, self.group.size, r)[sl.dim] for r in range(self.group.size)]
+
+    def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
+        """The whole tensor on its owner (None elsewhere), from every rank's ``local`` slice of it."""
+        g, owner = self.group, self.owner[name]
+        if name not in self.split:
+            return local.clone() if g.rank == owner else None
+        sl, shape = self.split[name]
+        pieces = g.gather_padded(local, sl.dim, self._sizes(sl, shape), owner)
+        if pieces is None:
+            return None
+        full = local.new_empty(shape)
+        for r, piece in enumerate(pieces):
+            sl.put(full, piece, g.size, r)
+        return full
+
+    def _hand_out(self) -> None:
+        """Every rank's parameters set from the owners' masters (its slices scattered; replicated ones
+        broadcast)."""
+        g = self.group
+        with torch.no_grad():
+            for n, p in self.params:
+                owner, master = self.owner[n], self.masters.get(n)
+                if n not in self.split:
+                    if g.rank == owner:
+                        assert master is not None
+                        p.copy_(master)
+                    g.broadcast(p.data, owner)
+                    continue
+                sl, shape = self.split[n]
+                pieces = [sl.take(master, g.size, r) for r in range(g.size)] if master is not None else None
+                g.scatter_padded(pieces, p.data, sl.dim, self._sizes(sl, shape), owner)
+
+    def step(self) -> None:
+        """Push this step's gradients (every rank's ``.grad``), pull the weights, set every rank's slices."""
+        for n, p in self.params:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            whole = self._whole(n, grad.detach())
+            if whole is not None:
+                self.masters[n].grad = whole
+        self.opt.step()
+        self._hand_out()
+
+    def zero_grad(self) -> None:
+        for _, p in self.params:
+            p.grad = None
+        self.opt.zero_grad()
