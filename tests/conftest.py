@@ -40,6 +40,7 @@ CLUSTER_FIXTURES = {"make_cluster", "cluster2", "ray_cluster"}
 RAY_MODULES = {"test_ray.py", "test_pipeline_ray.py", "test_tp_ray.py"}
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with -p no:xdist does not know it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """``--dist loadgroup`` with the Ray tests as one group. xdist (3.8) groups by a suffix it appends to
     each marked item's ``_nodeid``, which pytest 9 no longer reads (a node's id is ``_id``): the marks

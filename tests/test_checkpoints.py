@@ -53,7 +53,7 @@ def test_sigterm_checkpoints_and_a_restart_restores_everything(make_cluster, tmp
         before = client.pull()
         stats_before = client.stats()
     procs = list(cluster._procs)
-    cluster.stop()  # SIGTERM
+    cluster.stop(grace=120.0)  # SIGTERM; SIGKILL only past a grace no loaded machine reaches
     assert [p.returncode for p in procs] == [0, 0]
     assert ck.list_versions(tmp_path, 0) == ck.list_versions(tmp_path, 1) == [7]
 

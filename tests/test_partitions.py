@@ -79,7 +79,10 @@ class Driver:
 
     def stats(self, *addresses: str) -> dict[str, dict[str, Any]]:
         """Each endpoint's Stats (worker clocks keyed by int), or ``{"error": ...}`` where it does not answer."""
-        out: dict[str, dict[str, Any]] = self.ask("stats", addresses=list(addresses), timeout=2.0)["stats"]
+        # The driver bounds each endpoint's calls by 2 s (connect, then Stats); the answer's own wait is
+        # generous, so a loaded machine only makes it late, never a failure.
+        out: dict[str, dict[str, Any]] = self.ask("stats", addresses=list(addresses),
+                                                  timeout=4.0 * len(addresses) + 60.0)["stats"]
         for s in out.values():
             if "worker_clocks" in s:
                 s["worker_clocks"] = {int(k): v for k, v in s["worker_clocks"].items()}
