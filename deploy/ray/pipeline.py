@@ -25,7 +25,12 @@ each stage saw, and ``PipelineError`` says it.
 
 ``offload="activations"`` sends what the stages save for backward to one
 ``OffloadStore`` actor, placed on a node offering the ``offload`` resource
-when one does.
+when one does. ``stream=shardps.Stream(...)`` has each stage hold only the
+weights of the units running (worker/pipeline/streamstage.py).
+
+Over 400 lines: one class, the driver, whose start, step, failure handling
+and result calls share its actors and groups; what runs in the actors is
+stage_actor.py, the step's plan and walk worker/pipeline/.
 """
 
 from __future__ import annotations
@@ -336,7 +341,10 @@ class Pipeline:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients by name: of the whole batch (the mean over the replicas' gradients,
-        each weighted by its share, as the servers apply it)."""
+        each weighted by its share, as the servers apply it). Not with ``stream=``: no stage keeps them."""
+        if self.stream is not None:
+            raise RuntimeError("gradients(): a streamed pipeline (stream=) keeps no gradients: each stage pushed "
+                               "each as its last backward of the step completed it")
         out: dict[str, torch.Tensor] = {}
         for rep in range(self.replicas):
             for part in self._dense("gradients", rep):
