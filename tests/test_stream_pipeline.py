@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -91,7 +92,9 @@ def run_stage(rt: StageRuntime, side: StageWeights | StreamWeights, step: int, p
 
 
 def train(addresses: list[str], *, schedule: str, checkpoint: str, sync: str = "bsp", steps: int = 3,
-          stream: shardps.Stream | None = None, chunks: int = 3) -> tuple[dict[str, torch.Tensor], list[dict]]:
+          stream: shardps.Stream | None = None, chunks: int = 3,
+          after: Callable[[list[StageRuntime], list[StageWeights | StreamWeights]], None] | None = None,
+          ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """``steps`` steps of the 2-stage pipeline on the servers at ``addresses``; the weights after them (from
     the servers when streamed) and, streamed, each stage's counters and largest traced live bytes."""
     whole = model()
@@ -125,6 +128,8 @@ def train(addresses: list[str], *, schedule: str, checkpoint: str, sync: str = "
                 args = (step, plan, link, xs, ys, loss_fn)
                 for f in [pool.submit(run_stage, rts[s], sides[s], *args) for s in range(len(stages))]:
                     f.result(timeout=DEADLINE_S)
+        if after is not None:
+            after(rts, sides)
         weights: dict[str, torch.Tensor] = {}
         stats = []
         for side in sides:
@@ -226,3 +231,25 @@ def test_options_that_do_not_combine_are_refused_naming_both():
     chosen = stage_stream(spec, split_model(m, BALANCE)[0], names).modules
     assert chosen is not None and [type(c).__name__ for c in chosen] == ["Swapped"]
 
+
+
+def test_a_step_abandoned_midway_holds_nothing_after_and_evaluation_streams(cluster2):
+    """A stage whose step failed after its first forward (its neighbour died, say): the next call that waits
+    (an evaluation, ``state_dict``, ``close``) lets it go: nothing held, nothing left of the step's plan."""
+    def abandon(rts: list[StageRuntime], sides: list[StageWeights | StreamWeights]) -> None:
+        rt, side = rts[0], sides[0]
+        assert isinstance(side, StreamWeights)
+        x = data(0)[0][:4]
+        before = rt.eval_forward(x)
+        assert side.streamer.held() == {}
+        plan = plan_step("gpipe", [4, 4], 2, "mean")
+        rt.begin_step(99, 2)
+        side.begin_step()
+        side.begin_tasks(plan.orders[0])
+        Calls(rt, side).forward(0, x)
+        side.wait()
+        assert side.streamer.held() == {} and not side.streamer.training
+        assert torch.equal(rt.eval_forward(x), before)
+
+    train(cluster2.addresses, schedule="gpipe", checkpoint="never", steps=1, stream=shardps.Stream(LAYER),
+          after=abandon)

@@ -118,6 +118,11 @@ class StreamWeights:
         return self.version
 
     def wait(self) -> int:
+        """Nothing runs in the background; a step that failed midway is let go of (its weights released,
+        a push it opened cancelled), so that an evaluation after it streams as one. The version."""
+        if self.streamer.training:
+            self.streamer.reset()
+            self.streamer.training = False
         return self.version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
