@@ -253,3 +253,14 @@ def test_a_step_abandoned_midway_holds_nothing_after_and_evaluation_streams(clus
 
     train(cluster2.addresses, schedule="gpipe", checkpoint="never", steps=1, stream=shardps.Stream(LAYER),
           after=abandon)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--example", "digits", "--stream"], "--stream streams a pipeline's stages: use it with --example shakespeare"),
+    (["--example", "shakespeare", "--stream", "--max-live-mb", "0"], "--max-live-mb must be > 0, got 0"),
+])
+def test_shardps_ray_refuses_stream_where_it_cannot_work(capsys, argv, words):
+    from shardps.cli import main
+
+    assert main(["ray", *argv]) == 2
+    assert words in capsys.readouterr().err
