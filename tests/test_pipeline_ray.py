@@ -227,10 +227,10 @@ def deep(width: int = 32) -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
 
 
-def _train(stream, schedule: str, checkpoint: str, steps: int = 3):
+def _train(stream, schedule: str, checkpoint: str, sync: str, steps: int):
     with sray.start_servers(2) as servers, \
             sray.Pipeline(deep(), balance=[10, 9], chunks=3, schedule=schedule, checkpoint=checkpoint,
-                          servers=servers, optimizer=shardps.optim.Adam(lr=1e-2), num_cpus=0.5,
+                          servers=servers, optimizer=shardps.optim.Adam(lr=1e-2), num_cpus=0.5, sync=sync,
                           stream=stream) as pipe:
         losses = [pipe.train_step(*data(12, seed=step), nn.CrossEntropyLoss()) for step in range(steps)]
         stats = pipe.stream_stats() if stream is not None else {}
@@ -240,13 +240,14 @@ def _train(stream, schedule: str, checkpoint: str, steps: int = 3):
         return pipe.state_dict(), losses, pipe.eval(data(6, seed=9)[0]), stats
 
 
-@pytest.mark.parametrize("schedule, checkpoint", [("gpipe", "except_last"), ("1f1b", "never")])
-def test_streamed_stages_train_bit_for_bit_as_resident_within_their_budget(ray_cluster, schedule, checkpoint):
+@pytest.mark.parametrize("schedule, checkpoint, sync", [("gpipe", "except_last", "bsp"), ("1f1b", "never", "bsp"),
+                                                        ("1f1b", "always", "every:2")])
+def test_streamed_stages_train_bit_for_bit_as_resident_within_their_budget(ray_cluster, schedule, checkpoint, sync):
     """Pipeline(stream=): each stage holds at most its budget plus one unit and its gradients (its own
-    counters), and after 3 bsp steps the weights equal the resident pipeline's bit for bit."""
-    layer = (32 * 32 + 32) * 4
-    resident, r_losses, r_eval, _ = _train(None, schedule, checkpoint)
-    streamed, s_losses, s_eval, stats = _train(shardps.Stream(layer), schedule, checkpoint)
+    counters), and after 3 steps (every:2: 4) the weights equal the resident pipeline's bit for bit."""
+    layer, steps = (32 * 32 + 32) * 4, 4 if sync.startswith("every") else 3
+    resident, r_losses, r_eval, _ = _train(None, schedule, checkpoint, sync, steps)
+    streamed, s_losses, s_eval, stats = _train(shardps.Stream(layer), schedule, checkpoint, sync, steps)
     assert s_losses == r_losses
     assert resident.keys() == streamed.keys()
     for n in resident:
@@ -254,7 +255,7 @@ def test_streamed_stages_train_bit_for_bit_as_resident_within_their_budget(ray_c
     assert torch.equal(s_eval, r_eval)
     assert sorted(stats) == [0, 1]
     for s, st in stats.items():
-        assert st["max_live_bytes"] == layer and st["steps"] == 3, st
+        assert st["max_live_bytes"] == layer and st["steps"] == steps, st
         assert 0 < st["peak_live_bytes"] <= layer + 2 * st["largest_unit_bytes"] < st["model_bytes"], (s, st)
         assert st["pulled_bytes"] > 3 * st["model_bytes"], (s, st)  # pulled again for each micro-batch
         assert st["plan_misses"] == 0, (s, st)
