@@ -172,6 +172,7 @@ def sample(forward: Callable[[torch.Tensor], torch.Tensor], text: Text, prompt: 
 
 def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
     """Train on ``servers`` through a ``shardps.ray.Pipeline`` (the ``shardps ray`` example); the summary."""
+    import shardps
     import shardps.ray as sray
     from shardps.examples.digits import make_spec
 
@@ -188,11 +189,12 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
     g = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
     tp = getattr(args, "tensor_parallel", 1)
+    stream = shardps.Stream(int(args.max_live_mb * 2**20)) if getattr(args, "stream", False) else None
     with sray.Pipeline(model, balance=per, chunks=args.chunks, schedule=args.schedule, checkpoint=args.recompute,
                        offload="activations" if args.offload else None, compress=args.compress or None,
                        servers=servers, optimizer=optimizer, sync=args.sync, strategy=args.stage_strategy,
                        seed=args.seed, use_gpu=args.use_gpu, num_cpus=args.stage_cpus, replicas=args.workers,
-                       tensor_parallel=tp, tp_plan=tp_plan(args.layers) if tp > 1 else None) as pipe:
+                       tensor_parallel=tp, tp_plan=tp_plan(args.layers) if tp > 1 else None, stream=stream) as pipe:
         loss_fn: nn.Module = TPCharLoss(text.vocab) if tp > 1 else CharLoss()
         val0 = evaluate(pipe.eval, text.val, context=args.context)  # before training (starts the stages)
         start = None
@@ -214,10 +216,19 @@ def run(args: Any, say: Callable[..., None], servers: Any) -> dict[str, Any]:
         samples = [sample(pipe.eval, text, prompt=p, context=args.context, seed=i, length=args.sample_length)
                    for i, p in enumerate(["\n", "ROMEO:\n"][:args.samples])]
         stage_nodes = pipe.node_ids[0]
+        streamed = {}
+        if stream is not None:  # each stage's peak of live parameter + gradient bytes, against its size
+            streamed = {s: {k: st[k] for k in ("peak_live_bytes", "max_live_bytes", "model_bytes",
+                                                "largest_unit_bytes", "peak_sum_bytes", "pulled_bytes")}
+                        for s, st in pipe.stream_stats().items()}
+            for s, st in streamed.items():
+                say(f"stage {s}: peak live {st['peak_live_bytes'] / 2**20:.2f} MiB of its "
+                    f"{st['model_bytes'] / 2**20:.2f} MiB (budget {st['max_live_bytes'] / 2**20:g} MiB)")
     tail = losses[-min(len(losses), 20):]
     return {"train_loss": round(sum(tail) / len(tail), 4), "val_loss": round(val, 4), "initial_train_loss":
             round(start or math.nan, 4), "initial_val_loss": round(val0, 4), "steps": args.steps,
             "tokens_per_second": round(args.batch_size * args.context * args.steps / train_t, 1),
             "seconds": round(time.perf_counter() - t0, 2), "stages": args.stages, "chunks": args.chunks,
             "tensor_parallel": tp, "replicas": args.workers,
-            "schedule": args.schedule, "stage_nodes": stage_nodes, "samples": samples}
+            "schedule": args.schedule, "stage_nodes": stage_nodes, "samples": samples,
+            **({"stream": streamed} if stream is not None else {})}

@@ -69,6 +69,11 @@ def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     pg.add_argument("--stage-cpus", type=float, default=1.0, help="CPUs per stage actor (default 1)")
     pg.add_argument("--tensor-parallel", type=int, default=1,
                     help="actors per stage, its layers split over them (docs/tensor-parallel.md; default 1)")
+    pg.add_argument("--stream", action="store_true",
+                    help="stream each stage's weights from the servers unit by unit, at most --max-live-mb held "
+                         "(docs/streaming.md)")
+    pg.add_argument("--max-live-mb", type=float, default=64.0,
+                    help="with --stream: each stage's budget of live parameter + gradient MiB (default 64)")
     pg.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     pg.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     pg.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
@@ -90,4 +95,10 @@ def run_ray(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"shardps ray: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.stream and args.example != "shakespeare":
+        print("shardps ray: --stream streams a pipeline's stages: use it with --example shakespeare", file=sys.stderr)
+        return 2
+    if args.stream and not args.max_live_mb > 0:
+        print(f"shardps ray: --max-live-mb must be > 0, got {args.max_live_mb:g}", file=sys.stderr)
+        return 2
     return run_job(args)

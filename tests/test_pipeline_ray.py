@@ -220,6 +220,61 @@ def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
     bad.close()
 
 
+def deep(width: int = 32) -> nn.Sequential:
+    """8 hidden layers: with balance [10, 9] each stage holds 4 of them and one small one."""
+    torch.manual_seed(0)
+    hidden = [m for _ in range(8) for m in (nn.Linear(width, width), nn.Tanh())]
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
+
+
+def _train(stream, schedule: str, checkpoint: str, sync: str, steps: int):
+    with sray.start_servers(2) as servers, \
+            sray.Pipeline(deep(), balance=[10, 9], chunks=3, schedule=schedule, checkpoint=checkpoint,
+                          servers=servers, optimizer=shardps.optim.Adam(lr=1e-2), num_cpus=0.5, sync=sync,
+                          stream=stream) as pipe:
+        losses = [pipe.train_step(*data(12, seed=step), nn.CrossEntropyLoss()) for step in range(steps)]
+        stats = pipe.stream_stats() if stream is not None else {}
+        if stream is not None:
+            with pytest.raises(RuntimeError, match="keeps no gradients"):
+                pipe.gradients()
+        return pipe.state_dict(), losses, pipe.eval(data(6, seed=9)[0]), stats
+
+
+@pytest.mark.parametrize("schedule, checkpoint, sync", [("gpipe", "except_last", "bsp"), ("1f1b", "never", "bsp"),
+                                                        ("1f1b", "always", "every:2")])
+def test_streamed_stages_train_bit_for_bit_as_resident_within_their_budget(ray_cluster, schedule, checkpoint, sync):
+    """Pipeline(stream=): each stage holds at most its budget plus one unit and its gradients (its own
+    counters), and after 3 steps (every:2: 4) the weights equal the resident pipeline's bit for bit."""
+    layer, steps = (32 * 32 + 32) * 4, 4 if sync.startswith("every") else 3
+    resident, r_losses, r_eval, _ = _train(None, schedule, checkpoint, sync, steps)
+    streamed, s_losses, s_eval, stats = _train(shardps.Stream(layer), schedule, checkpoint, sync, steps)
+    assert s_losses == r_losses
+    assert resident.keys() == streamed.keys()
+    for n in resident:
+        assert torch.equal(streamed[n], resident[n]), f"{n}: streaming changed the weights"
+    assert torch.equal(s_eval, r_eval)
+    assert sorted(stats) == [0, 1]
+    for s, st in stats.items():
+        assert st["max_live_bytes"] == layer and st["steps"] == steps, st
+        assert 0 < st["peak_live_bytes"] <= layer + 2 * st["largest_unit_bytes"] < st["model_bytes"], (s, st)
+        assert st["pulled_bytes"] > 3 * st["model_bytes"], (s, st)  # pulled again for each micro-batch
+        assert st["plan_misses"] == 0, (s, st)
+
+
+def test_streamed_pipeline_refuses_what_does_not_combine(ray_cluster):
+    stream = shardps.Stream(1 << 20)
+    with pytest.raises(ValueError, match="stream= needs servers="):
+        sray.Pipeline(deep(), balance=[10, 9], chunks=2, stream=stream)
+    servers = ["127.0.0.1:1"]  # refused before anything connects
+    with pytest.raises(ValueError, match=r"stream= with offload='activations' is not supported"):
+        sray.Pipeline(deep(), balance=[10, 9], chunks=2, stream=stream, servers=servers, offload="activations")
+    with pytest.raises(ValueError, match=r"stream= with sync='asp' is not supported"):
+        sray.Pipeline(deep(), balance=[10, 9], chunks=2, stream=stream, servers=servers, sync="asp")
+    with pytest.raises(ValueError, match=r"stream= with tensor_parallel=2 is not supported"):
+        sray.Pipeline(deep(), balance=[10, 9], chunks=2, stream=stream, servers=servers, tensor_parallel=2,
+                      tp_plan={"2": "column"})
+
+
 def test_shakespeare_runs_as_a_ray_job(ray_cluster):
     """`shardps ray --example shakespeare` as a `ray job submit` entrypoint: a char-GPT in 2 stages,
     Adafactor on 2 servers; a short run (the full one, with figures, is in docs/pipeline.md)."""

@@ -108,6 +108,8 @@ class DistributedOptimizer:
     overlaps already) or ``compress``. See docs/streaming.md.
     """
 
+    streamer_class: type[Streamer] = Streamer  # what runs ``stream=`` (a pipeline stage's runs micro-batches)
+
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient, *,
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp",
                  grad_dtype: torch.dtype | None = None, loss_scaling: bool | LossScaling = False,
@@ -185,7 +187,7 @@ class DistributedOptimizer:
             self.overlap = Overlap(self, params, bucket_bytes)
         if stream is not None:  # from here on the weights come and go with the modules
             assert isinstance(params, nn.Module)
-            self.stream = Streamer(self, params, stream)
+            self.stream = self.streamer_class(self, params, stream)
 
     def _join(self) -> None:
         """Register (idempotent), pull the current weights and go on from this worker's clock."""

@@ -25,7 +25,12 @@ each stage saw, and ``PipelineError`` says it.
 
 ``offload="activations"`` sends what the stages save for backward to one
 ``OffloadStore`` actor, placed on a node offering the ``offload`` resource
-when one does.
+when one does. ``stream=shardps.Stream(...)`` has each stage hold only the
+weights of the units running (worker/pipeline/streamstage.py).
+
+Over 400 lines: one class, the driver, whose start, step, failure handling
+and result calls share its actors and groups; what runs in the actors is
+stage_actor.py, the step's plan and walk worker/pipeline/.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from shardps.worker.groups import RendezvousServer
 from shardps.worker.pipeline.failure import Outcome, StageFailed, blame
 from shardps.worker.pipeline.partition import scatter, split_model
 from shardps.worker.pipeline.plan import PipelineOptions, StepPlan, loss_reduction, plan_step
+from shardps.worker.pipeline.streamweights import check_stream
+from shardps.worker.streamplan import Stream
 from shardps.worker.tp.split import check_tp, join_slices
 
 __all__ = ["OffloadStore", "Pipeline", "PipelineError", "RaySink", "StageActor", "StageOptions"]
@@ -105,9 +112,12 @@ class Pipeline:
                  num_cpus: float = 1.0, seed: int = 0, weight_delay: int = 1,
                  placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT_S, step_timeout: float = 600.0,
                  security: Security | None = None, offload_resources: dict[str, float] | None = None,
-                 tensor_parallel: int = 1, tp_plan: dict[str, str] | None = None, split_output: bool = True) -> None:
+                 tensor_parallel: int = 1, tp_plan: dict[str, str] | None = None, split_output: bool = True,
+                 stream: Stream | None = None) -> None:
         self.options = PipelineOptions(schedule, chunks, checkpoint, offload, compress)
         self.stage_modules = split_model(model, balance)
+        self.stream, self.stream_modules = check_stream(stream, servers=servers, sync=SyncSpec.parse(sync),
+                                                        offload=offload, tensor_parallel=tensor_parallel, model=model)
         self.tp = check_tp(tensor_parallel, tp_plan, self.stage_modules, offload, sync if servers else "bsp")
         self.tp_plan, self.split_output = dict(tp_plan or {}), split_output
         if replicas < 1:
@@ -189,7 +199,8 @@ class Pipeline:
                                 use_gpu=self.use_gpu, num_cpus=self.num_cpus, servers=tuple(self.addresses or ()),
                                 backups=tuple(getattr(self.servers, "backup_addresses", []) or ()), replicas=r,
                                 sync=self.sync_spec, optimizer=self.optimizer, security=self.security,
-                                weight_delay=self.weight_delay, tensor_parallel=p, tp_plan=self.tp_plan or None)
+                                weight_delay=self.weight_delay, tensor_parallel=p, tp_plan=self.tp_plan or None,
+                                stream=self.stream, stream_modules=self.stream_modules)
             for row_index in range(r * p):  # a row: one TP rank of one replica, all its stages
                 rep, t = divmod(row_index, p)
                 row = []
@@ -330,7 +341,10 @@ class Pipeline:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients by name: of the whole batch (the mean over the replicas' gradients,
-        each weighted by its share, as the servers apply it)."""
+        each weighted by its share, as the servers apply it). Not with ``stream=``: no stage keeps them."""
+        if self.stream is not None:
+            raise RuntimeError("gradients(): a streamed pipeline (stream=) keeps no gradients: each stage pushed "
+                               "each as its last backward of the step completed it")
         out: dict[str, torch.Tensor] = {}
         for rep in range(self.replicas):
             for part in self._dense("gradients", rep):
@@ -355,6 +369,17 @@ class Pipeline:
 
     def offload_stats(self) -> dict[int, dict[str, int]]:
         return dict(enumerate(self._all("offload_stats")))
+
+    def stream_stats(self, reset: bool = False) -> dict[int, dict[str, float]]:
+        """With ``stream=``: per stage of replica 0, its counters since the last reset: ``peak_live_bytes``
+        (parameter + gradient storage alive at once), ``max_live_bytes``, ``model_bytes`` (the stage's),
+        ``largest_unit_bytes``, ``peak_sum_bytes`` (gradient sums on the host), ``peak_host_bytes``
+        (``keep="host"`` copies), ``pulls``, ``pulled_bytes``, ``wait_seconds``. ``reset``: start the peaks
+        over after reading them. Empty dicts without ``stream=``."""
+        if not self.stages:
+            raise RuntimeError("no step has run yet: the stages start with the first train_step")
+        d = self.num_stages
+        return dict(enumerate(ray.get([a.stream_stats.remote(reset) for a in self.stages[0][:d]], timeout=300)))
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
         """A forward of ``x`` (eval mode, no gradients) through replica 0's stages, micro-batch by

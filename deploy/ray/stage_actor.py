@@ -33,8 +33,11 @@ from shardps.worker.pipeline.link import GroupLink, LinkError
 from shardps.worker.pipeline.plan import StepPlan
 from shardps.worker.pipeline.schedule import Kind, Task
 from shardps.worker.pipeline.stage import StageRuntime
+from shardps.worker.pipeline.streamstage import StageOptimizer
+from shardps.worker.pipeline.streamweights import StreamWeights, stage_stream
 from shardps.worker.pipeline.walk import walk, walk_eval
 from shardps.worker.pipeline.weights import StageWeights, Stepper
+from shardps.worker.streamplan import Stream
 from shardps.worker.tp.group import Slice, TPGroup
 from shardps.worker.tp.split import split, tp_slices
 
@@ -132,6 +135,8 @@ class StageOptions:
     weight_delay: int = 1
     tensor_parallel: int = 1  # ranks of each stage's TP group (docs/tensor-parallel.md)
     tp_plan: dict[str, str] | None = None  # shardps.tp.split's plan over the whole model's module names
+    stream: Stream | None = None  # the stages' weights streamed from the servers (docs/streaming.md)
+    stream_modules: tuple[str, ...] = ()  # the names (in the whole model) of Stream(modules=...)
 
 
 class StageActor:
@@ -165,18 +170,35 @@ class StageActor:
                                offload=sink, compress=opts.compress, device=device, key_prefix=f"r{replica}")
         self.client: Any = None
         # A TP stage's stepper is a collective over its group: made once the group is there (connect).
-        self.weights = StageWeights(self.rt, opts.sync, opts.weight_delay,
-                                    self._stepper(opts) if opts.servers and self.tp is None else None)
+        self.weights: StageWeights | StreamWeights
+        if opts.stream is not None and opts.servers:
+            self.weights = StreamWeights(self.rt, opts.sync, stage_stream(opts.stream, module, opts.stream_modules),
+                                         self._streamed(opts))
+        else:
+            self.weights = StageWeights(self.rt, opts.sync, opts.weight_delay,
+                                        self._stepper(opts) if opts.servers and self.tp is None else None)
+
+    def _connect_client(self, opts: StageOptions) -> Any:
+        from shardps.worker.client import connect
+
+        d, r, p = self.num_stages, self.replica, opts.tensor_parallel
+        self.client = connect(list(opts.servers), worker_id=(r * d + self.index) * p + self.tp_rank,
+                              num_workers=opts.replicas * d * p, backups=list(opts.backups) or None,
+                              security=opts.security)
+        return self.client
+
+    def _streamed(self, opts: StageOptions) -> Callable[[nn.Module, Stream], StageOptimizer]:
+        def make(module: nn.Module, spec: Stream) -> StageOptimizer:
+            return StageOptimizer(module, self._connect_client(opts), optimizer=opts.optimizer, sync=str(opts.sync),
+                                  provides_values=(self.replica == 0), stream=spec)
+        return make
 
     def _stepper(self, opts: StageOptions) -> Callable[[list[tuple[str, torch.Tensor]]], Stepper]:
         def make(masters: list[tuple[str, torch.Tensor]]) -> Stepper:
-            from shardps.worker.client import connect
             from shardps.worker.optimizer import DistributedOptimizer
 
-            d, r, p = self.num_stages, self.replica, opts.tensor_parallel
-            self.client = connect(list(opts.servers), worker_id=(r * d + self.index) * p + self.tp_rank,
-                                  num_workers=opts.replicas * d * p, backups=list(opts.backups) or None,
-                                  security=opts.security)
+            r = self.replica
+            self._connect_client(opts)
             if self.tp is not None:
                 from shardps.worker.tp.servers import TPOptimizer
 
@@ -209,7 +231,7 @@ class StageActor:
         if self.tp is not None:
             self.tp.attach(open_group(store, GroupSpec(tp_name, self.tp_rank, self.tp.size, spec.backend, timeout),
                                       host))
-            if self.opts.servers and self.weights.stepper is None:
+            if self.opts.servers and isinstance(self.weights, StageWeights) and self.weights.stepper is None:
                 self.weights = StageWeights(self.rt, self.opts.sync, self.opts.weight_delay, self._stepper(self.opts))
 
     def begin_step(self, step: int, chunks: int, loss_fn: Callable[..., torch.Tensor] | None) -> None:
@@ -228,6 +250,8 @@ class StageActor:
         ``StageFailed``; a failure in the walk closes this stage's group, so that its neighbours end too."""
         link = self._link()
         self.begin_step(step, plan.chunks, loss_fn)
+        if isinstance(self.weights, StreamWeights):
+            self.weights.begin_tasks(plan.orders[self.index])
         self._task = None
         try:
             link.start(step, timeout, plan.orders)
@@ -277,6 +301,8 @@ class StageActor:
 
     def backward(self, mb: int, grad: torch.Tensor | None, target: torch.Tensor | None, weight: float,
                  next_mb: int | None) -> tuple[torch.Tensor | None, float]:
+        if isinstance(self.weights, StreamWeights):
+            self.weights.before_backward(mb)
         return self.rt.backward(mb, grad, target, weight, next_mb)
 
     def sync(self) -> int:
@@ -288,11 +314,26 @@ class StageActor:
         return self.weights.wait()
 
     def gradients(self) -> dict[str, torch.Tensor]:
+        if isinstance(self.weights, StreamWeights):
+            raise RuntimeError(f"stage {self.index}: a streamed stage keeps no gradients: each went up as the "
+                               f"step's last backward completed it")
         return self.rt.gradients()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        if isinstance(self.weights, StreamWeights):
+            return self.weights.state_dict()
         self.weights.wait()
         return self.rt.state_dict()
+
+    def stream_stats(self, reset: bool = False) -> dict[str, float]:
+        """A streamed stage's counters (``StageStreamer.stats``; empty when not streamed); ``reset``: start
+        the peaks over after reading them."""
+        if not isinstance(self.weights, StreamWeights):
+            return {}
+        out = self.weights.stats()
+        if reset:
+            self.weights.reset_peak()
+        return out
 
     def timeline(self) -> list[tuple[str, int, float, float]]:
         out = [(i.kind, i.microbatch, i.start, i.end) for i in self.rt.timeline]

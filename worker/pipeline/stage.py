@@ -108,10 +108,12 @@ class StageRuntime:
 
     # -- weights -----------------------------------------------------------
 
-    def install(self, params: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """From now on forwards run on ``params`` (new tensors; pending micro-batches keep theirs)."""
+    def install(self, params: dict[str, torch.Tensor], version: int | None = None, detach: bool = True) -> None:
+        """From now on forwards run on ``params`` (new tensors; pending micro-batches keep theirs).
+        ``detach=False``: on those very tensors (a streamed stage's parameters, whose hooks see the
+        gradients), already on the stage's device."""
         self.params = {n: params[n].detach().to(self.device).requires_grad_(self.params[n].requires_grad)
-                       for n in self.names}
+                       if detach else params[n] for n in self.names}
         self.version = self.version + 1 if version is None else version
         self._dict_version = {k: v for k, v in self._dict_version.items()
                               if any(id(p.params) == k for p in self._pending.values())}
@@ -139,6 +141,10 @@ class StageRuntime:
         self.timeline = []
         self.versions = [v for v in self.versions if v[0] >= step - 1]  # the last two steps
         self.offloader.stats.reset_step()
+
+    def recomputes(self, mb: int) -> bool:
+        """Whether micro-batch ``mb``'s forward runs again in its backward (``checkpoint``)."""
+        return self._recompute(mb)
 
     def _recompute(self, mb: int) -> bool:
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb != self.chunks - 1)
