@@ -1,7 +1,9 @@
-"""Test helpers: worker functions in threads (their first error re-raised), a real Prometheus."""
+"""Test helpers: worker functions in threads (their first error re-raised), two workers training over a
+data path (gRPC, shared memory, TCP), a real Prometheus."""
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import subprocess
@@ -12,6 +14,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
+
+import shardps
 
 
 def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> list[Any]:
@@ -35,6 +42,40 @@ def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> lis
     if errors:
         raise errors[0]
     return results
+
+
+def path_model() -> nn.Module:
+    """The small model the data-path tests train (seeded: every call gives the same weights)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 3))
+
+
+def train_over_paths(addresses: list[str], *, shm: bool, steps: int = 3,
+                     **opt_kw: Any) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+    """Two workers in threads train ``path_model()`` (Adam, parts of 1 KiB) for ``steps`` steps on their own
+    seeded batches. Each returns (the kind of its data path to each shard, by class: "GrpcPath",
+    "ShmPath", "TcpPath"; its final parameters). The path is the client's choice: ``shm`` and the
+    SHARDPS_TCP variable ("0": no TCP path, so ``shm=False`` is gRPC)."""
+    base = path_model()
+
+    def worker(k: int) -> tuple[list[str], dict[str, torch.Tensor]]:
+        model = copy.deepcopy(base)
+        client = shardps.connect(addresses, worker_id=k, num_workers=2, part_bytes=1024, shm=shm)
+        try:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), **opt_kw)
+            kinds = [type(p).__name__ for p in client.paths]
+            for step in range(steps):
+                g = torch.Generator().manual_seed(10 * k + step)
+                x, y = torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            return kinds, {n: p.detach().clone() for n, p in model.named_parameters()}
+        finally:
+            client.close()
+
+    return run_workers(worker, 2)
 
 
 class Prometheus:

@@ -21,6 +21,7 @@ from shardps.protos.optim import SGD, SM3, SparseAdam
 from shardps.protos.rows import RowTableSpec, shard_of
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.rows import RowTables
+from shardps.worker.errors import Unreachable
 from tests.helpers import run_workers
 
 
@@ -190,3 +191,22 @@ def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_pat
     for i, tables in enumerate(resharded):
         mine = keys_u64[shard_of(keys_u64, 3) == i]
         assert torch.equal(tables.pull("emb", 8, mine)[0], ref.pull("emb", 8, mine)[0])
+
+
+def test_a_row_call_to_a_shard_that_is_down_fails_naming_its_table(make_cluster):
+    """No backup: a pull, a push and a registration to a stopped shard fail, once the client's retries
+    end, as Unreachable naming the table and the call (and how a client learns backups); a shard's own
+    refusal, which names the table already, is not named twice."""
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses, timeout=10, recovery_timeout=0.5) as client:
+        client.rows.register("emb", 4, optimizer=SGD(lr=0.1))
+        with pytest.raises(shardps.ShardError, match=r"^shard \d \(.*\): FAILED_PRECONDITION: row table 'emb': reg"):
+            client.rows.register("emb", 5)  # another spec under the name
+        cluster._servers[1].stop(None)
+        calls = {"PullRows": lambda: client.rows.pull("emb", torch.arange(6)),
+                 "PushRows": lambda: client.rows.push("emb", torch.arange(6), torch.ones(6, 4), 0),
+                 "RegisterRows": lambda: client.rows.register("other", 4)}
+        for call, fn in calls.items():
+            with pytest.raises(Unreachable, match=rf"row table '(emb|other)': {call}: .*attach\(\)") as e:
+                fn()
+            assert e.value.shard == 1

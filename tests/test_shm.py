@@ -7,19 +7,17 @@ gone when the client closes.
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from torch import nn
 
 import shardps
-from shardps.protos import shm
+from shardps.protos import env, shm
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from tests.helpers import run_workers
+from tests.helpers import path_model, train_over_paths
 
 pytestmark = pytest.mark.skipif(
     not shm.available(),
@@ -28,54 +26,30 @@ pytestmark = pytest.mark.skipif(
 STEPS = 3
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 3))
-
-
-def train(addresses, *, use_shm: bool, **opt_kw):
-    base = make_model()
-
-    def worker(k: int):
-        model = copy.deepcopy(base)
-        client = shardps.connect(addresses, worker_id=k, num_workers=2, part_bytes=1024, shm=use_shm)
-        try:
-            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), **opt_kw)
-            links = [link is not None for link in client.shm_links]
-            for step in range(STEPS):
-                g = torch.Generator().manual_seed(10 * k + step)
-                x, y = torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            opt.synchronize()
-            return links, {n: p.detach().clone() for n, p in model.named_parameters()}
-        finally:
-            client.close()
-
-    return run_workers(worker, 2)
-
-
 @pytest.mark.parametrize("opt_kw", [dict(sync="bsp"), dict(sync="asp"),
                                     dict(sync="bsp", overlap=True, bucket_bytes=3000),
                                     dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16),
                                     dict(sync="bsp", overlap=True, bucket_bytes=3000, grad_dtype=torch.bfloat16,
                                          pull_dtype=torch.bfloat16)],
                          ids=["bsp", "asp", "bsp-overlap", "every2-bf16", "bsp-overlap-bf16"])
-def test_shared_memory_gives_the_weights_grpc_gives(make_cluster, opt_kw):
-    over_grpc = train(make_cluster(2).addresses, use_shm=False, **opt_kw)
-    over_shm = train(make_cluster(2).addresses, use_shm=True, **opt_kw)
+def test_shared_memory_gives_the_weights_grpc_gives(make_cluster, monkeypatch, opt_kw):
+    monkeypatch.setenv(env.TCP, "0")  # without shared memory the workers would take the TCP path, not gRPC
+    over_grpc = train_over_paths(make_cluster(2).addresses, shm=False, **opt_kw)
+    monkeypatch.delenv(env.TCP)
+    over_shm = train_over_paths(make_cluster(2).addresses, shm=True, **opt_kw)
     for k in range(2):
-        assert over_grpc[k][0] == [False, False] and over_shm[k][0] == [True, True]
+        assert over_grpc[k][0] == ["GrpcPath"] * 2 and over_shm[k][0] == ["ShmPath"] * 2
         if opt_kw["sync"] == "asp":
             continue  # two asp workers' gradients apply in arrival order: compared single-worker below
         for n, w in over_grpc[k][1].items():
             assert torch.equal(over_shm[k][1][n], w), f"worker {k}, {n}"
 
 
-def test_asp_one_worker_exact(make_cluster):
+def test_asp_one_worker_exact(make_cluster, monkeypatch):
+    monkeypatch.setenv(env.TCP, "0")  # shm=False: gRPC (the shm run takes shared memory first)
+
     def run(use_shm):
-        model = make_model()
+        model = path_model()
         with shardps.connect(make_cluster(2).addresses, part_bytes=1024, shm=use_shm) as client:
             opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), sync="asp")
             for step in range(STEPS):
@@ -182,7 +156,7 @@ def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(worker_shm.shm, "create", full)
-    model = make_model()
+    model = path_model()
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1))
         assert client.shm_links == [None, None]

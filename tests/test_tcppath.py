@@ -9,14 +9,12 @@ loopback ports; ``shm=False`` so that the same-host path does not come first.
 
 from __future__ import annotations
 
-import copy
 import socket
 import threading
 
 import grpc
 import pytest
 import torch
-from torch import nn
 
 import shardps
 from shardps.protos import env, tcpdata
@@ -25,37 +23,7 @@ from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.worker import tcppath
 from shardps.worker.paths import GrpcPath
 from shardps.worker.tcppath import TcpPath
-from tests.helpers import run_workers
-
-STEPS = 3
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 3))
-
-
-def train(addresses, **opt_kw):
-    base = make_model()
-
-    def worker(k: int):
-        model = copy.deepcopy(base)
-        client = shardps.connect(addresses, worker_id=k, num_workers=2, part_bytes=1024, shm=False)
-        try:
-            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), **opt_kw)
-            kinds = [type(p).__name__ for p in client.paths]
-            for step in range(STEPS):
-                g = torch.Generator().manual_seed(10 * k + step)
-                x, y = torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            opt.synchronize()
-            return kinds, {n: p.detach().clone() for n, p in model.named_parameters()}
-        finally:
-            client.close()
-
-    return run_workers(worker, 2)
+from tests.helpers import train_over_paths
 
 
 @pytest.mark.parametrize("opt_kw", [dict(sync="bsp"), dict(sync="bsp", overlap=True, bucket_bytes=3000),
@@ -63,9 +31,9 @@ def train(addresses, **opt_kw):
                          ids=["bsp", "bsp-overlap", "every2-bf16"])
 def test_tcp_gives_the_weights_grpc_gives(make_cluster, monkeypatch, opt_kw):
     monkeypatch.setenv(env.TCP, "0")  # the workers decline the data port the shards offer
-    over_grpc = train(make_cluster(2).addresses, **opt_kw)
+    over_grpc = train_over_paths(make_cluster(2).addresses, shm=False, **opt_kw)
     monkeypatch.delenv(env.TCP)
-    over_tcp = train(make_cluster(2).addresses, **opt_kw)
+    over_tcp = train_over_paths(make_cluster(2).addresses, shm=False, **opt_kw)
     for k in range(2):
         assert over_grpc[k][0] == ["GrpcPath"] * 2 and over_tcp[k][0] == ["TcpPath"] * 2
         for n, w in over_grpc[k][1].items():

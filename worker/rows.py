@@ -15,21 +15,24 @@ Thread-safety: as the PSClient, one thread at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from shardps.protos import codec
 from shardps.protos.optim import SGD, OptimizerSpec
-from shardps.protos.rows import RowTableSpec, as_u64, hash_key, rows_per_message, shard_of
+from shardps.protos.rows import RowTableSpec, as_u64, hash_key, label, rows_per_message, shard_of
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.errors import ShardError, Unreachable
 from shardps.worker.transport import Transport
 
 # At most this many keys in one PullRows request (8 bytes each: well under gRPC's 4 MiB message limit).
 MAX_PULL_KEYS = 1 << 18
 MAX_TRACKED = 64  # pulls of a table whose versions are kept for its next push
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,23 @@ def split(keys: np.ndarray, num_shards: int) -> Split:
     unique, inverse = np.unique(keys, return_inverse=True)
     return Split(unique, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), shard_of(unique, num_shards),
                  num_shards)
+
+
+def naming(name: str, call: str, transport: Transport, fn: Callable[[], T]) -> T:
+    """``fn()``, a row call on the shards; a shard's failure is re-raised as the same ``ShardError`` type with
+    details that name the table and the call (a shard's refusal names the table already). A shard that
+    did not answer, with no backup this client knows of, says how a client learns the backups."""
+    try:
+        return fn()
+    except ShardError as e:
+        table = f"row table {label(name)}"
+        if e.details.startswith(table):
+            raise
+        details = f"{table}: {call}: {e.details}"
+        if isinstance(e, Unreachable) and e.shard is not None and not transport.backups[e.shard]:
+            details += (f" (this client knows no backup of shard {e.shard}: under --replicas 2 it learns them when "
+                        "it registers dense tensors, or by attach())")
+        raise type(e)(e.address, e.shard, e.code, details) from e
 
 
 class RowClient:
@@ -80,7 +100,7 @@ class RowClient:
                 else RowTableSpec(name, dim, opt, keys, init, seed=seed, admit=admit, expire=expire))
         msg = ps_pb2.RegisterRowsRequest(table=spec.to_proto())
         t = self.transport
-        t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout))
+        naming(name, "RegisterRows", t, lambda: t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout)))
         self.specs[name] = spec
         return spec
 
@@ -120,7 +140,7 @@ class RowClient:
                 got += len(req.keys)
             return got
 
-        self.wire_bytes += sum(t.each(pull_shard))
+        self.wire_bytes += sum(naming(name, "PullRows", t, lambda: t.each(pull_shard)))
         if track:
             self.pulled.setdefault(name, []).append((s.unique, versions))
             del self.pulled[name][:-MAX_TRACKED]
@@ -172,8 +192,9 @@ class RowClient:
             answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)
             return int(answer.rows)
 
+        updated = sum(naming(name, "PushRows", t, lambda: t.each(push_shard)))
         self.wire_bytes += len(s.unique) * (8 + 4 * dim + 8)
-        return sum(t.each(push_shard))
+        return updated
 
 
 class RowCalls:
