@@ -3,6 +3,7 @@
 
     sudo .venv/bin/python benchmarks/cluster.py [--links 500mbit 200mbit] [--rounds 2] [--json]
     sudo .venv/bin/python benchmarks/cluster.py --quick            # DDP and shardps bsp fp32, n = 4, k = 4
+    sudo .venv/bin/python benchmarks/cluster.py --quick --links 50mbit   # where the link, not the CPU, is the bound
     sudo .venv/bin/python benchmarks/cluster.py --plot hosts.png --timeline step.png
 
 One ``shardps.netsim.NetCluster`` of 8 hosts (4 worker hosts h0-h3, 4 server
@@ -39,7 +40,8 @@ serves (1, 2, 4, 8) against the window (all at once, 1, 2, 3, 4), at n = 4,
 k = 4, beside DDP: what the defaults were chosen from.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
-``k``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``).
+``k``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
+links' tbf queues dropped, ``retrans_share``: the share of the hosts' TCP segments that were retransmissions).
 Needs root (network namespaces): it says so in one line otherwise.
 """
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -137,6 +140,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def link_counters(net: NetCluster, hosts: list[str]) -> tuple[int, int, int]:
+    """Packets the links' tbf queues dropped (both ends of every host's link), and the TCP segments the
+    hosts sent and retransmitted, so far: (drops, segments, retransmitted)."""
+    drops = segs = retrans = 0
+    for ns in [net.netns(h) for h in hosts] + [net.bridge_netns]:
+        out = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        drops += sum(int(x) for x in re.findall(r"dropped (\d+)", out))
+    for h in hosts:
+        snmp = subprocess.run(["ip", "netns", "exec", net.netns(h), "cat", "/proc/net/snmp"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.splitlines()
+        names, values = (line.split()[1:] for line in snmp if line.startswith("Tcp:"))
+        tcp = dict(zip(names, values))
+        segs, retrans = segs + int(tcp["OutSegs"]), retrans + int(tcp["RetransSegs"])
+    return drops, segs, retrans
+
+
 def stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -153,6 +173,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
     servers: list[subprocess.Popen[str]] = []
     addresses: list[str] = []
     workers: list[subprocess.Popen[str]] = []
+    counted0 = link_counters(net, WORKER_HOSTS + SERVER_HOSTS)
     try:
         if c.system == "shardps":
             hosts = WORKER_HOSTS[:c.n] if c.k == 0 else SERVER_HOSTS[:c.k]
@@ -199,7 +220,10 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
     per_worker = statistics.mean if every > 1 else statistics.median
     step = statistics.median(per_worker(r["times"]) for r in results)
     cpu = (sum(r["cpu_s"] for r in results) + server_cpu) / steps
-    return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline")}
+    # the links' counters over the whole row (warm-up steps too), per step
+    drops, segs, retrans = (b - a for a, b in zip(counted0, link_counters(net, WORKER_HOSTS + SERVER_HOSTS)))
+    return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline"),
+            "drops": drops / (steps + warmup), "retrans_share": retrans / max(1, segs)}
 
 
 def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -> dict[str, Any]:
@@ -208,13 +232,15 @@ def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -
     out = {"system": c.system, **{k: v for k, v in asdict(c).items() if k != "system"}, "label": c.label,
            "link_mbit": round(bits / 1e6), "model_mb": round(model_bytes / 1e6, 2), "step_s": round(step, 4),
            "formula_s": round(f, 4), "ratio": round(step / f, 3),
-           "cpu_s": round(statistics.median(g["cpu_s"] for g in got), 3)}
+           "cpu_s": round(statistics.median(g["cpu_s"] for g in got), 3),
+           "drops_per_step": round(statistics.median(g["drops"] for g in got)),
+           "retrans_share": round(statistics.median(g["retrans_share"] for g in got), 4)}
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--links", nargs="+", default=["500mbit", "200mbit"], help="link rates, one table each")
+    p.add_argument("--links", nargs="+", help="link rates, one table each (default 500mbit 200mbit; --quick: 200mbit)")
     p.add_argument("--dims", default="1024-2048-1024-10")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed steps per worker")
@@ -223,7 +249,7 @@ def main() -> int:
     p.add_argument("--shards-per-host", type=int, default=4)
     p.add_argument("--window", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0, help="per row, seconds")
-    p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4, 200mbit")
+    p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4 (200mbit)")
     p.add_argument("--sweep", action="store_true",
                    help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
@@ -234,7 +260,7 @@ def main() -> int:
     if missing:
         print(f"benchmarks/cluster.py: {missing}", file=sys.stderr)
         return 2
-    links = ["200mbit"] if a.quick else a.links
+    links = a.links or (["200mbit"] if a.quick else ["500mbit", "200mbit"])
     dims = tuple(int(d) for d in a.dims.split("-"))
     model_bytes = 4.0 * numel(dims)
     rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep)
@@ -279,12 +305,14 @@ def print_table(table: list[dict[str, Any]]) -> None:
     for link in sorted({t["link_mbit"] for t in table}, reverse=True):
         rows_ = [t for t in table if t["link_mbit"] == link]
         ddp = {t["n"]: t["step_s"] for t in rows_ if t["system"] == "ddp"}
-        print(f"\nlink {link} Mbit/s\n| system | n | step s | formula s | measured/formula | DDP/x | cpu s/step |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"\nlink {link} Mbit/s\n| system | n | step s | formula s | measured/formula | DDP/x | cpu s/step "
+              "| drops/step | retransmitted |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for t in rows_:
             vs = ddp.get(t["n"])
             print(f"| {t['label']} | {t['n']} | {t['step_s']:.3f} | {t['formula_s']:.3f} | {t['ratio']:.2f} | "
-                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} |" if vs else "")
+                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} | {t['drops_per_step']} | {t['retrans_share']:.2%} |"
+                  if vs else "")
 
 
 def plot(path: str, table: list[dict[str, Any]]) -> None:
@@ -318,9 +346,13 @@ def plot_timeline(path: str, samples: list[list[float]], link: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [s[0] for s in samples]
-    rate = [(t[i], (samples[i][1] - samples[i - 1][1]) * 8e-6 / (t[i] - t[i - 1]),
-             (samples[i][2] - samples[i - 1][2]) * 8e-6 / (t[i] - t[i - 1])) for i in range(1, len(samples))]
+    # the rate over bins of 50 ms: a 5 ms sample is mostly tbf's bursts, not the link's rate
+    bins = [samples[0]]
+    for s in samples[1:]:
+        if s[0] - bins[-1][0] >= 0.05 or s is samples[-1]:
+            bins.append(s)
+    rate = [((bins[i][0] + bins[i - 1][0]) / 2, (bins[i][1] - bins[i - 1][1]) * 8e-6 / (bins[i][0] - bins[i - 1][0]),
+             (bins[i][2] - bins[i - 1][2]) * 8e-6 / (bins[i][0] - bins[i - 1][0])) for i in range(1, len(bins))]
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.plot([r[0] for r in rate], [r[1] for r in rate], label="uplink (gradients up)")
     ax.plot([r[0] for r in rate], [r[2] for r in rate], label="downlink (weights down)")
