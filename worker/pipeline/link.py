@@ -25,11 +25,12 @@ buffer as large as the largest payload that neighbour sent so far (at least
 (the receiver gets a view of the buffer, or a copy when the buffer is more
 than twice its size); one that does not, or no value, sends a byte of filler
 there, and a larger payload follows into a receive of its own size, posted
-once the header says it. With nccl (GPU) sizes must match: the payload's
-receive is posted once its header came. Since a posted receive lets a value
-through before the neighbour's walk gets to it, the receiver says that it
-took each value (a one-int64 message with tag ``ACK_TAG``), and a value
-counts as taken only then.
+once the header says it. Since a posted receive lets a value through
+before the neighbour's walk gets to it, the receiver says that it took each
+value (a one-int64 message with tag ``ACK_TAG``), and a value counts as taken
+only then. With nccl (GPU) none of this: sizes must match and tags are not
+kept apart, so the payload's receive is posted once its header came (and its
+send completing says that it was taken).
 
 Sends do not block: each returns at once and completes when the neighbour
 posts its receive and says it took the value (in 1F1B both neighbours send before they receive; blocking
@@ -287,9 +288,10 @@ class GroupLink:
             if payload is not None:
                 sent.tensors.append(payload)
                 sent.works.append(self.group.send([payload], peer, 0))
-            ack = torch.empty(1, dtype=torch.int64, device=self.device)
-            sent.tensors.append(ack)
-            sent.works.append(self.group.recv([ack], peer, ACK_TAG))
+            if self._ahead:  # its receiver's word that it took the value (see the module docstring)
+                ack = torch.empty(1, dtype=torch.int64, device=self.device)
+                sent.tensors.append(ack)
+                sent.works.append(self.group.recv([ack], peer, ACK_TAG))
         except RuntimeError as e:
             raise self._error(e, peer, kind, mb, True) from e
 
@@ -322,8 +324,9 @@ class GroupLink:
                 posted.work.wait(self._left())
             if value is not None:
                 work.wait(self._left())
-            ack = torch.tensor([mb], dtype=torch.int64, device=self.device)
-            self._acks.append((self.group.send([ack], stage, ACK_TAG), ack))
+            if self._ahead:
+                ack = torch.tensor([mb], dtype=torch.int64, device=self.device)
+                self._acks.append((self.group.send([ack], stage, ACK_TAG), ack))
         except RuntimeError as e:
             raise self._error(e, stage, kind, mb, False) from e
         if dtype is not None and inline:
