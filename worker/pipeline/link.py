@@ -32,10 +32,10 @@ only then. With nccl (GPU) none of this: sizes must match and tags are not
 kept apart, so the payload's receive is posted once its header came (and its
 send completing says that it was taken).
 
-Sends do not block: each returns at once and completes when the neighbour
-posts its receive and says it took the value (in 1F1B both neighbours send before they receive; blocking
-sends would deadlock). A sent tensor is kept until its send is known to be
-done: when the neighbour hands over a value its own order produces after the
+Sends do not block (in 1F1B both neighbours send before they receive;
+blocking sends would deadlock): each returns at once, and a value counts as
+taken once the neighbour said so (CPU) or its send completed (nccl). A sent
+tensor is kept until it is known to be taken: when the neighbour hands over a value its own order produces after the
 task that took ours (the step's orders, given to ``start``), or at ``flush``,
 which waits for the rest at the end of a step. Every wait has a deadline
 (``start(timeout)``: the step's; a wait that times out closes the connection,
