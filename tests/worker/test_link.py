@@ -3,6 +3,7 @@ checks, deadlines, a neighbour that goes away, and the group kept apart from oth
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from shardps.worker.groups import GroupSpec, open_group
-from shardps.worker.pipeline.link import MAX_DIMS, GroupLink, LinkError, decode_header, encode_header
+from shardps.worker.pipeline.link import MAX_DIMS, PAYLOAD_MIN, GroupLink, LinkError, decode_header, encode_header
 from shardps.worker.pipeline.schedule import Kind
 
 F, B = Kind.FORWARD, Kind.BACKWARD
@@ -159,3 +160,52 @@ def test_bad_input_is_refused_with_the_values():
         one.recv(F, 2, 0)
     with pytest.raises(ValueError, match="stage 0 cannot send as stage 1"):
         one.send(F, 1, 0, torch.ones(1))
+
+
+def test_values_larger_than_the_receive_posted_ahead_come_after_it_and_it_grows():
+    """On CPU the receives of the next value are posted ahead, the payload's as large as the largest so far
+    (at least PAYLOAD_MIN): a larger value follows a filler into a receive of its own size; both ends then
+    post and send for the new size, smaller values arrive as copies (not views of a much larger buffer)."""
+    from shardps.worker.pipeline.plan import plan_step
+
+    big, small = torch.randn(PAYLOAD_MIN // 4 + 5), torch.arange(3.0)  # float32: just over, far under
+    plan = plan_step("gpipe", [1] * 4, 2, "sum")
+    a, b = links(2)
+    for step in (0, 1):
+        a.start(step, 30, plan.orders)
+        b.start(step, 30, plan.orders)
+        sent = [big, small, big * 2, None] if step == 0 else [small, big * 3, big, small]
+        for mb, v in enumerate(sent):
+            a.send(F, 0, mb, v)
+        for mb, v in enumerate(sent):
+            got = b.recv(F, 0, mb)
+            assert (got is None) if v is None else torch.equal(got, v), (step, mb)
+        assert a._cap_out == {1: big.numel() * 4} and b._cap_in == {0: big.numel() * 4}
+        for mb in reversed(range(4)):
+            b.send(B, 1, mb, torch.full((2,), float(mb)))
+        for mb in reversed(range(4)):
+            assert torch.equal(a.recv(B, 1, mb), torch.full((2,), float(mb)))
+        a.flush()
+        b.flush()
+    got = b._post(0)  # the next value's receives: the buffer has the grown size
+    assert got.buffer is not None and got.buffer.numel() == big.numel() * 4
+
+
+def test_a_value_counts_as_taken_when_the_neighbour_took_it_not_when_it_arrived():
+    """Stage 1 posts the receives of F1 as it takes F0, so F1 arrives there at once; it is counted taken
+    only when stage 1 says so: after stage 1 closes, stage 0 learns that it took F0, not F1."""
+    from shardps.worker.pipeline.plan import plan_step
+
+    plan = plan_step("gpipe", [1, 1], 2, "sum")
+    a, b = links(2)
+    a.start(0, 600, plan.orders)
+    b.start(0, 600, plan.orders)
+    a.send(F, 0, 0, torch.ones(2))
+    a.send(F, 0, 1, torch.ones(2))
+    assert b.recv(F, 0, 0) is not None
+    b._early[0].work.wait(datetime.timedelta(seconds=30))  # F1's payload is in the buffer posted ahead
+    b.close()
+    with pytest.raises(LinkError, match="stage 0 lost stage 1 while waiting for the input gradient of "
+                                        "micro-batch 1") as e:
+        a.recv(B, 1, 1)
+    assert (e.value.reason, e.value.taken) == ("lost", (F, 0))

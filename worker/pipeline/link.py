@@ -1,7 +1,7 @@
 """``GroupLink``: the walker's ``Link`` between pipeline stages in different processes, over a process group.
 
 Stage s is rank s of its pipeline's group (``worker/groups.py``). A value
-travels as two point-to-point messages from the sender to its neighbour: a
+travels as point-to-point messages from the sender to its neighbour: a
 header of ``HEADER_LEN`` int64s, then the tensor itself::
 
     header: MAGIC | kind (0 forward output, 1 input gradient) | micro-batch | step
@@ -9,16 +9,33 @@ header of ``HEADER_LEN`` int64s, then the tensor itself::
 
 so shapes and dtypes may change from one message to the next (the last
 micro-batch smaller, another sequence length in the next step): the receiver
-learns the size from the header and allocates. Messages from one rank to
-another arrive in the order they were sent (a process group's point-to-point
-order per pair), and each stage sends and receives in its own order of the
-plan, so the header is also a check: a value that is not the one expected
-(another micro-batch, kind or step) is an error that says both.
+learns the size from the header. Messages from one rank to another arrive in
+the order they were sent (a process group's point-to-point order per pair),
+and each stage sends and receives in its own order of the plan, so the
+header is also a check: a value that is not the one expected (another
+micro-batch, kind or step) is an error that says both.
 
-Sends do not block: each returns at once and completes when the neighbour
-posts its receive (in 1F1B both neighbours send before they receive; blocking
-sends would deadlock). A sent tensor is kept until its send is known to be
-done: when the neighbour hands over a value its own order produces after the
+Received ahead (CPU, gloo): gloo sends a message only into a receive the
+other side has posted, so a payload whose receive is posted after its header
+came costs a round trip (receiver -> sender's gloo thread -> receiver) while
+the receiver waits. So each stage posts the receives of a neighbour's next
+value as it takes the one before (and at ``start``): the header and a payload
+buffer as large as the largest payload that neighbour sent so far (at least
+``PAYLOAD_MIN``; both ends know that size). A payload that fits goes into it
+(the receiver gets a view of the buffer, or a copy when the buffer is more
+than twice its size); one that does not, or no value, sends a byte of filler
+there, and a larger payload follows into a receive of its own size, posted
+once the header says it. Since a posted receive lets a value through
+before the neighbour's walk gets to it, the receiver says that it took each
+value (a one-int64 message with tag ``ACK_TAG``), and a value counts as taken
+only then. With nccl (GPU) none of this: sizes must match and tags are not
+kept apart, so the payload's receive is posted once its header came (and its
+send completing says that it was taken).
+
+Sends do not block (in 1F1B both neighbours send before they receive;
+blocking sends would deadlock): each returns at once, and a value counts as
+taken once the neighbour said so (CPU) or its send completed (nccl). A sent
+tensor is kept until it is known to be taken: when the neighbour hands over a value its own order produces after the
 task that took ours (the step's orders, given to ``start``), or at ``flush``,
 which waits for the rest at the end of a step. Every wait has a deadline
 (``start(timeout)``: the step's; a wait that times out closes the connection,
@@ -42,6 +59,8 @@ import torch
 from shardps.worker.pipeline.schedule import Kind, Task
 
 MAGIC = 0x5053  # "PS"
+ACK_TAG = 1  # a receiver's word that it took a value (the values travel with tag 0)
+PAYLOAD_MIN = 64 * 1024  # bytes of the first payload receive a stage posts ahead, per neighbour
 MAX_DIMS = 10
 HEADER_LEN = 6 + MAX_DIMS
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -49,6 +68,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 _CODE = {d: i for i, d in enumerate(DTYPES)}
 _KIND = {Kind.FORWARD: 0, Kind.BACKWARD: 1}
 NO_VALUE = -1
+_FILLER = torch.zeros(1, dtype=torch.uint8)  # what fills a payload receive posted ahead when the value is not in it
 
 
 def _what(kind: Kind, mb: int) -> str:
@@ -73,13 +93,28 @@ class LinkError(RuntimeError):
 
 @dataclass
 class _Sent:
-    """A value sent and not known to be taken: its works (header, payload) and tensors, kept until then."""
+    """A value sent and not known to be taken: its works (header, payload, the receive of the neighbour's
+    word that it took the value) and tensors, kept until then."""
 
     kind: Kind
     mb: int
     peer: int
     works: list[Any]
     tensors: list[torch.Tensor]
+
+
+@dataclass
+class _Posted:
+    """The receives of a neighbour's next value, posted ahead: its header and, on CPU, a payload buffer."""
+
+    header_work: Any
+    header: torch.Tensor
+    work: Any = None
+    buffer: torch.Tensor | None = None
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def encode_header(kind: Kind, mb: int, step: int, value: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +161,17 @@ class GroupLink:
         self._position: dict[int, dict[tuple[Kind, int], int]] = {}  # neighbour -> (kind, mb) -> index in its order
         self._taken: dict[int, tuple[Kind, int]] = {}  # neighbour -> the last of our values it is known to have
         self._expect: dict[int, int] = {}  # neighbour -> values still to come from it this step
-        self._early: dict[int, tuple[Any, torch.Tensor]] = {}  # neighbour -> the receive of its next header
+        self._early: dict[int, _Posted] = {}  # neighbour -> the receives of its next value, posted ahead
+        self._acks: list[tuple[Any, torch.Tensor]] = []  # our words that we took a value: sends, tensors
+        # On CPU (gloo) a value's payload is received into a buffer posted with its header, before the
+        # neighbour sends: gloo sends only into a posted receive, so a payload received after its header
+        # came would cost a round trip while this stage waits. The buffer holds the largest payload that
+        # came from that neighbour so far (at least PAYLOAD_MIN): both ends know it, so a larger value is
+        # sent after a filler, into a receive of its own size. nccl needs exact sizes: there the payload is
+        # received once its header says the size.
+        self._ahead = self.device.type == "cpu"
+        self._cap_in: dict[int, int] = {}  # neighbour -> the size of the payload receive we post ahead
+        self._cap_out: dict[int, int] = {}  # neighbour -> the size of the one it posts for our values
 
     def start(self, step: int, timeout: float, orders: Sequence[Sequence[Task]] | None = None) -> None:
         """A step begins: its values carry ``step``, and every wait of it ends ``timeout`` seconds from now.
@@ -140,7 +185,7 @@ class GroupLink:
         self._taken = {}
         self._position = {n: {(t.kind, t.microbatch): i for i, t in enumerate(orders[n])}
                           for n in (self.stage - 1, self.stage + 1) if orders and 0 <= n < len(orders)}
-        self._early, self._expect = {}, {}
+        self._early, self._expect, self._acks = {}, {}, []
         if orders:
             own = orders[self.stage]
             self._expect = {n: sum(1 for t in own if t.kind is k) for n, k in
@@ -157,11 +202,20 @@ class GroupLink:
         return [(n, Kind.FORWARD if n < self.stage else Kind.BACKWARD) for n in list(self._expect)]
 
     def _post_header(self, peer: int) -> None:
-        """Receive ``peer``'s next header ahead, when one more value is to come from it this step."""
+        """Receive ``peer``'s next value ahead, when one more is to come from it this step."""
         if self._expect.get(peer, 0) > 0 and self.group is not None:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            self._early[peer] = (self.group.recv([header], peer, 0), header)
+            self._early[peer] = self._post(peer)
             self._expect[peer] -= 1
+
+    def _post(self, peer: int) -> _Posted:
+        """Post the receives of ``peer``'s next value: its header and (on CPU) a payload buffer."""
+        assert self.group is not None
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        posted = _Posted(self.group.recv([header], peer, 0), header)
+        if self._ahead:
+            posted.buffer = torch.empty(self._cap_in.get(peer, PAYLOAD_MIN), dtype=torch.uint8)
+            posted.work = self.group.recv([posted.buffer], peer, 0)
+        return posted
 
     def _left(self) -> dt.timedelta:
         return dt.timedelta(seconds=max(0.001, self._deadline - time.monotonic()))
@@ -219,13 +273,25 @@ class GroupLink:
         if self.group is None:
             raise RuntimeError(f"stage {self.stage}: the pipeline's group was closed (after a failure)")
         header = encode_header(kind, mb, self.step, value).to(self.device)
+        payload = None if value is None else value.detach().to(self.device).contiguous()
         try:
             sent = _Sent(kind, mb, peer, [self.group.send([header], peer, 0)], [header])
             self._sends.append(sent)
-            if value is not None:
-                payload = value.detach().to(self.device).contiguous()
+            if self._ahead:  # into the buffer the neighbour posted: the payload, or a filler
+                cap, size = self._cap_out.get(peer, PAYLOAD_MIN), _nbytes(payload)
+                self._cap_out[peer] = max(cap, size)
+                first = payload.reshape(-1).view(torch.uint8) if payload is not None and 0 < size <= cap else _FILLER
+                sent.tensors.append(first)
+                sent.works.append(self.group.send([first], peer, 0))
+                if size <= cap:
+                    payload = None
+            if payload is not None:
                 sent.tensors.append(payload)
                 sent.works.append(self.group.send([payload], peer, 0))
+            if self._ahead:  # its receiver's word that it took the value (see the module docstring)
+                ack = torch.empty(1, dtype=torch.int64, device=self.device)
+                sent.tensors.append(ack)
+                sent.works.append(self.group.recv([ack], peer, ACK_TAG))
         except RuntimeError as e:
             raise self._error(e, peer, kind, mb, True) from e
 
@@ -237,33 +303,48 @@ class GroupLink:
         if self.group is None:
             raise RuntimeError(f"stage {self.stage}: the pipeline's group was closed (after a failure)")
         try:
-            if stage in self._early:
-                work, header = self._early.pop(stage)
-            else:
-                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                work = self.group.recv([header], stage, 0)
-            work.wait(self._left())
+            posted = self._early.pop(stage) if stage in self._early else self._post(stage)
+            posted.header_work.wait(self._left())
         except RuntimeError as e:
             raise self._error(e, stage, kind, mb, False) from e
-        got_kind, got_mb, got_step, dtype, shape = decode_header(header.cpu())
+        got_kind, got_mb, got_step, dtype, shape = decode_header(posted.header.cpu())
         if (got_kind, got_mb, got_step) != (kind, mb, self.step):
             raise LinkError(f"stage {self.stage} expected {_what(kind, mb)} of step {self.step} from stage {stage}, "
                             f"got {_what(got_kind, got_mb)} of step {got_step}", stage, kind, mb, "mismatch")
-        value = None
+        value, size = None, 0 if dtype is None else torch.Size(shape).numel() * dtype.itemsize
+        inline = posted.buffer is not None and size <= posted.buffer.numel()
         try:
-            if dtype is not None:
+            if dtype is not None and not inline:
                 value = torch.empty(shape, dtype=dtype, device=self.device)
                 work = self.group.recv([value], stage, 0)
+            if posted.buffer is not None:
+                self._cap_in[stage] = max(posted.buffer.numel(), size)
             self._post_header(stage)  # after the payload's receive: a peer's messages match receives in order
+            if posted.work is not None:
+                posted.work.wait(self._left())
             if value is not None:
                 work.wait(self._left())
+            if self._ahead:
+                ack = torch.tensor([mb], dtype=torch.int64, device=self.device)
+                self._acks.append((self.group.send([ack], stage, ACK_TAG), ack))
         except RuntimeError as e:
             raise self._error(e, stage, kind, mb, False) from e
+        if dtype is not None and inline:
+            assert posted.buffer is not None
+            data = posted.buffer[:size]
+            # A view of the buffer, unless it is much larger than the value (then a copy, not to hold it).
+            value = (data if 2 * size >= posted.buffer.numel() else data.clone()).view(dtype).view(shape)
         self._done_before(stage, kind, mb)
         return value
 
     def flush(self) -> None:
         """Wait until every value sent has been taken by its neighbour (within the step's deadline)."""
+        for work, *_ in self._acks:
+            try:
+                work.wait(self._left())
+            except RuntimeError:
+                pass  # the neighbour ended after this stage took its values: its own wait reports that
+        self._acks = []
         while self._sends:
             sent = self._sends[0]
             try:
@@ -276,7 +357,7 @@ class GroupLink:
 
     def close(self) -> None:
         """Drop the group (its connections close: neighbours waiting on this stage fail at once)."""
-        self._sends, self._early = [], {}
+        self._sends, self._early, self._acks = [], {}, []
         self.group = None
 
     @property
