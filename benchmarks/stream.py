@@ -51,7 +51,8 @@ def gpt(a: argparse.Namespace, say: Any) -> dict[str, Any]:
     budget = int(a.gpt_budget * model_bytes)
     with shardps.LocalCluster(a.servers, processes=True) as cluster:
         out = train(cluster.addresses, dim=a.dim, layers=a.layers, heads=a.heads, context=a.context,
-                    batch_size=a.batch_size, steps=a.gpt_steps, max_live_bytes=budget, log_every=10, say=say)
+                    batch_size=a.batch_size, steps=a.gpt_steps, max_live_bytes=budget, log_every=10, say=say,
+                    lr=a.gpt_lr)
     times = out.pop("step_seconds")
     out["mean_step_seconds"] = round(statistics.mean(times[1:]), 3)
     return out
@@ -174,6 +175,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--gpt-steps", type=int, default=40)
     p.add_argument("--gpt-budget", type=float, default=0.06)
+    p.add_argument("--gpt-lr", type=float, default=3e-3, help="the servers' Adam learning rate for --part gpt")
     p.add_argument("--peers-budget", type=float, nargs="+", default=[0.5, 1.0],
                    help="budgets (fractions of the model) to stream the peers workload under")
     p.add_argument("--peers-steps", type=int, default=5)
