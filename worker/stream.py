@@ -374,21 +374,30 @@ class Streamer:
         g = param.grad
         if self._closed or g is None:
             return
+        self._hand(name, g, "in one step (backward run twice before step()): a streamed model pushes each "
+                            "gradient as it is complete; accumulate with sync='every:X' instead")
+        self._let_go(name, param, g)
+
+    def _hand(self, name: str, g: torch.Tensor, twice: str) -> None:
+        """``name``'s complete gradient: summed on the host (every:X, not the step that pushes) or handed to
+        the step's push stream (``twice``: what to say when it comes a second time)."""
         opt = self.opt
         x = opt.sync.accumulation
-        if x > 1 and opt.accumulator.steps + 1 < x:  # not the step that pushes: summed on the host
+        if x > 1 and opt.accumulator.steps + 1 < x:
             opt.accumulator.add_one(name, g)
-        else:
-            if name in self._handed:
-                raise RuntimeError(f"Stream: the gradient of {name!r} came twice in one step (backward run "
-                                   f"twice before step()): a streamed model pushes each gradient as it is "
-                                   f"complete; accumulate with sync='every:X' instead")
-            value = g if x == 1 else opt.accumulator.mean_with(name, g, x)
-            if self._push is None:
-                self._push = opt.open_push_stream()
-            self._push.add({name: value})
-            self._handed.add(name)
-        self._mark(g.untyped_storage().nbytes())  # the gradient is counted while it exists
+            return
+        if name in self._handed:
+            raise RuntimeError(f"Stream: the gradient of {name!r} came twice {twice}")
+        value = g if x == 1 else opt.accumulator.mean_with(name, g, x)
+        if self._push is None:
+            self._push = opt.open_push_stream()
+        self._push.add({name: value})
+        self._handed.add(name)
+
+    def _let_go(self, name: str, param: torch.Tensor, g: torch.Tensor) -> None:
+        """After ``name``'s gradient ``g`` was taken: counted while it existed, gone from the parameter, and
+        the backward slots that waited only for it released."""
+        self._mark(g.untyped_storage().nbytes())
         param.grad = None
         for pos, waiting in list(self._waiting.items()):
             waiting.discard(name)

@@ -280,25 +280,8 @@ class StageStreamer(Streamer):
         else:
             total = g.detach() if acc is None else acc.add_(g.detach().to(acc.device))
             self._sums.pop(name, None)
-            opt, x = self.opt, self.opt.sync.accumulation
-            if x > 1 and opt.accumulator.steps + 1 < x:  # every:X, not the step that pushes: on the host too
-                opt.accumulator.add_one(name, total)
-            else:
-                if name in self._handed:
-                    raise RuntimeError(f"Stream: the gradient of {name!r} came twice in the last backward of a "
-                                       f"pipeline step")
-                value = total if x == 1 else opt.accumulator.mean_with(name, total, x)
-                if self._push is None:
-                    self._push = opt.open_push_stream()
-                self._push.add({name: value})
-                self._handed.add(name)
-        self._mark(g.untyped_storage().nbytes())  # the gradient is counted while it exists
-        param.grad = None
-        for pos, waiting in list(self._waiting.items()):
-            waiting.discard(name)
-            if not waiting:
-                del self._waiting[pos]
-                self._release(("b", pos))
+            self._hand(name, total, "in the last backward of a pipeline step")
+        self._let_go(name, param, g)
 
     # -- step boundaries ------------------------------------------------------------
 
