@@ -219,7 +219,7 @@ class Streamer:
         net = []
         for n in fetch:
             self._alloc(n)
-            if slot[0] == "b" and n in self._host:
+            if self._use_host_copy(slot, n):
                 self._from_host(n)
             else:
                 net.append(n)
@@ -230,6 +230,10 @@ class Streamer:
             self.pulled_bytes += sum(self._size[n] for n in net)
             for n in net:
                 self._inflight[n] = pull
+
+    def _use_host_copy(self, slot: Slot, name: str) -> bool:
+        """Whether ``slot`` gets ``name`` from its host copy, not a pull (here: a backward's, keep="host")."""
+        return slot[0] == "b" and name in self._host
 
     def _ready(self, names: tuple[str, ...]) -> None:
         """Wait until ``names`` are in (the pull's deadline); a failed pull goes to the optimizer."""
@@ -379,8 +383,7 @@ class Streamer:
         self._let_go(name, param, g)
 
     def _hand(self, name: str, g: torch.Tensor, twice: str) -> None:
-        """``name``'s complete gradient: summed on the host (every:X, not the step that pushes) or handed to
-        the step's push stream (``twice``: what to say when it comes a second time)."""
+        """``name``'s complete gradient to the host sum (every:X, not the pushing step) or the push stream."""
         opt = self.opt
         x = opt.sync.accumulation
         if x > 1 and opt.accumulator.steps + 1 < x:
@@ -395,8 +398,7 @@ class Streamer:
         self._handed.add(name)
 
     def _let_go(self, name: str, param: torch.Tensor, g: torch.Tensor) -> None:
-        """After ``name``'s gradient ``g`` was taken: counted while it existed, gone from the parameter, and
-        the backward slots that waited only for it released."""
+        """``g`` taken: counted, dropped from the parameter, the backward slots waiting only on it released."""
         self._mark(g.untyped_storage().nbytes())
         param.grad = None
         for pos, waiting in list(self._waiting.items()):
@@ -474,8 +476,7 @@ class Streamer:
 
     def held(self) -> dict[str, int]:
         """Each tensor's live storage bytes, for the tensors that have any (empty between steps)."""
-        out = {n: p.data.untyped_storage().nbytes() for n, p in self.params.items()}
-        return {n: b for n, b in out.items() if b}
+        return {n: b for n, p in self.params.items() if (b := p.data.untyped_storage().nbytes())}
 
 
 def _settle(pull: PullInFlight) -> None:

@@ -157,33 +157,10 @@ class StageStreamer(Streamer):
 
     # -- holding and releasing (the Streamer's, for many uses a step) ------------------
 
-    def _acquire(self, slot: Slot, k: int) -> None:
+    def _use_host_copy(self, slot: Slot, name: str) -> bool:
         if not self.training:
-            super()._acquire(slot, k)
-            return
-        if slot in self._held:
-            return
-        names = self.units[k].names
-        fetch = [n for n in names if self._refs[n] == 0 and n not in self._inflight and n not in self._cache]
-        for n in names:
-            self._refs[n] += 1
-            self._cache.pop(n, None)
-        self._held[slot] = names
-        self._make_room(sum(self._size[n] for n in fetch))
-        net = []
-        for n in fetch:
-            self._alloc(n)
-            if n in self._host:  # keep="host": every use after the step's first comes from the host copy
-                self._from_host(n)
-            else:
-                net.append(n)
-        if net:
-            pull = self.opt.client.pull_async(net, out={n: self.params[n].data for n in net}, min_versions=self.mins,
-                                              min_clock=self.min_clock, dtype=self.opt.pull_dtype)
-            self.pulls += 1
-            self.pulled_bytes += sum(self._size[n] for n in net)
-            for n in net:
-                self._inflight[n] = pull
+            return super()._use_host_copy(slot, name)
+        return name in self._host  # keep="host": every use after the step's first comes from the host copy
 
     def _release(self, slot: Slot) -> None:
         if not self.training:
