@@ -16,13 +16,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from shardps.protos import codec
 from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
+from shardps.protos.slices import TensorSlice
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier
 from shardps.server.checkpoint import Checkpointer
@@ -34,6 +35,7 @@ from shardps.server.remedies import Remedy, RemedyKind
 from shardps.server.replica import ReplicaSide
 from shardps.server.roles import OpKind, Role
 from shardps.server.scaling import LossScaler, scaling_config, unscale_and_check
+from shardps.server.slicepull import check_slices, read_slices
 from shardps.server.snapshot import pack, part_keys
 from shardps.server.sync import Contribution, Grads, Received, Update, make_policy, materialize
 from shardps.server.table import PartKey, TensorSpec, TensorTable, spec_to_json
@@ -282,22 +284,10 @@ class DataPath:
         holds them. With ``segment`` (the same-host fast path) the weights go there instead and the messages
         only say where (``read_into``). Returns (seconds waited, messages): a list, or for a large Pull a ``Framing``
         being filled outside the lock (iterate it)."""
-        job = self.job
-        job.check_epoch(epoch)
-        self.leases.touch(worker_id)
         if not names:
             with self._cond:
                 names = sorted(self.table)
-        for n in names:
-            self.table.spec(n)  # NotFound before any wait
-        t0 = time.monotonic()
-        slowest = 0
-        if min_version > job.version:
-            job.wait_version(min_version, timeout, epoch)
-        if min_clock > 0:
-            slowest = job.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
-        waited = time.monotonic() - t0
-        self.leases.touch(worker_id)
+        waited, slowest = self._wait(worker_id, names, min_version, min_clock, epoch, timeout)
         messages: Sequence[Item] | Framing
         if segment is not None:
             _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
@@ -306,6 +296,37 @@ class DataPath:
             _, messages = self.reader.read(names, wire_dtype, chunk_bytes, messages=True, slowest_clock=slowest,
                                            worker_id=worker_id)
         self.replica.replicated()  # workers see only weights the backup holds too (--replicas 2)
+        return waited, messages
+
+    def _wait(self, worker_id: int, names: Sequence[str], min_version: int, min_clock: int, epoch: int,
+              timeout: float) -> tuple[float, int]:
+        """A Pull's waits (NotFound for a name not held, before any): (seconds waited, slowest clock)."""
+        job = self.job
+        job.check_epoch(epoch)
+        self.leases.touch(worker_id)
+        for n in names:
+            self.table.spec(n)  # NotFound before any wait
+        t0 = time.monotonic()
+        slowest = 0
+        if min_version > job.version:
+            job.wait_version(min_version, timeout, epoch)
+        if min_clock > 0:
+            slowest = job.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
+        self.leases.touch(worker_id)
+        return time.monotonic() - t0, slowest
+
+    def pull_slices(self, worker_id: int, names: list[str], slices: Mapping[str, TensorSlice],
+                    wire_dtype: int | None, chunk_bytes: int, *, min_version: int, min_clock: int, epoch: int,
+                    timeout: float) -> tuple[float, list[bytes]]:
+        """A Pull naming slices (server/slicepull.py): as ``pull`` (``names`` whole, none when empty), each
+        tensor of ``slices`` as that slice only; INVALID_ARGUMENT for a slice that does not fit its tensor,
+        before any wait."""
+        with self._cond:
+            check_slices(self.table, names, slices)
+        waited, slowest = self._wait(worker_id, [*names, *slices], min_version, min_clock, epoch, timeout)
+        messages = read_slices(self.reader, self.table, names, slices, wire_dtype, chunk_bytes, slowest_clock=slowest,
+                               worker_id=worker_id)
+        self.replica.replicated()
         return waited, messages
 
     def weights_now(self, worker_id: int, ready_version: int, wire_dtype: int | None, min_clock: int, epoch: int,
