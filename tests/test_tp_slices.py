@@ -1,0 +1,90 @@
+"""Each TP rank pulls its own slices from the servers: the bytes it receives are its slice's, counted.
+
+Real gRPC servers on loopback, the TP ranks threads with gloo groups (tests/test_tp.py's ``run_tp``). Each
+rank's Pull responses are counted as they arrive (their chunks' data, per tensor): a split parameter's
+bytes are the rank's slice's (the column-split ``mlp.0`` along dim 0, the row-split ``mlp.2`` along dim 1,
+attention's q/k/v and output projection), a replicated one's the whole tensor's, and the shards' own count
+of the bytes they served equals the ranks' sum. The model trained so equals the unsplit one (the
+exactness tests in tests/test_tp_servers.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import shardps
+import shardps.tp as tp
+from shardps.examples import shakespeare as gpt
+from tests.test_tp import _RNG, run_tp
+from tests.test_tp_servers import ADAM, LAYERS, VOCAB, _batch, _model
+
+pytestmark = pytest.mark.cluster
+
+
+def _counting(client: shardps.PSClient, seen: Counter[str]) -> None:
+    """Count the payload bytes of every Pull response this client receives, by tensor."""
+    t = client.transport
+    pull = t.pull
+
+    def counted(shard: int, request: Any, *, one: bool = False) -> Iterator[Any]:
+        for resp in pull(shard, request, one=one):
+            seen[resp.chunk.name] += len(resp.chunk.data)
+            yield resp
+
+    t.pull = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_cluster, p: int) -> None:
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
+        served_before = sum(s["pull_bytes_total"] for s in probe.stats())
+
+    def rank(t: int, group: tp.TPGroup):
+        with _RNG:
+            dense = _model()
+        whole = {n: tuple(w.shape) for n, w in dense.named_parameters()}
+        m = tp.split(dense, gpt.tp_plan(LAYERS), group)
+        loss_fn = gpt.TPCharLoss(VOCAB, group)
+        seen: Counter[str] = Counter()
+        with shardps.connect(cluster.addresses, worker_id=t, num_workers=p, part_bytes=256) as client:
+            opt = tp.TPOptimizer(m, client, group, optimizer=ADAM, sync="bsp")
+            _counting(client, seen)
+            x, y = _batch(0)
+            loss_fn(m(x), y).backward()
+            opt.step()  # the pull after the push: what this test counts
+            opt.zero_grad()
+            held = {n: w.numel() for n, w in m.named_parameters()}
+            return seen, held, whole, tp.tp_slices(m), {n: w.detach().clone() for n, w in m.named_parameters()}
+
+    results = run_tp(p, rank, timeout=60)
+    total = 0
+    for t, (seen, held, whole, split, _) in enumerate(results):
+        assert set(seen) == set(held)  # every parameter came down, nothing else
+        for n, k in held.items():
+            numel = torch.Size(whole[n]).numel()
+            if n in split:
+                assert seen[n] == k * 4, (t, n)  # fp32: the slice's elements, nothing of the others'
+                assert k < numel or numel == 0
+            else:
+                assert seen[n] == numel * 4, (t, n)
+        total += sum(seen.values())
+    # The dim-1 slices (the row-split mlp.2 and attention's output projection) came without whole rows.
+    assert {"1.mlp.2.weight", "1.proj.weight"} <= set(results[0][3])
+    assert all(results[0][3][n][0].dim == 1 for n in ("1.mlp.2.weight", "1.proj.weight"))
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
+        served = sum(s["pull_bytes_total"] for s in probe.stats()) - served_before
+        # The shards served the init pulls (the same bytes) and the step's: twice what the step's counted.
+        assert served == 2 * total
+        # The ranks' slices join into the servers' whole tensors.
+        probe.attach()
+        for n, (sl, shape) in results[0][3].items():
+            full = torch.empty(shape)
+            for t in range(p):
+                sl.put(full, results[t][4][n], p, t)
+            assert torch.equal(probe.pull([n])[n], full), n

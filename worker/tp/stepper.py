@@ -1,0 +1,64 @@
+"""``TPStepper``: a TP rank's parameter-server worker, pushing the whole tensors it owns, pulling its slices.
+
+A ``DistributedOptimizer`` over the whole tensors this rank owns (``masters``: registered with their values,
+their gradients pushed), whose pull is of every parameter the rank holds (``local``), each split one as
+its slice (``torch.chunk(t, p, dim)[rank]``, ``PullRequest.slices``: the shards answer with the slice's
+elements only, server/slicepull.py), each replicated one whole. A step's push asks for no weights in its
+answer (they would be whole tensors). Before its first pull the rank registers the whole model with no
+values, which waits until every tensor's owner has registered it and gives the client the whole model's
+layouts and shard map (those of the tensors it does not own too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardps.protos.amp import LossScaling
+from shardps.protos.slices import TensorSlice
+from shardps.worker.client import PSClient, PushResult
+from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES
+from shardps.worker.optimizer import DistributedOptimizer
+from shardps.worker.pull import PullInFlight
+
+
+class TPStepper(DistributedOptimizer):
+    """See the module docstring. ``local``: every parameter this rank holds, by name (its slice for those in
+    ``slices``); ``placement``: the whole model's tensors ("meta" ones do); the rest is
+    ``DistributedOptimizer``'s, over ``masters``."""
+
+    answers_with_weights = False
+
+    def __init__(self, masters: Mapping[str, torch.Tensor], client: PSClient, *, local: Mapping[str, torch.Tensor],
+                 slices: Mapping[str, TensorSlice], placement: Mapping[str, torch.Tensor], **options: Any) -> None:
+        self.local = dict(local)
+        self.slices = dict(slices)
+        self.placement = dict(placement)
+        self._options = options
+        super().__init__(list(masters.items()), client, **options)
+
+    def _register_whole(self) -> None:
+        """Every tensor of the model, without values: waits until their owners have registered them."""
+        o = self._options
+        scaling = o.get("loss_scaling", False)
+        self.client.register(self.placement, self.optimizer, sync=str(self.sync), grad_dtype=o.get("grad_dtype"),
+                             loss_scaling=LossScaling() if scaling is True else (scaling or None),
+                             max_whole_bytes=o.get("max_whole_bytes", DEFAULT_MAX_WHOLE_BYTES),
+                             staleness_remedy=o.get("staleness_remedy", "none"), provides_values=False)
+
+    def _pull_all(self) -> None:
+        if any(n not in self.client.layouts for n in self.local):  # joining: only the owned ones registered
+            self._register_whole()
+        super()._pull_all()
+
+    def pull_weights(self, *, min_versions: list[int] | None = None, min_clock: int = 0,
+                     answered: list[PushResult] | None = None, inline: bool = False,
+                     later: bool = False) -> PullInFlight:
+        """Every parameter of the rank: its slice of each split one, each replicated one whole."""
+        c = self.client
+        mins = list(min_versions) if min_versions is not None else [0] * c.num_shards
+        pull = PullInFlight(c, list(self.local), out=self.local, min_versions=mins, dtype=self.pull_dtype,
+                            min_clock=min_clock, on_result=c.apply, slices=self.slices)
+        return pull.start_later() if later else pull.start(inline=inline)
