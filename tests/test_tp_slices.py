@@ -10,37 +10,22 @@ exactness tests in tests/test_tp_servers.py).
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 import torch
 
 import shardps
 import shardps.tp as tp
 from shardps.examples import shakespeare as gpt
+from tests.helpers import count_wire
 from tests.test_tp import _RNG, run_tp
 from tests.test_tp_servers import ADAM, LAYERS, VOCAB, _batch, _model
 
 pytestmark = pytest.mark.cluster
 
 
-def _counting(client: shardps.PSClient, seen: Counter[str]) -> None:
-    """Count the payload bytes of every Pull response this client receives, by tensor."""
-    t = client.transport
-    pull = t.pull
-
-    def counted(shard: int, request: Any, *, one: bool = False) -> Iterator[Any]:
-        for resp in pull(shard, request, one=one):
-            seen[resp.chunk.name] += len(resp.chunk.data)
-            yield resp
-
-    t.pull = counted  # type: ignore[method-assign]
-
-
 @pytest.mark.parametrize("p", [2, 4])
-def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_cluster, p: int) -> None:
+def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_cluster, monkeypatch, p: int) -> None:
+    monkeypatch.setenv("SHARDPS_TCP", "0")  # every byte in the gRPC messages (and shm=False): what is counted
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
         served_before = sum(s["pull_bytes_total"] for s in probe.stats())
@@ -51,10 +36,10 @@ def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_clu
         whole = {n: tuple(w.shape) for n, w in dense.named_parameters()}
         m = tp.split(dense, gpt.tp_plan(LAYERS), group)
         loss_fn = gpt.TPCharLoss(VOCAB, group)
-        seen: Counter[str] = Counter()
-        with shardps.connect(cluster.addresses, worker_id=t, num_workers=p, part_bytes=256) as client:
+        with shardps.connect(cluster.addresses, worker_id=t, num_workers=p, part_bytes=256,
+                             shm=False) as client:
             opt = tp.TPOptimizer(m, client, group, optimizer=ADAM, sync="bsp")
-            _counting(client, seen)
+            seen, _ = count_wire(client)
             x, y = _batch(0)
             loss_fn(m(x), y).backward()
             opt.step()  # the pull after the push: what this test counts
