@@ -79,16 +79,26 @@ def test_a_slice_is_torch_chunk_and_only_its_bytes_are_served(registered, name: 
     assert served == want.numel() * 4  # counted by the shards: the slice's elements, nothing of the rest
 
 
-def test_slices_and_whole_tensors_in_one_pull_in_bf16(registered) -> None:
-    client, values = registered
-    slices = {"w": TensorSlice(1, 2, 0), "qkv": TensorSlice(0, 2, 1, 3)}
+@pytest.mark.parametrize("shm", [True, False])
+def test_slices_and_whole_tensors_in_one_pull_in_bf16(cluster2: shardps.LocalCluster, shm: bool) -> None:
+    """A shard asked for no slice answers the path's way (in its shared memory when it has some), the
+    other in the sliced Pull's messages."""
+    client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1, part_bytes=64, shm=shm)
+    values = _tensors()
+    values["z"] = torch.randn(5, 3, generator=torch.Generator().manual_seed(8))
+    client.register(values, shardps.optim.SGD(lr=0.1))
+    assert all(link is not None for link in client.shm_links) == shm
+    slices = {"z": TensorSlice(1, 3, 2)}
+    shards = {n: {p.server for p in client.shard_map.parts_of(n)} for n in ("z", "s", "v")}
+    assert not shards["z"] & (shards["s"] | shards["v"])  # one shard sliced, the other not
     before = _pulled_bytes(client)
     got = _pull(client, slices, names=["s", "v"], dtype=torch.bfloat16)
     served = _pulled_bytes(client) - before
-    for n, sl in slices.items():
-        assert torch.equal(got[n], _expected(values[n], sl).to(torch.bfloat16))
-    assert torch.equal(got["v"], values["v"].to(torch.bfloat16)) and got["s"].item() == values["s"].bfloat16().item()
-    assert served == sum(_expected(values[n], sl).numel() for n, sl in slices.items()) * 2 + (7 + 1) * 2
+    client.close()
+    assert torch.equal(got["z"], values["z"][:, 2:].to(torch.bfloat16))
+    for n in ("s", "v"):
+        assert torch.equal(got[n], values[n].to(torch.bfloat16)), n
+    assert served == (5 + 1 + 7) * 2
 
 
 def test_a_slice_follows_the_steps(registered) -> None:
