@@ -18,9 +18,9 @@ and head, attention by heads, MLP by columns then rows):
 - the median step time (forward, backward, no servers) and its ratio to TP = 1's, same process;
 - with ``--servers N`` (default 2; 0: none), the parameter-server bytes of one ``TPOptimizer`` step per rank,
   counted on the wire (``tests/helpers.py``'s ``count_wire``; gRPC only: no shared memory, no TCP bulk
-  path): the Push messages it sent (a rank pushes the
-  whole gradients of the tensors it owns) and the weight bytes of the Pull responses it received (its
-  slices of the split tensors and the replicated tensors whole), largest and smallest over the ranks.
+  path): the gradient bytes of the Push messages it sent and the weight bytes of the Pull responses it
+  received (its slices of the split tensors; the replicated tensors it owns, pushed, and all of them,
+  pulled, whole), largest and smallest over the ranks.
 """
 
 from __future__ import annotations
@@ -194,10 +194,11 @@ def main() -> None:
             r.update(measure_ps(p, args))
         print(f"\nOne TPOptimizer step through {args.servers} servers, bytes on the wire per rank (KiB, "
               f"largest / smallest over the ranks):\n")
-        print("| TP | push sent | pull received | pull x TP1 |")
-        print("|---|---|---|---|")
+        print("| TP | push sent | push x TP1 | pull received | pull x TP1 |")
+        print("|---|---|---|---|---|")
         for p, r in rows.items():
             print(f"| {p} | {r['ps_push_bytes_max'] / 1024:.0f} / {r['ps_push_bytes_min'] / 1024:.0f} | "
+                  f"{r['ps_push_bytes_max'] / base['ps_push_bytes_max']:.3f} | "
                   f"{r['ps_pull_bytes_max'] / 1024:.0f} / {r['ps_pull_bytes_min'] / 1024:.0f} | "
                   f"{r['ps_pull_bytes_max'] / base['ps_pull_bytes_max']:.3f} |")
     if args.json:

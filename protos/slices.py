@@ -11,7 +11,9 @@ A shard holds a tensor's parts (protos/shardmap.py: row blocks for rank >= 2, fl
 answers a sliced Pull with the slice's elements its parts hold: ``pieces`` says where they lie in the part's
 flat elements and in the slice's. Along dim 0 those are flat ranges of the part; along a later dim every row
 of the part holds some, gathered by the shard (``take``) into one run of the slice's rows, so the worker
-never receives a whole row.
+never receives a whole row. A sliced Push (``PushRequest.slices``) goes the other way: the shard writes each
+run into its place in the part (``put``), and counts the slice holding the part's first element
+(``holds``) as the one whole contribution of its group of slices to that part.
 """
 
 from __future__ import annotations
@@ -105,3 +107,24 @@ class TensorSlice:
             got = torch.cat([rows[:, a:b] for a, b in self.ranges(whole[self.dim])], dim=1)
             out.append((at, got.reshape(-1)))
         return out
+
+    def put(self, whole: tuple[int, ...], start: int, flat: torch.Tensor, runs: list[torch.Tensor]) -> None:
+        """``take``'s inverse: the slice's ``runs`` (one 1-D tensor per run of ``pieces``, in order) written
+        into their places in the part ``flat`` (elements ``[start, start + numel)`` of the whole tensor)."""
+        for (_, n, off), values in zip(self.pieces(whole, start, start + flat.numel()), runs):
+            if off >= 0:
+                flat[off : off + n].copy_(values)
+                continue
+            inner = math.prod(whole[self.dim + 1:])
+            rows = flat.view(-1, whole[self.dim], inner)
+            got = values.view(rows.shape[0], -1, inner)
+            at = 0
+            for a, b in self.ranges(whole[self.dim]):
+                rows[:, a:b].copy_(got[:, at : at + b - a])
+                at += b - a
+
+    def holds(self, whole: tuple[int, ...], element: int) -> bool:
+        """Whether the flat element ``element`` of the whole tensor lies in the slice."""
+        inner = math.prod(whole[self.dim + 1:])
+        j = (element // inner) % whole[self.dim] if inner and whole[self.dim] else 0
+        return any(a <= j < b for a, b in self.ranges(whole[self.dim]))

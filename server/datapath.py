@@ -179,7 +179,8 @@ class DataPath:
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Received,
                nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
-               epoch: int | None = None, checked: bool = False) -> PushResult:
+               epoch: int | None = None, checked: bool = False,
+               weights: Mapping[PartKey, int] | None = None) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
@@ -191,7 +192,8 @@ class DataPath:
         had an inf/nan (flagged by the worker or found here) is skipped on
         every shard alike, and the loss scale backs off. Raises (changing
         nothing) for an unregistered worker, a step or base version that
-        cannot be, or a step the policy refuses.
+        cannot be, or a step the policy refuses. ``weights``: a sliced Push's (server/slicepush.py), how
+        many gradients each part counts for (1 for those not named); refused unless the mode has a barrier.
         """
         if not (loss_scale == 0.0 or (math.isfinite(loss_scale) and loss_scale > 0)):
             raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
@@ -230,6 +232,10 @@ class DataPath:
             assert policy is not None  # registered workers imply a job
             if not policy.passes_through:  # switched to a barrier since takes_chunked: fp32 buffers after all
                 grads = materialize(grads, take)
+            if weights is not None and policy.passes_through:
+                raise FailedPrecondition(
+                    f"worker {worker_id} pushed slices of tensors under {job.sync_text}: slices are added up "
+                    f"before a step, which needs a barrier sync mode (bsp or every:X)")
             last = job.worker_clocks.get(worker_id, -1)
             if step <= last:  # a retry of a push already taken in
                 job.pushes_total += 1
@@ -247,8 +253,10 @@ class DataPath:
                     grads = fp32 = materialize(grads, take)
                     packed = pack(part_keys(fp32))
                 rep.record(OpKind.SUBMIT, {"worker": worker_id, "step": step, "base_version": base_version,
-                                           "found_inf": found_inf, "nbytes": nbytes}, packed=packed)
-            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
+                                           "found_inf": found_inf, "nbytes": nbytes,
+                                           "weights": [[n, a, w] for (n, a), w in (weights or {}).items()]},
+                           packed=packed)
+            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf), grads, weights)
             job.pushes_total += 1
             job.push_bytes_total += nbytes
             job.worker_clocks[worker_id] = step

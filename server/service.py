@@ -119,7 +119,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store.check_serving()
         g = decode_push(requests, store.spec, store.staging, self.segments, store.takes_chunked)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
-                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
+                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights)
         t0 = time.perf_counter()
         store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
         if self.metrics is not None and store.replicator is not None:

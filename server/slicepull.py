@@ -17,7 +17,7 @@ tensor, the expected and the received, before any wait; nothing changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -26,43 +26,53 @@ from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
 from shardps.server.errors import InvalidArgument
 from shardps.server.pullcache import Reader
-from shardps.server.table import TensorEntry, TensorTable
+from shardps.server.table import TensorEntry, TensorSpec, TensorTable
 
 Run = tuple[str, int, tuple[int, ...], int, torch.Tensor]  # (name, wire dtype, shape, offset, flat values)
 
 
+def named_slices(slices: Iterable[ps_pb2.TensorSlice], rpc: str, whole: Collection[str] = ()) -> dict[str, TensorSlice]:
+    """The slices a request names, by tensor; INVALID_ARGUMENT for a tensor named twice (or in ``whole`` too)."""
+    out: dict[str, TensorSlice] = {}
+    for s in slices:
+        if s.name in out or s.name in whole:
+            raise InvalidArgument(f"{rpc}: tensor {s.name!r} is asked for more than once (expected each tensor "
+                                  f"once, whole or as one slice)")
+        out[s.name] = TensorSlice(s.dim, s.parts, s.index, s.blocks or 1)
+    return out
+
+
 def decode_slices(request: ps_pb2.PullRequest) -> dict[str, TensorSlice]:
     """The slices a Pull names, by tensor; INVALID_ARGUMENT for a tensor named twice or a segment asked."""
-    out: dict[str, TensorSlice] = {}
-    whole = set(request.names)
-    for s in request.slices:
-        if s.name in out or s.name in whole:
-            raise InvalidArgument(f"Pull: tensor {s.name!r} is asked for more than once (expected each tensor "
-                                  f"once, whole in names or as one slice)")
-        out[s.name] = TensorSlice(s.dim, s.parts, s.index, s.blocks or 1)
+    out = named_slices(request.slices, "Pull", set(request.names))
     if out and request.shm:
         raise InvalidArgument(f"Pull: a sliced Pull travels in the messages (expected no shared-memory "
                               f"segment), got segment {request.shm!r}")
     return out
 
 
+def check_slice(rpc: str, spec: TensorSpec, sl: TensorSlice) -> None:
+    """INVALID_ARGUMENT unless ``sl`` fits the tensor of ``spec`` (and its parts here are whole units of the
+    sliced dims), naming the tensor, the expected and the received."""
+    problem = sl.problem(spec.shape)
+    if not problem:
+        try:
+            for start, stop in spec.parts:
+                sl.pieces(spec.shape, start, stop)
+        except ValueError as e:
+            problem = f"this shard's part is not whole rows of the slice: {e}"
+    if problem:
+        raise InvalidArgument(f"{rpc}: slice (dim {sl.dim}, parts {sl.parts}, index {sl.index}, blocks "
+                              f"{sl.blocks}) of tensor {spec.name!r} (shape {list(spec.shape)}): {problem}")
+
+
 def check_slices(table: TensorTable, names: Sequence[str], slices: Mapping[str, TensorSlice]) -> None:
     """Under the store's lock: NOT_FOUND for a tensor not held, INVALID_ARGUMENT for a slice that does not fit
-    its tensor (or whose parts here are not whole units of the sliced dims)."""
+    its tensor (``check_slice``)."""
     for n in names:
         table.spec(n)
     for n, sl in slices.items():
-        spec = table.spec(n)
-        problem = sl.problem(spec.shape)
-        if not problem:
-            try:
-                for start, stop in spec.parts:
-                    sl.pieces(spec.shape, start, stop)
-            except ValueError as e:
-                problem = f"this shard's part is not whole rows of the slice: {e}"
-        if problem:
-            raise InvalidArgument(f"Pull: slice (dim {sl.dim}, parts {sl.parts}, index {sl.index}, blocks "
-                                  f"{sl.blocks}) of tensor {n!r} (shape {list(spec.shape)}): {problem}")
+        check_slice("Pull", table.spec(n), sl)
 
 
 def _copy(entries: list[TensorEntry], slices: Mapping[str, TensorSlice],

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import shardps
+from shardps.protos.shardps.v1 import ps_pb2
 
 
 def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> list[Any]:
@@ -45,11 +46,11 @@ def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> lis
     return results
 
 
-def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[int]]:
-    """From now on, count what ``client`` sends and receives on the wire: the payload bytes of every Pull
-    response's chunk by tensor, and the bytes of every Push message by shard (as serialized, headers too)."""
+def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
+    """From now on, count the tensor bytes ``client`` receives and sends on the wire, by tensor: the payload of
+    every Pull response's chunk, and of every Push message's chunk."""
     pulled: Counter[str] = Counter()
-    pushed: Counter[int] = Counter()
+    pushed: Counter[str] = Counter()
     t = client.transport
     pull, push = t.pull, t.push
 
@@ -61,7 +62,8 @@ def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[int]]:
     def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False) -> Any:
         def each() -> Iterator[bytes]:
             for msg in requests:
-                pushed[shard] += len(msg)
+                chunk = ps_pb2.PushRequest.FromString(msg).chunk
+                pushed[chunk.name] += len(chunk.data)
                 yield msg
         return push(shard, each(), stream=stream)
 

@@ -1,14 +1,17 @@
-"""Each TP rank pulls its own slices from the servers: the bytes it receives are its slice's, counted.
+"""Each TP rank pushes and pulls its own slices: the bytes it sends and receives are its slice's, counted.
 
 Real gRPC servers on loopback, the TP ranks threads with gloo groups (tests/test_tp.py's ``run_tp``). Each
-rank's Pull responses are counted as they arrive (their chunks' data, per tensor): a split parameter's
-bytes are the rank's slice's (the column-split ``mlp.0`` along dim 0, the row-split ``mlp.2`` along dim 1,
-attention's q/k/v and output projection), a replicated one's the whole tensor's, and the shards' own count
-of the bytes they served equals the ranks' sum. The model trained so equals the unsplit one (the
+rank's Push messages and Pull responses are counted as they go (their chunks' data, per tensor): a split
+parameter's bytes are the rank's slice's both ways (the column-split ``mlp.0`` along dim 0, the row-split
+``mlp.2`` along dim 1, attention's q/k/v and output projection), a replicated one's the whole tensor's,
+pushed by one rank of the group (its owner) and pulled by every rank, and the shards' own counts of the
+bytes they served and were pushed equal the ranks' sums. The model trained so equals the unsplit one (the
 exactness tests in tests/test_tp_servers.py).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_clu
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
         served_before = sum(s["pull_bytes_total"] for s in probe.stats())
+        pushed_before = sum(s["push_bytes_total"] for s in probe.stats())
 
     def rank(t: int, group: tp.TPGroup):
         with _RNG:
@@ -39,33 +43,43 @@ def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_clu
         with shardps.connect(cluster.addresses, worker_id=t, num_workers=p, part_bytes=256,
                              shm=False) as client:
             opt = tp.TPOptimizer(m, client, group, optimizer=ADAM, sync="bsp")
-            seen, _ = count_wire(client)
+            seen, sent = count_wire(client)
             x, y = _batch(0)
             loss_fn(m(x), y).backward()
             opt.step()  # the pull after the push: what this test counts
             opt.zero_grad()
             held = {n: w.numel() for n, w in m.named_parameters()}
-            return seen, held, whole, tp.tp_slices(m), {n: w.detach().clone() for n, w in m.named_parameters()}
+            return (seen, held, whole, tp.tp_slices(m), {n: w.detach().clone() for n, w in m.named_parameters()},
+                    sent)
 
     results = run_tp(p, rank, timeout=60)
-    total = 0
-    for t, (seen, held, whole, split, _) in enumerate(results):
+    total = total_sent = 0
+    pushers: Counter[str] = Counter()
+    for t, (seen, held, whole, split, _, sent) in enumerate(results):
         assert set(seen) == set(held)  # every parameter came down, nothing else
         for n, k in held.items():
             numel = torch.Size(whole[n]).numel()
             if n in split:
                 assert seen[n] == k * 4, (t, n)  # fp32: the slice's elements, nothing of the others'
+                assert sent[n] == k * 4, (t, n)  # and its slice of the gradient went up
                 assert k < numel or numel == 0
             else:
                 assert seen[n] == numel * 4, (t, n)
+                assert sent[n] in (0, numel * 4), (t, n)  # a replicated gradient: whole, or not at all
+                pushers[n] += sent[n] > 0
+        assert set(sent) <= set(held) | {""}  # "": the last message, without a chunk
         total += sum(seen.values())
+        total_sent += sum(sent.values())
+    assert all(pushers[n] == 1 for n in pushers) and pushers  # each replicated gradient once per TP group
     # The dim-1 slices (the row-split mlp.2 and attention's output projection) came without whole rows.
     assert {"1.mlp.2.weight", "1.proj.weight"} <= set(results[0][3])
     assert all(results[0][3][n][0].dim == 1 for n in ("1.mlp.2.weight", "1.proj.weight"))
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
-        served = sum(s["pull_bytes_total"] for s in probe.stats()) - served_before
+        stats = probe.stats()
+        served = sum(s["pull_bytes_total"] for s in stats) - served_before
         # The shards served the init pulls (the same bytes) and the step's: twice what the step's counted.
         assert served == 2 * total
+        assert sum(s["push_bytes_total"] for s in stats) - pushed_before == total_sent
         # The ranks' slices join into the servers' whole tensors.
         probe.attach()
         for n, (sl, shape) in results[0][3].items():

@@ -229,6 +229,14 @@ class DistributedOptimizer:
             return
         self.pull_weights(inline=True).result()
 
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """This step's gradients to push, by name (the TP stepper's are its slices: worker/tp/stepper.py)."""
+        return {n: p.grad for n, p in self.params.items() if p.grad is not None}
+
+    def push_gradients(self, grads: dict[str, torch.Tensor], **options: Any) -> list[PushResult]:
+        """The step's push (``PSClient.push``'s arguments)."""
+        return self.client.push(grads, **options)
+
     #: Whether a step's push asks the shards to answer with their weights (``push(pull_after=...)``): not
     #: when the pull is not of every parameter whole (a TP rank pulls its slices: worker/tp/stepper.py).
     answers_with_weights = True
@@ -306,7 +314,7 @@ class DistributedOptimizer:
         self.rows.step(self.local_steps - 1)  # the row modules' gradients (worker/rowmodules.py)
         if stream is not None:
             return self._push_streamed(stream, loss)
-        grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        grads = self.gradients()
         if self.sync.accumulation > 1:
             self.accumulator.add(grads)
             if self.accumulator.steps < self.sync.accumulation:
@@ -320,11 +328,10 @@ class DistributedOptimizer:
         pull = self.pull_weights(min_clock=min_clock, later=True)
         try:
             # A shard whose weights are ready at once and small answers with them (one call per step).
-            self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
-                                              loss_scale=self.client.loss_scale, window=self.push_window,
-                                              pull_after=(self.pull_dtype, min_clock) if self.answers_with_weights
-                                              else None, then=pull,
-                                              compressor=self.compressor)
+            self.last_push = self.push_gradients(grads, step=self.round, base_versions=bases,
+                                                 loss_scale=self.client.loss_scale, window=self.push_window,
+                                                 pull_after=(self.pull_dtype, min_clock) if self.answers_with_weights
+                                                 else None, then=pull, compressor=self.compressor)
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss, pull)

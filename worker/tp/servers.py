@@ -1,19 +1,14 @@
 """A TP group's ranks as parameter-server workers: the servers hold whole tensors under the dense names.
 
-Every parameter of a split model has one owner in its TP group (the largest tensors first, each to the
-rank that owns the fewest elements so far: every rank owns at least one when there are as many parameters
-as ranks). The owner is the group's only parameter-server worker pushing that tensor: a step gathers each
-split gradient's slices to its owner over the TP group (one gather) and the owner pushes the whole
-gradient; a replicated parameter (layer norms, a row-parallel bias: the same gradient on every rank) is
-pushed by its owner alone. So each tensor's gradient reaches the servers once per TP group. Every rank
-then pulls what it holds straight from the servers (worker/tp/stepper.py): its slice of each split
-tensor (the shards serve ``torch.chunk``'s slice, along dim 1 too, without the rest of the rows) and each
-replicated tensor whole; nothing is scattered or broadcast over the group. The servers' tensors and
-checkpoints are the dense model's (names and shapes do not depend on the TP size: train at TP = 2, resume
-at TP = 1 or 4), and R data-parallel replicas of a TP group are R x p workers.
-
-Not yet: a rank pushing its own slice (the servers adding the slices into place, a barrier counting
-slices); the owner's gather runs over the TP group's links instead (docs/tensor-parallel.md, limits).
+Each rank pushes and pulls its own slices straight to and from the servers (worker/tp/stepper.py): its
+slice of each split gradient (the shards put the slices in place and step the whole tensor once every
+slice of every data-parallel replica is in) and of each split weight (served along dim 1 too, without
+the rest of the rows). A replicated parameter (layer norms, a row-parallel bias: the same gradient on
+every rank) has one owner in its group, which alone pushes it (once per TP group); every rank pulls it.
+Owners are also who register the initial values: every parameter has one (the largest tensors first,
+each to the rank that owns the fewest elements so far), which gathers it whole once, at the start. The
+servers' tensors and checkpoints are the dense model's (names and shapes do not depend on the TP size:
+train at TP = 2, resume at TP = 1 or 4), and R data-parallel replicas of a TP group are R x p workers.
 """
 
 from __future__ import annotations
@@ -54,9 +49,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 class TPOptimizer:
     """The servers' optimizer for one TP rank of a split model (``params``: the module, or its parameters
     by name with ``slices``, ``tp_slices`` of the module, as a pipeline stage's weights hand them over):
-    ``step()`` pushes the gradients of the tensors this rank owns (whole, gathered from the group), and
-    every rank pulls its new slices and replicated tensors from the servers; every rank calls each method at
-    the same point (collectives over ``group``).
+    ``step()`` pushes this rank's slices of the gradients (and the replicated ones it owns) and pulls its
+    new slices and the replicated tensors; every rank calls each method at the same point (the start is a
+    collective over ``group``; a step's barrier is the servers').
 
     ``client``: this rank's ``PSClient`` (a worker of its own; replica r's rank t is worker ``r * p + t``
     of ``R * p`` in plain data parallelism). ``provides_values``: whether this group's values are the ones
@@ -78,8 +73,8 @@ class TPOptimizer:
         if len(shapes) < g.size:
             raise ValueError(f"TPOptimizer: {len(shapes)} parameters cannot give each of {g.size} TP ranks one")
         self.owner = owners(shapes, g.size)
-        self.masters: dict[str, nn.Parameter] = {}  # the whole tensors this rank owns: their values registered,
-        for n, p in self.params:                    # their gradients pushed
+        self.masters: dict[str, nn.Parameter] = {}  # the whole tensors this rank owns: their values registered
+        for n, p in self.params:
             full = self._whole(n, p.detach())
             if full is not None:
                 self.masters[n] = nn.Parameter(full)
@@ -89,10 +84,12 @@ class TPOptimizer:
         client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
                             for (n, shape), (_, p) in zip(shapes, self.params)}
         cut = {n: TensorSlice(sl.dim, g.size, g.rank, sl.parts) for n, (sl, _) in self.split.items()}
+        owned = {n for n, r in self.owner.items() if r == g.rank and n not in self.split}
         # Registers the masters, then pulls this rank's slices and replicated tensors (every rank starts from
         # the servers' values).
         self.opt = TPStepper(self.masters, client, local=dict(self.params), slices=cut, placement=client.placement,
-                             optimizer=optimizer, sync=sync, provides_values=provides_values, **options)
+                             pushes=owned, optimizer=optimizer, sync=sync, provides_values=provides_values,
+                             **options)
 
     def _sizes(self, sl: Slice, shape: tuple[int, ...]) -> list[int]:
         return [sl.local_shape(shape, self.group.size, r)[sl.dim] for r in range(self.group.size)]
@@ -112,16 +109,9 @@ class TPOptimizer:
         return full
 
     def step(self) -> None:
-        """Push this step's gradients (every rank's ``.grad``, gathered to their owners), then every rank pulls
-        its slices and replicated tensors."""
-        for n, p in self.params:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            whole = self._whole(n, grad.detach())
-            if whole is not None:
-                self.masters[n].grad = whole
+        """Push this rank's slices of the gradients (and the replicated ones it owns), then pull its slices
+        and the replicated tensors."""
         self.opt.step()
 
     def zero_grad(self) -> None:
-        for _, p in self.params:
-            p.grad = None
         self.opt.zero_grad()

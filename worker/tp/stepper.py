@@ -1,12 +1,14 @@
-"""``TPStepper``: a TP rank's parameter-server worker, pushing the whole tensors it owns, pulling its slices.
+"""``TPStepper``: a TP rank's parameter-server worker, pushing and pulling its slices of the whole tensors.
 
-A ``DistributedOptimizer`` over the whole tensors this rank owns (``masters``: registered with their values,
-their gradients pushed), whose pull is of every parameter the rank holds (``local``), each split one as
-its slice (``torch.chunk(t, p, dim)[rank]``, ``PullRequest.slices``: the shards answer with the slice's
-elements only, server/slicepull.py), each replicated one whole. A step's push asks for no weights in its
-answer (they would be whole tensors). Before its first pull the rank registers the whole model with no
-values, which waits until every tensor's owner has registered it and gives the client the whole model's
-layouts and shard map (those of the tensors it does not own too).
+A ``DistributedOptimizer`` whose push and pull are of every parameter the rank holds (``local``): each split
+one as its slice (``torch.chunk(t, p, dim)[rank]``: ``PushRequest.slices``, the shards put each slice in its
+place and step the whole tensor once every slice of every replica is in, server/slicepush.py;
+``PullRequest.slices``, the shards answer with the slice's elements only, server/slicepull.py), each
+replicated one whole, pushed by its owner alone (``pushes``: those this rank owns) and pulled by every rank. Its registration is
+of the whole tensors this rank owns (``masters``: their values registered, by replica 0); before its first
+pull the rank registers the whole model with no values, which waits until every tensor's owner has
+registered it and gives the client the whole model's layouts and shard map. A step's push asks for no
+weights in its answer (they would be whole tensors).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 from shardps.protos.amp import LossScaling
 from shardps.protos.slices import TensorSlice
 from shardps.worker.client import PSClient, PushResult
+from shardps.worker.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.pull import PullInFlight
+from shardps.worker.slicepush import push_slices
 
 
 class TPStepper(DistributedOptimizer):
@@ -32,10 +36,12 @@ class TPStepper(DistributedOptimizer):
     answers_with_weights = False
 
     def __init__(self, masters: Mapping[str, torch.Tensor], client: PSClient, *, local: Mapping[str, torch.Tensor],
-                 slices: Mapping[str, TensorSlice], placement: Mapping[str, torch.Tensor], **options: Any) -> None:
+                 slices: Mapping[str, TensorSlice], placement: Mapping[str, torch.Tensor], pushes: set[str],
+                 **options: Any) -> None:
         self.local = dict(local)
         self.slices = dict(slices)
         self.placement = dict(placement)
+        self.to_push = [n for n in self.local if n in slices or n in pushes]  # the split ones, the owned replicated
         self._options = options
         super().__init__(list(masters.items()), client, **options)
 
@@ -52,6 +58,23 @@ class TPStepper(DistributedOptimizer):
         if any(n not in self.client.layouts for n in self.local):  # joining: only the owned ones registered
             self._register_whole()
         super()._pull_all()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's slice of every split gradient (zeros for one without: every slice must come), and the
+        whole gradients of the replicated parameters it owns."""
+        return {n: g if (g := self.local[n].grad) is not None else torch.zeros_like(self.local[n])
+                for n in self.to_push}
+
+    def push_gradients(self, grads: dict[str, torch.Tensor], **options: Any) -> list[PushResult]:
+        out = push_slices(self.client, grads, self.slices, options["step"], options["base_versions"],
+                          loss_scale=options["loss_scale"], window=options["window"], then=options["then"])
+        self.client.apply(JobView.of_push(out))
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.local.values():
+            p.grad = None
 
     def pull_weights(self, *, min_versions: list[int] | None = None, min_clock: int = 0,
                      answered: list[PushResult] | None = None, inline: bool = False,
