@@ -4,11 +4,11 @@ A ``DistributedOptimizer`` whose push and pull are of every parameter the rank h
 one as its slice (``torch.chunk(t, p, dim)[rank]``: ``PushRequest.slices``, the shards put each slice in its
 place and step the whole tensor once every slice of every replica is in, server/slicepush.py;
 ``PullRequest.slices``, the shards answer with the slice's elements only, server/slicepull.py), each
-replicated one whole, pushed by its owner alone (``pushes``: those this rank owns) and pulled by every rank. Its registration is
-of the whole tensors this rank owns (``masters``: their values registered, by replica 0); before its first
-pull the rank registers the whole model with no values, which waits until every tensor's owner has
-registered it and gives the client the whole model's layouts and shard map. A step's push asks for no
-weights in its answer (they would be whole tensors).
+replicated one whole, pushed by its owner alone (``pushes``: those this rank owns) and pulled by every
+rank. Its registration is of the whole tensors this rank owns (``masters``: their values registered, by
+replica 0); before its first pull the rank registers the whole model with no values, which waits until
+every tensor's owner has registered it and gives the client the whole model's layouts and shard map. A
+step's push asks for no weights in its answer (they would be whole tensors).
 """
 
 from __future__ import annotations
