@@ -73,13 +73,18 @@ class TPOptimizer:
         if len(shapes) < g.size:
             raise ValueError(f"TPOptimizer: {len(shapes)} parameters cannot give each of {g.size} TP ranks one")
         self.owner = owners(shapes, g.size)
-        self.masters: dict[str, nn.Parameter] = {}  # the whole tensors this rank owns: their values registered
-        for n, p in self.params:
-            full = self._whole(n, p.detach())
-            if full is not None:
-                self.masters[n] = nn.Parameter(full)
         if provides_values is None:
             provides_values = client.worker_id < g.size
+        # The whole tensors this rank owns, registered: gathered once (a collective) where the group's values
+        # are the ones registered, their shapes alone ("meta") elsewhere.
+        self.masters: dict[str, nn.Parameter] = {}
+        for (n, p), (_, shape) in zip(self.params, shapes):
+            if provides_values:
+                full = self._whole(n, p.detach())
+            else:
+                full = torch.empty(shape, dtype=p.dtype, device="meta") if self.owner[n] == g.rank else None
+            if full is not None:
+                self.masters[n] = nn.Parameter(full)
         # The shard map of the whole model, whichever tensors this rank owns: the same at every TP size.
         client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
                             for (n, shape), (_, p) in zip(shapes, self.params)}
