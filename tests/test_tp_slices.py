@@ -87,3 +87,13 @@ def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_clu
             for t in range(p):
                 sl.put(full, results[t][4][n], p, t)
             assert torch.equal(probe.pull([n])[n], full), n
+
+
+def test_compression_is_refused_with_tp(make_cluster) -> None:
+    from shardps.compress import TopK
+
+    with _RNG:
+        m = tp.split(_model(), gpt.tp_plan(LAYERS), tp.TPGroup.single())
+    with shardps.connect(make_cluster(1).addresses) as client:
+        with pytest.raises(ValueError, match="compress= is not supported: a TP rank pushes its slices"):
+            tp.TPOptimizer(m, client, optimizer=ADAM, compress=TopK(0.05))

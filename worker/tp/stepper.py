@@ -38,6 +38,8 @@ class TPStepper(DistributedOptimizer):
     def __init__(self, masters: Mapping[str, torch.Tensor], client: PSClient, *, local: Mapping[str, torch.Tensor],
                  slices: Mapping[str, TensorSlice], placement: Mapping[str, torch.Tensor], pushes: set[str],
                  **options: Any) -> None:
+        if options.get("compress") is not None:
+            raise ValueError("TPOptimizer: compress= is not supported: a TP rank pushes its slices uncompressed")
         self.local = dict(local)
         self.slices = dict(slices)
         self.placement = dict(placement)
