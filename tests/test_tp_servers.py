@@ -60,7 +60,7 @@ def _train_tp(addresses, p: int, replicas: int, steps: range, resume: bool = Fal
                     loss_fn(m(x), y).backward()
                     opt.step()
                     opt.zero_grad()
-                return tp.gather(m, group), sorted(opt.masters)
+                return tp.gather(m, group), opt.owned
         return run_tp(p, rank, timeout=60)
     return [res for rep in run_workers(replica, replicas, timeout=90) for res in rep]
 

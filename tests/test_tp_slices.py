@@ -43,6 +43,7 @@ def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_clu
         with shardps.connect(cluster.addresses, worker_id=t, num_workers=p, part_bytes=256,
                              shm=False) as client:
             opt = tp.TPOptimizer(m, client, group, optimizer=ADAM, sync="bsp")
+            assert all(w.device.type == "meta" for w in opt.opt.params.values())  # no whole tensor kept
             seen, sent = count_wire(client)
             x, y = _batch(0)
             loss_fn(m(x), y).backward()

@@ -76,15 +76,16 @@ class TPOptimizer:
         if provides_values is None:
             provides_values = client.worker_id < g.size
         # The whole tensors this rank owns, registered: gathered once (a collective) where the group's values
-        # are the ones registered, their shapes alone ("meta") elsewhere.
-        self.masters: dict[str, nn.Parameter] = {}
+        # are the ones registered, their shapes alone ("meta") elsewhere; let go once registered.
+        masters: dict[str, nn.Parameter] = {}
         for (n, p), (_, shape) in zip(self.params, shapes):
             if provides_values:
                 full = self._whole(n, p.detach())
             else:
                 full = torch.empty(shape, dtype=p.dtype, device="meta") if self.owner[n] == g.rank else None
             if full is not None:
-                self.masters[n] = nn.Parameter(full)
+                masters[n] = nn.Parameter(full)
+        self.owned = sorted(masters)
         # The shard map of the whole model, whichever tensors this rank owns: the same at every TP size.
         client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
                             for (n, shape), (_, p) in zip(shapes, self.params)}
@@ -92,7 +93,7 @@ class TPOptimizer:
         owned = {n for n, r in self.owner.items() if r == g.rank and n not in self.split}
         # Registers the masters, then pulls this rank's slices and replicated tensors (every rank starts from
         # the servers' values).
-        self.opt = TPStepper(self.masters, client, local=dict(self.params), slices=cut, placement=client.placement,
+        self.opt = TPStepper(masters, client, local=dict(self.params), slices=cut, placement=client.placement,
                              pushes=owned, optimizer=optimizer, sync=sync, provides_values=provides_values,
                              **options)
 

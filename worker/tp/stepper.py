@@ -5,10 +5,11 @@ one as its slice (``torch.chunk(t, p, dim)[rank]``: ``PushRequest.slices``, the 
 place and step the whole tensor once every slice of every replica is in, server/slicepush.py;
 ``PullRequest.slices``, the shards answer with the slice's elements only, server/slicepull.py), each
 replicated one whole, pushed by its owner alone (``pushes``: those this rank owns) and pulled by every
-rank. Its registration is of the whole tensors this rank owns (``masters``: their values registered, by
-replica 0); before its first pull the rank registers the whole model with no values, which waits until
-every tensor's owner has registered it and gives the client the whole model's layouts and shard map. A
-step's push asks for no weights in its answer (they would be whole tensors).
+rank. Its first registration is of the whole tensors this rank owns (``masters``: their values registered,
+by replica 0; let go once registered); before its first pull the rank registers the whole model with no
+values, which waits until every tensor's owner has registered it and gives the client the whole model's
+layouts and shard map (a later rejoin registers so alone). A step's push asks for no weights in its answer
+(they would be whole tensors).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardps.protos.amp import LossScaling
 from shardps.protos.slices import TensorSlice
@@ -46,6 +48,11 @@ class TPStepper(DistributedOptimizer):
         self.to_push = [n for n in self.local if n in slices or n in pushes]  # the split ones, the owned replicated
         self._options = options
         super().__init__(list(masters.items()), client, **options)
+        # Registered: the whole values are let go. A later (re)join registers the whole model without values
+        # (the tensors exist on the servers), which needs only the shapes.
+        self.params = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                       for n, p in self.params.items()}
+        self._register = self._register_whole
 
     def _register_whole(self) -> None:
         """Every tensor of the model, without values: waits until their owners have registered them."""
