@@ -98,3 +98,36 @@ def test_compression_is_refused_with_tp(make_cluster) -> None:
     with shardps.connect(make_cluster(1).addresses) as client:
         with pytest.raises(ValueError, match="compress= is not supported: a TP rank pushes its slices"):
             tp.TPOptimizer(m, client, optimizer=ADAM, compress=TopK(0.05))
+
+
+def test_a_rejoin_registers_shapes_only_and_pulls_the_slices_again(make_cluster) -> None:
+    """What ``_push_failed`` does on REJOIN (``_join``): the whole model registered without values, then each
+    rank's slices pulled again; training goes on."""
+    cluster = make_cluster(2)
+
+    def rank(t: int, group: tp.TPGroup):
+        with _RNG:
+            m = tp.split(_model(), gpt.tp_plan(LAYERS), group)
+        loss_fn = gpt.TPCharLoss(VOCAB, group)
+        with shardps.connect(cluster.addresses, worker_id=t, num_workers=2, part_bytes=256) as client:
+            opt = tp.TPOptimizer(m, client, group, optimizer=ADAM, sync="bsp")
+            for step in range(3):
+                x, y = _batch(step)
+                loss_fn(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 1:
+                    held = {n: w.detach().clone() for n, w in m.named_parameters()}
+                    with torch.no_grad():
+                        for w in m.parameters():
+                            w.zero_()
+                    opt.opt._join()
+                    assert all(torch.equal(w, held[n]) for n, w in m.named_parameters())
+            return opt.opt.rejoins, opt.opt.pushes, tp.gather(m, group)
+
+    results = run_tp(2, rank, timeout=60)
+    assert [(r, p) for r, p, _ in results] == [(0, 3), (0, 3)]
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
+        probe.attach()
+        pulled = probe.pull()
+    assert all(torch.equal(results[0][2][n], w) for n, w in pulled.items())
