@@ -139,3 +139,18 @@ def test_the_backup_replays_sliced_pushes_to_the_same_state(make_cluster) -> Non
         same_state(st, backup_of[st.shard_index])
         assert st.stats().replication_lag_ops == 0
     assert torch.equal(trained[-1]["w"], _train(make_cluster(2).addresses, sliced=False)[-1]["w"])
+
+
+def test_every_message_of_a_push_names_the_same_slices(job) -> None:
+    shard = next(p.server for p in job.shard_map.parts_of("v"))
+    head = dict(worker_id=0, step=0, base_version=0, epoch=job.epoch)
+    sl = ps_pb2.TensorSlice(name="v", dim=0, parts=2, index=0)
+    chunk = ps_pb2.Chunk(name="v", offset=0, dtype=codec.to_wire_dtype(torch.float32),
+                         data=torch.ones(4).numpy().tobytes(), shape=[4])
+    msgs = [ps_pb2.PushRequest(**head, slices=[sl], chunk=chunk),
+            ps_pb2.PushRequest(**head, slices=[ps_pb2.TensorSlice(name="v", dim=0, parts=2, index=1)], last=True)]
+    with pytest.raises(grpc.RpcError) as info:
+        job.transport.stub(shard).Push(iter(msgs), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Push stream mixes headers: message 2 has slices" in info.value.details(), info.value.details()
+    assert job.stats()[shard]["version"] == 0
