@@ -227,7 +227,7 @@ class DistributedOptimizer:
         if self.stream is not None:
             self.stream.reset()
             return
-        self.pull_weights(inline=True).result()
+        self.client.pull(out=self.params, dtype=self.pull_dtype)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """This step's gradients to push, by name (the TP stepper's are its slices: worker/tp/stepper.py)."""

@@ -66,7 +66,7 @@ class TPStepper(DistributedOptimizer):
     def _pull_all(self) -> None:
         if any(n not in self.client.layouts for n in self.local):  # joining: only the owned ones registered
             self._register_whole()
-        super()._pull_all()
+        self.pull_weights(inline=True).result()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """This rank's slice of every split gradient (zeros for one without: every slice must come), and the
