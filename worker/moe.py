@@ -35,7 +35,7 @@ from torch.func import functional_call
 
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.shardps.v1 import experts_pb2
-from shardps.worker import expertsend
+from shardps.worker import auxloss, expertsend
 from shardps.worker.placement import PLACES, AutoPlacement
 from shardps.worker.routing import Routing, capacity, route
 from shardps.worker.rowmodules import _Rows
@@ -210,7 +210,9 @@ class MoE(nn.Module):
         s.assignments += r.expert.numel()
         s.dropped += r.dropped
         out = self._send(h, r) if self.choose(r) == "send" else self._pull(h, r)
-        return out.view(x.shape), self.aux_loss_coef * r.aux, r.counts
+        aux = self.aux_loss_coef * r.aux
+        auxloss.add(aux)  # inside a pipeline stage: joins this micro-batch's loss (worker/auxloss.py)
+        return out.view(x.shape), aux, r.counts
 
     def cost(self, r: Routing) -> dict[str, int]:
         """Payload bytes each placement moves for routing ``r`` (both take two round trips a step): "pull" the

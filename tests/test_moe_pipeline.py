@@ -1,0 +1,131 @@
+"""shardps.nn.MoE inside the stages of shardps.ray.Pipeline, on a real Ray cluster: each stage holds an MoE
+whose experts are rows on the servers; each micro-batch's balancing loss joins its own backward; the
+experts' gradients are pushed at the step's end. Two steps equal one process running the same model on the
+same micro-batches (a dense loop over the routed experts, torch's SGD)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import shardps
+import shardps.ray as sray
+from shardps.optim import SGD
+from shardps.worker.routing import capacity
+from tests.test_moe import D, E, dense_loop, expert
+
+pytestmark = pytest.mark.cluster
+
+LR, COEF, STEPS, BATCH = 0.2, 0.1, 2, 12
+
+
+class Block(nn.Module):
+    """A residual MoE block: the stage hands on one tensor; the layer's balancing loss is not returned."""
+
+    def __init__(self, name: str, top_k: int, placement: str) -> None:
+        super().__init__()
+        self.moe = shardps.nn.MoE(D, E, expert, name=name, top_k=top_k, aux_loss_coef=COEF, placement=placement,
+                                  optimizer=SGD(lr=LR))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _, _ = self.moe(x)
+        return x + out
+
+
+def build(placement: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, D), Block("moe_a", 2, placement), Block("moe_b", 1, placement),
+                          nn.Linear(D, 4))
+    with torch.no_grad():  # skewed routers: some experts get no token, some tokens go over capacity
+        for i in (1, 2):
+            model[i].moe.gate.weight[:2] += 1.0
+    return model
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    return torch.randn(BATCH, 6, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
+
+
+class OneProcess:
+    """The same model in one process: its experts as local modules (their first values), torch's SGD."""
+
+    def __init__(self, model: nn.Sequential) -> None:
+        self.first, self.head = copy.deepcopy(model[0]), copy.deepcopy(model[3])
+        self.blocks = [(copy.deepcopy(model[i].moe.gate), self._experts(model[i].moe), model[i].moe.top_k)
+                       for i in (1, 2)]
+        self.opt = torch.optim.SGD([p for m in self.modules() for p in m.parameters()], lr=LR)
+
+    @staticmethod
+    def _experts(moe: shardps.nn.MoE) -> list[nn.Module]:
+        out = [copy.deepcopy(moe.template[0]) for _ in range(E)]
+        for e, row in zip(out, moe.experts.pretrained):
+            torch.nn.utils.vector_to_parameters(row, e.parameters())
+        return out
+
+    def modules(self) -> list[nn.Module]:
+        return [self.first, self.head] + [m for gate, experts, _ in self.blocks for m in (gate, *experts)]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, chunks: int) -> float:
+        """Micro-batch by micro-batch: each's loss (cross-entropy + both balancing losses) weighs its share."""
+        total = torch.zeros(())
+        for xj, yj in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
+            h, aux = self.first(xj), torch.zeros(())
+            for gate, experts, k in self.blocks:
+                out, a, _ = dense_loop(h, gate, experts, k, capacity(len(xj), E, k, 1.25, 4))
+                h, aux = h + out, aux + COEF * a
+            total = total + (nn.functional.cross_entropy(self.head(h), yj) + aux) * len(xj) / len(x)
+        self.opt.zero_grad()
+        total.backward()
+        self.opt.step()
+        return float(total.detach())
+
+
+def expert_rows(addresses: list[str], name: str, like: shardps.nn.MoE) -> torch.Tensor:
+    with shardps.connect(addresses) as client:
+        client.register_rows(name, like.experts.embedding_dim, optimizer=SGD(lr=LR), init={"kind": "zeros"})
+        return client.pull_rows(name, torch.arange(E), track=False)
+
+
+@pytest.mark.parametrize("placement, chunks, schedule, checkpoint", [
+    ("pull", 3, "1f1b", "except_last"),  # kept forwards and recomputed ones, several micro-batches
+    ("send", 1, "gpipe", "always"),  # the experts run on the servers; one micro-batch a step
+])
+def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, chunks, schedule, checkpoint):
+    servers = make_cluster(2)
+    model = build(placement)
+    ref = OneProcess(model)
+    with sray.Pipeline(model, balance=[2, 2], chunks=chunks, schedule=schedule, checkpoint=checkpoint,
+                       servers=servers.addresses, optimizer=SGD(lr=LR), sync="bsp", num_cpus=0.5) as pipe:
+        for step in range(STEPS):
+            x, y = data(step)
+            loss = pipe.train_step(x, y, nn.CrossEntropyLoss())
+            assert loss == pytest.approx(ref.step(x, y, chunks), rel=1e-6)
+        got = pipe.state_dict()
+    want = {"0.weight": ref.first.weight, "0.bias": ref.first.bias, "3.weight": ref.head.weight,
+            "3.bias": ref.head.bias, "1.moe.gate.weight": ref.blocks[0][0].weight,
+            "2.moe.gate.weight": ref.blocks[1][0].weight}
+    assert got.keys() == want.keys()
+    for n, p in want.items():
+        torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=1e-6, msg=n)
+    for i, name in ((1, "moe_a"), (2, "moe_b")):
+        rows = expert_rows(servers.addresses, name, model[i].moe)
+        experts = ref.blocks[i - 1][1]
+        want_rows = torch.stack([torch.nn.utils.parameters_to_vector(e.parameters()) for e in experts]).detach()
+        torch.testing.assert_close(rows, want_rows, rtol=0, atol=1e-6, msg=name)
+        moved = (rows != model[i].moe.experts.pretrained).any(1)
+        assert 0 < int(moved.sum()) < E  # some experts trained, and some got no token: untouched
+
+
+def test_a_pipeline_refuses_moe_stages_it_cannot_run(ray_cluster, make_cluster):
+    model = build("send")
+    with pytest.raises(ValueError, match="needs servers="):
+        sray.Pipeline(model, balance=[2, 2], chunks=1)
+    servers = make_cluster(1).addresses
+    with pytest.raises(ValueError, match="barrier sync mode"):
+        sray.Pipeline(model, balance=[2, 2], chunks=1, servers=servers, sync="asp")
+    with pytest.raises(ValueError, match=r"'1.moe' has placement 'send'.*chunks=1, got 2"):
+        sray.Pipeline(model, balance=[2, 2], chunks=2, servers=servers)
