@@ -36,7 +36,7 @@ from torch.func import functional_call
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.shardps.v1 import experts_pb2
 from shardps.worker import auxloss, expertsend
-from shardps.worker.placement import PLACES, AutoPlacement
+from shardps.worker.placement import PLACES, AutoPlacement, CostModel
 from shardps.worker.routing import Routing, capacity, route
 from shardps.worker.rowmodules import _Rows
 
@@ -144,7 +144,8 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, num_experts: int, expert: object, *, name: str | None = None, top_k: int = 1,
                  capacity_factor: float = 1.25, eval_capacity_factor: float | None = None, min_capacity: int = 4,
                  drop_tokens: bool = True, aux_loss_coef: float = 1e-2, placement: str = "pull",
-                 optimizer: OptimizerSpec | None = None, sync: str | None = None) -> None:
+                 optimizer: OptimizerSpec | None = None, sync: str | None = None,
+                 cost_model: CostModel | None = None) -> None:
         super().__init__()
         if not callable(expert):
             raise TypeError(f"MoE: expert must be a function returning an nn.Module, got {type(expert).__name__}")
@@ -168,6 +169,7 @@ class MoE(nn.Module):
         if placement != "pull":
             self.experts.program = expertsend.program_bytes(made[0])
         self.auto = AutoPlacement()  # placement "auto": the measured step times (worker/placement.py)
+        self.cost_model = cost_model or CostModel()  # "auto"'s prediction before it has times
         if placement == "auto":
             self.experts.on_pushed = self.auto.close  # a step: from the layer's forward to its push
         self.stats = MoEStats()
@@ -214,18 +216,19 @@ class MoE(nn.Module):
         auxloss.add(aux)  # inside a pipeline stage: joins this micro-batch's loss (worker/auxloss.py)
         return out.view(x.shape), aux, r.counts
 
-    def cost(self, r: Routing) -> dict[str, int]:
-        """Payload bytes each placement moves for routing ``r`` (both take two round trips a step): "pull" the
-        routed experts' rows and their gradients (key and version beside each), "send" the kept tokens out
-        and their outputs back, then the tokens and their output gradients out and their gradients back."""
-        active, kept = len(r.active()), int(r.keep.sum())
-        return {"pull": 2 * active * (self.experts.embedding_dim * 4 + 16), "send": 5 * kept * self.d_model * 4}
+    def cost(self, r: Routing) -> dict[str, float]:
+        """The seconds the cost model (``self.cost_model``, worker/placement.py) predicts for a training
+        step of each placement on routing ``r``: two round trips, then per distinct expert kept (its row and
+        gradient, or its calls on the shards) and per kept assignment (its compute here or there, its
+        tokens on the link)."""
+        return self.cost_model.seconds(experts=len(r.active()), assignments=int(r.keep.sum()),
+                                       params=self.experts.embedding_dim, d_model=self.d_model)
 
     def choose(self, r: Routing) -> str:
         """The placement of this forward: the layer's, or for "auto" ``AutoPlacement``'s (worker/placement.py):
         measured step times per batch size once it has them (from this forward to the optimizer's push of
-        the layer's experts), the cost model's bytes before; a forward without grad (evaluation) takes the
-        fewer bytes and is not timed."""
+        the layer's experts), the cost model's before; a forward without grad (evaluation) takes the
+        cheaper by the cost model and is not timed."""
         if self.placement != "auto":
             return self.placement
         cost, now, tokens = self.cost(r), time.perf_counter(), r.expert.shape[0]
