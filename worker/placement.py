@@ -53,16 +53,17 @@ PLACES = ("pull", "send")
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of one training step of an MoE layer under each placement (the module docstring). The
-    defaults: ``benchmarks/moe.py costs`` on a 2-core machine, 2 server processes on loopback (docs/moe.md,
-    "The cost model", where the command, time, commit and load are)."""
+    defaults: ``benchmarks/moe.py costs`` on a 2-core machine shared with other work, 2 server processes
+    on loopback (docs/moe.md, "The cost model", where the command, time, commit and load are). The fixed
+    parts include the benchmark's other layers' pushes; only their difference decides."""
 
-    byte_s: float = 3.5e-9  # a payload byte on the link (row, gradient or token), per byte
-    pull_call_s: float = 6.0e-3  # pull's fixed part of a step: the pull and the push of the rows
-    local_expert_s: float = 1.2e-3  # an expert run here: forward and backward, the fixed part
-    local_flop_s: float = 2.0e-11  # a flop run here
-    send_call_s: float = 6.0e-3  # send's fixed part of a step: Forward and Backward
-    server_expert_s: float = 0.8e-3  # an expert run on the shards: Forward and Backward, the fixed part
-    server_flop_s: float = 2.0e-11  # a flop run on the shards
+    byte_s: float = 4.43e-9  # a payload byte on the link (row, gradient or token), per byte
+    pull_call_s: float = 29.3e-3  # pull's fixed part of a step: the pull and the push of the rows
+    local_expert_s: float = 2.26e-3  # an expert run here: forward and backward, the fixed part
+    local_flop_s: float = 1.73e-11  # a flop run here
+    send_call_s: float = 26.9e-3  # send's fixed part of a step: Forward and Backward
+    server_expert_s: float = 0.596e-3  # an expert run on the shards: Forward and Backward, the fixed part
+    server_flop_s: float = 1.17e-11  # a flop run on the shards
 
     def seconds(self, *, experts: float, assignments: float, params: int, d_model: int) -> dict[str, float]:
         """Each placement's step for ``experts`` distinct experts kept and ``assignments`` kept assignments
