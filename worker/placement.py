@@ -34,9 +34,9 @@ shards (pull: the rows' pull and the gradients' push; send: ``Forward`` and
 
 with U the distinct experts kept, A the kept assignments, P an expert's
 parameters and d the layer's ``d_model``. The bytes alone (what the model
-was before) put the crossover 4x too late on loopback, where a step's time
-goes to the fixed costs per expert, not to the link: docs/moe.md, "The
-cost model". The defaults are this repository's machine's, measured by
+was before) put the crossover 2.4-3.4x too early on loopback, where a
+step's time goes to the fixed costs per expert more than to the link:
+docs/moe.md, "The cost model". The defaults are this repository's machine's, measured by
 ``benchmarks/moe.py costs``; ``MoE(cost_model=...)`` takes another's.
 
 A step that a second forward interrupts before the push is not counted.
