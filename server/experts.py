@@ -78,7 +78,7 @@ class Program:
             return dx.detach(), torch.cat(flat).detach()
 
 
-def _decode(req: experts_pb2.ExpertCall, *, backward: bool) -> tuple[np.ndarray, np.ndarray, torch.Tensor,
+def decode(req: experts_pb2.ExpertCall, *, backward: bool) -> tuple[np.ndarray, np.ndarray, torch.Tensor,
                                                                      torch.Tensor | None]:
     """(uint64 experts, int64 token counts, [n, d_model] tokens, [n, d_model] output gradient or None)."""
     name = req.table
@@ -102,6 +102,38 @@ def _decode(req: experts_pb2.ExpertCall, *, backward: bool) -> tuple[np.ndarray,
     return experts, counts, x, dy
 
 
+def _split(x: torch.Tensor, counts: np.ndarray) -> list[torch.Tensor]:
+    return list(torch.split(x, [int(c) for c in counts]))
+
+
+def run_forward(program: Program, rows: torch.Tensor, x: torch.Tensor, counts: np.ndarray) -> bytes:
+    """The outputs of each expert (row i of ``rows``) on its ``counts[i]`` tokens of ``x``, as fp32 bytes."""
+    out = [program.forward(rows[i], part) for i, part in enumerate(_split(x, counts))]
+    return torch.cat(out).numpy().tobytes() if out else b""
+
+
+def run_backward(program: Program, rows: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: np.ndarray,
+                 dim: int) -> tuple[bytes, torch.Tensor]:
+    """(the tokens' gradient as fp32 bytes, each expert's flat parameter gradient ``[n, dim]``)."""
+    dxs, grads = [], []
+    for i, (part, dpart) in enumerate(zip(_split(x, counts), _split(dy, counts))):
+        dx, g = program.backward(rows[i], part, dpart)
+        dxs.append(dx)
+        grads.append(g)
+    return (torch.cat(dxs).numpy().tobytes() if dxs else b""), (torch.stack(grads) if grads else torch.zeros(0, dim))
+
+
+def check_program(table: str, program: Program | None, dim: int) -> Program:
+    """``program``, or the error that a call for rows of ``dim`` floats gets without a fitting one."""
+    if program is None:
+        raise FailedPrecondition(f"expert table {table!r}: no expert program registered on this shard "
+                                 f"(RegisterExpert first)")
+    if program.numel != dim:
+        raise InvalidArgument(f"expert table {table!r}: the program has {program.numel} parameters, the call "
+                              f"says rows of {dim}")
+    return program
+
+
 class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
     """``service Experts`` over a shard's ``RowTables``."""
 
@@ -119,13 +151,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
     def _program(self, table: str, dim: int) -> Program:
         with self.lock:
             program = self.programs.get(table)
-        if program is None:
-            raise FailedPrecondition(f"expert table {table!r}: no expert program registered on this shard "
-                                     f"(RegisterExpert first)")
-        if program.numel != dim:
-            raise InvalidArgument(f"expert table {table!r}: the program has {program.numel} parameters, the call "
-                                  f"says rows of {dim}")
-        return program
+        return check_program(table, program, dim)
 
     @unary_errors
     def RegisterExpert(self, request: experts_pb2.RegisterExpertRequest,
@@ -145,37 +171,29 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
                 self.programs[request.table] = program
         return experts_pb2.RegisterExpertResponse(parameters=program.numel)
 
-    def _split(self, x: torch.Tensor, counts: np.ndarray) -> list[torch.Tensor]:
-        return list(torch.split(x, [int(c) for c in counts]))
-
     @unary_errors
     def Forward(self, request: experts_pb2.ExpertCall, context: grpc.ServicerContext) -> experts_pb2.ExpertAnswer:
         self.check_serving()
         program = self._program(request.table, request.dim)
-        experts, counts, x, _ = _decode(request, backward=False)
+        experts, counts, x, _ = decode(request, backward=False)
         if not len(experts):
             return experts_pb2.ExpertAnswer()
         rows, _ = self.rows.pull(request.table, request.dim, experts)
-        out = [program.forward(rows[i], part) for i, part in enumerate(self._split(x, counts))]
-        return experts_pb2.ExpertAnswer(out=torch.cat(out).numpy().tobytes())
+        return experts_pb2.ExpertAnswer(out=run_forward(program, rows, x, counts))
 
     @unary_errors
     def Backward(self, request: experts_pb2.ExpertCall, context: grpc.ServicerContext) -> experts_pb2.ExpertAnswer:
         self.check_serving()
         program = self._program(request.table, request.dim)
-        experts, counts, x, dy = _decode(request, backward=True)
+        experts, counts, x, dy = decode(request, backward=True)
         assert dy is not None
-        dxs, grads = [], []
+        dx, g = b"", torch.zeros(0, request.dim)
         if len(experts):
             rows, _ = self.rows.pull(request.table, request.dim, experts)
-            for i, (part, dpart) in enumerate(zip(self._split(x, counts), self._split(dy, counts))):
-                dx, g = program.backward(rows[i], part, dpart)
-                dxs.append(dx)
-                grads.append(g)
+            dx, g = run_backward(program, rows, x, dy, counts, request.dim)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
-        g = torch.stack(grads) if grads else torch.zeros(0, request.dim)
         updated = self.rows.push(request.table, request.dim, experts.copy(), g, worker=request.worker_id,
                                  step=request.step, num_workers=request.num_workers, timeout=timeout).rows
         self.replicated()
-        return experts_pb2.ExpertAnswer(out=torch.cat(dxs).numpy().tobytes() if dxs else b"", rows=updated)
+        return experts_pb2.ExpertAnswer(out=dx, rows=updated)

@@ -129,8 +129,8 @@ class Send(torch.autograd.Function):
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes())
-            ans = _with_program(experts, shard, lambda: t.experts(shard).Forward(_fits(experts.table, req),
-                                                                                 timeout=t.timeout))
+            ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Forward(_fits(experts.table, req),
+                                                                                        timeout=t.timeout))
             stats.bytes_sent += 2 * len(req.tokens)
             return bytes(ans.out)
 
@@ -159,8 +159,8 @@ class Send(torch.autograd.Function):
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
                                          worker_id=rows.worker_id if experts.worker is None else experts.worker,
                                          step=step, num_workers=experts.num_workers)
-            ans = _with_program(experts, shard, lambda: t.experts(shard).Backward(_fits(experts.table, req),
-                                                                                  timeout=t.timeout))
+            ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
+                _fits(experts.table, req), timeout=t.timeout))
             stats.bytes_sent += len(req.tokens) * 3
             return bytes(ans.out)
 

@@ -25,6 +25,7 @@ import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,14 @@ from shardps.worker.routing import Routing, capacity, route
 from shardps.worker.rowmodules import _Rows
 
 PLACEMENTS = ("pull", "send", "auto")
+
+
+class ExpertHosts(Protocol):
+    """Hosts that run the experts of "send" instead of the shards (``shardps.ray.start_expert_actors``):
+    ``endpoint(shard)`` answers ``RegisterExpert``, ``Forward`` and ``Backward`` for shard ``shard``'s
+    experts, with the gRPC stub's calls and errors."""
+
+    def endpoint(self, shard: int) -> Any: ...
 
 
 class ExpertRows(_Rows):
@@ -78,6 +87,7 @@ class ExpertRows(_Rows):
     # -- placement "send" (worker/expertsend.py): the shards push this worker's gradients during backward --
 
     program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
+    hosts: ExpertHosts | None = None  # where each shard's experts run under "send" (None: on the shard itself)
     sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
     on_pushed: Callable[[float], None] | None = None  # called with the time each push (a step's) ended
 
@@ -99,10 +109,17 @@ class ExpertRows(_Rows):
         assert self.rows is not None and self.program is not None and self.table is not None
         t, req = self.rows.transport, experts_pb2.RegisterExpertRequest(table=self.table, program=self.program)
         if shard is not None:
-            t.experts(shard).RegisterExpert(req, timeout=t.timeout)
+            self.endpoint(shard).RegisterExpert(req, timeout=t.timeout)
             return
-        t.each(lambda i: t.experts(i).RegisterExpert(req, timeout=t.timeout))
+        t.each(lambda i: self.endpoint(i).RegisterExpert(req, timeout=t.timeout))
         self.registered = True
+
+    def endpoint(self, shard: int) -> Any:
+        """What runs shard ``shard``'s experts under "send": the shard's ``Experts`` service, or the expert
+        host ``hosts`` names for it (a Ray actor beside the shard: deploy/ray/experts.py). Either answers
+        ``RegisterExpert``, ``Forward`` and ``Backward`` as the gRPC stub does."""
+        assert self.rows is not None
+        return self.rows.transport.experts(shard) if self.hosts is None else self.hosts.endpoint(shard)
 
     def push(self, step: int) -> None:
         """Push this step's gradients, unless a send's backward pushed them on the shards already."""
@@ -145,7 +162,7 @@ class MoE(nn.Module):
                  capacity_factor: float = 1.25, eval_capacity_factor: float | None = None, min_capacity: int = 4,
                  drop_tokens: bool = True, aux_loss_coef: float = 1e-2, placement: str = "pull",
                  optimizer: OptimizerSpec | None = None, sync: str | None = None,
-                 cost_model: CostModel | None = None) -> None:
+                 cost_model: CostModel | None = None, expert_hosts: ExpertHosts | None = None) -> None:
         super().__init__()
         if not callable(expert):
             raise TypeError(f"MoE: expert must be a function returning an nn.Module, got {type(expert).__name__}")
@@ -168,6 +185,9 @@ class MoE(nn.Module):
         self.experts = ExpertRows(made[0], num_experts, made, name=name, optimizer=optimizer, sync=sync)
         if placement != "pull":
             self.experts.program = expertsend.program_bytes(made[0])
+        elif expert_hosts is not None:
+            raise ValueError("MoE: expert_hosts run the experts of placement 'send' (or 'auto'), not 'pull'")
+        self.experts.hosts = expert_hosts
         self.auto = AutoPlacement()  # placement "auto": the measured step times (worker/placement.py)
         self.cost_model = cost_model or CostModel()  # "auto"'s prediction before it has times
         if placement == "auto":

@@ -1,7 +1,11 @@
-"""shardps.nn.MoE inside the stages of shardps.ray.Pipeline, on a real Ray cluster: each stage holds an MoE
-whose experts are rows on the servers; each micro-batch's balancing loss joins its own backward; the
-experts' gradients are pushed at the step's end. Two steps equal one process running the same model on the
-same micro-batches (a dense loop over the routed experts, torch's SGD)."""
+"""shardps.nn.MoE on a real Ray cluster.
+
+In the stages of shardps.ray.Pipeline: each stage holds an MoE whose experts are rows on the servers; each
+micro-batch's balancing loss joins its own backward; the experts' gradients are pushed at the step's end. Two
+steps equal one process running the same model on the same micro-batches (a dense loop over the routed
+experts, torch's SGD). And placement "send" on expert actors (shardps.ray.start_expert_actors) instead of the
+shards: the layer equal to that dense loop, the actors having run every call.
+"""
 
 from __future__ import annotations
 
@@ -129,3 +133,46 @@ def test_a_pipeline_refuses_moe_stages_it_cannot_run(ray_cluster, make_cluster):
         sray.Pipeline(model, balance=[2, 2], chunks=1, servers=servers, sync="asp")
     with pytest.raises(ValueError, match=r"'1.moe' has placement 'send'.*chunks=1, got 2"):
         sray.Pipeline(model, balance=[2, 2], chunks=2, servers=servers)
+
+
+def test_send_on_expert_actors_equals_a_dense_loop(ray_cluster, make_cluster):
+    """One step of top-2 "send" with the experts run by one actor per shard: the output, the input's
+    gradient and every expert's update (SGD, lr 1: the row moves by its gradient) equal a dense loop; the
+    experts no token was routed to are unchanged; the actors answered every Forward and Backward."""
+    cluster = make_cluster(2)
+    with sray.start_expert_actors(cluster, num_cpus=0.5) as hosts:
+        torch.manual_seed(2)
+        moe = shardps.nn.MoE(D, E, expert, name="on_actors", top_k=2, drop_tokens=False, aux_loss_coef=0.1,
+                             optimizer=SGD(lr=1.0), placement="send", expert_hosts=hosts)
+        with torch.no_grad():
+            moe.gate.weight[:, 0] += 3.0  # skewed: some experts get no token
+        with shardps.connect(cluster.addresses) as client:
+            opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.0))
+            before = client.pull_rows("on_actors", torch.arange(E), track=False)
+            refs = [moe.expert_module(i) for i in range(E)]
+            gate = copy.deepcopy(moe.gate)
+            x = torch.randn(2, 3, D) + 1.0
+            xr = x.clone().requires_grad_()
+            x.requires_grad_()
+            out, aux, _ = moe(x)
+            want, want_aux, _ = dense_loop(xr, gate, refs, 2, None)
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+            weight = torch.randn(2, 3, D)
+            ((out * weight).sum() + aux).backward()
+            ((want * weight).sum() + 0.1 * want_aux).backward()
+            torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-6)
+            opt.step()
+            after = client.pull_rows("on_actors", torch.arange(E), track=False)
+        calls = hosts.stats()
+    assert moe.last is not None
+    routed = moe.last.active().tolist()
+    assert 1 < len(routed) < E
+    for i in range(E):
+        if i in routed:
+            grad = torch.cat([p.grad.reshape(-1) for p in refs[i].parameters()])
+            torch.testing.assert_close(before[i] - after[i], grad, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(after[i], before[i])
+    assert [c["Backward"] for c in calls] == [1, 1]  # every shard's actor pushed the step, an empty push too
+    assert sum(c["Forward"] for c in calls) >= 1 and all(c["RegisterExpert"] == 1 for c in calls)
+    assert [s.rows.tables["on_actors"].steps for s in cluster.stores] == [1, 1]  # one table step on each shard
