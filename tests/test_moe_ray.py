@@ -96,7 +96,7 @@ def expert_rows(addresses: list[str], name: str, like: shardps.nn.MoE) -> torch.
 
 @pytest.mark.parametrize("placement, chunks, schedule, checkpoint", [
     ("pull", 3, "1f1b", "except_last"),  # kept forwards and recomputed ones, several micro-batches
-    ("send", 1, "gpipe", "always"),  # the experts run on the servers; one micro-batch a step
+    ("send", 3, "gpipe", "always"),  # the experts run on the shards, each micro-batch's gradients held there
 ])
 def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, chunks, schedule, checkpoint):
     servers = make_cluster(2)
@@ -125,20 +125,22 @@ def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, c
 
 
 def test_a_pipeline_refuses_moe_stages_it_cannot_run(ray_cluster, make_cluster):
-    model = build("send")
+    model = build("auto")
     with pytest.raises(ValueError, match="needs servers="):
         sray.Pipeline(model, balance=[2, 2], chunks=1)
     servers = make_cluster(1).addresses
     with pytest.raises(ValueError, match="barrier sync mode"):
         sray.Pipeline(model, balance=[2, 2], chunks=1, servers=servers, sync="asp")
-    with pytest.raises(ValueError, match=r"'1.moe' has placement 'send'.*chunks=1, got 2"):
+    with pytest.raises(ValueError, match=r"'1.moe' has placement 'auto'.*chunks=1, got 2"):
         sray.Pipeline(model, balance=[2, 2], chunks=2, servers=servers)
 
 
 def test_send_on_expert_actors_equals_a_dense_loop(ray_cluster, make_cluster):
-    """One step of top-2 "send" with the experts run by one actor per shard: the output, the input's
-    gradient and every expert's update (SGD, lr 1: the row moves by its gradient) equal a dense loop; the
-    experts no token was routed to are unchanged; the actors answered every Forward and Backward."""
+    """One step of two forwards and backwards of top-2 "send" with the experts run by one actor per shard,
+    each backward's gradients held on the actors (``hold``, as a pipeline stage's micro-batches): the
+    outputs, the inputs' gradients and every expert's update (SGD, lr 1: the row moves by the sum of its
+    gradients) equal a dense loop; the experts no token was routed to are unchanged; the actors answered
+    every call, and each shard's table took one step."""
     cluster = make_cluster(2)
     with sray.start_expert_actors(cluster, num_cpus=0.5) as hosts:
         torch.manual_seed(2)
@@ -146,26 +148,29 @@ def test_send_on_expert_actors_equals_a_dense_loop(ray_cluster, make_cluster):
                              optimizer=SGD(lr=1.0), placement="send", expert_hosts=hosts)
         with torch.no_grad():
             moe.gate.weight[:, 0] += 3.0  # skewed: some experts get no token
+        moe.experts.hold = True
         with shardps.connect(cluster.addresses) as client:
             opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.0))
             before = client.pull_rows("on_actors", torch.arange(E), track=False)
             refs = [moe.expert_module(i) for i in range(E)]
             gate = copy.deepcopy(moe.gate)
-            x = torch.randn(2, 3, D) + 1.0
-            xr = x.clone().requires_grad_()
-            x.requires_grad_()
-            out, aux, _ = moe(x)
-            want, want_aux, _ = dense_loop(xr, gate, refs, 2, None)
-            torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
-            weight = torch.randn(2, 3, D)
-            ((out * weight).sum() + aux).backward()
-            ((want * weight).sum() + 0.1 * want_aux).backward()
-            torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-6)
+            routed: set[int] = set()
+            for _ in range(2):  # two micro-batches, then one step
+                x = torch.randn(2, 3, D) + 1.0
+                xr = x.clone().requires_grad_()
+                x.requires_grad_()
+                out, aux, _ = moe(x)
+                want, want_aux, _ = dense_loop(xr, gate, refs, 2, None)
+                torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+                weight = torch.randn(2, 3, D)
+                ((out * weight).sum() + aux).backward()
+                ((want * weight).sum() + 0.1 * want_aux).backward()
+                torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-6)
+                assert moe.last is not None
+                routed |= set(moe.last.active().tolist())
             opt.step()
             after = client.pull_rows("on_actors", torch.arange(E), track=False)
         calls = hosts.stats()
-    assert moe.last is not None
-    routed = moe.last.active().tolist()
     assert 1 < len(routed) < E
     for i in range(E):
         if i in routed:
@@ -173,6 +178,6 @@ def test_send_on_expert_actors_equals_a_dense_loop(ray_cluster, make_cluster):
             torch.testing.assert_close(before[i] - after[i], grad, rtol=0, atol=1e-6)
         else:
             assert torch.equal(after[i], before[i])
-    assert [c["Backward"] for c in calls] == [1, 1]  # every shard's actor pushed the step, an empty push too
+    assert [c["Backward"] for c in calls] == [3, 3]  # two held, then the step's flush: every shard counts it
     assert sum(c["Forward"] for c in calls) >= 1 and all(c["RegisterExpert"] == 1 for c in calls)
     assert [s.rows.tables["on_actors"].steps for s in cluster.stores] == [1, 1]  # one table step on each shard

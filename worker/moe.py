@@ -89,12 +89,14 @@ class ExpertRows(_Rows):
     program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
     hosts: ExpertHosts | None = None  # where each shard's experts run under "send" (None: on the shard itself)
     sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
+    hold: bool = False  # each send's backward holds its gradients on the shards, push() has them pushed
+    d_model: int = 0  # the layer's (the flush's calls name it)
     on_pushed: Callable[[float], None] | None = None  # called with the time each push (a step's) ended
 
     def claim_step(self) -> int:
         """The step a send's backward pushes: the optimizer's next, once (a second backward in one step is
-        refused)."""
-        if self.sent_step is not None or self._pulled:
+        refused), or with ``hold`` (a pipeline stage's micro-batches) as many as the step has."""
+        if self.sent_step is not None and not self.hold or self._pulled:
             raise RuntimeError(f"MoE {self.table!r}: placement 'send' pushes the experts' gradients in backward, "
                                f"once per optimizer step; this step already has a forward's gradients (call "
                                f"step() between forwards of the layer)")
@@ -122,12 +124,15 @@ class ExpertRows(_Rows):
         return self.rows.transport.experts(shard) if self.hosts is None else self.hosts.endpoint(shard)
 
     def push(self, step: int) -> None:
-        """Push this step's gradients, unless a send's backward pushed them on the shards already."""
+        """Push this step's gradients, unless a send's backward pushed them on the shards already (with
+        ``hold``: the shards push what the step's backwards held, now)."""
         if self.sent_step is not None:
             sent, self.sent_step = self.sent_step, None
             if sent != step:
                 raise RuntimeError(f"MoE {self.table!r}: a send's backward pushed step {sent}, the optimizer is at "
                                    f"step {step}")
+            if self.hold:
+                expertsend.flush(self, step)
         else:
             super().push(step)
         if self.on_pushed is not None:
@@ -187,7 +192,7 @@ class MoE(nn.Module):
             self.experts.program = expertsend.program_bytes(made[0])
         elif expert_hosts is not None:
             raise ValueError("MoE: expert_hosts run the experts of placement 'send' (or 'auto'), not 'pull'")
-        self.experts.hosts = expert_hosts
+        self.experts.hosts, self.experts.d_model = expert_hosts, d_model
         self.auto = AutoPlacement()  # placement "auto": the measured step times (worker/placement.py)
         self.cost_model = cost_model or CostModel()  # "auto"'s prediction before it has times
         if placement == "auto":

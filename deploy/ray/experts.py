@@ -9,7 +9,8 @@ pulls the rows of the experts a call names from its shard (``PullRows``)
 and, in ``Backward``, pushes their gradients to that shard alone
 (``PushRows`` with the worker's id, step and num_workers: the worker's own
 push of the step, under the same exactly-once and bsp rules; an empty one
-when the call names no expert, so the shard counts the step). The shard
+when the call names no expert, so the shard counts the step; with ``hold``
+it keeps them as a shard does, ``Held``). The shard
 stays the experts' home (its row optimizer, checkpoints and replication
 hold them as any row table); what moves is the compute, to where an actor
 can be placed: a node with a GPU, or spare cores.
@@ -37,7 +38,7 @@ from shardps.protos.rows import MAX_PULL_KEYS, rows_per_message
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import experts_pb2, ps_pb2
 from shardps.server.errors import StoreError
-from shardps.server.experts import Program, check_program, decode, run_backward, run_forward
+from shardps.server.experts import Held, Program, check_program, decode, run_backward, run_forward
 from shardps.server.rpc import details, status_code
 from shardps.worker.transport import Transport
 
@@ -54,6 +55,7 @@ class ExpertActor:
                                    recovery_timeout=timeout)
         self.shard, self.timeout = shard, timeout
         self.programs: dict[str, Program] = {}
+        self.held = Held()  # Backward's gradients with hold, as a shard holds them
         self.calls = {"RegisterExpert": 0, "Forward": 0, "Backward": 0}
 
     def call(self, method: str, data: bytes) -> tuple[str, bytes]:
@@ -95,7 +97,11 @@ class ExpertActor:
         if len(experts):
             rows, versions = self._pull(req.table, req.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, req.dim)
-        return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, experts, g, versions))
+        if req.hold:
+            self.held.add(req.table, req.worker_id, req.step, experts, g, versions)
+            return experts_pb2.ExpertAnswer(out=dx)
+        keys, g, versions = self.held.take(req.table, req.worker_id, req.step, experts, g, versions)
+        return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, keys, g, versions))
 
     def _pull(self, table: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """The rows of distinct uint64 ``keys`` (all this actor's shard's) and their versions."""

@@ -28,6 +28,7 @@ from shardps.deploy.ray.placement import actor_logging
 from shardps.protos.security import Security
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.groups import GroupSpec, Rendezvous, connect_store, open_group
+from shardps.worker.moe import ExpertRows
 from shardps.worker.pipeline.failure import Outcome, StageFailed
 from shardps.worker.pipeline.link import GroupLink, LinkError
 from shardps.worker.pipeline.plan import StepPlan
@@ -212,6 +213,9 @@ class StageActor:
             opt.rows = RowModules.attach(self.rt.module, self.client.rows, num_workers=opts.replicas,
                                          provides_values=(r == 0), sync=str(opts.sync),
                                          clock=lambda: opt.local_steps, worker=r)
+            for m in opt.rows.modules.values():
+                if isinstance(m, ExpertRows):  # "send": a step's micro-batches' gradients wait on the shards
+                    m.hold = True
             return opt
         return make
 

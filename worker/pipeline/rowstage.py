@@ -9,8 +9,10 @@ at the step's end, with the dense gradients (deploy/ray/stage_actor.py). So they
 - a barrier sync mode (bsp, every:X): under asp/ssp the stage's push runs in the background while the next
   step's forwards pull rows of their own, and the rows pulled must be pushed by the step that pulled them;
 - neither ``stream`` nor ``tensor_parallel`` (their steppers do not push row tables);
-- for an ``MoE`` whose placement is "send" or "auto", one micro-batch a step (``chunks=1``): "send" pushes
-  the experts' gradients from the shards during the backward, once per step.
+- for an ``MoE`` whose placement is "auto", one micro-batch a step (``chunks=1``): it may pull for one
+  micro-batch and send for another, and the two push the step differently. Under "send" each micro-batch's
+  backward holds the experts' gradients on the shards, and the step's push has them pushed
+  (``ExpertRows.hold``, set by the stage actor).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def check_row_modules(stages: Sequence[nn.Module], *, servers: object, sync: Syn
             raise ValueError(f"{what} needs a barrier sync mode (bsp or every:X), got {sync}")
         if stream is not None or tensor_parallel > 1:
             raise ValueError(f"{what} does not run with {'stream=' if stream is not None else 'tensor_parallel'}")
-        sends = [p for p, x in found if isinstance(x, MoE) and x.placement != "pull"]
-        if sends and chunks > 1:
-            raise ValueError(f"stage {i}'s MoE {sends[0]!r} has placement 'send' or 'auto', which pushes the "
-                             f"experts' gradients from the servers in the backward, once a step: it needs "
-                             f"chunks=1, got {chunks} (or placement 'pull')")
+        autos = [p for p, x in found if isinstance(x, MoE) and x.placement == "auto"]
+        if autos and chunks > 1:
+            raise ValueError(f"stage {i}'s MoE {autos[0]!r} has placement 'auto', which may pull for one "
+                             f"micro-batch and send for another of the same step: it needs chunks=1, got {chunks} "
+                             f"(or placement 'pull' or 'send')")
