@@ -338,3 +338,26 @@ def test_demo_example_moe_trains(capsys):
     assert summary["workers"] == 2 and summary["steps"] == 4
     assert summary["val_loss"] < summary["initial_val_loss"]
     assert sum(summary["placements"].values()) == 4 + 2 * 8  # a forward per step, 8 per evaluation
+
+
+def test_auto_with_held_gradients_takes_one_placement_a_step(make_cluster):
+    """``experts.hold`` (a pipeline stage's micro-batches): every forward of a step takes the placement of
+    its first, and the steps still probe both; each step's gradients reach the rows either way."""
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="held", placement="auto", drop_tokens=False, optimizer=SGD(lr=0.1))
+    moe.experts.hold = True
+    walk = []
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        for _ in range(3):
+            before = client.pull_rows("held", torch.arange(E), track=False)
+            for _ in range(2):
+                taken = dict(moe.stats.placements)
+                out, aux, _ = moe(torch.randn(8, D))
+                (out.sum() + aux).backward()
+                walk.append(next(p for p in taken if moe.stats.placements[p] != taken[p]))
+            opt.step()
+            opt.zero_grad()
+            assert not torch.equal(client.pull_rows("held", torch.arange(E), track=False), before)
+    assert walk[0::2] == walk[1::2] and set(walk) == {"pull", "send"}

@@ -253,9 +253,13 @@ class MoE(nn.Module):
         """The placement of this forward: the layer's, or for "auto" ``AutoPlacement``'s (worker/placement.py):
         measured step times per batch size once it has them (from this forward to the optimizer's push of
         the layer's experts), the cost model's before; a forward without grad (evaluation) takes the
-        cheaper by the cost model and is not timed."""
+        cheaper by the cost model and is not timed. With ``experts.hold`` (a pipeline stage: several
+        forwards a step) every forward of a step takes the placement of its first training forward, and the
+        step is timed from that forward to the push."""
         if self.placement != "auto":
             return self.placement
+        if self.experts.hold and self.auto.open is not None:
+            return self.auto.open[1]  # the step's placement: its micro-batches push the same way
         cost, now, tokens = self.cost(r), time.perf_counter(), r.expert.shape[0]
         self.auto.close(now, valid=False)  # a step still open (no push since its forward): not counted
         if not (self.training and torch.is_grad_enabled()):

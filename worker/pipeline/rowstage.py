@@ -8,11 +8,11 @@ at the step's end, with the dense gradients (deploy/ray/stage_actor.py). So they
 - ``servers``: their rows are nowhere else;
 - a barrier sync mode (bsp, every:X): under asp/ssp the stage's push runs in the background while the next
   step's forwards pull rows of their own, and the rows pulled must be pushed by the step that pulled them;
-- neither ``stream`` nor ``tensor_parallel`` (their steppers do not push row tables);
-- for an ``MoE`` whose placement is "auto", one micro-batch a step (``chunks=1``): it may pull for one
-  micro-batch and send for another, and the two push the step differently. Under "send" each micro-batch's
-  backward holds the experts' gradients on the shards, and the step's push has them pushed
-  (``ExpertRows.hold``, set by the stage actor).
+- neither ``stream`` nor ``tensor_parallel`` (their steppers do not push row tables).
+
+An ``MoE`` under "send" runs with any ``chunks``: each micro-batch's backward holds the experts' gradients on
+the shards and the step's push has them pushed (``ExpertRows.hold``, set by the stage actor); under "auto" every
+micro-batch of a step takes the placement of the step's first (``MoE.choose``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from shardps.worker.moe import MoE
 from shardps.worker.rowmodules import _Rows
 
 
-def check_row_modules(stages: Sequence[nn.Module], *, servers: object, sync: SyncSpec, chunks: int,
-                      stream: object, tensor_parallel: int) -> None:
+def check_row_modules(stages: Sequence[nn.Module], *, servers: object, sync: SyncSpec, stream: object,
+                      tensor_parallel: int) -> None:
     """Raise ``ValueError`` naming the module and the option when a stage's row modules cannot run."""
     for i, stage in enumerate(stages):
         found = [(path, m) for path, m in stage.named_modules() if isinstance(m, (_Rows, MoE))]
@@ -41,8 +41,4 @@ def check_row_modules(stages: Sequence[nn.Module], *, servers: object, sync: Syn
             raise ValueError(f"{what} needs a barrier sync mode (bsp or every:X), got {sync}")
         if stream is not None or tensor_parallel > 1:
             raise ValueError(f"{what} does not run with {'stream=' if stream is not None else 'tensor_parallel'}")
-        autos = [p for p, x in found if isinstance(x, MoE) and x.placement == "auto"]
-        if autos and chunks > 1:
-            raise ValueError(f"stage {i}'s MoE {autos[0]!r} has placement 'auto', which may pull for one "
-                             f"micro-batch and send for another of the same step: it needs chunks=1, got {chunks} "
-                             f"(or placement 'pull' or 'send')")
+
