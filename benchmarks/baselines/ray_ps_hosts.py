@@ -15,9 +15,11 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -73,17 +75,21 @@ def measure(net: Any, ps_host: str, worker_hosts: list[str], a: argparse.Namespa
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "1",
            "--object-store-memory", str(256 << 20), "--disable-usage-stats"]
     head = f"{net.host(ps_host)}:{PORT}"
+    # A temporary directory of this run's own, one under it per node: the hosts share this machine's /tmp,
+    # and Ray's defaults there (/tmp/ray: the sessions' sockets, the "current cluster" address file that a
+    # later plain ray.init() would follow to this cluster after it is gone) are not ours to write.
+    temp = tempfile.mkdtemp(prefix="rps-", dir="/tmp")
     nodes: list[subprocess.Popen[str]] = []
     driver = None
     try:
-        # One node at a time, each once it said it runs: the hosts share this machine's /tmp, and two nodes
-        # starting at once may pick the same socket names in the session's directory (one of them then dies).
+        # One node at a time, each once it said it runs.
         nodes.append(start_node(net, ps_host, [*ray, "--head", "--port", str(PORT), "--include-dashboard", "false",
-                                               "--node-ip-address", net.host(ps_host), "--resources",
-                                               json.dumps({ps_host: 1})], env, a.timeout))
-        for h in worker_hosts:
+                                               "--node-ip-address", net.host(ps_host), "--temp-dir", f"{temp}/h",
+                                               "--resources", json.dumps({ps_host: 1})], env, a.timeout))
+        for i, h in enumerate(worker_hosts):
             nodes.append(start_node(net, h, [*ray, "--address", head, "--node-ip-address", net.host(h),
-                                             "--resources", json.dumps({h: 1})], env, a.timeout))
+                                             "--temp-dir", f"{temp}/w{i}", "--resources", json.dumps({h: 1})],
+                                    env, a.timeout))
         driver = net.start(ps_host, [sys.executable, str(Path(__file__).resolve()), "--driver", "--address", head,
                                      "--ps-host", ps_host, "--worker-hosts", ",".join(worker_hosts),
                                      "--dims", a.dims, "--batch", str(a.batch), "--steps", str(a.steps),
@@ -112,6 +118,7 @@ def measure(net: Any, ps_host: str, worker_hosts: list[str], a: argparse.Namespa
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
                 p.wait(timeout=10)
+        shutil.rmtree(temp, ignore_errors=True)
     return {"step_s": statistics.median(times), "cpu_s": cpu / len(times), "timeline": None,
             "drops": drops / (a.steps + a.warmup), "retrans_share": retrans / max(1, segs)}
 
