@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.rows import (
     KEY_DTYPES,
     MAX_PULL_KEYS,
@@ -112,20 +112,17 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
 
     @stream_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest,
-                 context: grpc.ServicerContext) -> Iterator[ps_pb2.PullRowsResponse]:
+                 context: grpc.ServicerContext) -> Iterator[bytes]:
         self.check_serving()
         keys = decode_keys(request.table, request.key_dtype, request.keys)
         if len(keys) > MAX_PULL_KEYS:
             raise ResourceExhausted(f"row table {label(request.table)}: expected at most {MAX_PULL_KEYS} keys in one "
                                     f"PullRows, got {len(keys)}")
-        if len(np.unique(keys)) != len(keys):
-            raise InvalidArgument(f"row table {label(request.table)}: expected distinct keys in a PullRows, got "
-                                  f"{len(keys) - len(np.unique(keys))} repeated")
-        rows, versions = self.rows.pull(request.table, request.dim, keys)
+        rows, versions = self.rows.pull(request.table, request.dim, keys)  # checks the keys are distinct
         per = rows_per_message(request.dim + 2, self.chunk_bytes)  # + its version
-        for first in range(0, len(keys), per):
-            yield ps_pb2.PullRowsResponse(first=first, rows=rows[first:first + per].numpy().tobytes(),
-                                          versions=versions[first:first + per].numpy().tobytes())
+        r, v = rows.numpy(), versions.numpy()
+        for first in range(0, len(keys), per):  # bytes (server/service.py sends them as they are)
+            yield framing.pull_rows_message(first, r[first:first + per].data, v[first:first + per].data)
 
     @unary_errors
     def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],

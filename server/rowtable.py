@@ -111,17 +111,18 @@ class RowTable:
         return torch.from_numpy(out)
 
     def read(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of distinct uint64 ``keys`` and their versions: created where not held, or (admission)
-        their init, unstored (version 0)."""
+        """The rows of distinct uint64 ``keys`` and their versions (contiguous copies): created where not held,
+        or (admission) their init, unstored (version 0)."""
         if self.spec.admit <= 1:
             slots = self.slots_of(keys)  # first: it may grow ``weights``
-            return self.weights[slots], self.updates[slots]
+            return self.weights.index_select(0, slots), self.updates.index_select(0, slots)
         out = self.find(keys)
         held = np.flatnonzero(out >= 0)
         rows, versions = init_rows(self.spec, keys), torch.zeros(len(keys), dtype=torch.int64)
         if len(held):
             at, slots = torch.from_numpy(held), torch.from_numpy(out[held])
-            rows[at], versions[at] = self.weights[slots], self.updates[slots]
+            rows.index_copy_(0, at, self.weights.index_select(0, slots))
+            versions.index_copy_(0, at, self.updates.index_select(0, slots))
         return rows, versions
 
     def observe_staleness(self, keys: np.ndarray, base: np.ndarray) -> None:

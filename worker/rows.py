@@ -22,7 +22,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.optim import SGD, OptimizerSpec
 from shardps.protos.rows import RowTableSpec, as_u64, hash_key, label, rows_per_message, shard_of
 from shardps.protos.shardps.v1 import ps_pb2
@@ -37,13 +37,28 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Split:
-    """Distinct keys of a request split by shard: ``keys[s]`` (uint64) and where the distinct keys sit in
-    the request (``inverse``: for each key asked, its index among the distinct keys)."""
+    """Distinct keys of a request split by shard: ``unique`` (sorted uint64), where each sits in the request
+    (``where``: a position of it) and, where keys repeat, ``repeats``: for each key asked, its index among
+    the distinct keys (None when every key asked is distinct: see ``inverse``)."""
 
-    unique: np.ndarray  # distinct uint64 keys
-    inverse: torch.Tensor  # [n] int64: index into ``unique`` of each key asked
+    unique: np.ndarray  # distinct uint64 keys, sorted
+    where: np.ndarray  # [len(unique)] int64: a position in the request of each distinct key
+    repeats: torch.Tensor | None  # [n] int64: index into ``unique`` of each key asked; None: no key repeats
     owner: np.ndarray  # [len(unique)]: the shard of each distinct key
     num_shards: int
+
+    @property
+    def distinct(self) -> bool:
+        """Every key asked is distinct (``where`` is a permutation of the request)."""
+        return self.repeats is None
+
+    def inverse(self) -> torch.Tensor:
+        """[n] int64: for each key asked, its index among the distinct keys."""
+        if self.repeats is not None:
+            return self.repeats
+        inv = np.empty(len(self.where), dtype=np.int64)
+        inv[self.where] = np.arange(len(self.where))
+        return torch.from_numpy(inv)
 
     def of(self, shard: int) -> np.ndarray:
         """Indices (into ``unique``) of the distinct keys ``shard`` holds."""
@@ -51,9 +66,19 @@ class Split:
 
 
 def split(keys: np.ndarray, num_shards: int) -> Split:
-    unique, inverse = np.unique(keys, return_inverse=True)
-    return Split(unique, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), shard_of(unique, num_shards),
-                 num_shards)
+    """``keys`` (uint64, flat) sorted once: distinct where no neighbour is equal (as ``np.unique``, whose
+    ``return_inverse`` sorts the same way), each distinct key's shard."""
+    order = np.argsort(keys)
+    ordered = keys[order]
+    head = np.empty(len(keys), dtype=bool)
+    head[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=head[1:])
+    if head.all():
+        return Split(ordered, order, None, shard_of(ordered, num_shards), num_shards)
+    unique, where = ordered[head], order[head]
+    inv = np.empty(len(keys), dtype=np.int64)
+    inv[order] = np.cumsum(head) - 1
+    return Split(unique, where, torch.from_numpy(inv), shard_of(unique, num_shards), num_shards)
 
 
 def naming(name: str, call: str, transport: Transport, fn: Callable[[], T]) -> T:
@@ -119,24 +144,32 @@ class RowClient:
         keep their versions for the next push (row staleness; off for pulls no push follows)."""
         dim = self._spec(name).dim
         s = split(as_u64(keys), self.transport.num_shards)
-        out = torch.empty(len(s.unique), dim)
+        # Each row goes once from its message to where it belongs: its place in the answer when no key
+        # repeats, else its place among the distinct rows (the answer is then gathered from those).
+        rows = torch.empty(keys.numel() if s.distinct else len(s.unique), dim)
+        to = torch.from_numpy(s.where) if s.distinct else None
         versions = np.zeros(len(s.unique), dtype=np.int64)
         t = self.transport
 
         def pull_shard(shard: int) -> int:
             idx = s.of(shard)
             got = 0
+            call = t.pull_rows(shard)
             for lo in range(0, len(idx), MAX_PULL_KEYS):
                 part = idx[lo:lo + MAX_PULL_KEYS]
                 req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim)
-                rows = out[torch.from_numpy(part)]  # filled below, then put back in place
-                for msg in t.rows(shard).PullRows(req, timeout=t.timeout):
-                    n = len(msg.rows) // (dim * 4)
-                    rows[msg.first:msg.first + n] = torch.frombuffer(bytearray(msg.rows), dtype=torch.float32
-                                                                     ).view(n, dim)
-                    versions[part[msg.first:msg.first + n]] = np.frombuffer(msg.versions, dtype="<i8")
-                    got += len(msg.rows) + len(msg.versions)
-                out[torch.from_numpy(part)] = rows
+                dest = torch.from_numpy(part) if to is None else to[part]
+                for buf in call(req, timeout=t.timeout):
+                    first, data, vers = framing.read_pull_rows(buf)
+                    n = len(vers) // 8
+                    if len(data) != n * dim * 4 or first + n > len(part):
+                        raise ValueError(f"row table {label(name)}: PullRows answered {len(data)} row bytes and "
+                                         f"{len(vers)} version bytes at row {first} of {len(part)}, dim {dim}")
+                    if n:
+                        rows.index_copy_(0, dest[first:first + n],
+                                         torch.frombuffer(data, dtype=torch.float32).view(n, dim))
+                        versions[part[first:first + n]] = np.frombuffer(vers, dtype="<i8")
+                    got += len(data) + len(vers)
                 got += len(req.keys)
             return got
 
@@ -144,7 +177,8 @@ class RowClient:
         if track:
             self.pulled.setdefault(name, []).append((s.unique, versions))
             del self.pulled[name][:-MAX_TRACKED]
-        return out[s.inverse].view(*keys.shape, dim)
+        out = rows if s.distinct else rows.index_select(0, s.inverse())
+        return out.view(*keys.shape, dim)
 
     def _bases(self, name: str, keys: np.ndarray) -> np.ndarray:
         """The version each distinct uint64 key's row had when first pulled since the table's last push
@@ -174,7 +208,7 @@ class RowClient:
         if g.shape[0] != keys.numel():
             raise ValueError(f"row table {name!r}: {keys.numel()} keys but gradients of shape {list(grads.shape)}")
         s = split(as_u64(keys), self.transport.num_shards)
-        summed = torch.zeros(len(s.unique), dim).index_add_(0, s.inverse, g.cpu())
+        summed = torch.zeros(len(s.unique), dim).index_add_(0, s.inverse(), g.cpu())
         bases = np.full(len(s.unique), -1, dtype=np.int64) if assign else self._bases(name, s.unique)
         per = rows_per_message(dim + 2, self.chunk_bytes)  # + the base version
         t = self.transport
@@ -183,8 +217,9 @@ class RowClient:
             idx = s.of(shard)
             for lo in range(0, max(1, len(idx)), per):
                 part = idx[lo:lo + per]
+                grad_rows = summed.index_select(0, torch.from_numpy(part))
                 yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
-                                             grads=summed[torch.from_numpy(part)].numpy().tobytes(), dim=dim,
+                                             grads=grad_rows.numpy().tobytes(), dim=dim,
                                              worker_id=self.worker_id, step=step, num_workers=num_workers,
                                              assign=assign, base_versions=bases[part].tobytes())
 
