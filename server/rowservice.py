@@ -86,13 +86,14 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
     """``service Rows`` over a shard's ``RowTables``."""
 
     def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
-                 replicated: Callable[[], None] = lambda: None,
+                 replicated: Callable[[], None] = lambda: None, backup: Callable[[], str] = lambda: "",
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
                  max_wait_s: float = 300.0) -> None:
         self.rows = rows
         self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
         self.check_serving = check_serving
         self.replicated = replicated  # blocks until the backup holds every change so far (--replicas 2)
+        self.backup = backup  # where the shard's backup lives ("" without one): RegisterRows says it
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.metrics = metrics
 
@@ -108,7 +109,7 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
             raise InvalidArgument(named) from None
         rows = self.rows.register(spec)
         self.replicated()
-        return ps_pb2.RegisterRowsResponse(rows=rows)
+        return ps_pb2.RegisterRowsResponse(rows=rows, backup=self.backup())
 
     @stream_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest,

@@ -333,6 +333,7 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
     rows = RowsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
+                        backup=lambda: store.replicator.address if store.replicator is not None else "",
                         chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
     _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
     experts = ExpertsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,

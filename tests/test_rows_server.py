@@ -145,11 +145,13 @@ def test_stats_and_shardps_stats_show_row_tables(make_cluster):
     assert "row table" in text and text.count(" emb ") == 2
 
 
-def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_path):
+@pytest.mark.parametrize("dense", [True, False], ids=["with-dense", "rows-only"])
+def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_path, dense):
     """--replicas 2: shard 0's primary stops between two steps; the worker fails over to its backup and the
-    table goes on: its rows equal a single table's fed the same pushes, bit for bit. Then the 2 shards'
-    checkpoints are read into 3 shards: every row, its moments and the step count are where the new count
-    puts them, and a further step gives the same rows as on the 2 shards."""
+    table goes on: its rows equal a single table's fed the same pushes, bit for bit. The worker learns the
+    backups from its dense registration or, using row tables alone, from RegisterRows (no attach()). Then
+    the 2 shards' checkpoints are read into 3 shards: every row, its moments and the step count are where
+    the new count puts them, and a further step gives the same rows as on the 2 shards."""
     cluster = make_cluster(2, replicas=2)
     spec = RowTableSpec("emb", 8, SparseAdam(lr=0.05), seed=2)
     ref = RowTables()
@@ -158,8 +160,11 @@ def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_pat
     keys = torch.randint(-40, 40, (6, 30), generator=gen)
     grads = torch.randn(6, 30, 8, generator=gen)
     with shardps.connect(cluster.addresses, timeout=60) as client:
-        client.register({"b": torch.zeros(2)}, SGD(lr=0.1))  # the dense part: it learns the backups
+        if dense:
+            client.register({"b": torch.zeros(2)}, SGD(lr=0.1))  # the dense part: it learns the backups
+        assert client.backups == (cluster.backup_addresses if dense else ["", ""])
         client.rows.register("emb", 8, optimizer=SparseAdam(lr=0.05), seed=2)
+        assert client.backups == cluster.backup_addresses
         for step in range(6):
             if step == 3:
                 cluster._servers[1].stop(None)  # shard 0's primary goes away

@@ -94,7 +94,7 @@ def naming(name: str, call: str, transport: Transport, fn: Callable[[], T]) -> T
         details = f"{table}: {call}: {e.details}"
         if isinstance(e, Unreachable) and e.shard is not None and not transport.backups[e.shard]:
             details += (f" (this client knows no backup of shard {e.shard}: under --replicas 2 it learns them when "
-                        "it registers dense tensors, or by attach())")
+                        "it registers row tables or dense tensors, or by attach())")
         raise type(e)(e.address, e.shard, e.code, details) from e
 
 
@@ -125,7 +125,10 @@ class RowClient:
                 else RowTableSpec(name, dim, opt, keys, init, seed=seed, admit=admit, expire=expire))
         msg = ps_pb2.RegisterRowsRequest(table=spec.to_proto())
         t = self.transport
-        naming(name, "RegisterRows", t, lambda: t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout)))
+        answers = naming(name, "RegisterRows", t,
+                         lambda: t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout)))
+        for i, a in enumerate(answers):  # each shard's backup (--replicas 2), as a dense Register learns them
+            t.backups[i] = a.backup
         self.specs[name] = spec
         return spec
 
