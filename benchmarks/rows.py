@@ -8,7 +8,8 @@ Starts ``--shards`` server processes (``shardps.LocalCluster(processes=True)``),
 registers a table of ``--dim`` floats (SparseAdam), and times, median of
 ``--repeats``: the first pull of ``--rows`` distinct keys (rows created on
 first touch), a pull of rows held, and a push of their gradients with the
-optimizer step applied on the servers. Keys are random 64-bit ids. Bytes
+optimizer step applied on the servers. Keys are random 64-bit ids, sorted
+(``torch.unique``) or, with ``--shuffled``, in a random order. Bytes
 on the wire: the key and row payload the client sent and received, against
 distinct keys x dim x 4 (protobuf framing adds a few bytes a message of up
 to 1 MiB, not counted). Prints rows/s for each and the ratio.
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shuffled", action="store_true", help="the keys in a random order (default: sorted)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--index", action="store_true", help="no servers: the two key indexes of a shard compared")
     a = ap.parse_args()
@@ -103,7 +105,9 @@ def main() -> None:
         with shardps.connect(cluster.addresses, timeout=600) as client:
             client.rows.register("bench", a.dim, optimizer=SparseAdam(lr=1e-3))
             keys = torch.randint(-(2**63), 2**63 - 1, (a.rows,), generator=torch.Generator().manual_seed(0))
-            keys = torch.unique(keys)
+            keys = torch.unique(keys)  # sorted
+            if a.shuffled:  # in the order a batch would bring them
+                keys = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(1))]
             n = len(keys)
             grads = torch.randn(n, a.dim)
             t0 = time.perf_counter()
@@ -126,7 +130,7 @@ def main() -> None:
         cluster.stop()
     payload = n * a.dim * 4
     out = {
-        "rows": n, "dim": a.dim, "shards": a.shards, "cpus": os.cpu_count(),
+        "rows": n, "dim": a.dim, "shards": a.shards, "cpus": os.cpu_count(), "shuffled": a.shuffled,
         "create_pull_rows_per_s": n / create_s,
         "pull_rows_per_s": n / statistics.median(pull_s),
         "push_apply_rows_per_s": n / statistics.median(push_s),

@@ -114,8 +114,11 @@ class RowTable:
         """The rows of distinct uint64 ``keys`` and their versions (contiguous copies): created where not held,
         or (admission) their init, unstored (version 0)."""
         if self.spec.admit <= 1:
-            slots = self.slots_of(keys)  # first: it may grow ``weights``
-            return self.weights.index_select(0, slots), self.updates.index_select(0, slots)
+            at = self.slots_of(keys).numpy()  # first: it may grow ``weights``
+            # NumPy's take: one thread, where torch's gather spreads over threads that, on a busy machine,
+            # wait for each other
+            return (torch.from_numpy(np.take(self.weights.numpy(), at, axis=0)),
+                    torch.from_numpy(np.take(self.updates.numpy(), at)))
         out = self.find(keys)
         held = np.flatnonzero(out >= 0)
         rows, versions = init_rows(self.spec, keys), torch.zeros(len(keys), dtype=torch.int64)

@@ -157,9 +157,11 @@ class RowClient:
         dim = self._spec(name).dim
         s = split(as_u64(keys), self.transport.num_shards)
         # Each row goes once from its message to where it belongs: its place in the answer when no key
-        # repeats, else its place among the distinct rows (the answer is then gathered from those).
+        # repeats, else its place among the distinct rows (the answer is then gathered from those). NumPy
+        # places them: one thread per shard's answer, where torch's index ops spread over threads that, on
+        # a busy machine, wait for each other.
         rows = torch.empty(keys.numel() if s.distinct else len(s.unique), dim)
-        to = torch.from_numpy(s.where) if s.distinct else None
+        into = rows.numpy()
         versions = np.zeros(len(s.unique), dtype=np.int64)
         t = self.transport
 
@@ -170,7 +172,7 @@ class RowClient:
             for lo in range(0, len(idx), MAX_PULL_KEYS):
                 part = idx[lo:lo + MAX_PULL_KEYS]
                 req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim)
-                dest = torch.from_numpy(part) if to is None else to[part]
+                dest = s.where[part] if s.distinct else part
                 for buf in call(req, timeout=t.timeout):
                     first, data, vers = framing.read_pull_rows(buf)
                     n = len(vers) // 8
@@ -178,8 +180,7 @@ class RowClient:
                         raise ValueError(f"row table {label(name)}: PullRows answered {len(data)} row bytes and "
                                          f"{len(vers)} version bytes at row {first} of {len(part)}, dim {dim}")
                     if n:
-                        rows.index_copy_(0, dest[first:first + n],
-                                         torch.frombuffer(data, dtype=torch.float32).view(n, dim))
+                        into[dest[first:first + n]] = np.frombuffer(data, dtype="<f4").reshape(n, dim)
                         versions[part[first:first + n]] = np.frombuffer(vers, dtype="<i8")
                     got += len(data) + len(vers)
                 got += len(req.keys)
@@ -189,7 +190,7 @@ class RowClient:
         if track:
             self.pulled.setdefault(name, []).append((s.unique, versions))
             del self.pulled[name][:-MAX_TRACKED]
-        out = rows if s.distinct else rows.index_select(0, s.inverse())
+        out = rows if s.distinct else torch.from_numpy(np.take(into, s.inverse().numpy(), axis=0))
         return out.view(*keys.shape, dim)
 
     def _bases(self, name: str, keys: np.ndarray) -> np.ndarray:
