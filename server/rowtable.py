@@ -114,11 +114,11 @@ class RowTable:
         """The rows of distinct uint64 ``keys`` and their versions (contiguous copies): created where not held,
         or (admission) their init, unstored (version 0)."""
         if self.spec.admit <= 1:
-            at = self.slots_of(keys).numpy()  # first: it may grow ``weights``
+            found = self.slots_of(keys).numpy()  # first: it may grow ``weights``
             # NumPy's take: one thread, where torch's gather spreads over threads that, on a busy machine,
             # wait for each other
-            return (torch.from_numpy(np.take(self.weights.numpy(), at, axis=0)),
-                    torch.from_numpy(np.take(self.updates.numpy(), at)))
+            return (torch.from_numpy(np.take(self.weights.numpy(), found, axis=0)),
+                    torch.from_numpy(np.take(self.updates.numpy(), found)))
         out = self.find(keys)
         held = np.flatnonzero(out >= 0)
         rows, versions = init_rows(self.spec, keys), torch.zeros(len(keys), dtype=torch.int64)
