@@ -35,6 +35,12 @@ host shares the same 2 cores, so ``cpu/step``, the CPU seconds every
 process of the row spent per step, over the cores, is a floor no link can
 lift; it is printed beside).
 
+``--ray-ps``: Ray's object-store parameter server (baselines/ray_ps.py: one
+``ParameterServer`` actor, ``DataWorker`` actors) with a Ray node in every
+host (baselines/ray_ps_hosts.py), beside DDP and shardps at n = 4 with 4
+server hosts and with 1 (Ray's own: one actor in one host); its formula is
+a parameter server's with k = 1.
+
 ``--sweep``: the schedule's two settings instead, shards a server host
 serves (1, 2, 4, 8) against the window (all at once, 1, 2, 3, 4), at n = 4,
 k = 4, beside DDP: what the defaults were chosen from.
@@ -74,7 +80,7 @@ SERVER_HOSTS = ["h4", "h5", "h6", "h7"]
 
 @dataclass(frozen=True)
 class Config:
-    system: str  # "ddp" or "shardps"
+    system: str  # "ddp", "shardps" or "ray-ps"
     n: int
     k: int = 0  # server hosts (0: a server on each worker host)
     sync: str = "bsp"
@@ -87,6 +93,8 @@ class Config:
     def label(self) -> str:
         if self.system == "ddp":
             return "DDP (gloo ring all-reduce)"
+        if self.system == "ray-ps":
+            return "Ray object-store PS (one actor, 1 server host)"
         where = "servers on the worker hosts" if self.k == 0 else f"{self.k} server hosts"
         how = (f"{self.per} shards a host, window {self.window}" if self.window
                else f"{self.per} shard a host, all at once")
@@ -94,7 +102,10 @@ class Config:
         return f"shardps {self.sync} {wire}, {where}, {how}"
 
 
-def configs(quick: bool, per: int, window: int, sweep: bool = False) -> list[Config]:
+def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: bool = False) -> list[Config]:
+    if ray_ps:  # Ray's documented parameter server beside DDP and shardps at n = 4
+        return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window),
+                Config("shardps", 4, 1, per=per, window=window), Config("ray-ps", 4, 1)]
     if sweep:
         return [Config("ddp", 4)] + [Config("shardps", 4, 4, per=p, window=w)
                                      for p in (1, 2, 4, 8) for w in (None, 1, 2, 3, 4) if not (w and w >= 4 * p)]
@@ -169,6 +180,11 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -> dict[str, Any]:
     """One row: start the servers (shardps), the workers, wait for their results, stop everything."""
+    if c.system == "ray-ps":
+        from baselines import ray_ps_hosts
+
+        return ray_ps_hosts.measure(net, SERVER_HOSTS[0], WORKER_HOSTS[:c.n], a,
+                                    lambda: link_counters(net, WORKER_HOSTS + SERVER_HOSTS))
     env = dict(os.environ, SHARDPS_LOG_LEVEL="ERROR")
     servers: list[subprocess.Popen[str]] = []
     addresses: list[str] = []
@@ -252,6 +268,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4 (200mbit)")
     p.add_argument("--sweep", action="store_true",
                    help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")
+    p.add_argument("--ray-ps", action="store_true",
+                   help="Ray's object-store parameter server (a Ray node in every host) beside DDP and shardps, n = 4")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     p.add_argument("--plot", metavar="PNG", help="step time against server hosts, with the formula's line")
     p.add_argument("--timeline", metavar="PNG", help="worker 0's link in one shardps step (n = 4, k = 4)")
@@ -263,7 +281,7 @@ def main() -> int:
     links = a.links or (["200mbit"] if a.quick else ["500mbit", "200mbit"])
     dims = tuple(int(d) for d in a.dims.split("-"))
     model_bytes = 4.0 * numel(dims)
-    rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep)
+    rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps)
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
     say(f"model {model_bytes / 1e6:.1f} MB ({a.dims}), batch {a.batch}, {a.steps} timed steps after {a.warmup}; "
         f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")

@@ -15,13 +15,19 @@ and head, attention by heads, MLP by columns then rows):
 - parameter bytes per rank (its slices plus the replicated tensors), against TP = 1's;
 - saved-activation bytes per rank (what autograd keeps for backward, through ``saved_tensors_hooks``, each
   storage once), against TP = 1's;
-- the median step time (forward, backward, no servers) and its ratio to TP = 1's, same process.
+- the median step time (forward, backward, no servers) and its ratio to TP = 1's, same process;
+- with ``--servers N`` (default 2; 0: none), the parameter-server bytes of one ``TPOptimizer`` step per rank,
+  counted on the wire (``tests/helpers.py``'s ``count_wire``; gRPC only: no shared memory, no TCP bulk
+  path): the gradient bytes of the Push messages it sent and the weight bytes of the Pull responses it
+  received (its slices of the split tensors; the replicated tensors it owns, pushed, and all of them,
+  pulled, whole), largest and smallest over the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -32,8 +38,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
+import shardps  # noqa: E402
 import shardps.tp as tp  # noqa: E402
 from shardps.examples import shakespeare as gpt  # noqa: E402
+from tests.helpers import count_wire  # noqa: E402
 
 VOCAB = 65  # tinyshakespeare's characters
 RNG = threading.Lock()
@@ -131,6 +139,30 @@ def measure(p: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def measure_ps(p: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One TPOptimizer step per rank through ``args.servers`` in-process servers: bytes on the wire per rank."""
+    groups = _groups(p, f"tp/ps{p}") if p > 1 else [tp.TPGroup.single()]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(VOCAB, (args.batch, args.context), generator=g)
+    y = torch.randint(VOCAB, (args.batch, args.context), generator=g)
+    os.environ["SHARDPS_TCP"] = "0"  # every byte in the gRPC messages (shm=False below): what count_wire sees
+    with shardps.LocalCluster(args.servers) as cluster:
+        def rank(k: int, group: tp.TPGroup) -> tuple[int, int]:
+            with RNG:
+                m = gpt.make_model(VOCAB, dim=args.dim, heads=4, layers=args.layers, context=args.context, seed=0)
+            m = tp.split(m, gpt.tp_plan(args.layers), group)
+            with shardps.connect(cluster.addresses, worker_id=k, num_workers=p, shm=False) as client:
+                opt = tp.TPOptimizer(m, client, group, optimizer=shardps.optim.Adam())
+                pulled, pushed = count_wire(client)
+                gpt.TPCharLoss(VOCAB, group)(m(x), y).backward()
+                opt.step()
+                return sum(pushed.values()), sum(pulled.values())
+
+        per_rank = _on_ranks(groups, rank)
+    return {"ps_push_bytes_max": max(a for a, _ in per_rank), "ps_push_bytes_min": min(a for a, _ in per_rank),
+            "ps_pull_bytes_max": max(b for _, b in per_rank), "ps_pull_bytes_min": min(b for _, b in per_rank)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
@@ -139,6 +171,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--servers", type=int, default=2, help="parameter servers for the bytes on the wire (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -156,6 +189,18 @@ def main() -> None:
               f"{r['collective_bytes_per_step'] / 2**20:.2f} | {r['param_bytes'] / 2**20:.2f} | {r['param_ratio']} | "
               f"{r['activation_bytes'] / 2**20:.2f} | {r['activation_ratio']} | {r['step_s'] * 1e3:.0f} | "
               f"{r['step_ratio']} |")
+    if args.servers:
+        for p, r in rows.items():
+            r.update(measure_ps(p, args))
+        print(f"\nOne TPOptimizer step through {args.servers} servers, bytes on the wire per rank (KiB, "
+              f"largest / smallest over the ranks):\n")
+        print("| TP | push sent | push x TP1 | pull received | pull x TP1 |")
+        print("|---|---|---|---|---|")
+        for p, r in rows.items():
+            print(f"| {p} | {r['ps_push_bytes_max'] / 1024:.0f} / {r['ps_push_bytes_min'] / 1024:.0f} | "
+                  f"{r['ps_push_bytes_max'] / base['ps_push_bytes_max']:.3f} | "
+                  f"{r['ps_pull_bytes_max'] / 1024:.0f} / {r['ps_pull_bytes_min'] / 1024:.0f} | "
+                  f"{r['ps_pull_bytes_max'] / base['ps_pull_bytes_max']:.3f} |")
     if args.json:
         print(json.dumps({str(p): r for p, r in rows.items()}))
 

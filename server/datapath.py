@@ -16,13 +16,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from shardps.protos import codec
 from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
+from shardps.protos.slices import TensorSlice
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier
 from shardps.server.checkpoint import Checkpointer
@@ -34,6 +35,7 @@ from shardps.server.remedies import Remedy, RemedyKind
 from shardps.server.replica import ReplicaSide
 from shardps.server.roles import OpKind, Role
 from shardps.server.scaling import LossScaler, scaling_config, unscale_and_check
+from shardps.server.slicepull import check_slices, read_slices
 from shardps.server.snapshot import pack, part_keys
 from shardps.server.sync import Contribution, Grads, Received, Update, make_policy, materialize
 from shardps.server.table import PartKey, TensorSpec, TensorTable, spec_to_json
@@ -177,7 +179,8 @@ class DataPath:
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Received,
                nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
-               epoch: int | None = None, checked: bool = False) -> PushResult:
+               epoch: int | None = None, checked: bool = False,
+               weights: Mapping[PartKey, int] | None = None) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
@@ -189,7 +192,8 @@ class DataPath:
         had an inf/nan (flagged by the worker or found here) is skipped on
         every shard alike, and the loss scale backs off. Raises (changing
         nothing) for an unregistered worker, a step or base version that
-        cannot be, or a step the policy refuses.
+        cannot be, or a step the policy refuses. ``weights``: a sliced Push's (server/slicepush.py), how
+        many gradients each part counts for (1 for those not named); refused unless the mode has a barrier.
         """
         if not (loss_scale == 0.0 or (math.isfinite(loss_scale) and loss_scale > 0)):
             raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
@@ -228,6 +232,10 @@ class DataPath:
             assert policy is not None  # registered workers imply a job
             if not policy.passes_through:  # switched to a barrier since takes_chunked: fp32 buffers after all
                 grads = materialize(grads, take)
+            if weights is not None and policy.passes_through:
+                raise FailedPrecondition(
+                    f"worker {worker_id} pushed slices of tensors under {job.sync_text}: slices are added up "
+                    f"before a step, which needs a barrier sync mode (bsp or every:X)")
             last = job.worker_clocks.get(worker_id, -1)
             if step <= last:  # a retry of a push already taken in
                 job.pushes_total += 1
@@ -245,8 +253,10 @@ class DataPath:
                     grads = fp32 = materialize(grads, take)
                     packed = pack(part_keys(fp32))
                 rep.record(OpKind.SUBMIT, {"worker": worker_id, "step": step, "base_version": base_version,
-                                           "found_inf": found_inf, "nbytes": nbytes}, packed=packed)
-            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf), grads)
+                                           "found_inf": found_inf, "nbytes": nbytes,
+                                           "weights": [[n, a, w] for (n, a), w in (weights or {}).items()]},
+                           packed=packed)
+            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf), grads, weights)
             job.pushes_total += 1
             job.push_bytes_total += nbytes
             job.worker_clocks[worker_id] = step
@@ -282,22 +292,10 @@ class DataPath:
         holds them. With ``segment`` (the same-host fast path) the weights go there instead and the messages
         only say where (``read_into``). Returns (seconds waited, messages): a list, or for a large Pull a ``Framing``
         being filled outside the lock (iterate it)."""
-        job = self.job
-        job.check_epoch(epoch)
-        self.leases.touch(worker_id)
         if not names:
             with self._cond:
                 names = sorted(self.table)
-        for n in names:
-            self.table.spec(n)  # NotFound before any wait
-        t0 = time.monotonic()
-        slowest = 0
-        if min_version > job.version:
-            job.wait_version(min_version, timeout, epoch)
-        if min_clock > 0:
-            slowest = job.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
-        waited = time.monotonic() - t0
-        self.leases.touch(worker_id)
+        waited, slowest = self._wait(worker_id, names, min_version, min_clock, epoch, timeout)
         messages: Sequence[Item] | Framing
         if segment is not None:
             _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
@@ -306,6 +304,37 @@ class DataPath:
             _, messages = self.reader.read(names, wire_dtype, chunk_bytes, messages=True, slowest_clock=slowest,
                                            worker_id=worker_id)
         self.replica.replicated()  # workers see only weights the backup holds too (--replicas 2)
+        return waited, messages
+
+    def _wait(self, worker_id: int, names: Sequence[str], min_version: int, min_clock: int, epoch: int,
+              timeout: float) -> tuple[float, int]:
+        """A Pull's waits (NotFound for a name not held, before any): (seconds waited, slowest clock)."""
+        job = self.job
+        job.check_epoch(epoch)
+        self.leases.touch(worker_id)
+        for n in names:
+            self.table.spec(n)  # NotFound before any wait
+        t0 = time.monotonic()
+        slowest = 0
+        if min_version > job.version:
+            job.wait_version(min_version, timeout, epoch)
+        if min_clock > 0:
+            slowest = job.wait_clock(min_clock, max(0.0, timeout - (time.monotonic() - t0)))
+        self.leases.touch(worker_id)
+        return time.monotonic() - t0, slowest
+
+    def pull_slices(self, worker_id: int, names: list[str], slices: Mapping[str, TensorSlice],
+                    wire_dtype: int | None, chunk_bytes: int, *, min_version: int, min_clock: int, epoch: int,
+                    timeout: float) -> tuple[float, list[bytes]]:
+        """A Pull naming slices (server/slicepull.py): as ``pull`` (``names`` whole, none when empty), each
+        tensor of ``slices`` as that slice only; INVALID_ARGUMENT for a slice that does not fit its tensor,
+        before any wait."""
+        with self._cond:
+            check_slices(self.table, names, slices)
+        waited, slowest = self._wait(worker_id, [*names, *slices], min_version, min_clock, epoch, timeout)
+        messages = read_slices(self.reader, self.table, names, slices, wire_dtype, chunk_bytes, slowest_clock=slowest,
+                               worker_id=worker_id)
+        self.replica.replicated()
         return waited, messages
 
     def weights_now(self, worker_id: int, ready_version: int, wire_dtype: int | None, min_clock: int, epoch: int,

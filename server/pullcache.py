@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from shardps.server.table import TensorEntry, TensorTable
 
 Item = tuple[str, int, int, bytes]  # (tensor name, offset, wire dtype, payload)
 Key = tuple[Any, ...]
+T = TypeVar("T")
 
 
 class _Framed(list):  # type: ignore[type-arg]
@@ -350,6 +351,19 @@ class Reader:
         finally:
             self._done_reading()
         return version, out
+
+    def read_copies(self, names: Sequence[str], worker_id: int | None,
+                    copy: Callable[[list[TensorEntry]], tuple[T, int]], *,
+                    check: Callable[[], None] = lambda: None) -> tuple[int, float, str, T]:
+        """Under the lock, once no step is in flight: ``check()``, then ``copy`` of the entries of ``names``
+        (a Pull of its own making, server/slicepull.py: what it copied and its payload bytes, counted), with
+        the version, loss scale and sync mode it is of."""
+        with self._cond:
+            check()
+            out, nbytes = copy(self._entries_read(names, worker_id))
+            self.pull_bytes_total += nbytes
+            self.pulls_total += 1
+            return self._job.version, self._loss_scale(), self._job.sync_text, out
 
     def export_state(self, names: Sequence[str]) -> tuple[int, list[tuple[str, int, int, str, torch.Tensor]]]:
         """A consistent copy of weights and optimizer state: (version, [(name, start, stop, key, tensor)]).

@@ -93,7 +93,7 @@ class Replayer(Protocol):
                          values: dict[PartKey, torch.Tensor] | None) -> list[str]: ...
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Any, nbytes: int = 0, *,
-               found_inf: bool = False, checked: bool = False) -> Any: ...
+               found_inf: bool = False, checked: bool = False, weights: Any = None) -> Any: ...
 
     def leave(self, worker_id: int) -> bool: ...
 
@@ -297,7 +297,8 @@ class ReplicaSide:
             r.register_tensors([spec_from_json(d) for d in a["specs"]], parse_part_keys(t))
         elif kind == OpKind.SUBMIT:
             r.submit(a["worker"], a["step"], a["base_version"], parse_part_keys(t), a["nbytes"],
-                        found_inf=a["found_inf"], checked=True)
+                     found_inf=a["found_inf"], checked=True,
+                     weights={(n, s): w for n, s, w in a["weights"]} if a.get("weights") else None)
         elif kind == OpKind.LEAVE:
             r.leave(a["worker"])
         elif kind == OpKind.EVICT:

@@ -37,6 +37,7 @@ from shardps.server.replication import GrpcReplicaLink, read_ops
 from shardps.server.rowservice import RowsServicer
 from shardps.server.rpc import safe_deserializer, stream_errors, unary_errors
 from shardps.server.shm import SegmentCache
+from shardps.server.slicepull import decode_slices
 from shardps.server.store import ShardStore
 from shardps.server.tcpdata import PullSegment, TcpData
 from shardps.server.wire import counted, decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
@@ -118,7 +119,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store.check_serving()
         g = decode_push(requests, store.spec, store.staging, self.segments, store.takes_chunked)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
-                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
+                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights)
         t0 = time.perf_counter()
         store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
         if self.metrics is not None and store.replicator is not None:
@@ -133,17 +134,26 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
 
     def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
-        are (see add_servicers), a large Pull's while the rest are being framed."""
+        are (see add_servicers), a large Pull's while the rest are being framed. A Pull naming slices (a
+        tensor-parallel rank's) is answered with just those (server/slicepull.py)."""
         self.store.check_serving()
+        slices = decode_slices(request)
         q = decode_pull(request, self.chunk_bytes, self.segments)
-        waited, messages = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
-                                           min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
-                                           timeout=self._timeout(context), segment=q.segment)
-        if isinstance(q.segment, PullSegment):  # the TCP bulk path: the bytes go before the answers
-            q.segment.flush()
+        messages: Iterable[bytes]
+        if slices:
+            waited, messages = self.store.pull_slices(q.worker_id, q.names, slices, q.wire_dtype, q.chunk_bytes,
+                                                      min_version=q.min_version, min_clock=q.min_clock,
+                                                      epoch=q.epoch, timeout=self._timeout(context))
+        else:
+            waited, framed = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
+                                             min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
+                                             timeout=self._timeout(context), segment=q.segment)
+            if isinstance(q.segment, PullSegment):  # the TCP bulk path: the bytes go before the answers
+                q.segment.flush()
+            messages = (msg for *_, msg in framed)
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
-        return (msg for *_, msg in messages)
+        return iter(messages)
 
     @stream_errors
     def Pull(self, request: ps_pb2.PullRequest,

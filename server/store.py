@@ -161,6 +161,7 @@ class ShardStore:
         self.configure, self.join, self.register_tensors = path.configure, path.join, path.register_tensors
         self.wait_for_tensors, self.takes_chunked, self.submit = path.wait_for_tensors, path.takes_chunked, path.submit
         self.pull, self.weights_now, self.set_sync = path.pull, path.weights_now, path.set_sync
+        self.pull_slices = path.pull_slices
         self.spec, self.staging = table.spec, applier.pool.take
         self.check_epoch, self.wait_version, self.wait_clock = job.check_epoch, job.wait_version, job.wait_clock
         self.register_worker, self.leave, self.touch, self.live_workers = (leases.register, leases.leave,

@@ -124,8 +124,10 @@ class SyncPolicy:
     #: still in their received chunks (``Chunked``); otherwise it gives fp32 tensors only.
     passes_through = False
 
-    def offer(self, c: Contribution, grads: Received) -> list[Update]:
-        """The updates now due (a policy that does not pass gradients through is given fp32 tensors only)."""
+    def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
+        """The updates now due (a policy that does not pass gradients through is given fp32 tensors only).
+        ``weights``: how many gradients a part counts for (1 for those not named; a sliced Push's, which only
+        a barrier takes: server/slicepush.py)."""
         raise NotImplementedError
 
     def flush(self) -> list[Update]:
@@ -165,7 +167,7 @@ class AsyncPolicy(SyncPolicy):
     def __init__(self, spec: SyncSpec | None = None) -> None:
         self.spec = spec or SyncSpec("asp")
 
-    def offer(self, c: Contribution, grads: Received) -> list[Update]:
+    def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
         return [Update(grads, [c])]
 
 
@@ -225,7 +227,7 @@ class BarrierPolicy(SyncPolicy):
             return self.flush()
         return []
 
-    def offer(self, c: Contribution, grads: Received) -> list[Update]:
+    def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
         held = next((p for p in self._pending if p.worker_id == c.worker_id), None)
         if held is not None:
             raise FailedPrecondition(
@@ -241,7 +243,7 @@ class BarrierPolicy(SyncPolicy):
                 acc.add_(g)
                 if self._release is not None:
                     self._release(key, g)
-            self._counts[key] = self._counts.get(key, 0) + 1
+            self._counts[key] = self._counts.get(key, 0) + (weights.get(key, 1) if weights else 1)
         self._pending.append(c)
         if not self.expected <= set(self.pending_workers):
             return []

@@ -22,13 +22,15 @@ from shardps.server.errors import InvalidArgument
 from shardps.server.headers import check_continuation, check_header, mixed
 from shardps.server.scaling import LossScaler
 from shardps.server.shm import SegmentCache
+from shardps.server.slicepull import named_slices
+from shardps.server.slicepush import SlicedLookup
 from shardps.server.sync import Grad, PartKey
 from shardps.server.table import TensorSpec
 
 #: What every message of a Push stream repeats. ``chunk`` and ``last`` are each message's own; ``found_inf``
 #: is the header's too, but the last message of a stream that ends_with_last may raise it (``decode_push``).
 PUSH_HEADER = ("worker_id", "step", "base_version", "loss_scale", "epoch", "shm", "ends_with_last", "pull_after",
-               "pull_dtype", "pull_min_clock")
+               "pull_dtype", "pull_min_clock", "slices")
 
 
 def counted(parse: Callable[[bytes], Any], add: Callable[[int], None]) -> Callable[[bytes], Any]:
@@ -116,6 +118,7 @@ class Gradients:
     loss_scale: float
     epoch: int
     pull_after: PullAfter | None = None  # answer with the weights too, when they are ready at once
+    weights: dict[PartKey, int] | None = None  # a sliced Push: the gradients each part counts for (slicepush.py)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,10 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     if first is None:
         raise InvalidArgument("Push stream was empty")
     keep = keep_chunks is not None and keep_chunks(first.loss_scale)
+    sliced = None
+    if first.slices:  # a tensor-parallel rank's slices (server/slicepush.py): assembled as the slices they are
+        lookup = sliced = SlicedLookup(lookup, named_slices(first.slices, "Push"))
+        alloc, keep = None, False
     # A scaled gradient is checked by ShardStore.submit as it unscales it (one pass for both): not here too.
     asm = ChunkAssembler(lookup, what="gradient", alloc=alloc, keep_chunks=keep, check=not first.loss_scale)
     found_inf = first.found_inf
@@ -180,11 +187,14 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
         raise InvalidArgument(f"Push stream of worker {first.worker_id}, step {first.step} ended before its last "
                               f"message (cancelled, or the worker died): nothing of it is applied")
     grads = asm.finish()
+    weights = None
+    if sliced is not None:
+        grads, weights = sliced.place(grads)
     pull_after = None
     if first.pull_after:
         pull_after = PullAfter(_wire_dtype(first.pull_dtype, "Push"), first.pull_min_clock)
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
-                     found_inf or not asm.all_finite, first.loss_scale, first.epoch, pull_after)
+                     found_inf or not asm.all_finite, first.loss_scale, first.epoch, pull_after, weights)
 
 
 def _chunk_bytes(requested: int, default: int, rpc: str) -> int:

@@ -1,5 +1,5 @@
-"""Test helpers: worker functions in threads (their first error re-raised), two workers training over a
-data path (gRPC, shared memory, TCP), a real Prometheus."""
+"""Test helpers: worker functions in threads (their first error re-raised), a client's bytes on the wire
+counted, two workers training over a data path (gRPC, shared memory, TCP), a real Prometheus."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 import shardps
+from shardps.protos.shardps.v1 import ps_pb2
 
 
 def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> list[Any]:
@@ -42,6 +44,31 @@ def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> lis
     if errors:
         raise errors[0]
     return results
+
+
+def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
+    """From now on, count the tensor bytes ``client`` receives and sends on the wire, by tensor: the payload of
+    every Pull response's chunk, and of every Push message's chunk."""
+    pulled: Counter[str] = Counter()
+    pushed: Counter[str] = Counter()
+    t = client.transport
+    pull, push = t.pull, t.push
+
+    def counted_pull(shard: int, request: Any, *, one: bool = False) -> Iterator[Any]:
+        for resp in pull(shard, request, one=one):
+            pulled[resp.chunk.name] += len(resp.chunk.data)
+            yield resp
+
+    def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False) -> Any:
+        def each() -> Iterator[bytes]:
+            for msg in requests:
+                chunk = ps_pb2.PushRequest.FromString(msg).chunk
+                pushed[chunk.name] += len(chunk.data)
+                yield msg
+        return push(shard, each(), stream=stream)
+
+    t.pull, t.push = counted_pull, counted_push  # type: ignore[method-assign]
+    return pulled, pushed
 
 
 def path_model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""Tensor parallelism through the parameter servers: each TP rank a worker of the whole tensors it owns.
+"""Tensor parallelism through the parameter servers: each TP rank a worker pushing and pulling its slices.
 
 Real gRPC servers on loopback (in this process), the TP ranks threads with gloo groups (tests/test_tp.py's
 ``run_tp``): 20 Adam steps at TP = 2 equal 20 steps of the unsplit model; a checkpoint written at TP = 2
@@ -44,7 +44,7 @@ def _batch(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor
 
 def _train_tp(addresses, p: int, replicas: int, steps: range, resume: bool = False):
     """``replicas`` data-parallel TP groups of ``p`` ranks (worker ``r * p + t``); each rank's dense state
-    and the names it pushed. ``resume``: no rank offers its values (the servers' restored ones stay)."""
+    and the names it owns. ``resume``: no rank offers its values (the servers' restored ones stay)."""
 
     def replica(r: int):
         def rank(t: int, group: tp.TPGroup):
@@ -60,7 +60,7 @@ def _train_tp(addresses, p: int, replicas: int, steps: range, resume: bool = Fal
                     loss_fn(m(x), y).backward()
                     opt.step()
                     opt.zero_grad()
-                return tp.gather(m, group), sorted(opt.masters)
+                return tp.gather(m, group), opt.owned
         return run_tp(p, rank, timeout=60)
     return [res for rep in run_workers(replica, replicas, timeout=90) for res in rep]
 
@@ -77,7 +77,7 @@ def _reference(model, addresses, steps: int = 20):
     return model
 
 
-def test_20_adam_steps_at_tp2_equal_the_unsplit_model_and_each_tensor_is_pushed_once(make_cluster):
+def test_20_adam_steps_at_tp2_equal_the_unsplit_model_and_each_tensor_has_one_owner(make_cluster):
     ref = _reference(_model(), make_cluster(2).addresses)
     results = _train_tp(make_cluster(2).addresses, 2, 1, range(20))
     want = ref.state_dict()
@@ -85,9 +85,9 @@ def test_20_adam_steps_at_tp2_equal_the_unsplit_model_and_each_tensor_is_pushed_
         for n, t in want.items():
             torch.testing.assert_close(state[n], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
         assert not torch.equal(state["1.mlp.0.weight"], _model().state_dict()["1.mlp.0.weight"])  # it trained
-    pushed = [names for _, names in results]
-    assert sorted(pushed[0] + pushed[1]) == sorted(want)  # every tensor once per TP group: split or replicated
-    assert pushed[0] and pushed[1]
+    owned = [names for _, names in results]  # whose values each rank registered (replica 0's)
+    assert sorted(owned[0] + owned[1]) == sorted(want)  # every tensor once per TP group: split or replicated
+    assert owned[0] and owned[1]
 
 
 def test_a_checkpoint_written_at_tp2_resumes_at_tp4_and_tp1(make_cluster, tmp_path):

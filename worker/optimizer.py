@@ -229,6 +229,25 @@ class DistributedOptimizer:
             return
         self.client.pull(out=self.params, dtype=self.pull_dtype)
 
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """This step's gradients to push, by name (the TP stepper's are its slices: worker/tp/stepper.py)."""
+        return {n: p.grad for n, p in self.params.items() if p.grad is not None}
+
+    def push_gradients(self, grads: dict[str, torch.Tensor], **options: Any) -> list[PushResult]:
+        """The step's push (``PSClient.push``'s arguments)."""
+        return self.client.push(grads, **options)
+
+    #: Whether a step's push asks the shards to answer with their weights (``push(pull_after=...)``): not
+    #: when the pull is not of every parameter whole (a TP rank pulls its slices: worker/tp/stepper.py).
+    answers_with_weights = True
+
+    def pull_weights(self, *, min_versions: list[int] | None = None, min_clock: int = 0,
+                     answered: list[PushResult] | None = None, inline: bool = False,
+                     later: bool = False) -> PullInFlight:
+        """The pull of the weights into the parameters (``PSClient.pull_async``'s arguments)."""
+        return self.client.pull_async(out=self.params, dtype=self.pull_dtype, min_versions=min_versions,
+                                      min_clock=min_clock, answered=answered, inline=inline, later=later)
+
     def pull_failed(self, e: ShardError) -> None:
         """A streamed module's pull failed: roll back (raises RolledBack out of forward or backward), or
         return to let ``e`` be raised."""
@@ -295,7 +314,7 @@ class DistributedOptimizer:
         self.rows.step(self.local_steps - 1)  # the row modules' gradients (worker/rowmodules.py)
         if stream is not None:
             return self._push_streamed(stream, loss)
-        grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        grads = self.gradients()
         if self.sync.accumulation > 1:
             self.accumulator.add(grads)
             if self.accumulator.steps < self.sync.accumulation:
@@ -306,13 +325,13 @@ class DistributedOptimizer:
         t0 = time.perf_counter()
         min_clock = mode.min_clock(self.round + 1)
         # Each shard's pull begins as soon as that shard answered the push, while the others' go up.
-        pull = self.client.pull_async(out=self.params, min_clock=min_clock, dtype=self.pull_dtype, later=True)
+        pull = self.pull_weights(min_clock=min_clock, later=True)
         try:
             # A shard whose weights are ready at once and small answers with them (one call per step).
-            self.last_push = self.client.push(grads, step=self.round, base_versions=bases,
-                                              loss_scale=self.client.loss_scale, window=self.push_window,
-                                              pull_after=(self.pull_dtype, min_clock), then=pull,
-                                              compressor=self.compressor)
+            self.last_push = self.push_gradients(grads, step=self.round, base_versions=bases,
+                                                 loss_scale=self.client.loss_scale, window=self.push_window,
+                                                 pull_after=(self.pull_dtype, min_clock) if self.answers_with_weights
+                                                 else None, then=pull, compressor=self.compressor)
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss, pull)
@@ -402,8 +421,8 @@ class DistributedOptimizer:
             # the mode moved to one that waits for more: pull again as it asks
         # Weights a shard answered the push with are those this pull asks, unless the mode moved meanwhile.
         answered = self.last_push if self.sync == mode else None
-        pull = self.client.pull_async(out=self.params, min_versions=mins, min_clock=min_clock,
-                                      dtype=self.pull_dtype, answered=answered, inline=self.overlap is None)
+        pull = self.pull_weights(min_versions=mins, min_clock=min_clock, answered=answered,
+                                 inline=self.overlap is None)
         if self.overlap is not None:  # the next forward waits for each module's weights as they come
             self.overlap.coming(pull, t1)
             return loss

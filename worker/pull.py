@@ -30,6 +30,7 @@ import torch
 
 from shardps.protos import codec, framing
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.slices import TensorSlice
 from shardps.worker.jobview import JobView
 from shardps.worker.route import Route
 from shardps.worker.transport import gather
@@ -41,11 +42,15 @@ class PullInFlight:
     def __init__(self, client: Route, names: Sequence[str], *, out: Mapping[str, torch.Tensor] | None = None,
                  min_versions: Sequence[int] | None = None, dtype: torch.dtype | None = None,
                  min_clock: int = 0, answered: Mapping[int, Sequence[bytes]] | None = None,
-                 on_result: Callable[[JobView], None] | None = None) -> None:
+                 on_result: Callable[[JobView], None] | None = None,
+                 slices: Mapping[str, TensorSlice] | None = None) -> None:
         assert client.shard_map is not None
         self._client = client
         self._on_result = on_result
-        self._answered = dict(answered or {})  # shard -> the PullResponses its Push answered with
+        # Tensors pulled as one slice each (a tensor-parallel rank's, protos/slices.py): ``out`` holds the
+        # slice; the shards answer with its elements only. A Push's answer holds whole tensors: not used then.
+        self._slices = dict(slices or {})
+        self._answered = dict(answered or {}) if not self._slices else {}  # shard -> its Push's PullResponses
         self._mins = list(min_versions) if min_versions is not None else [0] * client.num_shards
         self._wire = codec.to_wire_dtype(dtype) if dtype is not None else ps_pb2.DTYPE_UNSPECIFIED
         self._min_clock = min_clock
@@ -57,10 +62,11 @@ class PullInFlight:
             lay = client.layouts[n]
             tdt = dtype or codec.to_torch_dtype(lay.dtype)
             target = out.get(n) if out is not None else None
+            shape = self._slices[n].shape(lay.shape) if n in self._slices else lay.shape
             if target is None:
-                target = torch.empty(lay.shape, dtype=tdt)
-            elif tuple(target.shape) != lay.shape:
-                raise ValueError(f"out[{n!r}]: expected shape {lay.shape}, got {tuple(target.shape)}")
+                target = torch.empty(shape, dtype=tdt)
+            elif tuple(target.shape) != shape:
+                raise ValueError(f"out[{n!r}]: expected shape {shape}, got {tuple(target.shape)}")
             self.result_tensors[n] = target
             # A CPU tensor in one piece is written in place, cast as each chunk is copied when its dtype is
             # not the wire's (pull_dtype=bf16 into fp32 parameters): one pass, no staging.
@@ -70,24 +76,36 @@ class PullInFlight:
                 self._staging[n] = target.detach().view(-1)
             else:
                 if target.device.type == "cuda":  # pinned (kept by the client): the copy up is asynchronous
-                    self._staging[n] = client.buffers.pinned(f"pull:{n}", lay.numel, tdt)
+                    self._staging[n] = client.buffers.pinned(f"pull:{n}", target.numel(), tdt)
                 else:
-                    self._staging[n] = torch.empty(lay.numel, dtype=tdt)
+                    self._staging[n] = torch.empty(target.numel(), dtype=tdt)
                 self._staged.add(n)
         # Each shard's tensors in the order asked; elements each tensor still waits for.
         order = {n: k for k, n in enumerate(names)}
         self._owners: dict[int, list[str]] = {}
         self._missing: dict[str, int] = dict.fromkeys(names, 0)
         self._messages: dict[int, int] = {}  # how many PullResponses each shard answers with
+        bare: dict[int, int] = {}  # the same in the messages' chunks alone: a shard asked for a slice (no segment)
         for p in client.shard_map.parts:
-            if p.name in order:
-                self._missing[p.name] += p.stop - p.start
-                count = client.paths[p.server].pull_messages(p.stop - p.start, self._wire_itemsize[p.name],
-                                                             client.chunk_bytes)
-                self._messages[p.server] = self._messages.get(p.server, 0) + count
-                got = self._owners.setdefault(p.server, [])
-                if p.name not in got:
-                    got.append(p.name)
+            if p.name not in order:
+                continue
+            sl = self._slices.get(p.name)
+            runs = ([p.stop - p.start] if sl is None
+                    else [k for _, k, _ in sl.pieces(client.layouts[p.name].shape, p.start, p.stop)])
+            if not runs:
+                continue
+            self._missing[p.name] += sum(runs)
+            per = max(1, client.chunk_bytes // self._wire_itemsize[p.name])
+            bare[p.server] = bare.get(p.server, 0) + sum(-(-k // per) for k in runs)
+            if sl is None:
+                self._messages[p.server] = self._messages.get(p.server, 0) + client.paths[p.server].pull_messages(
+                    p.stop - p.start, self._wire_itemsize[p.name], client.chunk_bytes)
+            got = self._owners.setdefault(p.server, [])
+            if p.name not in got:
+                got.append(p.name)
+        for s, got in self._owners.items():
+            if any(n in self._slices for n in got):
+                self._messages[s] = bare[s]
         for got in self._owners.values():
             got.sort(key=order.__getitem__)
         self._lock = threading.Lock()
@@ -148,7 +166,7 @@ class PullInFlight:
             return
         self._mins[shard] = min_version
         t = self._client.transport
-        if answered:
+        if answered and not self._slices:
             self._answered[shard] = list(answered)
             try:
                 f.set_result(t.call(shard, functools.partial(self._fetch, shard)))
@@ -190,10 +208,13 @@ class PullInFlight:
                     self._missing[n] += k
             self._received[shard] = {}
         path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
-        req = ps_pb2.PullRequest(worker_id=client.worker_id, names=self._owners[shard],
+        asked = self._owners[shard]
+        sliced = [ps_pb2.TensorSlice(name=n, dim=sl.dim, parts=sl.parts, index=sl.index, blocks=sl.blocks)
+                  for n in asked if (sl := self._slices.get(n)) is not None]
+        req = ps_pb2.PullRequest(worker_id=client.worker_id, names=[n for n in asked if n not in self._slices],
                                  min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
                                  chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
-                                 shm=path.pull_segment)
+                                 shm="" if sliced else path.pull_segment, slices=sliced)
         version = -1
         received = self._received[shard]
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)

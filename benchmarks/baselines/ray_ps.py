@@ -66,10 +66,13 @@ class DataWorker:
 
 
 def run(dims: tuple[int, ...], workers: int, batch_size: int, steps: int, threads: int = 1,
-        timeout: float = 300.0) -> list[list[float]]:
-    """Step times of the driver's loop (one list: the workers move in lockstep)."""
-    ps = ParameterServer.remote(dims, 0.01, threads)
-    ws = [DataWorker.remote(dims, r, batch_size, threads) for r in range(workers)]
+        timeout: float = 300.0, ps_resources: dict[str, float] | None = None,
+        worker_resources: list[dict[str, float]] | None = None) -> list[list[float]]:
+    """Step times of the driver's loop (one list: the workers move in lockstep). ``ps_resources`` and
+    ``worker_resources`` (one each) pin the actors to nodes that offer them (a node per host)."""
+    ps = ParameterServer.options(resources=ps_resources or {}).remote(dims, 0.01, threads)
+    ws = [DataWorker.options(resources=(worker_resources or [{}] * workers)[r]).remote(dims, r, batch_size, threads)
+          for r in range(workers)]
     try:
         weights: Any = ps.get_weights.remote()
         ray.get(weights, timeout=timeout)

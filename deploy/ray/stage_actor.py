@@ -148,7 +148,7 @@ class StageActor:
     With ``opts.tensor_parallel`` p > 1 it is rank ``tp_rank`` of its stage's TP group: it splits its
     module by ``opts.tp_plan`` at once, joins the group in ``connect`` (beside its pipeline's, which links
     the stages of the same TP rank) and, with servers, is worker ``(replica * num_stages + index) * p +
-    tp_rank`` of the whole tensors it owns (``TPOptimizer``)."""
+    tp_rank`` pushing the whole gradients of the tensors it owns and pulling its slices (``TPOptimizer``)."""
 
     def __init__(self, module: nn.Module, index: int, num_stages: int, replica: int, opts: StageOptions,
                  tp_rank: int = 0) -> None:

@@ -46,11 +46,30 @@ def _chunk_bytes(src: Source) -> int:
     return src.choice([0, 0, 1024, 4096, 3 << 20, src.integer(1024, 3 << 20), wild_int(src, *INT64)])
 
 
+def _slices(src: Source, sh: ShardInfo, avoid: bool) -> list[ps_pb2.TensorSlice]:
+    """Slices of a sliced Pull (a tensor-parallel rank's, server/slicepull.py): of held tensors or not, with
+    dims, parts, indexes and blocks that fit or not (a dim out of range, parts < 1, an index outside the
+    parts, blocks that do not divide the dim)."""
+    out = []
+    for _ in range(src.integer(1, 3)):
+        names = sorted(sh.tensors)
+        name = src.choice(names) if names and src.integer(0, 3) else unknown_name(src, sh.tensors, avoid)
+        ndim = len(sh.tensors[name].shape) if name in sh.tensors else 2
+        parts = src.choice([1, 2, 3, 4, src.integer(-2, 0), wild_int(src, *INT32)])
+        out.append(ps_pb2.TensorSlice(
+            name=name, dim=src.choice([0, ndim - 1, src.integer(-2, ndim + 1), wild_int(src, *INT32)]),
+            parts=parts, index=src.choice([0, max(0, parts - 1), parts, src.integer(-2, 4), wild_int(src, *INT32)]),
+            blocks=src.choice([0, 1, 1, 2, 3, src.integer(-2, 5), wild_int(src, *INT32)])))
+    return out
+
+
 def gen_pull(src: Source, t: Target, avoid: bool) -> Case:
     sh = src.choice(t.shards)
     req = ps_pb2.PullRequest(worker_id=wild_int(src, *INT32), names=_names(src, sh, avoid),
                              dtype=src.choice([0, 0, *WIRE_DTYPES, wild_int(src, *INT32)]),  # type: ignore[arg-type]
                              chunk_bytes=_chunk_bytes(src))
+    if src.integer(0, 2) == 0:
+        req.slices.extend(_slices(src, sh, avoid))
     # Mostly nothing to wait for; now and then a version or clock that will not come (a short deadline).
     req.min_version = src.choice([0, 0, src.integer(0, max(0, sh.version)), wild_int(src, INT64[0], sh.version),
                                   wild_int(src, *INT64)])

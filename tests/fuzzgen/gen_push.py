@@ -19,7 +19,7 @@ from tests.fuzzgen.draws import unknown_name, values
 
 PUSH_DEFECTS = ("unregistered_worker", "negative_step", "future_step", "base_version", "loss_scale",
                 "unknown_name", "wrong_dtype", "wrong_shape", "ragged_data", "empty_data", "offset", "partial",
-                "overlap", "mixed_headers", "empty_stream", "wrong_epoch",
+                "overlap", "mixed_headers", "empty_stream", "wrong_epoch", "bad_slice",
                 # compressed chunks (protos/compressed.py): a chunk made one, then broken
                 "topk_duplicate", "topk_index_range", "topk_indices_size", "lowrank_factor_size", "lowrank_rows",
                 "bad_encoding", "dense_with_indices")
@@ -157,6 +157,23 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
                 shape.append(1)
             del c.shape[:]
             c.shape.extend(shape)
+        elif d == "bad_slice":  # a slice (PushRequest.slices) that does not fit a tensor the Push carries
+            c = pick()
+            assert c is not None
+            info = sh.tensors.get(c.name)
+            ndim = len(info.shape) if info is not None else 2
+            parts = src.integer(1, 4)
+            sl = ps_pb2.TensorSlice(name=c.name, dim=0, parts=parts, index=src.integer(0, parts - 1), blocks=1)
+            kind = src.integer(0, 3) if ndim else 0
+            if kind == 0:
+                sl.dim = src.choice([src.integer(INT32[0], -1), ndim + src.integer(0, 3)])
+            elif kind == 1:
+                sl.index = src.choice([parts + src.integer(0, 5), src.integer(INT32[0], -1)])
+            elif kind == 2:
+                sl.parts, sl.index = src.integer(INT32[0], 0), 0
+            else:
+                sl.blocks = src.integer(INT32[0], -1)
+            header["slices"] = [sl]
         elif d == "ragged_data":
             c = pick()
             assert c is not None

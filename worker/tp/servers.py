@@ -1,17 +1,14 @@
 """A TP group's ranks as parameter-server workers: the servers hold whole tensors under the dense names.
 
-Every parameter of a split model has one owner in its TP group (the largest tensors first, each to the
-rank that owns the fewest bytes so far: every rank owns at least one when there are as many parameters as
-ranks). The owner keeps the whole tensor (its master) and is the group's only parameter-server worker
-for it: a step gathers each split gradient's slices to its owner over the TP group (one gather), the owner
-pushes the whole gradient, pulls the new weights, and scatters each rank its slice back (one scatter);
-a replicated parameter (layer norms, a row-parallel bias: the same gradient on every rank) is pushed
-by its owner alone and broadcast after the pull. So each tensor reaches the servers once per TP group,
-the servers' tensors and checkpoints are the dense model's (names and shapes do not depend on the TP size:
+Each rank pushes and pulls its own slices straight to and from the servers (worker/tp/stepper.py): its
+slice of each split gradient (the shards put the slices in place and step the whole tensor once every
+slice of every data-parallel replica is in) and of each split weight (served along dim 1 too, without
+the rest of the rows). A replicated parameter (layer norms, a row-parallel bias: the same gradient on
+every rank) has one owner in its group, which alone pushes it (once per TP group); every rank pulls it.
+Owners are also who register the initial values: every parameter has one (the largest tensors first,
+each to the rank that owns the fewest elements so far), which gathers it whole once, at the start. The
+servers' tensors and checkpoints are the dense model's (names and shapes do not depend on the TP size:
 train at TP = 2, resume at TP = 1 or 4), and R data-parallel replicas of a TP group are R x p workers.
-
-Not yet: a rank pushing and pulling its slice itself (a slice along dim 1 served by the servers); the
-owner's gather and scatter run over the TP group's links instead (docs/tensor-parallel.md, limits).
 """
 
 from __future__ import annotations
@@ -22,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardps.protos.slices import TensorSlice
 from shardps.worker.client import PSClient
 from shardps.worker.layout import OptimizerChoice
-from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.tp.group import Slice, TPGroup
 from shardps.worker.tp.split import tp_slices
+from shardps.worker.tp.stepper import TPStepper
 
 
 def owners(shapes: list[tuple[str, tuple[int, ...]]], size: int) -> dict[str, int]:
@@ -51,8 +49,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 class TPOptimizer:
     """The servers' optimizer for one TP rank of a split model (``params``: the module, or its parameters
     by name with ``slices``, ``tp_slices`` of the module, as a pipeline stage's weights hand them over):
-    ``step()`` pushes the gradients of the tensors this rank owns (whole, gathered from the group) and hands
-    every rank its new slices; every rank calls each method at the same point (collectives over ``group``).
+    ``step()`` pushes this rank's slices of the gradients (and the replicated ones it owns) and pulls its
+    new slices and the replicated tensors; every rank calls each method at the same point (the start is a
+    collective over ``group``; a step's barrier is the servers').
 
     ``client``: this rank's ``PSClient`` (a worker of its own; replica r's rank t is worker ``r * p + t``
     of ``R * p`` in plain data parallelism). ``provides_values``: whether this group's values are the ones
@@ -74,19 +73,29 @@ class TPOptimizer:
         if len(shapes) < g.size:
             raise ValueError(f"TPOptimizer: {len(shapes)} parameters cannot give each of {g.size} TP ranks one")
         self.owner = owners(shapes, g.size)
-        self.masters: dict[str, nn.Parameter] = {}
-        for n, p in self.params:
-            full = self._whole(n, p.detach())
-            if full is not None:
-                self.masters[n] = nn.Parameter(full)
         if provides_values is None:
             provides_values = client.worker_id < g.size
+        # The whole tensors this rank owns, registered: gathered once (a collective) where the group's values
+        # are the ones registered, their shapes alone ("meta") elsewhere; let go once registered.
+        masters: dict[str, nn.Parameter] = {}
+        for (n, p), (_, shape) in zip(self.params, shapes):
+            if provides_values:
+                full = self._whole(n, p.detach())
+            else:
+                full = torch.empty(shape, dtype=p.dtype, device="meta") if self.owner[n] == g.rank else None
+            if full is not None:
+                masters[n] = nn.Parameter(full)
+        self.owned = sorted(masters)
         # The shard map of the whole model, whichever tensors this rank owns: the same at every TP size.
         client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
                             for (n, shape), (_, p) in zip(shapes, self.params)}
-        self.opt = DistributedOptimizer(list(self.masters.items()), client, optimizer=optimizer, sync=sync,
-                                        provides_values=provides_values, **options)
-        self._hand_out()  # every rank starts from the servers' values
+        cut = {n: TensorSlice(sl.dim, g.size, g.rank, sl.parts) for n, (sl, _) in self.split.items()}
+        owned = {n for n, r in self.owner.items() if r == g.rank and n not in self.split}
+        # Registers the masters, then pulls this rank's slices and replicated tensors (every rank starts from
+        # the servers' values).
+        self.opt = TPStepper(masters, client, local=dict(self.params), slices=cut, placement=client.placement,
+                             pushes=owned, optimizer=optimizer, sync=sync, provides_values=provides_values,
+                             **options)
 
     def _sizes(self, sl: Slice, shape: tuple[int, ...]) -> list[int]:
         return [sl.local_shape(shape, self.group.size, r)[sl.dim] for r in range(self.group.size)]
@@ -105,34 +114,10 @@ class TPOptimizer:
             sl.put(full, piece, g.size, r)
         return full
 
-    def _hand_out(self) -> None:
-        """Every rank's parameters set from the owners' masters (its slices scattered; replicated ones
-        broadcast)."""
-        g = self.group
-        with torch.no_grad():
-            for n, p in self.params:
-                owner, master = self.owner[n], self.masters.get(n)
-                if n not in self.split:
-                    if g.rank == owner:
-                        assert master is not None
-                        p.copy_(master)
-                    g.broadcast(p.data, owner)
-                    continue
-                sl, shape = self.split[n]
-                pieces = [sl.take(master, g.size, r) for r in range(g.size)] if master is not None else None
-                g.scatter_padded(pieces, p.data, sl.dim, self._sizes(sl, shape), owner)
-
     def step(self) -> None:
-        """Push this step's gradients (every rank's ``.grad``), pull the weights, set every rank's slices."""
-        for n, p in self.params:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            whole = self._whole(n, grad.detach())
-            if whole is not None:
-                self.masters[n].grad = whole
+        """Push this rank's slices of the gradients (and the replicated ones it owns), then pull its slices
+        and the replicated tensors."""
         self.opt.step()
-        self._hand_out()
 
     def zero_grad(self) -> None:
-        for _, p in self.params:
-            p.grad = None
         self.opt.zero_grad()

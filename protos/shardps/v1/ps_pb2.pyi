@@ -206,7 +206,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last", "pull_after", "pull_dtype", "pull_min_clock")
+    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last", "pull_after", "pull_dtype", "pull_min_clock", "slices")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class PushRequest(_message.Message):
     PULL_AFTER_FIELD_NUMBER: _ClassVar[int]
     PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PULL_MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -233,7 +234,8 @@ class PushRequest(_message.Message):
     pull_after: bool
     pull_dtype: DType
     pull_min_clock: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ..., pull_after: _Optional[bool] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., pull_min_clock: _Optional[int] = ...) -> None: ...
+    slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ..., pull_after: _Optional[bool] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., pull_min_clock: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale", "ready_version", "pulled")
@@ -254,7 +256,7 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ..., pulled: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm")
+    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm", "slices")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +265,7 @@ class PullRequest(_message.Message):
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     min_version: int
@@ -271,7 +274,22 @@ class PullRequest(_message.Message):
     min_clock: int
     epoch: int
     shm: str
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ...) -> None: ...
+    slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ...) -> None: ...
+
+class TensorSlice(_message.Message):
+    __slots__ = ("name", "dim", "parts", "index", "blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    parts: int
+    index: int
+    blocks: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., parts: _Optional[int] = ..., index: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "chunk", "loss_scale", "sync", "slowest_clock")
