@@ -1,5 +1,6 @@
 """Mixture of experts on the servers: "pull" against "send" (bytes and step time), "auto", and training curves.
 
+    .venv/bin/python benchmarks/moe.py costs --json              # the cost model's constants on this machine
     .venv/bin/python benchmarks/moe.py placement --json          # the sweep below, 2 server processes
     .venv/bin/python benchmarks/moe.py curves --steps 600 --plot docs/img/moe_curves.png --json
 
@@ -8,13 +9,25 @@
 dropless) on ``--shards`` server processes on loopback; for each number of
 experts and tokens per step, three layers (pull, send, auto) take a step
 each in turn (forward, backward, ``opt.step()``), ``--warmup`` rounds then
-``--repeats`` timed; the median step time and payload bytes of each. The cost model: "pull" moves the rows of the
-experts a batch hits and their gradients, 2 x U x (4P + 16) bytes with U =
-E(1 - (1 - k/E)^T) expected; "send" moves the tokens out and back and, in
-backward, the tokens and their output gradients out and the tokens'
-gradients back, 5 x T x k x d x 4 bytes. Printed: the crossover (tokens
-per step where "send" stops being the faster) the model predicts against
-the one measured, and "auto"'s step time over the better placement's.
+``--repeats`` timed; the median step time and payload bytes of each. The bytes: "pull" moves
+the rows of the experts a batch hits and their gradients, 2 x U x (4P + 16)
+bytes with U = E(1 - (1 - k/E)^T) expected; "send" moves the tokens out and
+back and, in backward, the tokens and their output gradients out and the
+tokens' gradients back, 5 x T x k x d x 4 bytes. The step time the cost
+model predicts (worker/placement.py, ``CostModel``: the layer's own, or
+``--cost-model`` the JSON ``costs`` printed) for the same expected U.
+Printed: the crossover (tokens per step where "send" stops being the
+faster) the cost model predicts and the bytes alone would, against the one
+measured, and "auto"'s step time over the better placement's.
+
+``costs``: the cost model's constants measured on this machine: the link's
+seconds per byte (a pull and push of ``--experts`` expert rows against 1),
+and for each placement one layer's step at (1 expert, ``--few`` tokens), (1
+expert, ``--many`` tokens) and (``--experts`` experts, ``--many`` tokens):
+the slope over tokens is the per-flop cost (here for pull, on the shards
+for send, less the tokens' bytes), the step of many experts over 1 the
+fixed cost per expert (less the rows' bytes for pull), the rest the fixed
+cost per step.
 
 ``curves``: examples/moe_gpt.py's char-GPT with ``--experts`` experts per
 MLP (top-1) against the dense model with the same active parameters, the
@@ -37,6 +50,7 @@ from torch import nn
 
 import shardps
 from shardps.optim import SGD
+from shardps.worker.placement import CostModel
 
 PLACEMENTS = ("pull", "send", "auto")
 
@@ -45,9 +59,20 @@ def expert(d: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
 
+def expected_hit(experts: int, tokens: int, k: int) -> float:
+    """The expected distinct experts of ``tokens`` tokens routed uniformly to ``k`` of ``experts`` each."""
+    return experts * (1 - (1 - k / experts) ** tokens)
+
+
 def predicted_bytes(experts: int, tokens: int, k: int, d: int, params: int) -> dict[str, float]:
-    hit = experts * (1 - (1 - k / experts) ** tokens)
-    return {"pull": 2 * hit * (4 * params + 16), "send": 5 * tokens * k * d * 4}
+    return {"pull": 2 * expected_hit(experts, tokens, k) * (4 * params + 16), "send": 5 * tokens * k * d * 4}
+
+
+def predicted_seconds(model: CostModel, experts: int, tokens: int, k: int, d: int, params: int) -> dict[str, float]:
+    return model.seconds(experts=expected_hit(experts, tokens, k), assignments=tokens * k, params=params, d_model=d)
+
+
+FINE = sorted({round(10 ** (i / 100)) for i in range(0, 601)})  # 1 to 1,000,000 tokens: where a model crosses
 
 
 def crossover(tokens: list[int], pull: list[float], send: list[float]) -> float | None:
@@ -60,57 +85,125 @@ def crossover(tokens: list[int], pull: list[float], send: list[float]) -> float 
     return None
 
 
-def point(addresses: list[str], experts: int, tokens: int, a: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Per placement: the median step time and payload bytes over ``a.repeats`` rounds. A round is one step of
-    each of three layers (pull, send, auto) in turn, so the three meet the same load; ``a.warmup`` rounds
-    first (rows created, programs registered, "auto" trying both)."""
+Spec = tuple[int, int, str]  # (experts, tokens per step, placement) of one layer
+
+
+def steps(addresses: list[str], specs: list[Spec], a: argparse.Namespace,
+          cost_model: CostModel | None = None) -> dict[Spec, dict[str, float]]:
+    """Per layer: the median step time and payload bytes over ``a.repeats`` rounds. A round is one step of
+    each layer in turn, so they meet the same load, each round starting one layer further on (none always
+    follows the same one); ``a.warmup`` rounds first (rows created, programs registered, "auto"'s probes)."""
     torch.manual_seed(0)
-    layers = {p: shardps.nn.MoE(a.d_model, experts, lambda: expert(a.d_model), name=f"e{experts}_t{tokens}_{p}",
-                                drop_tokens=False, placement=p, optimizer=SGD(lr=0.01)) for p in PLACEMENTS}
-    model = nn.ModuleDict({f"e{experts}_t{tokens}_{p}": m for p, m in layers.items()})  # gate names per point
-    x = torch.randn(tokens, a.d_model)
-    times: dict[str, list[float]] = {p: [] for p in PLACEMENTS}
-    sent: dict[str, list[int]] = {p: [] for p in PLACEMENTS}
+    layers = {(e, t, p): shardps.nn.MoE(a.d_model, e, lambda: expert(a.d_model), name=f"e{e}_t{t}_{p}",
+                                        drop_tokens=False, placement=p, optimizer=SGD(lr=0.01),
+                                        cost_model=cost_model) for e, t, p in specs}
+    model = nn.ModuleDict({f"e{e}_t{t}_{p}": m for (e, t, p), m in layers.items()})  # gate names per layer
+    xs = {spec: torch.randn(spec[1], a.d_model) for spec in specs}
+    times: dict[Spec, list[float]] = {spec: [] for spec in specs}
+    sent: dict[Spec, list[int]] = {spec: [] for spec in specs}
     with shardps.connect(addresses, timeout=600) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=SGD(lr=0.01), sync="asp")
+        order = list(layers.items())
         for i in range(a.warmup + a.repeats):
-            for p, moe in layers.items():
+            for spec, moe in order[i % len(order):] + order[:i % len(order)]:
                 before = moe.stats.bytes_sent
                 t0 = time.perf_counter()
-                out, aux, _ = moe(x)
+                out, aux, _ = moe(xs[spec])
                 (out.square().mean() + aux).backward()
                 opt.step()
                 opt.zero_grad()
                 if i >= a.warmup:
-                    times[p].append(time.perf_counter() - t0)
-                    sent[p].append(moe.stats.bytes_sent - before)
-    auto = layers["auto"].stats.placements
-    return {p: {"seconds": statistics.median(times[p]), "bytes": statistics.median(sent[p]),
-                "send_share": auto["send"] / max(1, sum(auto.values()))} for p in PLACEMENTS}
+                    times[spec].append(time.perf_counter() - t0)
+                    sent[spec].append(moe.stats.bytes_sent - before)
+    out: dict[Spec, dict[str, float]] = {}
+    for spec, moe in layers.items():
+        taken = moe.stats.placements
+        out[spec] = {"seconds": statistics.median(times[spec]), "bytes": statistics.median(sent[spec]),
+                     "send_share": taken["send"] / max(1, sum(taken.values()))}
+    return out
+
+
+def point(addresses: list[str], experts: int, tokens: int, a: argparse.Namespace,
+          cost_model: CostModel | None = None) -> dict[str, dict[str, float]]:
+    """``steps`` of three layers of ``experts`` and ``tokens``, pull, send and auto, by placement."""
+    got = steps(addresses, [(experts, tokens, p) for p in PLACEMENTS], a, cost_model)
+    return {p: got[(experts, tokens, p)] for p in PLACEMENTS}
+
+
+def costs(a: argparse.Namespace) -> dict[str, Any]:
+    """The cost model's constants on this machine (the module docstring): ``CostModel``'s fields, and the
+    step times they come from (ms). Every measurement interleaved with the others, round by round."""
+    params, d, few, many, e = sum(p.numel() for p in expert(a.d_model).parameters()), a.d_model, a.few, a.many, \
+        a.experts
+    cluster = shardps.LocalCluster(a.shards, processes=True).start()
+    try:
+        with shardps.connect(cluster.addresses, timeout=600) as client:
+            client.register_rows("costs_rows", params, init={"kind": "zeros"}, optimizer=SGD(lr=0.01))
+            ts: dict[int, list[float]] = {1: [], e: []}
+            for i in range(a.warmup + a.repeats):
+                for n in ts:
+                    keys = torch.arange(n)
+                    t0 = time.perf_counter()
+                    client.pull_rows("costs_rows", keys, track=False)
+                    client.push_rows("costs_rows", keys, torch.zeros(n, params), step=2 * i + (n > 1) + 1)
+                    if i >= a.warmup:
+                        ts[n].append(time.perf_counter() - t0)
+            rows = {n: statistics.median(v) for n, v in ts.items()}
+        got = steps(cluster.addresses, [(x, n, p) for x, n in ((1, few), (1, many), (e, many))
+                                        for p in ("pull", "send")], a)
+    finally:
+        cluster.stop()
+    t = {(x, n): {p: got[(x, n, p)] for p in ("pull", "send")} for x, n in ((1, few), (1, many), (e, many))}
+    byte_s = max(0.0, (rows[e] - rows[1]) / ((e - 1) * 2 * (4 * params + 16)))
+    fit = {}
+    for p in ("pull", "send"):
+        per_token = (t[(1, many)][p]["seconds"] - t[(1, few)][p]["seconds"]) / (many - few)
+        per_expert = (t[(e, many)][p]["seconds"] - t[(1, many)][p]["seconds"]) / (e - 1)
+        fit[p] = (per_token, per_expert, t[(1, few)][p]["seconds"] - per_expert - few * per_token)
+    model = CostModel(
+        byte_s=byte_s,
+        pull_call_s=max(0.0, fit["pull"][2]),
+        local_expert_s=max(0.0, fit["pull"][1] - 2 * (4 * params + 16) * byte_s),
+        local_flop_s=max(0.0, fit["pull"][0] / (6 * params)),
+        send_call_s=max(0.0, fit["send"][2]),
+        server_expert_s=max(0.0, fit["send"][1]),
+        server_flop_s=max(0.0, (fit["send"][0] - 20 * d * byte_s) / (8 * params)))
+    return {"cost_model": {k: float(f"{v:.3g}") for k, v in vars(model).items()}, "expert_params": params,
+            "rows_ms": {n: round(1e3 * v, 3) for n, v in rows.items()},
+            "steps_ms": [{"experts": x, "tokens": n, **{p: round(1e3 * r[p]["seconds"], 3) for p in r}}
+                         for (x, n), r in t.items()]}
 
 
 def placement_sweep(a: argparse.Namespace) -> dict[str, Any]:
     params = sum(p.numel() for p in expert(a.d_model).parameters())
     out: dict[str, Any] = {"d_model": a.d_model, "expert_params": params, "shards": a.shards, "points": [],
                            "crossover": []}
+    cm = CostModel(**json.loads(a.cost_model)) if a.cost_model else CostModel()
+    out["cost_model"] = vars(cm)
     cluster = shardps.LocalCluster(a.shards, processes=True).start()
     try:
         for e in a.experts:
-            got = [point(cluster.addresses, e, t, a) for t in a.tokens]
+            got = [point(cluster.addresses, e, t, a, cost_model=cm) for t in a.tokens]
             model = [predicted_bytes(e, t, 1, a.d_model, params) for t in a.tokens]
+            secs = [predicted_seconds(cm, e, t, 1, a.d_model, params) for t in a.tokens]
             measured = crossover(a.tokens, [g["pull"]["seconds"] for g in got], [g["send"]["seconds"] for g in got])
-            predicted = crossover(a.tokens, [m["pull"] for m in model], [m["send"] for m in model])
-            for t, g, m in zip(a.tokens, got, model):
+            fine = [predicted_seconds(cm, e, t, 1, a.d_model, params) for t in FINE]
+            predicted = crossover(FINE, [m["pull"] for m in fine], [m["send"] for m in fine])
+            fine_bytes = [predicted_bytes(e, t, 1, a.d_model, params) for t in FINE]
+            by_bytes = crossover(FINE, [m["pull"] for m in fine_bytes], [m["send"] for m in fine_bytes])
+            for t, g, m, sec in zip(a.tokens, got, model, secs):
                 best = min(g["pull"]["seconds"], g["send"]["seconds"])
                 out["points"].append({
                     "experts": e, "tokens": t, **{f"{p}_ms": round(1e3 * g[p]["seconds"], 2) for p in PLACEMENTS},
                     **{f"{p}_bytes": int(g[p]["bytes"]) for p in ("pull", "send")},
                     "model_pull_bytes": int(m["pull"]), "model_send_bytes": int(m["send"]),
+                    "model_pull_ms": round(1e3 * sec["pull"], 2), "model_send_ms": round(1e3 * sec["send"], 2),
                     "auto_send_share": round(g["auto"]["send_share"], 2),
                     "auto_over_best": round(g["auto"]["seconds"] / best, 3)})
             out["crossover"].append({
                 "experts": e, "measured_tokens": None if measured is None else round(measured),
                 "model_tokens": None if predicted is None else round(predicted),
+                "bytes_model_tokens": None if by_bytes is None else round(by_bytes),
                 "ratio": None if measured is None or predicted is None else round(measured / predicted, 2)})
     finally:
         cluster.stop()
@@ -153,7 +246,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--repeats", type=int, default=9, help="timed rounds (a step of each placement) per point")
-    p.add_argument("--warmup", type=int, default=4, help="rounds before those (default 4)")
+    p.add_argument("--warmup", type=int, default=6,
+                   help="rounds before those (default 6: auto's probes, 3 steps of each placement)")
+    p.add_argument("--cost-model", default=None, metavar="JSON",
+                   help="CostModel fields (what `costs` printed as cost_model); default: the layer's own")
+    k = sub.add_parser("costs")
+    k.add_argument("--few", type=int, default=16, help="tokens of the small steps (default 16)")
+    k.add_argument("--many", type=int, default=4096, help="tokens of the large steps (default 4096)")
+    k.add_argument("--experts", type=int, default=32, help="experts of the many-experts step (default 32)")
+    k.add_argument("--d-model", type=int, default=64)
+    k.add_argument("--repeats", type=int, default=15)
+    k.add_argument("--warmup", type=int, default=3)
     c = sub.add_parser("curves")
     c.add_argument("--moe-experts", type=int, default=8)
     c.add_argument("--steps", type=int, default=600)
@@ -164,11 +267,11 @@ def main() -> None:
     c.add_argument("--batch-size", type=int, default=32)
     c.add_argument("--lr", type=float, default=3e-3)
     c.add_argument("--plot", default=None, metavar="PNG")
-    for q in (p, c):
+    for q in (p, c, k):
         q.add_argument("--shards", type=int, default=2)
         q.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    result = placement_sweep(a) if a.what == "placement" else curves(a)
+    result = {"placement": placement_sweep, "costs": costs, "curves": curves}[a.what](a)
     if a.json:
         print(json.dumps(result))
     else:

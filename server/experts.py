@@ -8,7 +8,9 @@ this shard holds: ``Forward`` runs each expert on its tokens with the row's
 current values; ``Backward`` runs it again with autograd, answers the
 tokens' gradient and pushes the experts' parameter gradients into the table
 as a ``PushRows`` of the same (worker, step, num_workers) would
-(``RowTables.push``: the table's optimizer, bsp, exactly once, replication).
+(``RowTables.push``: the table's optimizer, bsp, exactly once, replication);
+with ``hold`` it keeps them (``Held``) for the step's first Backward without
+hold to push with its own (a step of several micro-batches).
 
 Thread-safety: a program runs under its own lock (its parameters are loaded
 from the row of each call); the rows under the store's.
@@ -78,7 +80,7 @@ class Program:
             return dx.detach(), torch.cat(flat).detach()
 
 
-def _decode(req: experts_pb2.ExpertCall, *, backward: bool) -> tuple[np.ndarray, np.ndarray, torch.Tensor,
+def decode(req: experts_pb2.ExpertCall, *, backward: bool) -> tuple[np.ndarray, np.ndarray, torch.Tensor,
                                                                      torch.Tensor | None]:
     """(uint64 experts, int64 token counts, [n, d_model] tokens, [n, d_model] output gradient or None)."""
     name = req.table
@@ -102,6 +104,68 @@ def _decode(req: experts_pb2.ExpertCall, *, backward: bool) -> tuple[np.ndarray,
     return experts, counts, x, dy
 
 
+def _split(x: torch.Tensor, counts: np.ndarray) -> list[torch.Tensor]:
+    return list(torch.split(x, [int(c) for c in counts]))
+
+
+def run_forward(program: Program, rows: torch.Tensor, x: torch.Tensor, counts: np.ndarray) -> bytes:
+    """The outputs of each expert (row i of ``rows``) on its ``counts[i]`` tokens of ``x``, as fp32 bytes."""
+    out = [program.forward(rows[i], part) for i, part in enumerate(_split(x, counts))]
+    return torch.cat(out).numpy().tobytes() if out else b""
+
+
+def run_backward(program: Program, rows: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: np.ndarray,
+                 dim: int) -> tuple[bytes, torch.Tensor]:
+    """(the tokens' gradient as fp32 bytes, each expert's flat parameter gradient ``[n, dim]``)."""
+    dxs, grads = [], []
+    for i, (part, dpart) in enumerate(zip(_split(x, counts), _split(dy, counts))):
+        dx, g = program.backward(rows[i], part, dpart)
+        dxs.append(dx)
+        grads.append(g)
+    return (torch.cat(dxs).numpy().tobytes() if dxs else b""), (torch.stack(grads) if grads else torch.zeros(0, dim))
+
+
+def check_program(table: str, program: Program | None, dim: int) -> Program:
+    """``program``, or the error that a call for rows of ``dim`` floats gets without a fitting one."""
+    if program is None:
+        raise FailedPrecondition(f"expert table {table!r}: no expert program registered on this shard "
+                                 f"(RegisterExpert first)")
+    if program.numel != dim:
+        raise InvalidArgument(f"expert table {table!r}: the program has {program.numel} parameters, the call "
+                              f"says rows of {dim}")
+    return program
+
+
+class Held:
+    """Backward's expert gradients held (``hold``) per (table, worker) for one step, until a Backward of that
+    step without hold pushes them with its own; one newer step's hold drops an older one's (that step was
+    abandoned: its worker went on). Thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.data: dict[tuple[str, int], tuple[int, list[np.ndarray], list[torch.Tensor], list[np.ndarray]]] = {}
+
+    def add(self, table: str, worker: int, step: int, keys: np.ndarray, grads: torch.Tensor,
+            versions: np.ndarray) -> None:
+        with self.lock:
+            cur = self.data.get((table, worker))
+            if cur is None or cur[0] != step:
+                cur = self.data[(table, worker)] = (step, [], [], [])
+            cur[1].append(keys.copy())
+            cur[2].append(grads)
+            cur[3].append(versions)
+
+    def take(self, table: str, worker: int, step: int, keys: np.ndarray, grads: torch.Tensor,
+             versions: np.ndarray) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+        """``keys``, ``grads`` and ``versions`` with those held for (table, worker, step) before them (repeated
+        keys: the push sums them); forgets what was held for (table, worker)."""
+        with self.lock:
+            cur = self.data.pop((table, worker), None)
+        if cur is None or cur[0] != step:
+            return keys.copy(), grads, versions
+        return (np.concatenate([*cur[1], keys]), torch.cat([*cur[2], grads]), np.concatenate([*cur[3], versions]))
+
+
 class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
     """``service Experts`` over a shard's ``RowTables``."""
 
@@ -114,18 +178,13 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         self.metrics = metrics
         self.max_wait_s = max_wait_s
         self.programs: dict[str, Program] = {}
+        self.held = Held()  # Backward's gradients with hold: a step of several micro-batches
         self.lock = threading.Lock()
 
     def _program(self, table: str, dim: int) -> Program:
         with self.lock:
             program = self.programs.get(table)
-        if program is None:
-            raise FailedPrecondition(f"expert table {table!r}: no expert program registered on this shard "
-                                     f"(RegisterExpert first)")
-        if program.numel != dim:
-            raise InvalidArgument(f"expert table {table!r}: the program has {program.numel} parameters, the call "
-                                  f"says rows of {dim}")
-        return program
+        return check_program(table, program, dim)
 
     @unary_errors
     def RegisterExpert(self, request: experts_pb2.RegisterExpertRequest,
@@ -145,37 +204,34 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
                 self.programs[request.table] = program
         return experts_pb2.RegisterExpertResponse(parameters=program.numel)
 
-    def _split(self, x: torch.Tensor, counts: np.ndarray) -> list[torch.Tensor]:
-        return list(torch.split(x, [int(c) for c in counts]))
-
     @unary_errors
     def Forward(self, request: experts_pb2.ExpertCall, context: grpc.ServicerContext) -> experts_pb2.ExpertAnswer:
         self.check_serving()
         program = self._program(request.table, request.dim)
-        experts, counts, x, _ = _decode(request, backward=False)
+        experts, counts, x, _ = decode(request, backward=False)
         if not len(experts):
             return experts_pb2.ExpertAnswer()
         rows, _ = self.rows.pull(request.table, request.dim, experts)
-        out = [program.forward(rows[i], part) for i, part in enumerate(self._split(x, counts))]
-        return experts_pb2.ExpertAnswer(out=torch.cat(out).numpy().tobytes())
+        return experts_pb2.ExpertAnswer(out=run_forward(program, rows, x, counts))
 
     @unary_errors
     def Backward(self, request: experts_pb2.ExpertCall, context: grpc.ServicerContext) -> experts_pb2.ExpertAnswer:
         self.check_serving()
         program = self._program(request.table, request.dim)
-        experts, counts, x, dy = _decode(request, backward=True)
+        experts, counts, x, dy = decode(request, backward=True)
         assert dy is not None
-        dxs, grads = [], []
+        dx, g = b"", torch.zeros(0, request.dim)
         if len(experts):
             rows, _ = self.rows.pull(request.table, request.dim, experts)
-            for i, (part, dpart) in enumerate(zip(self._split(x, counts), self._split(dy, counts))):
-                dx, g = program.backward(rows[i], part, dpart)
-                dxs.append(dx)
-                grads.append(g)
+            dx, g = run_backward(program, rows, x, dy, counts, request.dim)
+        none = np.zeros(len(experts), dtype=np.int64)
+        if request.hold:
+            self.held.add(request.table, request.worker_id, request.step, experts, g, none)
+            return experts_pb2.ExpertAnswer(out=dx)
+        keys, g, _ = self.held.take(request.table, request.worker_id, request.step, experts, g, none)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
-        g = torch.stack(grads) if grads else torch.zeros(0, request.dim)
-        updated = self.rows.push(request.table, request.dim, experts.copy(), g, worker=request.worker_id,
+        updated = self.rows.push(request.table, request.dim, keys, g, worker=request.worker_id,
                                  step=request.step, num_workers=request.num_workers, timeout=timeout).rows
         self.replicated()
-        return experts_pb2.ExpertAnswer(out=torch.cat(dxs).numpy().tobytes() if dxs else b"", rows=updated)
+        return experts_pb2.ExpertAnswer(out=dx, rows=updated)

@@ -11,6 +11,7 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_ray_impor
 
 from shardps.deploy.ray import (  # noqa: E402
     STRATEGIES,
+    ExpertActors,
     OffloadStore,
     Pipeline,
     PipelineError,
@@ -21,11 +22,13 @@ from shardps.deploy.ray import (  # noqa: E402
     WorkerGroup,
     WorkersFailed,
     run_workers,
+    start_expert_actors,
     start_servers,
 )
 
 __all__ = [
     "STRATEGIES",
+    "ExpertActors",
     "OffloadStore",
     "Pipeline",
     "PipelineError",
@@ -36,5 +39,6 @@ __all__ = [
     "WorkerGroup",
     "WorkersFailed",
     "run_workers",
+    "start_expert_actors",
     "start_servers",
 ]

@@ -18,7 +18,7 @@ import shardps
 from shardps.optim import SGD
 from shardps.protos.shardps.v1 import experts_pb2
 from shardps.worker.moe import MoECollector
-from shardps.worker.placement import AutoPlacement
+from shardps.worker.placement import AutoPlacement, CostModel
 from shardps.worker.routing import capacity, route
 from tests.helpers import run_workers
 
@@ -218,10 +218,12 @@ def test_bad_input_and_metrics(make_cluster):
     assert registry.get_sample_value("shardps_moe_tokens_total", {"layer": "0"}) == 20
 
 
-def test_auto_takes_the_placement_of_fewer_bytes_and_counts_it(make_cluster):
+def test_auto_takes_the_placement_the_cost_model_says_is_faster_and_counts_it(make_cluster):
     cluster = make_cluster(1)
     torch.manual_seed(0)
-    moe = shardps.nn.MoE(D, E, expert, name="auto", placement="auto", drop_tokens=False)
+    bytes_only = CostModel(byte_s=1e-9, pull_call_s=0.0, local_expert_s=0.0, local_flop_s=0.0, send_call_s=0.0,
+                           server_expert_s=0.0, server_flop_s=0.0)  # the link alone decides
+    moe = shardps.nn.MoE(D, E, expert, name="auto", placement="auto", drop_tokens=False, cost_model=bytes_only)
     registry = CollectorRegistry()
     registry.register(MoECollector(moe))
     with shardps.connect(cluster.addresses) as client:
@@ -230,6 +232,9 @@ def test_auto_takes_the_placement_of_fewer_bytes_and_counts_it(make_cluster):
             out, aux, _ = moe(torch.randn(tokens, D))
             assert moe.last is not None
             cost = moe.cost(moe.last)
+            bytes_ = {"pull": 2 * len(moe.last.active()) * (4 * moe.experts.embedding_dim + 16),
+                      "send": 5 * int(moe.last.keep.sum()) * D * 4}
+            assert cost == pytest.approx({p: 1e-9 * b for p, b in bytes_.items()})
             want = "send" if cost["send"] < cost["pull"] else "pull"
             assert registry.get_sample_value("shardps_moe_forwards_total", {"layer": "moe", "placement": want}) == 1
             (out.sum() + aux).backward()
@@ -246,22 +251,34 @@ def test_auto_takes_the_placement_of_fewer_bytes_and_counts_it(make_cluster):
 
 
 def test_auto_placement_tries_each_then_takes_the_faster_and_reprobes():
-    auto = AutoPlacement(reprobe=4)
-    fewer_send = {"pull": 100, "send": 10}
+    auto = AutoPlacement(reprobe=4, probes=3, window=3)
+    model_says_send = {"pull": 100.0, "send": 10.0}
     walk = []
     now = 0.0
-    for _ in range(6):
+    for i in range(10):
         auto.close(now)
-        chosen = auto.choose(100, fewer_send)
+        chosen = auto.choose(100, model_says_send)
         auto.start(100, chosen, now)
-        now += {"pull": 1.0, "send": 3.0}[chosen]  # send takes 3 s a step, pull 1 s
+        # send takes 3 s a step, pull 1 s; the first pull is slowed to 9 s by other work on the machine
+        now += {"pull": 9.0 if i == 1 else 1.0, "send": 3.0}[chosen]
         walk.append(chosen)
-    # bytes first (send), then the other once (pull), then the faster (pull) but every 4th step the slower
-    assert walk == ["send", "pull", "pull", "send", "pull", "pull"]
-    assert auto.times[(auto.bucket(100), "pull")] == 1.0 and auto.times[(auto.bucket(100), "send")] == 3.0
+    # the model's choice (send), then each in turn until each has 3 times, then the faster by the median of
+    # its last 3 (pull: the slowed step does not decide), every 4th step the slower once
+    assert walk == ["send", "pull", "send", "pull", "send", "pull", "pull", "send", "pull", "pull"]
+    b = auto.bucket(100)
+    assert auto.samples[(b, "pull")] == [1.0, 1.0, 1.0] and auto.time(b, "send") == 3.0
     auto.close(now + 50.0, valid=False)  # an interval with an evaluation in it: not counted
-    assert auto.times[(auto.bucket(100), "pull")] == 1.0
-    assert auto.choose(5000, fewer_send) == "send"  # another batch size: no times yet, the bytes decide
+    assert auto.time(b, "pull") == 1.0
+    assert auto.choose(5000, model_says_send) == "send"  # another batch size: no times yet, the cost model decides
+
+
+def test_cost_model_charges_each_placement_its_calls_experts_tokens_and_bytes():
+    m = CostModel(byte_s=1.0, pull_call_s=10.0, local_expert_s=100.0, local_flop_s=1000.0, send_call_s=20.0,
+                  server_expert_s=200.0, server_flop_s=2000.0)
+    one = m.seconds(experts=1, assignments=0, params=3, d_model=2)  # an expert, no token: its row and its fixed part
+    assert one == {"pull": 10.0 + 2 * (4 * 3 + 16) + 100.0, "send": 20.0 + 200.0}
+    tok = m.seconds(experts=0, assignments=1, params=3, d_model=2)  # a token: 3 forwards here, or 4 there + bytes
+    assert tok == {"pull": 10.0 + 3 * 6 * 1000.0, "send": 20.0 + 5 * 4 * 2 + 4 * 6 * 2000.0}
 
 
 def test_send_registers_the_program_again_where_a_shard_lost_it(make_cluster):
@@ -321,3 +338,26 @@ def test_demo_example_moe_trains(capsys):
     assert summary["workers"] == 2 and summary["steps"] == 4
     assert summary["val_loss"] < summary["initial_val_loss"]
     assert sum(summary["placements"].values()) == 4 + 2 * 8  # a forward per step, 8 per evaluation
+
+
+def test_auto_with_held_gradients_takes_one_placement_a_step(make_cluster):
+    """``experts.hold`` (a pipeline stage's micro-batches): every forward of a step takes the placement of
+    its first, and the steps still probe both; each step's gradients reach the rows either way."""
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    moe = shardps.nn.MoE(D, E, expert, name="held", placement="auto", drop_tokens=False, optimizer=SGD(lr=0.1))
+    moe.experts.hold = True
+    walk = []
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
+        for _ in range(3):
+            before = client.pull_rows("held", torch.arange(E), track=False)
+            for _ in range(2):
+                taken = dict(moe.stats.placements)
+                out, aux, _ = moe(torch.randn(8, D))
+                (out.sum() + aux).backward()
+                walk.append(next(p for p in taken if moe.stats.placements[p] != taken[p]))
+            opt.step()
+            opt.zero_grad()
+            assert not torch.equal(client.pull_rows("held", torch.arange(E), track=False), before)
+    assert walk[0::2] == walk[1::2] and set(walk) == {"pull", "send"}

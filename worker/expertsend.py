@@ -9,7 +9,9 @@ into their row table as the worker's push of this step would (a shard with
 none of this batch's experts gets an empty one: every shard counts the
 step, and bsp waits for every worker on every shard). The step is the one
 the optimizer's next ``step()`` pushes (``ExpertRows.clock``), so a layer
-sends at most one forward's backward per optimizer step.
+sends at most one forward's backward per optimizer step; with
+``ExpertRows.hold`` (a pipeline stage's micro-batches) each backward's
+gradients wait on the shards and ``flush`` has them pushed at the step.
 """
 
 from __future__ import annotations
@@ -108,6 +110,22 @@ def _with_program(experts: Any, shard: int, call: Callable[[], experts_pb2.Exper
     return call()
 
 
+def _worker(experts: Any) -> int:
+    """The worker id of the experts' pushes (a pipeline stage's: its replica)."""
+    worker: int = experts.rows.worker_id if experts.worker is None else experts.worker
+    return worker
+
+
+def flush(experts: Any, step: int) -> None:
+    """Have every shard push what this step's backwards held (``ExpertRows.hold``): a ``Backward`` without
+    hold and without tokens, so a shard pushes the held sum, or an empty push (every shard counts the step)."""
+    t = experts.rows.transport
+    req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=experts.d_model,
+                                 worker_id=_worker(experts), step=step, num_workers=experts.num_workers)
+    t.each(lambda shard: _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
+        req, timeout=t.timeout)))
+
+
 def _floats(data: bytes, d: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, d) if data else torch.zeros(0, d)
 
@@ -129,8 +147,8 @@ class Send(torch.autograd.Function):
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes())
-            ans = _with_program(experts, shard, lambda: t.experts(shard).Forward(_fits(experts.table, req),
-                                                                                 timeout=t.timeout))
+            ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Forward(_fits(experts.table, req),
+                                                                                        timeout=t.timeout))
             stats.bytes_sent += 2 * len(req.tokens)
             return bytes(ans.out)
 
@@ -157,9 +175,10 @@ class Send(torch.autograd.Function):
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
-                                         worker_id=rows.worker_id, step=step, num_workers=experts.num_workers)
-            ans = _with_program(experts, shard, lambda: t.experts(shard).Backward(_fits(experts.table, req),
-                                                                                  timeout=t.timeout))
+                                         worker_id=_worker(experts), step=step, num_workers=experts.num_workers,
+                                         hold=experts.hold)
+            ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
+                _fits(experts.table, req), timeout=t.timeout))
             stats.bytes_sent += len(req.tokens) * 3
             return bytes(ans.out)
 

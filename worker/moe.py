@@ -25,6 +25,7 @@ import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +36,20 @@ from torch.func import functional_call
 
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.shardps.v1 import experts_pb2
-from shardps.worker import expertsend
-from shardps.worker.placement import PLACES, AutoPlacement
+from shardps.worker import auxloss, expertsend
+from shardps.worker.placement import PLACES, AutoPlacement, CostModel
 from shardps.worker.routing import Routing, capacity, route
 from shardps.worker.rowmodules import _Rows
 
 PLACEMENTS = ("pull", "send", "auto")
+
+
+class ExpertHosts(Protocol):
+    """Hosts that run the experts of "send" instead of the shards (``shardps.ray.start_expert_actors``):
+    ``endpoint(shard)`` answers ``RegisterExpert``, ``Forward`` and ``Backward`` for shard ``shard``'s
+    experts, with the gRPC stub's calls and errors."""
+
+    def endpoint(self, shard: int) -> Any: ...
 
 
 class ExpertRows(_Rows):
@@ -78,13 +87,16 @@ class ExpertRows(_Rows):
     # -- placement "send" (worker/expertsend.py): the shards push this worker's gradients during backward --
 
     program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
+    hosts: ExpertHosts | None = None  # where each shard's experts run under "send" (None: on the shard itself)
     sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
+    hold: bool = False  # each send's backward holds its gradients on the shards, push() has them pushed
+    d_model: int = 0  # the layer's (the flush's calls name it)
     on_pushed: Callable[[float], None] | None = None  # called with the time each push (a step's) ended
 
     def claim_step(self) -> int:
         """The step a send's backward pushes: the optimizer's next, once (a second backward in one step is
-        refused)."""
-        if self.sent_step is not None or self._pulled:
+        refused), or with ``hold`` (a pipeline stage's micro-batches) as many as the step has."""
+        if self.sent_step is not None and not self.hold or self._pulled:
             raise RuntimeError(f"MoE {self.table!r}: placement 'send' pushes the experts' gradients in backward, "
                                f"once per optimizer step; this step already has a forward's gradients (call "
                                f"step() between forwards of the layer)")
@@ -99,18 +111,28 @@ class ExpertRows(_Rows):
         assert self.rows is not None and self.program is not None and self.table is not None
         t, req = self.rows.transport, experts_pb2.RegisterExpertRequest(table=self.table, program=self.program)
         if shard is not None:
-            t.experts(shard).RegisterExpert(req, timeout=t.timeout)
+            self.endpoint(shard).RegisterExpert(req, timeout=t.timeout)
             return
-        t.each(lambda i: t.experts(i).RegisterExpert(req, timeout=t.timeout))
+        t.each(lambda i: self.endpoint(i).RegisterExpert(req, timeout=t.timeout))
         self.registered = True
 
+    def endpoint(self, shard: int) -> Any:
+        """What runs shard ``shard``'s experts under "send": the shard's ``Experts`` service, or the expert
+        host ``hosts`` names for it (a Ray actor beside the shard: deploy/ray/experts.py). Either answers
+        ``RegisterExpert``, ``Forward`` and ``Backward`` as the gRPC stub does."""
+        assert self.rows is not None
+        return self.rows.transport.experts(shard) if self.hosts is None else self.hosts.endpoint(shard)
+
     def push(self, step: int) -> None:
-        """Push this step's gradients, unless a send's backward pushed them on the shards already."""
+        """Push this step's gradients, unless a send's backward pushed them on the shards already (with
+        ``hold``: the shards push what the step's backwards held, now)."""
         if self.sent_step is not None:
             sent, self.sent_step = self.sent_step, None
             if sent != step:
                 raise RuntimeError(f"MoE {self.table!r}: a send's backward pushed step {sent}, the optimizer is at "
                                    f"step {step}")
+            if self.hold:
+                expertsend.flush(self, step)
         else:
             super().push(step)
         if self.on_pushed is not None:
@@ -144,7 +166,8 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, num_experts: int, expert: object, *, name: str | None = None, top_k: int = 1,
                  capacity_factor: float = 1.25, eval_capacity_factor: float | None = None, min_capacity: int = 4,
                  drop_tokens: bool = True, aux_loss_coef: float = 1e-2, placement: str = "pull",
-                 optimizer: OptimizerSpec | None = None, sync: str | None = None) -> None:
+                 optimizer: OptimizerSpec | None = None, sync: str | None = None,
+                 cost_model: CostModel | None = None, expert_hosts: ExpertHosts | None = None) -> None:
         super().__init__()
         if not callable(expert):
             raise TypeError(f"MoE: expert must be a function returning an nn.Module, got {type(expert).__name__}")
@@ -167,7 +190,11 @@ class MoE(nn.Module):
         self.experts = ExpertRows(made[0], num_experts, made, name=name, optimizer=optimizer, sync=sync)
         if placement != "pull":
             self.experts.program = expertsend.program_bytes(made[0])
+        elif expert_hosts is not None:
+            raise ValueError("MoE: expert_hosts run the experts of placement 'send' (or 'auto'), not 'pull'")
+        self.experts.hosts, self.experts.d_model = expert_hosts, d_model
         self.auto = AutoPlacement()  # placement "auto": the measured step times (worker/placement.py)
+        self.cost_model = cost_model or CostModel()  # "auto"'s prediction before it has times
         if placement == "auto":
             self.experts.on_pushed = self.auto.close  # a step: from the layer's forward to its push
         self.stats = MoEStats()
@@ -210,22 +237,29 @@ class MoE(nn.Module):
         s.assignments += r.expert.numel()
         s.dropped += r.dropped
         out = self._send(h, r) if self.choose(r) == "send" else self._pull(h, r)
-        return out.view(x.shape), self.aux_loss_coef * r.aux, r.counts
+        aux = self.aux_loss_coef * r.aux
+        auxloss.add(aux)  # inside a pipeline stage: joins this micro-batch's loss (worker/auxloss.py)
+        return out.view(x.shape), aux, r.counts
 
-    def cost(self, r: Routing) -> dict[str, int]:
-        """Payload bytes each placement moves for routing ``r`` (both take two round trips a step): "pull" the
-        routed experts' rows and their gradients (key and version beside each), "send" the kept tokens out
-        and their outputs back, then the tokens and their output gradients out and their gradients back."""
-        active, kept = len(r.active()), int(r.keep.sum())
-        return {"pull": 2 * active * (self.experts.embedding_dim * 4 + 16), "send": 5 * kept * self.d_model * 4}
+    def cost(self, r: Routing) -> dict[str, float]:
+        """The seconds the cost model (``self.cost_model``, worker/placement.py) predicts for a training
+        step of each placement on routing ``r``: two round trips, then per distinct expert kept (its row and
+        gradient, or its calls on the shards) and per kept assignment (its compute here or there, its
+        tokens on the link)."""
+        return self.cost_model.seconds(experts=len(r.active()), assignments=int(r.keep.sum()),
+                                       params=self.experts.embedding_dim, d_model=self.d_model)
 
     def choose(self, r: Routing) -> str:
         """The placement of this forward: the layer's, or for "auto" ``AutoPlacement``'s (worker/placement.py):
         measured step times per batch size once it has them (from this forward to the optimizer's push of
-        the layer's experts), the cost model's bytes before; a forward without grad (evaluation) takes the
-        fewer bytes and is not timed."""
+        the layer's experts), the cost model's before; a forward without grad (evaluation) takes the
+        cheaper by the cost model and is not timed. With ``experts.hold`` (a pipeline stage: several
+        forwards a step) every forward of a step takes the placement of its first training forward, and the
+        step is timed from that forward to the push."""
         if self.placement != "auto":
             return self.placement
+        if self.experts.hold and self.auto.open is not None:
+            return self.auto.open[1]  # the step's placement: its micro-batches push the same way
         cost, now, tokens = self.cost(r), time.perf_counter(), r.expert.shape[0]
         self.auto.close(now, valid=False)  # a step still open (no push since its forward): not counted
         if not (self.training and torch.is_grad_enabled()):

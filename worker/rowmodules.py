@@ -42,6 +42,7 @@ class _Rows(nn.Module):
         self.pretrained: torch.Tensor | None = None  # from_pretrained: the rows' first values
         self.rows: RowClient | None = None
         self.num_workers = 1  # > 1: bsp over that many workers
+        self.worker: int | None = None  # the worker id its pushes carry (None: the client's)
         self.clock: Callable[[], int] | None = None  # the step the optimizer's next step() pushes
         self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their rows: a leaf)
 
@@ -72,7 +73,7 @@ class _Rows(nn.Module):
         dim = self.embedding_dim
         self.rows.push(self.table, torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
                        torch.cat(grads).cpu() if grads else torch.zeros(0, dim), step,
-                       num_workers=self.num_workers)
+                       num_workers=self.num_workers, worker=self.worker)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}, optimizer={self.optimizer}"
@@ -129,10 +130,13 @@ class RowModules:
 
     @classmethod
     def attach(cls, model: nn.Module | Iterable[object], rows: RowClient, *, num_workers: int,
-               provides_values: bool, sync: str, clock: Callable[[], int] | None = None) -> RowModules:
+               provides_values: bool, sync: str, clock: Callable[[], int] | None = None,
+               worker: int | None = None) -> RowModules:
         """Find ``model``'s row modules, register their tables (named after their module path unless named)
         and write the rows of ``from_pretrained`` ones (``provides_values``). ``clock``: the step the next
-        ``step()`` pushes (the optimizer's; for pushes made before it, as MoE's "send" backward)."""
+        ``step()`` pushes (the optimizer's; for pushes made before it, as MoE's "send" backward).
+        ``worker``: the worker id of their pushes, one of ``num_workers`` (default the client's: a pipeline
+        stage is one of the workers that hold its tables, its replica)."""
         if not isinstance(model, nn.Module):
             return cls({})
         found = {path or "rows": m for path, m in model.named_modules() if isinstance(m, _Rows)}
@@ -140,6 +144,7 @@ class RowModules:
             m.table = m.table or path
             m.rows = rows
             m.clock = clock
+            m.worker = worker
             table_sync = m.sync or ("bsp" if sync == "bsp" else "asp")
             m.num_workers = num_workers if table_sync == "bsp" else 1
             rows.register(m.table, m.embedding_dim, optimizer=m.optimizer,

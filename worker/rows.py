@@ -209,16 +209,19 @@ class RowClient:
         return np.where(k[at] == keys, v[at], -1).astype(np.int64)
 
     def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
-             assign: bool = False, found_inf: bool | None = None) -> int:
+             assign: bool = False, worker: int | None = None, found_inf: bool | None = None) -> int:
         """One optimizer step of the table from the gradient rows ``grads`` (``[*keys.shape, dim]``) of
         ``keys``; repeated keys' rows are summed. Returns the distinct rows updated over all shards.
 
         ``num_workers`` > 1: bsp, the step is applied once that many workers pushed ``step``, with the
         mean of their gradients (this call returns then). ``assign``: ``grads`` are the rows' first
-        values (rows not held yet are created with them; no step). ``found_inf``: the step is skipped on
-        every shard (no row changes); None: when some gradient of the push is inf or nan, whichever shard
-        its row lives on (every shard is told, so all skip alike)."""
+        values (rows not held yet are created with them; no step). ``worker``: the worker id the push
+        carries (default this client's; a pipeline stage pushes a table as its replica, one of
+        ``num_workers``). ``found_inf``: the step is skipped on every shard (no row changes); None: when
+        some gradient of the push is inf or nan, whichever shard its row lives on (every shard is told,
+        so all skip alike)."""
         dim = self._spec(name).dim
+        worker_id = self.worker_id if worker is None else worker
         g = grads.detach().reshape(-1, dim).to(torch.float32, copy=False)
         if g.shape[0] != keys.numel():
             raise ValueError(f"row table {name!r}: {keys.numel()} keys but gradients of shape {list(grads.shape)}")
@@ -237,7 +240,7 @@ class RowClient:
                 grad_rows = summed.index_select(0, torch.from_numpy(part))
                 yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
                                              grads=grad_rows.numpy().tobytes(), dim=dim,
-                                             worker_id=self.worker_id, step=step, num_workers=num_workers,
+                                             worker_id=worker_id, step=step, num_workers=num_workers,
                                              assign=assign, base_versions=bases[part].tobytes(), found_inf=found_inf)
 
         def push_shard(shard: int) -> int:

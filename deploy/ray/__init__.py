@@ -4,6 +4,7 @@ Import it as ``shardps.ray`` (which says how to install Ray when it is
 missing). See docs/ray.md.
 """
 
+from shardps.deploy.ray.experts import ExpertActors, start_expert_actors
 from shardps.deploy.ray.local import RayLocalCluster
 from shardps.deploy.ray.pipeline import OffloadStore, Pipeline, PipelineError
 from shardps.deploy.ray.placement import STRATEGIES, PlacementError
@@ -12,6 +13,7 @@ from shardps.deploy.ray.workers import WorkerContext, WorkerGroup, WorkersFailed
 
 __all__ = [
     "STRATEGIES",
+    "ExpertActors",
     "OffloadStore",
     "Pipeline",
     "PipelineError",
@@ -22,5 +24,6 @@ __all__ = [
     "WorkerGroup",
     "WorkersFailed",
     "run_workers",
+    "start_expert_actors",
     "start_servers",
 ]

@@ -56,6 +56,7 @@ from shardps.worker.groups import RendezvousServer
 from shardps.worker.pipeline.failure import Outcome, StageFailed, blame
 from shardps.worker.pipeline.partition import scatter, split_model
 from shardps.worker.pipeline.plan import PipelineOptions, StepPlan, loss_reduction, plan_step
+from shardps.worker.pipeline.rowstage import check_row_modules
 from shardps.worker.pipeline.streamweights import check_stream
 from shardps.worker.streamplan import Stream
 from shardps.worker.tp.split import check_tp, join_slices
@@ -125,6 +126,8 @@ class Pipeline:
         for name, value in (("step_timeout", step_timeout), ("placement_timeout", placement_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        check_row_modules(self.stage_modules, servers=servers, sync=SyncSpec.parse(sync), stream=stream,
+                          tensor_parallel=tensor_parallel)
         self.schedule, self.chunks, self.checkpoint, self.offload = schedule, chunks, checkpoint, offload
         self.compress = self.options.encodings
         self.strategy = check_strategy(strategy)
@@ -282,7 +285,9 @@ class Pipeline:
                                                             self.step_timeout)
         results = self._collect(calls, plans)
         self.step_count += 1
-        return float(sum(sum(results[(rep * self.tp, d - 1)]) for rep in range(self.replicas)) / self.replicas)
+        # Each stage's weighted losses: the last stage's loss_fn, every stage's MoE balancing losses.
+        return float(sum(sum(results[(rep * self.tp, s)]) for rep in range(self.replicas) for s in range(d))
+                     / self.replicas)
 
     def _collect(self, calls: dict[tuple[int, int], Any], plans: list[StepPlan]) -> dict[tuple[int, int], Any]:
         """The results of one call per stage ((replica, stage) -> reference), or ``PipelineError`` naming

@@ -28,6 +28,7 @@ from shardps.deploy.ray.placement import actor_logging
 from shardps.protos.security import Security
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.groups import GroupSpec, Rendezvous, connect_store, open_group
+from shardps.worker.moe import ExpertRows
 from shardps.worker.pipeline.failure import Outcome, StageFailed
 from shardps.worker.pipeline.link import GroupLink, LinkError
 from shardps.worker.pipeline.plan import StepPlan
@@ -37,6 +38,7 @@ from shardps.worker.pipeline.streamstage import StageOptimizer
 from shardps.worker.pipeline.streamweights import StreamWeights, stage_stream
 from shardps.worker.pipeline.walk import walk, walk_eval
 from shardps.worker.pipeline.weights import StageWeights, Stepper
+from shardps.worker.rowmodules import RowModules
 from shardps.worker.streamplan import Stream
 from shardps.worker.tp.group import Slice, TPGroup
 from shardps.worker.tp.split import split, tp_slices
@@ -204,8 +206,17 @@ class StageActor:
 
                 return TPOptimizer(masters, self.client, self.tp, slices=tp_slices(self.rt.module),
                                    optimizer=opts.optimizer, sync=str(opts.sync), provides_values=(r == 0))
-            return DistributedOptimizer(masters, self.client, optimizer=opts.optimizer, sync=str(opts.sync),
-                                        provides_values=(r == 0))
+            opt = DistributedOptimizer(masters, self.client, optimizer=opts.optimizer, sync=str(opts.sync),
+                                       provides_values=(r == 0))
+            # The stage's row modules (shardps.nn.Embedding, MoE's experts): each table is held by this stage
+            # of every replica, so it is pushed as replica r of ``replicas`` workers (bsp over the replicas).
+            opt.rows = RowModules.attach(self.rt.module, self.client.rows, num_workers=opts.replicas,
+                                         provides_values=(r == 0), sync=str(opts.sync),
+                                         clock=lambda: opt.local_steps, worker=r)
+            for m in opt.rows.modules.values():
+                if isinstance(m, ExpertRows):  # "send": a step's micro-batches' gradients wait on the shards
+                    m.hold = True
+            return opt
         return make
 
     def tp_slices(self) -> dict[str, tuple[Slice, tuple[int, ...]]]:
@@ -246,7 +257,9 @@ class StageActor:
                  timeout: float) -> list[float]:
         """This stage's part of step ``step``: its tasks of ``plan`` in its own order (stage 0 reads
         ``inputs``, the last stage ``targets``), every wait within ``timeout`` seconds; then the push and
-        pull of its gradients. The last stage's weighted losses (empty on the others). Raises
+        pull of its gradients. The last stage's weighted losses, then the stage's weighted extra loss
+        terms (the balancing losses of its MoE layers; worker/auxloss.py): the step's loss is their sum over
+        the stages. Raises
         ``StageFailed``; a failure in the walk closes this stage's group, so that its neighbours end too."""
         link = self._link()
         self.begin_step(step, plan.chunks, loss_fn)
@@ -265,7 +278,7 @@ class StageActor:
             self.sync()
         except Exception as e:
             raise StageFailed(Outcome(self.index, "failed", "sync", message=_first_line(e))) from e
-        return losses
+        return losses + self.rt.aux_losses
 
     def run_eval(self, chunks: int, inputs: list[torch.Tensor] | None, timeout: float) -> list[torch.Tensor]:
         """Forwards in eval mode of ``chunks`` micro-batches (stage 0 reads ``inputs``), handed on like a

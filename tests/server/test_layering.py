@@ -18,8 +18,8 @@ LAYERS = [
     ["table", "job", "membership", "rowtable", "rowreshard"],
     ["rows"],
     ["apply", "pullcache", "snapshot"],
-    ["replica"],
-    ["datapath"],
+    ["replica", "slicepull"],
+    ["datapath", "slicepush"],
     ["store"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -36,23 +36,23 @@ GPIPE_2_2 = [  # sizes 2, 2 under mean: each loss weighs 0.5
     "F0@1 y0.0 -> y0.1",
     "F1@1 y1.0 -> y1.1",
     "B1@1 t1 w=0.5 next=0 -> g1.1",
-    "B1@0 g1.1 w=1 next=0 -> None",
+    "B1@0 g1.1 w=0.5 next=0 -> None",
     "B0@1 t0 w=0.5 next=None -> g0.1",
-    "B0@0 g0.1 w=1 next=None -> None",
+    "B0@0 g0.1 w=0.5 next=None -> None",
 ]
 ONE_F_ONE_B_3_2 = [  # sizes 2, 1, 1
     "F0@0 x0 -> y0.0",
     "F1@0 x1 -> y1.0",
     "F0@1 y0.0 -> y0.1",
     "B0@1 t0 w=0.5 next=1 -> g0.1",
-    "B0@0 g0.1 w=1 next=1 -> None",
+    "B0@0 g0.1 w=0.5 next=1 -> None",
     "F1@1 y1.0 -> y1.1",
     "F2@0 x2 -> y2.0",
     "B1@1 t1 w=0.25 next=2 -> g1.1",
-    "B1@0 g1.1 w=1 next=2 -> None",
+    "B1@0 g1.1 w=0.25 next=2 -> None",
     "F2@1 y2.0 -> y2.1",
     "B2@1 t2 w=0.25 next=None -> g2.1",
-    "B2@0 g2.1 w=1 next=None -> None",
+    "B2@0 g2.1 w=0.25 next=None -> None",
 ]
 
 

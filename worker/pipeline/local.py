@@ -50,6 +50,9 @@ class LocalPipeline:
         loss = 0.0
         for lv in losses:  # in the order the last stage's backwards ran
             loss += lv
+        for st in self.stages:  # extra loss terms (MoE balancing losses; none without servers)
+            for lv in st.aux_losses:
+                loss += lv
         self.step_count += 1
         return loss
 

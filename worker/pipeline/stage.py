@@ -13,6 +13,11 @@ order of the schedule, one call at a time.
   input and runs its forward again in the backward; ``"except_last"`` (as
   torchgpipe) does that for all but the last micro-batch, whose backward
   comes first; ``"never"`` keeps every activation.
+- Extra loss terms (worker/auxloss.py: the balancing loss of every
+  ``shardps.nn.MoE`` in the stage): collected during each micro-batch's
+  forward (and its recomputation) and added, times the micro-batch's loss
+  weight, to that micro-batch's backward on this stage; their values are
+  summed in ``aux_losses`` for the step's loss.
 - Weight versions: every forward runs on the weights installed last and
   remembers them; its backward (and its recomputation) runs on exactly
   those, even if newer weights were installed in between (weight stashing,
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from shardps.worker import auxloss
 from shardps.worker.pipeline.offload import Offloader, Sink, check_compress, use_mask_relu
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -55,6 +61,7 @@ class _Pending:
     params: dict[str, torch.Tensor]
     version: int
     seed: int
+    aux: torch.Tensor | None = None  # the forward's extra loss terms, summed (None: none, or recomputed)
 
 
 @dataclass
@@ -99,6 +106,7 @@ class StageRuntime:
         self._grads: dict[str, torch.Tensor] = {}
         self.timeline: list[Interval] = []
         self.versions: list[tuple[int, int, int, int]] = []  # (step, microbatch, forward's, backward's)
+        self.aux_losses: list[float] = []  # this step's extra loss terms (weighted), one per backward with any
         self.offloader = Offloader(self.offload, self._param_storages(), self.compress,
                                    prefix=f"{self.key_prefix}s{self.index}/")
         self._dict_version: dict[int, int] = {id(self.params): 0}
@@ -138,6 +146,7 @@ class StageRuntime:
     def begin_step(self, step: int, chunks: int) -> None:
         self.step, self.chunks = step, chunks
         self._grads = {}
+        self.aux_losses = []
         self.timeline = []
         self.versions = [v for v in self.versions if v[0] >= step - 1]  # the last two steps
         self.offloader.stats.reset_step()
@@ -156,7 +165,9 @@ class StageRuntime:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         return [torch.default_generator, torch.cuda.default_generators[index]]
 
-    def _run(self, x: torch.Tensor, params: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, params: dict[str, torch.Tensor], seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the stage's output, the sum of the extra loss terms its modules added: None when none did)."""
         # As torch.random.fork_rng + torch.manual_seed, on this stage's generators only: manual_seed also
         # seeds every other device type (on a CPU-only build it records a traceback for each lazy CUDA,
         # XPU and MTIA seed), about 0.3-0.5 ms a call here, paid on every forward and recomputation.
@@ -165,14 +176,15 @@ class StageRuntime:
         try:
             for g in gens:
                 g.manual_seed(seed)
-            y = functional_call(self.module, {**params, **self.buffers}, (x,))
+            with auxloss.collect() as terms:
+                y = functional_call(self.module, {**params, **self.buffers}, (x,))
         finally:
             for g, state in zip(gens, states):
                 g.set_state(state)
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"stage {self.index} returned {type(y).__name__}, not a tensor: every stage but the "
                             f"last must return one tensor for the next")
-        return y
+        return y, auxloss.total(terms)
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         """The forward of micro-batch ``mb``; its output (detached, for the next stage or the loss)."""
@@ -183,13 +195,13 @@ class StageRuntime:
         seed = seed_for(self.seed, self.step, mb, self.index)
         if self._recompute(mb):
             with torch.no_grad():
-                y = self._run(x, self.params, seed)
+                y, _ = self._run(x, self.params, seed)
             self.offloader._hold(mb, x.numel() * x.element_size())  # kept for the recomputation
             self._pending[mb] = _Pending(x, None, self.params, self.version, seed)
         else:
             with torch.enable_grad(), self.offloader.hooks(mb):
-                y = self._run(x, self.params, seed)
-            self._pending[mb] = _Pending(x, y, self.params, self.version, seed)
+                y, aux = self._run(x, self.params, seed)
+            self._pending[mb] = _Pending(x, y, self.params, self.version, seed, aux)
         self.timeline.append(Interval("F", mb, t0, time.time()))
         return y.detach()
 
@@ -203,28 +215,35 @@ class StageRuntime:
                  weight: float = 1.0, next_mb: int | None = None) -> tuple[torch.Tensor | None, float]:
         """The backward of ``mb``: from ``grad`` (the next stage's input gradient) or, on the last stage,
         from ``loss_fn(output, target) * weight``. Returns the input gradient (None on the first stage) and
-        the weighted loss (0.0 but on the last stage). ``next_mb``: the micro-batch whose backward comes
-        next on this stage, to prefetch its offloaded activations now."""
+        the weighted loss (0.0 but on the last stage). The extra loss terms of the micro-batch's forward
+        (``auxloss``) times ``weight`` join its backward on every stage. ``next_mb``: the micro-batch whose
+        backward comes next on this stage, to prefetch its offloaded activations now."""
         t0 = time.time()
         p = self._pending.pop(mb)
         if next_mb is not None:
             self.prefetch(next_mb)
-        y, used = p.y, p.params  # the graph of a kept forward holds p.params' tensors
+        y, used, aux = p.y, p.params, p.aux  # the graph of a kept forward holds p.params' tensors
         if y is None:
             with torch.enable_grad():
-                y = self._run(p.x, used, p.seed)
+                y, aux = self._run(p.x, used, p.seed)
             self.timeline.append(Interval("R", mb, t0, time.time()))
         loss_value = 0.0
+        extra = None if aux is None else aux * weight
+        if extra is not None:
+            self.aux_losses.append(float(extra.detach()))
         if self.index == self.num_stages - 1:
             if self.loss_fn is None or target is None:
                 raise ValueError("the last stage's backward needs a loss function and the targets")
             loss = self.loss_fn(y, target.to(self.device)) * weight
             loss_value = float(loss.detach())
-            torch.autograd.backward(loss)
+            torch.autograd.backward(loss if extra is None else loss + extra)
         else:
             if grad is None:
                 raise ValueError(f"stage {self.index}: the backward of micro-batch {mb} needs the output gradient")
-            torch.autograd.backward(y, grad.to(self.device))
+            if extra is None or not extra.requires_grad:
+                torch.autograd.backward(y, grad.to(self.device))
+            else:
+                torch.autograd.backward([y, extra], [grad.to(self.device), torch.ones_like(extra)])
         for n, t in used.items():
             if t.grad is not None:
                 acc = self._grads.get(n)
@@ -241,6 +260,6 @@ class StageRuntime:
         self.module.eval()
         try:
             with torch.no_grad():
-                return self._run(x.to(self.device), self.params, 0)
+                return self._run(x.to(self.device), self.params, 0)[0]
         finally:
             self.module.train()

@@ -5,7 +5,7 @@ One walk serves every driver. What a task does is the same everywhere::
     F mb @ s:  x = inputs[mb] (s = 0) or link.recv(F, s - 1, mb)
                y = stage.forward(mb, x);  link.send(F, s, mb, y)      (not on the last stage)
     B mb @ s:  last stage: g, loss = stage.backward(mb, None, targets[mb], weights[mb], next_mb)
-               otherwise:  g, _ = stage.backward(mb, link.recv(B, s + 1, mb), None, 1.0, next_mb)
+               otherwise:  g, _ = stage.backward(mb, link.recv(B, s + 1, mb), None, weights[mb], next_mb)
                link.send(B, s, mb, g)                                  (not on the first stage)
 
 What varies is injected: ``StageCalls`` runs a stage's task (a ``StageRuntime``
@@ -45,8 +45,9 @@ class StageCalls(Protocol[V, L]):
     def backward(self, mb: int, grad: V | None, target: V | None, weight: float, next_mb: int | None,
                  /) -> tuple[V | None, L]:
         """The backward of ``mb`` from the output gradient ``grad`` or, on the last stage, from the loss
-        against ``target`` times ``weight``; the input gradient and the weighted loss. ``next_mb``: the
-        next backward on this stage (None: none)."""
+        against ``target`` times ``weight`` (the micro-batch's loss weight, given to every stage: a stage's
+        own loss terms, as an MoE's balancing loss, weigh the same); the input gradient and the weighted
+        loss. ``next_mb``: the next backward on this stage (None: none)."""
         ...
 
 
@@ -107,7 +108,7 @@ def run_task(plan: StepPlan, task: Task, stage: StageCalls[V, L], link: Link[V],
     if s == last:
         g, loss = stage.backward(mb, None, targets[mb], plan.weights[mb], nxt)
     else:
-        g, loss = stage.backward(mb, link.recv(Kind.BACKWARD, s + 1, mb), None, 1.0, nxt)
+        g, loss = stage.backward(mb, link.recv(Kind.BACKWARD, s + 1, mb), None, plan.weights[mb], nxt)
     if s > 0:
         link.send(Kind.BACKWARD, s, mb, g)
     return loss if s == last else None
