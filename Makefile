@@ -20,6 +20,8 @@ TEST_JOBS ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# recbole: its wheel holds MovieLens-100K (tests/test_movielens.py, `shardps demo --example movielens`);
+# --no-deps, as its own dependencies pin an old Ray.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
@@ -32,6 +34,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 		  || $(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==$(TORCH_VERSION)"; \
 	fi
 	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install --no-deps recbole==1.2.1
 	@touch $@
 
 venv: $(VENV)/.installed

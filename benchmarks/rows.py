@@ -8,10 +8,14 @@ Starts ``--shards`` server processes (``shardps.LocalCluster(processes=True)``),
 registers a table of ``--dim`` floats (SparseAdam), and times, median of
 ``--repeats``: the first pull of ``--rows`` distinct keys (rows created on
 first touch), a pull of rows held, and a push of their gradients with the
-optimizer step applied on the servers. Keys are random 64-bit ids. Bytes
+optimizer step applied on the servers. Keys are random 64-bit ids, sorted
+(``torch.unique``) or, with ``--shuffled``, in a random order. Bytes
 on the wire: the key and row payload the client sent and received, against
 distinct keys x dim x 4 (protobuf framing adds a few bytes a message of up
-to 1 MiB, not counted). Prints rows/s for each and the ratio.
+to 1 MiB, not counted). Prints rows/s for each and the ratio, and the CPU
+seconds (user + system) the client and the servers spent together per 1M
+rows pulled and pushed: the machine's other work moves that far less than
+the wall time (it can still cost cache misses and switches).
 
 ``--index``: no servers; one shard's ``RowTables`` in this process, the
 key -> slot index of server/rowindex.py (``KeyIndex``) against a Python
@@ -81,12 +85,25 @@ def index_compare(rows: int, dim: int, repeats: int) -> dict[str, object]:
     return out
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) so far of this process and of ``pids``: a figure the machine's other work
+    moves far less than wall time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(os.times()[:2])
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000, help="distinct keys per request")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shuffled", action="store_true", help="the keys in a random order (default: sorted)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--index", action="store_true", help="no servers: the two key indexes of a shard compared")
     a = ap.parse_args()
@@ -103,42 +120,50 @@ def main() -> None:
         with shardps.connect(cluster.addresses, timeout=600) as client:
             client.rows.register("bench", a.dim, optimizer=SparseAdam(lr=1e-3))
             keys = torch.randint(-(2**63), 2**63 - 1, (a.rows,), generator=torch.Generator().manual_seed(0))
-            keys = torch.unique(keys)
+            keys = torch.unique(keys)  # sorted
+            if a.shuffled:  # in the order a batch would bring them
+                keys = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(1))]
             n = len(keys)
             grads = torch.randn(n, a.dim)
             t0 = time.perf_counter()
             first = client.rows.pull("bench", keys)
             create_s = time.perf_counter() - t0
-            pull_s, push_s = [], []
+            pull_s, push_s, pull_cpu, push_cpu = [], [], [], []
             for step in range(a.repeats):
                 client.rows.wire_bytes = 0
-                t0 = time.perf_counter()
+                c0, t0 = cpu_seconds(cluster.pids), time.perf_counter()
                 again = client.rows.pull("bench", keys)
                 pull_s.append(time.perf_counter() - t0)
+                pull_cpu.append(cpu_seconds(cluster.pids) - c0)
                 pull_bytes = client.rows.wire_bytes
                 client.rows.wire_bytes = 0
-                t0 = time.perf_counter()
+                c0, t0 = cpu_seconds(cluster.pids), time.perf_counter()
                 client.rows.push("bench", keys, grads, step)
                 push_s.append(time.perf_counter() - t0)
+                push_cpu.append(cpu_seconds(cluster.pids) - c0)
                 push_bytes = client.rows.wire_bytes
             assert again.shape == first.shape == (n, a.dim)
     finally:
         cluster.stop()
     payload = n * a.dim * 4
     out = {
-        "rows": n, "dim": a.dim, "shards": a.shards, "cpus": os.cpu_count(),
+        "rows": n, "dim": a.dim, "shards": a.shards, "cpus": os.cpu_count(), "shuffled": a.shuffled,
         "create_pull_rows_per_s": n / create_s,
         "pull_rows_per_s": n / statistics.median(pull_s),
         "push_apply_rows_per_s": n / statistics.median(push_s),
         "pull_wire_ratio": pull_bytes / payload, "push_wire_ratio": push_bytes / payload,
         "pull_s": pull_s, "push_s": push_s, "create_s": create_s,
+        "pull_cpu_s_per_1m_rows": statistics.median(pull_cpu) * 1e6 / n,
+        "push_cpu_s_per_1m_rows": statistics.median(push_cpu) * 1e6 / n,
     }
     if a.json:
         print(json.dumps(out, indent=1))
     else:
         print(f"{n} rows x {a.dim}: first pull {out['create_pull_rows_per_s']:,.0f} rows/s, pull "
               f"{out['pull_rows_per_s']:,.0f} rows/s, push+apply {out['push_apply_rows_per_s']:,.0f} rows/s; "
-              f"wire / (rows x dim x 4): pull {out['pull_wire_ratio']:.3f}, push {out['push_wire_ratio']:.3f}")
+              f"wire / (rows x dim x 4): pull {out['pull_wire_ratio']:.3f}, push {out['push_wire_ratio']:.3f}; CPU s "
+              f"(client + servers) per 1M rows: pull {out['pull_cpu_s_per_1m_rows']:.2f}, push "
+              f"{out['push_cpu_s_per_1m_rows']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``shardps demo --example gpt`` and ``--example moe``: the char-GPTs on the demo's servers.
+"""``shardps demo --example gpt``, ``--example moe`` and ``--example movielens``: the examples beside digits.
 
 - ``gpt``: the tinyshakespeare char-GPT, one worker, its weights streamed from the servers with ``--stream``
   (docs/streaming.md). The servers are processes on loopback (``LocalCluster``), as for digits; the worker
@@ -6,8 +6,13 @@
   gradient bytes it reports is the one process's.
 - ``moe``: a char-GPT with mixture-of-experts layers (``examples/moe_gpt.py``, docs/moe.md): the servers
   in this process, the workers as its threads, bsp.
+- ``movielens``: matrix factorisation on MovieLens-100K with its user and item tables on the servers
+  (``examples/movielens.py``, docs/sparse.md): the servers in this process, one worker (this process),
+  then the same model in one process; prints both test RMSEs. The data comes from the ``recbole`` wheel
+  (``make venv`` installs it).
 
-The model's size and length (``--steps``, ``--dim``, ``--layers``, ``--context``) have defaults per example.
+The model's size and length (``--steps``, ``--dim``, ``--layers``, ``--context``) have defaults per example
+(movielens takes ``--dim``, ``--epochs``, ``--batch-size`` and ``--lr``).
 Flags an example does not use (the digits example's ``--overlap``, ``--compress``, ``--replicas``, ...; the
 gpt example's ``--stream`` on another) are refused, never ignored.
 """
@@ -67,22 +72,74 @@ def check(args: Any) -> str | None:
     return None
 
 
+def _fixed(args: Any, example: str) -> str | None:
+    """The settings an example trains with whatever is asked: bsp, Adam, fp32 on the wire."""
+    for flag, name, default in (("--sync", "sync", "bsp"), ("--optimizer", "optimizer", "adam"),
+                                ("--wire", "wire", "fp32")):
+        if getattr(args, name) != default:
+            return f"--example {example} trains with {flag} {default}, got {getattr(args, name)}"
+    return None
+
+
 def check_moe(args: Any) -> str | None:
     """What is wrong with ``args`` for the moe example (one line), or None."""
     problem = (_refused(args, "moe", DIGITS_ONLY, "the digits example's")
                or _refused(args, "moe", GPT_ONLY, "gpt's"))
+    return problem if problem is not None else _fixed(args, "moe")
+
+
+def check_movielens(args: Any) -> str | None:
+    """What is wrong with ``args`` for the movielens example (one line), or None."""
+    if args.workers not in (None, 1):
+        return f"--example movielens trains with one worker (this process), got --workers {args.workers}"
+    digits = tuple(f for f in DIGITS_ONLY if f[1] != "epochs") + (("--seed", "seed", 0),)
+    problem = (_refused(args, "movielens", digits, "the digits example's (the split and the init are fixed)")
+               or _refused(args, "movielens", GPT_ONLY, "gpt's") or _refused(args, "movielens", MOE_ONLY, "moe's")
+               or _refused(args, "movielens", tuple(f for f in MODEL if f[1] != "dim"), "the char-GPTs'"))
     if problem is not None:
         return problem
-    for flag, name, default in (("--sync", "sync", "bsp"), ("--optimizer", "optimizer", "adam"),
-                                ("--wire", "wire", "fp32")):
-        if getattr(args, name) != default:
-            return f"--example moe trains with {flag} {default}, got {getattr(args, name)}"
-    return None
+    for flag, value in (("--dim", args.dim), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.lr is not None and not args.lr > 0:
+        return f"--lr must be > 0, got {args.lr:g}"
+    return _fixed(args, "movielens")
+
+
+def run_movielens_demo(args: Any) -> int:
+    """``shardps demo --example movielens``: both test RMSEs, as JSON with ``--json``."""
+    problem = check_movielens(args)
+    if problem is not None:
+        print(f"shardps demo: {problem}", file=sys.stderr)
+        return 2
+    from shardps.examples.movielens import DEFAULTS, run
+
+    given = {"dim": args.dim, "epochs": args.epochs, "batch": args.batch_size, "lr": args.lr}
+    s: dict[str, Any] = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    say(f"shardps demo: MovieLens-100K, matrix factorisation (dim {s['dim']}), its four tables on {args.servers} "
+        f"servers in this process, {s['epochs']} epochs of batches of {s['batch']}, SparseAdam lr {s['lr']:g}; then "
+        "the same model in one process")
+    t0 = time.perf_counter()
+    try:
+        out: dict[str, Any] = run(None, servers=args.servers, **s)
+    except FileNotFoundError as e:
+        print(f"shardps demo: {e}", file=sys.stderr)
+        return 1
+    out.update(example="movielens", seconds=round(time.perf_counter() - t0, 2))
+    say(f"test RMSE {out['rmse']:.4f} (one process: {out['reference_rmse']:.4f}) in {out['seconds']:.1f} s")
+    if args.json:
+        print(json.dumps(out), flush=True)
+    return 0
 
 
 def run_example(args: Any) -> int:
-    """``shardps demo --example gpt|moe``: the model's defaults filled in, the flags checked, the example run."""
+    """``shardps demo --example gpt|moe|movielens``: the model's defaults filled in, the flags checked, the
+    example run."""
     from shardps.examples.moe_flags import MODEL_DEFAULTS as MOE_DEFAULTS
+
+    if args.example == "movielens":
+        return run_movielens_demo(args)
 
     for name, default in (GPT_DEFAULTS if args.example == "gpt" else MOE_DEFAULTS).items():
         if getattr(args, name) is None:

@@ -254,6 +254,11 @@ class LocalCluster:
         n = self.num_servers
         return [self.replica_addresses[(i + 1) % n] for i in range(n)] if self.replica_addresses else []
 
+    @property
+    def pids(self) -> list[int]:
+        """The server processes' ids (processes=True; else empty): for their CPU time (benchmarks/rows.py)."""
+        return [p.pid for p in self._procs]
+
     def serving_addresses(self) -> list[str]:
         """Where each shard is served now: its primary, or (replicas=2) its backup if the primary was killed."""
         out = list(self.addresses)

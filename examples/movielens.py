@@ -1,7 +1,8 @@
 """Matrix factorisation on MovieLens-100K with user and item tables on the servers (docs/sparse.md).
 
-    pip install --no-deps recbole==1.2.1          # the data: recbole/dataset_example/ml-100k/
+    pip install --no-deps recbole==1.2.1          # the data (make venv does it): recbole/dataset_example/ml-100k/
     python -m shardps.examples.movielens --json   # {"rmse": ..., "reference_rmse": ...}
+    shardps demo --example movielens --json       # the same, from the demo command
 
 The ratings (100,000 of 943 users on 1,682 items; GroupLens, University of
 Minnesota) are read where the ``recbole`` wheel installed them (found with
@@ -43,8 +44,8 @@ def data_dir(given: str | None) -> Path:
         return Path(given)
     spec = importlib.util.find_spec("recbole")
     if spec is None or spec.origin is None:
-        raise SystemExit("MovieLens-100K not found: `pip install --no-deps recbole==1.2.1` (its wheel holds "
-                         "recbole/dataset_example/ml-100k/), or give --data DIR with ml-100k.inter")
+        raise FileNotFoundError("MovieLens-100K not found: `pip install --no-deps recbole==1.2.1` (its wheel holds "
+                                "recbole/dataset_example/ml-100k/), or give --data DIR with ml-100k.inter")
     return Path(spec.origin).parent / "dataset_example" / "ml-100k"
 
 
@@ -86,27 +87,25 @@ def train(model: nn.Module, train_set: torch.Tensor, epochs: int, batch: int, st
             step()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", help="a folder holding ml-100k.inter (default: the installed recbole's)")
-    ap.add_argument("--dim", type=int, default=8)
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=1000)
-    ap.add_argument("--lr", type=float, default=0.005)
-    ap.add_argument("--servers", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    train_set, test = load(data_dir(a.data))
+DEFAULTS = {"dim": 8, "epochs": 5, "batch": 1000, "lr": 0.005, "servers": 2}  # run()'s settings, as given here
+
+
+def run(data: str | None, *, dim: int, epochs: int, batch: int, lr: float, servers: int) -> dict[str, float | int]:
+    """Train the model with its tables on ``servers`` servers (in this process) and the same model in one
+    process: their test RMSEs (``rmse``, ``reference_rmse``) and the settings. ``data``: a folder holding
+    ml-100k.inter (None: the installed recbole's; FileNotFoundError naming how to install it when there is
+    none)."""
+    train_set, test = load(data_dir(data))
     mean = float(train_set[:, 2].mean())
     init: dict[str, float | str] = {"kind": "normal", "mean": 0.0, "std": 0.1}
     zeros: dict[str, float | str] = {"kind": "zeros"}
-    opt = SparseAdam(lr=a.lr)
-    model = MF(Embedding(None, a.dim, optimizer=opt, init=init), Embedding(None, a.dim, optimizer=opt, init=init),
+    opt = SparseAdam(lr=lr)
+    model = MF(Embedding(None, dim, optimizer=opt, init=init), Embedding(None, dim, optimizer=opt, init=init),
                Embedding(None, 1, optimizer=opt, init=zeros), Embedding(None, 1, optimizer=opt, init=zeros), mean)
     users = torch.unique(torch.cat([train_set[:, 0], test[:, 0]])).long()
     items = torch.unique(torch.cat([train_set[:, 1], test[:, 1]])).long()
-    with shardps.LocalCluster(a.servers) as cluster, shardps.connect(cluster.addresses) as client:
-        dopt = shardps.DistributedOptimizer(model, client, optimizer=Adam(lr=a.lr), sync="bsp")
+    with shardps.LocalCluster(servers) as cluster, shardps.connect(cluster.addresses) as client:
+        dopt = shardps.DistributedOptimizer(model, client, optimizer=Adam(lr=lr), sync="bsp")
         start = {n: client.pull_rows(n, users if n.startswith("user") else items)
                  for n in ("users", "items", "user_bias", "item_bias")}
 
@@ -114,23 +113,23 @@ def main() -> None:
             dopt.step()
             dopt.zero_grad()
 
-        train(model, train_set, a.epochs, a.batch, step)
+        train(model, train_set, epochs, batch, step)
         got = rmse(model, test)
 
     # The reference: one process, the same rows to start from (tables indexed by id: rows of ids not rated stay
     # as they are).
     n_users, n_items = int(users.max()) + 1, int(items.max()) + 1
-    tables = {"users": (n_users, a.dim, users), "items": (n_items, a.dim, items),
+    tables = {"users": (n_users, dim, users), "items": (n_items, dim, items),
               "user_bias": (n_users, 1, users), "item_bias": (n_items, 1, items)}
     ref_tables = {}
-    for n, (rows, dim, ids) in tables.items():
-        e = nn.Embedding(rows, dim, sparse=True)
+    for n, (rows, d, ids) in tables.items():
+        e = nn.Embedding(rows, d, sparse=True)
         with torch.no_grad():
             e.weight[ids] = start[n]
         ref_tables[n] = e
     ref = MF(ref_tables["users"], ref_tables["items"], ref_tables["user_bias"], ref_tables["item_bias"], mean)
-    sparse = torch.optim.SparseAdam([e.weight for e in ref_tables.values()], lr=a.lr)
-    dense = torch.optim.Adam([ref.mean], lr=a.lr)
+    sparse = torch.optim.SparseAdam([e.weight for e in ref_tables.values()], lr=lr)
+    dense = torch.optim.Adam([ref.mean], lr=lr)
 
     def ref_step() -> None:
         sparse.step()
@@ -138,9 +137,22 @@ def main() -> None:
         sparse.zero_grad()
         dense.zero_grad()
 
-    train(ref, train_set, a.epochs, a.batch, ref_step)
-    out = {"rmse": got, "reference_rmse": rmse(ref, test), "epochs": a.epochs, "dim": a.dim,
-           "train": len(train_set), "test": len(test)}
+    train(ref, train_set, epochs, batch, ref_step)
+    return {"rmse": got, "reference_rmse": rmse(ref, test), "epochs": epochs, "dim": dim, "batch": batch, "lr": lr,
+            "servers": servers, "train": len(train_set), "test": len(test)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", help="a folder holding ml-100k.inter (default: the installed recbole's)")
+    for name, default in DEFAULTS.items():
+        ap.add_argument(f"--{name}", type=type(default), default=default)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    try:
+        out = run(a.data, dim=a.dim, epochs=a.epochs, batch=a.batch, lr=a.lr, servers=a.servers)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
     print(json.dumps(out) if a.json else f"test RMSE {out['rmse']:.4f} (one process: {out['reference_rmse']:.4f})")
 
 

@@ -302,3 +302,40 @@ read_push_request = parser(ps_pb2.PushRequest, copy_below=COPY_BELOW)
 read_pull_response = parser(ps_pb2.PullResponse, copy_below=COPY_BELOW)
 PUSH_CHUNK_FIELD = ps_pb2.PushRequest.DESCRIPTOR.fields_by_name["chunk"].number
 PULL_CHUNK_FIELD = ps_pb2.PullResponse.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+# -- PullRowsResponse (row tables, docs/sparse.md) ---------------------------
+
+_PULL_ROWS_FIELDS = {f.name: f.number for f in ps_pb2.PullRowsResponse.DESCRIPTOR.fields}
+
+
+def pull_rows_message(first: int, rows: memoryview, versions: memoryview) -> bytes:
+    """A PullRowsResponse as bytes, byte for byte what protobuf serialises: the rows' and versions' bytes
+    copied once, straight from their contiguous buffers into the message."""
+    parts: list[bytes | memoryview] = [varint(_PULL_ROWS_FIELDS["first"] << 3), varint(first)] if first else []
+    for name, data in (("rows", rows), ("versions", versions)):
+        if data.nbytes:  # proto3 leaves an empty bytes field out
+            parts += [_key(_PULL_ROWS_FIELDS[name]), varint(data.nbytes), data]
+    return b"".join(parts)
+
+
+def read_pull_rows(buf: bytes) -> tuple[int, memoryview, memoryview]:
+    """(first, rows, versions) of a serialised PullRowsResponse (a gRPC deserializer's bytes); rows and versions
+    are views of ``buf``, not copies. A message in another form than ``pull_rows_message`` writes (a field
+    repeated, unknown fields, odd wire types) is parsed by protobuf, whose errors it raises."""
+    mv = memoryview(buf)
+    got: dict[int, int | memoryview] = {}
+    try:
+        for field, wt, _, a, b in _fields(mv, 0, len(mv)):
+            if field in got or (field, wt) not in ((_PULL_ROWS_FIELDS["first"], 0), (_PULL_ROWS_FIELDS["rows"], _LEN),
+                                                    (_PULL_ROWS_FIELDS["versions"], _LEN)):
+                raise _Fallback
+            got[field] = _read_varint(mv, a)[0] if wt == 0 else mv[a:b]
+    except (_Fallback, IndexError):
+        msg = ps_pb2.PullRowsResponse.FromString(buf)
+        return msg.first, memoryview(msg.rows), memoryview(msg.versions)
+    first = got.get(_PULL_ROWS_FIELDS["first"], 0)
+    rows = got.get(_PULL_ROWS_FIELDS["rows"], mv[:0])
+    versions = got.get(_PULL_ROWS_FIELDS["versions"], mv[:0])
+    assert isinstance(first, int) and isinstance(rows, memoryview) and isinstance(versions, memoryview)
+    return first, rows, versions

@@ -114,7 +114,12 @@ class RowTables:
 
     def pull(self, name: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held, and
-        their versions."""
+        their versions; InvalidArgument for a key repeated (before anything changes)."""
+        ordered = np.sort(keys)
+        repeated = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
+        if repeated:
+            raise InvalidArgument(f"row table {label(name)}: expected distinct keys in a PullRows, got {repeated} "
+                                  "repeated")
         with self.lock:
             return self.table(name, dim).read(keys)
 

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.rows import (
     KEY_DTYPES,
     MAX_PULL_KEYS,
@@ -86,13 +86,14 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
     """``service Rows`` over a shard's ``RowTables``."""
 
     def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
-                 replicated: Callable[[], None] = lambda: None,
+                 replicated: Callable[[], None] = lambda: None, backup: Callable[[], str] = lambda: "",
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
                  max_wait_s: float = 300.0) -> None:
         self.rows = rows
         self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
         self.check_serving = check_serving
         self.replicated = replicated  # blocks until the backup holds every change so far (--replicas 2)
+        self.backup = backup  # where the shard's backup lives ("" without one): RegisterRows says it
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.metrics = metrics
 
@@ -108,24 +109,21 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
             raise InvalidArgument(named) from None
         rows = self.rows.register(spec)
         self.replicated()
-        return ps_pb2.RegisterRowsResponse(rows=rows)
+        return ps_pb2.RegisterRowsResponse(rows=rows, backup=self.backup())
 
     @stream_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest,
-                 context: grpc.ServicerContext) -> Iterator[ps_pb2.PullRowsResponse]:
+                 context: grpc.ServicerContext) -> Iterator[bytes]:
         self.check_serving()
         keys = decode_keys(request.table, request.key_dtype, request.keys)
         if len(keys) > MAX_PULL_KEYS:
             raise ResourceExhausted(f"row table {label(request.table)}: expected at most {MAX_PULL_KEYS} keys in one "
                                     f"PullRows, got {len(keys)}")
-        if len(np.unique(keys)) != len(keys):
-            raise InvalidArgument(f"row table {label(request.table)}: expected distinct keys in a PullRows, got "
-                                  f"{len(keys) - len(np.unique(keys))} repeated")
-        rows, versions = self.rows.pull(request.table, request.dim, keys)
+        rows, versions = self.rows.pull(request.table, request.dim, keys)  # checks the keys are distinct
         per = rows_per_message(request.dim + 2, self.chunk_bytes)  # + its version
-        for first in range(0, len(keys), per):
-            yield ps_pb2.PullRowsResponse(first=first, rows=rows[first:first + per].numpy().tobytes(),
-                                          versions=versions[first:first + per].numpy().tobytes())
+        r, v = rows.numpy(), versions.numpy()
+        for first in range(0, len(keys), per):  # bytes (server/service.py sends them as they are)
+            yield framing.pull_rows_message(first, r[first:first + per].data, v[first:first + per].data)
 
     @unary_errors
     def PushRows(self, request_iterator: Iterator[ps_pb2.PushRowsRequest],

@@ -111,17 +111,21 @@ class RowTable:
         return torch.from_numpy(out)
 
     def read(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of distinct uint64 ``keys`` and their versions: created where not held, or (admission)
-        their init, unstored (version 0)."""
+        """The rows of distinct uint64 ``keys`` and their versions (contiguous copies): created where not held,
+        or (admission) their init, unstored (version 0)."""
         if self.spec.admit <= 1:
-            slots = self.slots_of(keys)  # first: it may grow ``weights``
-            return self.weights[slots], self.updates[slots]
+            found = self.slots_of(keys).numpy()  # first: it may grow ``weights``
+            # NumPy's take: one thread, where torch's gather spreads over threads that, on a busy machine,
+            # wait for each other
+            return (torch.from_numpy(np.take(self.weights.numpy(), found, axis=0)),
+                    torch.from_numpy(np.take(self.updates.numpy(), found)))
         out = self.find(keys)
         held = np.flatnonzero(out >= 0)
         rows, versions = init_rows(self.spec, keys), torch.zeros(len(keys), dtype=torch.int64)
         if len(held):
             at, slots = torch.from_numpy(held), torch.from_numpy(out[held])
-            rows[at], versions[at] = self.weights[slots], self.updates[slots]
+            rows.index_copy_(0, at, self.weights.index_select(0, slots))
+            versions.index_copy_(0, at, self.updates.index_select(0, slots))
         return rows, versions
 
     def observe_staleness(self, keys: np.ndarray, base: np.ndarray) -> None:

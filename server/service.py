@@ -268,7 +268,8 @@ class _HandlerRecorder:
         self.handlers = dict(method_handlers)
 
 
-def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse) -> bytes:
+def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse | ps_pb2.PullRowsResponse) -> bytes:
+    """A response serializer for handlers that yield finished message bytes (Pull, PullRows) or messages."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
@@ -300,6 +301,8 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
         handlers["Push"] = handlers["Push"]._replace(
             request_deserializer=counted(framing.read_push_request, servicer.store.job.received.add))
         handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
+    if service == ROWS:  # PullRows yields its messages framed (framing.pull_rows_message)
+        handlers["PullRows"] = handlers["PullRows"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
         handlers[name] = h._replace(request_deserializer=safe_deserializer(name, h.request_deserializer))
     generic: list[grpc.GenericRpcHandler] = [grpc.method_handlers_generic_handler(service, handlers)]
@@ -325,8 +328,8 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
 
     Every RPC keeps the generated handler; only Push's request deserializer
     (framing.read_push_request: chunk.data stays a view of the received
-    bytes, but for small messages) and Pull's response serializer (the servicer yields finished
-    PullResponse bytes) are replaced, and every request deserializer hands
+    bytes, but for small messages) and Pull's and PullRows' response serializers (the servicers yield
+    finished PullResponse and PullRowsResponse bytes) are replaced, and every request deserializer hands
     over bytes that do not parse as a ``Malformed``. A Pull that carries
     framing.PULL_ONE_HEADER is answered by a unary handler (its one message
     and the status at once); a Push that carries framing.PUSH_ONE_HEADER is
@@ -340,6 +343,7 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
     rows = RowsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
+                        backup=lambda: store.replicator.address if store.replicator is not None else "",
                         chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
     _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
     experts = ExpertsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,

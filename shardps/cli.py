@@ -79,9 +79,10 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", type=sync_mode, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    p.add_argument("--epochs", type=int, default=None, help="passes over the data (default 10; digits)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="passes over the data (default 10 for digits, 5 for movielens)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="global batch, split over workers (default 64; the gpt example's: 8)")
+                   help="global batch, split over workers (default 64; the gpt example's: 8, movielens': 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of gradients up and weights down (default fp32; the masters stay fp32)")
@@ -245,23 +246,26 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("target", metavar="TARGET", help="HOST:PORT of the backup endpoint")
 
     d = sub.add_parser("demo", help="servers + workers as processes on loopback, training digits (or a char-GPT)")
-    d.add_argument("--example", choices=("digits", "gpt", "moe"), default="digits",
+    d.add_argument("--example", choices=("digits", "gpt", "moe", "movielens"), default="digits",
                    help="digits: an MLP, data-parallel workers (default); gpt: the tinyshakespeare char-GPT, one "
                         "worker, its weights streamed from the servers with --stream (docs/streaming.md); moe: a "
                         "char-GPT with mixture-of-experts layers, the servers in this process, the workers as its "
-                        "threads (docs/moe.md)")
+                        "threads (docs/moe.md); movielens: matrix factorisation on MovieLens-100K, its tables on "
+                        "the servers, against one process (test RMSEs; docs/sparse.md)")
     d.add_argument("--servers", type=int, default=2)
     d.add_argument("--workers", type=int, default=None, help="workers (default 2; the gpt example has one)")
     _training_flags(d)
     from shardps.deploy.demo_examples import GPT_DEFAULTS
     from shardps.examples.moe_flags import MODEL_DEFAULTS as MOE_DEFAULTS
     from shardps.examples.moe_flags import add_flags as add_moe_flags
+    from shardps.examples.movielens import DEFAULTS as ML_DEFAULTS
 
     md = d.add_argument_group("the char-GPTs' size and length (--example gpt and moe)")
     for name, what in (("steps", "training steps"), ("dim", "model width"), ("layers", "transformer blocks"),
                        ("context", "characters per sample")):
         md.add_argument(f"--{name}", type=int, default=None,
-                        help=f"{what} (default {GPT_DEFAULTS[name]} for gpt, {MOE_DEFAULTS[name]} for moe)")
+                        help=f"{what} (default {GPT_DEFAULTS[name]} for gpt, {MOE_DEFAULTS[name]} for moe"
+                             + (f", {ML_DEFAULTS['dim']} for movielens)" if name == "dim" else ")"))
     gd = d.add_argument_group("--example gpt (docs/streaming.md)")
     gd.add_argument("--stream", action="store_true",
                     help="stream the weights from the servers module by module, at most --max-live-mb held")

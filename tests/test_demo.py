@@ -76,6 +76,16 @@ def test_demo_gpt_streams_a_model_larger_than_its_budget():
     (["--sync", "asp"], "--example gpt has one worker: its sync is bsp, got --sync asp"),
     (["--stream", "--max-live-mb", "0"], "--max-live-mb must be > 0, got 0"),
     (["--dim", "100"], "--dim must be a multiple of the model's 8 heads, got 100"),
+    (["--example", "movielens", "--workers", "2"], "--example movielens trains with one worker (this process), "
+                                                   "got --workers 2"),
+    (["--example", "movielens", "--steps", "5"], "--steps does not apply to --example movielens (it is the "
+                                                 "char-GPTs')"),
+    (["--example", "movielens", "--seed", "1"], "--seed does not apply to --example movielens (it is the digits "
+                                                "example's (the split and the init are fixed))"),
+    (["--example", "movielens", "--stream"], "--stream does not apply to --example movielens (it is gpt's)"),
+    (["--example", "movielens", "--optimizer", "sgd"], "--example movielens trains with --optimizer adam, got sgd"),
+    (["--example", "movielens", "--lr", "0"], "--lr must be > 0, got 0"),
+    (["--example", "movielens", "--dim", "0"], "--dim must be >= 1, got 0"),
 ])
 def test_demo_examples_refuse_what_does_not_apply_before_starting_anything(flags, message, capsys):
     from shardps.cli import main

@@ -22,6 +22,7 @@ from shardps.protos.rows import RowTableSpec, shard_of
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.rows import RowTables
 from shardps.worker.errors import Unreachable
+from shardps.worker.rows import finite
 from tests.helpers import run_workers
 
 
@@ -125,6 +126,41 @@ def test_a_step_with_inf_or_nan_is_skipped_on_every_shard_as_a_dense_one(make_cl
         assert t.steps == 2
 
 
+def test_the_worker_says_found_inf_to_every_shard_of_a_push(make_cluster):
+    """A NaN in one row, on one shard: the worker tells every shard, so each skips the step (its rows,
+    moments and step count unchanged, ``skipped`` counted) and their SparseAdam step counts stay equal;
+    ``found_inf=True`` on finite gradients skips alike."""
+    cluster = make_cluster(2)
+    keys = torch.arange(40)
+    owner = shard_of(keys.numpy().view(np.uint64), 2)
+    assert set(owner.tolist()) == {0, 1}
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("t", 4, optimizer=SparseAdam(lr=0.1))
+        client.rows.push("t", keys, torch.ones(40, 4), 0)
+        before = client.rows.pull("t", keys)
+        tables = [st.rows.tables["t"] for st in cluster.stores]
+        states = [{k: v.clone() for k, v in t.state.items()} for t in tables]
+        bad = torch.ones(40, 4)
+        bad[int(np.flatnonzero(owner == 0)[0]), 1] = float("nan")  # on shard 0 alone
+        assert client.rows.push("t", keys, bad, 1) == 0
+        assert client.rows.push("t", keys, torch.ones(40, 4), 2, found_inf=True) == 0
+        assert torch.equal(client.rows.pull("t", keys), before)
+        for t, state in zip(tables, states, strict=True):
+            assert t.steps == 1 and t.counts["skipped"] == 2
+            assert all(torch.equal(t.state[k], v) for k, v in state.items())
+        assert client.rows.push("t", keys, torch.ones(40, 4), 3) == 40
+        assert [t.steps for t in tables] == [2, 2]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("at", [0, 1, 4095])
+def test_finite_finds_any_inf_or_nan(value, at):
+    g = torch.randn(64, 64)
+    assert finite(g) and finite(torch.zeros(0, 64)) and finite(torch.full((3, 2), 3e38))
+    g.view(-1)[at] = value
+    assert not finite(g)
+
+
 def test_stats_and_shardps_stats_show_row_tables(make_cluster):
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses) as client:
@@ -145,11 +181,13 @@ def test_stats_and_shardps_stats_show_row_tables(make_cluster):
     assert "row table" in text and text.count(" emb ") == 2
 
 
-def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_path):
+@pytest.mark.parametrize("dense", [True, False], ids=["with-dense", "rows-only"])
+def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_path, dense):
     """--replicas 2: shard 0's primary stops between two steps; the worker fails over to its backup and the
-    table goes on: its rows equal a single table's fed the same pushes, bit for bit. Then the 2 shards'
-    checkpoints are read into 3 shards: every row, its moments and the step count are where the new count
-    puts them, and a further step gives the same rows as on the 2 shards."""
+    table goes on: its rows equal a single table's fed the same pushes, bit for bit. The worker learns the
+    backups from its dense registration or, using row tables alone, from RegisterRows (no attach()). Then
+    the 2 shards' checkpoints are read into 3 shards: every row, its moments and the step count are where
+    the new count puts them, and a further step gives the same rows as on the 2 shards."""
     cluster = make_cluster(2, replicas=2)
     spec = RowTableSpec("emb", 8, SparseAdam(lr=0.05), seed=2)
     ref = RowTables()
@@ -158,8 +196,11 @@ def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_pat
     keys = torch.randint(-40, 40, (6, 30), generator=gen)
     grads = torch.randn(6, 30, 8, generator=gen)
     with shardps.connect(cluster.addresses, timeout=60) as client:
-        client.register({"b": torch.zeros(2)}, SGD(lr=0.1))  # the dense part: it learns the backups
+        if dense:
+            client.register({"b": torch.zeros(2)}, SGD(lr=0.1))  # the dense part: it learns the backups
+        assert client.backups == (cluster.backup_addresses if dense else ["", ""])
         client.rows.register("emb", 8, optimizer=SparseAdam(lr=0.05), seed=2)
+        assert client.backups == cluster.backup_addresses
         for step in range(6):
             if step == 3:
                 cluster._servers[1].stop(None)  # shard 0's primary goes away

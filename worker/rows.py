@@ -22,7 +22,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from shardps.protos import codec
+from shardps.protos import codec, framing
 from shardps.protos.optim import SGD, OptimizerSpec
 from shardps.protos.rows import RowTableSpec, as_u64, hash_key, label, rows_per_message, shard_of
 from shardps.protos.shardps.v1 import ps_pb2
@@ -37,13 +37,28 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Split:
-    """Distinct keys of a request split by shard: ``keys[s]`` (uint64) and where the distinct keys sit in
-    the request (``inverse``: for each key asked, its index among the distinct keys)."""
+    """Distinct keys of a request split by shard: ``unique`` (sorted uint64), where each sits in the request
+    (``where``: a position of it) and, where keys repeat, ``repeats``: for each key asked, its index among
+    the distinct keys (None when every key asked is distinct: see ``inverse``)."""
 
-    unique: np.ndarray  # distinct uint64 keys
-    inverse: torch.Tensor  # [n] int64: index into ``unique`` of each key asked
+    unique: np.ndarray  # distinct uint64 keys, sorted
+    where: np.ndarray  # [len(unique)] int64: a position in the request of each distinct key
+    repeats: torch.Tensor | None  # [n] int64: index into ``unique`` of each key asked; None: no key repeats
     owner: np.ndarray  # [len(unique)]: the shard of each distinct key
     num_shards: int
+
+    @property
+    def distinct(self) -> bool:
+        """Every key asked is distinct (``where`` is a permutation of the request)."""
+        return self.repeats is None
+
+    def inverse(self) -> torch.Tensor:
+        """[n] int64: for each key asked, its index among the distinct keys."""
+        if self.repeats is not None:
+            return self.repeats
+        inv = np.empty(len(self.where), dtype=np.int64)
+        inv[self.where] = np.arange(len(self.where))
+        return torch.from_numpy(inv)
 
     def of(self, shard: int) -> np.ndarray:
         """Indices (into ``unique``) of the distinct keys ``shard`` holds."""
@@ -51,9 +66,28 @@ class Split:
 
 
 def split(keys: np.ndarray, num_shards: int) -> Split:
-    unique, inverse = np.unique(keys, return_inverse=True)
-    return Split(unique, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), shard_of(unique, num_shards),
-                 num_shards)
+    """``keys`` (uint64, flat) sorted once: distinct where no neighbour is equal (as ``np.unique``, whose
+    ``return_inverse`` sorts the same way), each distinct key's shard."""
+    order = np.argsort(keys)
+    ordered = keys[order]
+    head = np.empty(len(keys), dtype=bool)
+    head[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=head[1:])
+    if head.all():
+        return Split(ordered, order, None, shard_of(ordered, num_shards), num_shards)
+    unique, where = ordered[head], order[head]
+    inv = np.empty(len(keys), dtype=np.int64)
+    inv[order] = np.cumsum(head) - 1
+    return Split(unique, where, torch.from_numpy(inv), shard_of(unique, num_shards), num_shards)
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No inf or nan in ``t``: its least and greatest values (a NaN propagates into both) are finite; one pass,
+    no tensor of flags (``isfinite(t).all()`` takes about 10x as long on this machine)."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def naming(name: str, call: str, transport: Transport, fn: Callable[[], T]) -> T:
@@ -69,7 +103,7 @@ def naming(name: str, call: str, transport: Transport, fn: Callable[[], T]) -> T
         details = f"{table}: {call}: {e.details}"
         if isinstance(e, Unreachable) and e.shard is not None and not transport.backups[e.shard]:
             details += (f" (this client knows no backup of shard {e.shard}: under --replicas 2 it learns them when "
-                        "it registers dense tensors, or by attach())")
+                        "it registers row tables or dense tensors, or by attach())")
         raise type(e)(e.address, e.shard, e.code, details) from e
 
 
@@ -100,7 +134,10 @@ class RowClient:
                 else RowTableSpec(name, dim, opt, keys, init, seed=seed, admit=admit, expire=expire))
         msg = ps_pb2.RegisterRowsRequest(table=spec.to_proto())
         t = self.transport
-        naming(name, "RegisterRows", t, lambda: t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout)))
+        answers = naming(name, "RegisterRows", t,
+                         lambda: t.each(lambda i: t.rows(i).RegisterRows(msg, timeout=t.timeout)))
+        for i, a in enumerate(answers):  # each shard's backup (--replicas 2), as a dense Register learns them
+            t.backups[i] = a.backup
         self.specs[name] = spec
         return spec
 
@@ -119,24 +156,33 @@ class RowClient:
         keep their versions for the next push (row staleness; off for pulls no push follows)."""
         dim = self._spec(name).dim
         s = split(as_u64(keys), self.transport.num_shards)
-        out = torch.empty(len(s.unique), dim)
+        # Each row goes once from its message to where it belongs: its place in the answer when no key
+        # repeats, else its place among the distinct rows (the answer is then gathered from those). NumPy
+        # places them: one thread per shard's answer, where torch's index ops spread over threads that, on
+        # a busy machine, wait for each other.
+        rows = torch.empty(keys.numel() if s.distinct else len(s.unique), dim)
+        into = rows.numpy()
         versions = np.zeros(len(s.unique), dtype=np.int64)
         t = self.transport
 
         def pull_shard(shard: int) -> int:
             idx = s.of(shard)
             got = 0
+            call = t.pull_rows(shard)
             for lo in range(0, len(idx), MAX_PULL_KEYS):
                 part = idx[lo:lo + MAX_PULL_KEYS]
                 req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim)
-                rows = out[torch.from_numpy(part)]  # filled below, then put back in place
-                for msg in t.rows(shard).PullRows(req, timeout=t.timeout):
-                    n = len(msg.rows) // (dim * 4)
-                    rows[msg.first:msg.first + n] = torch.frombuffer(bytearray(msg.rows), dtype=torch.float32
-                                                                     ).view(n, dim)
-                    versions[part[msg.first:msg.first + n]] = np.frombuffer(msg.versions, dtype="<i8")
-                    got += len(msg.rows) + len(msg.versions)
-                out[torch.from_numpy(part)] = rows
+                dest = s.where[part] if s.distinct else part
+                for buf in call(req, timeout=t.timeout):
+                    first, data, vers = framing.read_pull_rows(buf)
+                    n = len(vers) // 8
+                    if len(data) != n * dim * 4 or first + n > len(part):
+                        raise ValueError(f"row table {label(name)}: PullRows answered {len(data)} row bytes and "
+                                         f"{len(vers)} version bytes at row {first} of {len(part)}, dim {dim}")
+                    if n:
+                        into[dest[first:first + n]] = np.frombuffer(data, dtype="<f4").reshape(n, dim)
+                        versions[part[first:first + n]] = np.frombuffer(vers, dtype="<i8")
+                    got += len(data) + len(vers)
                 got += len(req.keys)
             return got
 
@@ -144,7 +190,8 @@ class RowClient:
         if track:
             self.pulled.setdefault(name, []).append((s.unique, versions))
             del self.pulled[name][:-MAX_TRACKED]
-        return out[s.inverse].view(*keys.shape, dim)
+        out = rows if s.distinct else torch.from_numpy(np.take(into, s.inverse().numpy(), axis=0))
+        return out.view(*keys.shape, dim)
 
     def _bases(self, name: str, keys: np.ndarray) -> np.ndarray:
         """The version each distinct uint64 key's row had when first pulled since the table's last push
@@ -162,7 +209,7 @@ class RowClient:
         return np.where(k[at] == keys, v[at], -1).astype(np.int64)
 
     def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
-             assign: bool = False, worker: int | None = None) -> int:
+             assign: bool = False, worker: int | None = None, found_inf: bool | None = None) -> int:
         """One optimizer step of the table from the gradient rows ``grads`` (``[*keys.shape, dim]``) of
         ``keys``; repeated keys' rows are summed. Returns the distinct rows updated over all shards.
 
@@ -170,14 +217,18 @@ class RowClient:
         mean of their gradients (this call returns then). ``assign``: ``grads`` are the rows' first
         values (rows not held yet are created with them; no step). ``worker``: the worker id the push
         carries (default this client's; a pipeline stage pushes a table as its replica, one of
-        ``num_workers``)."""
+        ``num_workers``). ``found_inf``: the step is skipped on every shard (no row changes); None: when
+        some gradient of the push is inf or nan, whichever shard its row lives on (every shard is told,
+        so all skip alike)."""
         dim = self._spec(name).dim
         worker_id = self.worker_id if worker is None else worker
         g = grads.detach().reshape(-1, dim).to(torch.float32, copy=False)
         if g.shape[0] != keys.numel():
             raise ValueError(f"row table {name!r}: {keys.numel()} keys but gradients of shape {list(grads.shape)}")
         s = split(as_u64(keys), self.transport.num_shards)
-        summed = torch.zeros(len(s.unique), dim).index_add_(0, s.inverse, g.cpu())
+        summed = torch.zeros(len(s.unique), dim).index_add_(0, s.inverse(), g.cpu())
+        if found_inf is None:
+            found_inf = not assign and not finite(summed)
         bases = np.full(len(s.unique), -1, dtype=np.int64) if assign else self._bases(name, s.unique)
         per = rows_per_message(dim + 2, self.chunk_bytes)  # + the base version
         t = self.transport
@@ -186,10 +237,11 @@ class RowClient:
             idx = s.of(shard)
             for lo in range(0, max(1, len(idx)), per):
                 part = idx[lo:lo + per]
+                grad_rows = summed.index_select(0, torch.from_numpy(part))
                 yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
-                                             grads=summed[torch.from_numpy(part)].numpy().tobytes(), dim=dim,
+                                             grads=grad_rows.numpy().tobytes(), dim=dim,
                                              worker_id=worker_id, step=step, num_workers=num_workers,
-                                             assign=assign, base_versions=bases[part].tobytes())
+                                             assign=assign, base_versions=bases[part].tobytes(), found_inf=found_inf)
 
         def push_shard(shard: int) -> int:
             answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)
@@ -219,9 +271,9 @@ class RowCalls:
         return self.rows.pull(name, keys, track=track)
 
     def push_rows(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
-                  assign: bool = False) -> int:
+                  assign: bool = False, found_inf: bool | None = None) -> int:
         """One optimizer step of ``keys``' rows from ``grads`` (``[*keys.shape, dim]``; ``RowClient.push``)."""
-        return self.rows.push(name, keys, grads, step, num_workers=num_workers, assign=assign)
+        return self.rows.push(name, keys, grads, step, num_workers=num_workers, assign=assign, found_inf=found_inf)
 
     def row_keys(self, name: str, values: list[object]) -> torch.Tensor:
         """Keys of a ``keys="hash"`` table for any str, bytes or int values (``RowClient.keys_of``)."""

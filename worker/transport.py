@@ -33,6 +33,7 @@ from shardps.worker.reach import explain_unreachable, health_status, status_of
 
 log = logging.getLogger("shardps.worker")
 
+ROWS = "shardps.v1.Rows"  # row tables (worker/rows.py)
 WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
 SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
@@ -127,6 +128,13 @@ class Transport:
     def rows(self, shard: int) -> ps_pb2_grpc.RowsStub:
         """A ``Rows`` stub (row tables, worker/rows.py) on the channel that talks to ``shard`` now."""
         return ps_pb2_grpc.RowsStub(self._channels[shard])  # type: ignore[no-untyped-call]
+
+    def pull_rows(self, shard: int) -> Any:
+        """``Rows.PullRows`` on the channel that talks to ``shard`` now, its answers left as bytes (read with
+        ``framing.read_pull_rows``: the rows stay views of the received bytes)."""
+        return self._channels[shard].unary_stream(  # type: ignore[call-arg]
+            f"/{ROWS}/PullRows", request_serializer=ps_pb2.PullRowsRequest.SerializeToString,
+            response_deserializer=None, _registered_method=True)
 
     def experts(self, shard: int) -> experts_pb2_grpc.ExpertsStub:
         """An ``Experts`` stub (experts run where they live, worker/expertsend.py) on ``shard``'s channel."""

@@ -566,10 +566,12 @@ class RegisterRowsRequest(_message.Message):
     def __init__(self, table: _Optional[_Union[RowTableSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterRowsResponse(_message.Message):
-    __slots__ = ("rows",)
+    __slots__ = ("rows", "backup")
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
     rows: int
-    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+    backup: str
+    def __init__(self, rows: _Optional[int] = ..., backup: _Optional[str] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
     __slots__ = ("table", "key_dtype", "keys", "dim")
