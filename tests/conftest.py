@@ -37,7 +37,13 @@ def cluster2(make_cluster: Callable[..., shardps.LocalCluster]) -> shardps.Local
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FIXTURES = {"make_cluster", "cluster2", "ray_cluster"}
-RAY_MODULES = {"test_ray.py", "test_pipeline_ray.py", "test_tp_ray.py"}
+
+
+def on_ray_group(module: str) -> bool:
+    """Whether a test module (its file name) runs in the Ray group: test_ray.py and every test_*_ray.py.
+    The scheduler below sees node ids only, so the group is known by name; a module that uses the session's
+    cluster under another name is refused at collection (pytest_collection_modifyitems)."""
+    return module == "test_ray.py" or module.endswith("_ray.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with -p no:xdist does not know it
@@ -54,7 +60,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class RayGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray" if module.rsplit("/", 1)[-1] in RAY_MODULES else module
+            return "ray" if on_ray_group(module.rsplit("/", 1)[-1]) else module
 
     return RayGroupScheduling(config, log)
 
@@ -69,8 +75,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # (Two Ray clusters starting at once on 2 cores were seen to time out: "node timed out during startup".)
     # Their order among themselves, and everyone else's, is kept.
     on_ray = [i for i in items if "ray_cluster" in getattr(i, "fixturenames", ())]
+    misnamed = sorted({i.path.name for i in on_ray if not on_ray_group(i.path.name)})
+    if misnamed:
+        raise pytest.UsageError(f"{', '.join(misnamed)} use the session's Ray cluster (ray_cluster) but are not "
+                                "named test_*_ray.py: under `make test` they would run beside the Ray group")
     for item in items:  # and the Ray tests that start clusters of their own: one Ray start at a time
-        if item in on_ray or item.path.name in RAY_MODULES:
+        if item in on_ray or on_ray_group(item.path.name):
             item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = on_ray + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())]
 
@@ -129,13 +139,19 @@ SESSION_RAY = SessionRay()
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[SessionRay]:
-    """The session's Ray cluster (``SessionRay``), running when the test starts."""
-    SESSION_RAY.running()
+def ray_session() -> Iterator[SessionRay]:
     try:
         yield SESSION_RAY
     finally:
         SESSION_RAY.stop()
+
+
+@pytest.fixture
+def ray_cluster(ray_session: SessionRay) -> SessionRay:
+    """The session's Ray cluster (``SessionRay``), running when the test starts: started again if the end
+    of an earlier test stopped it (pytest_runtest_teardown)."""
+    ray_session.running()
+    return ray_session
 
 
 @pytest.hookimpl(trylast=True)

@@ -153,7 +153,8 @@ def test_infeasible_placement_fails_within_its_deadline_naming_bundles_and_nodes
 
 
 @pytest.fixture(scope="module")
-def clean_run(ray_cluster):
+def clean_run(ray_session):
+    ray_session.running()  # the tests that use it ask for ray_cluster as well: this runs first
     with sray.start_servers(2) as servers:
         return sray.run_workers(exact_loop, servers, 2)
 
