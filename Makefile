@@ -11,9 +11,9 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many processes (pytest-xdist; 1: one process, in collection order).
-# Two by default: on 2 cores the suite took 614.6 s in two, 808.3 s in one (docs/performance.md, "The test
-# suite's time").
-TEST_JOBS ?= 2
+# Three by default, on 2 cores too: many tests wait on processes, sockets and clusters rather than compute
+# (docs/performance.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
+TEST_JOBS ?= 3
 
 .PHONY: venv tools demo test test-fast stress fuzz lint typecheck proto clean
 
