@@ -70,6 +70,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from baselines.common import numel  # noqa: E402
+from proccpu import process_cpu  # noqa: E402
 
 from shardps.deploy.local import parse_ready, read_ready_lines  # noqa: E402
 from shardps.netsim import NetCluster, parse_rate, unavailable  # noqa: E402
@@ -142,15 +143,6 @@ def accumulation(sync: str) -> int:
     return int(sync.partition(":")[2]) if sync.startswith("every:") else 1
 
 
-def cpu_seconds(pid: int) -> float:
-    """A process's CPU seconds (user + system) so far, 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def link_counters(net: NetCluster, hosts: list[str]) -> tuple[int, int, int]:
     """Packets the links' tbf queues dropped (both ends of every host's link), and the TCP segments the
     hosts sent and retransmitted, so far: (drops, segments, retransmitted)."""
@@ -220,7 +212,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
         first = workers[0].stdout.readline() if workers[0].stdout else ""
         if '"timed"' not in first:
             raise RuntimeError(f"{c.label}: worker 0 said {first!r} instead of starting its timed steps")
-        server_cpu0 = sum(cpu_seconds(p.pid) for p in servers)
+        server_cpu0 = sum(process_cpu(p.pid) for p in servers)
         results = []
         for w in workers:
             out, _ = w.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -228,7 +220,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
             if w.returncode != 0 or not lines:
                 raise RuntimeError(f"{c.label}: a worker exited with {w.returncode}: {out[-500:]!r}")
             results.append(json.loads(lines[-1]))
-        server_cpu = sum(cpu_seconds(p.pid) for p in servers) - server_cpu0
+        server_cpu = sum(process_cpu(p.pid) for p in servers) - server_cpu0
     finally:
         for p in workers + servers:
             stop(p)

@@ -37,6 +37,7 @@ import statistics
 import time
 
 import torch
+from proccpu import cpu_seconds
 
 import shardps
 from shardps.optim import SparseAdam
@@ -83,18 +84,6 @@ def index_compare(rows: int, dim: int, repeats: int) -> dict[str, object]:
     for what in ("create", "pull", "push"):
         out[f"speedup_{what}"] = statistics.median(times["dict"][what]) / statistics.median(times["array"][what])
     return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) so far of this process and of ``pids``: a figure the machine's other work
-    moves far less than wall time."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = sum(os.times()[:2])
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
 
 
 def main() -> None:

@@ -28,20 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from guard import run_guarded
+from proccpu import cpu_seconds
 
 MB = 1_000_000
 _CHILDREN: list[Any] = []
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds of this process and ``pids`` so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = sum(os.times()[:2])
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

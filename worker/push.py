@@ -99,18 +99,24 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
 
         yield from path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct, route)
 
-    try:
-        return send(route, requests, window, then)
-    except BaseException:
-        if then is not None:  # nothing may write into the destinations once the caller handles the failure
-            then.abandon()
-        raise
+    return send(route, requests, window, then)
 
 
 def send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int | None,
          then: PullInFlight | None) -> list[PushResult]:
     """Each shard's Push (``requests(shard)``): all at once, or ``window`` at a time in ``push_order``;
-    ``then``'s pull of a shard begun as that shard answers."""
+    ``then``'s pull of a shard begun as that shard answers, and abandoned if any push fails (nothing may
+    write into its destinations once the caller handles the failure)."""
+    try:
+        return _send(route, requests, window, then)
+    except BaseException:
+        if then is not None:
+            then.abandon()
+        raise
+
+
+def _send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int | None,
+          then: PullInFlight | None) -> list[PushResult]:
     t = route.transport
 
     def answered(shard: int, result: PushResult) -> None:

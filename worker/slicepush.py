@@ -63,9 +63,4 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
 
         return framer.ending(chunks())
 
-    try:
-        return send(route, requests, window, then)
-    except BaseException:
-        if then is not None:  # nothing may write into the destinations once the caller handles the failure
-            then.abandon()
-        raise
+    return send(route, requests, window, then)

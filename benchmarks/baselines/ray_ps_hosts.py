@@ -27,22 +27,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: its helpers
+
+from proccpu import session_cpu  # noqa: E402
+
 PORT = 6380  # every host has an address of its own: a fixed port does
-
-
-def session_cpu(sids: set[int]) -> float:
-    """CPU seconds (user + system) of every live process in the sessions ``sids`` (a host's Ray node)."""
-    total = 0.0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{d}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[3]) in sids:  # field 6 of stat: the session id
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def start_node(net: Any, host: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.Popen[str]:

@@ -1,0 +1,37 @@
+"""CPU seconds of processes, read from /proc: the figure the benchmarks print beside wall time (the machine's
+other work moves it far less)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (field 3 on), or None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def process_cpu(pid: int) -> float:
+    """A process's CPU seconds (user + system) so far, 0 once it is gone."""
+    fields = stat(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """CPU seconds (user + system) so far of this process and of ``pids``."""
+    return sum(os.times()[:2]) + sum(process_cpu(pid) for pid in pids)
+
+
+def session_cpu(sessions: set[int]) -> float:
+    """CPU seconds (user + system) of every live process in the sessions ``sessions`` (by session id)."""
+    total = 0.0
+    for d in os.listdir("/proc"):
+        fields = stat(int(d)) if d.isdigit() else None
+        if fields is not None and int(fields[3]) in sessions:  # field 6 of stat: the session id
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
