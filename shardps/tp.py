@@ -5,7 +5,8 @@ layers from glob patterns over module names; ``gather`` returns the dense state 
 a TP group's ranks parameter-server workers of the dense tensors. See docs/tensor-parallel.md.
 """
 
-from shardps.worker.tp.group import Slice, TPGroup, chunk_range, open_tp_group
+from shardps.protos.slices import chunk_range
+from shardps.worker.tp.group import Slice, TPGroup, open_tp_group
 from shardps.worker.tp.layers import (
     ColumnParallelLinear,
     ParallelMLP,

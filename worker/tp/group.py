@@ -16,21 +16,15 @@ heads of each. A rank knows its slice without asking anyone.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed
 
+from shardps.protos.slices import chunk_range  # the one rule for a chunk's place, shared with the wire
+
 dist: Any = torch.distributed
-
-
-def chunk_range(n: int, p: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of ``torch.chunk(range(n), p)[rank]`` (empty where that chunk does not exist)."""
-    c = math.ceil(n / p) if n else 0
-    start = min(rank * c, n)
-    return start, min(start + c, n)
 
 
 @dataclass(frozen=True)

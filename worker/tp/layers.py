@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardps.worker.tp.group import Slice, TPGroup, chunk_range
+from shardps.protos.slices import chunk_range
+from shardps.worker.tp.group import Slice, TPGroup
 from shardps.worker.tp.mappings import copy_to, gather_from, reduce_from, scatter_to
 
 TPParams = dict[str, tuple[Slice, tuple[int, ...]]]

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from shardps.worker.tp.group import TPGroup, chunk_range
+from shardps.protos.slices import chunk_range
+from shardps.worker.tp.group import TPGroup
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from shardps.worker.tp.group import TPGroup, chunk_range
+from shardps.protos.slices import chunk_range
+from shardps.worker.tp.group import TPGroup
 
 
 class _Copy(torch.autograd.Function):
