@@ -21,16 +21,18 @@ class PushResult:
     loss_scale: float = 0.0  # the scale to use next (0 when loss scaling is off)
     ready_version: int = 0  # the first version that includes the gradient pushed
     pulled: tuple[bytes, ...] = ()  # asked with pull_after: the shard's weights as serialized PullResponses
+    sync_switch: int = 0  # the job's sync switch ``sync`` came from (0: its first mode)
 
     def to_proto(self) -> ps_pb2.PushResponse:
         return ps_pb2.PushResponse(version=self.version, applied=self.applied, duplicate=self.duplicate,
                                    sync=self.sync, loss_scale=self.loss_scale, ready_version=self.ready_version,
-                                   pulled=list(self.pulled))
+                                   pulled=list(self.pulled), sync_switch=self.sync_switch)
 
     @classmethod
     def from_proto(cls, r: ps_pb2.PushResponse) -> PushResult:
         return cls(version=r.version, applied=r.applied, duplicate=r.duplicate, sync=r.sync,
-                   loss_scale=r.loss_scale, ready_version=r.ready_version, pulled=tuple(r.pulled))
+                   loss_scale=r.loss_scale, ready_version=r.ready_version, pulled=tuple(r.pulled),
+                   sync_switch=r.sync_switch)
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,10 @@ class Registered:
     lease_seconds: float
     epoch: int
     backup: str  # the backup's address, "" without one
+    sync_switch: int = 0  # the job's sync switch ``sync`` came from (0: its first mode)
 
     def to_proto(self) -> ps_pb2.RegisterResponse:
         return ps_pb2.RegisterResponse(
             version=self.version, shard_index=self.shard_index, num_shards=self.num_shards, sync=self.sync,
             created=self.created, loss_scale=self.loss_scale, worker_clock=self.worker_clock,
-            lease_seconds=self.lease_seconds, epoch=self.epoch, backup=self.backup)
+            lease_seconds=self.lease_seconds, epoch=self.epoch, backup=self.backup, sync_switch=self.sync_switch)

@@ -8,6 +8,14 @@ server/store.py documents, what a Register (``configure``, ``join``,
 ``register_tensors``), a Push (``submit``, ``step``), a Pull (``pull``,
 ``weights_now``) and a sync switch (``set_sync``) do to them. The
 ``ShardStore`` facade exposes these methods as its own.
+
+A Push says the sync mode its step ran under and the job's sync switch it
+came from, so a step that straddles a live switch counts under one mode on
+every shard (``submit``; protos/shardps/v1/ps.proto, PushRequest.sync).
+
+Over 400 lines: every request that changes a shard's job is one critical
+section here, in the order server/store.py documents; split, the order
+would be spread over files.
 """
 
 from __future__ import annotations
@@ -124,7 +132,7 @@ class DataPath:
             rep, job = self.replica.replicator, self.job
             return Registered(job.version, self.shard_index, self.num_shards, str(mode), created,
                               self.applier.loss_scale, job.worker_clocks.get(worker_id, -1) + 1, self.leases.lease_s,
-                              job.epoch, rep.address if rep else "")
+                              job.epoch, rep.address if rep else "", job.sync_switches_total)
 
     def register_tensors(self, specs: Sequence[TensorSpec], values: dict[PartKey, torch.Tensor] | None) -> list[str]:
         """Create the tensors not yet held, from ``values`` (fp32, one per part).
@@ -180,7 +188,7 @@ class DataPath:
     def submit(self, worker_id: int, step: int, base_version: int, grads: Received,
                nbytes: int = 0, *, found_inf: bool = False, loss_scale: float = 0.0,
                epoch: int | None = None, checked: bool = False,
-               weights: Mapping[PartKey, int] | None = None) -> PushResult:
+               weights: Mapping[PartKey, int] | None = None, sync: str = "", sync_switch: int = 0) -> PushResult:
         """Hand one worker's gradient of ``step`` to the sync policy; apply what is due.
 
         ``grads`` maps (name, part start) to fp32 tensors the store may keep
@@ -194,7 +202,11 @@ class DataPath:
         nothing) for an unregistered worker, a step or base version that
         cannot be, or a step the policy refuses. ``weights``: a sliced Push's (server/slicepush.py), how
         many gradients each part counts for (1 for those not named); refused unless the mode has a barrier.
+        ``sync``, ``sync_switch``: the mode the worker ran the step under and the job's sync switch it came
+        from (the Push's). From an earlier switch than this shard's last: its mode is over, the gradient is
+        ``late`` (server/sync.py). From a later one: this shard makes that switch first (``set_sync``).
         """
+        spec = self._said_sync(sync, sync_switch, worker_id, step)
         if not (loss_scale == 0.0 or (math.isfinite(loss_scale) and loss_scale > 0)):
             raise InvalidArgument(f"loss_scale must be a positive finite number or 0, got {loss_scale}")
         job, rep, take = self.job, self.replica, self.applier.pool.take
@@ -230,33 +242,43 @@ class DataPath:
             job.check_epoch(epoch)
             policy = job.policy
             assert policy is not None  # registered workers imply a job
-            if not policy.passes_through:  # switched to a barrier since takes_chunked: fp32 buffers after all
-                grads = materialize(grads, take)
-            if weights is not None and policy.passes_through:
+            # The worker learned of a switch from another shard first (made below, once the push is sure to
+            # be taken in), or computed the gradient under a mode this shard has left (applied alone).
+            adopt = spec if spec is not None and sync_switch > job.sync_switches_total else None
+            late = sync_switch < job.sync_switches_total
+            if weights is not None and not (adopt.barrier if adopt else not policy.passes_through):
                 raise FailedPrecondition(
-                    f"worker {worker_id} pushed slices of tensors under {job.sync_text}: slices are added up "
-                    f"before a step, which needs a barrier sync mode (bsp or every:X)")
+                    f"worker {worker_id} pushed slices of tensors under {adopt or job.sync_text}: slices are added "
+                    f"up before a step, which needs a barrier sync mode (bsp or every:X)")
             last = job.worker_clocks.get(worker_id, -1)
             if step <= last:  # a retry of a push already taken in
                 job.pushes_total += 1
                 job.duplicate_pushes_total += 1
                 ready = job.version + (1 if policy.holds(worker_id) else 0)
                 return PushResult(job.version, applied=False, duplicate=True, sync=job.sync_text,
-                                  loss_scale=self.applier.loss_scale, ready_version=ready)
+                                  loss_scale=self.applier.loss_scale, ready_version=ready,
+                                  sync_switch=job.sync_switches_total)
             if step != last + 1:
                 raise FailedPrecondition(
                     f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
                     f"was {last}: steps go up by one"
                 )
+            if adopt is not None:
+                self._switch_locked(adopt, sync_switch)
+                policy = job.policy
+                assert policy is not None
+            if not policy.passes_through:  # a barrier since takes_chunked (a switch): fp32 buffers after all
+                grads = materialize(grads, take)
             if rep.replicator is not None:
                 if packed is None:  # a backup was attached in between
                     grads = fp32 = materialize(grads, take)
                     packed = pack(part_keys(fp32))
                 rep.record(OpKind.SUBMIT, {"worker": worker_id, "step": step, "base_version": base_version,
                                            "found_inf": found_inf, "nbytes": nbytes,
-                                           "weights": [[n, a, w] for (n, a), w in (weights or {}).items()]},
+                                           "weights": [[n, a, w] for (n, a), w in (weights or {}).items()],
+                                           "sync": sync, "sync_switch": sync_switch},
                            packed=packed)
-            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf), grads, weights)
+            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf, late), grads, weights)
             job.pushes_total += 1
             job.push_bytes_total += nbytes
             job.worker_clocks[worker_id] = step
@@ -268,7 +290,8 @@ class DataPath:
             ready = job.version + (1 if policy.holds(worker_id) else 0)
             self._cond.notify_all()  # versions and clocks moved
             result = PushResult(job.version, applied=applied, duplicate=False, sync=job.sync_text,
-                                loss_scale=self.applier.loss_scale, ready_version=ready)
+                                loss_scale=self.applier.loss_scale, ready_version=ready,
+                                sync_switch=job.sync_switches_total)
             due = (applied and rep.role is Role.PRIMARY and self.checkpointer.due(job.version)
                    and policy.quiescent())
         if due:
@@ -365,35 +388,61 @@ class DataPath:
         self.replica.record(OpKind.PULLED, {"worker": worker_id, "names": names})
         self.applier.remember_pulled(self.table, worker_id, names)
 
-    def set_sync(self, sync: str) -> SyncSpec:
-        """Switch the running job's sync mode. Held gradients are applied first, none is lost."""
+    def set_sync(self, sync: str, switch: int | None = None) -> SyncSpec:
+        """Switch the running job's sync mode. Held gradients are applied first, none is lost.
+
+        ``switch``: the job's switch this is (a backup replaying its primary's); None: the next one, unless
+        the job already runs ``sync`` (then nothing changes)."""
         try:
             spec = SyncSpec.parse(sync)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        job = self.job
         with self._cond:
             self.applier.settle()
-            if job.sync is None or self.leases.membership.num_workers is None or job.policy is None:
-                raise FailedPrecondition(f"shard {self.shard_index} has no job yet: nothing to switch")
+            self._switch_locked(spec, switch)
+        return spec
+
+    def _said_sync(self, sync: str, switch: int, worker_id: int, step: int) -> SyncSpec | None:
+        """A Push's ``sync`` and ``sync_switch``, checked (outside the lock: they change nothing yet)."""
+        if switch < 0:
+            raise InvalidArgument(f"worker {worker_id}, step {step}: sync_switch must be >= 0, got {switch}")
+        if not sync:
+            if switch:
+                raise InvalidArgument(f"worker {worker_id}, step {step}: a Push from sync switch {switch} must "
+                                      f"name its sync mode, got ''")
+            return None
+        try:
+            return SyncSpec.parse(sync)
+        except ValueError as e:
+            raise InvalidArgument(f"worker {worker_id}, step {step}: {e}") from None
+
+    def _switch_locked(self, spec: SyncSpec, switch: int | None) -> None:
+        """Under the lock: make the job's sync switch number ``switch`` (None: the next) to ``spec``."""
+        job = self.job
+        if job.sync is None or self.leases.membership.num_workers is None or job.policy is None:
+            raise FailedPrecondition(f"shard {self.shard_index} has no job yet: nothing to switch")
+        if switch is None:
             if spec == job.sync:
-                return spec
-            if not spec.barrier and self.table.has_split():
-                raise FailedPrecondition(
-                    f"shard {self.shard_index} holds tensors split with cross-shard statistics, which "
-                    f"need bsp or every:X; cannot switch to {spec}"
-                )
-            self.reader.await_reads()
-            self.replica.record(OpKind.SET_SYNC, {"sync": str(spec)})
+                return
+            switch = job.sync_switches_total + 1
+        if switch <= job.sync_switches_total:
+            return  # had already: a SetSync after a worker's Push brought the switch here
+        if spec != job.sync and not spec.barrier and self.table.has_split():
+            raise FailedPrecondition(
+                f"shard {self.shard_index} holds tensors split with cross-shard statistics, which "
+                f"need bsp or every:X; cannot switch to {spec}"
+            )
+        self.reader.await_reads()
+        self.replica.record(OpKind.SET_SYNC, {"sync": str(spec), "switch": switch})
+        old = job.sync
+        if spec != old:
             for update in job.policy.flush():
                 self.step(update)
-            old = job.sync
             num_workers = self.leases.membership.num_workers
             assert num_workers is not None  # checked above
             job.sync, job.policy = spec, make_policy(spec, num_workers, self.applier.pool.recycle)
             job.policy.track_live(self.leases.live())
-            job.sync_switches_total += 1
-            self._cond.notify_all()
-        log.info("shard %d: sync %s -> %s", self.shard_index, old, spec)
-        return spec
+        job.sync_switches_total = switch
+        self._cond.notify_all()
+        log.info("shard %d: sync %s -> %s (switch %d)", self.shard_index, old, spec, switch)
 

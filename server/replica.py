@@ -93,11 +93,12 @@ class Replayer(Protocol):
                          values: dict[PartKey, torch.Tensor] | None) -> list[str]: ...
 
     def submit(self, worker_id: int, step: int, base_version: int, grads: Any, nbytes: int = 0, *,
-               found_inf: bool = False, checked: bool = False, weights: Any = None) -> Any: ...
+               found_inf: bool = False, checked: bool = False, weights: Any = None, sync: str = "",
+               sync_switch: int = 0) -> Any: ...
 
     def leave(self, worker_id: int) -> bool: ...
 
-    def set_sync(self, sync: str) -> Any: ...
+    def set_sync(self, sync: str, switch: int | None = None) -> Any: ...
 
     def evict(self, workers: list[int]) -> None: ...
 
@@ -298,13 +299,14 @@ class ReplicaSide:
         elif kind == OpKind.SUBMIT:
             r.submit(a["worker"], a["step"], a["base_version"], parse_part_keys(t), a["nbytes"],
                      found_inf=a["found_inf"], checked=True,
-                     weights={(n, s): w for n, s, w in a["weights"]} if a.get("weights") else None)
+                     weights={(n, s): w for n, s, w in a["weights"]} if a.get("weights") else None,
+                     sync=a.get("sync", ""), sync_switch=a.get("sync_switch", 0))
         elif kind == OpKind.LEAVE:
             r.leave(a["worker"])
         elif kind == OpKind.EVICT:
             r.evict(list(a["workers"]))
         elif kind == OpKind.SET_SYNC:
-            r.set_sync(a["sync"])
+            r.set_sync(a["sync"], a.get("switch"))
         elif kind == OpKind.PULLED:
             r.remember_pulled(a["worker"], list(a["names"]))
         elif kind == OpKind.ROWS:

@@ -119,7 +119,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store.check_serving()
         g = decode_push(requests, store.spec, store.staging, self.segments, store.takes_chunked)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
-                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights)
+                           loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights,
+                           sync=g.sync, sync_switch=g.sync_switch)
         t0 = time.perf_counter()
         store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
         if self.metrics is not None and store.replicator is not None:
@@ -204,8 +205,8 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
 
     @unary_errors
     def SetSync(self, request: ps_pb2.SetSyncRequest, context: grpc.ServicerContext) -> ps_pb2.SetSyncResponse:
-        sync, version = self.store.switch_sync(request.sync)
-        return ps_pb2.SetSyncResponse(sync=sync, version=version)
+        sync, version, switch = self.store.switch_sync(request.sync)
+        return ps_pb2.SetSyncResponse(sync=sync, version=version, sync_switch=switch)
 
     @unary_errors
     def Checkpoint(self, request: ps_pb2.CheckpointRequest,

@@ -90,7 +90,8 @@ def encode(s: ShardState) -> tuple[int, Meta, Tensors]:
         for (name, start), t in s.held.sums.items():
             tensors[f"{index[name]}/{start}/held"] = t.clone()
         pending = {"counts": [[index[n], st, c] for (n, st), c in s.held.counts.items()],
-                   "contributions": [[c.worker_id, c.step, c.base_version, c.found_inf] for c in s.held.contributions],
+                   "contributions": [[c.worker_id, c.step, c.base_version, c.found_inf, c.late]
+                                     for c in s.held.contributions],
                    "rounds": s.held.rounds}
     scaler = None
     if s.scaler is not None:
@@ -130,7 +131,7 @@ def decode(version: int, meta: Meta, tensors: Tensors) -> ShardState:
         held = HeldState(
             sums={(names[i], st): tensors[f"{i}/{st}/held"].clone() for i, st, _ in pending["counts"]},
             counts={(names[i], st): c for i, st, c in pending["counts"]},
-            contributions=[Contribution(w, s_, b, f) for w, s_, b, f in pending["contributions"]],
+            contributions=[Contribution(*c) for c in pending["contributions"]],
             rounds=pending["rounds"])
     sc = meta["scaler"]
     scaler = None if sc is None else LossScaler(

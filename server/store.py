@@ -278,12 +278,12 @@ class ShardStore:
         self.replicated()
         return result
 
-    def switch_sync(self, sync: str) -> tuple[str, int]:
-        """``set_sync``, once the backup holds it: (the sync mode now, version)."""
+    def switch_sync(self, sync: str) -> tuple[str, int, int]:
+        """``set_sync``, once the backup holds it: (the sync mode now, version, the job's sync switch)."""
         self.check_serving()
         spec = self.set_sync(sync)
         self.replicated()
-        return str(spec), self.job.version
+        return str(spec), self.job.version, self.job.sync_switches_total
 
     def checkpoint_request(self) -> tuple[int, str]:
         """Write a checkpoint now: (version, path)."""

@@ -19,6 +19,13 @@ a step it already sent is a duplicate), so a policy sees each gradient once.
 ``offer`` returns the updates now due, each with the contributions it
 averages so the store can record their staleness; ``flush`` hands over what
 is held (when the job switches sync mode), so no gradient is ever dropped.
+A gradient computed under a mode the job has since left (``late``: its step
+straddled the switch) is applied at once under asp and ssp, and summed into
+the current round under a barrier, beside the workers' own: a barrier's
+version then still moves by whole rounds only, which is what a worker's
+wait for its ``ready_version`` relies on. Nobody waits for a late gradient
+(``holds`` is False for it): its worker's next pull takes the weights as
+they are, as the mode it ran under would have.
 
 The store asks a policy everything it needs through ``SyncPolicy`` (never
 its class): the live workers changed (``live_changed``, ``track_live``),
@@ -98,6 +105,9 @@ class Contribution:
     step: int
     base_version: int
     found_inf: bool = False  # an inf/nan somewhere in this worker's gradient of this step
+    # Computed under a sync mode the job has left (a step that straddled a live switch): a barrier sums it
+    # into its round as one gradient more, not as the worker's own (that one is still to come).
+    late: bool = False
 
 
 @dataclass
@@ -189,10 +199,12 @@ class BarrierPolicy(SyncPolicy):
 
     @property
     def pending_workers(self) -> list[int]:
-        return sorted(c.worker_id for c in self._pending)
+        """The workers whose own gradient of this round is in (``late`` ones do not count)."""
+        return sorted(c.worker_id for c in self._pending if not c.late)
 
     def holds(self, worker_id: int) -> bool:
-        return any(p.worker_id == worker_id for p in self._pending)
+        """The worker's own gradient waits for this round (a ``late`` one is not waited for: its mode is over)."""
+        return any(p.worker_id == worker_id and not p.late for p in self._pending)
 
     def held(self) -> tuple[Grads, dict[PartKey, int], list[Contribution]]:
         """What the current round holds (sums, counts, contributions), for checkpoints."""
@@ -228,8 +240,8 @@ class BarrierPolicy(SyncPolicy):
         return []
 
     def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
-        held = next((p for p in self._pending if p.worker_id == c.worker_id), None)
-        if held is not None:
+        held = next((p for p in self._pending if p.worker_id == c.worker_id and not p.late), None)
+        if held is not None and not c.late:  # (a late one comes before the worker's own, never after)
             raise FailedPrecondition(
                 f"worker {c.worker_id} pushed step {c.step} while its step {held.step} still waits for "
                 f"the barrier ({self.waiting_on()}): pull the next version before pushing again"

@@ -30,7 +30,7 @@ from shardps.server.table import TensorSpec
 #: What every message of a Push stream repeats. ``chunk`` and ``last`` are each message's own; ``found_inf``
 #: is the header's too, but the last message of a stream that ends_with_last may raise it (``decode_push``).
 PUSH_HEADER = ("worker_id", "step", "base_version", "loss_scale", "epoch", "shm", "ends_with_last", "pull_after",
-               "pull_dtype", "pull_min_clock", "slices")
+               "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch")
 
 
 def counted(parse: Callable[[bytes], Any], add: Callable[[int], None]) -> Callable[[bytes], Any]:
@@ -119,6 +119,8 @@ class Gradients:
     epoch: int
     pull_after: PullAfter | None = None  # answer with the weights too, when they are ready at once
     weights: dict[PartKey, int] | None = None  # a sliced Push: the gradients each part counts for (slicepush.py)
+    sync: str = ""  # the mode the worker ran the step under, and the job's sync switch it came from
+    sync_switch: int = 0
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,8 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
     if first.pull_after:
         pull_after = PullAfter(_wire_dtype(first.pull_dtype, "Push"), first.pull_min_clock)
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
-                     found_inf or not asm.all_finite, first.loss_scale, first.epoch, pull_after, weights)
+                     found_inf or not asm.all_finite, first.loss_scale, first.epoch, pull_after, weights,
+                     first.sync, first.sync_switch)
 
 
 def _chunk_bytes(requested: int, default: int, rpc: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -102,6 +103,43 @@ def test_switch_bsp_asp_bsp_loses_and_repeats_no_gradient(cluster2):
         # Every gradient pushed was applied exactly once: none lost in a flushed round, none twice.
         assert st.gradients_applied_total == total
         assert sum(st.staleness_counts.values()) == total
+
+
+def test_a_switch_that_reached_one_shard_only_reaches_the_other_with_the_pushes(cluster2):
+    # The operator's set-sync reached shard 0 and never shard 1 (it died in between). Each worker's next step
+    # was computed under asp: shard 0 takes it as late, shard 1 under asp. The answer from shard 0 tells the
+    # worker of switch 1 (bsp); its next Push says so, and shard 1 makes the switch itself. From then on the
+    # two shards count the same steps into the same rounds, so the job ends without a wait on a missing push.
+    workers, steps = 2, 12
+    switched = threading.Event()
+
+    def worker(k: int) -> tuple[int, list[str]]:
+        model = _model()
+        with shardps.connect(cluster2.addresses, worker_id=k, num_workers=workers, timeout=60) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), sync="asp")
+            for step in range(steps):
+                if k == 0 and step == 4:
+                    with shardps.connect(cluster2.addresses[:1]) as ctl:
+                        assert ctl.set_sync("bsp") == ["bsp"]
+                    switched.set()
+                if k == 1 and step == 4:
+                    assert switched.wait(60)
+                _step(model, opt, k, step)
+            return opt.pushes, list(opt.sync_history)
+
+    results = run_workers(worker, workers)
+    for pushes, history in results:  # asp, then bsp from the step after the first answer from shard 0
+        n = history.count("asp")
+        assert pushes == steps and history == ["asp"] * n + ["bsp"] * (steps - n) and n < steps
+    assert results[0][1].count("asp") == 5  # worker 0's step 4 ran under asp: it learns from its push's answer
+    for store in cluster2.stores:
+        st = store.stats()
+        assert st.sync == "bsp" and st.sync_switches_total == 1
+        assert st.pushes_total == workers * steps and st.duplicate_pushes_total == 0
+        assert st.gradients_applied_total == workers * steps  # each gradient applied once, none left held
+    with shardps.connect(cluster2.addresses) as ctl:  # the operator tries again: shard 1 has it already
+        assert ctl.set_sync("bsp") == ["bsp", "bsp"]
+    assert [s.stats().sync_switches_total for s in cluster2.stores] == [1, 1]
 
 
 def test_ctl_set_sync_rejects_unknown_modes(cluster2):

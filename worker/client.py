@@ -30,7 +30,6 @@ from shardps.protos.results import PushResult
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.protos.stats import ShardStats
 from shardps.worker import export, layout, operator, push, recovery
 from shardps.worker.buffers import HostBuffers
 from shardps.worker.compress import Compressor
@@ -86,6 +85,7 @@ class PSClient(RowCalls):
         self.layouts: dict[str, Layout] = {}
         self.versions = [0] * len(self.addresses)
         self.sync = ""
+        self.sync_switch = 0  # the job's sync switch ``sync`` came from (0: the job's first mode)
         self.loss_scale = 0.0  # the scale the shards want next (0: loss scaling is off)
         self.slowest_clock = 0  # the lowest worker clock seen by the last pull (ssp)
         self.clock = 0  # steps this worker had pushed when it registered
@@ -154,6 +154,11 @@ class PSClient(RowCalls):
         return self.transport.failovers_total
 
     @property
+    def sync_said(self) -> tuple[str, int]:
+        """(sync mode, the sync switch it came from), as every Push says them (``Route.sync_said``)."""
+        return self.sync, self.sync_switch
+
+    @property
     def shm_links(self) -> list[ShmLink | None]:
         """Each shard's shared-memory link, None for gRPC (a snapshot of ``paths``, for tests and diagnostics)."""
         return self.paths.links
@@ -167,8 +172,9 @@ class PSClient(RowCalls):
         """Take what the shards said about the job (a push's or pull's ``JobView``, or a register's,
         attach's, recover's, set_sync's): the one place the client's ``sync``, ``loss_scale``,
         ``slowest_clock`` and ``versions`` change. Call it from the thread that drives the client."""
-        if view.sync:
-            self.sync = view.sync
+        if view.sync and (view.sync_switch is None and not self.sync
+                          or view.sync_switch is not None and view.sync_switch >= self.sync_switch):
+            self.sync, self.sync_switch = view.sync, view.sync_switch or 0
         if view.loss_scale is not None:
             self.loss_scale = view.loss_scale
         if view.slowest_clock is not None:
@@ -232,8 +238,7 @@ class PSClient(RowCalls):
         for i, r in enumerate(responses):
             self.backups[i] = r.backup
         self.shard_map, self.layouts = smap, layouts
-        self.apply(JobView(sync=responses[0].sync, loss_scale=responses[0].loss_scale,
-                           versions=tuple((i, r.version) for i, r in enumerate(responses))))
+        self.apply(JobView.of_register(responses))
         # The step to go on from: the lowest any shard expects. A push that reached some shards and
         # not others (a crash, a checkpoint taken between them) is sent again: the shards that took
         # it in acknowledge it as a duplicate, the others apply it, so every shard sees every step.
@@ -261,8 +266,7 @@ class PSClient(RowCalls):
         self.layouts, self.shard_map = layout.from_stats(stats)
         for i, s in enumerate(stats):
             self.backups[i] = s.backup
-        self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
-                           versions=tuple((i, s.version) for i, s in enumerate(stats))))
+        self.apply(JobView.of_stats(stats))
         self.epoch = max(s.epoch for s in stats)
 
     # -- data path ----------------------------------------------------------
@@ -388,9 +392,8 @@ class PSClient(RowCalls):
         this client takes the shards' epoch, versions and its own clock.
         """
         stats = recovery.bring_together(self.transport, self.worker_id)
-        self.epoch = max(s.epoch for s in stats)
-        self.apply(JobView(sync=stats[0].sync, loss_scale=stats[0].loss_scale,
-                           versions=tuple((i, s.version) for i, s in enumerate(stats))))
+        self.epoch, self.sync_switch = max(s.epoch for s in stats), 0  # the shards' sync switch may go back too
+        self.apply(JobView.of_stats(stats))
         return int(min(s.worker_clocks.get(self.worker_id, -1) for s in stats)) + 1  # as in register()
 
     # -- operator calls: worker/operator.py ------------------------------------
@@ -400,18 +403,15 @@ class PSClient(RowCalls):
         return operator.checkpoint(self.transport)
 
     def set_sync(self, sync: str) -> list[str]:
-        """Switch the running job's sync mode on every shard; workers follow from their next step
-        (``worker/operator.py``)."""
-        modes = operator.set_sync(self.transport, sync)
-        self.apply(JobView(sync=modes[0]))
-        return modes
+        """Switch the running job's sync mode on every shard; workers follow from their next step (operator.py)."""
+        answers = operator.switch_sync(self.transport, sync)
+        self.apply(JobView.newest(answers))
+        return [r.sync for r in answers]
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-shard status as plain dicts: version, tensors, bytes, counters, staleness counts (as
         ``shardps.admin.stats``, read with the worker token: ``Workers.Describe``)."""
-        t = self.transport
-        return [ShardStats.from_proto(r).to_dict() for r in t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(),
-                                                                               timeout=t.timeout))]
+        return operator.describe(self.transport)
 
     # -- the lease ----------------------------------------------------------------
 

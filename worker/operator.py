@@ -31,15 +31,26 @@ def stats(transport: Transport) -> list[dict[str, Any]]:
     return [ShardStats.from_proto(r).to_dict() for r in res]
 
 
+def describe(transport: Transport) -> list[dict[str, Any]]:
+    """``stats`` read with the worker token (``Workers.Describe``): what ``PSClient.stats`` answers."""
+    t = transport
+    return [ShardStats.from_proto(r).to_dict()
+            for r in t.each(lambda i: t.stub(i).Describe(ps_pb2.StatsRequest(), timeout=t.timeout))]
+
+
 def set_sync(transport: Transport, sync: str) -> list[str]:
     """Switch the running job's sync mode on every shard; workers follow from their next step.
 
     Returns the mode each shard now runs, in shard order.
     """
+    return [r.sync for r in switch_sync(transport, sync)]
+
+
+def switch_sync(transport: Transport, sync: str) -> list[ps_pb2.SetSyncResponse]:
+    """``set_sync``, answering with each shard's whole SetSyncResponse (the job's sync switch too)."""
     t = transport
-    res = t.each(lambda i: t.operator(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
-                                             wait_for_ready=True))
-    return [r.sync for r in res]
+    return t.each(lambda i: t.operator(i).SetSync(ps_pb2.SetSyncRequest(sync=sync), timeout=t.timeout,
+                                              wait_for_ready=True))
 
 
 def checkpoint(transport: Transport) -> list[tuple[int, str]]:

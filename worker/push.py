@@ -94,8 +94,8 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
 
         def frames(segment: str) -> PushFramer:
             return PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
-                              epoch=route.epoch, found_inf=bool(found_inf), fields=more, shm=segment,
-                              packed=packed.of(shard))
+                              epoch=route.epoch, sync=route.sync_said, found_inf=bool(found_inf), fields=more,
+                              shm=segment, packed=packed.of(shard))
 
         yield from path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct, route)
 

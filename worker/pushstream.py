@@ -193,7 +193,8 @@ class PushStream:
         parts = self._parts[shard]
         path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
         frames = PushFramer(worker_id=client.worker_id, step=self._step, base_version=self._bases[shard],
-                            loss_scale=self._loss_scale, epoch=client.epoch, shm=path.push_segment)
+                            loss_scale=self._loss_scale, epoch=client.epoch, sync=client.sync_said,
+                            shm=path.push_segment)
         i = 0
         while True:
             with self._cond:

@@ -32,6 +32,12 @@ class Route(Routing, Protocol):
         ...
 
     @property
+    def sync_said(self) -> tuple[str, int]:
+        """The job's sync mode as this client knows it, and the sync switch it came from: every Push says
+        them (a step straddling a live switch then counts under one mode on every shard)."""
+        ...
+
+    @property
     def num_shards(self) -> int: ...
 
     @property

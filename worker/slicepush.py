@@ -48,7 +48,8 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
     def requests(shard: int) -> Iterator[bytes]:
         assert route.shard_map is not None
         framer = PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
-                            epoch=route.epoch, found_inf=found_inf, fields={"slices": header})
+                            epoch=route.epoch, sync=route.sync_said, found_inf=found_inf,
+                            fields={"slices": header})
 
         def chunks() -> Iterator[bytes]:
             for p in route.shard_map.parts_for(shard):  # type: ignore[union-attr]

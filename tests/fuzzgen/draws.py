@@ -8,6 +8,7 @@ from typing import Any
 
 from shardps.protos.optim import spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.syncspec import SyncSpec
 from tests.fuzzgen.bugs import avoiding
 from tests.fuzzgen.cases import ITEMSIZE, Source
 
@@ -75,3 +76,15 @@ def bad_params_json(src: Source, opt: str, avoid: bool) -> str:
     if not text or not _refused_by_optimizer_parse(opt, text):
         text = '{"no_such_hyperparameter": 1}'
     return text
+
+
+def bad_sync_string(src: Source, avoid: bool) -> str:
+    s = src.choice(["", "BSP!", "every:0", "every:-1", "every:", "every:x", "ssp:-1", "ssp:", "ssp:1.5", "async",
+                    "every:" + "9" * 5000, "<text>"])
+    if s == "<text>":
+        s = _text(src, avoid)
+    try:
+        SyncSpec.parse(s)
+    except ValueError:
+        return s
+    return s + "!"  # every valid form ends in a letter or digit: this one no longer parses

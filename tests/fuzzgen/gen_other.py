@@ -25,9 +25,9 @@ from tests.fuzzgen.cases import (
     Target,
     wild_int,
 )
-from tests.fuzzgen.draws import _text, unknown_name
+from tests.fuzzgen.draws import _text, bad_sync_string, unknown_name
 from tests.fuzzgen.gen_push import gen_push
-from tests.fuzzgen.gen_register import bad_sync_string, gen_register
+from tests.fuzzgen.gen_register import gen_register
 from tests.fuzzgen.gen_rows import gen_pull_rows, gen_push_rows, gen_register_rows
 
 # -- the other RPCs -----------------------------------------------------------------

@@ -13,13 +13,13 @@ from shardps.protos import compressed
 from shardps.protos.shardps.v1 import ps_pb2
 from tests.fuzzgen.bugs import avoiding
 from tests.fuzzgen.cases import INT32, INT64, ITEMSIZE, WIRE_DTYPES, Case, Source, Target, wild_int
-from tests.fuzzgen.draws import unknown_name, values
+from tests.fuzzgen.draws import bad_sync_string, unknown_name, values
 
 # -- Push ----------------------------------------------------------------------
 
 PUSH_DEFECTS = ("unregistered_worker", "negative_step", "future_step", "base_version", "loss_scale",
                 "unknown_name", "wrong_dtype", "wrong_shape", "ragged_data", "empty_data", "offset", "partial",
-                "overlap", "mixed_headers", "empty_stream", "wrong_epoch", "bad_slice",
+                "overlap", "mixed_headers", "empty_stream", "wrong_epoch", "bad_slice", "bad_sync",
                 # compressed chunks (protos/compressed.py): a chunk made one, then broken
                 "topk_duplicate", "topk_index_range", "topk_indices_size", "lowrank_factor_size", "lowrank_rows",
                 "bad_encoding", "dense_with_indices")
@@ -132,6 +132,14 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
         elif d == "wrong_epoch":
             e = wild_int(src, *INT64)
             header["epoch"] = e if e != sh.epoch else e + 1
+        elif d == "bad_sync":  # the mode the step ran under, and its sync switch: one of them cannot be
+            kind = src.integer(0, 2)
+            if kind == 0:
+                header["sync_switch"], header["sync"] = src.integer(INT64[0], -1), src.choice(["", "bsp", "asp"])
+            elif kind == 1:  # a switch with no mode
+                header["sync_switch"], header["sync"] = src.integer(1, INT64[1]), ""
+            else:
+                header["sync_switch"], header["sync"] = src.integer(0, INT64[1]), bad_sync_string(src, avoid) or "BSP!"
         elif d == "loss_scale":
             v = src.double()
             if v == 0.0 or (math.isfinite(v) and v > 0):
@@ -265,7 +273,7 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
             messages[-1].found_inf = True  # allowed: not a defect
     if "mixed_headers" in defects:
         other = dict(header)
-        key = src.choice(["worker_id", "step", "base_version", "found_inf", "loss_scale"])
+        key = src.choice(["worker_id", "step", "base_version", "found_inf", "loss_scale", "sync_switch"])
         if key == "found_inf":
             other[key] = not header[key]
         elif key == "loss_scale":
@@ -273,7 +281,7 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
         else:
             lo, hi = INT32 if key == "worker_id" else INT64
             v = wild_int(src, lo, hi)
-            other[key] = v if v != header[key] else (v + 1 if v < hi else v - 1)
+            other[key] = v if v != header.get(key, 0) else (v + 1 if v < hi else v - 1)
         extra = ps_pb2.PushRequest(**other, chunk=src.choice(chunks)) if chunks and src.boolean() \
             else ps_pb2.PushRequest(**other)
         if ends and key == "found_inf" and header["found_inf"]:

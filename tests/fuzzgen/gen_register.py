@@ -6,7 +6,6 @@ import math
 
 from shardps.protos.optim import SPECS
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.protos.syncspec import SyncSpec
 from shardps.server.remedies import Remedy
 from tests.fuzzgen.bugs import avoiding
 from tests.fuzzgen.cases import (
@@ -21,7 +20,7 @@ from tests.fuzzgen.cases import (
     Target,
     wild_int,
 )
-from tests.fuzzgen.draws import VALID_OPTIMIZERS, _text, bad_params_json, unknown_name, values
+from tests.fuzzgen.draws import VALID_OPTIMIZERS, _text, bad_params_json, bad_sync_string, unknown_name, values
 from tests.fuzzgen.gen_push import _cover
 
 # -- Register --------------------------------------------------------------------
@@ -31,18 +30,6 @@ REGISTER_DEFECTS = ("bad_sync", "remedy", "num_workers", "worker_id", "bad_optim
                     "bad_holders", "duplicate_name", "undeclared_chunk", "chunk_dtype", "chunk_range",
                     "chunk_ragged", "chunk_empty", "chunk_shape", "partial_values", "changed_spec",
                     "loss_scaling", "chunks_without_values", "empty_stream")
-
-
-def bad_sync_string(src: Source, avoid: bool) -> str:
-    s = src.choice(["", "BSP!", "every:0", "every:-1", "every:", "every:x", "ssp:-1", "ssp:", "ssp:1.5", "async",
-                    "every:" + "9" * 5000, "<text>"])
-    if s == "<text>":
-        s = _text(src, avoid)
-    try:
-        SyncSpec.parse(s)
-    except ValueError:
-        return s
-    return s + "!"  # every valid form ends in a letter or digit: this one no longer parses
 
 
 def _random_spec(src: Source, name: str, avoid: bool) -> ps_pb2.TensorSpec:

@@ -70,6 +70,25 @@ def test_flush_hands_over_a_partial_round_once():
     assert AsyncPolicy().flush() == []
 
 
+def test_a_late_gradient_joins_the_round_beside_the_workers_own_and_nobody_waits_for_it():
+    # Worker 1's step straddled a switch to bsp: its gradient came from asp (late). It is summed into the round
+    # (mean over three), does not stand for worker 1's own gradient of the round, and is not waited for.
+    p = BarrierPolicy(2)
+    assert p.offer(Contribution(1, 7, 0, late=True), g(6)) == []
+    assert p.pending_workers == [] and not p.holds(1) and not p.quiescent()
+    assert p.offer(Contribution(0, 3, 0), g(2)) == []
+    assert p.pending_workers == [0] and p.holds(0)
+    (u,) = p.offer(Contribution(1, 8, 0), g(4))  # worker 1's own: the round is complete
+    assert u.grads[("w", 0)].item() == 4.0  # (6 + 2 + 4) / 3
+    assert [(c.worker_id, c.step, c.late) for c in u.contributions] == [(1, 7, True), (0, 3, False), (1, 8, False)]
+    assert p.rounds == 1 and p.quiescent()
+
+
+def test_a_late_gradient_under_asp_is_applied_on_arrival():
+    (u,) = AsyncPolicy().offer(Contribution(0, 4, 1, late=True), g(3))
+    assert u.grads[("w", 0)].item() == 3.0 and u.contributions[0].late
+
+
 def test_bsp_waiting_on_names_missing_workers():
     p = BarrierPolicy(3)
     p.offer(Contribution(1, 0, 0), g(1))

@@ -11,7 +11,8 @@ from shardps.worker.accumulate import Accumulator
 from shardps.worker.jobview import JobView
 from shardps.worker.pushframes import PushFramer
 
-HEAD = dict(worker_id=1, step=7, base_version=5, loss_scale=8.0, epoch=2)
+HEAD: dict = dict(worker_id=1, step=7, base_version=5, loss_scale=8.0, epoch=2, sync=("every:2", 3))
+WIRE = {**{k: v for k, v in HEAD.items() if k != "sync"}, "sync": "every:2", "sync_switch": 3}  # as PushRequest's
 
 
 def _parse(messages: list[bytes]) -> list[ps_pb2.PushRequest]:
@@ -26,6 +27,7 @@ def test_a_plain_push_marks_its_last_chunk_message_last_and_every_message_carrie
     assert [m.last for m in msgs] == [False, False, True]
     for m in msgs:
         assert (m.worker_id, m.step, m.base_version, m.loss_scale, m.epoch) == (1, 7, 5, 8.0, 2)
+        assert (m.sync, m.sync_switch) == ("every:2", 3)
         assert m.found_inf and m.ends_with_last and m.pull_after and m.pull_min_clock == 3 and not m.shm
     got = torch.cat([codec.decode(m.chunk.data, m.chunk.dtype) for m in msgs])
     assert torch.equal(got, flat) and list(msgs[0].chunk.shape) == [10]
@@ -45,9 +47,9 @@ def test_the_builder_frames_as_protobuf_does():
     (msg,) = f.ending(f.chunks("b", ps_pb2.FLOAT32, (3,), torch.ones(3), 0, 3, chunk_bytes=1 << 20))
     want = ps_pb2.PushRequest(chunk=ps_pb2.Chunk(name="b", offset=0, dtype=ps_pb2.FLOAT32, shape=[3],
                                                  data=torch.ones(3).numpy().tobytes()),
-                              ends_with_last=True, last=True, **HEAD)
+                              ends_with_last=True, last=True, **WIRE)
     assert msg == want.SerializeToString()
-    prefix, suffix = framing.header(ps_pb2.PushRequest, found_inf=True, last=True, ends_with_last=True, **HEAD)
+    prefix, suffix = framing.header(ps_pb2.PushRequest, found_inf=True, last=True, ends_with_last=True, **WIRE)
     assert PushFramer(**HEAD).end(found_inf=True) == prefix + suffix
 
 
@@ -64,16 +66,21 @@ def test_a_streamed_push_raises_found_inf_only_on_its_last_message_through_share
     assert list(PushFramer(shm="seg", **HEAD).shm_chunks([], last=False)) == []
 
 
-def test_a_push_view_says_the_first_shards_sync_and_scale_and_nothing_of_clocks_or_versions():
+def test_a_push_view_says_the_first_shards_scale_the_newest_switchs_sync_and_nothing_of_clocks_or_versions():
     results = [PushResult(version=3, applied=True, duplicate=False, sync="asp", loss_scale=2.0, ready_version=3),
                PushResult(version=4, applied=True, duplicate=False, sync="asp", loss_scale=2.0, ready_version=4)]
-    assert JobView.of_push(results) == JobView(sync="asp", loss_scale=2.0)
+    assert JobView.of_push(results) == JobView(sync="asp", sync_switch=0, loss_scale=2.0)
     assert JobView.of_push([]) == JobView()
+    # Mid-switch: shard 1 has had switch 3 (bsp), shard 0 not yet. The view says the newest.
+    results[1] = PushResult(version=4, applied=False, duplicate=False, sync="bsp", loss_scale=2.0, ready_version=5,
+                            sync_switch=3)
+    assert JobView.of_push(results) == JobView(sync="bsp", sync_switch=3, loss_scale=2.0)
 
 
 class _Client:
     def __init__(self) -> None:
         self.sync, self.loss_scale, self.slowest_clock, self.versions = "bsp", 4.0, 1, [0, 0]
+        self.sync_switch = 1
 
 
 def test_the_client_takes_a_view_in_one_place_keeping_what_it_does_not_say():
@@ -82,8 +89,12 @@ def test_the_client_takes_a_view_in_one_place_keeping_what_it_does_not_say():
     c = _Client()
     PSClient.apply(c, JobView(versions=((1, 9),)))  # type: ignore[arg-type]
     assert (c.sync, c.loss_scale, c.slowest_clock, c.versions) == ("bsp", 4.0, 1, [0, 9])
-    PSClient.apply(c, JobView(sync="asp", loss_scale=0.0, slowest_clock=3))  # type: ignore[arg-type]
-    assert (c.sync, c.loss_scale, c.slowest_clock, c.versions) == ("asp", 0.0, 3, [0, 9])
+    PSClient.apply(c, JobView(sync="asp", sync_switch=2, loss_scale=0.0, slowest_clock=3))  # type: ignore[arg-type]
+    assert (c.sync, c.sync_switch, c.loss_scale, c.slowest_clock, c.versions) == ("asp", 2, 0.0, 3, [0, 9])
+    # An older switch's mode (a shard not switched yet), or a mode with no switch (a Pull's): kept as it was.
+    PSClient.apply(c, JobView(sync="bsp", sync_switch=1))  # type: ignore[arg-type]
+    PSClient.apply(c, JobView(sync="bsp"))  # type: ignore[arg-type]
+    assert (c.sync, c.sync_switch) == ("asp", 2)
 
 
 def test_the_accumulator_pushes_the_mean_and_forgets():

@@ -52,7 +52,7 @@ def paths(route: Plan):
 
 
 def frames(segment: str) -> PushFramer:
-    return PushFramer(worker_id=7, step=3, base_version=2, loss_scale=0.0, epoch=1, shm=segment)
+    return PushFramer(worker_id=7, step=3, base_version=2, loss_scale=0.0, epoch=1, sync=("bsp", 0), shm=segment)
 
 
 def test_a_shard_gets_shared_memory_when_it_read_the_probe_and_grpc_otherwise(route):

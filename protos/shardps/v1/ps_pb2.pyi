@@ -130,7 +130,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ..., shm_probe: _Optional[str] = ..., shm_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm", "data_port", "data_token")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm", "sync_switch", "data_port", "data_token")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class RegisterResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SWITCH_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     version: int
@@ -155,9 +156,10 @@ class RegisterResponse(_message.Message):
     epoch: int
     backup: str
     shm: bool
+    sync_switch: int
     data_port: int
     data_token: bytes
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ..., sync_switch: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("version", "epoch")
@@ -206,7 +208,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last", "pull_after", "pull_dtype", "pull_min_clock", "slices")
+    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last", "pull_after", "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,8 @@ class PushRequest(_message.Message):
     PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PULL_MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SWITCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -235,10 +239,12 @@ class PushRequest(_message.Message):
     pull_dtype: DType
     pull_min_clock: int
     slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ..., pull_after: _Optional[bool] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., pull_min_clock: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ...) -> None: ...
+    sync: str
+    sync_switch: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ..., pull_after: _Optional[bool] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., pull_min_clock: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., sync: _Optional[str] = ..., sync_switch: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale", "ready_version", "pulled")
+    __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale", "ready_version", "pulled", "sync_switch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +252,7 @@ class PushResponse(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     READY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SWITCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied: bool
     duplicate: bool
@@ -253,7 +260,8 @@ class PushResponse(_message.Message):
     loss_scale: float
     ready_version: int
     pulled: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ..., pulled: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    sync_switch: int
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ..., pulled: _Optional[_Iterable[bytes]] = ..., sync_switch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm", "slices")
@@ -312,12 +320,14 @@ class SetSyncRequest(_message.Message):
     def __init__(self, sync: _Optional[str] = ...) -> None: ...
 
 class SetSyncResponse(_message.Message):
-    __slots__ = ("sync", "version")
+    __slots__ = ("sync", "version", "sync_switch")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SWITCH_FIELD_NUMBER: _ClassVar[int]
     sync: str
     version: int
-    def __init__(self, sync: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    sync_switch: int
+    def __init__(self, sync: _Optional[str] = ..., version: _Optional[int] = ..., sync_switch: _Optional[int] = ...) -> None: ...
 
 class PullStateRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes")
