@@ -45,6 +45,34 @@ def test_the_backup_replays_every_change_to_thesame_state(make_cluster):
         assert st.stats().sync_switches_total == 2 and st.stats().replication_lag_ops == 0
 
 
+def test_a_switch_made_from_a_push_and_a_late_gradient_are_replayed_by_the_backup(make_cluster):
+    """One worker, SGD(lr=1). set-sync bsp reaches shard 0 only. Step 1 was computed under asp: shard 0 takes it
+    as late (summed into its first bsp round, not waited for), shard 1 applies it. Step 2 says (bsp, switch 1):
+    shard 1 makes the switch itself. Each backup replays both to the primary's state, bit for bit."""
+    c = make_cluster(2, replicas=2)
+    backup_of = {b.shard_index: b for b in c.backups}
+    grads = [{"w": torch.full((4,), float(v)), "b": torch.full((3,), float(v))} for v in (1, 2, 4)]
+    with shardps.connect(c.addresses, part_bytes=16) as client:
+        client.register({"w": torch.zeros(4), "b": torch.zeros(3)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        client.push(grads[0], 0)
+        with shardps.connect(c.addresses[:1]) as ctl:
+            assert ctl.set_sync("bsp") == ["bsp"]
+        r1 = client.push(grads[1], 1)
+        assert [(r.sync, r.sync_switch, r.ready_version) for r in r1] == [("bsp", 1, 1), ("asp", 0, 2)]
+        assert client.sync_said == ("bsp", 1)
+        r2 = client.push(grads[2], 2)
+        assert [(r.sync, r.sync_switch, r.version) for r in r2] == [("bsp", 1, 2), ("bsp", 1, 3)]
+        got = client.pull()
+    placed = {name: i for i, st in enumerate(c.stores) for name in st.names()}
+    for name, t in got.items():  # shard 0: -1, then the mean of 2 and 4; shard 1: -1 - 2 - 4
+        assert torch.equal(t, torch.full_like(t, -4.0 if placed[name] == 0 else -7.0)), (name, placed)
+    assert sorted(placed.values()) == [0, 1]  # one tensor on each shard
+    for st in c.stores:
+        same_state(st, backup_of[st.shard_index])
+        assert st.stats().sync == "bsp" and st.stats().sync_switches_total == 1
+        assert st.stats().gradients_applied_total == 3
+
+
 def test_an_acknowledged_push_is_already_on_the_backup(make_cluster):
     c = make_cluster(2, replicas=2)
     backup_of = {b.shard_index: b for b in c.backups}
