@@ -94,21 +94,26 @@ def expert_rows(addresses: list[str], name: str, like: shardps.nn.MoE) -> torch.
         return client.pull_rows(name, torch.arange(E), track=False)
 
 
-@pytest.mark.parametrize("placement, chunks, schedule, checkpoint", [
-    ("pull", 3, "1f1b", "except_last"),  # kept forwards and recomputed ones, several micro-batches
-    ("send", 3, "gpipe", "always"),  # the experts run on the shards, each micro-batch's gradients held there
-    ("auto", 3, "1f1b", "except_last"),  # one placement a step, for all its micro-batches
+@pytest.mark.parametrize("placement, chunks, schedule, checkpoint, replicas", [
+    ("pull", 3, "1f1b", "except_last", 1),  # kept forwards and recomputed ones, several micro-batches
+    ("send", 3, "gpipe", "always", 1),  # the experts run on the shards, each micro-batch's gradients held there
+    ("auto", 3, "1f1b", "except_last", 1),  # one placement a step, for all its micro-batches
+    # two replicas of the pipeline, each half the batch: each replica's stages push their expert rows as its
+    # worker of two, held gradients too; the servers' mean is the one process's step on the 6 micro-batches
+    ("send", 3, "1f1b", "except_last", 2),
 ])
-def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, chunks, schedule, checkpoint):
+def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, chunks, schedule, checkpoint,
+                                         replicas):
     servers = make_cluster(2)
     model = build(placement)
     ref = OneProcess(model)
     with sray.Pipeline(model, balance=[2, 2], chunks=chunks, schedule=schedule, checkpoint=checkpoint,
-                       servers=servers.addresses, optimizer=SGD(lr=LR), sync="bsp", num_cpus=0.5) as pipe:
+                       servers=servers.addresses, optimizer=SGD(lr=LR), sync="bsp", num_cpus=0.5,
+                       replicas=replicas) as pipe:
         for step in range(STEPS):
             x, y = data(step)
             loss = pipe.train_step(x, y, nn.CrossEntropyLoss())
-            assert loss == pytest.approx(ref.step(x, y, chunks), rel=1e-6)
+            assert loss == pytest.approx(ref.step(x, y, replicas * chunks), rel=1e-6)
         got = pipe.state_dict()
     want = {"0.weight": ref.first.weight, "0.bias": ref.first.bias, "3.weight": ref.head.weight,
             "3.bias": ref.head.bias, "1.moe.gate.weight": ref.blocks[0][0].weight,
