@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/moe.py costs --json              # the cost model's constants on this machine
     .venv/bin/python benchmarks/moe.py placement --json          # the sweep below, 2 server processes
+    .venv/bin/python benchmarks/moe.py placement --calibrate --json   # the same, the constants measured first
     .venv/bin/python benchmarks/moe.py curves --steps 600 --plot docs/img/moe_curves.png --json
 
 ``placement``: one ``shardps.nn.MoE`` layer (``--d-model`` 64, experts
@@ -14,8 +15,10 @@ the rows of the experts a batch hits and their gradients, 2 x U x (4P + 16)
 bytes with U = E(1 - (1 - k/E)^T) expected; "send" moves the tokens out and
 back and, in backward, the tokens and their output gradients out and the
 tokens' gradients back, 5 x T x k x d x 4 bytes. The step time the cost
-model predicts (worker/placement.py, ``CostModel``: the layer's own, or
-``--cost-model`` the JSON ``costs`` printed) for the same expected U.
+model predicts (worker/placement.py, ``CostModel``: the layer's own,
+``--cost-model`` the JSON ``costs`` printed, or ``--calibrate``: measured
+as ``costs`` does, in the same run, just before the sweep) for the same
+expected U.
 Printed: the crossover (tokens per step where "send" stops being the
 faster) the cost model predicts and the bytes alone would, against the one
 measured, and "auto"'s step time over the better placement's.
@@ -23,11 +26,12 @@ measured, and "auto"'s step time over the better placement's.
 ``costs``: the cost model's constants measured on this machine: the link's
 seconds per byte (a pull and push of ``--experts`` expert rows against 1),
 and for each placement one layer's step at (1 expert, ``--few`` tokens), (1
-expert, ``--many`` tokens) and (``--experts`` experts, ``--many`` tokens):
-the slope over tokens is the per-flop cost (here for pull, on the shards
-for send, less the tokens' bytes), the step of many experts over 1 the
-fixed cost per expert (less the rows' bytes for pull), the rest the fixed
-cost per step.
+expert, ``--many`` tokens), (``--mid-experts``, ``--many``) and
+(``--experts`` experts, ``--many`` tokens): the slope over tokens is the
+per-flop cost (here for pull, on the shards for send, less the tokens'
+bytes), the steps of more experts over 1 the cost per expert, a constant
+and a part that grows with the experts (``a (U - 1) + b (U^2 - 1)`` through
+both; less the rows' bytes for pull), the rest the fixed cost per step.
 
 ``curves``: examples/moe_gpt.py's char-GPT with ``--experts`` experts per
 MLP (top-1) against the dense model with the same active parameters, the
@@ -76,8 +80,10 @@ FINE = sorted({round(10 ** (i / 100)) for i in range(0, 601)})  # 1 to 1,000,000
 
 
 def crossover(tokens: list[int], pull: list[float], send: list[float]) -> float | None:
-    """The tokens per step (log-interpolated) where send - pull changes sign from below 0 to above; None if never."""
-    for i in range(1, len(tokens)):
+    """The tokens per step (log-interpolated) where send - pull changes sign from below 0 to above for the last
+    time (past it pull stays the faster; at few tokens the two can be level within the noise and cross back and
+    forth); None if never."""
+    for i in reversed(range(1, len(tokens))):
         a, b = send[i - 1] - pull[i - 1], send[i] - pull[i]
         if a < 0 <= b:
             f = -a / (b - a)
@@ -133,8 +139,8 @@ def point(addresses: list[str], experts: int, tokens: int, a: argparse.Namespace
 def costs(a: argparse.Namespace) -> dict[str, Any]:
     """The cost model's constants on this machine (the module docstring): ``CostModel``'s fields, and the
     step times they come from (ms). Every measurement interleaved with the others, round by round."""
-    params, d, few, many, e = sum(p.numel() for p in expert(a.d_model).parameters()), a.d_model, a.few, a.many, \
-        a.experts
+    params, d, few, many, e, m = sum(p.numel() for p in expert(a.d_model).parameters()), a.d_model, a.few, a.many, \
+        a.experts, a.mid_experts
     cluster = shardps.LocalCluster(a.shards, processes=True).start()
     try:
         with shardps.connect(cluster.addresses, timeout=600) as client:
@@ -149,25 +155,31 @@ def costs(a: argparse.Namespace) -> dict[str, Any]:
                     if i >= a.warmup:
                         ts[n].append(time.perf_counter() - t0)
             rows = {n: statistics.median(v) for n, v in ts.items()}
-        got = steps(cluster.addresses, [(x, n, p) for x, n in ((1, few), (1, many), (e, many))
-                                        for p in ("pull", "send")], a)
+        points = ((1, few), (1, many), (m, many), (e, many))
+        got = steps(cluster.addresses, [(x, n, p) for x, n in points for p in ("pull", "send")], a)
     finally:
         cluster.stop()
-    t = {(x, n): {p: got[(x, n, p)] for p in ("pull", "send")} for x, n in ((1, few), (1, many), (e, many))}
+    t = {(x, n): {p: got[(x, n, p)] for p in ("pull", "send")} for x, n in points}
     byte_s = max(0.0, (rows[e] - rows[1]) / ((e - 1) * 2 * (4 * params + 16)))
     fit = {}
     for p in ("pull", "send"):
         per_token = (t[(1, many)][p]["seconds"] - t[(1, few)][p]["seconds"]) / (many - few)
-        per_expert = (t[(e, many)][p]["seconds"] - t[(1, many)][p]["seconds"]) / (e - 1)
-        fit[p] = (per_token, per_expert, t[(1, few)][p]["seconds"] - per_expert - few * per_token)
+        # What U experts cost over 1 at ``many`` tokens (every expert routed to): a (U - 1) + b (U^2 - 1),
+        # from U = m and U = e; b < 0 (cheaper per expert with more of them) is taken as 0, a from e alone.
+        over = {x: (t[(x, many)][p]["seconds"] - t[(1, many)][p]["seconds"]) / (x - 1) for x in (m, e)}
+        sq = (over[e] - over[m]) / (e - m)
+        per_expert, sq = (over[m] - sq * (m + 1), sq) if sq > 0 else (over[e], 0.0)
+        fit[p] = (per_token, max(0.0, per_expert), sq,
+                  t[(1, few)][p]["seconds"] - max(0.0, per_expert) - sq - few * per_token)
     model = CostModel(
         byte_s=byte_s,
-        pull_call_s=max(0.0, fit["pull"][2]),
+        pull_call_s=max(0.0, fit["pull"][3]),
         local_expert_s=max(0.0, fit["pull"][1] - 2 * (4 * params + 16) * byte_s),
         local_flop_s=max(0.0, fit["pull"][0] / (6 * params)),
-        send_call_s=max(0.0, fit["send"][2]),
-        server_expert_s=max(0.0, fit["send"][1]),
-        server_flop_s=max(0.0, (fit["send"][0] - 20 * d * byte_s) / (8 * params)))
+        send_call_s=max(0.0, fit["send"][3]),
+        server_expert_s=fit["send"][1],
+        server_flop_s=max(0.0, (fit["send"][0] - 20 * d * byte_s) / (8 * params)),
+        local_expert_sq_s=fit["pull"][2], server_expert_sq_s=fit["send"][2])
     return {"cost_model": {k: float(f"{v:.3g}") for k, v in vars(model).items()}, "expert_params": params,
             "rows_ms": {n: round(1e3 * v, 3) for n, v in rows.items()},
             "steps_ms": [{"experts": x, "tokens": n, **{p: round(1e3 * r[p]["seconds"], 3) for p in r}}
@@ -178,7 +190,13 @@ def placement_sweep(a: argparse.Namespace) -> dict[str, Any]:
     params = sum(p.numel() for p in expert(a.d_model).parameters())
     out: dict[str, Any] = {"d_model": a.d_model, "expert_params": params, "shards": a.shards, "points": [],
                            "crossover": []}
-    cm = CostModel(**json.loads(a.cost_model)) if a.cost_model else CostModel()
+    if a.calibrate:  # the constants measured here and now, just before the sweep (``costs``'s defaults)
+        measured = costs(argparse.Namespace(few=16, many=4096, experts=32, mid_experts=8, d_model=a.d_model,
+                                            repeats=15, warmup=3, shards=a.shards))
+        out["calibration"] = measured
+        cm = CostModel(**measured["cost_model"])
+    else:
+        cm = CostModel(**json.loads(a.cost_model)) if a.cost_model else CostModel()
     out["cost_model"] = vars(cm)
     cluster = shardps.LocalCluster(a.shards, processes=True).start()
     try:
@@ -250,10 +268,14 @@ def main() -> None:
                    help="rounds before those (default 6: auto's probes, 3 steps of each placement)")
     p.add_argument("--cost-model", default=None, metavar="JSON",
                    help="CostModel fields (what `costs` printed as cost_model); default: the layer's own")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the cost model's constants first, in this run (as `costs`), and use them")
     k = sub.add_parser("costs")
     k.add_argument("--few", type=int, default=16, help="tokens of the small steps (default 16)")
     k.add_argument("--many", type=int, default=4096, help="tokens of the large steps (default 4096)")
     k.add_argument("--experts", type=int, default=32, help="experts of the many-experts step (default 32)")
+    k.add_argument("--mid-experts", type=int, default=8,
+                   help="experts of a step between (default 8): with --experts, the U^2 term's fit")
     k.add_argument("--d-model", type=int, default=64)
     k.add_argument("--repeats", type=int, default=15)
     k.add_argument("--warmup", type=int, default=3)

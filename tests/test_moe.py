@@ -279,6 +279,9 @@ def test_cost_model_charges_each_placement_its_calls_experts_tokens_and_bytes():
     assert one == {"pull": 10.0 + 2 * (4 * 3 + 16) + 100.0, "send": 20.0 + 200.0}
     tok = m.seconds(experts=0, assignments=1, params=3, d_model=2)  # a token: 3 forwards here, or 4 there + bytes
     assert tok == {"pull": 10.0 + 3 * 6 * 1000.0, "send": 20.0 + 5 * 4 * 2 + 4 * 6 * 2000.0}
+    sq = CostModel(**{**vars(m), "local_expert_sq_s": 3.0, "server_expert_sq_s": 5.0})  # and U^2 x each
+    four = sq.seconds(experts=4, assignments=0, params=3, d_model=2)
+    assert four == {"pull": 10.0 + 4 * (2 * (4 * 3 + 16) + 100.0) + 16 * 3.0, "send": 20.0 + 4 * 200.0 + 16 * 5.0}
 
 
 def test_send_registers_the_program_again_where_a_shard_lost_it(make_cluster):

@@ -20,13 +20,16 @@ The cost model. A step of either placement is two round trips to the
 shards (pull: the rows' pull and the gradients' push; send: ``Forward`` and
 ``Backward``) and then, per distinct expert and per token-assignment:
 
-- pull: ``pull_call_s + U x (2 (4P + 16) byte_s + local_expert_s) + A x 6P
-  local_flop_s``: each routed expert's row down and its gradient up, its
-  forward and backward run here (a fixed part per expert: the small
-  matmuls, autograd and the row's gradient; and 3 x 2P flops a token:
-  forward, and a backward of twice that);
-- send: ``send_call_s + U x server_expert_s + A x (5 x 4d byte_s + 8P
-  server_flop_s)``: the tokens out and back, then the tokens and their
+- pull: ``pull_call_s + U x (2 (4P + 16) byte_s + local_expert_s) + U^2 x
+  local_expert_sq_s + A x 6P local_flop_s``: each routed expert's row down
+  and its gradient up, its forward and backward run here (a fixed part per
+  expert: the small matmuls, autograd and the row's gradient; and 3 x 2P
+  flops a token: forward, and a backward of twice that). The U^2 term: on
+  this machine the cost per expert grows with the experts a step routes to
+  (about nothing each at 8, over 1 ms each at 32: docs/moe.md), which a
+  constant per expert fitted at 32 charges 8 experts too much for;
+- send: ``send_call_s + U x server_expert_s + U^2 x server_expert_sq_s +
+  A x (5 x 4d byte_s + 8P server_flop_s)``: the tokens out and back, then the tokens and their
   output gradients out and the tokens' gradients back; on the shards the
   forward, then in the backward the forward again and its backward (4 x
   2P flops a token), and per expert a fixed part (its row loaded into the
@@ -64,15 +67,19 @@ class CostModel:
     send_call_s: float = 26.9e-3  # send's fixed part of a step: Forward and Backward
     server_expert_s: float = 0.596e-3  # an expert run on the shards: Forward and Backward, the fixed part
     server_flop_s: float = 1.17e-11  # a flop run on the shards
+    # The cost per expert that grows with the experts routed to (U^2 x this): 0 in the defaults, which were
+    # fitted without it; ``benchmarks/moe.py costs`` measures it (the module docstring).
+    local_expert_sq_s: float = 0.0
+    server_expert_sq_s: float = 0.0
 
     def seconds(self, *, experts: float, assignments: float, params: int, d_model: int) -> dict[str, float]:
         """Each placement's step for ``experts`` distinct experts kept and ``assignments`` kept assignments
         (expected values will do: the benchmark's model crossover), experts of ``params`` parameters."""
         flops = 2 * params * assignments  # one forward of the kept assignments
         pull = (self.pull_call_s + experts * (2 * (4 * params + 16) * self.byte_s + self.local_expert_s)
-                + 3 * flops * self.local_flop_s)
-        send = (self.send_call_s + experts * self.server_expert_s + assignments * 5 * 4 * d_model * self.byte_s
-                + 4 * flops * self.server_flop_s)
+                + experts ** 2 * self.local_expert_sq_s + 3 * flops * self.local_flop_s)
+        send = (self.send_call_s + experts * self.server_expert_s + experts ** 2 * self.server_expert_sq_s
+                + assignments * 5 * 4 * d_model * self.byte_s + 4 * flops * self.server_flop_s)
         return {"pull": pull, "send": send}
 
 
