@@ -94,21 +94,24 @@ def expert_rows(addresses: list[str], name: str, like: shardps.nn.MoE) -> torch.
         return client.pull_rows(name, torch.arange(E), track=False)
 
 
-@pytest.mark.parametrize("placement, chunks, schedule, checkpoint, replicas", [
-    ("pull", 3, "1f1b", "except_last", 1),  # kept forwards and recomputed ones, several micro-batches
-    ("send", 3, "gpipe", "always", 1),  # the experts run on the shards, each micro-batch's gradients held there
-    ("auto", 3, "1f1b", "except_last", 1),  # one placement a step, for all its micro-batches
+@pytest.mark.parametrize("placement, chunks, schedule, checkpoint, replicas, sync", [
+    ("pull", 3, "1f1b", "except_last", 1, "bsp"),  # kept forwards and recomputed ones, several micro-batches
+    ("send", 3, "gpipe", "always", 1, "bsp"),  # the experts run on the shards, each micro-batch's gradients held
+    ("auto", 3, "1f1b", "except_last", 1, "bsp"),  # one placement a step, for all its micro-batches
     # two replicas of the pipeline, each half the batch: each replica's stages push their expert rows as its
     # worker of two, held gradients too; the servers' mean is the one process's step on the 6 micro-batches
-    ("send", 3, "1f1b", "except_last", 2),
+    ("send", 3, "1f1b", "except_last", 2, "bsp"),
+    # asp: a stage with row modules pushes and pulls in the step (no overlap with the next step's forwards,
+    # which pull rows of their own); with one replica each push is applied on arrival: one process's steps
+    ("pull", 3, "1f1b", "except_last", 1, "asp"),
 ])
 def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, chunks, schedule, checkpoint,
-                                         replicas):
+                                         replicas, sync):
     servers = make_cluster(2)
     model = build(placement)
     ref = OneProcess(model)
     with sray.Pipeline(model, balance=[2, 2], chunks=chunks, schedule=schedule, checkpoint=checkpoint,
-                       servers=servers.addresses, optimizer=SGD(lr=LR), sync="bsp", num_cpus=0.5,
+                       servers=servers.addresses, optimizer=SGD(lr=LR), sync=sync, num_cpus=0.5,
                        replicas=replicas) as pipe:
         for step in range(STEPS):
             x, y = data(step)
@@ -135,9 +138,8 @@ def test_a_pipeline_refuses_moe_stages_it_cannot_run(ray_cluster, make_cluster):
     with pytest.raises(ValueError, match="needs servers="):
         sray.Pipeline(model, balance=[2, 2], chunks=1)
     servers = make_cluster(1).addresses
-    with pytest.raises(ValueError, match=r"stage 0's MoE '1.moe' .* needs a barrier sync mode \(bsp or every:X\), "
-                                         r"got asp"):
-        sray.Pipeline(model, balance=[2, 2], chunks=1, servers=servers, sync="asp")
+    with pytest.raises(ValueError, match=r"stage 0's MoE '1.moe' .* does not run with tensor_parallel"):
+        sray.Pipeline(model, balance=[2, 2], chunks=1, servers=servers, tensor_parallel=2, tp_plan={"0": "column"})
 
 
 def test_send_on_expert_actors_equals_a_dense_loop(ray_cluster, make_cluster):

@@ -126,8 +126,7 @@ class Pipeline:
         for name, value in (("step_timeout", step_timeout), ("placement_timeout", placement_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        check_row_modules(self.stage_modules, servers=servers, sync=SyncSpec.parse(sync), stream=stream,
-                          tensor_parallel=tensor_parallel)
+        check_row_modules(self.stage_modules, servers=servers, stream=stream, tensor_parallel=tensor_parallel)
         self.schedule, self.chunks, self.checkpoint, self.offload = schedule, chunks, checkpoint, offload
         self.compress = self.options.encodings
         self.strategy = check_strategy(strategy)

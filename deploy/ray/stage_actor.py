@@ -32,6 +32,7 @@ from shardps.worker.moe import ExpertRows
 from shardps.worker.pipeline.failure import Outcome, StageFailed
 from shardps.worker.pipeline.link import GroupLink, LinkError
 from shardps.worker.pipeline.plan import StepPlan
+from shardps.worker.pipeline.rowstage import has_row_modules
 from shardps.worker.pipeline.schedule import Kind, Task
 from shardps.worker.pipeline.stage import StageRuntime
 from shardps.worker.pipeline.streamstage import StageOptimizer
@@ -178,7 +179,8 @@ class StageActor:
                                          self._streamed(opts))
         else:
             self.weights = StageWeights(self.rt, opts.sync, opts.weight_delay,
-                                        self._stepper(opts) if opts.servers and self.tp is None else None)
+                                        self._stepper(opts) if opts.servers and self.tp is None else None,
+                                        overlap=not has_row_modules(module))
 
     def _connect_client(self, opts: StageOptions) -> Any:
         from shardps.worker.client import connect
@@ -243,7 +245,8 @@ class StageActor:
             self.tp.attach(open_group(store, GroupSpec(tp_name, self.tp_rank, self.tp.size, spec.backend, timeout),
                                       host))
             if self.opts.servers and isinstance(self.weights, StageWeights) and self.weights.stepper is None:
-                self.weights = StageWeights(self.rt, self.opts.sync, self.opts.weight_delay, self._stepper(self.opts))
+                self.weights = StageWeights(self.rt, self.opts.sync, self.opts.weight_delay, self._stepper(self.opts),
+                                            overlap=not has_row_modules(self.rt.module))
 
     def begin_step(self, step: int, chunks: int, loss_fn: Callable[..., torch.Tensor] | None) -> None:
         if self.tp is not None and loss_fn is not None and hasattr(loss_fn, "group"):

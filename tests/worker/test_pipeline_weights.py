@@ -45,7 +45,7 @@ def linear() -> nn.Linear:
     return nn.Linear(4, 2)
 
 
-def stage(sync: str, weight_delay: int = 1, timeout: float = 600.0,
+def stage(sync: str, weight_delay: int = 1, timeout: float = 600.0, overlap: bool = True,
           **fake: object) -> tuple[StageRuntime, StageWeights, list[FakeStepper]]:
     rt = StageRuntime(linear(), 0, 1, checkpoint="never", loss_fn=nn.MSELoss(reduction="sum"))
     made: list[FakeStepper] = []
@@ -54,7 +54,7 @@ def stage(sync: str, weight_delay: int = 1, timeout: float = 600.0,
         made.append(FakeStepper(masters, **fake))  # type: ignore[arg-type]
         return made[-1]
 
-    return rt, StageWeights(rt, SyncSpec.parse(sync), weight_delay, make, timeout=timeout), made
+    return rt, StageWeights(rt, SyncSpec.parse(sync), weight_delay, make, timeout=timeout, overlap=overlap), made
 
 
 X, T = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(3, 2)
@@ -83,8 +83,11 @@ def test_stashing_follows_the_sync_modes_spec(sync, stash, delay):
     assert (w.stash, w.weight_delay) == (stash, delay)
 
 
-def test_bsp_runs_on_the_masters_and_equals_sgd_in_one_process():
-    rt, w, (fake,) = stage("bsp")
+@pytest.mark.parametrize("sync, overlap", [("bsp", True), ("asp", False), ("ssp:1", False)])
+def test_bsp_or_asp_without_overlap_runs_on_the_masters_and_equals_sgd_in_one_process(sync, overlap):
+    # asp/ssp with overlap=False (a stage with row modules): the push and pull in sync(), as under bsp
+    rt, w, (fake,) = stage(sync, overlap=overlap)
+    assert (w.stash, w.weight_delay) == (False, 0)
     ref = linear()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(3):

@@ -6,8 +6,10 @@ tables as its replica (worker id ``replica`` of ``replicas``: a table is held by
 at the step's end, with the dense gradients (deploy/ray/stage_actor.py). So they need:
 
 - ``servers``: their rows are nowhere else;
-- a barrier sync mode (bsp, every:X): under asp/ssp the stage's push runs in the background while the next
-  step's forwards pull rows of their own, and the rows pulled must be pushed by the step that pulled them;
+- under asp/ssp, the step's push and pull in the step (``StageWeights(overlap=False)``), not in the
+  background beside the next step's forwards: those pull rows of their own, and the rows a step pulled must
+  be pushed by it; the servers still apply each replica's push on arrival (the tables' sync follows the
+  job's: asp rows under asp and ssp);
 - neither ``stream`` nor ``tensor_parallel`` (their steppers do not push row tables).
 
 An ``MoE`` under "send" runs with any ``chunks``: each micro-batch's backward holds the experts' gradients on
@@ -21,13 +23,16 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from shardps.protos.syncspec import SyncSpec
 from shardps.worker.moe import MoE
 from shardps.worker.rowmodules import _Rows
 
 
-def check_row_modules(stages: Sequence[nn.Module], *, servers: object, sync: SyncSpec, stream: object,
-                      tensor_parallel: int) -> None:
+def has_row_modules(module: nn.Module) -> bool:
+    """Whether ``module`` holds a row module (its stage then syncs in the step under asp/ssp too)."""
+    return any(isinstance(m, (_Rows, MoE)) for m in module.modules())
+
+
+def check_row_modules(stages: Sequence[nn.Module], *, servers: object, stream: object, tensor_parallel: int) -> None:
     """Raise ``ValueError`` naming the module and the option when a stage's row modules cannot run."""
     for i, stage in enumerate(stages):
         found = [(path, m) for path, m in stage.named_modules() if isinstance(m, (_Rows, MoE))]
@@ -37,8 +42,6 @@ def check_row_modules(stages: Sequence[nn.Module], *, servers: object, sync: Syn
         what = f"stage {i}'s {type(m).__name__} {path!r} (its rows live on the servers)"
         if not servers:
             raise ValueError(f"{what} needs servers=")
-        if not sync.barrier:
-            raise ValueError(f"{what} needs a barrier sync mode (bsp or every:X), got {sync}")
         if stream is not None or tensor_parallel > 1:
             raise ValueError(f"{what} does not run with {'stream=' if stream is not None else 'tensor_parallel'}")
 

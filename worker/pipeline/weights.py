@@ -7,7 +7,8 @@ How forwards see them depends on the sync mode (``SyncSpec.barrier``):
 
 - barrier modes (bsp, every:X): the pull is part of ``sync()``; the runtime runs on the masters themselves,
   so the next step's first forward sees the new weights: one process's semantics.
-- the others (asp, ssp:S): ``sync()`` pushes and pulls in a background thread, overlapping the next step.
+- the others (asp, ssp:S): ``sync()`` pushes and pulls in a background thread, overlapping the next step
+  (unless ``overlap`` is False: then as under a barrier mode, the servers applying each push on arrival).
   Its first ``weight_delay`` micro-batches run on the weights installed before; the forward of micro-batch
   ``weight_delay`` (at the latest the step's last) waits for the pull and installs a copy of the masters.
   Each version is its own tensors, so a micro-batch's backward runs on its forward's weights (weight
@@ -46,10 +47,12 @@ class StageWeights:
     """The weights side of stage ``runtime`` under ``sync``; with ``make_stepper`` None (no servers) it
     only reports the runtime's version. ``weight_delay``: micro-batches of a step that may run before the
     previous step's pull lands (asp/ssp only; 0 under barrier modes). ``timeout``: the longest a forward
-    waits for a background push and pull to land (seconds) before it raises ``TimeoutError``."""
+    waits for a background push and pull to land (seconds) before it raises ``TimeoutError``. ``overlap``
+    False: under asp/ssp too, the push and pull run in ``sync()`` (a stage with row modules: the rows a step
+    pulled must be pushed by it before the next step's forwards pull theirs; worker/pipeline/rowstage.py)."""
 
     def __init__(self, runtime: StageRuntime, sync: SyncSpec, weight_delay: int = 1,
-                 make_stepper: MakeStepper | None = None, timeout: float = 600.0) -> None:
+                 make_stepper: MakeStepper | None = None, timeout: float = 600.0, overlap: bool = True) -> None:
         if weight_delay < 0:
             raise ValueError(f"weight_delay must be >= 0, got {weight_delay}")
         if not timeout > 0:
@@ -57,7 +60,7 @@ class StageWeights:
         self.timeout = timeout
         self.runtime = runtime
         self.sync_spec = sync
-        self.stash = not sync.barrier  # the pull overlaps the next step: each version stashed for its backwards
+        self.stash = overlap and not sync.barrier  # the pull overlaps the next step: versions stashed for backwards
         self.weight_delay = weight_delay if self.stash else 0
         self.intervals: list[tuple[float, float]] = []  # (start, end) of each push and pull, wall-clock seconds
         self.masters: dict[str, torch.Tensor] = {}
