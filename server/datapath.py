@@ -243,7 +243,7 @@ class DataPath:
             policy = job.policy
             assert policy is not None  # registered workers imply a job
             # The worker learned of a switch from another shard first (made below, once the push is sure to
-            # be taken in), or computed the gradient under a mode this shard has left (applied alone).
+            # be taken in), or computed the gradient under a mode this shard has left (late: server/sync.py).
             adopt = spec if spec is not None and sync_switch > job.sync_switches_total else None
             late = sync_switch < job.sync_switches_total
             if weights is not None and not (adopt.barrier if adopt else not policy.passes_through):
