@@ -10,6 +10,7 @@ shards: the layer equal to that dense loop, the actors having run every call.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -131,6 +132,23 @@ def test_moe_stages_train_as_one_process(ray_cluster, make_cluster, placement, c
         torch.testing.assert_close(rows, want_rows, rtol=0, atol=1e-6, msg=name)
         moved = (rows != model[i].moe.experts.pretrained).any(1)
         assert 0 < int(moved.sum()) < E  # some experts trained, and some got no token: untouched
+
+
+def test_moe_stages_of_two_replicas_under_asp_apply_every_push_once(ray_cluster, make_cluster):
+    """Under asp the result depends on the order the replicas' pushes arrive in: what is exact is that every
+    push is applied once, on arrival (each of the 2 stages of the 2 replicas pushes its dense part every step:
+    8 versions on each shard) and each expert table takes one step per replica per step (4), none a retry."""
+    servers = make_cluster(2)
+    with sray.Pipeline(build("send"), balance=[2, 2], chunks=3, schedule="1f1b", checkpoint="except_last",
+                       servers=servers.addresses, optimizer=SGD(lr=LR), sync="asp", num_cpus=0.5,
+                       replicas=2) as pipe:
+        losses = [pipe.train_step(*data(step), nn.CrossEntropyLoss()) for step in range(STEPS)]
+    assert all(math.isfinite(x) for x in losses)
+    with shardps.connect(servers.addresses) as client:
+        for st in client.stats():
+            assert (st["version"], st["pushes_total"], st["gradients_applied_total"]) == (8, 8, 8), st["shard_index"]
+            assert sorted((t["name"], t["steps"], t["duplicates"]) for t in st["row_tables"]) == \
+                [("moe_a", 4, 0), ("moe_b", 4, 0)]
 
 
 def test_a_pipeline_refuses_moe_stages_it_cannot_run(ray_cluster, make_cluster):
