@@ -9,8 +9,9 @@ current values; ``Backward`` runs it again with autograd, answers the
 tokens' gradient and pushes the experts' parameter gradients into the table
 as a ``PushRows`` of the same (worker, step, num_workers) would
 (``RowTables.push``: the table's optimizer, bsp, exactly once, replication);
-with ``hold`` it keeps them (``Held``) for the step's first Backward without
-hold to push with its own (a step of several micro-batches).
+with ``hold`` it keeps them (``RowTables.hold``, server/heldgrads.py: replicated to
+the backup) for the step's first Backward without hold to push with its own
+(a step of several micro-batches).
 
 Thread-safety: a program runs under its own lock (its parameters are loaded
 from the row of each call); the rows under the store's.
@@ -136,36 +137,6 @@ def check_program(table: str, program: Program | None, dim: int) -> Program:
     return program
 
 
-class Held:
-    """Backward's expert gradients held (``hold``) per (table, worker) for one step, until a Backward of that
-    step without hold pushes them with its own; one newer step's hold drops an older one's (that step was
-    abandoned: its worker went on). Thread-safe."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.data: dict[tuple[str, int], tuple[int, list[np.ndarray], list[torch.Tensor], list[np.ndarray]]] = {}
-
-    def add(self, table: str, worker: int, step: int, keys: np.ndarray, grads: torch.Tensor,
-            versions: np.ndarray) -> None:
-        with self.lock:
-            cur = self.data.get((table, worker))
-            if cur is None or cur[0] != step:
-                cur = self.data[(table, worker)] = (step, [], [], [])
-            cur[1].append(keys.copy())
-            cur[2].append(grads)
-            cur[3].append(versions)
-
-    def take(self, table: str, worker: int, step: int, keys: np.ndarray, grads: torch.Tensor,
-             versions: np.ndarray) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
-        """``keys``, ``grads`` and ``versions`` with those held for (table, worker, step) before them (repeated
-        keys: the push sums them); forgets what was held for (table, worker)."""
-        with self.lock:
-            cur = self.data.pop((table, worker), None)
-        if cur is None or cur[0] != step:
-            return keys.copy(), grads, versions
-        return (np.concatenate([*cur[1], keys]), torch.cat([*cur[2], grads]), np.concatenate([*cur[3], versions]))
-
-
 class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
     """``service Experts`` over a shard's ``RowTables``."""
 
@@ -178,7 +149,6 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         self.metrics = metrics
         self.max_wait_s = max_wait_s
         self.programs: dict[str, Program] = {}
-        self.held = Held()  # Backward's gradients with hold: a step of several micro-batches
         self.lock = threading.Lock()
 
     def _program(self, table: str, dim: int) -> Program:
@@ -224,14 +194,17 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         if len(experts):
             rows, _ = self.rows.pull(request.table, request.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, request.dim)
-        none = np.zeros(len(experts), dtype=np.int64)
-        if request.hold:
-            self.held.add(request.table, request.worker_id, request.step, experts, g, none)
+        if request.hold:  # on the backup too before it is answered: the worker goes on (server/heldgrads.py)
+            self.rows.hold(request.table, request.dim, request.worker_id, request.step, request.hold_index,
+                           experts, g)
+            self.replicated()
             return experts_pb2.ExpertAnswer(out=dx)
-        keys, g, _ = self.held.take(request.table, request.worker_id, request.step, experts, g, none)
+        none = np.zeros(len(experts), dtype=np.int64)
+        keys, g, _ = self.rows.held.with_held(request.table, request.worker_id, request.step, experts, g, none)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         updated = self.rows.push(request.table, request.dim, keys, g, worker=request.worker_id,
                                  step=request.step, num_workers=request.num_workers, timeout=timeout).rows
+        self.rows.held.drop(request.table, request.worker_id, request.step)  # kept until the push went through
         self.replicated()
         return experts_pb2.ExpertAnswer(out=dx, rows=updated)

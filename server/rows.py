@@ -37,6 +37,7 @@ from shardps.protos.rows import ROW_ITEMSIZE, RowTableSpec, label
 from shardps.protos.stats import RowTableStats
 from shardps.server import rowreshard
 from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.heldgrads import Held
 from shardps.server.optim import make_row_optimizer
 from shardps.server.rowindex import DictIndex, KeyIndex
 from shardps.server.rowtable import RowTable
@@ -84,6 +85,7 @@ class RowTables:
         self.record = record
         self.recording = recording  # whether a backup takes the changes: only then are they copied for it
         self.tables: dict[str, RowTable] = {}
+        self.held = Held()  # expert gradients of a step's backwards, held for its last (server/heldgrads.py)
 
     def register(self, spec: RowTableSpec) -> int:
         """Declare a table (the same spec again: a no-op); its rows held here. FailedPrecondition for another
@@ -201,9 +203,28 @@ class RowTables:
         self.record({"op": "step", "table": name, "worker": worker, "step": step, "bsp": bsp, "skip": skip},
                     {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
 
+    def hold(self, name: str, dim: int, worker: int, step: int, index: int, keys: np.ndarray,
+             grads: torch.Tensor) -> None:
+        """Hold expert gradients (rows of uint64 ``keys``) as hold ``index`` of ``worker``'s ``step`` for the
+        step's last Backward (server/heldgrads.py), recorded for the backup; a hold held already is not."""
+        with self.lock:
+            self.table(name, dim)
+            if grads.shape != (len(keys), dim):
+                raise InvalidArgument(f"row table {label(name)}: expected gradients of shape [{len(keys)}, {dim}] for "
+                                      f"{len(keys)} keys, got {list(grads.shape)}")
+            new = self.held.add(name, worker, step, index, keys, grads, np.zeros(len(keys), dtype=np.int64))
+            if new and self.recording():
+                self.record({"op": "hold", "table": name, "worker": worker, "step": step, "index": index},
+                            {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
+
     def replay(self, args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """A backup: apply a change its primary recorded (``record``), as the primary did."""
         with self.lock:
+            if args["op"] == "hold":
+                keys = tensors["keys"].numpy().view(np.uint64)
+                self.held.add(args["table"], args["worker"], args["step"], args["index"], keys, tensors["grads"],
+                              np.zeros(len(keys), dtype=np.int64))
+                return
             if args["op"] == "register":
                 spec = RowTableSpec.from_json(args["spec"])
                 self.tables.setdefault(spec.name, RowTable(spec, make_row_optimizer(spec.optimizer),

@@ -168,6 +168,7 @@ class Send(torch.autograd.Function):
         rows: RowClient = experts.rows
         t, d = rows.transport, xc.shape[1]
         step = experts.claim_step()
+        index = experts.hold_index  # the same in every shard's call and in its retries
         dyc = dy.detach().float().cpu().contiguous()
 
         def call(shard: int) -> bytes:
@@ -176,7 +177,7 @@ class Send(torch.autograd.Function):
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
                                          worker_id=_worker(experts), step=step, num_workers=experts.num_workers,
-                                         hold=experts.hold)
+                                         hold=experts.hold, hold_index=index)
             ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
                 _fits(experts.table, req), timeout=t.timeout))
             stats.bytes_sent += len(req.tokens) * 3

@@ -89,6 +89,7 @@ class ExpertRows(_Rows):
     program: bytes | None = None  # the experts' TorchScript, registered on every shard at the first send
     hosts: ExpertHosts | None = None  # where each shard's experts run under "send" (None: on the shard itself)
     sent_step: int | None = None  # the step a send's backward pushed, not yet closed by step()
+    hold_index: int = 0  # with ``hold``: the index of the step's latest held backward (ExpertCall.hold_index)
     hold: bool = False  # each send's backward holds its gradients on the shards, push() has them pushed
     d_model: int = 0  # the layer's (the flush's calls name it)
     on_pushed: Callable[[float], None] | None = None  # called with the time each push (a step's) ended
@@ -102,8 +103,10 @@ class ExpertRows(_Rows):
                                f"step() between forwards of the layer)")
         if self.clock is None:
             raise RuntimeError(f"MoE {self.table!r}: not attached to a DistributedOptimizer")
-        self.sent_step = self.clock()
-        return self.sent_step
+        step = self.clock()
+        self.hold_index = self.hold_index + 1 if self.sent_step == step else 0
+        self.sent_step = step
+        return step
 
     def register_program(self, shard: int | None = None) -> None:
         """Register the experts' program on every shard (or on ``shard`` alone: one that lost it, a server

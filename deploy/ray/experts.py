@@ -38,7 +38,8 @@ from shardps.protos.rows import MAX_PULL_KEYS, rows_per_message
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import experts_pb2, ps_pb2
 from shardps.server.errors import StoreError
-from shardps.server.experts import Held, Program, check_program, decode, run_backward, run_forward
+from shardps.server.experts import Program, check_program, decode, run_backward, run_forward
+from shardps.server.heldgrads import Held
 from shardps.server.rpc import details, status_code
 from shardps.worker.transport import Transport
 
@@ -98,7 +99,7 @@ class ExpertActor:
             rows, versions = self._pull(req.table, req.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, req.dim)
         if req.hold:
-            self.held.add(req.table, req.worker_id, req.step, experts, g, versions)
+            self.held.add(req.table, req.worker_id, req.step, req.hold_index, experts, g, versions)
             return experts_pb2.ExpertAnswer(out=dx)
         keys, g, versions = self.held.take(req.table, req.worker_id, req.step, experts, g, versions)
         return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, keys, g, versions))

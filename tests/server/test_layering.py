@@ -15,7 +15,7 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 LAYERS = [
     ["errors", "roles", "rowindex"],
     ["remedies", "scaling", "sync", "peers", "checkpoint"],
-    ["table", "job", "membership", "rowtable", "rowreshard"],
+    ["table", "job", "membership", "rowtable", "rowreshard", "heldgrads"],
     ["rows"],
     ["apply", "pullcache", "snapshot"],
     ["replica", "slicepull"],
