@@ -100,6 +100,28 @@ def test_layernorm_model():
         assert_grads(pipe.gradients(), one_process(model, x, y, nn.CrossEntropyLoss())[1])
 
 
+def test_a_weight_tied_within_a_stage_and_a_module_with_buffers():
+    """A stage runs its forward on the installed tensors under every name a parameter has (two Linears
+    sharing one weight: its gradient sums both uses, under the one name named_parameters gives it), and on
+    the module's own buffers (BatchNorm's running statistics move as in one process)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), second, nn.BatchNorm1d(8), nn.Linear(8, 4))
+    x, y = data(12)
+    pipe = LocalPipeline(model, balance=[3, 2], chunks=1, checkpoint="never")
+    pipe.train_step(x, y, nn.CrossEntropyLoss())
+    ref = copy.deepcopy(model)
+    _, grads = one_process(ref, x, y, nn.CrossEntropyLoss())
+    assert "2.weight" not in grads  # tied: one name
+    assert_grads(pipe.gradients(), grads)
+    ref.train()
+    ref(x)
+    bn = pipe.stages[1].module[0]
+    torch.testing.assert_close(bn.running_mean, ref[3].running_mean)
+    assert all(isinstance(p, nn.Parameter) for p in bn.parameters())  # its own parameters back after the call
+
+
 def test_a_list_of_stages_keeps_the_names_sequential_gives_them():
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 4)]

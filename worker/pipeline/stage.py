@@ -27,13 +27,13 @@ order of the schedule, one call at a time.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from shardps.worker import auxloss
 from shardps.worker.pipeline.offload import Offloader, Sink, check_compress, use_mask_relu
@@ -96,10 +96,17 @@ class StageRuntime:
             use_mask_relu(self.module)
         self.module.to(self.device)
         self.names = [n for n, _ in self.module.named_parameters()]
+        # Where the forward reads each parameter: (owner module, attribute, the parameter's name), a tied
+        # one under each of its names. ``_run`` puts the version's tensors there for the call, as
+        # torch.func.functional_call does, without its per-call checks (about 40 us a task, measured).
+        canonical = {id(p): n for n, p in self.module.named_parameters()}
+        self._slots: list[tuple[nn.Module, str, str]] = []
+        for full, p in self.module.named_parameters(remove_duplicate=False):
+            owner, _, attr = full.rpartition(".")
+            self._slots.append((self.module.get_submodule(owner), attr, canonical[id(p)]))
         self.version = 0
         self.params: dict[str, torch.Tensor] = {n: p.detach().requires_grad_(p.requires_grad)
                                                 for n, p in self.module.named_parameters()}
-        self.buffers = dict(self.module.named_buffers())
         self.step = 0
         self.chunks = 1
         self._pending: dict[int, _Pending] = {}
@@ -176,8 +183,8 @@ class StageRuntime:
         try:
             for g in gens:
                 g.manual_seed(seed)
-            with auxloss.collect() as terms:
-                y = functional_call(self.module, {**params, **self.buffers}, (x,))
+            with auxloss.collect() as terms, self._using(params):
+                y = self.module(x)
         finally:
             for g, state in zip(gens, states):
                 g.set_state(state)
@@ -185,6 +192,18 @@ class StageRuntime:
             raise TypeError(f"stage {self.index} returned {type(y).__name__}, not a tensor: every stage but the "
                             f"last must return one tensor for the next")
         return y, auxloss.total(terms)
+
+    @contextlib.contextmanager
+    def _using(self, params: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The module's forward reads ``params`` (by name) while in this block; its own parameters after."""
+        own = [owner._parameters[attr] for owner, attr, _ in self._slots]
+        try:
+            for owner, attr, name in self._slots:
+                owner._parameters[attr] = params[name]  # type: ignore[assignment]
+            yield
+        finally:
+            for (owner, attr, _), p in zip(self._slots, own):
+                owner._parameters[attr] = p
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         """The forward of micro-batch ``mb``; its output (detached, for the next stage or the loss)."""
