@@ -420,3 +420,29 @@ def test_a_hold_sent_twice_is_held_once_and_every_hold_reaches_the_backup():
         assert len(tables.held.with_held("x", 0, 5, keys[:0], g[:0], none)[0]) == 0  # another step: none
     primary.held.drop("x", 0, 4)
     assert len(primary.held.with_held("x", 0, 4, keys[:0], g[:0], none)[0]) == 0
+
+
+def test_a_worker_that_serves_metrics_serves_its_moe_layers_too(make_cluster):
+    """``connect(metrics_port=0)``: the worker's own /metrics carries the model's MoE counters (by the
+    layer's path) beside its step times, once however many optimizers the model gets; a model without MoE
+    adds none."""
+    import urllib.request
+
+    cluster = make_cluster(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), shardps.nn.MoE(D, E, expert, name="served", drop_tokens=False))
+    with shardps.connect(cluster.addresses, metrics_port=0) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=SGD(lr=0.1))
+        shardps.DistributedOptimizer(model, client, optimizer=SGD(lr=0.1))  # the same model again: no error
+        out, aux, _ = model[1](model[0](torch.randn(6, D)))
+        (out.sum() + aux).backward()
+        opt.step()
+        assert client.metrics_endpoint is not None
+        with urllib.request.urlopen(f"http://{client.metrics_endpoint.address}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    assert 'shardps_moe_tokens_total{layer="1"} 6.0' in text
+    assert 'shardps_moe_forwards_total{layer="1",placement="pull"} 1.0' in text
+    assert "shardps_worker_steps_total" in text
+    with shardps.connect(cluster.addresses, metrics_port=0) as client:
+        shardps.DistributedOptimizer(nn.Linear(D, 2), client, optimizer=SGD(lr=0.1))
+        assert client.metrics is not None and client.metrics.models == set()

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker: training loss, step time, push/pull time.
+"""Prometheus metrics of one worker: training loss, step time, push/pull time, its model's MoE layers.
 
 Created on the registry passed in; every sample carries the label ``worker``.
 ``DistributedOptimizer(metrics=WorkerMetrics(registry, worker_id))`` records
@@ -8,6 +8,8 @@ given ``metrics_port`` does once it registers).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -20,6 +22,8 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, worker_id: int) -> None:
         w = str(worker_id)
+        self.registry = registry
+        self.models: set[int] = set()  # the models whose MoE layers are collected here (``add_moe``), by id
         self.loss = Gauge("shardps_worker_loss", "The training loss last reported by the worker.",
                           ["worker"], registry=registry).labels(w)
         self.step_seconds = Histogram("shardps_worker_step_seconds",
@@ -34,6 +38,17 @@ class WorkerMetrics:
                              ["worker"], registry=registry).labels(w)
         self.clock = Gauge("shardps_worker_clock_steps_pushed", "Steps this worker has pushed.",
                            ["worker"], registry=registry).labels(w)
+
+
+    def add_moe(self, model: Any) -> None:
+        """Collect the MoE layers of ``model`` here too (``shardps_moe_*``, worker/moe.py's ``MoECollector``),
+        once per model; a model without any adds nothing."""
+        from shardps.worker.moe import MoE, MoECollector
+
+        if id(model) in self.models or not any(isinstance(m, MoE) for m in model.modules()):
+            return
+        self.models.add(id(model))
+        self.registry.register(MoECollector(model))
 
 
 def serve_worker_metrics(worker_id: int, host: str, port: int) -> tuple[WorkerMetrics, MetricsEndpoint]:

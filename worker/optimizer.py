@@ -182,6 +182,8 @@ class DistributedOptimizer:
             self.compressor = Compressor(compress, self.params, client.layouts, client.shard_map, client.chunk_bytes)
         if self.metrics is None:  # the client's, when it serves metrics (metrics_port / SHARDPS_METRICS_PORT)
             self.metrics = client.metrics
+            if self.metrics is not None and isinstance(params, nn.Module):  # its MoE layers' counters beside
+                self.metrics.add_moe(params)
         if overlap:
             assert isinstance(params, nn.Module)
             self.overlap = Overlap(self, params, bucket_bytes)
