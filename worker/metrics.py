@@ -39,7 +39,6 @@ class WorkerMetrics:
         self.clock = Gauge("shardps_worker_clock_steps_pushed", "Steps this worker has pushed.",
                            ["worker"], registry=registry).labels(w)
 
-
     def add_moe(self, model: Any) -> None:
         """Collect the MoE layers of ``model`` here too (``shardps_moe_*``, worker/moe.py's ``MoECollector``),
         once per model; a model without any adds nothing."""
