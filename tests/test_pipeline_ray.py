@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import signal
@@ -121,7 +122,7 @@ class DiesInStep1Microbatch2(StageActor):
             # otherwise the kill could come before it left, and stage 0 would name micro-batch 1 as the
             # last input taken (seen once in 4 runs beside 2 busy processes).
             for work, _ in self.link._acks:
-                work.wait()
+                work.wait(datetime.timedelta(seconds=60))
             os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(mb, x)
 

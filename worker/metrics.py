@@ -9,12 +9,15 @@ given ``metrics_port`` does once it registers).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import env
+
+if TYPE_CHECKING:  # no torch import for what only serves metrics
+    from torch import nn
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -39,7 +42,7 @@ class WorkerMetrics:
         self.clock = Gauge("shardps_worker_clock_steps_pushed", "Steps this worker has pushed.",
                            ["worker"], registry=registry).labels(w)
 
-    def add_moe(self, model: Any) -> None:
+    def add_moe(self, model: nn.Module) -> None:
         """Collect the MoE layers of ``model`` here too (``shardps_moe_*``, worker/moe.py's ``MoECollector``),
         once per model; a model without any adds nothing."""
         from shardps.worker.moe import MoE, MoECollector
