@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import signal
@@ -118,11 +117,13 @@ class DiesInStep1Microbatch2(StageActor):
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         if (self.index, self.replica, self.rt.step, mb) == (1, 0, 1, 2):
-            # Its word that it took this input (sent without waiting, as the walk goes on) is out first:
-            # otherwise the kill could come before it left, and stage 0 would name micro-batch 1 as the
-            # last input taken (seen once in 4 runs beside 2 busy processes).
-            for work, _ in self.link._acks:
-                work.wait(datetime.timedelta(seconds=60))
+            # Its word that it took this input (held back until the stage next waits: worker/pipeline/
+            # socketlink.py) is out first: otherwise stage 0 would name micro-batch 1 as the last input
+            # taken (a stage that dies mid-task is named "in micro-batch 1 or after it").
+            link = self.link
+            link._send_acks()
+            with link._cond:
+                assert link._cond.wait_for(lambda: not link._busy, 60)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(mb, x)
 

@@ -5,8 +5,9 @@ parameter-server side a ``StageWeights`` (both worker/pipeline/, no Ray); the
 actor builds them from ``StageOptions`` and connects to the servers. The
 driver calls it once per step (``run_step``): the actor walks its own part of
 the plan (``walk.walk`` with this stage alone), receiving activations from the
-stage before and gradients from the stage after over the pipeline's process
-group (``GroupLink``, joined by ``connect``), then pushes and pulls its
+stage before and gradients from the stage after over direct connections to
+its neighbours (``SocketLink``; on GPUs the pipeline's nccl group,
+``GroupLink``; made by ``connect``), then pushes and pulls its
 weights. A failure ends the step on every stage (``StageFailed`` with what the
 stage saw). ``OffloadStore`` holds offloaded activations; ``RaySink`` is a
 stage's side of it.
@@ -31,9 +32,11 @@ from shardps.worker.groups import GroupSpec, Rendezvous, connect_store, open_gro
 from shardps.worker.moe import ExpertRows
 from shardps.worker.pipeline.failure import Outcome, StageFailed
 from shardps.worker.pipeline.link import GroupLink, LinkError
+from shardps.worker.pipeline.linkconnect import open_link
 from shardps.worker.pipeline.plan import StepPlan
 from shardps.worker.pipeline.rowstage import has_row_modules
 from shardps.worker.pipeline.schedule import Kind, Task
+from shardps.worker.pipeline.socketlink import SocketLink
 from shardps.worker.pipeline.stage import StageRuntime
 from shardps.worker.pipeline.streamstage import StageOptimizer
 from shardps.worker.pipeline.streamweights import StreamWeights, stage_stream
@@ -164,7 +167,7 @@ class StageActor:
             module = split(module, opts.tp_plan or {}, self.tp, strict=False)
         gpu = opts.use_gpu and torch.cuda.is_available()
         device = torch.device("cuda") if gpu else torch.device("cpu")
-        self.link: GroupLink | None = None
+        self.link: GroupLink | SocketLink | None = None
         self._task: Task | None = None  # the task running now (named when it fails)
         if not opts.use_gpu:
             torch.set_num_threads(max(1, int(opts.num_cpus)))
@@ -230,20 +233,17 @@ class StageActor:
                 "pid": os.getpid(), "device": str(self.rt.device)}
 
     def connect(self, rendezvous: Rendezvous, name: str, timeout: float, tp_name: str = "") -> None:
-        """Join the pipeline's process group ``name`` (a new one after a failure: the old is dropped) as
-        rank ``index``, at ``rendezvous``; every stage of the replica calls this at once. gloo, or nccl
-        when the stage computes on a GPU. A TP stage then joins its TP group ``tp_name`` as ``tp_rank``."""
+        """Connect to the neighbouring stages of pipeline group ``name`` (a new one after a failure) as stage
+        ``index``, at ``rendezvous``, as every stage of the replica does at once (``open_link``: sockets on
+        CPU, nccl on a GPU). A TP stage then joins its TP group ``tp_name`` as ``tp_rank``."""
         if self.link is not None:
             self.link.close()
             self.link = None
-        gpu = self.rt.device.type == "cuda"
-        spec = GroupSpec(name, self.index, self.num_stages, "nccl" if gpu else "gloo", timeout)
         store, host = connect_store(rendezvous, timeout), ray.util.get_node_ip_address()
-        group = open_group(store, spec, host)
-        self.link = GroupLink(group, self.index, self.num_stages, self.rt.device if gpu else None)
+        self.link = open_link(store, name, self.index, self.num_stages, host, timeout, self.rt.device)
         if self.tp is not None:
-            self.tp.attach(open_group(store, GroupSpec(tp_name, self.tp_rank, self.tp.size, spec.backend, timeout),
-                                      host))
+            backend = "nccl" if self.rt.device.type == "cuda" else "gloo"
+            self.tp.attach(open_group(store, GroupSpec(tp_name, self.tp_rank, self.tp.size, backend, timeout), host))
             if self.opts.servers and isinstance(self.weights, StageWeights) and self.weights.stepper is None:
                 self.weights = StageWeights(self.rt, self.opts.sync, self.opts.weight_delay, self._stepper(self.opts),
                                             overlap=not has_row_modules(self.rt.module))
@@ -298,7 +298,7 @@ class StageActor:
             raise self._failed(e) from e
         return outs
 
-    def _link(self) -> GroupLink:
+    def _link(self) -> GroupLink | SocketLink:
         if self.link is None or self.link.closed:
             raise RuntimeError(f"stage {self.index}: not connected to the pipeline's group")
         return self.link

@@ -15,26 +15,14 @@ and each stage sends and receives in its own order of the plan, so the
 header is also a check: a value that is not the one expected (another
 micro-batch, kind or step) is an error that says both.
 
-Received ahead (CPU, gloo): gloo sends a message only into a receive the
-other side has posted, so a payload whose receive is posted after its header
-came costs a round trip (receiver -> sender's gloo thread -> receiver) while
-the receiver waits. So each stage posts the receives of a neighbour's next
-value as it takes the one before (and at ``start``): the header and a payload
-buffer as large as the largest payload that neighbour sent so far (at least
-``PAYLOAD_MIN``; both ends know that size). A payload that fits goes into it
-(the receiver gets a view of the buffer, or a copy when the buffer is more
-than twice its size); one that does not, or no value, sends a byte of filler
-there, and a larger payload follows into a receive of its own size, posted
-once the header says it. Since a posted receive lets a value through
-before the neighbour's walk gets to it, the receiver says that it took each
-value (a one-int64 message with tag ``ACK_TAG``), and a value counts as taken
-only then. With nccl (GPU) none of this: sizes must match and tags are not
-kept apart, so the payload's receive is posted once its header came (and its
-send completing says that it was taken).
+Used on GPUs (nccl; on CPU ``SocketLink`` carries the values, worker/pipeline/socketlink.py):
+the receive of each neighbour's next header is posted ahead (at ``start`` and
+as the value before it is taken), and a payload's once its header says its
+size, since nccl needs exact sizes; a value counts as taken once its send
+completed. Any backend works (the tests run it over gloo).
 
 Sends do not block (in 1F1B both neighbours send before they receive;
-blocking sends would deadlock): each returns at once, and a value counts as
-taken once the neighbour said so (CPU) or its send completed (nccl). A sent
+blocking sends would deadlock): each returns at once. A sent
 tensor is kept until it is known to be taken: when the neighbour hands over a value its own order produces after the
 task that took ours (the step's orders, given to ``start``), or at ``flush``,
 which waits for the rest at the end of a step. Every wait has a deadline
@@ -59,8 +47,6 @@ import torch
 from shardps.worker.pipeline.schedule import Kind, Task
 
 MAGIC = 0x5053  # "PS"
-ACK_TAG = 1  # a receiver's word that it took a value (the values travel with tag 0)
-PAYLOAD_MIN = 64 * 1024  # bytes of the first payload receive a stage posts ahead, per neighbour
 MAX_DIMS = 10
 HEADER_LEN = 6 + MAX_DIMS
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -68,7 +54,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 _CODE = {d: i for i, d in enumerate(DTYPES)}
 _KIND = {Kind.FORWARD: 0, Kind.BACKWARD: 1}
 NO_VALUE = -1
-_FILLER = torch.zeros(1, dtype=torch.uint8)  # what fills a payload receive posted ahead when the value is not in it
 
 
 def _what(kind: Kind, mb: int) -> str:
@@ -93,8 +78,7 @@ class LinkError(RuntimeError):
 
 @dataclass
 class _Sent:
-    """A value sent and not known to be taken: its works (header, payload, the receive of the neighbour's
-    word that it took the value) and tensors, kept until then."""
+    """A value sent and not known to be taken: its works (header, payload) and tensors, kept until then."""
 
     kind: Kind
     mb: int
@@ -105,42 +89,48 @@ class _Sent:
 
 @dataclass
 class _Posted:
-    """The receives of a neighbour's next value, posted ahead: its header and, on CPU, a payload buffer."""
+    """The receive of a neighbour's next header, posted ahead."""
 
     header_work: Any
     header: torch.Tensor
-    work: Any = None
-    buffer: torch.Tensor | None = None
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def encode_header(kind: Kind, mb: int, step: int, value: torch.Tensor | None) -> torch.Tensor:
-    """The header of ``value`` (None: no value), as ``HEADER_LEN`` int64s."""
+def header_fields(kind: Kind, mb: int, step: int, value: torch.Tensor | None) -> list[int]:
+    """The header of ``value`` (None: no value), as ``HEADER_LEN`` ints; refuses what cannot be sent."""
     h = [MAGIC, _KIND[kind], mb, step, NO_VALUE, 0] + [0] * MAX_DIMS
     if value is not None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"a stage hands its neighbour tensors, got {type(value).__name__} for {_what(kind, mb)}")
-        if value.dtype not in _CODE:
+        code = _CODE.get(value.dtype)
+        if code is None:
             raise TypeError(f"{_what(kind, mb)}: dtype {value.dtype} cannot be sent between stages "
                             f"(known: {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})")
-        if value.dim() > MAX_DIMS:
-            raise ValueError(f"{_what(kind, mb)}: {value.dim()} dimensions, at most {MAX_DIMS} can be sent")
-        h[4], h[5] = _CODE[value.dtype], value.dim()
-        h[6:6 + value.dim()] = list(value.shape)
-    return torch.tensor(h, dtype=torch.int64)
+        shape = value.shape
+        if len(shape) > MAX_DIMS:
+            raise ValueError(f"{_what(kind, mb)}: {len(shape)} dimensions, at most {MAX_DIMS} can be sent")
+        h[4], h[5] = code, len(shape)
+        h[6:6 + len(shape)] = shape
+    return h
+
+
+def parse_header(v: Sequence[int]) -> tuple[Kind, int, int, torch.dtype | None, tuple[int, ...]]:
+    """(kind, micro-batch, step, dtype or None for no value, shape) of a header's ints; ``ValueError`` if
+    they are none."""
+    if len(v) != HEADER_LEN or v[0] != MAGIC or v[1] not in (0, 1) or not (NO_VALUE <= v[4] < len(DTYPES)) \
+            or not 0 <= v[5] <= MAX_DIMS:
+        raise ValueError(f"not a pipeline header: {list(v)}")
+    kind = Kind.FORWARD if v[1] == 0 else Kind.BACKWARD
+    return kind, v[2], v[3], (None if v[4] == NO_VALUE else DTYPES[v[4]]), tuple(v[6:6 + v[5]])
+
+
+def encode_header(kind: Kind, mb: int, step: int, value: torch.Tensor | None) -> torch.Tensor:
+    """The header of ``value`` (None: no value), as a tensor of ``HEADER_LEN`` int64s."""
+    return torch.tensor(header_fields(kind, mb, step, value), dtype=torch.int64)
 
 
 def decode_header(h: torch.Tensor) -> tuple[Kind, int, int, torch.dtype | None, tuple[int, ...]]:
-    """(kind, micro-batch, step, dtype or None for no value, shape) of a header; ``ValueError`` if it is none."""
-    v = h.tolist()
-    if len(v) != HEADER_LEN or v[0] != MAGIC or v[1] not in (0, 1) or not (NO_VALUE <= v[4] < len(DTYPES)) \
-            or not 0 <= v[5] <= MAX_DIMS:
-        raise ValueError(f"not a pipeline header: {v}")
-    kind = Kind.FORWARD if v[1] == 0 else Kind.BACKWARD
-    return kind, v[2], v[3], (None if v[4] == NO_VALUE else DTYPES[v[4]]), tuple(v[6:6 + v[5]])
+    """``parse_header`` of a header tensor."""
+    return parse_header(h.tolist())
 
 
 class GroupLink:
@@ -161,17 +151,7 @@ class GroupLink:
         self._position: dict[int, dict[tuple[Kind, int], int]] = {}  # neighbour -> (kind, mb) -> index in its order
         self._taken: dict[int, tuple[Kind, int]] = {}  # neighbour -> the last of our values it is known to have
         self._expect: dict[int, int] = {}  # neighbour -> values still to come from it this step
-        self._early: dict[int, _Posted] = {}  # neighbour -> the receives of its next value, posted ahead
-        self._acks: list[tuple[Any, torch.Tensor]] = []  # our words that we took a value: sends, tensors
-        # On CPU (gloo) a value's payload is received into a buffer posted with its header, before the
-        # neighbour sends: gloo sends only into a posted receive, so a payload received after its header
-        # came would cost a round trip while this stage waits. The buffer holds the largest payload that
-        # came from that neighbour so far (at least PAYLOAD_MIN): both ends know it, so a larger value is
-        # sent after a filler, into a receive of its own size. nccl needs exact sizes: there the payload is
-        # received once its header says the size.
-        self._ahead = self.device.type == "cpu"
-        self._cap_in: dict[int, int] = {}  # neighbour -> the size of the payload receive we post ahead
-        self._cap_out: dict[int, int] = {}  # neighbour -> the size of the one it posts for our values
+        self._early: dict[int, _Posted] = {}  # neighbour -> the receive of its next header, posted ahead
 
     def start(self, step: int, timeout: float, orders: Sequence[Sequence[Task]] | None = None) -> None:
         """A step begins: its values carry ``step``, and every wait of it ends ``timeout`` seconds from now.
@@ -185,7 +165,7 @@ class GroupLink:
         self._taken = {}
         self._position = {n: {(t.kind, t.microbatch): i for i, t in enumerate(orders[n])}
                           for n in (self.stage - 1, self.stage + 1) if orders and 0 <= n < len(orders)}
-        self._early, self._expect, self._acks = {}, {}, []
+        self._early, self._expect = {}, {}
         if orders:
             own = orders[self.stage]
             self._expect = {n: sum(1 for t in own if t.kind is k) for n, k in
@@ -208,14 +188,10 @@ class GroupLink:
             self._expect[peer] -= 1
 
     def _post(self, peer: int) -> _Posted:
-        """Post the receives of ``peer``'s next value: its header and (on CPU) a payload buffer."""
+        """Post the receive of ``peer``'s next header."""
         assert self.group is not None
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        posted = _Posted(self.group.recv([header], peer, 0), header)
-        if self._ahead:
-            posted.buffer = torch.empty(self._cap_in.get(peer, PAYLOAD_MIN), dtype=torch.uint8)
-            posted.work = self.group.recv([posted.buffer], peer, 0)
-        return posted
+        return _Posted(self.group.recv([header], peer, 0), header)
 
     def _left(self) -> dt.timedelta:
         return dt.timedelta(seconds=max(0.001, self._deadline - time.monotonic()))
@@ -277,21 +253,9 @@ class GroupLink:
         try:
             sent = _Sent(kind, mb, peer, [self.group.send([header], peer, 0)], [header])
             self._sends.append(sent)
-            if self._ahead:  # into the buffer the neighbour posted: the payload, or a filler
-                cap, size = self._cap_out.get(peer, PAYLOAD_MIN), _nbytes(payload)
-                self._cap_out[peer] = max(cap, size)
-                first = payload.reshape(-1).view(torch.uint8) if payload is not None and 0 < size <= cap else _FILLER
-                sent.tensors.append(first)
-                sent.works.append(self.group.send([first], peer, 0))
-                if size <= cap:
-                    payload = None
             if payload is not None:
                 sent.tensors.append(payload)
                 sent.works.append(self.group.send([payload], peer, 0))
-            if self._ahead:  # its receiver's word that it took the value (see the module docstring)
-                ack = torch.empty(1, dtype=torch.int64, device=self.device)
-                sent.tensors.append(ack)
-                sent.works.append(self.group.recv([ack], peer, ACK_TAG))
         except RuntimeError as e:
             raise self._error(e, peer, kind, mb, True) from e
 
@@ -311,40 +275,21 @@ class GroupLink:
         if (got_kind, got_mb, got_step) != (kind, mb, self.step):
             raise LinkError(f"stage {self.stage} expected {_what(kind, mb)} of step {self.step} from stage {stage}, "
                             f"got {_what(got_kind, got_mb)} of step {got_step}", stage, kind, mb, "mismatch")
-        value, size = None, 0 if dtype is None else torch.Size(shape).numel() * dtype.itemsize
-        inline = posted.buffer is not None and size <= posted.buffer.numel()
+        value = None
         try:
-            if dtype is not None and not inline:
+            if dtype is not None:
                 value = torch.empty(shape, dtype=dtype, device=self.device)
                 work = self.group.recv([value], stage, 0)
-            if posted.buffer is not None:
-                self._cap_in[stage] = max(posted.buffer.numel(), size)
             self._post_header(stage)  # after the payload's receive: a peer's messages match receives in order
-            if posted.work is not None:
-                posted.work.wait(self._left())
             if value is not None:
                 work.wait(self._left())
-            if self._ahead:
-                ack = torch.tensor([mb], dtype=torch.int64, device=self.device)
-                self._acks.append((self.group.send([ack], stage, ACK_TAG), ack))
         except RuntimeError as e:
             raise self._error(e, stage, kind, mb, False) from e
-        if dtype is not None and inline:
-            assert posted.buffer is not None
-            data = posted.buffer[:size]
-            # A view of the buffer, unless it is much larger than the value (then a copy, not to hold it).
-            value = (data if 2 * size >= posted.buffer.numel() else data.clone()).view(dtype).view(shape)
         self._done_before(stage, kind, mb)
         return value
 
     def flush(self) -> None:
         """Wait until every value sent has been taken by its neighbour (within the step's deadline)."""
-        for work, *_ in self._acks:
-            try:
-                work.wait(self._left())
-            except RuntimeError:
-                pass  # the neighbour ended after this stage took its values: its own wait reports that
-        self._acks = []
         while self._sends:
             sent = self._sends[0]
             try:
@@ -357,7 +302,7 @@ class GroupLink:
 
     def close(self) -> None:
         """Drop the group (its connections close: neighbours waiting on this stage fail at once)."""
-        self._sends, self._early, self._acks = [], {}, []
+        self._sends, self._early = [], {}
         self.group = None
 
     @property
