@@ -1,8 +1,9 @@
 """torch.distributed process groups, each under a name of its own, outside the default world.
 
-A pipeline's stages form one group (named ``pp/...``, ``worker/pipeline/link.py``
-speaks over it); a tensor-parallel group inside a stage would be another
-(``tp/...``) beside it, in the same processes. Each group is built from its own
+A tensor-parallel group inside a stage is one (named ``tp/...``); on GPUs a
+pipeline's stages form another beside it (``pp/...``, ``worker/pipeline/link.py``
+speaks over it; on CPU their own connections, ``worker/pipeline/linkconnect.py``,
+meet under that name in the same store). Each group is built from its own
 prefix of one rendezvous store, with its own ranks, backend and deadline.
 ``torch.distributed.init_process_group`` is never called: there is no default
 group for one concept to take from the other. A group is closed by dropping

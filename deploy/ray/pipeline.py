@@ -4,13 +4,14 @@ The driver plans each step (``worker/pipeline/plan.py``) and makes one call
 per stage (``StageActor.run_step``): each stage walks its own part of the plan
 with the one walker (``worker/pipeline/walk.py``) that ``LocalPipeline`` walks
 too, receiving activations from the stage before and gradients from the stage
-after, and sending its own on, directly between the actors: point-to-point
-messages over a process group of the replica's stages (gloo; nccl on GPUs),
-each value behind a small header so that shapes may change between steps
-(``worker/pipeline/link.py``). The driver hands the micro-batches to the first
-stage and gets the losses from the last. The groups meet at a rendezvous
-store this driver hosts; each is named ``pp/r<replica>/g<n>`` (a new n after a
-failure), apart from any other group a stage may join.
+after, and sending its own on, directly between the actors: over a
+connection to each neighbour (``worker/pipeline/socketlink.py``; on GPUs
+point-to-point messages over an nccl group of the replica's stages,
+``link.py``), each value behind a small header so that shapes may change
+between steps. The driver hands the micro-batches to the first stage and
+gets the losses from the last. The stages meet at a rendezvous store this
+driver hosts, under ``pp/r<replica>/g<n>`` (a new n after a failure), apart
+from any other group a stage may join.
 
 The actors (``stage_actor.py``) are shells over the Ray-free ``StageRuntime``
 and ``StageWeights``: with ``servers`` every stage is a parameter-server
@@ -19,7 +20,7 @@ its last backward of a step it pushes its gradients and pulls its weights
 under ``sync`` (asp/ssp: overlapping the next step, with weight stashing).
 
 A failed step ends on every stage of the replica (a stage that fails closes
-its group, so its neighbours stop waiting at once; a dead one's connections
+its link, so its neighbours stop waiting at once; a dead one's connections
 close by themselves); ``worker/pipeline/failure.py`` names the cause from what
 each stage saw, and ``PipelineError`` says it.
 

@@ -111,8 +111,7 @@ class SocketLink:
         self._busy: set[int] = set()
         self._failed: dict[int, str] = {}  # neighbour -> why the writer could not write to it
         self._cond = threading.Condition()
-        self._writer = threading.Thread(target=self._write_behind, name=f"stage-{stage}-link-writer", daemon=True)
-        self._writer.start()
+        self._writer: threading.Thread | None = None  # started the first time the kernel does not take a value
         self._unacked: dict[int, deque[tuple[Kind, int]]] = {p: deque() for p in socks}  # sent, not yet taken
         self._taken: dict[int, tuple[Kind, int]] = {}  # neighbour -> the last of our values it took
         self._acks: dict[int, list[tuple[memoryview, Any]]] = {}  # our words that we took values, held back
@@ -122,7 +121,8 @@ class SocketLink:
 
     def start(self, step: int, timeout: float, orders: Sequence[Sequence[Task]] | None = None) -> None:
         """A step begins: its values carry ``step``, and every wait of it ends ``timeout`` seconds from now.
-        (``orders`` is ``GroupLink``'s; values here are read as they come, whatever the order.)"""
+        ``orders``: every stage's tasks in its order (``StepPlan.orders``), to know each neighbour's last
+        value of the step (the word that it was taken goes at once); values are read as they come."""
         self._socks_or_raise()
         self.step, self.timeout = step, timeout
         self._deadline = time.monotonic() + timeout
@@ -136,8 +136,8 @@ class SocketLink:
 
     def send(self, kind: Kind, stage: int, mb: int, value: torch.Tensor | None, /) -> None:
         """Hand stage ``stage``'s ``kind`` value of ``mb`` to its neighbour (the next stage for a forward
-        output, the previous for an input gradient). Writes what the kernel takes now; ``flush`` (or any
-        wait) writes the rest."""
+        output, the previous for an input gradient). Writes what the kernel takes now; the writer thread
+        writes the rest (``flush`` waits for the neighbour to take it)."""
         if stage != self.stage:
             raise ValueError(f"stage {self.stage} cannot send as stage {stage}")
         peer = stage + 1 if kind is Kind.FORWARD else stage - 1
@@ -250,6 +250,10 @@ class SocketLink:
             with self._cond:
                 self._busy.add(peer)
                 self._cond.notify_all()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_behind, daemon=True,
+                                                name=f"stage-{self.stage}-link-writer")
+                self._writer.start()
 
     @staticmethod
     def _write_some(sock: socket.socket, out: deque[tuple[memoryview, Any]]) -> None:
@@ -356,8 +360,8 @@ class SocketLink:
         inbox.value, inbox.view, inbox.meta = None, None, None
 
     def _wait(self, done: Any, peer: int, kind: Kind, mb: int, sending: bool) -> None:
-        """Poll every connection until ``done()``: write what is queued, read what comes. ``LinkError``
-        when ``peer`` (the one waited on) is gone or the step's deadline passes."""
+        """Poll every connection until ``done()``, reading what comes into frames (the held-back words go
+        first). ``LinkError`` when ``peer`` (the one waited on) is gone or the step's deadline passes."""
         socks = self._socks_or_raise()
         if not done():
             self._send_acks()  # about to wait: the words held back go now, off the stage's critical path
