@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/moe.py costs --json              # the cost model's constants on this machine
     .venv/bin/python benchmarks/moe.py placement --json          # the sweep below, 2 server processes
     .venv/bin/python benchmarks/moe.py placement --calibrate --json   # the same, the constants measured first
+    .venv/bin/python benchmarks/moe.py placement --calibrate --link 200mbit --json   # on shaped links (root)
     .venv/bin/python benchmarks/moe.py curves --steps 600 --plot docs/img/moe_curves.png --json
 
 ``placement``: one ``shardps.nn.MoE`` layer (``--d-model`` 64, experts
@@ -22,6 +23,12 @@ expected U.
 Printed: the crossover (tokens per step where "send" stops being the
 faster) the cost model predicts and the bytes alone would, against the one
 measured, and "auto"'s step time over the better placement's.
+
+``--link RATE`` (placement, costs): the same on a simulated cluster
+(``shardps.netsim``; needs root): the ``--shards`` servers on hosts of
+their own, the layers on another, every host's link shaped at RATE in both
+directions, so that bytes cost what they cost on such a network.
+``--addresses``: servers that are already running.
 
 ``costs``: the cost model's constants measured on this machine: the link's
 seconds per byte (a pull and push of ``--experts`` expert rows against 1),
@@ -45,7 +52,9 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -141,7 +150,7 @@ def costs(a: argparse.Namespace) -> dict[str, Any]:
     step times they come from (ms). Every measurement interleaved with the others, round by round."""
     params, d, few, many, e, m = sum(p.numel() for p in expert(a.d_model).parameters()), a.d_model, a.few, a.many, \
         a.experts, a.mid_experts
-    cluster = shardps.LocalCluster(a.shards, processes=True).start()
+    cluster = _servers(a)
     try:
         with shardps.connect(cluster.addresses, timeout=600) as client:
             client.register_rows("costs_rows", params, init={"kind": "zeros"}, optimizer=SGD(lr=0.01))
@@ -186,19 +195,61 @@ def costs(a: argparse.Namespace) -> dict[str, Any]:
                          for (x, n), r in t.items()]}
 
 
+class _Given:
+    """Servers started elsewhere (``--addresses``): used, not stopped."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+
+    def stop(self) -> None:
+        pass
+
+
+def _servers(a: argparse.Namespace) -> Any:
+    """``--addresses``' servers, or ``--shards`` server processes on loopback (stopped by the caller)."""
+    if a.addresses:
+        return _Given(a.addresses)
+    return shardps.LocalCluster(a.shards, processes=True).start()
+
+
+def on_netsim(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """This command again, inside a simulated cluster (``shardps.netsim``): ``--shards`` server hosts and
+    one worker host, every link shaped at ``--link``; the servers on theirs, the command (with
+    ``--addresses``) on the worker's. Its JSON, with the cluster's shape added."""
+    from shardps.netsim import NetCluster
+
+    inner, skip = [], False
+    for arg in argv:  # the same arguments, less --link and its value
+        if skip:
+            skip = False
+        elif arg == "--link":
+            skip = True
+        elif not arg.startswith("--link="):
+            inner.append(arg)
+    with NetCluster(hosts=a.shards + 1, link=a.link) as net:
+        servers = net.start_servers(list(range(a.shards)))
+        done = net.run(a.shards, [sys.executable, str(Path(__file__).resolve()), *inner, "--json", "--addresses",
+                                  *[s.address for s in servers]], timeout=3600, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the run in the worker host failed ({done.returncode}): {done.stderr[-2000:]}")
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["netsim"] = {"link": a.link, "server_hosts": a.shards, "worker_hosts": 1}
+    return result
+
+
 def placement_sweep(a: argparse.Namespace) -> dict[str, Any]:
     params = sum(p.numel() for p in expert(a.d_model).parameters())
     out: dict[str, Any] = {"d_model": a.d_model, "expert_params": params, "shards": a.shards, "points": [],
                            "crossover": []}
     if a.calibrate:  # the constants measured here and now, just before the sweep (``costs``'s defaults)
         measured = costs(argparse.Namespace(few=16, many=4096, experts=32, mid_experts=8, d_model=a.d_model,
-                                            repeats=15, warmup=3, shards=a.shards))
+                                            repeats=15, warmup=3, shards=a.shards, addresses=a.addresses))
         out["calibration"] = measured
         cm = CostModel(**measured["cost_model"])
     else:
         cm = CostModel(**json.loads(a.cost_model)) if a.cost_model else CostModel()
     out["cost_model"] = vars(cm)
-    cluster = shardps.LocalCluster(a.shards, processes=True).start()
+    cluster = _servers(a)
     try:
         for e in a.experts:
             got = [point(cluster.addresses, e, t, a, cost_model=cm) for t in a.tokens]
@@ -292,8 +343,17 @@ def main() -> None:
     for q in (p, c, k):
         q.add_argument("--shards", type=int, default=2)
         q.add_argument("--json", action="store_true")
+    for q in (p, k):
+        q.add_argument("--addresses", nargs="+", default=None, metavar="HOST:PORT",
+                       help="servers already running (one per shard), instead of --shards on loopback")
+        q.add_argument("--link", default=None, metavar="RATE",
+                       help="run on a simulated cluster (shardps.netsim, root): --shards server hosts and one "
+                            "worker host, links shaped at RATE (e.g. 200mbit)")
     a = ap.parse_args()
-    result = {"placement": placement_sweep, "costs": costs, "curves": curves}[a.what](a)
+    if getattr(a, "link", None):
+        result = on_netsim(a, sys.argv[1:])
+    else:
+        result = {"placement": placement_sweep, "costs": costs, "curves": curves}[a.what](a)
     if a.json:
         print(json.dumps(result))
     else:
