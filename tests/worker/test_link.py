@@ -209,9 +209,7 @@ def test_a_value_counts_as_taken_when_the_neighbour_took_it_not_when_it_arrived(
     b.start(0, 600, plan.orders)
     a.send(F, 0, 0, torch.ones(2))
     a.send(F, 0, 1, torch.ones(2))
-    deadline = time.monotonic() + 30
-    while len(b._in[0].values) < 2 and time.monotonic() < deadline:
-        b._read(0, b._socks[0])  # both arrive (polling here, not b's walk: the test's own loop)
+    b._wait(lambda: len(b._in[0].values) == 2, 0, F, 1, False)  # both arrive (no word is held back yet)
     assert b.recv(F, 0, 0) is not None and len(b._in[0].values) == 1  # F1 arrived, not taken
     assert b._acks  # the word that it took F0, held back
     b._deadline = time.monotonic() + 0.05
