@@ -36,9 +36,10 @@ an acknowledgement as three messages and two thread wake-ups a side (a
 median hand-over of 0.8-1.3 ms between sleeping stages on 2 cores, against
 0.3-0.6 here; docs/pipeline.md). Here a value is one write and one read
 (``sendmsg`` of the header and the tensor's own memory; ``recv_into`` the new
-tensor's), and the words that values were taken ride along. The calls on a value's way are few and cheap (``struct``, not
-torch): a stage often comes to them from a sleep, when every call costs many
-times its warm cost (docs/pipeline.md, "The hand-over").
+tensor's), and the words that values were taken ride along. The calls on a
+value's way are few and cheap (``struct``, not torch): a stage often comes to
+them from a sleep, when every call costs many times its warm cost
+(docs/pipeline.md, "The hand-over").
 
 The connections are made by ``open_socket_link`` (worker/pipeline/linkconnect.py).
 """
