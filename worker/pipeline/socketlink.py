@@ -47,6 +47,7 @@ The connections are made by ``open_socket_link`` (worker/pipeline/linkconnect.py
 from __future__ import annotations
 
 import ctypes
+import itertools
 import select
 import socket
 import struct
@@ -261,7 +262,7 @@ class SocketLink:
         """Write from the front of ``out`` until it is empty or the kernel takes no more."""
         while out:
             try:
-                n = sock.sendmsg([v for v, _ in list(out)[:64]])
+                n = sock.sendmsg([v for v, _ in itertools.islice(out, 64)])
             except BlockingIOError:
                 return
             while n and out:
