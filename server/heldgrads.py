@@ -15,13 +15,17 @@ held must outlive its shard's primary: ``RowTables`` (server/rows.py) owns
 a ``Held``, records every hold for the backup (--replicas 2) and replays it
 there. The push that consumes them is recorded as any row push; the backup
 keeps its copy until a newer hold replaces it, and a retry of that push on
-a promoted backup is a duplicate (applied once). The Ray expert actors
-(deploy/ray/experts.py) keep their own, not replicated.
+a promoted backup is a duplicate (applied once). A backup that joins later
+gets them in the snapshot that syncs it (``state`` / ``load``; not in
+checkpoints: a step redone after a rollback holds its gradients anew). The
+Ray expert actors (deploy/ray/experts.py) hold nothing themselves: they send
+each hold to their shard (``PushRows`` with ``hold``), which keeps it here.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +57,12 @@ class Held:
             cur[4].append(versions)
             return True
 
+    def holds(self, table: str, worker: int, step: int) -> bool:
+        """Whether anything is held for (``table``, ``worker``, ``step``)."""
+        with self.lock:
+            cur = self.data.get((table, worker))
+            return cur is not None and cur[0] == step
+
     def with_held(self, table: str, worker: int, step: int, keys: np.ndarray, grads: torch.Tensor,
                   versions: np.ndarray) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
         """``keys``, ``grads`` and ``versions`` with those held for (table, worker, step) before them (repeated
@@ -70,9 +80,30 @@ class Held:
             if cur is not None and cur[0] == step:
                 del self.data[(table, worker)]
 
-    def take(self, table: str, worker: int, step: int, keys: np.ndarray, grads: torch.Tensor,
-             versions: np.ndarray) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
-        """``with_held`` and ``drop`` at once (an expert actor: its push is not retried from here)."""
-        out = self.with_held(table, worker, step, keys, grads, versions)
-        self.drop(table, worker, step)
-        return out
+    def state(self) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+        """What is held, for the snapshot that syncs a backup: (JSON-able meta, tensors ``rowholds/{j}/{i}/...``:
+        keys (uint64 bits as int64), gradients and versions of hold ``i`` of entry ``j``)."""
+        meta: list[dict[str, Any]] = []
+        tensors: dict[str, torch.Tensor] = {}
+        with self.lock:
+            for j, ((table, worker), (step, indexes, keys, grads, versions)) in enumerate(self.data.items()):
+                meta.append({"table": table, "worker": worker, "step": step, "indexes": sorted(indexes),
+                             "holds": len(keys)})
+                for i, (k, g, v) in enumerate(zip(keys, grads, versions)):
+                    tensors[f"rowholds/{j}/{i}/keys"] = torch.from_numpy(k.view(np.int64).copy())
+                    tensors[f"rowholds/{j}/{i}/grads"] = g.clone()
+                    tensors[f"rowholds/{j}/{i}/versions"] = torch.from_numpy(np.asarray(v, dtype=np.int64).copy())
+        return meta, tensors
+
+    def load(self, meta: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> None:
+        """Replace what is held with a snapshot's (``state``)."""
+        data: dict[tuple[str, int], Entry] = {}
+        for j, m in enumerate(meta):
+            n = range(m["holds"])
+            data[(m["table"], int(m["worker"]))] = (
+                int(m["step"]), {int(i) for i in m["indexes"]},
+                [tensors[f"rowholds/{j}/{i}/keys"].numpy().view(np.uint64).copy() for i in n],
+                [tensors[f"rowholds/{j}/{i}/grads"].clone() for i in n],
+                [tensors[f"rowholds/{j}/{i}/versions"].numpy().copy() for i in n])
+        with self.lock:
+            self.data = data

@@ -76,7 +76,7 @@ class Replayer(Protocol):
     @property
     def epoch(self) -> int: ...
 
-    def snapshot_locked(self) -> Snapshot: ...
+    def snapshot_locked(self, *, holds: bool = False) -> Snapshot: ...
 
     def split_names_locked(self) -> list[str]: ...
 
@@ -145,7 +145,7 @@ class ReplicaSide:
     def record_snapshot(self) -> None:
         """Under the lock: the whole state, for a backup (after a rollback, or to sync a new one)."""
         if self.replicator is not None:
-            version, meta, tensors = self._replayer.snapshot_locked()
+            version, meta, tensors = self._replayer.snapshot_locked(holds=True)
             self.replicator.record(OpKind.SNAPSHOT, {"version": version, "meta": meta}, tensors)
 
     def _replica_snapshot(self) -> None:

@@ -204,26 +204,30 @@ class RowTables:
                     {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
 
     def hold(self, name: str, dim: int, worker: int, step: int, index: int, keys: np.ndarray,
-             grads: torch.Tensor) -> None:
-        """Hold expert gradients (rows of uint64 ``keys``) as hold ``index`` of ``worker``'s ``step`` for the
-        step's last Backward (server/heldgrads.py), recorded for the backup; a hold held already is not."""
+             grads: torch.Tensor, versions: np.ndarray | None = None) -> None:
+        """Hold expert gradients (rows of uint64 ``keys``, pulled at ``versions``: -1 not known) as hold
+        ``index`` of ``worker``'s ``step`` for the step's last Backward or push (server/heldgrads.py), recorded
+        for the backup; a hold held already is not."""
+        versions = np.full(len(keys), -1, dtype=np.int64) if versions is None else versions
         with self.lock:
             self.table(name, dim)
             if grads.shape != (len(keys), dim):
                 raise InvalidArgument(f"row table {label(name)}: expected gradients of shape [{len(keys)}, {dim}] for "
                                       f"{len(keys)} keys, got {list(grads.shape)}")
-            new = self.held.add(name, worker, step, index, keys, grads, np.zeros(len(keys), dtype=np.int64))
+            new = self.held.add(name, worker, step, index, keys, grads, versions)
             if new and self.recording():
                 self.record({"op": "hold", "table": name, "worker": worker, "step": step, "index": index},
-                            {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
+                            {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone(),
+                             "versions": torch.from_numpy(versions.astype(np.int64))})
 
     def replay(self, args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """A backup: apply a change its primary recorded (``record``), as the primary did."""
         with self.lock:
             if args["op"] == "hold":
                 keys = tensors["keys"].numpy().view(np.uint64)
+                versions = tensors["versions"].numpy() if "versions" in tensors else np.full(len(keys), -1)
                 self.held.add(args["table"], args["worker"], args["step"], args["index"], keys, tensors["grads"],
-                              np.zeros(len(keys), dtype=np.int64))
+                              versions.astype(np.int64))
                 return
             if args["op"] == "register":
                 spec = RowTableSpec.from_json(args["spec"])

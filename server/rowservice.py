@@ -54,11 +54,15 @@ def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest], max_keys: int =
     found_inf, total = False, 0
     for m in requests:
         first = first or m
-        head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign)
-        want = (first.table, first.dim, first.worker_id, first.step, first.num_workers, first.assign)
+        head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign, m.hold, m.hold_index)
+        want = (first.table, first.dim, first.worker_id, first.step, first.num_workers, first.assign, first.hold,
+                first.hold_index)
         if head != want:
             raise InvalidArgument(f"row table {label(first.table)}: every message of a PushRows stream names the same "
-                                  f"(table, dim, worker, step, num_workers, assign): expected {want}, got {head}")
+                                  f"(table, dim, worker, step, num_workers, assign, hold, hold_index): expected "
+                                  f"{want}, got {head}")
+        if m.hold and m.assign:
+            raise InvalidArgument(f"row table {label(m.table)}: expected hold or assign in a PushRows, got both")
         k = decode_keys(m.table, m.key_dtype, m.keys)
         if len(m.grads) != len(k) * m.dim * ROW_ITEMSIZE:
             raise InvalidArgument(f"row table {label(m.table)}: expected {len(k)} x {m.dim} fp32 gradients "
@@ -134,9 +138,17 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
             created = self.rows.assign(head.table, head.dim, keys, grads)
             self.replicated()
             return ps_pb2.PushRowsResponse(rows=created)
+        if head.hold:  # kept for the step's push (an expert actor's held Backward: server/heldgrads.py)
+            self.rows.hold(head.table, head.dim, head.worker_id, head.step, head.hold_index, keys, grads, base)
+            self.replicated()  # the actor's worker goes on once answered: the backup must hold it too
+            return ps_pb2.PushRowsResponse()
+        held = self.rows.held
+        if held.holds(head.table, head.worker_id, head.step):  # this push applies them, summed with its own
+            keys, grads, base = held.with_held(head.table, head.worker_id, head.step, keys, grads, base)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         done = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
                               num_workers=head.num_workers, timeout=timeout, base=base, found_inf=found_inf)
+        held.drop(head.table, head.worker_id, head.step)  # kept until the push went through
         self.replicated()  # acknowledged only once the backup holds it
         return ps_pb2.PushRowsResponse(rows=done.rows, steps=done.steps, skipped=done.skipped)

@@ -308,8 +308,9 @@ class ShardStore:
         with self._cond:
             return self.snapshot_locked()
 
-    def snapshot_locked(self) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
-        """``snapshot`` with the lock held."""
+    def snapshot_locked(self, *, holds: bool = False) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        """``snapshot`` with the lock held; ``holds``: with the expert gradients held for a step under way
+        (server/heldgrads.py), for a backup's sync (a checkpoint leaves them out)."""
         self.applier.settle()
         m, job, ap = self.leases.membership, self.job, self.applier
         version, meta, tensors = encode(ShardState(
@@ -320,6 +321,9 @@ class ShardStore:
             counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
             stale_weights=ap.stale_weights))
         meta["rows"], row_tensors = self.rows.snapshot_locked()  # row tables (server/rows.py): their own keys
+        if holds:
+            meta["row_holds"], held = self.rows.held.state()
+            row_tensors.update(held)
         return version, meta, {**tensors, **row_tensors}
 
     def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -329,6 +333,8 @@ class ShardStore:
                                      f"{self.shard_index} of {self.num_shards}")
         s = decode(version, meta, tensors)
         self.rows.restore(meta.get("rows") or {}, tensors)
+        if "row_holds" in meta:  # a backup's sync (``snapshot_locked(holds=True)``)
+            self.rows.held.load(meta["row_holds"], tensors)
         with self._cond:
             ap, job = self.applier, self.job
             ap.settle()

@@ -366,62 +366,6 @@ def test_auto_with_held_gradients_takes_one_placement_a_step(make_cluster):
     assert walk[0::2] == walk[1::2] and set(walk) == {"pull", "send"}
 
 
-def test_held_expert_gradients_survive_their_primary(make_cluster):
-    """--replicas 2, "send" with ``hold`` (a pipeline stage's micro-batches): shard 0's primary stops once the
-    step's first backward has held its experts' gradients there and been answered. The second backward and
-    the step's push go to the backup, which holds the first backward's gradients too (replicated before
-    the answer: server/heldgrads.py), so every expert's row equals the same step without the stop, bit for
-    bit. Without the replication the backup pushes the second backward's alone and the rows differ."""
-    rows = []
-    for stop in (False, True):
-        cluster = make_cluster(2, replicas=2)
-        torch.manual_seed(0)
-        moe = shardps.nn.MoE(D, E, expert, name="kept", placement="send", drop_tokens=False, optimizer=SGD(lr=0.1))
-        moe.experts.hold = True
-        xs = [torch.randn(16, D) for _ in range(2)]
-        with shardps.connect(cluster.addresses, timeout=60) as client:
-            opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.1))
-            before = client.pull_rows("kept", torch.arange(E), track=False)
-            for i, x in enumerate(xs):
-                if stop and i == 1:
-                    cluster._servers[1].stop(None)  # shard 0's primary goes away between the two backwards
-                out, aux, _ = moe(x)
-                (out.sum() + aux).backward()
-            opt.step()
-            opt.zero_grad()
-            rows.append(client.pull_rows("kept", torch.arange(E), track=False))
-            assert client.transport.failovers_total == (1 if stop else 0)
-    moved = (rows[0] != before).any(dim=1)
-    assert moved.sum() >= 2 and torch.equal(rows[0], rows[1])
-
-
-def test_a_hold_sent_twice_is_held_once_and_every_hold_reaches_the_backup():
-    """A Backward with hold that comes again (its answer lost, or sent again to the backup that took over)
-    names the same ``hold_index``: held once, recorded once; the backup's replay holds what the primary
-    holds."""
-    from shardps.protos.rows import RowTableSpec
-    from shardps.server.rows import RowTables
-
-    log: list = []
-    primary = RowTables(record=lambda args, tensors: log.append((args, tensors)), recording=lambda: True)
-    backup = RowTables()
-    primary.register(RowTableSpec("x", 3, SGD(lr=0.1)))
-    keys, g = np.array([5, 2**64 - 1], dtype=np.uint64), torch.ones(2, 3)
-    primary.hold("x", 3, 0, 4, 0, keys, g)
-    primary.hold("x", 3, 0, 4, 0, keys, g)  # the same hold again
-    primary.hold("x", 3, 0, 4, 1, keys, 2 * g)
-    for args, tensors in log:
-        backup.replay(args, tensors)
-    assert [a["op"] for a, _ in log] == ["register", "hold", "hold"]
-    none = np.zeros(0, dtype=np.int64)
-    for tables in (primary, backup):
-        k, got, _ = tables.held.with_held("x", 0, 4, keys[:0], g[:0], none)
-        assert k.tolist() == [5, 2**64 - 1] * 2 and torch.equal(got, torch.cat([g, 2 * g]))
-        assert len(tables.held.with_held("x", 0, 5, keys[:0], g[:0], none)[0]) == 0  # another step: none
-    primary.held.drop("x", 0, 4)
-    assert len(primary.held.with_held("x", 0, 4, keys[:0], g[:0], none)[0]) == 0
-
-
 def test_a_worker_that_serves_metrics_serves_its_moe_layers_too(make_cluster):
     """``connect(metrics_port=0)``: the worker's own /metrics carries the model's MoE counters (by the
     layer's path) beside its step times, once however many optimizers the model gets; a model without MoE

@@ -13,6 +13,7 @@ import copy
 import math
 
 import pytest
+import ray
 import torch
 from torch import nn
 
@@ -206,3 +207,40 @@ def test_send_on_expert_actors_equals_a_dense_loop(ray_cluster, make_cluster):
     assert [c["Backward"] for c in calls] == [3, 3]  # two held, then the step's flush: every shard counts it
     assert sum(c["Forward"] for c in calls) >= 1 and all(c["RegisterExpert"] == 1 for c in calls)
     assert [s.rows.tables["on_actors"].steps for s in cluster.stores] == [1, 1]  # one table step on each shard
+
+
+def test_an_expert_actor_killed_mid_step_is_restarted_and_the_step_is_exact(ray_cluster, make_cluster):
+    """Two held backwards and a step on expert actors; shard 0's actor is killed (Ray restarts it) right after
+    the first backward was held. The hold lives on the shard (``PushRows`` with ``hold``), not in the actor,
+    so the restarted actor (its program registered again by the layer) pushes the step whole: every row
+    equals the same step without the kill, bit for bit. Were the hold kept in the actor, the first
+    backward's gradients would die with it."""
+    rows, held = [], []
+    for kill in (False, True):
+        cluster = make_cluster(2)
+        with sray.start_expert_actors(cluster, num_cpus=0.5) as hosts:
+            torch.manual_seed(3)
+            moe = shardps.nn.MoE(D, E, expert, name="restarted", drop_tokens=False, optimizer=SGD(lr=0.5),
+                                 placement="send", expert_hosts=hosts)
+            moe.experts.hold = True
+            xs = [torch.randn(12, D) for _ in range(2)]
+            with shardps.connect(cluster.addresses) as client:
+                opt = shardps.DistributedOptimizer(moe, client, optimizer=SGD(lr=0.0))
+                before = client.pull_rows("restarted", torch.arange(E), track=False)
+                for i, x in enumerate(xs):
+                    out, aux, _ = moe(x)
+                    (out.square().sum() + aux).backward()
+                    if i == 0:
+                        e = moe.experts
+                        held.append(cluster.stores[0].rows.held.holds("restarted", e.rows.worker_id, e.sent_step))
+                        if kill:
+                            ray.kill(hosts.actors[0], no_restart=False)
+                opt.step()
+                rows.append(client.pull_rows("restarted", torch.arange(E), track=False))
+            calls = hosts.stats()
+        assert [s.rows.tables["restarted"].steps for s in cluster.stores] == [1, 1]
+        if kill:  # the restarted actor: the program again, the second backward and the step's flush
+            assert calls[0]["RegisterExpert"] == 1 and calls[0]["Backward"] == 2
+    assert held == [True, True]
+    assert (rows[0] != before).any(dim=1).sum() >= 2
+    assert torch.equal(rows[0], rows[1])

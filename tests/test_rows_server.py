@@ -126,6 +126,50 @@ def test_a_step_with_inf_or_nan_is_skipped_on_every_shard_as_a_dense_one(make_cl
         assert t.steps == 2
 
 
+def test_a_held_push_is_applied_with_the_steps_push_and_bad_holds_change_nothing(make_cluster):
+    """``PushRows`` with ``hold`` (an expert actor's held Backward): nothing applied, the gradients kept; the
+    step's push without hold applies them summed with its own (SGD lr 1: the row moves by the sum), once;
+    a hold sent again with its index is held once. A hold with assign, with another dim, or a stream that
+    mixes hold flags is refused with INVALID_ARGUMENT, one of an unknown table with NOT_FOUND, each naming
+    the table, and changes nothing."""
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("h", 2, optimizer=SGD(lr=1.0))
+        keys = torch.tensor([4, 9])
+        before = client.rows.pull("h", keys)
+        stub = ps_pb2_grpc.RowsStub(grpc.insecure_channel(cluster.addresses[0]))
+
+        def push(k: list[int], g: list[float], step: int, **kw: object) -> ps_pb2.PushRowsResponse:
+            return stub.PushRows(iter([ps_pb2.PushRowsRequest(
+                table=kw.pop("table", "h"), key_dtype="uint64", keys=np.array(k, dtype="<u8").tobytes(),
+                grads=np.array(g, dtype="<f4").tobytes(), dim=kw.pop("dim", 2), worker_id=0, step=step, **kw)]),
+                timeout=30)
+
+        for _ in range(2):  # the second: a retry, held once
+            assert push([4], [1.0, 2.0], 0, hold=True, hold_index=0).rows == 0
+        push([4, 9], [0.5, 0.5, 3.0, 3.0], 0, hold=True, hold_index=1)
+        assert store.rows.tables["h"].steps == 0 and torch.equal(client.rows.pull("h", keys), before)
+        invalid, missing = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+        bad = [(dict(hold=True, assign=True), invalid), (dict(hold=True, dim=3), invalid),
+               (dict(hold=True, table="nope"), missing)]
+        for kw, code in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                push([9], [9.0, 9.0], 0, hold_index=2, **kw)
+            assert e.value.code() == code and "row table" in e.value.details(), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushRows(iter([ps_pb2.PushRowsRequest(table="h", key_dtype="uint64", dim=2, step=0, hold=True,
+                                                       hold_index=3),
+                                ps_pb2.PushRowsRequest(table="h", key_dtype="uint64", dim=2, step=0)]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hold" in e.value.details()
+        assert push([9], [1.0, 1.0], 0).rows == 2  # the step's push: the holds and its own
+        after = client.rows.pull("h", keys)
+        torch.testing.assert_close(before - after, torch.tensor([[1.5, 2.5], [4.0, 4.0]]), rtol=0, atol=1e-6)
+        assert push([9], [1.0, 1.0], 0).rows == 0  # a retry of the step's push: a duplicate, nothing again
+        assert torch.equal(client.rows.pull("h", keys), after) and store.rows.tables["h"].steps == 1
+        assert not store.rows.held.holds("h", 0, 0)
+
+
 def test_the_worker_says_found_inf_to_every_shard_of_a_push(make_cluster):
     """A NaN in one row, on one shard: the worker tells every shard, so each skips the step (its rows,
     moments and step count unchanged, ``skipped`` counted) and their SparseAdam step counts stay equal;

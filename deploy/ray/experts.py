@@ -10,7 +10,9 @@ and, in ``Backward``, pushes their gradients to that shard alone
 (``PushRows`` with the worker's id, step and num_workers: the worker's own
 push of the step, under the same exactly-once and bsp rules; an empty one
 when the call names no expert, so the shard counts the step; with ``hold``
-it keeps them as a shard does, ``Held``). The shard
+it sends them to the shard to hold, ``PushRows`` with ``hold``, where they
+are replicated as the shard's own holds and the step's push applies them:
+an actor keeps nothing between calls, so one that Ray restarts goes on). The shard
 stays the experts' home (its row optimizer, checkpoints and replication
 hold them as any row table); what moves is the compute, to where an actor
 can be placed: a node with a GPU, or spare cores.
@@ -39,7 +41,6 @@ from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import experts_pb2, ps_pb2
 from shardps.server.errors import StoreError
 from shardps.server.experts import Program, check_program, decode, run_backward, run_forward
-from shardps.server.heldgrads import Held
 from shardps.server.rpc import details, status_code
 from shardps.worker.transport import Transport
 
@@ -56,7 +57,6 @@ class ExpertActor:
                                    recovery_timeout=timeout)
         self.shard, self.timeout = shard, timeout
         self.programs: dict[str, Program] = {}
-        self.held = Held()  # Backward's gradients with hold, as a shard holds them
         self.calls = {"RegisterExpert": 0, "Forward": 0, "Backward": 0}
 
     def call(self, method: str, data: bytes) -> tuple[str, bytes]:
@@ -98,11 +98,11 @@ class ExpertActor:
         if len(experts):
             rows, versions = self._pull(req.table, req.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, req.dim)
-        if req.hold:
-            self.held.add(req.table, req.worker_id, req.step, req.hold_index, experts, g, versions)
+        if req.hold:  # held on the shard (and its backup) for the step's push, not here
+            if len(experts):
+                self._push(req, experts, g, versions, hold=True)
             return experts_pb2.ExpertAnswer(out=dx)
-        keys, g, versions = self.held.take(req.table, req.worker_id, req.step, experts, g, versions)
-        return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, keys, g, versions))
+        return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, experts, g, versions))
 
     def _pull(self, table: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """The rows of distinct uint64 ``keys`` (all this actor's shard's) and their versions."""
@@ -116,8 +116,10 @@ class ExpertActor:
                 versions[at:at + n] = np.frombuffer(msg.versions, dtype="<i8")
         return rows, versions
 
-    def _push(self, req: experts_pb2.ExpertCall, keys: np.ndarray, grads: torch.Tensor, versions: np.ndarray) -> int:
-        """The experts' gradients to this actor's shard, as the worker's push of ``req.step``; the rows updated."""
+    def _push(self, req: experts_pb2.ExpertCall, keys: np.ndarray, grads: torch.Tensor, versions: np.ndarray, *,
+              hold: bool = False) -> int:
+        """The experts' gradients to this actor's shard, as the worker's push of ``req.step`` (the shard adds
+        what the step held); the rows updated. ``hold``: for the shard to hold, as ``req.hold_index``."""
         per = rows_per_message(req.dim + 2, codec.DEFAULT_CHUNK_BYTES)  # + the base version
 
         def messages() -> Iterator[ps_pb2.PushRowsRequest]:
@@ -125,7 +127,8 @@ class ExpertActor:
                 yield ps_pb2.PushRowsRequest(table=req.table, key_dtype="uint64", keys=keys[lo:lo + per].tobytes(),
                                              grads=grads[lo:lo + per].numpy().tobytes(), dim=req.dim,
                                              worker_id=req.worker_id, step=req.step, num_workers=req.num_workers,
-                                             base_versions=versions[lo:lo + per].tobytes())
+                                             base_versions=versions[lo:lo + per].tobytes(), hold=hold,
+                                             hold_index=req.hold_index)
 
         return int(self.transport.rows(self.shard).PushRows(messages(), timeout=self.timeout).rows)
 
@@ -148,22 +151,32 @@ class ActorRpcError(grpc.RpcError):
 
 
 class ActorEndpoint:
-    """An ``ExpertActor`` with the gRPC stub's calls (``timeout`` each call's deadline, as the stub's)."""
+    """An ``ExpertActor`` with the gRPC stub's calls (``timeout`` each call's deadline, as the stub's). A call
+    whose actor died is made once more, on the actor Ray restarts (``max_restarts``): every call may be
+    (``Forward`` reads; a held ``Backward`` names its ``hold_index``; a ``Backward``'s push is the worker's
+    push of its step, applied once), and the restarted actor, which has no program, answers so (the layer
+    registers it again)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
     def _call(self, method: str, req: Any, answer: Any, timeout: float | None) -> Any:
+        code, data = self._get(method, req.SerializeToString(), timeout)
+        if code != "OK":
+            raise ActorRpcError(grpc.StatusCode[code], data.decode())
+        return answer.FromString(data)
+
+    def _get(self, method: str, data: bytes, timeout: float | None, again: bool = True) -> tuple[str, bytes]:
         try:
-            code, data = ray.get(self.actor.call.remote(method, req.SerializeToString()), timeout=timeout)
+            out: tuple[str, bytes] = ray.get(self.actor.call.remote(method, data), timeout=timeout)
+            return out
         except ray.exceptions.GetTimeoutError:
             raise ActorRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"expert actor: {method} took over {timeout} s"
                                 ) from None
         except ray.exceptions.RayActorError as e:
-            raise ActorRpcError(grpc.StatusCode.UNAVAILABLE, f"expert actor: {type(e).__name__}") from None
-        if code != "OK":
-            raise ActorRpcError(grpc.StatusCode[code], data.decode())
-        return answer.FromString(data)
+            if not again:  # an actor that is not restarted fails again at once
+                raise ActorRpcError(grpc.StatusCode.UNAVAILABLE, f"expert actor: {type(e).__name__}") from None
+        return self._get(method, data, timeout, again=False)
 
     def RegisterExpert(self, req: experts_pb2.RegisterExpertRequest, timeout: float | None = None  # noqa: N802
                        ) -> experts_pb2.RegisterExpertResponse:
@@ -206,13 +219,15 @@ class ExpertActors:
 
 def start_expert_actors(servers: Any, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
                         resources: dict[str, float] | None = None, security: Security | None = None,
-                        timeout: float = 120.0) -> ExpertActors:
+                        timeout: float = 120.0, max_restarts: int = 3) -> ExpertActors:
     """One expert actor per shard of ``servers`` (a ``ServerGroup``, a ``LocalCluster`` or the addresses),
-    each with ``num_cpus``, ``num_gpus`` and ``resources``; returns once every one answers."""
+    each with ``num_cpus``, ``num_gpus`` and ``resources``, restarted by Ray up to ``max_restarts`` times if
+    it dies (a call it was answering is made again: ``ActorEndpoint``); returns once every one answers."""
     addresses = list(servers.addresses if hasattr(servers, "addresses") else servers)
     if not addresses:
         raise ValueError("start_expert_actors: no servers")
-    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {})(ExpertActor)
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {},
+                        max_restarts=max_restarts)(ExpertActor)
     actors = [remote.remote(addresses, i, security, timeout) for i in range(len(addresses))]
     group = ExpertActors(actors)
     try:
