@@ -329,11 +329,13 @@ class DistributedOptimizer:
         # Each shard's pull begins as soon as that shard answered the push, while the others' go up.
         pull = self.pull_weights(min_clock=min_clock, later=True)
         try:
-            # A shard whose weights are ready at once and small answers with them (one call per step).
+            # A shard whose weights are ready at once and small answers with them (one call per step); not
+            # under a push window, where a push's answer must come fast to free its place.
+            answer = self.answers_with_weights and self.push_window is None
             self.last_push = self.push_gradients(grads, step=self.round, base_versions=bases,
                                                  loss_scale=self.client.loss_scale, window=self.push_window,
-                                                 pull_after=(self.pull_dtype, min_clock) if self.answers_with_weights
-                                                 else None, then=pull, compressor=self.compressor)
+                                                 pull_after=(self.pull_dtype, min_clock) if answer else None,
+                                                 then=pull, compressor=self.compressor)
         except ShardError as e:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss, pull)

@@ -164,6 +164,27 @@ def test_each_shards_pull_begins_as_it_answers_before_the_next_push_goes(make_cl
     client.close()
 
 
+def test_under_a_push_window_no_push_is_answered_with_the_weights(make_cluster):
+    """Without a window a small model's shards answer the push with their weights (one call a step); under
+    ``push_window`` none does: a push that completes a bsp round and came back with megabytes of weights
+    held its place in the window meanwhile, so on a slow link the uplink idled and the worker that came
+    last in one step came last in the next (docs/performance.md). Its pulls bring the same weights."""
+    got = {}
+    for window in (None, 1):
+        cluster = make_cluster(2)
+        model = _model()
+        with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync="asp",
+                                               push_window=window)
+            x, y = _data(0, 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            got[window] = ([bool(r.pulled) for r in opt.last_push], copy.deepcopy(model.state_dict()))
+    assert all(got[None][0]) and not any(got[1][0])
+    for k, v in got[None][1].items():
+        assert torch.equal(v, got[1][1][k]), k
+
+
 def test_push_window_must_be_positive(cluster2):
     client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1)
     with pytest.raises(ValueError, match="push_window must be >= 1"):
