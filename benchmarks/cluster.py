@@ -47,7 +47,10 @@ k = 4, beside DDP: what the defaults were chosen from.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
 ``k``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
-links' tbf queues dropped, ``retrans_share``: the share of the hosts' TCP segments that were retransmissions).
+links' tbf queues dropped, ``retrans_share``: the share of the hosts' TCP segments that were retransmissions,
+``machine_busy``, ``machine_softirq``, ``machine_system``, ``machine_steal``: shares of the whole machine's
+cores over the timed steps, from /proc/stat: busy (all but idle), the kernel's packet work, the kernel's
+other work, the time the virtual machine's cores waited for their host).
 Needs root (network namespaces): it says so in one line otherwise.
 """
 
@@ -70,7 +73,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from baselines.common import numel  # noqa: E402
-from proccpu import process_cpu  # noqa: E402
+from proccpu import machine_cpu, machine_shares, process_cpu  # noqa: E402
 
 from shardps.deploy.local import parse_ready, read_ready_lines  # noqa: E402
 from shardps.netsim import NetCluster, parse_rate, unavailable  # noqa: E402
@@ -103,7 +106,8 @@ class Config:
         return f"shardps {self.sync} {wire}, {where}, {how}"
 
 
-def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: bool = False) -> list[Config]:
+def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: bool = False,
+            bf16: bool = False) -> list[Config]:
     if ray_ps:  # Ray's documented parameter server beside DDP and shardps at n = 4
         return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window),
                 Config("shardps", 4, 1, per=per, window=window), Config("ray-ps", 4, 1)]
@@ -111,7 +115,8 @@ def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: boo
         return [Config("ddp", 4)] + [Config("shardps", 4, 4, per=p, window=w)
                                      for p in (1, 2, 4, 8) for w in (None, 1, 2, 3, 4) if not (w and w >= 4 * p)]
     if quick:
-        return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window)]
+        return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window)] + (
+            [Config("shardps", 4, 4, wire="bf16", per=per, window=window)] if bf16 else [])
     return [Config("ddp", 2), Config("ddp", 4),
             Config("shardps", 4, 4),  # before the partitioned schedule
             Config("shardps", 4, 0, per=per, window=window),
@@ -212,7 +217,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
         first = workers[0].stdout.readline() if workers[0].stdout else ""
         if '"timed"' not in first:
             raise RuntimeError(f"{c.label}: worker 0 said {first!r} instead of starting its timed steps")
-        server_cpu0 = sum(process_cpu(p.pid) for p in servers)
+        server_cpu0, machine0 = sum(process_cpu(p.pid) for p in servers), machine_cpu()
         results = []
         for w in workers:
             out, _ = w.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -221,6 +226,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                 raise RuntimeError(f"{c.label}: a worker exited with {w.returncode}: {out[-500:]!r}")
             results.append(json.loads(lines[-1]))
         server_cpu = sum(process_cpu(p.pid) for p in servers) - server_cpu0
+        machine = machine_shares(machine0, machine_cpu())
     finally:
         for p in workers + servers:
             stop(p)
@@ -231,7 +237,9 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
     # the links' counters over the whole row (warm-up steps too), per step
     drops, segs, retrans = (b - a for a, b in zip(counted0, link_counters(net, WORKER_HOSTS + SERVER_HOSTS)))
     return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline"),
-            "drops": drops / (steps + warmup), "retrans_share": retrans / max(1, segs)}
+            "drops": drops / (steps + warmup), "retrans_share": retrans / max(1, segs),
+            "busy": machine["busy"], "softirq": machine["softirq"], "system": machine["system"],
+            "steal": machine["steal"]}
 
 
 def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -> dict[str, Any]:
@@ -242,7 +250,9 @@ def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -
            "formula_s": round(f, 4), "ratio": round(step / f, 3),
            "cpu_s": round(statistics.median(g["cpu_s"] for g in got), 3),
            "drops_per_step": round(statistics.median(g["drops"] for g in got)),
-           "retrans_share": round(statistics.median(g["retrans_share"] for g in got), 4)}
+           "retrans_share": round(statistics.median(g["retrans_share"] for g in got), 4),
+           **{f"machine_{k}": round(statistics.median(g[k] for g in got), 3)
+              for k in ("busy", "softirq", "system", "steal")}}
     return out
 
 
@@ -254,10 +264,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps per worker")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="each row this many times, in rotating order")
-    p.add_argument("--shards-per-host", type=int, default=4)
-    p.add_argument("--window", type=int, default=3)
+    p.add_argument("--shards-per-host", type=int, default=8,
+                   help="shards each server host serves (default 8: the best at 200 Mbit/s, docs/performance.md)")
+    p.add_argument("--window", type=int, default=4, help="pushes going at once (default 4)")
     p.add_argument("--timeout", type=float, default=600.0, help="per row, seconds")
     p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4 (200mbit)")
+    p.add_argument("--bf16", action="store_true", help="with --quick: shardps bsp bf16 at n = 4, k = 4 too")
     p.add_argument("--sweep", action="store_true",
                    help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")
     p.add_argument("--ray-ps", action="store_true",
@@ -273,7 +285,7 @@ def main() -> int:
     links = a.links or (["200mbit"] if a.quick else ["500mbit", "200mbit"])
     dims = tuple(int(d) for d in a.dims.split("-"))
     model_bytes = 4.0 * numel(dims)
-    rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps)
+    rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16)
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
     say(f"model {model_bytes / 1e6:.1f} MB ({a.dims}), batch {a.batch}, {a.steps} timed steps after {a.warmup}; "
         f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
@@ -316,12 +328,14 @@ def print_table(table: list[dict[str, Any]]) -> None:
         rows_ = [t for t in table if t["link_mbit"] == link]
         ddp = {t["n"]: t["step_s"] for t in rows_ if t["system"] == "ddp"}
         print(f"\nlink {link} Mbit/s\n| system | n | step s | formula s | measured/formula | DDP/x | cpu s/step "
-              "| drops/step | retransmitted |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| drops/step | retransmitted | machine busy | softirq | kernel | steal |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for t in rows_:
             vs = ddp.get(t["n"])
             print(f"| {t['label']} | {t['n']} | {t['step_s']:.3f} | {t['formula_s']:.3f} | {t['ratio']:.2f} | "
-                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} | {t['drops_per_step']} | {t['retrans_share']:.2%} |"
+                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} | {t['drops_per_step']} | {t['retrans_share']:.2%} | "
+                  f"{t['machine_busy']:.0%} | {t['machine_softirq']:.0%} | {t['machine_system']:.0%} | "
+                  f"{t['machine_steal']:.0%} |"
                   if vs else "")
 
 

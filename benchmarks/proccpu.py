@@ -35,3 +35,26 @@ def session_cpu(sessions: set[int]) -> float:
         if fields is not None and int(fields[3]) in sessions:  # field 6 of stat: the session id
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
+
+
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu() -> dict[str, float]:
+    """The whole machine's CPU seconds so far, all cores summed, by kind (/proc/stat's ``cpu`` line): what
+    every process and the kernel's own work on their behalf (``softirq``: packets through the bridges, veths
+    and tbf queues of a simulated network) spent, ``idle``, and ``steal`` (time a virtual machine's cores
+    waited for the host)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:1 + len(STAT_FIELDS)]
+    return {k: int(v) / os.sysconf("SC_CLK_TCK") for k, v in zip(STAT_FIELDS, fields)}
+
+
+def machine_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Between two ``machine_cpu()``: each kind's share of all the cores' time, and ``busy`` (all but idle
+    and iowait)."""
+    d = {k: after[k] - before[k] for k in STAT_FIELDS}
+    total = sum(d.values()) or 1.0
+    out = {k: v / total for k, v in d.items()}
+    out["busy"] = 1.0 - out["idle"] - out["iowait"]
+    return out
