@@ -22,7 +22,10 @@ as ``costs`` does, in the same run, just before the sweep) for the same
 expected U.
 Printed: the crossover (tokens per step where "send" stops being the
 faster) the cost model predicts and the bytes alone would, against the one
-measured, and "auto"'s step time over the better placement's.
+measured, and "auto"'s step time over the better placement's: the ratio of
+their medians (``auto_over_best``) and the median over rounds of auto's step
+over the better one's in the same round (``auto_over_best_paired``: the two
+steps a few ms apart, so a slower stretch of the machine slows both).
 
 ``--link RATE`` (placement, costs): the same on a simulated cluster
 (``shardps.netsim``; needs root): the ``--shards`` servers on hosts of
@@ -134,7 +137,7 @@ def steps(addresses: list[str], specs: list[Spec], a: argparse.Namespace,
     for spec, moe in layers.items():
         taken = moe.stats.placements
         out[spec] = {"seconds": statistics.median(times[spec]), "bytes": statistics.median(sent[spec]),
-                     "send_share": taken["send"] / max(1, sum(taken.values()))}
+                     "send_share": taken["send"] / max(1, sum(taken.values())), "rounds": times[spec]}
     return out
 
 
@@ -261,14 +264,17 @@ def placement_sweep(a: argparse.Namespace) -> dict[str, Any]:
             fine_bytes = [predicted_bytes(e, t, 1, a.d_model, params) for t in FINE]
             by_bytes = crossover(FINE, [m["pull"] for m in fine_bytes], [m["send"] for m in fine_bytes])
             for t, g, m, sec in zip(a.tokens, got, model, secs):
-                best = min(g["pull"]["seconds"], g["send"]["seconds"])
+                better = min(("pull", "send"), key=lambda p: g[p]["seconds"])
+                best = g[better]["seconds"]
+                paired = statistics.median(x / y for x, y in zip(g["auto"]["rounds"], g[better]["rounds"]))
                 out["points"].append({
                     "experts": e, "tokens": t, **{f"{p}_ms": round(1e3 * g[p]["seconds"], 2) for p in PLACEMENTS},
                     **{f"{p}_bytes": int(g[p]["bytes"]) for p in ("pull", "send")},
                     "model_pull_bytes": int(m["pull"]), "model_send_bytes": int(m["send"]),
                     "model_pull_ms": round(1e3 * sec["pull"], 2), "model_send_ms": round(1e3 * sec["send"], 2),
                     "auto_send_share": round(g["auto"]["send_share"], 2),
-                    "auto_over_best": round(g["auto"]["seconds"] / best, 3)})
+                    "auto_over_best": round(g["auto"]["seconds"] / best, 3),
+                    "auto_over_best_paired": round(paired, 3)})
             out["crossover"].append({
                 "experts": e, "measured_tokens": None if measured is None else round(measured),
                 "model_tokens": None if predicted is None else round(predicted),
