@@ -1,0 +1,113 @@
+"""kill -9 a server of a job whose model has an MoE layer with its experts on the servers, restart it: the
+job rolls back to a common checkpoint and finishes with the same weights, experts included, as a run
+without the fault. The experts are rows (checkpointed as any row table); under "send" the restarted shard
+has no expert program until the layer registers it again."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import shardps
+from tests.helpers import run_workers
+from tests.test_moe import D, E, expert
+from tests.test_recovery import Parking, _free_port, _server
+
+pytestmark = pytest.mark.cluster
+
+STEPS, WORKERS = 14, 2
+
+
+class Net(nn.Module):
+    def __init__(self, placement: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, D)
+        self.moe = shardps.nn.MoE(D, E, expert, name="experts", placement=placement, drop_tokens=False,
+                                  optimizer=shardps.optim.SGD(lr=0.05))
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return self.out(h), aux
+
+
+def _train(addresses, placement, rollbacks, park=None):
+    torch.manual_seed(0)
+    base = Net(placement)
+
+    def worker(k):
+        model = copy.deepcopy(base)
+        with shardps.connect(addresses, worker_id=k, num_workers=WORKERS, part_bytes=512,
+                             recovery_timeout=120) as client:
+            opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.05), sync="bsp")
+            step = 0
+            while step < STEPS:
+                if park is not None:
+                    park(k, step)
+                try:
+                    g = torch.Generator().manual_seed(step * 10 + k)
+                    out, aux = model(torch.randn(8, 6, generator=g))
+                    (out.pow(2).mean() + aux).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+                except shardps.RolledBack as e:
+                    opt.zero_grad()
+                    rollbacks.append((k, step, e.step))
+                    step = e.step
+            dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+            return dense, client.pull_rows("experts", torch.arange(E), track=False)
+    return run_workers(worker, WORKERS, timeout=240)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", ["pull", "send"])
+def test_kill_9_a_server_of_an_moe_job_restart_it_and_the_run_finishes_exactly(tmp_path, placement):
+    ports = [_free_port(), _free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    procs = [_server(ports[i], i, tmp_path / "faulty") for i in range(2)]
+    clean = [_server(p, i, tmp_path / "clean") for i, p in enumerate((_free_port(), _free_port()))]
+    try:
+        clean_addresses = [f"127.0.0.1:{p.args[p.args.index('--port') + 1]}" for p in clean]
+        expected = _train(clean_addresses, placement, [])
+        parking = Parking(12, WORKERS)  # checkpoints at 5 and 10 are on disk: rolls back to 10
+
+        def killer():
+            parking.wait_parked()
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].wait(timeout=30)
+            procs[1].stdout.close()
+            procs[1] = _server(ports[1], 1, tmp_path / "faulty")  # same address, restores version 10
+            parking.released.set()
+
+        t = threading.Thread(target=killer)
+        t.start()
+        rollbacks: list[tuple[int, int, int]] = []
+        try:
+            got = _train(addresses, placement, rollbacks, park=parking)
+        finally:
+            parking.released.set()
+            t.join(timeout=120)
+        assert {k for k, _, _ in rollbacks} == {0, 1} and all(to == 10 for _, _, to in rollbacks), rollbacks
+        for (dense_want, rows_want), (dense_got, rows_got) in zip(expected, got):
+            for n in dense_want:
+                assert torch.equal(dense_got[n], dense_want[n]), n
+            assert torch.equal(rows_got, rows_want)
+    finally:
+        for p in procs + clean:
+            if p.poll() is None:
+                p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            if p.stdout and not p.stdout.closed:
+                p.stdout.close()
