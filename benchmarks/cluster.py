@@ -41,9 +41,11 @@ host (baselines/ray_ps_hosts.py), beside DDP and shardps at n = 4 with 4
 server hosts and with 1 (Ray's own: one actor in one host); its formula is
 a parameter server's with k = 1.
 
-``--sweep``: the schedule's two settings instead, shards a server host
-serves (1, 2, 4, 8) against the window (all at once, 1, 2, 3, 4), at n = 4,
-k = 4, beside DDP: what the defaults were chosen from.
+``--sweep``: shards a server host (1, 2, 4, 8) against the window (all at once, 1-4), n = 4, k = 4,
+beside DDP: what the defaults were chosen from. ``--grid 8/4 16/4/library``: the same at chosen PER/WINDOW
+settings. The model is cut into parts of a shard's size (``connect(part_bytes=)``: a shard holds one piece of
+a tensor, so a call moves one piece); ``/library`` (``--library-parts`` for every row): the library's cut, up
+to 16 pieces a shard of at least 64 KiB, each a frame, a message and a step of its own on the shard.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
 ``k``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
@@ -65,7 +67,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from baselines.common import numel  # noqa: E402
+from clusterplots import plot, plot_timeline  # noqa: E402
 from proccpu import machine_cpu, machine_shares, process_cpu  # noqa: E402
 
 from shardps.deploy.local import parse_ready, read_ready_lines  # noqa: E402
@@ -92,6 +95,7 @@ class Config:
     per: int = 1  # shards a server host serves
     window: int | None = None  # push_window
     compress: str = "none"  # shardps.compress spec (topk:0.01)
+    whole: bool = True  # parts of a shard's size (connect(part_bytes=)): one piece of a tensor a shard
 
     @property
     def label(self) -> str:
@@ -103,11 +107,13 @@ class Config:
         how = (f"{self.per} shards a host, window {self.window}" if self.window
                else f"{self.per} shard a host, all at once")
         wire = self.wire if self.compress == "none" else f"{self.wire} {self.compress}"
-        return f"shardps {self.sync} {wire}, {where}, {how}"
+        return f"shardps {self.sync} {wire}, {where}, {how}" + ("" if self.whole else ", the library's parts")
 
 
 def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: bool = False,
-            bf16: bool = False) -> list[Config]:
+            bf16: bool = False, grid: list[tuple[int, int, bool]] | None = None) -> list[Config]:
+    if grid:  # chosen settings of the schedule beside DDP
+        return [Config("ddp", 4)] + [Config("shardps", 4, 4, per=p, window=w, whole=h) for p, w, h in grid]
     if ray_ps:  # Ray's documented parameter server beside DDP and shardps at n = 4
         return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window),
                 Config("shardps", 4, 1, per=per, window=window), Config("ray-ps", 4, 1)]
@@ -210,6 +216,7 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                 argv += ["--addresses", ",".join(addresses), "--sync", c.sync, "--wire", c.wire]
                 argv += ["--window", str(c.window)] if c.window else []
                 argv += ["--compress", c.compress]
+                argv += ["--part-bytes", str(4 * numel(_dims(a.dims)) // total)] if c.whole else []
             if timeline and r == 0:
                 argv.append("--timeline")
             workers.append(net.start(WORKER_HOSTS[r], argv, env=env, stdout=subprocess.PIPE))
@@ -256,6 +263,17 @@ def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -
     return out
 
 
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.split("-"))
+
+
+def _setting(text: str) -> tuple[int, int, bool]:  # --grid's PER/WINDOW[/library]
+    per, window, *rest = text.split("/") + [""]
+    if per.isdigit() and window.isdigit() and int(per) > 0 and int(window) > 0 and rest[0] in ("", "library"):
+        return int(per), int(window), rest[0] != "library"
+    raise argparse.ArgumentTypeError(f"{text!r}: expected PER/WINDOW or PER/WINDOW/library, two positive numbers")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--links", nargs="+", help="link rates, one table each (default 500mbit 200mbit; --quick: 200mbit)")
@@ -264,14 +282,19 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps per worker")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="each row this many times, in rotating order")
-    p.add_argument("--shards-per-host", type=int, default=8,
-                   help="shards each server host serves (default 8: the best at 200 Mbit/s, docs/performance.md)")
+    p.add_argument("--shards-per-host", type=int, default=16,
+                   help="shards each server host serves (default 16: the best at 200 Mbit/s, docs/performance.md)")
     p.add_argument("--window", type=int, default=4, help="pushes going at once (default 4)")
     p.add_argument("--timeout", type=float, default=600.0, help="per row, seconds")
     p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4 (200mbit)")
     p.add_argument("--bf16", action="store_true", help="with --quick: shardps bsp bf16 at n = 4, k = 4 too")
     p.add_argument("--sweep", action="store_true",
                    help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")
+    p.add_argument("--library-parts", action="store_true",
+                   help="the library's cut of the model (up to 16 parts a shard, at least 64 KiB each) instead of "
+                        "parts of a shard's size (connect(part_bytes=model bytes / shards), the default)")
+    p.add_argument("--grid", nargs="+", type=_setting, metavar="PER/WINDOW[/library]",
+                   help="shardps bsp fp32 (n = 4, k = 4) at each shards-a-host/window setting, beside DDP")
     p.add_argument("--ray-ps", action="store_true",
                    help="Ray's object-store parameter server (a Ray node in every host) beside DDP and shardps, n = 4")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
@@ -282,10 +305,11 @@ def main() -> int:
     if missing:
         print(f"benchmarks/cluster.py: {missing}", file=sys.stderr)
         return 2
-    links = a.links or (["200mbit"] if a.quick else ["500mbit", "200mbit"])
-    dims = tuple(int(d) for d in a.dims.split("-"))
+    links = a.links or (["200mbit"] if a.quick or a.grid else ["500mbit", "200mbit"])
+    dims = _dims(a.dims)
     model_bytes = 4.0 * numel(dims)
-    rows_ = configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16)
+    rows_ = [replace(c, whole=False) if a.library_parts else c
+             for c in configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16, a.grid)]
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
     say(f"model {model_bytes / 1e6:.1f} MB ({a.dims}), batch {a.batch}, {a.steps} timed steps after {a.warmup}; "
         f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
@@ -337,55 +361,6 @@ def print_table(table: list[dict[str, Any]]) -> None:
                   f"{t['machine_busy']:.0%} | {t['machine_softirq']:.0%} | {t['machine_system']:.0%} | "
                   f"{t['machine_steal']:.0%} |"
                   if vs else "")
-
-
-def plot(path: str, table: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for link in sorted({t["link_mbit"] for t in table}):
-        pts = sorted((t["k"], t["step_s"], t["formula_s"]) for t in table if t["link_mbit"] == link
-                     and t["system"] == "shardps" and t["n"] == 4 and t["sync"] == "bsp" and t["wire"] == "fp32"
-                     and t["window"] and t["compress"] == "none")
-        line = ax.plot([k for k, _, _ in pts], [s for _, s, _ in pts], "o-", label=f"shardps bsp, {link} Mbit/s")
-        ax.plot([k for k, _, _ in pts], [f for _, _, f in pts], "--", color=line[0].get_color(),
-                label=f"formula, {link} Mbit/s")
-        for t in table:
-            if t["link_mbit"] == link and t["system"] == "ddp" and t["n"] == 4:
-                ax.axhline(t["step_s"], color=line[0].get_color(), linestyle=":", label=f"DDP, {link} Mbit/s")
-    ax.set_xlabel("server hosts k (0: a server on each worker host)")
-    ax.set_ylabel("step (s)")
-    ax.set_title("n = 4 workers")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def plot_timeline(path: str, samples: list[list[float]], link: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # the rate over bins of 50 ms: a 5 ms sample is mostly tbf's bursts, not the link's rate
-    bins = [samples[0]]
-    for s in samples[1:]:
-        if s[0] - bins[-1][0] >= 0.05 or s is samples[-1]:
-            bins.append(s)
-    rate = [((bins[i][0] + bins[i - 1][0]) / 2, (bins[i][1] - bins[i - 1][1]) * 8e-6 / (bins[i][0] - bins[i - 1][0]),
-             (bins[i][2] - bins[i - 1][2]) * 8e-6 / (bins[i][0] - bins[i - 1][0])) for i in range(1, len(bins))]
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([r[0] for r in rate], [r[1] for r in rate], label="uplink (gradients up)")
-    ax.plot([r[0] for r in rate], [r[2] for r in rate], label="downlink (weights down)")
-    ax.set_xlabel("s into the step")
-    ax.set_ylabel("Mbit/s")
-    ax.set_title(f"worker 0's link in one bsp step, {link}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def run_shardps(a: argparse.Namespace) -> dict[str, object]:
     model = mlp(a.dims)
     half = torch.bfloat16 if a.wire == "bf16" else None
     with shardps.connect(a.addresses.split(","), worker_id=a.rank, num_workers=a.world,
-                         timeout=a.timeout) as client:
+                         timeout=a.timeout, part_bytes=a.part_bytes) as client:
         compress = None if a.compress == "none" else shardps.compress.parse(a.compress)
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), sync=a.sync,
                                            grad_dtype=half, pull_dtype=half, push_window=a.window,
@@ -159,6 +159,8 @@ def main() -> int:
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--window", type=int, default=None, help="shardps: push_window (default: every shard at once)")
     p.add_argument("--compress", default="none", help="shardps: none, topk:RATIO or powersgd:RANK")
+    p.add_argument("--part-bytes", type=int, default=None,
+                   help="shardps: connect(part_bytes=): the size the model is cut into (default: the library's)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     result = run_ddp(a) if a.system == "ddp" else run_shardps(a)
