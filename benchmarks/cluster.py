@@ -48,7 +48,7 @@ a tensor, so a call moves one piece); ``/library`` (``--library-parts`` for ever
 to 16 pieces a shard of at least 64 KiB, each a frame, a message and a step of its own on the shard.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
-``k``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
+``k``, ``whole``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
 links' tbf queues dropped, ``retrans_share``: the share of the hosts' TCP segments that were retransmissions,
 ``machine_busy``, ``machine_softirq``, ``machine_system``, ``machine_steal``: shares of the whole machine's
 cores over the timed steps, from /proc/stat: busy (all but idle), the kernel's packet work, the kernel's
