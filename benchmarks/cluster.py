@@ -45,7 +45,7 @@ a parameter server's with k = 1.
 beside DDP: what the defaults were chosen from. ``--grid 8/4 16/4/library``: the same at chosen PER/WINDOW
 settings. The model is cut into parts of a shard's size (``connect(part_bytes=)``: a shard holds one piece of
 a tensor, so a call moves one piece); ``/library`` (``--library-parts`` for every row): the library's cut, up
-to 16 pieces a shard of at least 64 KiB, each a frame, a message and a step of its own on the shard.
+to 16 pieces a shard of at least 256 KiB, each a frame, a message and a step of its own on the shard.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
 ``k``, ``whole``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
@@ -291,7 +291,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true",
                    help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")
     p.add_argument("--library-parts", action="store_true",
-                   help="the library's cut of the model (up to 16 parts a shard, at least 64 KiB each) instead of "
+                   help="the library's cut of the model (up to 16 parts a shard, at least 256 KiB each) instead of "
                         "parts of a shard's size (connect(part_bytes=model bytes / shards), the default)")
     p.add_argument("--grid", nargs="+", type=_setting, metavar="PER/WINDOW[/library]",
                    help="shardps bsp fp32 (n = 4, k = 4) at each shards-a-host/window setting, beside DDP")
