@@ -142,8 +142,9 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
 
     def __init__(self, rows: RowTables, *, check_serving: Callable[[], None] = lambda: None,
                  replicated: Callable[[], None] = lambda: None, metrics: ServerMetrics | None = None,
-                 max_wait_s: float = MAX_WAIT_S) -> None:
+                 max_wait_s: float = MAX_WAIT_S, epoch: Callable[[], int] = lambda: 0) -> None:
         self.rows = rows
+        self.epoch = epoch  # the shard's rollback epoch: a Backward from another applies nothing
         self.check_serving = check_serving
         self.replicated = replicated  # blocks until the backup holds every change so far (--replicas 2)
         self.metrics = metrics
@@ -194,6 +195,8 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         if len(experts):
             rows, _ = self.rows.pull(request.table, request.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, request.dim)
+        if request.HasField("epoch") and request.epoch != self.epoch():  # computed before a rollback: its
+            return experts_pb2.ExpertAnswer(out=dx)  # worker's dense push is refused, and it replays the step
         if request.hold:  # on the backup too before it is answered: the worker goes on (server/heldgrads.py)
             self.rows.hold(request.table, request.dim, request.worker_id, request.step, request.hold_index,
                            experts, g)

@@ -83,7 +83,13 @@ class Job:
             raise Aborted(f"shard {self.shard_index} restarted from its checkpoint at version {self.version}: "
                           f"the job must roll back to a checkpoint all shards hold "
                           f"(versions here: {self._checkpoints()})")
-        if epoch is not None and epoch != self.epoch:
+        if epoch is not None:
+            self.check_same_epoch(epoch)
+
+    def check_same_epoch(self, epoch: int) -> None:
+        """ABORTED when the job was rolled back since the worker's epoch (``check_epoch`` without the
+        restart's wait: a row push's check, as row tables serve before any rollback, docs/sparse.md)."""
+        if epoch != self.epoch:
             raise Aborted(f"the job was rolled back (shard {self.shard_index} is in epoch {self.epoch}, "
                           f"the request in {epoch}): resync")
 

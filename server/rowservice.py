@@ -90,12 +90,16 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
     """``service Rows`` over a shard's ``RowTables``."""
 
     def __init__(self, rows: RowTables, *, check_serving: Callable[[], None],
+                 check_epoch: Callable[[int], None] = lambda epoch: None,
                  replicated: Callable[[], None] = lambda: None, backup: Callable[[], str] = lambda: "",
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
                  max_wait_s: float = 300.0) -> None:
         self.rows = rows
         self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
         self.check_serving = check_serving
+        # ABORTED for a push from another rollback epoch (as a dense Push): a worker's step computed
+        # before a rollback is never applied after it
+        self.check_epoch = check_epoch
         self.replicated = replicated  # blocks until the backup holds every change so far (--replicas 2)
         self.backup = backup  # where the shard's backup lives ("" without one): RegisterRows says it
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
@@ -134,6 +138,8 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
                  context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         self.check_serving()
         head, keys, grads, base, found_inf = decode_push_rows(request_iterator)
+        if head.HasField("epoch"):
+            self.check_epoch(head.epoch)
         if head.assign:
             created = self.rows.assign(head.table, head.dim, keys, grads)
             self.replicated()

@@ -343,12 +343,13 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
-    rows = RowsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
+    rows = RowsServicer(store.rows, check_serving=store.check_serving, check_epoch=store.check_same_epoch,
+                        replicated=store.replicated,
                         backup=lambda: store.replicator.address if store.replicator is not None else "",
                         chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
     _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
     experts = ExpertsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
-                              metrics=metrics, max_wait_s=max_wait_s)
+                              metrics=metrics, max_wait_s=max_wait_s, epoch=lambda: store.epoch)
     _register(EXPERTS, experts_pb2_grpc.add_ExpertsServicer_to_server, experts, server)
     return segments
 

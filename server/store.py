@@ -164,6 +164,7 @@ class ShardStore:
         self.pull_slices = path.pull_slices
         self.spec, self.staging = table.spec, applier.pool.take
         self.check_epoch, self.wait_version, self.wait_clock = job.check_epoch, job.wait_version, job.wait_clock
+        self.check_same_epoch = job.check_same_epoch
         self.register_worker, self.leave, self.touch, self.live_workers = (leases.register, leases.leave,
                                                                            leases.touch, leases.live)
         self.check_worker_id = membership.check_worker_id

@@ -111,3 +111,37 @@ def test_kill_9_a_server_of_an_moe_job_restart_it_and_the_run_finishes_exactly(t
                 p.kill()
             if p.stdout and not p.stdout.closed:
                 p.stdout.close()
+
+
+@pytest.mark.parametrize("placement", ["pull", "send"])
+def test_an_expert_step_computed_before_a_rollback_applies_nothing(make_cluster, tmp_path, placement):
+    """A worker still in the epoch before a rollback (another worker rolled the job back) pushes its experts'
+    gradients ("pull": PushRows at the step; "send": the shards' Backward): the shards apply nothing of
+    them, and the step raises RolledBack, so the worker replays it. Found by make test: two workers that
+    recover at once roll back twice, and the first epoch's replay reached the expert table of the second."""
+    cluster = make_cluster(2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    torch.manual_seed(0)
+    model = Net(placement)
+    with shardps.connect(cluster.addresses, part_bytes=512) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.05), sync="bsp")
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            out, aux = model(x)
+            (out.pow(2).mean() + aux).backward()
+            opt.step()
+            opt.zero_grad()
+        before = client.pull_rows("experts", torch.arange(E), track=False)
+        for store in cluster.stores:  # another worker's rollback to the last checkpoint, in a new epoch
+            store.rollback(store.version, client.epoch + 1)
+        out, aux = model(x)
+        (out.pow(2).mean() + aux).backward()  # "send": the shards' Backward, refused to apply
+        assert torch.equal(client.pull_rows("experts", torch.arange(E), track=False), before)
+        with pytest.raises(shardps.RolledBack) as e:
+            opt.step()
+        assert e.value.step == 2 and client.epoch == 1
+        assert torch.equal(client.pull_rows("experts", torch.arange(E), track=False), before)
+        opt.zero_grad()
+        out, aux = model(x)
+        (out.pow(2).mean() + aux).backward()
+        opt.step()  # the replay applies
+        assert not torch.equal(client.pull_rows("experts", torch.arange(E), track=False), before)

@@ -314,3 +314,25 @@ def test_the_backup_replays_row_changes_to_the_same_rows(make_cluster):
         for k in ("keys", "weight", "state/exp_avg", "state/exp_avg_sq", "updates"):
             assert torch.equal(primary[1][f"rows/t/{k}"][order_p], backup[1][f"rows/t/{k}"][order_b]), k
         assert primary[0]["t"]["steps"] == backup[0]["t"]["steps"] == 4
+
+
+def test_a_row_push_from_before_a_rollback_is_refused_and_changes_nothing(make_cluster, tmp_path):
+    """A push carries its client's rollback epoch: one computed before the job rolled back is answered
+    ABORTED and changes no row (as a dense Push). Found by make test: two workers recovering at once roll the
+    job back twice, and a row push of the first epoch's replay counted in the second's round, so the rows ran
+    a step ahead of the dense weights."""
+    cluster = make_cluster(1, checkpoint_dir=str(tmp_path))
+    keys = torch.arange(6)
+    with shardps.connect(cluster.addresses) as client:
+        client.rows.register("emb", 4, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        client.rows.push("emb", keys, torch.ones(6, 4), 0)
+        client.checkpoint()
+        saved = client.rows.pull("emb", keys)
+        cluster.stores[0].rollback(cluster.stores[0].version, client.epoch + 1)  # another worker's rollback
+        with pytest.raises(shardps.ShardError) as e:
+            client.rows.push("emb", keys, torch.ones(6, 4), 1)
+        assert e.value.code == grpc.StatusCode.ABORTED and "is in epoch 1, the request in 0" in str(e.value)
+        assert torch.equal(client.rows.pull("emb", keys), saved)
+        client.recover()
+        client.rows.push("emb", keys, torch.ones(6, 4), 1)
+        assert torch.equal(client.rows.pull("emb", keys), saved - 1.0)

@@ -177,7 +177,8 @@ class Send(torch.autograd.Function):
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
                                          worker_id=_worker(experts), step=step, num_workers=experts.num_workers,
-                                         hold=experts.hold, hold_index=index)
+                                         hold=experts.hold, hold_index=index,
+                                         epoch=rows.epoch() if rows.epoch is not None else None)
             ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
                 _fits(experts.table, req), timeout=t.timeout))
             stats.bytes_sent += len(req.tokens) * 3

@@ -313,7 +313,10 @@ class DistributedOptimizer:
         if ov is not None and ov.pull is not None:  # a step without backward (or one that streamed nothing)
             self.synchronize()
         self.local_steps += 1
-        self.rows.step(self.local_steps - 1)  # the row modules' gradients (worker/rowmodules.py)
+        try:  # the row modules' gradients (worker/rowmodules.py); a rollback since is found here first
+            self.rows.step(self.local_steps - 1)
+        except ShardError as e:
+            return self._push_failed(e, loss)
         if stream is not None:
             return self._push_streamed(stream, loss)
         grads = self.gradients()

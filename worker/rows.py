@@ -110,8 +110,10 @@ def naming(name: str, call: str, transport: Transport, fn: Callable[[], T]) -> T
 class RowClient:
     """Row tables over the shards of ``transport``."""
 
-    def __init__(self, transport: Transport, worker_id: int, chunk_bytes: int) -> None:
+    def __init__(self, transport: Transport, worker_id: int, chunk_bytes: int,
+                 epoch: Callable[[], int] | None = None) -> None:
         self.transport = transport
+        self.epoch = epoch  # the client's rollback epoch, carried by every push (the shards fence on it)
         self.worker_id = worker_id
         self.chunk_bytes = codec.check_chunk_bytes(chunk_bytes)
         self.specs: dict[str, RowTableSpec] = {}
@@ -232,6 +234,7 @@ class RowClient:
         bases = np.full(len(s.unique), -1, dtype=np.int64) if assign else self._bases(name, s.unique)
         per = rows_per_message(dim + 2, self.chunk_bytes)  # + the base version
         t = self.transport
+        epoch = None if self.epoch is None else self.epoch()
 
         def messages(shard: int) -> Iterator[ps_pb2.PushRowsRequest]:
             idx = s.of(shard)
@@ -241,7 +244,8 @@ class RowClient:
                 yield ps_pb2.PushRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(),
                                              grads=grad_rows.numpy().tobytes(), dim=dim,
                                              worker_id=worker_id, step=step, num_workers=num_workers,
-                                             assign=assign, base_versions=bases[part].tobytes(), found_inf=found_inf)
+                                             assign=assign, base_versions=bases[part].tobytes(), found_inf=found_inf,
+                                             epoch=epoch)
 
         def push_shard(shard: int) -> int:
             answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)

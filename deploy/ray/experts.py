@@ -98,11 +98,16 @@ class ExpertActor:
         if len(experts):
             rows, versions = self._pull(req.table, req.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, req.dim)
-        if req.hold:  # held on the shard (and its backup) for the step's push, not here
-            if len(experts):
-                self._push(req, experts, g, versions, hold=True)
-            return experts_pb2.ExpertAnswer(out=dx)
-        return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, experts, g, versions))
+        try:
+            if req.hold:  # held on the shard (and its backup) for the step's push, not here
+                if len(experts):
+                    self._push(req, experts, g, versions, hold=True)
+                return experts_pb2.ExpertAnswer(out=dx)
+            return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, experts, g, versions))
+        except grpc.RpcError as e:  # from before a rollback (the worker's epoch): the shard took nothing,
+            if req.HasField("epoch") and e.code() == grpc.StatusCode.ABORTED:  # as its own Backward answers
+                return experts_pb2.ExpertAnswer(out=dx)
+            raise
 
     def _pull(self, table: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """The rows of distinct uint64 ``keys`` (all this actor's shard's) and their versions."""
@@ -128,7 +133,8 @@ class ExpertActor:
                                              grads=grads[lo:lo + per].numpy().tobytes(), dim=req.dim,
                                              worker_id=req.worker_id, step=req.step, num_workers=req.num_workers,
                                              base_versions=versions[lo:lo + per].tobytes(), hold=hold,
-                                             hold_index=req.hold_index)
+                                             hold_index=req.hold_index,
+                                             epoch=req.epoch if req.HasField("epoch") else None)
 
         return int(self.transport.rows(self.shard).PushRows(messages(), timeout=self.timeout).rows)
 

@@ -19,7 +19,7 @@ class RegisterExpertResponse(_message.Message):
     def __init__(self, parameters: _Optional[int] = ...) -> None: ...
 
 class ExpertCall(_message.Message):
-    __slots__ = ("table", "dim", "d_model", "experts", "counts", "tokens", "grad_out", "worker_id", "step", "num_workers", "hold", "hold_index")
+    __slots__ = ("table", "dim", "d_model", "experts", "counts", "tokens", "grad_out", "worker_id", "step", "num_workers", "hold", "hold_index", "epoch")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     D_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ExpertCall(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     HOLD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     table: str
     dim: int
     d_model: int
@@ -44,7 +45,8 @@ class ExpertCall(_message.Message):
     num_workers: int
     hold: bool
     hold_index: int
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., d_model: _Optional[int] = ..., experts: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., grad_out: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., d_model: _Optional[int] = ..., experts: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., grad_out: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ExpertAnswer(_message.Message):
     __slots__ = ("out", "rows")

@@ -606,7 +606,7 @@ class PullRowsResponse(_message.Message):
     def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ..., versions: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions", "found_inf", "hold", "hold_index")
+    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions", "found_inf", "hold", "hold_index", "epoch")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -620,6 +620,7 @@ class PushRowsRequest(_message.Message):
     FOUND_INF_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     HOLD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
@@ -633,7 +634,8 @@ class PushRowsRequest(_message.Message):
     found_inf: bool
     hold: bool
     hold_index: int
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ..., found_inf: _Optional[bool] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ..., found_inf: _Optional[bool] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
     __slots__ = ("rows", "steps", "skipped")
