@@ -317,13 +317,16 @@ def test_the_backup_replays_row_changes_to_the_same_rows(make_cluster):
 
 
 def test_a_row_push_from_before_a_rollback_is_refused_and_changes_nothing(make_cluster, tmp_path):
-    """A push carries its client's rollback epoch: one computed before the job rolled back is answered
-    ABORTED and changes no row (as a dense Push). Found by make test: two workers recovering at once roll the
-    job back twice, and a row push of the first epoch's replay counted in the second's round, so the rows ran
-    a step ahead of the dense weights."""
+    """A client that registered dense tensors (a DistributedOptimizer's) knows the job's rollback epoch and
+    its row pushes carry it: one computed before the job rolled back is answered ABORTED and changes no row
+    (as a dense Push). Found by make test: two workers recovering at once roll the job back twice, and a row
+    push of the first epoch's replay counted in the second's round, so the rows ran a step ahead of the
+    dense weights. A client of row tables alone pushes unchecked, as before."""
     cluster = make_cluster(1, checkpoint_dir=str(tmp_path))
     keys = torch.arange(6)
-    with shardps.connect(cluster.addresses) as client:
+    with shardps.connect(cluster.addresses, num_workers=2) as client, \
+            shardps.connect(cluster.addresses, worker_id=1, num_workers=2) as alone:
+        client.register({"w": torch.zeros(2)}, SGD(lr=1.0), sync="asp")
         client.rows.register("emb", 4, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
         client.rows.push("emb", keys, torch.ones(6, 4), 0)
         client.checkpoint()
@@ -336,3 +339,6 @@ def test_a_row_push_from_before_a_rollback_is_refused_and_changes_nothing(make_c
         client.recover()
         client.rows.push("emb", keys, torch.ones(6, 4), 1)
         assert torch.equal(client.rows.pull("emb", keys), saved - 1.0)
+        alone.rows.register("emb", 4, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        alone.rows.push("emb", keys, torch.ones(6, 4), 5)
+        assert torch.equal(client.rows.pull("emb", keys), saved - 2.0)

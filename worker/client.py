@@ -100,8 +100,10 @@ class PSClient(RowCalls):
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
         self.transport.on_moved = self.paths.off  # failed over to a backup (another machine): gRPC
         self._registered = self._closed = False  # registered as a worker: close() says goodbye (Leave)
-        self.rows = RowClient(self.transport, worker_id, self.chunk_bytes,  # row tables (docs/sparse.md)
-                              epoch=lambda: self.epoch)
+        # row tables (docs/sparse.md); their pushes carry the epoch once this client registered tensors (it
+        # knows the job's epoch then: a client of row tables alone pushes unchecked, as before)
+        self.rows = RowClient(self.transport, worker_id, self.chunk_bytes,
+                              epoch=lambda: self.epoch if self.layouts else None)
         # A worker's own /metrics (arguments, then SHARDPS_METRICS_PORT/HOST): served once it registers.
         self._metrics_port = env.pick_int(metrics_port, env.METRICS_PORT)
         self._metrics_host = env.pick(metrics_host, env.METRICS_HOST, "127.0.0.1") or "127.0.0.1"

@@ -111,7 +111,7 @@ class RowClient:
     """Row tables over the shards of ``transport``."""
 
     def __init__(self, transport: Transport, worker_id: int, chunk_bytes: int,
-                 epoch: Callable[[], int] | None = None) -> None:
+                 epoch: Callable[[], int | None] | None = None) -> None:
         self.transport = transport
         self.epoch = epoch  # the client's rollback epoch, carried by every push (the shards fence on it)
         self.worker_id = worker_id
