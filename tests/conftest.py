@@ -100,10 +100,13 @@ class SessionRay:
             import ray
 
             from shardps.deploy.ray.local import RayLocalCluster
+            from tests.raystart import ray_start_lock
 
-            rc = RayLocalCluster(num_cpus=4).start()
+            with ray_start_lock():
+                rc = RayLocalCluster(num_cpus=4).start()
             try:
-                rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})
+                with ray_start_lock():
+                    rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})
                 rc.wait_for_jobs()
                 # Actors import tests.* (training loops) from the repository: every node runs on this
                 # machine, so its path will do. (Not a working_dir: jobs the tests submit upload the same
