@@ -36,18 +36,18 @@ def test_demo_bsp_default_flags():
 
 def test_demo_every_4_pushes_a_quarter_and_plots(tmp_path):
     png = tmp_path / "run.png"
-    out = run_demo("--sync", "every:4", "--epochs", "8", "--quiet", "--workers", "2", "--servers", "1",
+    out = run_demo("--sync", "every:4", "--epochs", "4", "--quiet", "--workers", "2", "--servers", "1",
                    "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert out["sync"] == "every:4"
-    assert out["pushes_per_worker"] * 4 == out["steps"] == 8 * 22
-    assert out["test_accuracy"] >= 0.8, out
+    assert out["pushes_per_worker"] * 4 == out["steps"] == 4 * 22
+    assert out["test_accuracy"] >= 0.8, out  # 0.867 after 4 epochs (2026-12-03)
 
 
 def test_demo_bf16_on_the_wire_with_overlap():
     """Gradients up and weights down in bf16, buckets pushed during backward: still learns digits."""
-    out = run_demo("--wire", "bf16", "--overlap", "--epochs", "8", "--quiet")
-    assert out["steps"] == 8 * 22 and out["test_accuracy"] >= 0.9, out
+    out = run_demo("--wire", "bf16", "--overlap", "--epochs", "4", "--quiet")
+    assert out["steps"] == 4 * 22 and out["test_accuracy"] >= 0.9, out  # 0.950 after 4 epochs (2026-12-03)
 
 
 def test_demo_gpt_streams_a_model_larger_than_its_budget():
