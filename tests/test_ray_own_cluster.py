@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(300)
 def test_shardps_ray_without_a_cluster_starts_one_big_enough_for_the_run_and_leaves_nothing(tmp_path):
-    """No --address, no RAY_ADDRESS, no cluster on this machine: Ray starts one for the run with as many
-    logical CPUs as it asks for (4 here), also on a machine with fewer cores, and it ends with the run."""
+    """No --address, no RAY_ADDRESS, no cluster it can find (a RAY_TMPDIR of its own: the session's cluster
+    may run beside it): Ray starts one for the run with as many logical CPUs as it asks for (4 here), also
+    on a machine with fewer cores, and it ends with the run."""
     tmp = Path(tempfile.mkdtemp(prefix="shardps-ray-", dir="/tmp"))  # short: Ray's socket paths live here
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
