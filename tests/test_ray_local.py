@@ -74,3 +74,30 @@ def test_a_head_that_fails_twice_says_why(monkeypatch):
     monkeypatch.setattr(local.RayLocalCluster, "_ray_start", ray_start)
     with pytest.raises(RuntimeError, match="failed"):
         local.RayLocalCluster().start()
+
+
+def test_node_env_reaches_every_ray_start_and_cannot_override_the_auth_token(monkeypatch):
+    """The session cluster gives its actors the repository's path this way (tests/conftest.py): every node's
+    ``ray start`` gets ``node_env``, and the cluster's own token wins over one in ``node_env``."""
+    envs: list[dict[str, str]] = []
+
+    class _Popen:
+        pid = 0
+        returncode = 0
+
+        def __init__(self, cmd, **kw):
+            envs.append(kw["env"])
+
+        def communicate(self, timeout=None):
+            return "", None
+
+    monkeypatch.setattr(local.subprocess, "Popen", _Popen)
+    rc = local.RayLocalCluster(node_env={"PYTHONPATH": "/code", "RAY_AUTH_TOKEN": "not-this"})
+    try:
+        rc.start()
+        rc.add_node()
+        assert len(envs) == 2
+        assert all(e["PYTHONPATH"] == "/code" and e["RAY_AUTH_TOKEN"] == rc.token != "not-this" for e in envs)
+    finally:
+        rc.nodes = []
+        rc.stop()

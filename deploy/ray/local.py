@@ -10,10 +10,12 @@ Ray 2.60 turns token authentication on: every ``ray`` command, node, driver
 and job client of one cluster must carry the same ``RAY_AUTH_MODE=token`` and
 ``RAY_AUTH_TOKEN``; ``env`` holds them (a fresh random token per cluster)
 and ``start`` puts them into this process's environment too, for
-``ray.init``. Each node is started in its own process group and lives under
-its own ``--temp-dir``; ``stop()`` ends exactly those process groups (never
-``ray stop``, which stops every Ray process of the machine) and removes the
-directory.
+``ray.init``. ``node_env`` adds to every node's environment, which the
+nodes' worker processes inherit (a ``PYTHONPATH`` for the actors' code:
+cheaper than a driver's ``runtime_env``, docs/ray.md). Each node is started
+in its own process group and lives under its own ``--temp-dir``; ``stop()``
+ends exactly those process groups (never ``ray stop``, which stops every Ray
+process of the machine) and removes the directory.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class RayLocalCluster:
 
     def __init__(self, num_cpus: int = 2, *, resources: dict[str, float] | None = None,
                  token: str | None = None, start_timeout: float = 120.0,
-                 object_store_bytes: int = 500 * 2**20, python: str | None = None) -> None:
+                 object_store_bytes: int = 500 * 2**20, python: str | None = None,
+                 node_env: dict[str, str] | None = None) -> None:
         self.num_cpus = num_cpus
         self.resources = dict(resources or {})
         self.token = token or os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)
@@ -120,6 +123,10 @@ class RayLocalCluster:
         self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
         Path(self.temp_dir, "owner").write_text(str(os.getpid()))  # stop_stale() ends it once we are gone
         self.python = python or sys.executable  # the nodes' Python: its Ray, its packages
+        # More environment for every node's processes; their worker processes inherit it. PYTHONPATH here
+        # costs nothing per worker, where a driver's runtime_env={"env_vars": ...} starts each worker
+        # through Ray's setup_worker.py: one more Python and Ray import a worker.
+        self.node_env = dict(node_env or {})
         self.port = 0
         self.dashboard_port = 0
         self.nodes: list[_Node] = []
@@ -152,7 +159,7 @@ class RayLocalCluster:
         return out
 
     def _ray_start(self, args: list[str]) -> _Node:
-        env = dict(os.environ, **self.env)
+        env = {**os.environ, **self.node_env, **self.env}  # the cluster's own token wins
         # As an activated venv would: job entrypoints (`shardps ray`) find this Python's scripts.
         env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
         proc = subprocess.Popen(ray_command(self.python) + ["start", *args], stdout=subprocess.PIPE,
