@@ -105,8 +105,8 @@ class SessionRay:
             # Actors import tests.* (training loops) from the repository: every node runs on this machine,
             # so its path will do, in the nodes' own environment. (Not a working_dir: jobs the tests submit
             # upload the same content, and Ray deleted the shared unpacked copy under a running job. Not the
-            # driver's runtime_env: each actor's worker would start through Ray's setup_worker.py, 1.3 CPU
-            # seconds more an actor, a third of its start.)
+            # driver's runtime_env: each actor's worker would start through Ray's setup_worker.py; the Ray
+            # group took 396-501 CPU seconds that way, 342-347 this way: docs/performance.md.)
             with ray_start_lock():
                 rc = RayLocalCluster(num_cpus=4, node_env={"PYTHONPATH": str(ROOT)}).start()
             try:

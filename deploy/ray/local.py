@@ -124,8 +124,8 @@ class RayLocalCluster:
         Path(self.temp_dir, "owner").write_text(str(os.getpid()))  # stop_stale() ends it once we are gone
         self.python = python or sys.executable  # the nodes' Python: its Ray, its packages
         # More environment for every node's processes; their worker processes inherit it. PYTHONPATH here
-        # costs nothing per worker, where a driver's runtime_env={"env_vars": ...} starts each worker
-        # through Ray's setup_worker.py: one more Python and Ray import a worker.
+        # adds nothing to a worker's start, where a driver's runtime_env={"env_vars": ...} starts each
+        # worker through Ray's setup_worker.py: one more Python and Ray import a worker (docs/ray.md).
         self.node_env = dict(node_env or {})
         self.port = 0
         self.dashboard_port = 0
