@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""The CPU of a bsp step's calls on loopback, in the cluster benchmark's layout, and the servers' thread switches.
+
+    .venv/bin/python benchmarks/call_cpu.py [--shards-per-host 1 4 16] [--steps 20] [--rounds 2]
+
+benchmarks/cluster.py's workload and schedule without its links: 4 server
+processes (``shardps server --shards S``), 4 workers
+(``baselines/host_worker.py``: the MLP 1024-2048-1024-10, batch 8, SGD,
+bsp, a window of 4, the model cut into parts of a shard's size), every
+process on this machine's loopback, ``SHARDPS_SHM=0`` so that the bytes
+take the TCP bulk path as between hosts. Each worker pushes and pulls
+every shard once a step: 2 x 4 S x 4 calls a step. Printed per S (medians
+over ``--rounds``, rounds rotating): the step (on loopback every process
+shares the machine's cores, so the step is the CPU's bound), the CPU
+seconds a step of the workers and of the servers, the CPU a call (both
+ends), and the servers' context switches a call (voluntary and not, summed
+over their threads, from /proc/PID/task/*/status; a thread that ends in
+between takes its count with it). A switch is a thread that stopped and
+another that ran: in these processes mostly threads handing the
+interpreter's lock and their work to each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cluster import parse_ready, read_ready_lines  # noqa: E402
+from proccpu import process_cpu  # noqa: E402
+
+HOSTS, WORKERS = 4, 4
+DIMS = (1024, 2048, 1024, 10)
+
+
+def switches(pid: int) -> int:
+    """Context switches so far, summed over the process's live threads."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if "ctxt_switches:" in line:  # voluntary_ and nonvoluntary_
+                    total += int(line.split()[1])
+        except OSError:
+            continue  # ended in between
+    return total
+
+
+def numel(dims: tuple[int, ...]) -> int:
+    return sum(a * b + b for a, b in zip(dims, dims[1:]))
+
+
+def one(per: int, steps: int, timeout: float) -> dict[str, float]:
+    """One run at ``per`` shards a server process: start, time ``steps`` steps after 2, stop."""
+    env = dict(os.environ, SHARDPS_LOG_LEVEL="ERROR", SHARDPS_SHM="0")
+    total = HOSTS * per
+    servers: list[subprocess.Popen[str]] = []
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        for j in range(HOSTS):
+            servers.append(subprocess.Popen(
+                [sys.executable, "-m", "shardps", "server", "--host", "127.0.0.1", "--port", "0", "--shard-index",
+                 str(j * per), "--shards", str(per), "--num-shards", str(total)],
+                env=env, stdout=subprocess.PIPE, text=True))
+        addresses = [parse_ready(line)[0] for s in servers for line in read_ready_lines(s, 120, per)]
+        for r in range(WORKERS):
+            workers.append(subprocess.Popen(
+                [sys.executable, str(HERE / "baselines" / "host_worker.py"), "shardps", "--rank", str(r),
+                 "--world", str(WORKERS), "--steps", str(steps), "--warmup", "2", "--timeout", str(timeout),
+                 "--addresses", ",".join(addresses), "--window", "4",
+                 "--part-bytes", str(4 * numel(DIMS) // total)],
+                env=env, stdout=subprocess.PIPE, text=True))
+        first = workers[0].stdout.readline() if workers[0].stdout else ""
+        if '"timed"' not in first:
+            raise RuntimeError(f"worker 0 said {first!r} instead of starting its timed steps")
+        cpu0 = sum(process_cpu(s.pid) for s in servers)
+        sw0 = sum(switches(s.pid) for s in servers)
+        deadline = time.monotonic() + timeout
+        results = []
+        for w in workers:
+            out, _ = w.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            lines = [ln for ln in out.splitlines() if '"times"' in ln]
+            if w.returncode != 0 or not lines:
+                raise RuntimeError(f"a worker exited with {w.returncode}: {out[-500:]!r}")
+            results.append(json.loads(lines[-1]))
+        server_cpu = (sum(process_cpu(s.pid) for s in servers) - cpu0) / steps
+        server_sw = (sum(switches(s.pid) for s in servers) - sw0) / steps
+    finally:
+        for p in workers + servers:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+    calls = 2 * total * WORKERS
+    worker_cpu = sum(r["cpu_s"] for r in results) / steps
+    return {"per": per, "calls_per_step": calls, "step_s": statistics.median(results[0]["times"]),
+            "worker_cpu_s": worker_cpu, "server_cpu_s": server_cpu,
+            "cpu_ms_per_call": (worker_cpu + server_cpu) / calls * 1e3, "server_switches_per_call": server_sw / calls}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shards-per-host", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    a = p.parse_args()
+    print(f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {HOSTS} server processes, {WORKERS} workers, "
+          f"{a.steps} timed steps after 2", file=sys.stderr)
+    runs: dict[int, list[dict[str, float]]] = {per: [] for per in a.shards_per_host}
+    for r in range(a.rounds):
+        order = a.shards_per_host[r % len(a.shards_per_host):] + a.shards_per_host[:r % len(a.shards_per_host)]
+        for per in order:
+            row = one(per, a.steps, a.timeout)
+            print(f"  [round {r + 1}/{a.rounds}] {per} shards a process: {row['step_s'] * 1e3:.0f} ms a step, "
+                  f"{row['cpu_ms_per_call']:.2f} CPU-ms a call", file=sys.stderr)
+            runs[per].append(row)
+    rows = [{k: round(statistics.median(x[k] for x in rs), 4) for k in rs[0]} for rs in runs.values()]
+    if a.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print("| shards a server process | calls a step | step ms | workers' CPU s/step | servers' CPU s/step | "
+          "CPU ms a call | servers' switches a call |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['per']:.0f} | {row['calls_per_step']:.0f} | {row['step_s'] * 1e3:.0f} | "
+              f"{row['worker_cpu_s']:.3f} | {row['server_cpu_s']:.3f} | {row['cpu_ms_per_call']:.2f} | "
+              f"{row['server_switches_per_call']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
