@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from baselines.common import numel  # noqa: E402
 from cluster import parse_ready, read_ready_lines  # noqa: E402
 from proccpu import process_cpu  # noqa: E402
 
@@ -52,10 +53,6 @@ def switches(pid: int) -> int:
         except OSError:
             continue  # ended in between
     return total
-
-
-def numel(dims: tuple[int, ...]) -> int:
-    return sum(a * b + b for a, b in zip(dims, dims[1:]))
 
 
 def one(per: int, steps: int, timeout: float) -> dict[str, float]:
