@@ -18,7 +18,7 @@ from torch import nn
 import shardps
 from tests.helpers import run_workers
 from tests.test_moe import D, E, expert
-from tests.test_recovery import Parking, _free_port, _server
+from tests.test_recovery import Parking, _free_port, _server, clean_run
 
 pytestmark = pytest.mark.cluster
 
@@ -70,14 +70,12 @@ def _train(addresses, placement, rollbacks, park=None):
 @pytest.mark.fault
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("placement", ["pull", "send"])
-def test_kill_9_a_server_of_an_moe_job_restart_it_and_the_run_finishes_exactly(tmp_path, placement):
+def test_kill_9_a_server_of_an_moe_job_restart_it_and_the_run_finishes_exactly(tmp_path, placement, make_cluster):
     ports = [_free_port(), _free_port()]
     addresses = [f"127.0.0.1:{p}" for p in ports]
     procs = [_server(ports[i], i, tmp_path / "faulty") for i in range(2)]
-    clean = [_server(p, i, tmp_path / "clean") for i, p in enumerate((_free_port(), _free_port()))]
     try:
-        clean_addresses = [f"127.0.0.1:{p.args[p.args.index('--port') + 1]}" for p in clean]
-        expected = _train(clean_addresses, placement, [])
+        expected = _train(clean_run(make_cluster, tmp_path), placement, [])
         parking = Parking(12, WORKERS)  # checkpoints at 5 and 10 are on disk: rolls back to 10
 
         def killer():
@@ -102,7 +100,7 @@ def test_kill_9_a_server_of_an_moe_job_restart_it_and_the_run_finishes_exactly(t
                 assert torch.equal(dense_got[n], dense_want[n]), n
             assert torch.equal(rows_got, rows_want)
     finally:
-        for p in procs + clean:
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
             try:

@@ -41,6 +41,12 @@ def _server(port: int, shard: int, ckpt, every: int = EVERY) -> subprocess.Popen
     return proc
 
 
+def clean_run(make_cluster, tmp_path) -> list[str]:
+    """The addresses of 2 servers for the run without a fault, to compare with: in this process (the same
+    server code and optimizer as the processes of the faulty run, without starting 2 more)."""
+    return make_cluster(2, checkpoint_dir=str(tmp_path / "clean"), checkpoint_every=EVERY, lease_s=60.0).addresses
+
+
 def _train(addresses, rollbacks, park=None):
     """WORKERS workers in threads; ``park(k, step)`` is called before every step (fault injection)."""
     torch.manual_seed(0)
@@ -96,14 +102,12 @@ class Parking:
 
 @pytest.mark.fault
 @pytest.mark.timeout(300)
-def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path):
+def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path, make_cluster):
     ports = [_free_port(), _free_port()]
     addresses = [f"127.0.0.1:{p}" for p in ports]
     procs = [_server(ports[i], i, tmp_path / "faulty") for i in range(2)]
-    clean = [_server(p, i, tmp_path / "clean") for i, p in enumerate((_free_port(), _free_port()))]
     try:
-        clean_addresses = [f"127.0.0.1:{p.args[p.args.index('--port') + 1]}" for p in clean]
-        expected = _train(clean_addresses, [])
+        expected = _train(clean_run(make_cluster, tmp_path), [])
 
         parking = Parking(12, WORKERS)  # checkpoints at 5 and 10 are on disk, 15 is not: rolls back to 10
 
@@ -137,7 +141,7 @@ def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path):
             stats = c.stats()
         assert stats[0]["epoch"] == stats[1]["epoch"] >= 1 and [s["version"] for s in stats] == [STEPS, STEPS]
     finally:
-        for p in procs + clean:
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
             try:
