@@ -48,7 +48,10 @@ a tensor, so a call moves one piece); ``/library`` (``--library-parts`` for ever
 to 16 pieces a shard of at least 256 KiB, each a frame, a message and a step of its own on the shard.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
-``k``, ``whole``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``drops_per_step``: packets the
+``k``, ``whole``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``compute_s`` (shardps rows;
+DDP's backward holds its all-reduce): a worker's forward and backward (the median of every worker's timed
+steps), ``slowest_compute_s``: the slowest worker's in each step (their median; under bsp the first round's
+weights wait for that worker's first push), ``drops_per_step``: packets the
 links' tbf queues dropped, ``retrans_share``: the share of the hosts' TCP segments that were retransmissions,
 ``machine_busy``, ``machine_softirq``, ``machine_system``, ``machine_steal``: shares of the whole machine's
 cores over the timed steps, from /proc/stat: busy (all but idle), the kernel's packet work, the kernel's
@@ -241,9 +244,16 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
     per_worker = statistics.mean if every > 1 else statistics.median
     step = statistics.median(per_worker(r["times"]) for r in results)
     cpu = (sum(r["cpu_s"] for r in results) + server_cpu) / steps
+    # shardps: forward + backward, the median of every worker's steps, and the median over steps of the
+    # slowest worker's (a barrier's first round waits for the last worker's first push). Not DDP's: its
+    # backward holds its all-reduce.
+    timed: dict[str, float] = {}
+    if c.system == "shardps":
+        timed["compute_s"] = statistics.median(t for r in results for t in r["compute"])
+        timed["slowest_compute_s"] = statistics.median(max(ts) for ts in zip(*(r["compute"] for r in results)))
     # the links' counters over the whole row (warm-up steps too), per step
     drops, segs, retrans = (b - a for a, b in zip(counted0, link_counters(net, WORKER_HOSTS + SERVER_HOSTS)))
-    return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline"),
+    return {"step_s": step, "cpu_s": cpu, "timeline": results[0].get("timeline"), **timed,
             "drops": drops / (steps + warmup), "retrans_share": retrans / max(1, segs),
             "busy": machine["busy"], "softirq": machine["softirq"], "system": machine["system"],
             "steal": machine["steal"]}
@@ -256,6 +266,8 @@ def row(c: Config, got: list[dict[str, Any]], model_bytes: float, bits: float) -
            "link_mbit": round(bits / 1e6), "model_mb": round(model_bytes / 1e6, 2), "step_s": round(step, 4),
            "formula_s": round(f, 4), "ratio": round(step / f, 3),
            "cpu_s": round(statistics.median(g["cpu_s"] for g in got), 3),
+           **{k: round(statistics.median(g[k] for g in got if k in g), 4)
+              for k in ("compute_s", "slowest_compute_s") if any(k in g for g in got)},
            "drops_per_step": round(statistics.median(g["drops"] for g in got)),
            "retrans_share": round(statistics.median(g["retrans_share"] for g in got), 4),
            **{f"machine_{k}": round(statistics.median(g[k] for g in got), 3)
@@ -352,12 +364,15 @@ def print_table(table: list[dict[str, Any]]) -> None:
         rows_ = [t for t in table if t["link_mbit"] == link]
         ddp = {t["n"]: t["step_s"] for t in rows_ if t["system"] == "ddp"}
         print(f"\nlink {link} Mbit/s\n| system | n | step s | formula s | measured/formula | DDP/x | cpu s/step "
-              "| drops/step | retransmitted | machine busy | softirq | kernel | steal |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| fwd+bwd ms: median / slowest worker | drops/step | retransmitted | machine busy | softirq | kernel "
+              "| steal |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for t in rows_:
             vs = ddp.get(t["n"])
+            fb = (f"{t['compute_s'] * 1e3:.0f} / {t['slowest_compute_s'] * 1e3:.0f}" if "compute_s" in t else "-")
             print(f"| {t['label']} | {t['n']} | {t['step_s']:.3f} | {t['formula_s']:.3f} | {t['ratio']:.2f} | "
-                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} | {t['drops_per_step']} | {t['retrans_share']:.2%} | "
+                  f"{vs / t['step_s']:.2f} | {t['cpu_s']:.2f} | {fb} | {t['drops_per_step']} | "
+                  f"{t['retrans_share']:.2%} | "
                   f"{t['machine_busy']:.0%} | {t['machine_softirq']:.0%} | {t['machine_system']:.0%} | "
                   f"{t['machine_steal']:.0%} |"
                   if vs else "")

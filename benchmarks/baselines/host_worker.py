@@ -67,11 +67,13 @@ class Timeline:
 
 
 class Steps:
-    """The timed part of the loop: step times, this process's CPU, the link's timeline (last step)."""
+    """The timed part of the loop: step times, each step's forward and backward, this process's CPU, the
+    link's timeline (last step)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.times: list[float] = []
+        self.compute: list[float] = []  # each timed step's forward + backward, seconds
         self.cpu0 = 0.0
         self.timeline = Timeline(a.ifname) if a.timeline else None
 
@@ -83,12 +85,14 @@ class Steps:
             self.timeline.start()
         return time.perf_counter()
 
-    def end(self, step: int, t0: float) -> None:
+    def end(self, step: int, t0: float, compute: float) -> None:
         if step >= self.a.warmup:
             self.times.append(time.perf_counter() - t0)
+            self.compute.append(compute)
 
     def result(self) -> dict[str, object]:
-        out: dict[str, object] = {"times": self.times, "cpu_s": time.process_time() - self.cpu0}
+        out: dict[str, object] = {"times": self.times, "compute": self.compute,
+                                  "cpu_s": time.process_time() - self.cpu0}
         if self.timeline is not None:
             self.timeline.stop()
             out["timeline"] = self.timeline.samples
@@ -105,9 +109,10 @@ def train(a: argparse.Namespace, model: torch.nn.Module, opt: Any,
             at_warmup()
         t0 = steps.begin(step)
         loss_fn(model(x), y).backward()
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        steps.end(step, t0)
+        steps.end(step, t0, t1 - t0)
     return steps.result()
 
 
