@@ -10,8 +10,7 @@ tensor to a neighbour (a real link pair over a Unix socket, in this
 process; the neighbour takes each value before the next sleep); then, in a
 loop of its own, a stage's task: ``StageRuntime.forward`` then ``backward``
 of one micro-batch of a stage whose module only multiplies by a parameter.
-A sleep of 0
-is the warm baseline: the ratios are against it, in this run.
+A sleep of 0 is the warm baseline: the ratios are against it, in this run.
 
 ``--spin``: wait by spinning on the core (a loop reading the clock) instead
 of sleeping. A call as slow after a spin as after a sleep is not slowed by
