@@ -41,12 +41,6 @@ def _server(port: int, shard: int, ckpt, every: int = EVERY) -> subprocess.Popen
     return proc
 
 
-def clean_run(make_cluster, tmp_path) -> list[str]:
-    """The addresses of 2 servers for the run without a fault, to compare with: in this process (the same
-    server code and optimizer as the processes of the faulty run, without starting 2 more)."""
-    return make_cluster(2, checkpoint_dir=str(tmp_path / "clean"), checkpoint_every=EVERY, lease_s=60.0).addresses
-
-
 def _train(addresses, rollbacks, park=None):
     """WORKERS workers in threads; ``park(k, step)`` is called before every step (fault injection)."""
     torch.manual_seed(0)
@@ -107,7 +101,7 @@ def test_kill_9_a_server_restart_it_and_the_run_finishes_exactly(tmp_path, make_
     addresses = [f"127.0.0.1:{p}" for p in ports]
     procs = [_server(ports[i], i, tmp_path / "faulty") for i in range(2)]
     try:
-        expected = _train(clean_run(make_cluster, tmp_path), [])
+        expected = _train(make_cluster(2).addresses, [])  # the run without a fault, servers in this process
 
         parking = Parking(12, WORKERS)  # checkpoints at 5 and 10 are on disk, 15 is not: rolls back to 10
 
