@@ -61,7 +61,7 @@ tools:
 
 # Lint and types first (ruff, mypy --strict: the package ships py.typed), then the whole suite (its 30
 # slowest tests listed at the end: where the wall time goes), in TEST_JOBS processes (with more than one,
-# the Ray tests stay together in one of them: tests/conftest.py).
+# the Ray tests run in two groups, each in one of them with its own Ray cluster: tests/conftest.py).
 # Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
 # those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
 test: venv tools lint

@@ -40,19 +40,32 @@ CLUSTER_FIXTURES = {"make_cluster", "cluster2", "ray_cluster"}
 
 
 def on_ray_group(module: str) -> bool:
-    """Whether a test module (its file name) runs in the Ray group: test_ray.py and every test_*_ray.py.
+    """Whether a test module (its file name) runs in a Ray group: test_ray.py and every test_*_ray.py.
     The scheduler below sees node ids only, so the group is known by name; a module that uses the session's
     cluster under another name is refused at collection (pytest_collection_modifyitems)."""
     return module == "test_ray.py" or module.endswith("_ray.py")
 
 
+# The Ray modules in two groups, each run by one xdist process with a session cluster of its own, so that no
+# one process holds all of them: as one group they took 471-682 s of a 580-800 s suite, the longest of the
+# three processes' shares (docs/performance.md, "The test suite's time").
+RAY_GROUP_B = {"test_pipeline_ray.py", "test_moe_ray.py"}
+
+
+def ray_group(module: str) -> str | None:
+    """The xdist group of a Ray module (its file name): "ray-a" or "ray-b"; None for the other modules."""
+    if not on_ray_group(module):
+        return None
+    return "ray-b" if module in RAY_GROUP_B else "ray-a"
+
+
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with -p no:xdist does not know it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """``--dist loadgroup`` with the Ray tests as one group. xdist (3.8) groups by a suffix it appends to
-    each marked item's ``_nodeid``, which pytest 9 no longer reads (a node's id is ``_id``): the marks
-    were ignored and each Ray module went to whichever process was free, two session clusters starting
-    at once. This scheduler groups by module name instead, here in the controller, which collects
-    nothing; every other module is a unit of its own, as loadgroup makes it."""
+    """``--dist loadgroup`` with the Ray tests in their two groups (ray_group). xdist (3.8) groups by a
+    suffix it appends to each marked item's ``_nodeid``, which pytest 9 no longer reads (a node's id is
+    ``_id``): the marks were ignored and each Ray module went to whichever process was free, a session
+    cluster starting for each. This scheduler groups by module name instead, here in the controller, which
+    collects nothing; every other module is a unit of its own, as loadgroup makes it."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -60,7 +73,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class RayGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray" if on_ray_group(module.rsplit("/", 1)[-1]) else module
+            return ray_group(module.rsplit("/", 1)[-1]) or module
 
     return RayGroupScheduling(config, log)
 
@@ -69,19 +82,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
-    # The tests on the session's Ray cluster come first, one after the other, and in one xdist group (`make
-    # test` runs the suite in two processes, --dist loadgroup): one process starts the cluster at once and
-    # stops it after the last of them (pytest_runtest_teardown), while the other runs everything else.
-    # (Two Ray clusters starting at once on 2 cores were seen to time out: "node timed out during startup".)
-    # Their order among themselves, and everyone else's, is kept.
+    # The tests on the session's Ray cluster come first, each group's one after the other in one xdist process
+    # (`make test` runs the suite in three, --dist loadgroup): that process starts its cluster at once and
+    # stops it after the group's last test (pytest_runtest_teardown), then takes other modules. Two Ray
+    # clusters starting at once on 2 cores were seen to time out ("node timed out during startup"), so starts
+    # take tests/raystart.py's lock; running side by side they do not. Their order among themselves, and
+    # everyone else's, is kept.
     on_ray = [i for i in items if "ray_cluster" in getattr(i, "fixturenames", ())]
     misnamed = sorted({i.path.name for i in on_ray if not on_ray_group(i.path.name)})
     if misnamed:
         raise pytest.UsageError(f"{', '.join(misnamed)} use the session's Ray cluster (ray_cluster) but are not "
-                                "named test_*_ray.py: under `make test` they would run beside the Ray group")
+                                "named test_*_ray.py: under `make test` they would run outside the Ray groups")
     for item in items:  # and the Ray tests that start clusters of their own: one Ray start at a time
         if item in on_ray or on_ray_group(item.path.name):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.xdist_group(ray_group(item.path.name) or "ray-a"))
     items[:] = on_ray + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())]
 
 

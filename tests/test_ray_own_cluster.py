@@ -1,6 +1,6 @@
 """Ray clusters of the tests' own, not the session's: `shardps ray` that starts one for its run, and a
-cluster whose Python lacks shardps. Outside the Ray group (tests/conftest.py), so they run beside the
-session's cluster in another process; their starts take tests/raystart.py's lock."""
+cluster whose Python lacks shardps. Outside the Ray groups (tests/conftest.py), so they run beside the
+sessions' clusters in another process; their starts take tests/raystart.py's lock."""
 
 from __future__ import annotations
 
