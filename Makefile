@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # (docs/performance.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
 TEST_JOBS ?= 3
 
-.PHONY: venv tools demo test test-fast stress fuzz lint typecheck proto clean
+.PHONY: venv tools demo test test-cpu test-fast stress fuzz lint typecheck proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,14 @@ tools:
 test: venv tools lint
 	$(BIN)/python -m pytest --durations=30 $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup) \
 		$(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
+
+# Where the suite's CPU goes: the whole suite in one process, each test's CPU seconds (the whole machine's:
+# its servers, workers and Ray actors too) counted and the costliest listed at the end (tests/cpu.py); one
+# JSON line per test in build/cpu-per-test.jsonl. On a quiet machine: it counts everything that runs.
+test-cpu: venv tools
+	@mkdir -p build
+	$(BIN)/python -m pytest -q -p tests.cpu -p no:xdist --cpu-out build/cpu-per-test.jsonl $(PYTEST_ARGS); \
+		rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
 
 # The edit-test loop: no servers on sockets, no processes (well under a minute).
 test-fast: venv
