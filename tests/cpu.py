@@ -13,22 +13,22 @@ modules that took the most CPU seconds, and with ``--cpu-out`` writes one JSON l
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
 
+from benchmarks.proccpu import machine_cpu
+
 TOP = 25
 
 
 def busy_seconds() -> float:
-    """The machine's busy CPU seconds since boot, all cores (Linux /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    """The machine's busy CPU seconds since boot, all cores: what its processes and the kernel's work for them
+    spent (not idle, iowait, or steal: a virtual machine's cores waiting for the host)."""
+    c = machine_cpu()
+    return c["user"] + c["nice"] + c["system"] + c["irq"] + c["softirq"]
 
 
 class CpuPerTest:
@@ -54,7 +54,7 @@ class CpuPerTest:
         in_tests = sum(r["cpu_s"] for r in self.rows)
         tr.section("CPU seconds (the whole machine's, per test)")
         tr.write_line(f"{total:.0f} CPU-s in {wall:.0f} s ({total / wall:.2f} cores busy on average), "
-                      f"{in_tests:.0f} of them in the tests' {len(self.rows)} runs")
+                      f"{in_tests:.0f} of them during the tests ({len(self.rows)})")
         modules: Counter[str] = Counter()
         for r in self.rows:
             modules[r["id"].split("::", 1)[0]] += r["cpu_s"]
