@@ -93,9 +93,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if misnamed:
         raise pytest.UsageError(f"{', '.join(misnamed)} use the session's Ray cluster (ray_cluster) but are not "
                                 "named test_*_ray.py: under `make test` they would run outside the Ray groups")
-    for item in items:  # and the Ray tests that start clusters of their own: one Ray start at a time
-        if item in on_ray or on_ray_group(item.path.name):
-            item.add_marker(pytest.mark.xdist_group(ray_group(item.path.name) or "ray-a"))
+    for item in items:  # every test of a Ray module (all of on_ray, by the check above) in its module's group
+        group = ray_group(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     items[:] = on_ray + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())]
 
 
