@@ -24,10 +24,11 @@ from typing import Any
 
 from shardps.deploy.lifeline import Lifeline
 from shardps.deploy.local import LocalCluster, stop_processes
+from shardps.deploy.spawn import Process, spawn
 from shardps.protos import env as env_names
 from shardps.worker.client import connect
 
-Start = Callable[[int, list[str]], "subprocess.Popen[str]"]
+Start = Callable[[int, list[str]], Process]
 """How worker k's command line starts (``_run_workers``)."""
 
 
@@ -61,17 +62,16 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
     return cmd
 
 
-def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[str]],
+def _run_workers(addresses: list[str], args: Any, procs: list[Process],
                  kill: Any = None, backups: list[str] | None = None,
                  lifeline: Lifeline | None = None, start: Start | None = None) -> list[dict[str, Any]]:
     """Start the workers (``start``: how worker k's command starts, stdout a pipe; default here, in a session of
     its own), wait for them, and return each one's JSON result."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    spawn = lifeline.spawn_kwargs(env) if lifeline is not None else {"env": env}
     for k in range(args.workers):
         cmd = _worker_cmd(addresses, k, args, backups)
-        procs.append(start(k, cmd) if start is not None else
-                     subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, **spawn))
+        procs.append(start(k, cmd) if start is not None else  # (deploy/spawn.py: forked from the fork server)
+                     spawn(cmd[3:], env=env, lifeline_fd=lifeline.read_fd if lifeline is not None else None))
     results = []
     deadline = time.monotonic() + args.timeout
     if kill is not None:
@@ -83,12 +83,12 @@ def _run_workers(addresses: list[str], args: Any, procs: list[subprocess.Popen[s
             raise TimeoutError(f"worker {k} did not finish within {args.timeout:.0f}s") from None
         if p.returncode != 0:
             raise RuntimeError(f"worker {k} failed with exit code {p.returncode}")
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
         results.append(json.loads(lines[-1]))
     return results
 
 
-def _wait_for_version(address: str, version: int, workers: list[subprocess.Popen[str]],
+def _wait_for_version(address: str, version: int, workers: list[Process],
                       deadline: float) -> int | None:
     """Poll one shard until it has reached ``version``: its version then, or None if the workers ended."""
     with connect([address], recovery_timeout=0) as watch:
@@ -159,7 +159,7 @@ def run_demo(args: Any) -> int:
     digits_defaults(args)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Process] = []
     if args.plot:
         try:
             _require_matplotlib()
@@ -282,7 +282,7 @@ def run_sim(args: Any) -> int:
     server_hosts = net.names[:args.servers]
     worker_hosts = net.names[args.servers:args.servers + args.workers]
     t0 = time.perf_counter()
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Process] = []
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):  # as the demo: stop everything on either
             signal.signal(sig, _interrupt)

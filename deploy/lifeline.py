@@ -42,6 +42,13 @@ class Lifeline:
         child_env[LIFELINE_FD] = str(self._read)
         return {"pass_fds": (self._read,), "env": child_env}
 
+    @property
+    def read_fd(self) -> int:
+        """The read end a child watches (``spawn(lifeline_fd=)``)."""
+        if self._read < 0:
+            raise RuntimeError("this lifeline is closed")
+        return self._read
+
     def close(self) -> None:
         """Children watching this lifeline stop (call after stopping them, or to make them stop)."""
         for fd in (self._read, self._write):

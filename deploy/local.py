@@ -26,6 +26,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from shardps.deploy.lifeline import Lifeline
+from shardps.deploy.spawn import Process, spawn
 from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos import env as env_names
@@ -37,12 +38,12 @@ from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 from shardps.worker.operator import attach_replica
 
 
-def read_ready(proc: subprocess.Popen[str], timeout: float, prefix: str = READY_PREFIX) -> str:
+def read_ready(proc: Process, timeout: float, prefix: str = READY_PREFIX) -> str:
     """Wait (up to ``timeout``) for the process's line starting with ``prefix``; return the rest of it."""
     return read_ready_lines(proc, timeout, 1, prefix)[0]
 
 
-def read_ready_lines(proc: subprocess.Popen[str], timeout: float, count: int,
+def read_ready_lines(proc: Process, timeout: float, count: int,
                      prefix: str = READY_PREFIX) -> list[str]:
     """``read_ready`` for a process that prints ``count`` such lines (``shardps server --shards``)."""
     lines: queue.Queue[str | None] = queue.Queue()
@@ -96,7 +97,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return alive
 
 
-def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 5.0) -> None:
+def stop_processes(procs: Sequence[Process], grace: float = 5.0) -> None:
     """SIGTERM every process, wait up to ``grace`` seconds each, then SIGKILL; close their stdout."""
     for p in procs:
         if p.poll() is None:
@@ -166,7 +167,7 @@ class LocalCluster:
         self.backups: list[ShardStore] = []  # in-process mode with replicas=2: the backup server i holds
         self.replica_addresses: list[str] = []  # replicas=2: where server i holds the backup of shard i-1
         self._servers: list[grpc.Server] = []
-        self._procs: list[subprocess.Popen[str]] = []
+        self._procs: list[Process] = []
         self._lifeline: Lifeline | None = None  # processes=True: the servers die with this process
 
     def start(self) -> LocalCluster:
@@ -228,16 +229,14 @@ class LocalCluster:
                     cmd += [flag, value]
             if self.checkpoint_dir:
                 cmd += ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every)]
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env = dict(os.environ, PYTHONUNBUFFERED="1")  # (deploy/spawn.py: forked from the fork server)
             for var, value in ((env_names.AUTH_TOKEN, sec.token), (env_names.WORKER_TOKEN, sec.worker_token),
                                (env_names.OPERATOR_TOKEN, sec.operator_token), (env_names.PEER_TOKEN, sec.peer_token)):
                 if value:
                     env[var] = value
             if self._lifeline is None:
                 self._lifeline = Lifeline()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
-                                    **self._lifeline.spawn_kwargs(env))
-            self._procs.append(proc)
+            self._procs.append(spawn(cmd[3:], env=env, lifeline_fd=self._lifeline.read_fd))
         for proc in self._procs:
             rest = read_ready(proc, self.startup_timeout)
             address, metrics = parse_ready(rest)

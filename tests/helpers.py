@@ -1,10 +1,12 @@
-"""Test helpers: worker functions in threads (their first error re-raised), a client's bytes on the wire
-counted, two workers training over a data path (gRPC, shared memory, TCP), a real Prometheus."""
+"""Test helpers: worker functions in threads (their first error re-raised), ``shardps`` processes, a client's
+bytes on the wire counted, two workers training over a data path (gRPC, shared memory, TCP), a real
+Prometheus."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 import shardps
+from shardps.deploy.spawn import Process, spawn
 from shardps.protos.shardps.v1 import ps_pb2
 
 
@@ -44,6 +47,12 @@ def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> lis
     if errors:
         raise errors[0]
     return results
+
+
+def shardps_process(*args: str, stderr: int | None = None) -> Process:
+    """``python -m shardps ARGS``, stdout a pipe, forked from this process's fork server as LocalCluster's
+    servers are (deploy/spawn.py; tests/test_processes.py starts the command fresh)."""
+    return spawn(list(args), env=dict(os.environ), stderr=stderr)
 
 
 def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:

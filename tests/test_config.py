@@ -6,6 +6,7 @@ API and the CLI alike (the last test checks that none is forgotten).
 
 from __future__ import annotations
 
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -252,3 +253,17 @@ def test_the_shared_memory_path_follows_the_argument_then_the_variable(clean_env
     clean_env.setenv(env.SHM, "maybe")
     with pytest.raises(ValueError, match="SHARDPS_SHM='maybe'"):
         shardps.connect(cluster2.addresses)
+
+
+@pytest.mark.cluster
+def test_server_processes_are_forked_unless_the_variable_says_0(clean_env):
+    from shardps.deploy.spawn import ForkedProcess
+
+    with shardps.LocalCluster(1, processes=True) as cluster:
+        assert [type(p) for p in cluster._procs] == [ForkedProcess]  # on by default (deploy/spawn.py)
+    clean_env.setenv(env.FORK, "0")
+    with shardps.LocalCluster(1, processes=True) as cluster:
+        assert [type(p) for p in cluster._procs] == [subprocess.Popen]
+    clean_env.setenv(env.FORK, "maybe")
+    with pytest.raises(ValueError, match="SHARDPS_FORK='maybe'"):
+        shardps.LocalCluster(1, processes=True).start()

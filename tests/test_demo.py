@@ -115,6 +115,15 @@ def _marked(mark: str) -> list[int]:
     return pids
 
 
+def _kind(pid: int) -> str:
+    """What a process the demo started is, from its command line: server, worker or fork server."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        words = f.read().replace(b"\0", b" ").decode().split()
+    if "shardps.forkserver" in words:
+        return "fork server"
+    return words[words.index("shardps") + 1]
+
+
 def _start_demo(mark: str) -> tuple[subprocess.Popen, list[str], threading.Thread, threading.Condition]:
     """The demo with a marker in its environment; its stderr is drained (a full pipe would block it).
 
@@ -197,7 +206,10 @@ def test_a_sigkilled_demo_takes_its_servers_and_workers_with_it():
         line = _wait_line(lines, seen, "servers up at ")
         _wait_registered(line[len("servers up at "):].strip().split(", "))
         children = [p for p in _marked(mark) if p != proc.pid]
-        assert len(children) == 4, children  # two servers, two workers
+        kinds = sorted(_kind(p) for p in children)
+        # two servers, two workers, and the fork server they were forked from (deploy/spawn.py)
+        forked = os.environ.get("SHARDPS_FORK", "1") != "0"
+        assert kinds == ["fork server"] * forked + ["server", "server", "worker", "worker"], kinds
         proc.kill()
         proc.wait(timeout=30)
         assert wait_gone(children, timeout=45) == []

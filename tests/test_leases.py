@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import shardps
 from shardps.server.store import ShardStore, TensorSpec
+from tests.helpers import shardps_process
 
 
 def _store(workers=3, sync="bsp", lease=5.0):
@@ -78,10 +78,9 @@ def test_kill_9_one_of_3_workers_under_bsp_the_others_finish(make_cluster, caplo
     cluster = make_cluster(2, lease_s=4.0)  # survivors heartbeat every 1.3 s: room for a loaded machine
     procs = []
     for k in range(3):
-        cmd = [sys.executable, "-m", "shardps", "worker", "--example", "digits", "--addresses",
-               ",".join(cluster.addresses), "--worker-id", str(k), "--num-workers", "3", "--sync", "bsp",
-               "--epochs", "3", "--batch-size", "48"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(shardps_process("worker", "--example", "digits", "--addresses", ",".join(cluster.addresses),
+                                     "--worker-id", str(k), "--num-workers", "3", "--sync", "bsp", "--epochs", "3",
+                                     "--batch-size", "48", stderr=subprocess.PIPE))
     try:
         deadline = time.monotonic() + 120
         while _clocks(cluster).get(2, 0) < 5:  # let worker 2 take part for a few steps

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 
 import grpc
@@ -19,7 +18,7 @@ from torch import nn
 
 import shardps
 from shardps.deploy.local import read_ready
-from tests.helpers import run_workers
+from tests.helpers import run_workers, shardps_process
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -33,10 +32,8 @@ def _free_port() -> int:
 
 
 def _server(port: int, shard: int, ckpt, every: int = EVERY) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shardps", "server", "--port", str(port), "--shard-index", str(shard),
-           "--num-shards", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
-           "--lease-seconds", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = shardps_process("server", "--port", str(port), "--shard-index", str(shard), "--num-shards", "2",
+                           "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every), "--lease-seconds", "60")
     read_ready(proc, 60)
     return proc
 
@@ -160,9 +157,8 @@ def test_cli_workers_go_on_after_the_job_rolls_back(tmp_path):
     ports = [_free_port(), _free_port()]
     addresses = [f"127.0.0.1:{p}" for p in ports]
     servers = [_server(ports[i], i, tmp_path, every=20) for i in range(2)]
-    workers = [subprocess.Popen([sys.executable, "-m", "shardps", "worker", "--example", "digits",
-                                 "--addresses", ",".join(addresses), "--worker-id", str(k), "--num-workers", "3",
-                                 "--epochs", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [shardps_process("worker", "--example", "digits", "--addresses", ",".join(addresses),
+                               "--worker-id", str(k), "--num-workers", "3", "--epochs", "3", stderr=subprocess.PIPE)
                for k in range(2)]
     try:
         model = make_model(0)

@@ -18,6 +18,7 @@ import shardps
 from shardps.admin import run_attach_replica, run_promote
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore
+from tests.helpers import shardps_process
 from tests.replicas import W, big_model, model, same_state, train
 
 # -- kill -9 ------------------------------------------------------------------------------------------
@@ -112,10 +113,9 @@ def _start_fixed(ports: list[int], i: int) -> subprocess.Popen:
     """Server i of 2 on ports[i], holding the previous shard's backup on ports[2 + i], as on a real cluster."""
     from shardps.deploy.local import read_ready
 
-    cmd = [sys.executable, "-m", "shardps", "server", "--port", str(ports[i]), "--shard-index", str(i),
-           "--num-shards", "2", "--replicas", "2", "--replica-port", str(ports[2 + i]),
-           "--replica-target", f"127.0.0.1:{ports[2 + (i + 1) % 2]}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = shardps_process("server", "--port", str(ports[i]), "--shard-index", str(i),
+                           "--num-shards", "2", "--replicas", "2", "--replica-port", str(ports[2 + i]),
+                           "--replica-target", f"127.0.0.1:{ports[2 + (i + 1) % 2]}")
     read_ready(proc, 60)
     return proc
 
@@ -243,8 +243,7 @@ def test_a_spare_gives_a_taken_over_shard_a_copy_again(make_cluster):
                 if k == 0 and step == 3:
                     c.kill(1)
                 if k == 0 and step == 6:
-                    proc = subprocess.Popen([sys.executable, "-m", "shardps", "server", "--backup-only", "1",
-                                             "--num-shards", "2"], stdout=subprocess.PIPE, text=True)
+                    proc = shardps_process("server", "--backup-only", "1", "--num-shards", "2")
                     spare.append(proc)
                     spare_address.append(ready_field(read_ready(proc, 60), "replica"))
                     out = io.StringIO()

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -22,6 +21,7 @@ from shardps.protos.optim import SGD, RowwiseAdagrad, SparseAdam
 from shardps.protos.rows import RowTableSpec, init_rows
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.metrics import StoreCollector
+from tests.helpers import shardps_process
 
 EDGE_KEYS = torch.tensor([0, -1, 7, 7, 2**63 - 1, -(2**63), 0], dtype=torch.int64)  # -1 is 2**64-1 on the wire
 
@@ -179,8 +179,7 @@ def test_rowwise_adagrad_equals_numpy(make_cluster):
 
 
 def _server(port: int, ckpt: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shardps", "server", "--port", str(port), "--checkpoint-dir", str(ckpt)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = shardps_process("server", "--port", str(port), "--checkpoint-dir", str(ckpt))
     read_ready(proc, 60)
     return proc
 

@@ -1,0 +1,138 @@
+"""The fork server (deploy/spawn.py): forked ``shardps`` processes behave as freshly started ones."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardps.deploy import spawn as sp
+from shardps.deploy.lifeline import Lifeline
+from shardps.deploy.local import parse_ready, read_ready, stop_processes, wait_gone
+from shardps.server.app import READY_PREFIX
+
+pytestmark = pytest.mark.cluster  # processes: not in make test-fast
+
+
+@pytest.fixture(scope="module")
+def spawner():
+    s = sp.Spawner().start()
+    yield s
+    s.close()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return " ".join(f.read().replace(b"\0", b" ").decode().split())
+
+
+def test_a_forked_server_serves_shows_its_command_line_and_exits_0_on_sigterm(spawner):
+    proc = spawner.popen(["server", "--port", "0"], env=_env(SHARDPS_SHARD_INDEX="1", SHARDPS_NUM_SHARDS="3"))
+    try:
+        ready = read_ready(proc, 60)
+        assert parse_ready(ready)[0].startswith("127.0.0.1:")
+        assert ready.endswith("(shard 1 of 3)")  # from its environment, not the fork server's
+        assert _cmdline(proc.pid) == f"{sys.executable} -m shardps server --port 0"
+        assert os.getsid(proc.pid) == proc.pid  # a session of its own
+        assert proc.poll() is None
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        stop_processes([proc])
+
+
+def test_exit_codes_are_the_childs_a_usage_error_2_and_sigkill_minus_9(spawner):
+    bad = spawner.popen(["server", "--port", "nope"], env=_env())
+    out, _ = bad.communicate(timeout=60)
+    assert (out, bad.returncode) == ("", 2)
+    proc = spawner.popen(["server", "--port", "0"], env=_env())
+    read_ready(proc, 60)
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    proc.kill()  # a second signal to an ended child goes nowhere (its pid may be another's by now)
+
+
+def test_communicate_times_out_and_can_be_called_again(spawner):
+    proc = spawner.popen(["server", "--port", "0"], env=_env())
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.communicate(timeout=0.2)  # a server runs until it is stopped
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+        assert out.startswith(READY_PREFIX) and proc.returncode == 0
+    finally:
+        stop_processes([proc])
+
+
+def test_a_forked_child_stops_when_its_lifeline_breaks(spawner):
+    line = Lifeline()
+    proc = spawner.popen(["server", "--port", "0"], env=_env(), lifeline_fd=line.read_fd)
+    try:
+        read_ready(proc, 60)
+        line.close()  # what the kernel does when the parent dies, however it dies
+        assert proc.wait(timeout=60) == 0  # stopped as on SIGTERM
+    finally:
+        line.close()
+        stop_processes([proc])
+
+
+def test_spawn_falls_back_to_a_fresh_process_where_a_fork_would_differ(monkeypatch):
+    env = _env()
+    env["OMP_NUM_THREADS"] = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)  # read when torch loads
+    assert sp.import_time_env(env) != sp.import_time_env(os.environ)
+    proc = sp.spawn(["server", "--port", "0"], env=env)
+    try:
+        assert isinstance(proc, subprocess.Popen)
+        read_ready(proc, 60)
+    finally:
+        stop_processes([proc])
+    monkeypatch.setenv("SHARDPS_FORK", "0")
+    assert sp.spawner() is None
+    proc = sp.spawn(["server", "--port", "0"], env=_env())
+    try:
+        assert isinstance(proc, subprocess.Popen)
+    finally:
+        stop_processes([proc])
+
+
+def test_the_fork_server_ends_with_its_caller_and_the_children_with_their_lifelines(tmp_path):
+    """SIGKILL the caller: the fork server reads EOF and exits; its child sees the lifeline break."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from shardps.deploy.lifeline import Lifeline
+        from shardps.deploy.local import read_ready
+        from shardps.deploy.spawn import spawner
+        line = Lifeline()
+        sp = spawner()
+        proc = sp.popen(["server", "--port", "0"], env=dict(os.environ), lifeline_fd=line.read_fd)
+        read_ready(proc, 60)
+        print(sp.pid, proc.pid, flush=True)
+        sys.stdin.read()  # until the test kills this process
+    """))
+    caller = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    pids: list[int] = []
+    try:
+        assert caller.stdout is not None
+        pids = [int(x) for x in caller.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        assert "shardps.forkserver" in _cmdline(pids[0])
+        caller.kill()
+        caller.wait(timeout=30)
+        assert wait_gone(pids, timeout=60) == []
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+        caller.wait(timeout=30)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
