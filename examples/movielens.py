@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardps
+from shardps.examples.movielens_flags import DEFAULTS as _DEFAULTS
 from shardps.nn import Embedding
 from shardps.protos.optim import Adam, SparseAdam
 
@@ -87,7 +88,7 @@ def train(model: nn.Module, train_set: torch.Tensor, epochs: int, batch: int, st
             step()
 
 
-DEFAULTS = {"dim": 8, "epochs": 5, "batch": 1000, "lr": 0.005, "servers": 2}  # run()'s settings, as given here
+DEFAULTS = _DEFAULTS  # run()'s settings, as given here (examples/movielens_flags.py)
 
 
 def run(data: str | None, *, dim: int, epochs: int, batch: int, lr: float, servers: int) -> dict[str, float | int]:

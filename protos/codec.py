@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.sizes import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES  # (re-exported: here they were first)
+from shardps.protos.sizes import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES
 
 if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
     raise ImportError("shardps's wire format is little-endian; big-endian hosts are not supported")
@@ -22,9 +24,6 @@ if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
 # torch.frombuffer warns that protobuf's bytes are read-only; decoded chunks
 # are only ever read (copied into staging or parameters), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: the best message size for gRPC Python
-MAX_CHUNK_BYTES = 3 << 20  # stays under gRPC's default 4 MiB receive limit
 
 _TO_TORCH: dict[int, torch.dtype] = {
     ps_pb2.FLOAT32: torch.float32,

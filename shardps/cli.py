@@ -74,7 +74,7 @@ def _address_flag(p: argparse.ArgumentParser, help: str = "HOST:PORT,... in shar
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
     """The job's flags that ``demo`` and ``sim`` share (their workers' command line: deploy/demo.py)."""
-    from shardps.compress import compress_flags
+    from shardps.cliargs import compress_flags
 
     p.add_argument("--sync", type=sync_mode, default="bsp", help="bsp, asp, every:X or ssp:S (default bsp)")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
@@ -110,7 +110,7 @@ def _health_flags(hp: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def health_main(argv: list[str]) -> int:
     """``shardps health ...``, parsed and run without the rest of the CLI: a healthcheck runs every few
-    seconds in every server's container, and the full parser's choices import torch (about 2 s of CPU)."""
+    seconds in every server's container, and what the other commands import at once is not its to pay for."""
     from shardps.worker.reach import run_health
 
     args = _health_flags(argparse.ArgumentParser(prog="shardps health", description=HEALTH_HELP)).parse_args(argv)
@@ -118,11 +118,13 @@ def health_main(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # The choices come from the modules that accept them, which import torch: here, not at the top, so that
-    # `shardps health` (health_main) stays light.
+    # The choices come from the light modules beside the ones that accept them (examples/moe_flags.py,
+    # examples/movielens_flags.py, worker/pipeline/names.py, protos/sizes.py): the parser imports no torch,
+    # so `shardps --help` and a refused flag answer at once (tests/test_cli.py). Here, not at the top, so that
+    # `shardps health` (health_main) stays lighter still.
     from shardps.cli_ray import add_ray_parser
-    from shardps.compress import compress_flags
-    from shardps.protos import codec
+    from shardps.cliargs import compress_flags
+    from shardps.protos.sizes import DEFAULT_CHUNK_BYTES
 
     p = argparse.ArgumentParser(prog="shardps", description="Sharded gRPC parameter servers for PyTorch.")
     p.add_argument("--log-level", default=env.get(env.LOG_LEVEL) or "WARNING",
@@ -144,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(see DistributedOptimizer(push_window=...)); default 1")
     s.add_argument("--sync", type=sync_mode, default=None, help="fix the sync mode (default: the first worker's)")
     s.add_argument("--num-workers", type=int, default=None, help="fix the worker count (with --sync)")
-    s.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_CHUNK_BYTES,
-                   help=f"bytes per streamed chunk on Pull (default {codec.DEFAULT_CHUNK_BYTES})")
+    s.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help=f"bytes per streamed chunk on Pull (default {DEFAULT_CHUNK_BYTES})")
     s.add_argument("--max-wait", type=float, default=300.0,
                    help="longest a barrier or version wait may block, in seconds (default 300)")
     s.add_argument("--metrics-port", type=int, default=_env_int(env.METRICS_PORT),
@@ -258,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardps.deploy.demo_examples import GPT_DEFAULTS
     from shardps.examples.moe_flags import MODEL_DEFAULTS as MOE_DEFAULTS
     from shardps.examples.moe_flags import add_flags as add_moe_flags
-    from shardps.examples.movielens import DEFAULTS as ML_DEFAULTS
+    from shardps.examples.movielens_flags import DEFAULTS as ML_DEFAULTS
 
     md = d.add_argument_group("the char-GPTs' size and length (--example gpt and moe)")
     for name, what in (("steps", "training steps"), ("dim", "model width"), ("layers", "transformer blocks"),

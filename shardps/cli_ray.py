@@ -11,9 +11,8 @@ from shardps.protos import env
 
 def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Adds ``ray`` to the ``shardps`` subcommands ``sub``; returns its parser."""
-    from shardps.worker.pipeline.offload import ENCODINGS
+    from shardps.worker.pipeline.names import CHECKPOINT_MODES, ENCODINGS
     from shardps.worker.pipeline.schedule import SCHEDULES
-    from shardps.worker.pipeline.stage import CHECKPOINT_MODES
 
     ry = sub.add_parser("ray", help="train an example on the Ray cluster this runs on (a `ray job submit` entrypoint)",
                         description="Servers and workers as Ray actors placed by placement groups; see docs/ray.md.")

@@ -53,3 +53,27 @@ def host_rate(text: str) -> tuple[str, str]:
     if not sep or not host:
         raise argparse.ArgumentTypeError(f"expected HOST=RATE (e.g. h5=100mbit), got {text!r}")
     return host, rate(rate_text)
+
+
+def compress_spec(text: str) -> str:
+    """``--compress``: a spec ``shardps.compress.parse`` accepts, kept as text (``none`` without importing
+    torch, so that the parser stays light)."""
+    if text == "none":
+        return text
+    from shardps.worker.compress import parse
+
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def compress_flags(p: argparse.ArgumentParser) -> None:
+    """``--compress SPEC`` (checked by ``parse``, kept as text) and ``--compress-warmup N``: the worker's and
+    the demo's flags."""
+    p.add_argument("--compress", type=compress_spec, default="none", metavar="SPEC",
+                   help="compress gradients: none, topk:RATIO (e.g. topk:0.01) or powersgd:RANK, with error "
+                        "feedback (docs/compression.md)")
+    p.add_argument("--compress-warmup", type=int, default=0, metavar="N",
+                   help="with --compress: the first N pushes go dense (default 0)")

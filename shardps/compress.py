@@ -10,28 +10,9 @@ elements; ``Rules`` choose per tensor (``Dense()`` for none)::
 Shards decode and aggregate; pulls stay dense. See docs/compression.md.
 """
 
-import argparse
-
+from shardps.cliargs import compress_flags
 from shardps.protos.rules import Rules, max_rank, min_rank
 from shardps.worker.compress import DENSE_BELOW, CompressChoice, Compressor, Dense, PowerSGD, Spec, TopK, parse
 
 __all__ = ["DENSE_BELOW", "CompressChoice", "Compressor", "Dense", "PowerSGD", "Rules", "Spec", "TopK",
            "compress_flags", "max_rank", "min_rank", "parse"]
-
-
-def _spec_text(text: str) -> str:
-    try:
-        parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def compress_flags(p: argparse.ArgumentParser) -> None:
-    """``--compress SPEC`` (checked by ``parse``, kept as text) and ``--compress-warmup N``: the worker's and
-    the demo's flags."""
-    p.add_argument("--compress", type=_spec_text, default="none", metavar="SPEC",
-                   help="compress gradients: none, topk:RATIO (e.g. topk:0.01) or powersgd:RANK, with error "
-                        "feedback (docs/compression.md)")
-    p.add_argument("--compress-warmup", type=int, default=0, metavar="N",
-                   help="with --compress: the first N pushes go dense (default 0)")

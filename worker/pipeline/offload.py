@@ -33,7 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-ENCODINGS = ("bf16", "fp16", "relu-mask")
+from shardps.worker.pipeline.names import ENCODINGS
+
 MIN_OFFLOAD_ELEMENTS = 1024  # smaller saved tensors stay: a round trip costs more than they hold
 
 

@@ -36,9 +36,8 @@ import torch
 from torch import nn
 
 from shardps.worker import auxloss
+from shardps.worker.pipeline.names import CHECKPOINT_MODES
 from shardps.worker.pipeline.offload import Offloader, Sink, check_compress, use_mask_relu
-
-CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 def seed_for(seed: int, step: int, microbatch: int, stage: int) -> int:
