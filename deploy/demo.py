@@ -29,7 +29,7 @@ from shardps.protos import env as env_names
 from shardps.worker.client import connect
 
 Start = Callable[[int, list[str]], Process]
-"""How worker k's command line starts (``_run_workers``)."""
+"""How worker k starts, given its ``shardps`` arguments (``_run_workers``)."""
 
 
 def digits_defaults(args: Any) -> Any:
@@ -41,9 +41,10 @@ def digits_defaults(args: Any) -> Any:
     return args
 
 
-def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | None = None) -> list[str]:
+def _worker_args(addresses: list[str], k: int, args: Any, backups: list[str] | None = None) -> list[str]:
+    """Worker k's ``shardps`` arguments (``worker --example digits ...``)."""
     digits_defaults(args)
-    cmd = [sys.executable, "-m", "shardps", "worker", "--example", "digits",
+    cmd = ["worker", "--example", "digits",
            "--addresses", ",".join(addresses), "--worker-id", str(k), "--num-workers", str(args.workers),
            "--sync", args.sync, "--optimizer", args.optimizer, "--epochs", str(args.epochs),
            "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--wire", getattr(args, "wire", "fp32")]
@@ -65,13 +66,13 @@ def _worker_cmd(addresses: list[str], k: int, args: Any, backups: list[str] | No
 def _run_workers(addresses: list[str], args: Any, procs: list[Process],
                  kill: Any = None, backups: list[str] | None = None,
                  lifeline: Lifeline | None = None, start: Start | None = None) -> list[dict[str, Any]]:
-    """Start the workers (``start``: how worker k's command starts, stdout a pipe; default here, in a session of
-    its own), wait for them, and return each one's JSON result."""
+    """Start the workers (``start``: how worker k starts, stdout a pipe; default: ``spawn``, in a session of its
+    own), wait for them, and return each one's JSON result."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k in range(args.workers):
-        cmd = _worker_cmd(addresses, k, args, backups)
-        procs.append(start(k, cmd) if start is not None else  # (deploy/spawn.py: forked from the fork server)
-                     spawn(cmd[3:], env=env, lifeline_fd=lifeline.read_fd if lifeline is not None else None))
+        argv = _worker_args(addresses, k, args, backups)
+        procs.append(start(k, argv) if start is not None else  # (deploy/spawn.py: forked from the fork server)
+                     spawn(argv, env=env, lifeline_fd=lifeline.read_fd if lifeline is not None else None))
     results = []
     deadline = time.monotonic() + args.timeout
     if kill is not None:
@@ -301,8 +302,8 @@ def run_sim(args: Any) -> int:
             addresses = [s.address for s in servers]
             say(f"servers up at {', '.join(addresses)}")
             try:
-                results = _run_workers(addresses, args, procs, start=lambda k, cmd: net.start(
-                    worker_hosts[k], cmd, stdout=subprocess.PIPE))
+                results = _run_workers(addresses, args, procs, start=lambda k, argv: net.start(
+                    worker_hosts[k], [sys.executable, "-m", "shardps", *argv], stdout=subprocess.PIPE))
             finally:
                 with _signals_deferred("shardps sim"):
                     stop_processes(procs)

@@ -16,7 +16,6 @@ import os
 import queue
 import select
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -215,7 +214,7 @@ class LocalCluster:
 
     def _start_processes(self) -> None:
         for i in range(self.num_servers):
-            cmd = [sys.executable, "-m", "shardps", "server", "--host", self.host, "--port", "0",
+            cmd = ["server", "--host", self.host, "--port", "0",  # `shardps` arguments: spawn() adds the command
                    "--shard-index", str(i), "--num-shards", str(self.num_servers),
                    "--chunk-bytes", str(self.chunk_bytes), "--max-wait", str(self.max_wait_s)]
             if self.metrics:
@@ -236,7 +235,7 @@ class LocalCluster:
                     env[var] = value
             if self._lifeline is None:
                 self._lifeline = Lifeline()
-            self._procs.append(spawn(cmd[3:], env=env, lifeline_fd=self._lifeline.read_fd))
+            self._procs.append(spawn(cmd, env=env, lifeline_fd=self._lifeline.read_fd))
         for proc in self._procs:
             rest = read_ready(proc, self.startup_timeout)
             address, metrics = parse_ready(rest)

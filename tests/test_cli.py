@@ -92,15 +92,15 @@ def test_choices_come_from_the_registries():
 
 def test_push_window_reaches_the_workers_of_the_demo_and_the_simulated_cluster(capsys):
     from shardps.cli import build_parser
-    from shardps.deploy.demo import _worker_cmd
+    from shardps.deploy.demo import _worker_args
 
     parser = build_parser()
     for command in ("demo", "sim"):
         args = parser.parse_args([command, "--push-window", "2"])
-        cmd = _worker_cmd(["a:1", "b:2", "c:3"], 0, args)
+        cmd = _worker_args(["a:1", "b:2", "c:3"], 0, args)
         assert cmd[cmd.index("--push-window") + 1] == "2", command
         assert parser.parse_args(cmd[cmd.index("worker"):]).push_window == 2
-        assert "--push-window" not in _worker_cmd(["a:1"], 0, parser.parse_args([command]))
+        assert "--push-window" not in _worker_args(["a:1"], 0, parser.parse_args([command]))
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--push-window", "0"])
         assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
