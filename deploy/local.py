@@ -30,7 +30,8 @@ from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos import env as env_names
 from shardps.protos.security import Security
-from shardps.server.app import READY_PREFIX, check_replicas
+from shardps.server.app import READY_PREFIX
+from shardps.server.checks import check_replicas
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from shardps.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos.security import Security
+from shardps.server.checks import check_replicas, check_spare
 from shardps.server.metrics import ServerMetrics
 from shardps.server.pullcache import FRAME_INLINE_BYTES
 from shardps.server.replica import DEFAULT_REPLICA_TIMEOUT_S
@@ -45,27 +46,11 @@ def default_torch_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def check_replicas(replicas: int, num_shards: int, replica_target: str | None) -> None:
-    """ValueError for a replication setting that cannot work."""
-    if replicas not in (1, 2):
-        raise ValueError(f"--replicas must be 1 or 2, got {replicas}")
-    if replicas == 2 and num_shards < 2:
-        raise ValueError("--replicas 2 needs at least 2 servers (--num-shards): the backup lives on another one")
-    if replica_target and replicas != 2:
-        raise ValueError("--replica-target needs --replicas 2")
-
-
 def advertised(host: str, port: int) -> str:
     """How other servers reach this one: HOST:PORT, the machine's name for a wildcard bind."""
     if host in ("0.0.0.0", "::", "[::]", ""):
         host = socket.gethostname()
     return f"{host}:{port}"
-
-
-def check_spare(backup_of: int, num_shards: int) -> None:
-    if not 0 <= backup_of < num_shards or num_shards < 2:
-        raise ValueError(f"--backup-only needs a shard in [0, --num-shards) and --num-shards >= 2, "
-                         f"got shard {backup_of} of {num_shards}")
 
 
 def check_replica_timeout(seconds: float) -> float:
@@ -308,17 +293,6 @@ def keep_freed_memory(trim_bytes: int = 256 << 20, mmap_bytes: int = 64 << 20) -
     if not os.environ.get("MALLOC_ARENA_MAX") and not mallopt(_M_ARENA_MAX, 1):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
-
-
-def check_shards(count: int, shard_index: int, num_shards: int, replicas: int) -> None:
-    """``--shards``: ``count`` consecutive shards from ``shard_index`` in one process."""
-    if count < 1:
-        raise ValueError(f"--shards must be >= 1, got {count}")
-    if not 0 <= shard_index or shard_index + count > num_shards:
-        raise ValueError(f"--shard-index {shard_index} with --shards {count}: shards {shard_index}.."
-                         f"{shard_index + count - 1} of --num-shards {num_shards} do not exist")
-    if count > 1 and replicas != 1:
-        raise ValueError("--shards > 1 serves primaries only: give each process one shard with --replicas 2")
 
 
 def shard_options(options: dict[str, Any], k: int) -> dict[str, Any]:

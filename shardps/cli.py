@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by LocalCluster or the demo: stop when that process is gone
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
-        from shardps.server.app import check_replicas, check_shards, check_spare, run_server, run_spare
+        from shardps.server.checks import check_replicas, check_shards, check_spare  # (light: before the server)
 
         if args.replicas not in (1, 2):  # from SHARDPS_REPLICAS: argparse checks choices of flags only
             print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 print(f"shardps server: {e}", file=sys.stderr)
                 return 2
+            from shardps.server.app import run_spare
+
             return run_spare(host=args.host, replica_port=args.replica_port, backup_of=args.backup_only,
                              num_shards=args.num_shards, chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,
                              torch_threads=args.torch_threads, security=security_from(args),
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"shardps server: {e}", file=sys.stderr)
             return 2
+        from shardps.server.app import run_server
+
         return run_server(shards=args.shards, host=args.host, port=args.port, shard_index=args.shard_index,
                           num_shards=args.num_shards, sync=args.sync, num_workers=args.num_workers,
                           chunk_bytes=args.chunk_bytes, max_wait_s=args.max_wait,

@@ -140,7 +140,7 @@ def test_server_replica_timeout_reaches_the_primary_and_the_backup_and_a_bad_one
         ShardServer(replica_timeout_s=-1)
 
 
-def test_the_parser_imports_no_torch_so_help_and_refused_flags_answer_at_once():
+def test_the_parser_and_the_servers_checks_import_no_torch_so_refusals_answer_at_once():
     code = ("import sys; from shardps.cli import build_parser; build_parser(); "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -148,6 +148,10 @@ def test_the_parser_imports_no_torch_so_help_and_refused_flags_answer_at_once():
     p = subprocess.run([sys.executable, "-m", "shardps", "worker", "--compress", "topk:2"], capture_output=True,
                        text=True, timeout=60)  # a spec that is checked imports what checks it
     assert p.returncode == 2 and "--compress" in p.stderr, p.stderr
+    code = ("import sys; from shardps.cli import main; rc = main(['server', '--replicas', '2', '--num-shards', "
+            "'1']); print(rc, 'torch' in sys.modules)")  # a server's refused setting: before the server's import
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "2 False" and "needs at least 2 servers" in p.stderr, p.stdout + p.stderr
 
 
 def test_health_is_light_enough_for_a_healthcheck_every_few_seconds(cluster2):
