@@ -5,7 +5,7 @@ A fresh ``python -m shardps server`` spends about 2 CPU-seconds importing torch 
 theirs through ``spawn()`` instead: the first call starts one fork server for this process (``python -m
 shardps.forkserver``), which imports torch and shardps's server and worker modules and then waits. Each
 ``spawn()`` asks it to fork; the child becomes ``python -m shardps ARGS`` (its command line in ``ps`` too,
-through ``setproctitle``) and a server is ready in 0.03-0.05 s instead of 2-3 s (tests/test_spawn.py).
+through ``setproctitle``) and a server is ready at once, not after torch's import (benchmarks/spawn.py).
 
 What a forked child gets, as a ``subprocess.Popen`` child would: the environment and working directory
 given, stdout and stderr each a pipe to the caller or the caller's own, a session of its own, and the
