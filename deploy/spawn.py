@@ -65,7 +65,7 @@ def import_time_env(environ: Mapping[str, str]) -> dict[str, str]:
 class ForkedProcess:
     """A child of the fork server, with ``subprocess.Popen``'s interface for what shardps uses."""
 
-    def __init__(self, pid: int, args: list[str], stdout: io.TextIOWrapper | None,
+    def __init__(self, pid: int, pidfd: int, args: list[str], stdout: io.TextIOWrapper | None,
                  stderr: io.TextIOWrapper | None) -> None:
         self.pid = pid
         self.args = args
@@ -75,16 +75,15 @@ class ForkedProcess:
         self._ended = threading.Event()
         self._readers: list[threading.Thread] | None = None
         self._out: dict[int, str] = {}
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except (ProcessLookupError, OSError):
-            self._pidfd = None  # already reaped by the fork server: its exit message is on the way
+        self._pidfd: int | None = pidfd  # opened by the fork server, before the child could be reaped
+        self._pidfd_lock = threading.Lock()  # no signal through a pidfd being closed (its number reused)
 
     def _set_exit(self, code: int) -> None:
-        self.returncode = code
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        with self._pidfd_lock:
+            self.returncode = code
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
         self._ended.set()
 
     def poll(self) -> int | None:
@@ -120,14 +119,13 @@ class ForkedProcess:
         stream.close()
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is not None:
-            return
-        pidfd = self._pidfd
-        try:
-            if pidfd is not None:
-                signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
-            pass
+        with self._pidfd_lock:
+            if self.returncode is not None or self._pidfd is None:
+                return
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass  # ended, not yet reported
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -188,12 +186,17 @@ class Spawner:
         assert sock is not None
         while True:
             try:
-                data = sock.recv(MAX_MSG)
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 1)
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:
                 break
             msg = json.loads(data)
+            if msg.get("op") == "spawned":
+                msg["pidfd"] = fds[0]  # the child's, from its parent
+            else:
+                for fd in fds:
+                    os.close(fd)
             if msg.get("op") == "exit":
                 with self._reply_ready:
                     child = self._children.pop(msg["pid"], None)
@@ -257,7 +260,7 @@ class Spawner:
                 if fd > 2:
                     os.close(fd)
         pipes = iter(open(fd, encoding="utf-8") for fd in ours)  # noqa: SIM115 - the caller closes them
-        child = ForkedProcess(reply["pid"], [sys.executable, "-m", "shardps", *args],
+        child = ForkedProcess(reply["pid"], reply["pidfd"], [sys.executable, "-m", "shardps", *args],
                               next(pipes) if stdout == subprocess.PIPE else None,
                               next(pipes) if stderr == subprocess.PIPE else None)
         with self._reply_ready:

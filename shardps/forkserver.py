@@ -36,9 +36,9 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller's Ctrl-C is the caller's to handle
 
-    def send(msg: dict[str, Any]) -> None:
+    def send(msg: dict[str, Any], fds: list[int] | None = None) -> None:
         try:
-            sock.send(json.dumps(msg).encode())
+            socket.send_fds(sock, [json.dumps(msg).encode()], fds or [])
         except OSError:
             pass  # the caller is gone: the loop sees EOF next
 
@@ -84,7 +84,13 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
         for fd in fds:
             os.close(fd)
         if pid > 0:
-            send({"op": "spawned", "id": req["id"], "pid": pid})
+            # A pidfd opened here, by the parent, before the child can be reaped: it names this child and no
+            # later process that gets its pid; the caller signals through it.
+            pidfd = os.pidfd_open(pid)
+            try:
+                send({"op": "spawned", "id": req["id"], "pid": pid}, [pidfd])
+            finally:
+                os.close(pidfd)
 
 
 def _become(req: dict[str, Any], fds: list[int]) -> None:
