@@ -1,12 +1,14 @@
-"""Test helpers: worker functions in threads (their first error re-raised), ``shardps`` processes, a client's
-bytes on the wire counted, two workers training over a data path (gRPC, shared memory, TCP), a real
-Prometheus."""
+"""Test helpers: worker functions in threads (their first error re-raised), ``shardps`` processes (and
+killing what a failed test left), a client's bytes on the wire counted, two workers training over a data
+path (gRPC, shared memory, TCP), a real Prometheus."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +16,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,18 @@ def shardps_process(*args: str, stderr: int | None = None) -> Process:
     """``python -m shardps ARGS``, stdout a pipe, forked from this process's fork server as LocalCluster's
     servers are (deploy/spawn.py; tests/test_processes.py starts the command fresh)."""
     return spawn(list(args), env=dict(os.environ), stderr=stderr)
+
+
+def kill_left(proc: subprocess.Popen[Any] | None, leftovers: Callable[[], Iterable[int]]) -> None:
+    """What a failed test left behind must not outlive it: ``proc`` killed if it still runs and reaped, then
+    SIGKILL to each pid of ``leftovers()`` still there (asked once ``proc`` has ended)."""
+    if proc is not None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    for pid in leftovers():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:

@@ -1,6 +1,5 @@
 """The demo end to end: servers and workers as separate processes, as `make demo` runs it."""
 
-import contextlib
 import json
 import os
 import signal
@@ -14,6 +13,7 @@ import pytest
 
 import shardps
 from shardps.deploy.local import wait_gone
+from tests.helpers import kill_left
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -189,12 +189,7 @@ def test_demo_interrupted_stops_everything_it_started(sig, phase):
         assert "interrupted" in "".join(lines)
         assert wait_gone(children + _marked(mark), timeout=30) == []  # servers and workers gone
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        for pid in _marked(mark):  # what a failure left behind must not outlive the test
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(proc, lambda: _marked(mark))
 
 
 @pytest.mark.fault
@@ -214,9 +209,4 @@ def test_a_sigkilled_demo_takes_its_servers_and_workers_with_it():
         proc.wait(timeout=30)
         assert wait_gone(children, timeout=45) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        for pid in _marked(mark):  # what a failure left behind must not outlive the test
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(proc, lambda: _marked(mark))

@@ -12,6 +12,7 @@ from shardps.deploy import spawn as sp
 from shardps.deploy.lifeline import Lifeline
 from shardps.deploy.local import parse_ready, read_ready, stop_processes, wait_gone
 from shardps.server.app import READY_PREFIX
+from tests.helpers import kill_left
 
 pytestmark = pytest.mark.cluster  # processes: not in make test-fast
 
@@ -128,11 +129,4 @@ def test_the_fork_server_ends_with_its_caller_and_the_children_with_their_lifeli
         caller.wait(timeout=30)
         assert wait_gone(pids, timeout=60) == []
     finally:
-        if caller.poll() is None:
-            caller.kill()
-        caller.wait(timeout=30)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_left(caller, lambda: pids)
