@@ -57,13 +57,12 @@ def shardps_process(*args: str, stderr: int | None = None) -> Process:
     return spawn(list(args), env=dict(os.environ), stderr=stderr)
 
 
-def kill_left(proc: subprocess.Popen[Any] | None, leftovers: Callable[[], Iterable[int]]) -> None:
+def kill_left(proc: subprocess.Popen[Any], leftovers: Callable[[], Iterable[int]]) -> None:
     """What a failed test left behind must not outlive it: ``proc`` killed if it still runs and reaped, then
     SIGKILL to each pid of ``leftovers()`` still there (asked once ``proc`` has ended)."""
-    if proc is not None:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
     for pid in leftovers():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
