@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -59,11 +60,25 @@ def test_exit_codes_are_the_childs_a_usage_error_2_and_sigkill_minus_9(spawner):
     proc.kill()  # a second signal to an ended child goes nowhere (its pid may be another's by now)
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
 def test_communicate_times_out_and_can_be_called_again(spawner):
     proc = spawner.popen(["server", "--port", "0"], env=_env())
     try:
         with pytest.raises(subprocess.TimeoutExpired):
             proc.communicate(timeout=0.2)  # a server runs until it is stopped
+        # SIGTERM only once the server handles it: from then on it prints its ready line and exits 0 when
+        # stopped (before, the signal's default action ends it, as it should, with nothing printed). The
+        # handler cannot be waited on, so its mask is polled, with a deadline.
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert time.monotonic() < deadline, "the server never installed its SIGTERM handler"
+            time.sleep(0.01)
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
         assert out.startswith(READY_PREFIX) and proc.returncode == 0
