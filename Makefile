@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # (docs/performance.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
 TEST_JOBS ?= 3
 
-.PHONY: venv tools demo test test-cpu test-fast stress fuzz lint typecheck proto clean
+.PHONY: venv bytecode tools demo test test-cpu test-fast stress fuzz lint typecheck proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 venv: $(VENV)/.installed
 
-demo: venv
+# The project's own bytecode, compiled once before its processes start: where PYTHONDONTWRITEBYTECODE is set,
+# every process (servers, workers, Ray actors) would otherwise compile each module it imports from source,
+# about 0.25 CPU-s a process that imports the server, worker and Ray stage modules (docs/performance.md).
+# Python still reads __pycache__ with the variable set; it only stops writing it.
+PY_DIRS := shardps server worker protos deploy examples benchmarks tests
+bytecode: venv
+	@$(BIN)/python -m compileall -q -j 0 $(PY_DIRS) >/dev/null
+
+demo: venv bytecode
 	$(BIN)/shardps demo
 
 # Debian tools some tests use: a real Prometheus (scrape and PromQL tests) and
@@ -64,14 +72,14 @@ tools:
 # the Ray tests run in two groups, each in one of them with its own Ray cluster: tests/conftest.py).
 # Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
 # those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
-test: venv tools lint
+test: venv tools lint bytecode
 	$(BIN)/python -m pytest --durations=30 $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup) \
 		$(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
 
 # Where the suite's CPU goes: the whole suite in one process, each test's CPU seconds (the whole machine's:
 # its servers, workers and Ray actors too) counted and the costliest listed at the end (tests/cpu.py); one
 # JSON line per test in build/cpu-per-test.jsonl. On a quiet machine: it counts everything that runs.
-test-cpu: venv tools
+test-cpu: venv tools bytecode
 	@mkdir -p build
 	$(BIN)/python -m pytest -q -p tests.cpu -p no:xdist --cpu-out build/cpu-per-test.jsonl $(PYTEST_ARGS); \
 		rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
