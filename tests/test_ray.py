@@ -278,12 +278,13 @@ def _summary(p: subprocess.CompletedProcess) -> dict:
 
 
 def test_ray_job_submit_trains_digits(ray_cluster):
-    # 5 of the default 10 epochs: 0.961 in `shardps demo --epochs 5`, the same training (2026-12-03)
+    # 3 of the default 10 epochs: 0.9278 in `shardps demo --servers 2 --workers 2 --epochs 3`, the same
+    # training (2026-12-04)
     p = _submit(ray_cluster, ["shardps", "ray", "--example", "digits", "--servers", "2", "--workers", "2",
-                              "--epochs", "5", "--json"])
+                              "--epochs", "3", "--json"])
     assert "succeeded" in p.stdout + p.stderr
     out = _summary(p)
-    assert out["test_accuracy"] >= 0.93 and out["steps"] == 110, out
+    assert out["test_accuracy"] >= 0.9 and out["steps"] == 66, out
     assert (out["servers"], out["workers"], out["sync"]) == (2, 2, "bsp")
     nodes = _node_ids(ray_cluster)
     assert set(out["server_nodes"] + out["worker_nodes"]) <= set(nodes)

@@ -93,12 +93,12 @@ def test_workers_that_start_after_a_primary_died_go_to_its_backup(make_cluster):
 @pytest.mark.fault
 def test_demo_failover_drill():
     p = subprocess.run([sys.executable, "-m", "shardps", "demo", "--replicas", "2", "--kill-server", "1",
-                        "--kill-at-step", "20", "--epochs", "6", "--json", "--quiet"],
+                        "--kill-at-step", "20", "--epochs", "3", "--json", "--quiet"],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["replicas"] == 2 and summary["failovers"] == 2  # both workers moved to the backup
-    assert summary["test_accuracy"] > 0.9
+    assert summary["test_accuracy"] > 0.9  # 0.9278 after 3 epochs, as without the kill (2026-12-04)
 
 
 def _free_port() -> int:
