@@ -224,10 +224,14 @@ GENERATORS: dict[str, Callable[[Source, Target, bool], Case]] = {
     "Push": gen_push, "Register": gen_register, "Pull": gen_pull, "PullState": gen_pull_state,
     "Exchange": gen_exchange, "SetSync": gen_set_sync, "Stats": gen_stats, "Heartbeat": gen_heartbeat,
     "Rollback": gen_rollback, "Checkpoint": gen_checkpoint, "Replicate": gen_replicate, "Promote": gen_promote,
-    "Leave": gen_leave,
+    "Leave": gen_leave, "RegisterRows": gen_register_rows, "PullRows": gen_pull_rows, "PushRows": gen_push_rows,
 }
 
 _WORKER_ID_MINUS_ONE = b"\x08" + b"\xff" * 9 + b"\x01"  # field 1 (worker_id) = -1, as protobuf writes it
+# Appended to a row request that parses, so that it is refused whatever the damage made of it (the last value of
+# a field wins; a repeated message field merges): dim = 0, a dim no table has. A damaged PullRows that parses
+# could pull keys no shard holds (creating them), a PushRows could be a step, a RegisterRows a new table.
+_ROWS_DIM_ZERO = {"PullRows": b"\x20\x00", "PushRows": b"\x28\x00", "RegisterRows": b"\x0a\x02\x10\x00"}
 
 
 def _parses(method: str, b: bytes) -> Any | None:
@@ -276,6 +280,8 @@ def gen_raw(src: Source, t: Target, avoid: bool) -> Case:
         out = [b + _WORKER_ID_MINUS_ONE if p is not None else b for b, p in zip(out, parsed)]
     elif method == "Register" and out and parsed[0] is not None and sanitize:
         out[0] += _WORKER_ID_MINUS_ONE
+    elif method in _ROWS_DIM_ZERO and not malformed:  # a malformed PushRows stream must be refused whole
+        out = [b + _ROWS_DIM_ZERO[method] for b in out]
     if not malformed and method == "SetSync":
         try:
             switch = str(SyncSpec.parse(parsed[0].sync)) != sh.sync
