@@ -390,3 +390,23 @@ def test_a_worker_that_serves_metrics_serves_its_moe_layers_too(make_cluster):
     with shardps.connect(cluster.addresses, metrics_port=0) as client:
         shardps.DistributedOptimizer(nn.Linear(D, 2), client, optimizer=SGD(lr=0.1))
         assert client.metrics is not None and client.metrics.models == set()
+
+
+def test_pull_under_every_2_steps_the_experts_once_every_2_steps(make_cluster):
+    """"pull" experts are a row table's rows: under every:2 their gradients are held and pushed once every
+    2 step()s (docs/sparse.md), so each shard's expert table steps 2 times in 4 step()s, not 4."""
+    cluster = make_cluster(2)
+    torch.manual_seed(0)
+    net = Net(shardps.nn.MoE(D, E, expert, name="p", placement="pull", drop_tokens=False, optimizer=SGD(lr=0.1)))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(net, client, optimizer=SGD(lr=0.1), sync="every:2")
+        before = client.pull_rows("p", torch.arange(E), track=False)
+        for step in range(4):
+            x, y = data(step)
+            pred, aux = net(x)
+            (F.mse_loss(pred, y) + aux).backward()
+            opt.step()
+            opt.zero_grad()
+            assert [s.rows.tables["p"].steps for s in cluster.stores] == [(step + 1) // 2] * 2
+        after = client.pull_rows("p", torch.arange(E), track=False)
+    assert not torch.equal(after, before)

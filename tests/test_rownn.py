@@ -108,3 +108,43 @@ def test_from_pretrained_rows_start_as_given(make_cluster):
             model[0](torch.tensor([6]))
     with pytest.raises(RuntimeError, match="DistributedOptimizer"):
         shardps.nn.Embedding(4, 2)(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sparse_adam"])
+def test_every_x_accumulates_row_gradients_and_pushes_their_mean_once_every_x_steps(make_cluster, optimizer):
+    """every:3, one worker, 9 local steps: the rows and the dense weights equal one process that averages 3
+    steps' gradients and steps once (gradient accumulation), the table stepped 3 times, not 9. The ids
+    repeat within a step and across the steps held (their rows summed, then the mean over the steps)."""
+    every, steps = 3, 9
+    cluster = make_cluster(2)
+    make = {"sgd": lambda: SGD(lr=0.5), "sparse_adam": lambda: SparseAdam(lr=0.05)}[optimizer]
+    model = Model(shardps.nn.Embedding(10, 4, optimizer=make()))
+    with shardps.connect(cluster.addresses) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync=f"every:{every}")
+        start = client.rows.pull("emb", torch.arange(10))
+        for step in range(steps):
+            ids, y = batch(step)
+            F.mse_loss(model(ids), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % every < every - 1:  # held, not pushed: the shards' rows are as before this round
+                assert sum(s.rows.tables["emb"].steps for s in cluster.stores) == step // every * 2
+        rows = client.rows.pull("emb", torch.arange(10))
+    ref = Model(nn.Embedding(10, 4, sparse=optimizer == "sparse_adam"))
+    with torch.no_grad():
+        ref.emb.weight.copy_(start)
+    sparse = (torch.optim.SGD if optimizer == "sgd" else torch.optim.SparseAdam)(
+        [ref.emb.weight], lr=0.5 if optimizer == "sgd" else 0.05)
+    dense = torch.optim.SGD(ref.head.parameters(), lr=0.1)
+    for step in range(steps):
+        ids, y = batch(step)
+        (F.mse_loss(ref(ids), y) / every).backward()  # the mean over the steps held
+        if step % every == every - 1:
+            sparse.step()
+            dense.step()
+            sparse.zero_grad()
+            dense.zero_grad()
+    torch.testing.assert_close(rows, ref.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    for name, w in model.named_parameters():
+        torch.testing.assert_close(w.detach(), dict(ref.named_parameters())[name].detach(), rtol=1e-5, atol=1e-6)
+    assert sum(s.rows.tables["emb"].steps for s in cluster.stores) == steps // every * len(cluster.stores)

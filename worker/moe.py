@@ -126,9 +126,10 @@ class ExpertRows(_Rows):
         assert self.rows is not None
         return self.rows.transport.experts(shard) if self.hosts is None else self.hosts.endpoint(shard)
 
-    def push(self, step: int) -> None:
+    def push(self, step: int, now: bool = True) -> None:
         """Push this step's gradients, unless a send's backward pushed them on the shards already (with
-        ``hold``: the shards push what the step's backwards held, now)."""
+        ``hold``: the shards push what the step's backwards held, now; under every:X too, ``now`` or not:
+        they are on the shards)."""
         if self.sent_step is not None:
             sent, self.sent_step = self.sent_step, None
             if sent != step:
@@ -137,7 +138,7 @@ class ExpertRows(_Rows):
             if self.hold:
                 expertsend.flush(self, step)
         else:
-            super().push(step)
+            super().push(step, now)
         if self.on_pushed is not None:
             self.on_pushed(time.perf_counter())
 

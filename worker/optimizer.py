@@ -153,6 +153,7 @@ class DistributedOptimizer:
         self.pushes = 0
         self.last_push: list[PushResult] = []
         self.accumulator = Accumulator()  # every:X: the local steps' gradients before the one that pushes
+        self.rows = RowModules({})  # the model's row modules, attached once the worker has joined (below)
         self.metrics = metrics
         self._last_step_end: float | None = None
         self.sync_history: list[str] = []  # the mode each sync round ran under
@@ -202,6 +203,7 @@ class DistributedOptimizer:
                 raise
             self._resync()  # joining a job whose shards restarted
         self.accumulator.reset()
+        self.rows.reset()
         if self.compressor is not None:  # a rejoin: what the residuals held is stale
             self.compressor.reset()
         self.local_steps = resume_step(self.round, self.sync)
@@ -260,6 +262,7 @@ class DistributedOptimizer:
         """The job rolled back: resync weights and clock; the exception to raise to the loop."""
         self._resync()
         self.accumulator.reset()
+        self.rows.reset()
         if self.compressor is not None:
             self.compressor.reset()
         self.local_steps = resume_step(self.round, self.sync)
@@ -313,8 +316,9 @@ class DistributedOptimizer:
         if ov is not None and ov.pull is not None:  # a step without backward (or one that streamed nothing)
             self.synchronize()
         self.local_steps += 1
+        x = self.sync.accumulation  # every:X: the row modules hold their gradients until the step that pushes
         try:  # the row modules' gradients (worker/rowmodules.py); a rollback since is found here first
-            self.rows.step(self.local_steps - 1)
+            self.rows.step(self.local_steps - 1, push=x <= 1 or self.accumulator.steps + 1 >= x)
         except ShardError as e:
             return self._push_failed(e, loss)
         if stream is not None:

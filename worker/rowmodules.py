@@ -45,6 +45,9 @@ class _Rows(nn.Module):
         self.worker: int | None = None  # the worker id its pushes carry (None: the client's)
         self.clock: Callable[[], int] | None = None  # the step the optimizer's next step() pushes
         self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their rows: a leaf)
+        # every:X: the (ids, gradient rows) of the local steps before the one that pushes, and how many steps
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held_steps = 0
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the batch's ids as indices into their distinct rows, those rows as a leaf with a gradient)."""
@@ -63,17 +66,30 @@ class _Rows(nn.Module):
             self._pulled.append((uniq, rows))
         return inverse.to(ids.device), rows
 
-    def push(self, step: int) -> None:
+    def push(self, step: int, now: bool = True) -> None:
         """Push the gradients of the rows pulled since the last push (an empty push when none: every
-        worker pushes every step, so bsp steps and the optimizer's step count stay together)."""
+        worker pushes at every step that pushes, so bsp steps and the optimizer's step count stay together).
+        ``now`` False (every:X, a local step before the one that pushes): hold them instead; the push then
+        carries the mean over the steps held, as the dense gradients' (repeated ids' rows are summed)."""
         assert self.rows is not None and self.table is not None
-        keys = [k for k, r in self._pulled if r.grad is not None]
-        grads = [r.grad for _, r in self._pulled if r.grad is not None]
+        got = [(k, r.grad.detach().cpu()) for k, r in self._pulled if r.grad is not None]
         self._pulled.clear()
+        if not now:
+            self._held += got
+            self._held_steps += 1
+            return
+        got, steps = self._held + got, self._held_steps + 1
+        self.reset()
         dim = self.embedding_dim
-        self.rows.push(self.table, torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
-                       torch.cat(grads).cpu() if grads else torch.zeros(0, dim), step,
-                       num_workers=self.num_workers, worker=self.worker)
+        grads = torch.cat([g for _, g in got]) if got else torch.zeros(0, dim)
+        if steps > 1:
+            grads = grads / steps
+        self.rows.push(self.table, torch.cat([k for k, _ in got]) if got else torch.zeros(0, dtype=torch.int64),
+                       grads, step, num_workers=self.num_workers, worker=self.worker)
+
+    def reset(self) -> None:
+        """Forget the gradients held (pushed, or a rollback or rejoin made them stale)."""
+        self._held, self._held_steps = [], 0
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}, optimizer={self.optimizer}"
@@ -154,7 +170,13 @@ class RowModules:
                 rows.push(m.table, ids, m.pretrained, 0, assign=True)
         return cls(found)
 
-    def step(self, step: int) -> None:
-        """Push every row module's gradients of this step."""
+    def step(self, step: int, push: bool = True) -> None:
+        """Push every row module's gradients of this step (``push`` False: every:X, a local step before the
+        one that pushes; hold them)."""
         for m in self.modules.values():
-            m.push(step)
+            m.push(step, push)
+
+    def reset(self) -> None:
+        """Forget the gradients held for every:X (a rollback or a rejoin)."""
+        for m in self.modules.values():
+            m.reset()
