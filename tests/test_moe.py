@@ -301,22 +301,27 @@ def test_send_registers_the_program_again_where_a_shard_lost_it(make_cluster):
     assert all(not torch.equal(after[i], before[i]) for i in routed.tolist())
 
 
-@pytest.mark.parametrize("sync", ["asp", "ssp:1", "every:2"])
-def test_send_steps_the_experts_under_other_sync_modes(make_cluster, sync):
+@pytest.mark.parametrize("placement, sync", [("send", "asp"), ("send", "ssp:1"), ("send", "every:2"),
+                                             ("pull", "every:2")])
+def test_the_experts_step_under_other_sync_modes(make_cluster, placement, sync):
+    """"send": the backward puts the experts' gradients on the shards, so the table steps at every step();
+    "pull" experts are a row table's rows: under every:2 their gradients are held and pushed once every 2
+    step()s (docs/sparse.md), so each shard's table steps 2 times in 4 step()s, not 4."""
     cluster = make_cluster(2)
     torch.manual_seed(0)
-    net = Net(shardps.nn.MoE(D, E, expert, name="s", placement="send", drop_tokens=False, optimizer=SGD(lr=0.1)))
+    net = Net(shardps.nn.MoE(D, E, expert, name="s", placement=placement, drop_tokens=False, optimizer=SGD(lr=0.1)))
     with shardps.connect(cluster.addresses) as client:
         opt = shardps.DistributedOptimizer(net, client, optimizer=SGD(lr=0.1), sync=sync)
         before = client.pull_rows("s", torch.arange(E), track=False)
-        for step in range(3):
+        for step in range(4):
             x, y = data(step)
             pred, aux = net(x)
             (F.mse_loss(pred, y) + aux).backward()
             opt.step()
             opt.zero_grad()
+            done = step + 1 if placement == "send" else (step + 1) // 2
+            assert [s.rows.tables["s"].steps for s in cluster.stores] == [done] * 2  # every shard alike
         after = client.pull_rows("s", torch.arange(E), track=False)
-    assert [s.rows.tables["s"].steps for s in cluster.stores] == [3, 3]  # one table step a step(), every shard
     assert not torch.equal(after, before)
 
 
@@ -391,22 +396,3 @@ def test_a_worker_that_serves_metrics_serves_its_moe_layers_too(make_cluster):
         shardps.DistributedOptimizer(nn.Linear(D, 2), client, optimizer=SGD(lr=0.1))
         assert client.metrics is not None and client.metrics.models == set()
 
-
-def test_pull_under_every_2_steps_the_experts_once_every_2_steps(make_cluster):
-    """"pull" experts are a row table's rows: under every:2 their gradients are held and pushed once every
-    2 step()s (docs/sparse.md), so each shard's expert table steps 2 times in 4 step()s, not 4."""
-    cluster = make_cluster(2)
-    torch.manual_seed(0)
-    net = Net(shardps.nn.MoE(D, E, expert, name="p", placement="pull", drop_tokens=False, optimizer=SGD(lr=0.1)))
-    with shardps.connect(cluster.addresses) as client:
-        opt = shardps.DistributedOptimizer(net, client, optimizer=SGD(lr=0.1), sync="every:2")
-        before = client.pull_rows("p", torch.arange(E), track=False)
-        for step in range(4):
-            x, y = data(step)
-            pred, aux = net(x)
-            (F.mse_loss(pred, y) + aux).backward()
-            opt.step()
-            opt.zero_grad()
-            assert [s.rows.tables["p"].steps for s in cluster.stores] == [(step + 1) // 2] * 2
-        after = client.pull_rows("p", torch.arange(E), track=False)
-    assert not torch.equal(after, before)
