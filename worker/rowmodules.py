@@ -72,7 +72,7 @@ class _Rows(nn.Module):
         ``now`` False (every:X, a local step before the one that pushes): hold them instead; the push then
         carries the mean over the steps held, as the dense gradients' (repeated ids' rows are summed)."""
         assert self.rows is not None and self.table is not None
-        got = [(k, r.grad.detach().cpu()) for k, r in self._pulled if r.grad is not None]
+        got = [(k, r.grad.detach()) for k, r in self._pulled if r.grad is not None]  # on their device until sent
         self._pulled.clear()
         if not now:
             self._held += got
@@ -81,7 +81,7 @@ class _Rows(nn.Module):
         got, steps = self._held + got, self._held_steps + 1
         self.reset()
         dim = self.embedding_dim
-        grads = torch.cat([g for _, g in got]) if got else torch.zeros(0, dim)
+        grads = torch.cat([g for _, g in got]).cpu() if got else torch.zeros(0, dim)
         if steps > 1:
             grads = grads / steps
         self.rows.push(self.table, torch.cat([k for k, _ in got]) if got else torch.zeros(0, dtype=torch.int64),
