@@ -18,6 +18,10 @@ success where a refusal was due, an exception the server logged, a state
 change), whether the servers still serve, whether their state is unchanged
 and a valid pull gives the weights of before, and the elapsed time.
 
+A generator that raises while drawing a case (fuzzgen.draw_case) is a
+generator defect: reported with the seed, the case number, the exception and
+the generator's line; that case is not sent and the campaign goes on.
+
 State checks: with in-process servers (the default) after every case; with
 ``--processes`` (each shard its own ``shardps server``) from the outside,
 every ``--check-every`` cases. A state change is reported with the case (and
@@ -31,7 +35,8 @@ one that matches a fixed one is a regression, a violation.
 test does).
 
 Exit status: 0 clean; 2 open known bugs hit, nothing else; 1 a violation, a
-server down or state changed by something no open bug explains.
+generator defect, a server down or state changed by something no open bug
+explains.
 
     .venv/bin/python benchmarks/fuzz.py --cases 10000 [--seed 0] [--processes] [--shards 2 --sync bsp]
 """
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     violations: list[dict[str, Any]] = []
     state_changes: list[dict[str, Any]] = []
     n_violations = 0
+    generator_defects: list[dict[str, Any]] = []
     seconds_by_kind: collections.Counter[str] = collections.Counter()
 
     def violation(i: int, reason: str, case: fuzzgen.Case | None) -> None:
@@ -150,7 +156,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             local = fuzzgen.local_state(stores) if stores else None
 
         for i in range(1, args.cases + 1):
-            case = fuzzgen.make_case(src, target, avoid_known_bugs=args.avoid_known_bugs)
+            drawn = fuzzgen.draw_case(src, target, avoid_known_bugs=args.avoid_known_bugs)
+            if isinstance(drawn, fuzzgen.GeneratorDefect):  # nothing to send: report it and go on
+                generator_defects.append({"seed": args.seed, "case": i, "error": drawn.error, "where": drawn.where})
+                _log(args, f"GENERATOR DEFECT at case {i} (seed {args.seed}): {drawn.error} ({drawn.where})")
+                continue
+            case = drawn
             mark = len(errors.records)
             out = fz.send(case)
             v = fuzzgen.judge(case, out, errors.since(mark) if cluster.stores else ())
@@ -176,7 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 el = time.monotonic() - t0
                 top = ", ".join(f"{k} {n}" for k, n in codes.most_common())
                 _log(args, f"[{i}/{args.cases}] {el:.1f}s ({i / el:.0f} cases/s): {top}; "
-                           f"violations {n_violations}, known bugs {sum(known.values())}")
+                           f"violations {n_violations}, known bugs {sum(known.values())}, "
+                           f"generator defects {len(generator_defects)}")
         elapsed = time.monotonic() - t0
         time.sleep(0.1)
         final_fp = fz.fingerprint(args.rpc_timeout)
@@ -236,6 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_log": server_log.name if server_log is not None else None,  # kept when it shows something new
         "violations": n_violations,
         "violation_examples": violations,
+        "generator_defects": generator_defects,  # cases a generator raised on (not sent): seed, case, error, where
         "state_changes": state_changes,
         "state_unchanged": not state_changes and final_fp == first_fp,
         "final_state_equals_last_baseline": final_fp == baseline_fp,
@@ -268,6 +281,9 @@ def report(res: dict[str, Any]) -> str:
     lines.append(f"violations: {res['violations']}")
     for v in res["violation_examples"]:
         lines.append(f"  case {v['case']}: {v['reason']}\n    {(v['request'] or '')[:800]}")
+    lines.append(f"generator defects: {len(res['generator_defects'])}")
+    for g in res["generator_defects"][:20]:
+        lines.append(f"  seed {g['seed']}, case {g['case']}: {g['error']} ({g['where']})")
     lines.append(f"state changes: {len(res['state_changes'])} "
                  f"({', '.join(str(s['known_bug'] or 'UNEXPLAINED') for s in res['state_changes'][:10])})")
     lines.append(f"state unchanged: {res['state_unchanged']}; servers serving: {res['serving']}; "
@@ -336,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(results, indent=2))
     else:
         print(table(results))
+        for r in results:
+            for g in r["generator_defects"]:
+                print(f"generator defect ({_shape(argparse.Namespace(**r['settings']))}): seed {g['seed']}, "
+                      f"case {g['case']}: {g['error']} ({g['where']})")
     return 130 if done is None else max(status(r) for r in results)
 
 
@@ -348,8 +368,8 @@ def _shape(ns: argparse.Namespace) -> str:
 
 
 def status(res: dict[str, Any]) -> int:
-    """0 clean; 2 open known bugs hit and nothing else; 1 anything unexplained."""
-    unexplained = res["violations"] or not res["serving"] or not res["valid_pull_ok"] \
+    """0 clean; 2 open known bugs hit and nothing else; 1 anything unexplained (a generator defect too)."""
+    unexplained = res["violations"] or res["generator_defects"] or not res["serving"] or not res["valid_pull_ok"] \
         or any(s["known_bug"] is None for s in res["state_changes"]) \
         or (not res["state_changes"] and not res["state_unchanged"])
     if unexplained:

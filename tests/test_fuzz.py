@@ -35,7 +35,8 @@ SHAPES = [(sync, n, r) for n, r in ((1, 1), (2, 1), (2, 2)) for sync in ("asp", 
 
 @st.composite
 def cases(draw, target):
-    return fuzzgen.make_case(fuzzgen.HypothesisSource(draw), target, avoid_known_bugs=True)
+    """A case, or the GeneratorDefect of a generator that raised (counted; the run goes on, then fails)."""
+    return fuzzgen.draw_case(fuzzgen.HypothesisSource(draw), target, avoid_known_bugs=True)
 
 
 @pytest.mark.parametrize("sync, num_servers, replicas", SHAPES)
@@ -43,6 +44,7 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
     cluster = make_cluster(num_servers, lease_s=0, replicas=replicas)  # lease 0: the idle setup workers stay
     weights = fuzzgen.prepare_job(cluster.addresses, sync)
     seen: collections.Counter[str] = collections.Counter()
+    generator_defects: list[str] = []
     stores = cluster.stores + cluster.backups
     with fuzzgen.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz, \
             fuzzgen.capture_server_errors() as errors:
@@ -53,6 +55,10 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
                   suppress_health_check=list(HealthCheck))
         @given(cases(target))
         def check(case):
+            seen["drawn"] += 1
+            if isinstance(case, fuzzgen.GeneratorDefect):  # nothing to send: reported at the end
+                generator_defects.append(f"example {seen['drawn']}: {case.error} ({case.where})")
+                return
             mark = len(errors.records)
             out = fz.send(case)
             verdict = fuzzgen.judge(case, out, errors.since(mark))
@@ -64,6 +70,8 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
 
         check()
         assert fz.fingerprint() == before
+    assert not generator_defects, f"generator defects ({sync}, {num_servers} shard(s), replicas {replicas}):\n" + \
+        "\n".join(generator_defects)
     # The generators reach past the first checks: most cases are refused, some succeed (no-ops).
     assert seen["refused"] > EXAMPLES // 2 and seen["ok"] > 0, seen
     assert fuzzgen.serving(cluster.addresses)

@@ -1,9 +1,11 @@
 """Malformed and random requests for a live shardps server, and the rules they are judged by.
 
 Modules: cases (the services, sources of choices, Target, Case), draws (names,
-values, optimizer params), gen_push, gen_register, gen_other (make_case over
-all kinds), send (Fuzzer), bugs (KNOWN_BUGS), judge, job (the job it runs
-against). This package exports what the tests and benchmarks/fuzz.py use.
+values, optimizer params), gen_push, gen_register, gen_rows, gen_other
+(make_case over all kinds; draw_case, which returns a generator's exception
+as a GeneratorDefect instead of raising it), send (Fuzzer), bugs
+(KNOWN_BUGS), judge, job (the job it runs against). This package exports
+what the tests and benchmarks/fuzz.py use.
 
 Shared by tests/test_fuzz.py (hypothesis drives the choices, 2,400 cases)
 and benchmarks/fuzz.py (a seeded ``random.Random`` drives them, 10,000+
@@ -45,12 +47,12 @@ from tests.fuzzgen.cases import (
     describe,
     method_path,
 )
-from tests.fuzzgen.gen_other import KINDS, make_case
+from tests.fuzzgen.gen_other import KINDS, GeneratorDefect, draw_case, make_case
 from tests.fuzzgen.job import job_tensors, local_state, prepare_job, pull_all, same_weights
 from tests.fuzzgen.judge import LOG_PATTERNS, Verdict, capture_server_errors, judge
 from tests.fuzzgen.send import Fuzzer, Outcome, serving
 
 __all__ = ["CLIENT_STREAM", "KINDS", "KNOWN_BUGS", "LOG_PATTERNS", "REFUSALS", "SERVER_STREAM", "Case", "Fuzzer",
-           "HypothesisSource", "KnownBug", "Outcome", "RandomSource", "Source", "Target", "Verdict", "avoiding",
-           "capture_server_errors", "describe", "job_tensors", "judge", "local_state", "make_case", "method_path",
-           "prepare_job", "pull_all", "same_weights", "serving"]
+           "GeneratorDefect", "HypothesisSource", "KnownBug", "Outcome", "RandomSource", "Source", "Target",
+           "Verdict", "avoiding", "capture_server_errors", "describe", "draw_case", "job_tensors", "judge",
+           "local_state", "make_case", "method_path", "prepare_job", "pull_all", "same_weights", "serving"]

@@ -44,6 +44,8 @@ class Stubs:
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
+UINT32 = (0, 2**32 - 1)
+UINT64 = (0, 2**64 - 1)
 ITEMSIZE = {ps_pb2.FLOAT32: 4, ps_pb2.FLOAT16: 2, ps_pb2.BFLOAT16: 2}
 WIRE_DTYPES = (ps_pb2.FLOAT32, ps_pb2.FLOAT16, ps_pb2.BFLOAT16)
 SHORT_TIMEOUT = 0.2  # requests that may wait on purpose (a version, a clock, a peer's partial)
@@ -157,6 +159,12 @@ class HypothesisSource(Source):
 
     def double(self) -> float:
         return self.draw(self.st.floats())
+
+
+def shifted(v: int, by: int, lo: int, hi: int) -> int:
+    """``v + by`` wrapped into [lo, hi] (a proto field's range, e.g. ``*UINT32``): a value the field holds, and
+    never ``v`` itself for 0 < |by| <= hi - lo (a defect that changes a field stays a change at its edges)."""
+    return lo + (v - lo + by) % (hi - lo + 1)
 
 
 def wild_int(src: Source, lo: int, hi: int) -> int:

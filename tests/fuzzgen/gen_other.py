@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from shardps.protos.shardps.v1 import ps_pb2
@@ -23,6 +26,7 @@ from tests.fuzzgen.cases import (
     ShardInfo,
     Source,
     Target,
+    shifted,
     wild_int,
 )
 from tests.fuzzgen.draws import _text, bad_sync_string, unknown_name
@@ -134,7 +138,7 @@ def gen_rollback(src: Source, t: Target, avoid: bool) -> Case:
     checkpoint, and these jobs have none: refused."""
     sh = src.choice(t.shards)
     req = ps_pb2.RollbackRequest(version=src.choice([0, sh.version, wild_int(src, *INT64)]),
-                                 epoch=src.choice([sh.epoch, sh.epoch + 1, wild_int(src, *INT64)]))
+                                 epoch=src.choice([sh.epoch, shifted(sh.epoch, 1, *INT64), wild_int(src, *INT64)]))
     return Case("rollback", "Rollback", sh.index, messages=[req], may_succeed=True)
 
 
@@ -184,7 +188,8 @@ def gen_replicate_backup(src: Source, t: Target, avoid: bool) -> Case:
     if defect == "mixed_headers":
         field_name = src.choice(["op", "args_json", "shard_index", "num_shards", "primary", "incarnation"])
         texts = {"op": "evict", "args_json": "{}", "primary": "elsewhere:1", "incarnation": "another"}
-        value: Any = texts[field_name] if field_name in texts else getattr(head, field_name) + src.integer(1, 5)
+        value: Any = texts[field_name] if field_name in texts else \
+            shifted(getattr(head, field_name), src.integer(1, 5), *INT32)  # shard_index, num_shards: int32
         setattr(msgs[1], field_name, value)
     elif defect == "cut":
         pieces[1] = pieces[1][: src.integer(0, len(pieces[1]) - 1)]
@@ -316,3 +321,27 @@ def make_case(src: Source, t: Target, avoid_known_bugs: bool = True) -> Case:
     """One case of any kind, weighted towards the streams that carry data (Push, Register, raw bytes)."""
     _, gen = src.choice(KINDS)
     return gen(src, t, avoid_known_bugs)
+
+
+@dataclass(frozen=True)
+class GeneratorDefect:
+    """A generator raised instead of building a case: a bug of the fuzzer, not of the server."""
+
+    error: str  # the exception: "ValueError: Value out of range: 4294967296"
+    where: str  # the innermost line of tests/fuzzgen that raised: "gen_rows.py:160 in gen_register_rows"
+
+
+def draw_case(src: Source, t: Target, avoid_known_bugs: bool = True) -> Case | GeneratorDefect:
+    """``make_case``, with an exception of a generator returned as a ``GeneratorDefect`` so that a campaign
+    can report it and go on (``src`` has then made some of that case's choices: the next case differs from
+    the one a fixed generator would draw, and the same seed still gives the same run). Hypothesis' own
+    exceptions (a HypothesisSource's control flow) are raised as they are."""
+    try:
+        return make_case(src, t, avoid_known_bugs)
+    except Exception as e:  # noqa: BLE001 - any exception of a generator is a generator defect
+        if type(e).__module__.split(".")[0] == "hypothesis":
+            raise
+        here = os.path.dirname(os.path.abspath(__file__))
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(f.filename) == here]
+        where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+        return GeneratorDefect(f"{type(e).__name__}: {e}"[:500], where)

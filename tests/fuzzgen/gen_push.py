@@ -12,7 +12,7 @@ import torch
 from shardps.protos import compressed
 from shardps.protos.shardps.v1 import ps_pb2
 from tests.fuzzgen.bugs import avoiding
-from tests.fuzzgen.cases import INT32, INT64, ITEMSIZE, WIRE_DTYPES, Case, Source, Target, wild_int
+from tests.fuzzgen.cases import INT32, INT64, ITEMSIZE, WIRE_DTYPES, Case, Source, Target, shifted, wild_int
 from tests.fuzzgen.draws import bad_sync_string, unknown_name, values
 
 # -- Push ----------------------------------------------------------------------
@@ -131,7 +131,7 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
             header["base_version"] = src.choice([src.integer(INT64[0], -1), src.integer(sh.version + 1, INT64[1])])
         elif d == "wrong_epoch":
             e = wild_int(src, *INT64)
-            header["epoch"] = e if e != sh.epoch else e + 1
+            header["epoch"] = e if e != sh.epoch else shifted(e, 1, *INT64)
         elif d == "bad_sync":  # the mode the step ran under, and its sync switch: one of them cannot be
             kind = src.integer(0, 2)
             if kind == 0:

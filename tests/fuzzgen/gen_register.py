@@ -18,6 +18,7 @@ from tests.fuzzgen.cases import (
     Case,
     Source,
     Target,
+    shifted,
     wild_int,
 )
 from tests.fuzzgen.draws import VALID_OPTIMIZERS, _text, bad_params_json, bad_sync_string, unknown_name, values
@@ -147,7 +148,7 @@ def gen_register(src: Source, t: Target, avoid: bool) -> Case:
             first.staleness_remedy = r + "!" if same else r
         elif d == "num_workers":
             n = wild_int(src, *INT32)
-            first.num_workers = n if n != sh.num_workers else n + 1
+            first.num_workers = n if n != sh.num_workers else shifted(n, 1, *INT32)
         elif d == "worker_id":
             w = wild_int(src, *INT32)
             first.worker_id = w if not 0 <= w < sh.num_workers else -1 - w

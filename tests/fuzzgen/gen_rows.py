@@ -22,7 +22,7 @@ import numpy as np
 
 from shardps.protos.rows import MAX_PULL_KEYS
 from shardps.protos.shardps.v1 import ps_pb2
-from tests.fuzzgen.cases import INT32, Case, Source, Target, wild_int
+from tests.fuzzgen.cases import INT32, UINT32, UINT64, Case, Source, Target, shifted, wild_int
 from tests.fuzzgen.draws import unknown_name
 from tests.fuzzgen.job import ROW_TABLE
 from tests.fuzzgen.send import held_rows
@@ -71,10 +71,11 @@ def gen_pull_rows(src: Source, t: Target, avoid: bool) -> Case:
     req = ps_pb2.PullRowsRequest(table=_table(src, sh.row_tables, "unknown_table" in defects, avoid),
                                  key_dtype=src.choice(["float32", "", "int32", "u64"]) if "key_dtype" in defects
                                  else src.choice(["int64", "uint64"]), keys=data,
-                                 dim=src.choice([0, dim + 1, dim - 1, wild_int(src, 0, 2**32 - 1)])
+                                 dim=src.choice([0, shifted(dim, 1, *UINT32), shifted(dim, -1, *UINT32),
+                                                 wild_int(src, *UINT32)])
                                  if "wrong_dim" in defects else dim)
     if "wrong_dim" in defects and req.dim == dim:
-        req.dim = dim + 1
+        req.dim = shifted(dim, 1, *UINT32)
     return Case("pull_rows", "PullRows", sh.index, messages=[req], may_succeed=not defects, defects=tuple(defects))
 
 
@@ -92,7 +93,7 @@ def gen_push_rows(src: Source, t: Target, avoid: bool) -> Case:
     dim = sh.row_tables[ROW_TABLE].spec.dim
     defects = sorted({src.choice(PUSH_DEFECTS) for _ in range(src.integer(1, 3))})
     head = {"table": _table(src, sh.row_tables, "unknown_table" in defects, avoid),
-            "dim": dim + src.choice([1, -1, 7]) if "wrong_dim" in defects else dim,
+            "dim": shifted(dim, src.choice([1, -1, 7]), *UINT32) if "wrong_dim" in defects else dim,
             "worker_id": src.choice([0, 1, wild_int(src, 0, INT32[1])]),
             "step": src.choice([0, 1, 5, wild_int(src, 0, 2**64 - 1)]),
             "num_workers": src.choice([0, 1, 2]), "assign": "assign_repeated" in defects or "assign_nan" in defects,
@@ -132,9 +133,9 @@ def gen_push_rows(src: Source, t: Target, avoid: bool) -> Case:
             messages.append(ps_pb2.PushRowsRequest(**head, key_dtype="uint64"))
         other = messages[-1]
         field = src.choice(["table", "dim", "worker_id", "step", "num_workers", "assign"])
-        new = {"table": head["table"] + "x", "dim": head["dim"] + 1, "worker_id": head["worker_id"] + 1,
-               "step": (head["step"] + 1) % 2**64, "num_workers": head["num_workers"] + 1,
-               "assign": not head["assign"]}[field]
+        new = {"table": head["table"] + "x", "dim": shifted(head["dim"], 1, *UINT32),
+               "worker_id": shifted(head["worker_id"], 1, *UINT32), "step": shifted(head["step"], 1, *UINT64),
+               "num_workers": shifted(head["num_workers"], 1, *UINT32), "assign": not head["assign"]}[field]
         setattr(other, field, new)
         if field == "dim":
             other.keys, other.grads, other.base_versions = b"", b"", b""
@@ -157,8 +158,9 @@ def gen_register_rows(src: Source, t: Target, avoid: bool) -> Case:
         spec.name = unknown_name(src, sh.row_tables, avoid)  # a new table's name: a defect must refuse it
     for d in defects:
         if d == "other_spec":
-            setattr(spec, *src.choice([("dim", spec.dim + 1), ("seed", spec.seed + 1), ("admit", 3), ("expire", 9),
-                                       ("init_json", '{"kind": "zeros"}')]))
+            # dim and seed moved by one within their range (uint32, uint64): "bad_dim" may have set dim to 2**32 - 1
+            setattr(spec, *src.choice([("dim", shifted(spec.dim, 1, *UINT32)), ("seed", shifted(spec.seed, 1, *UINT64)),
+                                       ("admit", 3), ("expire", 9), ("init_json", '{"kind": "zeros"}')]))
         elif d == "bad_dim":
             spec.dim = src.choice([0, 65537, 2**32 - 1])
         elif d == "no_name":
