@@ -158,7 +158,8 @@ def test_bad_plans_are_refused_naming_what_and_change_nothing():
         tp.split(model, {"0.tok": "vocab", "*.fc9": "row"}, group)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"0.tok is a Embedding; 'row' splits nn.Linear modules"):
         tp.split(model, {"0.tok": "row"}, group)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="kind must be one of column, row, vocab, heads, got 'diagonal'"):
+    with pytest.raises(ValueError, match="kind must be one of column, column_gather, row, vocab, heads, "
+                                         "partial_grad, got 'diagonal'"):
         tp.split(model, {"0.tok": "diagonal"}, group)  # type: ignore[arg-type]
     assert isinstance(model[0].tok, nn.Embedding) and isinstance(model[1].qkv, nn.Linear)
     for n, t in model.state_dict().items():

@@ -5,7 +5,10 @@
 group object itself: the group lives outside the default world, so ``torch.distributed.all_reduce(...,
 group=)`` would not know it. Each collective waits at most the group's own deadline (set when it was
 opened). ``TPGroup.single()`` is the group of one rank: every collective is the identity, so a model split
-at TP = 1 runs with no process group at all.
+at TP = 1 runs with no process group at all. A ``torch.distributed`` ``ProcessGroup`` a user already has
+(``init_process_group``, ``new_group``) is wrapped by ``TPGroup.from_process_group(pg)``; ``as_group`` is
+the one place every public entry (``split``, the layers, ``TPOptimizer``) turns what it was given into a
+``TPGroup``.
 
 Slices are ``torch.chunk``'s: along ``dim``, rank r of p holds elements ``[r * c, min((r + 1) * c, n))``
 with ``c = ceil(n / p)`` (the last rank's slice shorter, and empty where ``torch.chunk`` returns fewer than p
@@ -17,7 +20,7 @@ heads of each. A rank knows its slice without asking anyone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed
@@ -83,6 +86,16 @@ class TPGroup:
     @classmethod
     def single(cls) -> TPGroup:
         return cls(None, 0, 1)
+
+    @classmethod
+    def from_process_group(cls, pg: Any) -> TPGroup:
+        """The TP group of ``pg``, a ``torch.distributed`` ``ProcessGroup`` (``new_group(ranks)``, or the
+        default group ``torch.distributed.group.WORLD``) or one backend of it (``ProcessGroupGloo``): its
+        rank and size are the group's own, and the collectives run on ``pg`` itself."""
+        if not _is_process_group(pg):
+            raise TypeError(f"TPGroup.from_process_group: expected a torch.distributed ProcessGroup, "
+                            f"got {type(pg).__name__}")
+        return cls(pg, pg.rank(), pg.size())
 
     def attach(self, pg: Any) -> None:
         """Use process group ``pg`` from now on: a group made before its connections (a pipeline stage splits
@@ -166,6 +179,33 @@ class TPGroup:
         opts.rootRank = src
         self._pg().scatter([recv], ins, opts).wait()
         return out.copy_(recv.narrow(dim, 0, sizes[self.rank]))
+
+
+def _is_process_group(pg: Any) -> bool:
+    """A ``ProcessGroup``, or one of its backends (``ProcessGroupGloo``, ``ProcessGroupNCCL``: the C++
+    ``Backend`` class, not ``torch.distributed.Backend``, which names backends)."""
+    if not dist.is_available():
+        return False
+    backend = getattr(torch._C._distributed_c10d, "Backend", None)
+    return isinstance(pg, dist.ProcessGroup) or (backend is not None and isinstance(pg, backend))
+
+
+#: What the public entries take for a group: a ``TPGroup``, a ``torch.distributed`` ``ProcessGroup``, or None.
+GroupLike = Union["TPGroup", "torch.distributed.ProcessGroup", None]
+
+
+def as_group(group: GroupLike, what: str = "group") -> TPGroup:
+    """``group`` as a ``TPGroup``: a ``TPGroup`` as it is, a ``torch.distributed`` ``ProcessGroup`` wrapped
+    (``TPGroup.from_process_group``), None the group of one rank. Anything else is a ``TypeError`` that
+    names what was given and what is accepted."""
+    if group is None:
+        return TPGroup.single()
+    if isinstance(group, TPGroup):
+        return group
+    if _is_process_group(group):
+        return TPGroup.from_process_group(group)
+    raise TypeError(f"{what}: expected a shardps.tp.TPGroup, a torch.distributed ProcessGroup or None, "
+                    f"got {type(group).__name__}")
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

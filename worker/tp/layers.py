@@ -27,14 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardps.protos.slices import chunk_range
-from shardps.worker.tp.group import Slice, TPGroup
+from shardps.worker.tp.group import GroupLike, Slice, TPGroup, as_group
 from shardps.worker.tp.mappings import copy_to, gather_from, reduce_from, scatter_to
 
 TPParams = dict[str, tuple[Slice, tuple[int, ...]]]
 
 
-def _group(group: TPGroup | None) -> TPGroup:
-    return group if group is not None else TPGroup.single()
+def _group(group: GroupLike) -> TPGroup:
+    return as_group(group, "tp layer: group")
 
 
 def _param(full: torch.Tensor, sl: Slice, group: TPGroup) -> nn.Parameter:
@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
     ``parts``: the output is ``parts`` equal blocks each split on its own (3 for a fused q/k/v)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group: TPGroup | None = None, *, parts: int = 1, dense: nn.Linear | None = None) -> None:
+                 group: GroupLike = None, *, parts: int = 1, dense: nn.Linear | None = None) -> None:
         super().__init__()
         self.group = _group(group)
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
@@ -62,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: TPGroup | None, *, gather_output: bool = False,
+    def from_dense(cls, linear: nn.Linear, group: GroupLike, *, gather_output: bool = False,
                    parts: int = 1) -> ColumnParallelLinear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
                    parts=parts, dense=linear)
@@ -80,7 +80,7 @@ class RowParallelLinear(nn.Module):
     the partial products are summed over the group (g), then the replicated bias is added."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group: TPGroup | None = None, *, dense: nn.Linear | None = None) -> None:
+                 group: GroupLike = None, *, dense: nn.Linear | None = None) -> None:
         super().__init__()
         self.group = _group(group)
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
@@ -90,7 +90,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(dense.bias.detach().clone()) if dense.bias is not None else None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: TPGroup | None, *,
+    def from_dense(cls, linear: nn.Linear, group: GroupLike, *,
                    input_is_parallel: bool = True) -> RowParallelLinear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
                    dense=linear)
@@ -109,18 +109,24 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding whose table's rows (the vocabulary) are split; any vocabulary size (``torch.chunk``'s
     slices: the last rank's may be shorter, or empty)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: TPGroup | None = None, *,
-                 dense: nn.Embedding | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: GroupLike = None, *,
+                 padding_idx: int | None = None, dense: nn.Embedding | None = None) -> None:
         super().__init__()
         self.group = _group(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        dense = dense if dense is not None else nn.Embedding(num_embeddings, embedding_dim)
+        dense = dense if dense is not None else nn.Embedding(num_embeddings, embedding_dim, padding_idx)
         self.tp_params: TPParams = {"weight": (Slice(0), (num_embeddings, embedding_dim))}
         self.weight = _param(dense.weight, Slice(0), self.group)
         self.start, self.end = chunk_range(num_embeddings, self.group.size, self.group.rank)
+        # As nn.Embedding's: the padding row gets no gradient (on the rank whose rows hold it).
+        self.padding_idx = dense.padding_idx
+        pad = self.padding_idx
+        self._local_pad = pad - self.start if pad is not None and self.start <= pad < self.end else None
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, group: TPGroup | None) -> VocabParallelEmbedding:
+    def from_dense(cls, emb: nn.Embedding, group: GroupLike) -> VocabParallelEmbedding:
+        """``emb`` split; refused (``ValueError``) where ``emb`` has an option the split layer would drop."""
+        check_embedding("VocabParallelEmbedding", emb)
         return cls(emb.num_embeddings, emb.embedding_dim, group, dense=emb)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -128,7 +134,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.end == self.start:
             y = self.weight.sum() * 0 + ids.new_zeros(*ids.shape, self.embedding_dim, dtype=self.weight.dtype)
         else:
-            y = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+            y = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight, self._local_pad)
             y = y * (~outside).unsqueeze(-1).to(y.dtype)
         return reduce_from(y, self.group)
 
@@ -161,7 +167,7 @@ class ParallelSelfAttention(nn.Module):
     parts) and ``proj`` (dim -> dim, row). ``heads`` must divide by the group's size. Attention dropout runs
     on split activations: each rank's own stream (``RNGTracker``)."""
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0, group: TPGroup | None = None, *,
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, group: GroupLike = None, *,
                  seed: int = 0, dense: tuple[nn.Linear, nn.Linear] | None = None) -> None:
         super().__init__()
         g = _group(group)
@@ -188,7 +194,7 @@ class ParallelMLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` with ``fc1`` column- and ``fc2`` row-parallel, then dropout on the replicated
     output (the default stream: the same mask on every rank)."""
 
-    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, group: TPGroup | None = None) -> None:
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, group: GroupLike = None) -> None:
         super().__init__()
         g = _group(group)
         self.fc1 = ColumnParallelLinear(dim, hidden, group=g)
@@ -198,6 +204,17 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.drop(self.fc2(F.gelu(self.fc1(x))))
         return out
+
+
+def check_embedding(what: str, emb: nn.Embedding) -> None:
+    """Refuse an ``nn.Embedding`` with an option ``VocabParallelEmbedding`` does not have (``padding_idx``
+    it has)."""
+    dropped = [f"{k}={v!r}" for k, v, default in (("max_norm", emb.max_norm, None),
+                                                  ("scale_grad_by_freq", emb.scale_grad_by_freq, False),
+                                                  ("sparse", emb.sparse, False)) if v != default]
+    if dropped:
+        raise ValueError(f"{what}: an nn.Embedding with {', '.join(dropped)} is not split (the option would "
+                         f"be lost); padding_idx is kept")
 
 
 def check_heads(what: str, heads: int, size: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shardps.protos.slices import chunk_range
-from shardps.worker.tp.group import TPGroup
+from shardps.worker.tp.group import GroupLike, TPGroup, as_group
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -49,13 +49,13 @@ class _VocabParallelCE(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: TPGroup | None = None, *,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: GroupLike = None, *,
                                  vocab: int | None = None, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of ``logits`` (``(..., V_rank)``: this rank's ``torch.chunk`` slice of a vocabulary of
     ``vocab``) against ``target`` (``(...)``, ids in ``[0, vocab)``), equal to ``F.cross_entropy`` of the
     whole logits. ``reduction``: "mean", "sum" or "none" (per position). ``vocab`` None: learnt from the
     slices' sizes (one more all-reduce)."""
-    g = group if group is not None else TPGroup.single()
+    g = as_group(group, "vocab_parallel_cross_entropy: group")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be mean, sum or none, got {reduction!r}")
     if logits.shape[:-1] != target.shape:

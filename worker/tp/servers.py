@@ -22,7 +22,7 @@ from torch import nn
 from shardps.protos.slices import TensorSlice
 from shardps.worker.client import PSClient
 from shardps.worker.layout import OptimizerChoice
-from shardps.worker.tp.group import Slice, TPGroup
+from shardps.worker.tp.group import GroupLike, Slice, as_group
 from shardps.worker.tp.split import tp_slices
 from shardps.worker.tp.stepper import TPStepper
 
@@ -59,10 +59,10 @@ class TPOptimizer:
     ``DistributedOptimizer``'s."""
 
     def __init__(self, params: nn.Module | Iterable[tuple[str, torch.Tensor]], client: PSClient,
-                 group: TPGroup | None = None, *, slices: Mapping[str, tuple[Slice, tuple[int, ...]]] | None = None,
+                 group: GroupLike = None, *, slices: Mapping[str, tuple[Slice, tuple[int, ...]]] | None = None,
                  optimizer: OptimizerChoice | None = None, sync: str = "bsp", provides_values: bool | None = None,
                  **options: Any) -> None:
-        self.group = g = group if group is not None else TPGroup.single()
+        self.group = g = as_group(group, "TPOptimizer: group")
         if isinstance(params, nn.Module):
             self.split = dict(slices) if slices is not None else tp_slices(params)
             params = params.named_parameters()
