@@ -18,6 +18,8 @@ import shardps.ray as sray
 from shardps.deploy.ray.stage_actor import StageActor
 from shardps.worker.pipeline.local import LocalPipeline
 from shardps.worker.pipeline.partition import BalanceError
+from tests.test_pipeline_ties import batch as tied_batch
+from tests.test_pipeline_ties import lm_loss, tied_lm
 
 pytestmark = pytest.mark.cluster
 
@@ -90,6 +92,35 @@ def test_four_stages_through_the_servers_equal_one_process_with_the_same_optimiz
         got = pipe.state_dict()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("schedule, replicas", [("gpipe", 1), ("1f1b", 2)])
+def test_a_weight_tied_across_stages_is_one_tensor_on_the_servers(ray_cluster, schedule, replicas):
+    """An embedding in the first stage and a head in the last share one weight (tests/test_pipeline_ties.py):
+    both stages push their parts of its gradient under its one name, the servers add them (and average the
+    replicas) and step it once a step. 3 Adam steps equal torch's Adam on the unsplit model."""
+    model = tied_lm()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    with sray.start_servers(2) as servers, \
+            sray.Pipeline(model, balance=[2, 2], chunks=2, schedule=schedule, servers=servers, replicas=replicas,
+                          optimizer=shardps.optim.Adam(lr=1e-2), num_cpus=0.5) as pipe:
+        for step in range(3):
+            x, y = tied_batch(seed=step)
+            loss = pipe.train_step(x, y, lm_loss)
+            opt.zero_grad()
+            ref_loss = lm_loss(ref(x), y)
+            ref_loss.backward()
+            opt.step()
+            assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+        got = pipe.state_dict()
+        with shardps.connect(servers.addresses) as c:
+            c.attach()
+            on_servers = c.pull()
+    assert "3.weight" not in on_servers and set(on_servers) == {n for n, _ in ref.named_parameters()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(on_servers[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_under_asp_each_backward_runs_on_its_forwards_weights(ray_cluster):
@@ -211,6 +242,9 @@ def test_bad_input_is_refused_before_any_actor_starts(ray_cluster):
         sray.Pipeline(mlp(), balance=[3, 4], chunks=0)
     with pytest.raises(ValueError, match="step_timeout must be > 0 seconds, got 0"):
         sray.Pipeline(mlp(), balance=[3, 4], chunks=2, step_timeout=0)
+    with pytest.raises(ValueError, match=r"0.weight is tied across stages \(stage 0 \(0.weight\) and stage 1 "
+                                         r"\(3.weight\)\): a tied weight needs a barrier sync mode"):
+        sray.Pipeline(tied_lm(), balance=[2, 2], chunks=2, servers=["127.0.0.1:1"], sync="asp")
     pipe = sray.Pipeline(mlp(), balance=[3, 4], chunks=4)
     with pytest.raises(ValueError, match="batch of 2 samples cannot be cut into 4 micro-batches"):
         pipe.train_step(*data(2), nn.CrossEntropyLoss())

@@ -55,7 +55,7 @@ from shardps.protos.security import Security
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.groups import RendezvousServer
 from shardps.worker.pipeline.failure import Outcome, StageFailed, blame
-from shardps.worker.pipeline.partition import scatter, split_model
+from shardps.worker.pipeline.partition import scatter, split_model, stage_ties
 from shardps.worker.pipeline.plan import PipelineOptions, StepPlan, loss_reduction, plan_step
 from shardps.worker.pipeline.rowstage import check_row_modules
 from shardps.worker.pipeline.streamweights import check_stream
@@ -128,6 +128,9 @@ class Pipeline:
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
         check_row_modules(self.stage_modules, servers=servers, stream=stream, tensor_parallel=tensor_parallel)
+        self.ties = stage_ties(self.stage_modules)
+        self._check_ties(servers=bool(servers), sync=SyncSpec.parse(sync), stream=stream,
+                         tensor_parallel=tensor_parallel)
         self.schedule, self.chunks, self.checkpoint, self.offload = schedule, chunks, checkpoint, offload
         self.compress = self.options.encodings
         self.strategy = check_strategy(strategy)
@@ -153,11 +156,41 @@ class Pipeline:
         self._t0 = 0.0
         self._closed = False
 
+    def _check_ties(self, *, servers: bool, sync: SyncSpec, stream: Stream | None, tensor_parallel: int) -> None:
+        """A weight tied across stages is one tensor on the servers: both stages push their parts of its
+        gradient and the servers' barrier adds them, so it needs a barrier mode; not built with streamed or
+        tensor-parallel stages. Refused, naming the weight and its users, before any actor starts."""
+        if not self.ties.shared:
+            return
+        name = next(iter(self.ties.shared))
+        where = " and ".join(self.ties.users(name, self.stage_modules))
+        why = ""
+        if servers and not sync.barrier:
+            why = (f"needs a barrier sync mode (bsp or every:X), not {sync}: under it each stage's push would "
+                   f"step the weight on its own")
+        elif stream is not None:
+            why = "is not supported with stream= (each streamed stage pushes its units alone)"
+        elif tensor_parallel > 1:
+            why = "is not supported with tensor_parallel > 1"
+        if why:
+            raise ValueError(f"Pipeline: {name} is tied across stages ({where}): a tied weight {why}")
+
     @property
     def num_stages(self) -> int:
         return len(self.stage_modules)
 
     # -- start ---------------------------------------------------------------
+
+    def _placement(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """With weights tied across stages, the whole model's tensors (by the names the stages use): every
+        stage plans the shard map over them, so that a tied weight lives on one shard for all its users."""
+        if not self.ties.shared:
+            return None
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for s, stage in enumerate(self.stage_modules):
+            for n, p in stage.named_parameters():
+                out.setdefault(self.ties.aliases[s].get(n, n), (tuple(p.shape), p.dtype))
+        return out
 
     def _dry_run(self, x: torch.Tensor) -> None:
         """Every stage but the last returns one tensor: checked on the meta device, before any actor starts."""
@@ -203,7 +236,8 @@ class Pipeline:
                                 backups=tuple(getattr(self.servers, "backup_addresses", []) or ()), replicas=r,
                                 sync=self.sync_spec, optimizer=self.optimizer, security=self.security,
                                 weight_delay=self.weight_delay, tensor_parallel=p, tp_plan=self.tp_plan or None,
-                                stream=self.stream, stream_modules=self.stream_modules)
+                                stream=self.stream, stream_modules=self.stream_modules,
+                                tied=dict(self.ties.shared), placement=self._placement())
             for row_index in range(r * p):  # a row: one TP rank of one replica, all its stages
                 rep, t = divmod(row_index, p)
                 row = []
@@ -211,7 +245,8 @@ class Pipeline:
                     where = (in_bundle(self.placement_group, rep * d + s) if p == 1 else
                              in_bundle(self.placement_groups[rep * d + s], t))
                     row.append(cls.options(num_cpus=self.num_cpus, num_gpus=1 if self.use_gpu else 0,
-                                           resources=self.stage_resources, **where).remote(mod, s, d, rep, opts, t))
+                                           resources=self.stage_resources, **where).remote(
+                        mod, s, d, rep, opts, t, self.ties.aliases[s]))
                 self.stages.append(row)
             self.infos = ray.get([a.info.remote() for row in self.stages for a in row], timeout=600)
             if self.store is not None:

@@ -143,6 +143,8 @@ class StageOptions:
     tp_plan: dict[str, str] | None = None  # shardps.tp.split's plan over the whole model's module names
     stream: Stream | None = None  # the stages' weights streamed from the servers (docs/streaming.md)
     stream_modules: tuple[str, ...] = ()  # the names (in the whole model) of Stream(modules=...)
+    tied: dict[str, int] | None = None  # weights tied across stages -> how many stages use each (StageTies)
+    placement: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # with ties: the whole model's
 
 
 class StageActor:
@@ -157,7 +159,7 @@ class StageActor:
     tp_rank`` pushing the whole gradients of the tensors it owns and pulling its slices (``TPOptimizer``)."""
 
     def __init__(self, module: nn.Module, index: int, num_stages: int, replica: int, opts: StageOptions,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, aliases: dict[str, str] | None = None) -> None:
         actor_logging()
         self.index, self.num_stages, self.replica = index, num_stages, replica
         self.opts, self.tp_rank = opts, tp_rank
@@ -173,7 +175,8 @@ class StageActor:
             torch.set_num_threads(max(1, int(opts.num_cpus)))
         sink = RaySink(opts.store) if opts.store is not None else None
         self.rt = StageRuntime(module, index, num_stages, checkpoint=opts.checkpoint, seed=opts.seed,
-                               offload=sink, compress=opts.compress, device=device, key_prefix=f"r{replica}")
+                               offload=sink, compress=opts.compress, device=device, key_prefix=f"r{replica}",
+                               aliases=dict(aliases or {}), shared=dict(opts.tied or {}))
         self.client: Any = None
         # A TP stage's stepper is a collective over its group: made once the group is there (connect).
         self.weights: StageWeights | StreamWeights
@@ -206,6 +209,9 @@ class StageActor:
 
             r = self.replica
             self._connect_client(opts)
+            if opts.placement:  # weights tied across stages: every stage plans the whole model's shard map
+                self.client.placement = {n: torch.empty(shape, dtype=dtype, device="meta")
+                                         for n, (shape, dtype) in opts.placement.items()}
             if self.tp is not None:
                 from shardps.worker.tp.servers import TPOptimizer
 

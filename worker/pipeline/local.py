@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardps.worker.pipeline.offload import LocalSink
-from shardps.worker.pipeline.partition import scatter, split_model
+from shardps.worker.pipeline.partition import scatter, split_model, stage_ties
 from shardps.worker.pipeline.plan import PipelineOptions, loss_reduction, plan_step
 from shardps.worker.pipeline.stage import StageRuntime, seed_for
 from shardps.worker.pipeline.walk import Mailbox, walk, walk_eval
@@ -34,8 +34,10 @@ class LocalPipeline:
         modules = split_model(copy.deepcopy(model) if isinstance(model, nn.Module) else
                               [copy.deepcopy(m) for m in model], balance)  # the caller's model stays as it is
         self.sinks = [LocalSink() if offload else None for _ in modules]
+        ties = stage_ties(modules)  # a weight tied across stages: one name in every stage that uses it
         self.stages = [StageRuntime(mod, i, len(modules), checkpoint=checkpoint, seed=seed, offload=self.sinks[i],
-                                    compress=self.options.encodings) for i, mod in enumerate(modules)]
+                                    compress=self.options.encodings, aliases=ties.aliases[i])
+                       for i, mod in enumerate(modules)]
         self.step_count = 0
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
@@ -57,8 +59,12 @@ class LocalPipeline:
         return loss
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The last step's gradients by name (CPU copies)."""
-        return {n: g for st in self.stages for n, g in st.gradients().items()}
+        """The last step's gradients by name (CPU copies); a weight tied across stages: the sum of theirs."""
+        out: dict[str, torch.Tensor] = {}
+        for st in self.stages:
+            for n, g in st.gradients().items():
+                out[n] = out[n] + g if n in out else g
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights by name (CPU copies)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -57,3 +58,36 @@ def scatter(batch: torch.Tensor, chunks: int, what: str = "batch") -> list[torch
         n = batch.shape[0] if batch.dim() else 0
         raise ValueError(f"{what} of {n} samples cannot be cut into {chunks} micro-batches (chunks)")
     return list(torch.tensor_split(batch, chunks))
+
+
+@dataclass(frozen=True)
+class StageTies:
+    """Weights tied across stages (an embedding in the first stage, the output head in the last): one tensor
+    of the model, so one name. ``aliases[s]``: stage s's own name of such a weight -> the model's first name
+    of it (``named_parameters`` of the whole model); ``shared``: each such weight's name -> how many stages
+    use it. Empty when no weight is used by two stages."""
+
+    aliases: tuple[dict[str, str], ...]
+    shared: dict[str, int]
+
+    def users(self, name: str, stages: Sequence[nn.Module]) -> list[str]:
+        """Where ``name`` is used: "stage s (its name there)" for each stage that holds it, for messages."""
+        out = []
+        for s, stage in enumerate(stages):
+            for n, _ in stage.named_parameters():
+                if self.aliases[s].get(n, n) == name:
+                    out.append(f"stage {s} ({n})")
+        return out
+
+
+def stage_ties(stages: Sequence[nn.Module]) -> StageTies:
+    """The weights ``stages`` (cut from one model, in order) share between them: see ``StageTies``."""
+    first: dict[int, str] = {}
+    users: dict[int, set[int]] = {}
+    for s, stage in enumerate(stages):
+        for n, p in stage.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), n)
+            users.setdefault(id(p), set()).add(s)
+    aliases = tuple({n: first[id(p)] for n, p in stage.named_parameters() if first[id(p)] != n} for stage in stages)
+    shared = {first[k]: len(v) for k, v in users.items() if len(v) > 1}
+    return StageTies(aliases, shared)

@@ -87,6 +87,12 @@ class StageRuntime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     loss_fn: Callable[..., torch.Tensor] | None = None
     key_prefix: str = ""  # of its offloaded tensors' keys (a pipeline replica's, when stores are shared)
+    # A weight tied to another stage's (partition.stage_ties): this stage's name of it -> the model's name, the
+    # one it is known by here (its gradients, its state, the servers' tensor).
+    aliases: dict[str, str] = field(default_factory=dict)
+    # The weights tied across stages (the model's name -> how many stages use it): each pushes k times its
+    # part, so that the servers' mean over the k x R pushes is the sum over stages, averaged over replicas.
+    shared: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_checkpoint(self.checkpoint)
@@ -94,18 +100,18 @@ class StageRuntime:
         if "relu-mask" in self.compress:
             use_mask_relu(self.module)
         self.module.to(self.device)
-        self.names = [n for n, _ in self.module.named_parameters()]
         # Where the forward reads each parameter: (owner module, attribute, the parameter's name), a tied
         # one under each of its names. ``_run`` puts the version's tensors there for the call, as
         # torch.func.functional_call does, without its per-call checks (about 40 us a task, measured).
-        canonical = {id(p): n for n, p in self.module.named_parameters()}
+        canonical = {id(p): self.aliases.get(n, n) for n, p in self.module.named_parameters()}
+        self.names = list(canonical.values())
         self._slots: list[tuple[nn.Module, str, str]] = []
         for full, p in self.module.named_parameters(remove_duplicate=False):
             owner, _, attr = full.rpartition(".")
             self._slots.append((self.module.get_submodule(owner), attr, canonical[id(p)]))
         self.version = 0
-        self.params: dict[str, torch.Tensor] = {n: p.detach().requires_grad_(p.requires_grad)
-                                                for n, p in self.module.named_parameters()}
+        self.params: dict[str, torch.Tensor] = {canonical[id(p)]: p.detach().requires_grad_(p.requires_grad)
+                                                for p in self.module.parameters()}
         self.step = 0
         self.chunks = 1
         self._pending: dict[int, _Pending] = {}

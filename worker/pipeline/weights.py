@@ -104,7 +104,8 @@ class StageWeights:
         grads = self.runtime.step_gradients()
         for n, t in self.masters.items():
             g = grads.get(n)
-            t.grad = None if g is None else g.to(t.device)
+            k = self.runtime.shared.get(n, 1)  # a weight tied across k stages: k times this stage's part
+            t.grad = None if g is None else g.to(t.device) * k if k > 1 else g.to(t.device)
         if self.stash:
             self._thread = threading.Thread(target=self._step, name="stage-sync", daemon=True)
             self._thread.start()

@@ -96,7 +96,7 @@ class SumGrads:
         for t in module._parameters.values():
             if t is not None and t.requires_grad and getattr(t, "_tp_grad_summed", None) is not self:
                 t.register_hook(self._sum)  # type: ignore[no-untyped-call]
-                t._tp_grad_summed = self  # hooked once: the tensor holds its mark
+                setattr(t, "_tp_grad_summed", self)  # noqa: B010  (hooked once: the tensor holds its mark)
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(grad.contiguous().clone())
