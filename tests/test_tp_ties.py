@@ -77,7 +77,8 @@ def test_a_tied_weight_split_equals_the_dense_model(p):
         assert grads.keys() == want.keys()  # the tie under its first name only, as the dense model names it
         for n in want:
             _close(grads[n], want[n], f"rank {k} grad {n}")  # embed.weight: the embedding's part and the head's
-        assert torch.equal(state["head.weight"], model.embed.weight) and "embed.weight" in slices
+        assert torch.equal(state["head.weight"], model.embed.weight) and state.keys() == model.state_dict().keys()
+        assert "embed.weight" in slices and "head.weight" not in slices  # one tensor, under its first name
 
 
 def test_a_tie_cut_two_ways_is_refused_naming_both_users_and_changes_nothing():

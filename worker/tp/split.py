@@ -251,12 +251,17 @@ def split(module: nn.Module, plan: Mapping[str, str] | str, group: GroupLike = N
 
 
 def tp_slices(module: nn.Module) -> dict[str, tuple[Slice, tuple[int, ...]]]:
-    """Every split parameter of ``module`` by its full name: (how it is split, the whole tensor's shape).
-    Parameters not listed are replicated."""
+    """Every split parameter of ``module`` by its full name, a tied one under its first name only (as
+    ``named_parameters`` names it): (how it is split, the whole tensor's shape). Parameters not listed are
+    replicated."""
+    first = {id(p): n for n, p in module.named_parameters()}
     out: dict[str, tuple[Slice, tuple[int, ...]]] = {}
     for prefix, m in module.named_modules():
         for local, spec in getattr(m, "tp_params", {}).items():
-            out[f"{prefix}.{local}" if prefix else local] = spec
+            name = f"{prefix}.{local}" if prefix else local
+            p = getattr(m, local, None)
+            if p is None or first.get(id(p), name) == name:
+                out[name] = spec
     return out
 
 
@@ -281,10 +286,15 @@ def gather(module: nn.Module, group: GroupLike = None) -> dict[str, torch.Tensor
     """The dense state dict of a split ``module`` (every rank calls it; every rank gets the whole)."""
     g = as_group(group)
     split_ = tp_slices(module)
+    ids = {id(p): n for n, p in module.named_parameters()}
+    first = {n: ids[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}  # tied name -> first
     out: dict[str, torch.Tensor] = {}
     for name, t in module.state_dict().items():
-        if name in split_:
-            sl, shape = split_[name]
+        canon = first.get(name, name)
+        if canon in out:
+            out[name] = out[canon]  # a tied weight: gathered once, under each of its names as the dense state
+        elif canon in split_:
+            sl, shape = split_[canon]
             out[name] = assemble(t, sl, shape, g)
         else:
             out[name] = t.detach().clone()
