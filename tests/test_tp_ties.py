@@ -111,7 +111,7 @@ def test_a_torch_process_group_is_a_tp_group():
         assert m.up.group.size == 2 and m.up.group.rank == k
         loss = F.cross_entropy(m(IDS).flatten(0, 1), IDS.flatten())
         loss.backward()
-        return float(loss), tp.gather_grads(m, pg), tp.TPGroup.from_process_group(backend).size
+        return loss.item(), tp.gather_grads(m, pg), tp.TPGroup.from_process_group(backend).size
 
     for loss, grads, size in run_workers(rank, 2, 30.0):
         assert loss == pytest.approx(want_loss, rel=1e-5) and size == 2
