@@ -60,7 +60,7 @@ def test_char_gpt_split_equals_the_unsplit_model(p):
         loss.backward()
         whole = torch.cat(group.all_gather_padded(logits.detach(), 2, [b - a for a, b in (
             tp.chunk_range(vocab, p, r) for r in range(p))]), 2)
-        return whole, float(loss), tp.gather_grads(m, group), tp.gather(m, group), dict(m.named_parameters())
+        return whole, loss.item(), tp.gather_grads(m, group), tp.gather(m, group), dict(m.named_parameters())
 
     results = run_tp(p, rank)
     for k, (out, loss, grads, state, _) in enumerate(results):
