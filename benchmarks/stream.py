@@ -12,6 +12,11 @@
   processes), resident and streamed under each ``--peers-budget`` (fractions
   of the model: 0.5 and 1.0), in rounds of rotating order; the step time
   ratio resident / streamed (1: streaming is free).
+- ``memory``: the worker's peak RSS, resident against streamed with a budget of ``--memory-budget`` of
+  the model (a sixth), each run a fresh process (``python -m shardps.examples.gpt_stream``: the allocator's
+  state is per process), ``--rounds`` times in alternating order, the GPT of ``--dim`` / ``--layers``,
+  ``--memory-steps`` steps. Printed: each run's peak RSS growth and peak live bytes, and the target's
+  check: streamed peak below resident's by at least half of what streaming frees (2 x model - budget).
 - ``curve``: the GPT of ``--curve-dim`` / ``--curve-layers`` for budgets from
   0 (one unit at a time) to the whole model: peak live bytes and step time
   against the budget, resident beside; ``--plot PNG`` draws it.
@@ -36,6 +41,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import common  # noqa: E402
 
 PEERS_DIMS = (2048, 4096, 4096, 10)
+
+
+def memory(a: argparse.Namespace, say: Any) -> dict[str, Any]:
+    import subprocess
+
+    from shardps.examples.shakespeare import load_text, make_model
+
+    model_bytes = sum(p.numel() * 4 for p in make_model(load_text().vocab, dim=a.dim, layers=a.layers).parameters())
+    budget_mb = a.memory_budget * model_bytes / 2**20
+
+    def run(resident: bool) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "shardps.examples.gpt_stream", "--json", "--dim", str(a.dim), "--layers",
+               str(a.layers), "--heads", str(a.heads), "--context", str(a.context), "--batch-size",
+               str(a.batch_size), "--steps", str(a.memory_steps), "--servers", str(a.servers), "--log-every", "1000"]
+        cmd += ["--resident"] if resident else ["--max-live-mb", f"{budget_mb:.3f}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True)
+        out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return {k: out[k] for k in ("peak_rss_growth_bytes", "rss_growth_bytes", "peak_live_bytes",
+                                    "mean_step_seconds")}
+
+    rounds: list[dict[str, Any]] = []
+    for r in range(a.rounds):
+        row = {}
+        for resident in ((True, False) if r % 2 == 0 else (False, True)):
+            row["resident" if resident else "streamed"] = run(resident)
+        rounds.append(row)
+        say(f"memory round {r + 1}: {row}")
+    res = statistics.median(x["resident"]["peak_rss_growth_bytes"] for x in rounds)
+    stm = statistics.median(x["streamed"]["peak_rss_growth_bytes"] for x in rounds)
+    freed = 2 * model_bytes - a.memory_budget * model_bytes
+    return {"model_bytes": model_bytes, "budget_bytes": int(a.memory_budget * model_bytes), "rounds": rounds,
+            "resident_peak_rss_growth_bytes": res, "streamed_peak_rss_growth_bytes": stm,
+            "lower_by_bytes": res - stm, "target_bytes": int(freed / 2), "target_met": res - stm >= freed / 2}
 
 
 def quiet(_: str) -> None:
@@ -166,7 +204,7 @@ def plot(path: str, rows: list[dict[str, Any]], load: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["all", "gpt", "peers", "curve"], default="all")
+    p.add_argument("--part", choices=["all", "gpt", "peers", "curve", "memory"], default="all")
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -175,6 +213,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--gpt-steps", type=int, default=40)
     p.add_argument("--gpt-budget", type=float, default=0.06)
+    p.add_argument("--memory-budget", type=float, default=1 / 6, help="--part memory: the budget, of the model")
+    p.add_argument("--memory-steps", type=int, default=5)
     p.add_argument("--gpt-lr", type=float, default=3e-3, help="the servers' Adam learning rate for --part gpt")
     p.add_argument("--peers-budget", type=float, nargs="+", default=[0.5, 1.0],
                    help="budgets (fractions of the model) to stream the peers workload under")
@@ -196,6 +236,13 @@ def main() -> int:
     if a.part in ("all", "gpt"):
         out["gpt"] = gpt(a, say)
         say(f"gpt: {out['gpt']}")
+    if a.part in ("all", "memory"):
+        out["memory"] = memory(a, say)
+        m, mb = out["memory"], 2**20
+        say(f"memory: peak RSS growth resident {m['resident_peak_rss_growth_bytes'] / mb:.0f} MiB, streamed "
+            f"{m['streamed_peak_rss_growth_bytes'] / mb:.0f} MiB (budget {m['budget_bytes'] / mb:.1f} MiB): lower by "
+            f"{m['lower_by_bytes'] / mb:.0f} MiB, target {m['target_bytes'] / mb:.0f} MiB: "
+            f"{'met' if m['target_met'] else 'NOT met'}")
     if a.part in ("all", "peers"):
         out["peers"] = peers(a, say)
         say(f"peers: { {k: v for k, v in out['peers'].items() if k != 'rounds'} }")  # noqa: E201,E202

@@ -31,16 +31,25 @@ from shardps.examples.shakespeare import Block, CharLoss, batch, load_text, make
 from shardps.protos.optim import OptimizerSpec
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (Linux), 0 where /proc is not there."""
+def rss_bytes(key: str = "VmRSS:") -> int:
+    """This process's resident set size (Linux; ``key="VmHWM:"``: its peak), 0 where /proc is not there."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS (VmHWM) afresh from its RSS now (Linux 4.0+; elsewhere nothing)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: int, batch_size: int, steps: int,
@@ -59,6 +68,7 @@ def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: i
 
     text = load_text()
     rss0 = rss_bytes()  # before the model: its first weights count in the growth (streamed, they are freed)
+    reset_peak_rss()
     model = make_model(text.vocab, dim=dim, heads=heads, layers=layers, context=context, seed=seed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     units = [m for m in model if isinstance(m, Block)] if blocks else None
@@ -90,6 +100,7 @@ def train(addresses: list[str], *, dim: int, layers: int, heads: int, context: i
         out = {"params": sum(p.numel() for p in model.parameters()), "model_bytes": model_bytes,
                "max_live_bytes": max_live_bytes, "peak_live_bytes": peak,
                "peak_over_model": round(peak / model_bytes, 4), "rss_growth_bytes": rss_bytes() - rss0,
+               "peak_rss_growth_bytes": rss_bytes("VmHWM:") - rss0,
                "first_loss": round(sum(losses[:5]) / len(losses[:5]), 4),
                "last_loss": round(sum(losses[-5:]) / len(losses[-5:]), 4),
                "step_seconds": times, "units": len(st.units) if st is not None else 0,

@@ -31,6 +31,7 @@ from shardps.worker.accumulate import Accumulator
 from shardps.worker.client import PSClient, PushResult
 from shardps.worker.compress import CompressChoice, Compressor
 from shardps.worker.errors import RolledBack, ShardError
+from shardps.worker.heap import give_back_freed_memory
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.overlap import DEFAULT_BUCKET_BYTES, Overlap
@@ -170,6 +171,8 @@ class DistributedOptimizer:
                             staleness_remedy=staleness_remedy, provides_values=provides)
 
         self._register = register
+        if stream is not None:  # before registering: what registration and the released weights free leaves the RSS
+            give_back_freed_memory()
         self.rejoins = 0
         self.rollbacks = 0
         self._join()

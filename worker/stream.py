@@ -53,6 +53,7 @@ from shardps.protos.syncspec import SyncSpec
 from shardps.worker.accumulate import Accumulator
 from shardps.worker.client import PSClient
 from shardps.worker.errors import ShardError
+from shardps.worker.heap import give_back_freed_memory, trim
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushstream import PushStream
 from shardps.worker.streamplan import Slot, Stream, ahead, fits, schedule, units
@@ -78,6 +79,7 @@ class Streamer:
     def __init__(self, opt: Streamed, model: nn.Module, spec: Stream) -> None:
         self.opt = opt
         self.spec = spec
+        self.heap_fixed = give_back_freed_memory()  # (the optimizer called it before registering)
         self.params = opt.params
         self.units = units(model, opt.params, spec.modules)
         self.largest_unit_bytes = max(u.nbytes for u in self.units)
@@ -89,6 +91,7 @@ class Streamer:
             # a view of a larger tensor cannot be released alone). The Parameter object stays.
             p.data = torch.empty_like(p.data, memory_format=torch.contiguous_format)
             p.data.untyped_storage().resize_(0)
+        trim()  # the weights just released, allocated before the heap's threshold was fixed (worker/heap.py)
         self._size = {n: p.numel() * p.element_size() for n, p in opt.params.items()}
         self._refs: dict[str, int] = dict.fromkeys(opt.params, 0)
         self._inflight: dict[str, PullInFlight] = {}
