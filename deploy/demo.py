@@ -34,7 +34,7 @@ Start = Callable[[int, list[str]], Process]
 
 def digits_defaults(args: Any) -> Any:
     """The digits example's defaults of the flags ``demo``'s examples share, where not given (None; the gpt
-    example's are its own: deploy/demo_gpt.py). Returns ``args``, changed in place."""
+    example's are its own: deploy/demo_examples.py). Returns ``args``, changed in place."""
     for name, default in (("workers", 2), ("epochs", 10), ("batch_size", 64)):
         if getattr(args, name, None) is None:
             setattr(args, name, default)

@@ -6,7 +6,7 @@ install it when it is missing. See docs/ray.md and ``shardps.deploy.ray``.
 
 try:
     import ray  # noqa: F401
-except ImportError as e:  # pragma: no cover - exercised by tests/test_ray_import.py in a subprocess
+except ImportError as e:  # pragma: no cover - exercised by tests/test_ray.py in a subprocess
     raise ImportError("shardps.ray needs Ray: pip install 'shardps[ray]'") from e
 
 from shardps.deploy.ray import (  # noqa: E402
