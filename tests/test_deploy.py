@@ -70,6 +70,26 @@ def test_compose_file_is_valid_and_wires_servers_workers_prometheus_grafana():
     assert "SHARDPS_ADDRESSES: server0:7000,server1:7000" in full and "condition: service_healthy" in full
 
 
+@pytest.mark.skipif(shutil.which("docker-compose") is None,
+                    reason="docker-compose is not installed (`make test` installs Debian's as root)")
+def test_compose_passes_the_torch_index_and_version_from_the_environment():
+    """compose 1.29 cannot pass a build argument to `up --build`: the build args read the environment."""
+    def config(**env_vars: str) -> dict[str, Any]:
+        environ = {k: v for k, v in os.environ.items() if not k.endswith(("TORCH_INDEX_URL", "TORCH_VERSION"))}
+        out = subprocess.run(["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "--profile", "gpu",
+                              "config"], capture_output=True, text=True, timeout=60, env={**environ, **env_vars})
+        assert out.returncode == 0, out.stderr
+        return {n: s["build"]["args"] for n, s in yaml.safe_load(out.stdout)["services"].items() if "build" in s}
+
+    default = config()
+    assert default["server0"] == {"TORCH_VERSION": "2.13.0", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"}
+    assert default["gpu-worker0"] == {"TORCH_VERSION": "2.13.0", "TORCH_INDEX_URL": ""}
+    mirror = config(TORCH_INDEX_URL="http://mirror.invalid/simple", TORCH_VERSION="2.9.1",
+                    GPU_TORCH_INDEX_URL="http://gpu.invalid/simple")
+    assert mirror["worker1"] == {"TORCH_VERSION": "2.9.1", "TORCH_INDEX_URL": "http://mirror.invalid/simple"}
+    assert mirror["gpu-worker1"] == {"TORCH_VERSION": "2.9.1", "TORCH_INDEX_URL": "http://gpu.invalid/simple"}
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None,
                     reason="promtool is not installed (it comes with Debian's prometheus, which `make test` "
                            "installs with apt as root)")
