@@ -248,7 +248,8 @@ def _summary(args: Any, results: list[dict[str, Any]], test_acc: float, seconds:
         "workers": args.workers,
         "epochs": args.epochs,
         "seed": args.seed,
-        "final_loss": round(sum(r["final_loss"] for r in results) / len(results), 4),
+        "final_loss": (round(sum(r["final_loss"] for r in trained) / len(trained), 4)
+                       if (trained := [r for r in results if r["final_loss"] is not None]) else None),
         "compress": getattr(args, "compress", "none"),
         "seconds": round(seconds, 2),
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
 
             bar = tqdm(total=len(plan), desc=f"worker {worker_id} [{sync}]", unit="step", mininterval=0.5)
         step = first = opt.local_steps  # a worker rejoining a running job goes on from its clock
+        if first >= len(plan):
+            print(already_complete(worker_id, first, len(plan), epochs, client.stats()), file=sys.stderr, flush=True)
         while step < len(plan):
             epoch, idx = plan[step]
             mine = idx[worker_id::num_workers]
@@ -150,9 +153,22 @@ def train_worker(addresses: list[str] | None, worker_id: int | None, num_workers
         if own:
             client.close()
     return {"worker_id": worker_id, "steps": opt.local_steps, "pushes": opt.pushes,
-            "failovers": client.failovers_total, "rollbacks": opt.rollbacks, "final_loss": loss_val,
+            "failovers": client.failovers_total, "rollbacks": opt.rollbacks,
+            "final_loss": loss_val if losses else None, "already_complete": first >= len(plan),
             "seconds": time.perf_counter() - t0, "train_accuracy": accuracy(model, data.x_train, data.y_train),
             "losses": losses}
+
+
+def already_complete(worker_id: int, step: int, steps: int, epochs: int, stats: list[dict[str, Any]]) -> str:
+    """The one line a worker says when the job it joins is already past the steps it would train (servers
+    restarted on the job's checkpoints): its step, where the checkpoints are, how to start a new job."""
+    versions = sorted({int(v) for s in stats for v in s.get("checkpoint_versions", [])})
+    where = (f"checkpoints at versions {', '.join(map(str, versions))} in the servers' --checkpoint-dir"
+             if versions else "restored by the servers")
+    return (f"shardps worker {worker_id}: the job is already complete: it is at step {step}, and this worker "
+            f"trains {steps} steps ({epochs} epochs) ({where}); nothing to train. To start a new job, start the "
+            f"servers on an empty --checkpoint-dir (compose: `docker-compose down -v` removes the checkpoint "
+            f"volume), or train more with a larger --epochs.")
 
 
 DEFAULT_LR = {"adam": 3e-3, "adamw": 3e-3, "sgd": 0.1, "sm3": 0.1}

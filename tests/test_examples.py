@@ -14,3 +14,17 @@ def test_digits_with_memory_efficient_optimizers(cluster2, optimizer):
                 timeout=240)
     acc = evaluate(cluster2.addresses)
     assert acc >= 0.93, (optimizer, acc)
+
+
+def test_a_worker_joining_a_complete_job_says_so_in_one_line(cluster2, capsys):
+    """Regression: run again against servers that hold the job at its last step (compose's checkpoint volume,
+    a second `up`), a worker exited 0 at once with `pushes: 0, final_loss: NaN` and no word of why."""
+    first = train_worker(cluster2.addresses, 0, 1, sync="bsp", epochs=1)
+    capsys.readouterr()
+    again = train_worker(cluster2.addresses, 0, 1, sync="bsp", epochs=1)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert first["already_complete"] is False and first["final_loss"] is not None
+    assert again["already_complete"] is True and again["pushes"] == 0 and again["final_loss"] is None
+    assert len(said) == 1 and said[0].startswith(f"shardps worker 0: the job is already complete: it is at step "
+                                                 f"{first['steps']}, and this worker trains {first['steps']} steps")
+    assert "To start a new job, start the servers on an empty --checkpoint-dir" in said[0]
