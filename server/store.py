@@ -88,10 +88,6 @@ __all__ = ["DEFAULT_LEASE_S", "PushResult", "ShardStore", "TensorSpec"]
 
 log = logging.getLogger("shardps.server")
 
-# A Push that asks for the weights too (PushRequest.pull_after) gets them from a shard holding at most this
-# many bytes of them (in the wire dtype asked): a small model's step in one call.
-SMALL_PULL_BYTES = 1 << 20
-
 T = TypeVar("T")
 
 

@@ -257,7 +257,7 @@ class RowClient:
 
 
 class RowCalls:
-    """The row-table calls of ``PSClient`` (issue 24's names): ``register_rows``, ``pull_rows``, ``push_rows``
+    """The row-table calls of ``PSClient``: ``register_rows``, ``pull_rows``, ``push_rows``
     and ``row_keys``, each the ``RowClient`` method of the same job (``client.rows``, which holds the tables'
     specs and the versions pulled)."""
 
