@@ -1,1 +1,1 @@
-"""How shardps comes up: local processes (the embedded default) and, later, compose and Ray."""
+"""How shardps comes up: local processes (the embedded default), docker-compose, and Ray."""
