@@ -10,7 +10,8 @@ each take and return the hidden states:
 
 Each ``Decoder`` recomputes its rotary embeddings from the hidden states' length (no parameters: a buffer),
 and leaves the attention mask to the layers' causal default, so it needs ``attn_implementation="sdpa"``
-(the default where torch has it) and inputs without padding. Tied weights stay tied: the embedding and the
+(the default where torch has it), no sliding window, and inputs without padding: a model otherwise is
+refused (``ValueError``), never given the wrong mask. Tied weights stay tied: the embedding and the
 head hold one ``Parameter``, and a pipeline names it once across its stages (worker/pipeline/partition.py's
 ``stage_ties``). Families: Llama-style (``model.model.layers``: Llama, Mistral, Qwen2, Qwen3, ...) and GPT-2
 (``model.transformer.h``). See docs/your-model.md.
@@ -73,6 +74,23 @@ class Head(nn.Module):
         return out
 
 
+def _check_masks(model: nn.Module) -> None:
+    """Refuse a model whose layers need a mask the stages do not build: only sdpa attention applies the
+    causal mask by itself when given none, and it knows no sliding window."""
+    config: Any = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "sdpa":
+        raise ValueError(f"decoder_stages: {type(model).__name__} uses attn_implementation={impl!r}; the stages "
+                         f"pass no attention mask, which is causal under 'sdpa' only (build the model with "
+                         f"attn_implementation='sdpa')")
+    sliding = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in layer_types or (sliding is not None and getattr(config, "use_sliding_window", True)):
+        raise ValueError(f"decoder_stages: {type(model).__name__} has a sliding attention window "
+                         f"({sliding}); the stages build no mask for it (set sliding_window=None, or "
+                         f"use_sliding_window=False)")
+
+
 def decoder_stages(model: nn.Module, stages: int) -> tuple[nn.Sequential, list[int]]:
     """``model`` (a transformers causal LM) as a sequence of ``Embed``, ``stages`` ``Decoder`` runs of its
     layers (as even as they split) and ``Head``, with the ``balance`` that puts ``Embed`` in the first stage
@@ -87,6 +105,7 @@ def decoder_stages(model: nn.Module, stages: int) -> tuple[nn.Sequential, list[i
     else:
         raise ValueError(f"decoder_stages: {type(model).__name__} is neither Llama-style (model.layers) nor "
                          f"GPT-2-style (transformer.h)")
+    _check_masks(model)
     lm_head: Any = getattr(model, "lm_head", None)
     if not isinstance(lm_head, nn.Module):
         raise ValueError(f"decoder_stages: {type(model).__name__} has no lm_head")

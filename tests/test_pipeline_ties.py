@@ -57,4 +57,20 @@ def test_a_tied_weight_across_stages_gets_the_unsplit_models_gradient(schedule):
     assert got.keys() == {n for n, _ in ref.named_parameters()}  # "0.weight" once, no "3.weight"
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert pipe.state_dict().keys() == got.keys()
+    assert pipe.state_dict().keys() == model.state_dict().keys()  # the tied weight under both names
+
+
+def test_a_list_of_stages_sharing_a_weight_keeps_it_shared_and_the_state_has_every_name():
+    """Found in review: LocalPipeline copied each stage of a list alone (the tie became two tensors), and a
+    pipeline's state_dict gave a tied weight under its first name only (load_state_dict refused it)."""
+    model, (x, y) = tied_lm(), batch()
+    ref = copy.deepcopy(model)
+    lm_loss(ref(x), y).backward()
+    pipe = LocalPipeline([model[:2], model[2:]], balance=None, chunks=2)
+    pipe.train_step(x, y, lm_loss)
+    got = pipe.gradients()
+    assert set(got) == {"0.0.weight", "0.1.weight", "0.1.bias"}  # the head's weight is the embedding's
+    torch.testing.assert_close(got["0.0.weight"], ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+    whole = LocalPipeline(model, balance=[2, 2], chunks=2).state_dict()
+    assert whole.keys() == model.state_dict().keys()
+    copy.deepcopy(model).load_state_dict(whole)  # strict: every name, the tied one under both

@@ -219,3 +219,72 @@ def test_heads_that_do_not_divide_by_the_tp_size_are_refused():
                                          r"TP group of 3"):
         tp.split(model, {"q": "column", "o": "row"}, tp.TPGroup(None, 0, 3))
     assert type(model.q) is nn.Linear
+
+
+# -- found in review: each pins a case that changed the model, or trained it wrong, without a word ----------
+
+
+def test_partial_grad_twice_or_shared_sums_each_gradient_once():
+    model = HeadNormAttention()
+    x = torch.randn(3, 5, DIM, generator=torch.Generator().manual_seed(2))
+    dense = copy.deepcopy(model)
+    dense(x).square().mean().backward()
+
+    def rank(k: int, group: tp.TPGroup):
+        m = tp.split(copy.deepcopy(model), {"q": "column", "o": "row", "norm": "partial_grad"}, group)
+        with pytest.raises(ValueError, match=r"tp.split: norm is 'partial_grad' already \(split twice\?\)"):
+            tp.split(m, {"norm": "partial_grad"}, group)
+        for _ in range(3):  # one hook however many forwards: each backward's share summed once
+            m.zero_grad()
+            m(x).square().mean().backward()
+        return tp.gather_grads(m, group)
+
+    for grads in run_tp(2, rank):
+        _close(grads["norm.weight"], dense.norm.weight.grad, "norm.weight")
+
+
+def test_a_partial_grad_weight_tied_to_a_plain_use_is_refused():
+    model = HeadNormAttention()
+    model.extra = nn.LayerNorm(4)
+    model.extra.weight = model.norm.weight
+    with pytest.raises(ValueError, match=r"norm.weight and extra.weight are one tensor \(tied weights\); "
+                                         r"'partial_grad' on norm cuts it not at all, its gradient summed"):
+        tp.split(model, {"q": "column", "o": "row", "norm": "partial_grad"}, tp.TPGroup(None, 0, 2))
+    assert type(model.q) is nn.Linear and not model.norm._forward_pre_hooks
+
+
+class Attn(nn.Module):
+    def __init__(self, width: int = 12) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = 2, nn.Linear(4, width), nn.Linear(4, 4)
+
+
+def test_a_target_inside_another_or_a_fused_qkv_that_is_not_three_parts_changes_nothing():
+    model = nn.ModuleDict({"fc": nn.Linear(4, 4), "attn": Attn(width=10)})
+    with pytest.raises(ValueError, match=r"attn.qkv: 10 output features are not a fused query, key and value"):
+        tp.split(model, {"fc": "column", "attn": "heads"}, tp.TPGroup(None, 0, 2))
+    assert type(model["fc"]) is nn.Linear  # checked before anything changed
+    model = nn.ModuleDict({"attn": Attn()})
+    for plan in ({"attn": "heads", "attn.proj": "row"}, {"attn.proj": "row", "attn": "heads"}):
+        with pytest.raises(ValueError, match=r"tp.split: attn.proj \('row'\) is inside attn \('heads'\), which "
+                                             r"splits it already"):
+            tp.split(model, plan, tp.TPGroup(None, 0, 2))
+        assert type(model["attn"].proj) is nn.Linear
+
+
+def test_one_module_under_two_names_is_split_under_both():
+    layer = nn.Linear(DIM, DIM)
+    model = nn.Sequential(nn.Linear(DIM, DIM), layer, nn.Tanh(), layer)  # shared across depth (ALBERT-style)
+    x = torch.randn(2, DIM)
+    dense = copy.deepcopy(model)
+    dense(x).square().sum().backward()
+
+    def rank(k: int, group: tp.TPGroup):
+        m = tp.split(copy.deepcopy(model), {"1": "column_gather"}, group)  # whole in, whole out: usable twice
+        assert m[1] is m[3] and isinstance(m[3], tp.ColumnParallelLinear)
+        m(x).square().sum().backward()
+        return tp.gather_grads(m, group)
+
+    for grads in run_tp(2, rank):
+        for n, p in dense.named_parameters():
+            _close(grads[n], p.grad, n)

@@ -245,3 +245,19 @@ def test_a_pipeline_of_two_stages_equals_the_unsplit_model(family, schedule):
     got = {seq_to_hf[n]: g for n, g in pipe.gradients().items()}
     print(f"{family} pipeline 2 stages {schedule}: max |grad diff| "
           f"{_max_diff(got, {n: p.grad for n, p in model.named_parameters()}, 'pipeline'):.3g}")
+
+
+def test_stages_refuse_a_model_whose_mask_they_cannot_build():
+    """Found in review: under eager attention, or with a sliding window, the stages' missing mask gave wrong
+    logits without a word."""
+    with _RNG:
+        eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            attn_implementation="eager"))
+        mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="sdpa"))
+    with pytest.raises(ValueError, match="uses attn_implementation='eager'; the stages pass no attention mask"):
+        decoder_stages(eager, 2)
+    with pytest.raises(ValueError, match=r"has a sliding attention window \(4096\)"):
+        decoder_stages(mistral, 2)

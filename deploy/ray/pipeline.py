@@ -393,8 +393,9 @@ class Pipeline:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights every stage computes with now (after any pull in flight)."""
-        return {n: t for part in self._dense("state_dict", 0) for n, t in part.items()}
+        """The weights every stage computes with now (after any pull in flight); a weight tied across stages
+        under each of its names, as the whole model's state dict has it."""
+        return self.ties.under_every_name({n: t for part in self._dense("state_dict", 0) for n, t in part.items()})
 
     def timeline(self) -> dict[int, list[tuple[str, int, float, float]]]:
         """Replica 0's stages' busy intervals of the last step, in seconds from its start:

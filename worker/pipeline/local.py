@@ -31,10 +31,11 @@ class LocalPipeline:
                  compress: str | Sequence[str] | None = None, seed: int = 0) -> None:
         self.options = PipelineOptions(schedule, chunks, checkpoint, offload, compress)
         self.schedule, self.chunks, self.seed = schedule, chunks, seed
-        modules = split_model(copy.deepcopy(model) if isinstance(model, nn.Module) else
-                              [copy.deepcopy(m) for m in model], balance)  # the caller's model stays as it is
+        # The caller's model stays as it is; one copy of all stages, so that a weight they share stays shared.
+        modules = split_model(copy.deepcopy(model) if isinstance(model, nn.Module) else copy.deepcopy(list(model)),
+                              balance)
         self.sinks = [LocalSink() if offload else None for _ in modules]
-        ties = stage_ties(modules)  # a weight tied across stages: one name in every stage that uses it
+        self.ties = ties = stage_ties(modules)  # a weight tied across stages: one name in every stage using it
         self.stages = [StageRuntime(mod, i, len(modules), checkpoint=checkpoint, seed=seed, offload=self.sinks[i],
                                     compress=self.options.encodings, aliases=ties.aliases[i])
                        for i, mod in enumerate(modules)]
@@ -67,8 +68,9 @@ class LocalPipeline:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's weights by name (CPU copies)."""
-        return {n: t for st in self.stages for n, t in st.state_dict().items()}
+        """Every stage's weights by name (CPU copies), a weight tied across stages under each of its names
+        (as the whole model's state dict has it)."""
+        return self.ties.under_every_name({n: t for st in self.stages for n, t in st.state_dict().items()})
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
         """A forward of ``x`` in eval mode (no gradients), micro-batch by micro-batch."""

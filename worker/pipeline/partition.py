@@ -70,6 +70,16 @@ class StageTies:
     aliases: tuple[dict[str, str], ...]
     shared: dict[str, int]
 
+    def under_every_name(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (by the stages' names) with each tied weight under its other names too, as the whole
+        model's ``state_dict`` has it (so that ``load_state_dict`` takes it)."""
+        out = dict(state)
+        for aliases in self.aliases:
+            for own, name in aliases.items():
+                if name in state:
+                    out[own] = state[name]
+        return out
+
     def users(self, name: str, stages: Sequence[nn.Module]) -> list[str]:
         """Where ``name`` is used: "stage s (its name there)" for each stage that holds it, for messages."""
         out = []

@@ -105,7 +105,10 @@ class StageWeights:
         for n, t in self.masters.items():
             g = grads.get(n)
             k = self.runtime.shared.get(n, 1)  # a weight tied across k stages: k times this stage's part
-            t.grad = None if g is None else g.to(t.device) * k if k > 1 else g.to(t.device)
+            if k > 1:  # pushed every round, zeros if unused: the servers' mean counts k pushes per replica
+                t.grad = torch.zeros_like(t) if g is None else g.to(t.device) * k
+            else:
+                t.grad = None if g is None else g.to(t.device)
         if self.stash:
             self._thread = threading.Thread(target=self._step, name="stage-sync", daemon=True)
             self._thread.start()

@@ -94,9 +94,9 @@ class SumGrads:
         if not torch.is_grad_enabled() or self.group.size == 1:
             return
         for t in module._parameters.values():
-            if t is not None and t.requires_grad and getattr(t, "_tp_grad_summed", None) is not self:
+            if t is not None and t.requires_grad and getattr(t, "_tp_grad_summed", None) is None:
                 t.register_hook(self._sum)  # type: ignore[no-untyped-call]
-                setattr(t, "_tp_grad_summed", self)  # noqa: B010  (hooked once: the tensor holds its mark)
+                setattr(t, "_tp_grad_summed", self)  # noqa: B010  (hooked once, by whichever SumGrads came first)
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(grad.contiguous().clone())
@@ -129,12 +129,20 @@ def _check_target(name: str, m: nn.Module, kind: str, parent: nn.Module | None, 
         if not any(True for _ in m.parameters(recurse=False)):
             raise ValueError(f"tp.split: {name} ({type(m).__name__}) has no parameters of its own for "
                              f"'partial_grad'")
+        if any(isinstance(h, SumGrads) for h in m._forward_pre_hooks.values()):
+            raise ValueError(f"tp.split: {name} is 'partial_grad' already (split twice?)")
+        if getattr(m, "tp_params", None) is not None:
+            raise ValueError(f"tp.split: {name} ({type(m).__name__}) is split already: 'partial_grad' is for "
+                             f"a replicated module")
         return
     if kind == "heads":
         qkv, proj, heads = getattr(m, "qkv", None), getattr(m, "proj", None), getattr(m, "heads", None)
         if not (isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear) and isinstance(heads, int)):
             raise ValueError(f"tp.split: {name} ({type(m).__name__}) is not an attention module split knows "
                              f"(nn.Linear qkv and proj, int heads)")
+        if qkv.out_features % 3:
+            raise ValueError(f"tp.split: {name}.qkv: {qkv.out_features} output features are not a fused query, "
+                             f"key and value (a multiple of 3)")
         check_heads(name, heads, size)
         _refuse_changed(f"{name}.qkv", qkv, nn.Linear, kind)
         _refuse_changed(f"{name}.proj", proj, nn.Linear, kind)
@@ -155,14 +163,21 @@ def _check_target(name: str, m: nn.Module, kind: str, parent: nn.Module | None, 
             check_heads(f"tp.split: {name} ({width // head_dim} heads of {head_dim})", width // head_dim, size)
 
 
-def _cut(pname: str, chosen: Mapping[str, str]) -> tuple[str, str, Slice | None]:
-    """How the split cuts parameter ``pname`` (a full name): (the module, its kind, the slice; None: whole)."""
+Cut = Slice | str | None  # how a parameter is held: a slice, "partial" (its gradient summed), None (whole)
+
+
+def _cut(pname: str, chosen: Mapping[str, str], canon: Mapping[str, str]) -> tuple[str, str, Cut]:
+    """How the split cuts parameter ``pname`` (a full name): (the module, its kind, the cut). ``canon``: each
+    module path -> the first name of that module (one module reached under two names is chosen under one)."""
     owner, _, attr = pname.rpartition(".")
+    owner = canon.get(owner, owner)
     kind = chosen.get(owner)
     if kind in _COLUMN or kind == "vocab":
         return owner, kind, Slice(0)
     if kind == "row":
         return owner, kind, Slice(1) if attr == "weight" else None
+    if kind == "partial_grad":
+        return owner, kind, "partial"
     parent, _, leaf = owner.rpartition(".")
     if chosen.get(parent) == "heads" and leaf in ("qkv", "proj"):
         if leaf == "qkv":
@@ -171,13 +186,15 @@ def _cut(pname: str, chosen: Mapping[str, str]) -> tuple[str, str, Slice | None]
     return owner, kind or "not split", None
 
 
-def _describe(sl: Slice | None) -> str:
-    if sl is None:
+def _describe(cut: Cut) -> str:
+    if cut is None:
         return "not at all (whole on every rank)"
-    return f"along dim {sl.dim}" + (f" in {sl.parts} parts" if sl.parts > 1 else "")
+    if isinstance(cut, str):
+        return "not at all, its gradient summed over the group (partial)"
+    return f"along dim {cut.dim}" + (f" in {cut.parts} parts" if cut.parts > 1 else "")
 
 
-def _ties(module: nn.Module, chosen: Mapping[str, str]) -> list[list[str]]:
+def _ties(module: nn.Module, chosen: Mapping[str, str], canon: Mapping[str, str]) -> list[list[str]]:
     """The groups of parameter names that are one tensor, each checked to be cut the same way by every user
     (``ValueError`` naming both users otherwise)."""
     users: dict[int, list[str]] = {}
@@ -185,7 +202,7 @@ def _ties(module: nn.Module, chosen: Mapping[str, str]) -> list[list[str]]:
         users.setdefault(id(p), []).append(pname)
     groups = [names for names in users.values() if len(names) > 1]
     for names in groups:
-        cuts = [(n, *_cut(n, chosen)) for n in names]
+        cuts = [(n, *_cut(n, chosen, canon)) for n in names]
         first = cuts[0]
         for other in cuts[1:]:
             if other[3] != first[3]:
@@ -225,17 +242,22 @@ def split(module: nn.Module, plan: Mapping[str, str] | str, group: GroupLike = N
             if n in chosen and chosen[n] != kind:
                 raise ValueError(f"tp.split: {n} is matched as {chosen[n]!r} and as {kind!r}")
             chosen[n] = kind
-    # Every path of each module (one module reached under two names is replaced under both).
+    # Every path of each module (one module reached under two names is replaced under both), and each path's
+    # first name (the one ``named_modules`` gives, which the plan's patterns match).
     paths: dict[int, list[str]] = {}
     for n, m in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(n)
+    canon = {alias: ps[0] for ps in paths.values() for alias in ps}
     for n, kind in chosen.items():  # check every target first: a refused plan changes nothing
         parent_name = n.rpartition(".")[0]
         _check_target(n, module.get_submodule(n), kind, module.get_submodule(parent_name), g.size)
-        for alias in paths[id(module.get_submodule(n))]:
-            if alias != n and alias in names and chosen.get(alias, kind) != kind:
-                raise ValueError(f"tp.split: {n} is also {alias}, split as {chosen[alias]!r}")
-    ties = _ties(module, chosen)
+        for outer, outer_kind in chosen.items():  # a target inside what another replaces or splits
+            rest = n[len(outer) + 1:] if n.startswith(outer + ".") else None
+            if rest is not None and (outer_kind not in ("heads", "partial_grad")
+                                     or (outer_kind == "heads" and rest.split(".")[0] in ("qkv", "proj"))):
+                raise ValueError(f"tp.split: {n} ({kind!r}) is inside {outer} ({outer_kind!r}), which splits it "
+                                 f"already: name one of them in the plan")
+    ties = _ties(module, chosen, canon)
     for n, kind in chosen.items():
         old = module.get_submodule(n)
         new = _split_one(n, old, kind, g)
