@@ -288,3 +288,10 @@ def test_one_module_under_two_names_is_split_under_both():
     for grads in run_tp(2, rank):
         for n, p in dense.named_parameters():
             _close(grads[n], p.grad, n)
+
+
+def test_a_pipelines_tp_plan_must_be_a_mapping():
+    from shardps.worker.tp.split import check_tp
+
+    with pytest.raises(TypeError, match=r"tp_plan: expected a mapping .* 'auto' cannot read its plan"):
+        check_tp(2, "auto", [nn.Sequential(nn.Linear(2, 2))], None, "bsp")  # type: ignore[arg-type]

@@ -367,6 +367,10 @@ def check_tp(size: int, plan: Mapping[str, str] | None, stages: list[nn.Sequenti
     if not plan:
         raise ValueError(f"tensor_parallel={size} needs tp_plan: which modules to split, and how "
                          f"(shardps.tp.split's plan)")
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"tp_plan: expected a mapping of module-name patterns to kinds (a pipeline's stages are "
+                        f"cut from the model, so 'auto' cannot read its plan: pass tp.plan_of(model), with the "
+                        f"stages' names), got {type(plan).__name__}")
     if offload:
         raise ValueError(f"tensor_parallel={size} with offload={offload!r} is not supported yet")
     if not SyncSpec.parse(sync).barrier:
