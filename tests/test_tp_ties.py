@@ -153,6 +153,10 @@ def test_a_module_with_hooks_is_refused_by_name():
     with pytest.raises(ValueError, match=r"tp.split: 0 \(Linear\) has _forward_hooks; 'column' would replace"):
         tp.split(model, {"0": "column", "2": "row"})
     assert type(model[0]) is nn.Linear
+    other = nn.Linear(4, 4)
+    other.forward = lambda x: nn.Linear.forward(other, x) * 2  # an instance's own forward (accelerate's way)
+    with pytest.raises(ValueError, match=r"has a forward set on the module itself"):
+        tp.split(nn.ModuleDict({"l": other}), {"l": "column"})
 
 
 def test_an_embedding_keeps_padding_idx_and_refuses_options_it_would_drop():

@@ -114,6 +114,9 @@ def _refuse_changed(name: str, m: nn.Module, base: type[nn.Module], kind: str) -
         if extra:
             raise ValueError(f"{what} subclasses nn.{base.__name__} and holds {', '.join(extra)}, which the "
                              f"parallel layer would not keep")
+    if "forward" in vars(m):
+        raise ValueError(f"{what} has a forward set on the module itself (as accelerate's hooks do); {kind!r} "
+                         f"would replace the module and drop it (refused)")
     hooks = [h for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
              if getattr(m, h, None)]
     if hooks or parametrize.is_parametrized(m):
