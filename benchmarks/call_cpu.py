@@ -8,7 +8,7 @@ processes (``shardps server --shards S``), 4 workers
 (``baselines/host_worker.py``: the MLP 1024-2048-1024-10, batch 8, SGD,
 bsp, a window of 4, the model cut into parts of a shard's size), every
 process on this machine's loopback, ``SHARDPS_SHM=0`` so that the bytes
-take the TCP bulk path as between hosts. Each worker pushes and pulls
+take the data connection as between hosts. Each worker pushes and pulls
 every shard once a step: 2 x 4 S x 4 calls a step. Printed per S (medians
 over ``--rounds``, rounds rotating): the step (on loopback every process
 shares the machine's cores, so the step is the CPU's bound), the CPU

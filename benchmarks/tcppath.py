@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""The TCP bulk path against gRPC: CPU seconds per MB and MB/s, one process, alternating rounds.
+"""The data connection against gRPC and a raw socket pair: CPU seconds per MB and MB/s, alternating rounds.
 
 Two ``shardps server`` processes (``LocalCluster(2, processes=True)``), two
-workers of one asp job in this process: one that declines the shards' data
+workers of one asp job in this process: one that declines the servers' data
 ports (``SHARDPS_TCP=0`` when it registers: every byte in gRPC messages)
-and one that takes them (worker/tcppath.py), both with ``shm=False``.
-After ``--warmup`` untimed rounds, ``--repeats`` rounds of push then pull
-per worker, the two alternating (the order swapped each round) so that
-background load hits both alike. Per round: wall time, and the CPU time of
-this process plus the server processes (``/proc/<pid>/stat``), both sides
-of the transport. Reported: medians of CPU-s per MB moved (push + pull:
-2 x model bytes) and MB/s, and the ratios TCP / gRPC; the load average
-beside them (the machine is shared).
+and one that takes them (worker/dataconn.py: its calls as frames on one
+connection per server process), both with ``shm=False``. The reference
+(``raw``): the same bytes over a plain socket pair between this process and
+a child, each end receiving with ``recv_into`` into a buffer of its own
+and sending from it (the kernel's copies, nothing else). After
+``--warmup`` untimed rounds, ``--repeats`` rounds of push then pull per
+worker and one raw round trip, the order rotated each round so that
+background load hits all alike. Per round: wall time, and the CPU time of
+this process plus the other end's processes (``/proc/<pid>/stat``), both
+sides of the transport. Reported: medians of CPU-s per MB moved (push +
+pull: 2 x model bytes) and MB/s, and the ratios frames / gRPC and frames /
+raw; the load average beside them (the machine is shared).
 
     .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--json]
 """
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import socket
 import statistics
 import sys
 import time
@@ -32,6 +38,23 @@ from proccpu import cpu_seconds
 
 MB = 1_000_000
 _CHILDREN: list[Any] = []
+
+
+def _echo(sock: socket.socket, nbytes: int, rounds: int) -> None:
+    """The raw reference's other end: receive ``nbytes`` into a buffer, send them back, ``rounds`` times."""
+    buf = memoryview(bytearray(nbytes))
+    for _ in range(rounds):
+        _fill(sock, buf)
+        sock.sendall(buf)
+
+
+def _fill(sock: socket.socket, view: memoryview) -> None:
+    n = 0
+    while n < len(view):
+        k = sock.recv_into(view[n:])
+        if not k:
+            raise ConnectionError("the raw reference's other end closed")
+        n += k
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,53 +70,86 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     outs = {k: torch.empty(s) for k, s in shapes.items()}
     nbytes = sum(t.numel() * 4 for t in weights.values())
+    ours, theirs = socket.socketpair(socket.AF_UNIX) if args.unix else _tcp_pair()
+    for sk in (ours, theirs):
+        sk.settimeout(args.rpc_timeout)
+    echo = multiprocessing.get_context("fork").Process(target=_echo, args=(theirs, nbytes, args.warmup + args.repeats),
+                                                       daemon=True)
+    echo.start()
+    theirs.close()
+    _CHILDREN.append(echo)
+    raw_buf = memoryview(bytearray(nbytes))
+    raw_src = memoryview(torch.cat([g.reshape(-1) for g in grads.values()]).numpy()).cast("B")
     with shardps.LocalCluster(2, processes=True, max_wait_s=args.rpc_timeout) as cluster:
         _CHILDREN.extend(getattr(cluster, "_procs", []))
         pids = [p.pid for p in getattr(cluster, "_procs", [])]
         clients = {}
-        for wid, (name, tcp) in enumerate((("grpc", "0"), ("tcp", "1"))):
+        for wid, (name, tcp) in enumerate((("grpc", "0"), ("frames", "1"))):
             os.environ[env.TCP] = tcp  # read when the worker registers
             c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=2, shm=False, timeout=args.rpc_timeout)
             c.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
             kinds = {type(p).__name__ for p in c.paths}
-            if kinds != {"GrpcPath" if name == "grpc" else "TcpPath"}:
+            if kinds != {"GrpcPath" if name == "grpc" else "ConnPath"}:
                 raise RuntimeError(f"{name}: the worker took {kinds}")
             clients[name] = c
         os.environ.pop(env.TCP, None)
         steps = dict.fromkeys(clients, 0)
-        rows: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in clients}
+        names = [*clients, "raw"]
+        rows: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in names}
         for r in range(args.warmup + args.repeats):
-            order = list(clients) if r % 2 == 0 else list(reversed(clients))
+            order = names[r % 3:] + names[: r % 3]
             for name in order:
-                c = clients[name]
-                cpu0, t0 = cpu_seconds(pids), time.perf_counter()
-                c.push(grads, step=steps[name])
-                c.pull(out=outs)
-                cpu, wall = cpu_seconds(pids) - cpu0, time.perf_counter() - t0
-                steps[name] += 1
+                ends = [echo.pid] if name == "raw" else pids
+                assert ends[0] is not None
+                cpu0, t0 = cpu_seconds(ends), time.perf_counter()  # type: ignore[arg-type]
+                if name == "raw":
+                    ours.sendall(raw_src)
+                    _fill(ours, raw_buf)
+                else:
+                    c = clients[name]
+                    c.push(grads, step=steps[name])
+                    c.pull(out=outs)
+                    steps[name] += 1
+                cpu, wall = cpu_seconds(ends) - cpu0, time.perf_counter() - t0  # type: ignore[arg-type]
                 if r >= args.warmup:
                     rows[name]["cpu"].append(cpu)
                     rows[name]["wall"].append(wall)
         for c in clients.values():
             c.close()
+    echo.join(30)
+    ours.close()
     moved = 2 * nbytes / MB
     res: dict[str, Any] = {"mb": nbytes / MB, "repeats": args.repeats, "load": os.getloadavg()}
     for name, row in rows.items():
         res[name] = {"cpu_s_per_mb": statistics.median(row["cpu"]) / moved,
                      "mb_per_s": moved / statistics.median(row["wall"])}
-    res["cpu_ratio_tcp_over_grpc"] = res["tcp"]["cpu_s_per_mb"] / res["grpc"]["cpu_s_per_mb"]
-    res["speed_ratio_tcp_over_grpc"] = res["tcp"]["mb_per_s"] / res["grpc"]["mb_per_s"]
+    res["cpu_ratio_frames_over_grpc"] = res["frames"]["cpu_s_per_mb"] / res["grpc"]["cpu_s_per_mb"]
+    res["speed_ratio_frames_over_grpc"] = res["frames"]["mb_per_s"] / res["grpc"]["mb_per_s"]
+    res["cpu_ratio_frames_over_raw"] = res["frames"]["cpu_s_per_mb"] / res["raw"]["cpu_s_per_mb"]
     return res
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a loopback TCP connection (the raw reference: the path the data connection takes)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        ours = socket.create_connection(listener.getsockname())
+        theirs, _ = listener.accept()
+    for sk in (ours, theirs):
+        sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ours, theirs
 
 
 def report(res: dict[str, Any]) -> str:
     lines = [f"{res['mb']:.1f} MB model, push + pull, {res['repeats']} rounds each, alternating; "
              f"load {' '.join(f'{x:.1f}' for x in res['load'])}",
              f"{'path':6} {'CPU ms/MB (both ends)':>22} {'MB/s':>8}"]
-    for name in ("grpc", "tcp"):
+    for name in ("grpc", "frames", "raw"):
         lines.append(f"{name:6} {1000 * res[name]['cpu_s_per_mb']:>22.2f} {res[name]['mb_per_s']:>8.1f}")
-    lines.append(f"TCP / gRPC: CPU per MB x{res['cpu_ratio_tcp_over_grpc']:.2f}, "
-                 f"MB/s x{res['speed_ratio_tcp_over_grpc']:.2f}")
+    lines.append(f"frames / gRPC: CPU per MB x{res['cpu_ratio_frames_over_grpc']:.2f}, "
+                 f"MB/s x{res['speed_ratio_frames_over_grpc']:.2f}; frames / raw socket pair: CPU per MB "
+                 f"x{res['cpu_ratio_frames_over_raw']:.2f}")
     return "\n".join(lines)
 
 
@@ -104,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--rpc-timeout", type=float, default=120.0, help="deadline of every RPC, seconds (default 120)")
     p.add_argument("--max-seconds", type=float, default=600.0, help="watchdog for the whole run (default 600)")
+    p.add_argument("--unix", action="store_true", help="the raw reference on a Unix socket pair (default: TCP)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = p.parse_args(argv)
     res = run_guarded("tcppath", args.max_seconds, lambda: run(args), lambda: _CHILDREN)

@@ -17,7 +17,8 @@ and head, attention by heads, MLP by columns then rows):
   storage once), against TP = 1's;
 - the median step time (forward, backward, no servers) and its ratio to TP = 1's, same process;
 - with ``--servers N`` (default 2; 0: none), the parameter-server bytes of one ``TPOptimizer`` step per rank,
-  counted on the wire (``tests/helpers.py``'s ``count_wire``; gRPC only: no shared memory, no TCP bulk
+  counted on the wire (``tests/helpers.py``'s ``count_wire``; gRPC only: no shared memory, no data
+connection
   path): the gradient bytes of the Push messages it sent and the weight bytes of the Pull responses it
   received (its slices of the split tensors; the replicated tensors it owns, pushed, and all of them,
   pulled, whole), largest and smallest over the ranks.

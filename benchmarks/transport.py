@@ -11,7 +11,7 @@ on the same topology, in the same run:
 
 * shardps: ``LocalCluster(2, processes=True)`` (two ``shardps server``
   processes, ``SHARDPS_TCP=0`` unless set: gRPC carries the bytes;
-  benchmarks/tcppath.py measures the TCP bulk path against it),
+  benchmarks/tcppath.py measures the data connection against it),
   ``client.register(..., SGD(lr=0.0), sync="asp")``, then timed
   ``client.push(grads, step=i)`` and ``client.pull(out=...)``.
 * raw: two server processes (this script with ``--serve-raw``) exposing a
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import shardps
 
     # shardps over gRPC, as these figures always were (the servers open no data port): benchmarks/tcppath.py
-    # sets the TCP bulk path against it.
+    # sets the data connection against it.
     os.environ.setdefault("SHARDPS_TCP", "0")
     if args.client_threads > 0:
         torch.set_num_threads(args.client_threads)

@@ -46,7 +46,7 @@ ADVERTISE_ADDRESS = "SHARDPS_ADVERTISE_ADDRESS"
 SHM = "SHARDPS_SHM"  # 0: no same-host shared-memory fast path (workers)
 FRAME_INLINE_BYTES = "SHARDPS_FRAME_INLINE_BYTES"  # `shardps server`: larger Pulls are framed outside the lock
 KEEPALIVE_S = "SHARDPS_KEEPALIVE_S"  # seconds of silence before a channel pings its server (0: never)
-TCP = "SHARDPS_TCP"  # 0: no TCP bulk path (servers open no data port; workers use none)
+TCP = "SHARDPS_TCP"  # 0: no data connection (servers open no data port; workers use none)
 FORK = "SHARDPS_FORK"  # 0: LocalCluster and the demo start each process fresh, not from the fork server
 
 ALL = (ADDRESSES, WORKER_ID, NUM_WORKERS, BACKUPS, TLS_CERT, TLS_KEY, TLS_CA, TLS_SERVER_NAME, AUTH_TOKEN,

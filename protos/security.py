@@ -45,9 +45,9 @@ KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
-def keepalive_options() -> list[tuple[str, int]]:
-    """The channel options for ``SHARDPS_KEEPALIVE_S`` (default ``KEEPALIVE_S``): pings, and the reconnect
-    backoff. ValueError naming the variable for a value that is not a number >= 0."""
+def keepalive_seconds() -> float:
+    """``SHARDPS_KEEPALIVE_S`` (default ``KEEPALIVE_S``); ValueError naming the variable for a value that is not
+    a number >= 0."""
     raw = env.get(env.KEEPALIVE_S)
     try:
         seconds = KEEPALIVE_S if raw is None else float(raw)
@@ -55,6 +55,13 @@ def keepalive_options() -> list[tuple[str, int]]:
         raise ValueError(f"{env.KEEPALIVE_S}={raw!r} is not a number of seconds") from None
     if not seconds >= 0:
         raise ValueError(f"{env.KEEPALIVE_S}={raw!r}: expected seconds >= 0 (0: no pings)")
+    return seconds
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    """The channel options for ``SHARDPS_KEEPALIVE_S`` (default ``KEEPALIVE_S``): pings, and the reconnect
+    backoff. ValueError naming the variable for a value that is not a number >= 0."""
+    seconds = keepalive_seconds()
     opts = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2_000)]
     if seconds > 0:
         ms = max(1, int(seconds * 1000))

@@ -89,7 +89,7 @@ class StoreCollector(Collector):
         yield counter("shardps_push_bytes_total", "Gradient payload bytes taken in.", "push_bytes_total")
         yield counter("shardps_push_received_bytes_total",
                       "Bytes of Push request messages received (serialized, as gRPC handed them over; refused "
-                      "ones included), and the TCP bulk path's frames.", "push_received_bytes_total")
+                      "ones included), and the data connections' frames.", "push_received_bytes_total")
         yield counter("shardps_pulls_total", "Pull RPCs served.", "pulls_total")
         yield counter("shardps_pull_bytes_total", "Weight payload bytes served.", "pull_bytes_total")
         yield counter("shardps_applied_updates_total", "Optimizer steps applied.", "applied_updates_total")

@@ -29,6 +29,7 @@ from shardps.protos import codec, env, framing
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
+from shardps.server.dataconn import DataPort
 from shardps.server.errors import FailedPrecondition
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.experts import ExpertsServicer
@@ -36,10 +37,9 @@ from shardps.server.metrics import ServerMetrics
 from shardps.server.replication import GrpcReplicaLink, read_ops
 from shardps.server.rowservice import RowsServicer
 from shardps.server.rpc import safe_deserializer, stream_errors, unary_errors
-from shardps.server.shm import SegmentCache
+from shardps.server.shm import SegmentCache, Segments
 from shardps.server.slicepull import decode_slices
 from shardps.server.store import ShardStore
-from shardps.server.tcpdata import PullSegment, TcpData
 from shardps.server.wire import counted, decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
 
 log = logging.getLogger("shardps.server")
@@ -88,14 +88,23 @@ class _Servicer:
         DEADLINE_EXCEEDED naming the missing workers) rather than a bare
         deadline of its own.
         """
-        remaining = context.time_remaining()
+        return self.wait_limit(context.time_remaining())
+
+    def wait_limit(self, remaining: float | None) -> float:
+        """``_timeout`` for a caller with ``remaining`` seconds left (None: no deadline)."""
         if remaining is None:
             return self.max_wait_s
         return max(0.0, min(remaining - deadline_margin(remaining), self.max_wait_s))
 
 
 class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
-    """The worker data path (``service Workers``): the worker token."""
+    """The worker data path (``service Workers``): the worker token.
+
+    ``data``: the process's data port (server/dataconn.py) and this shard's route on it, when it has one:
+    Push and Pull then also come as frames (``push_frames``, ``pull_frames``).
+    """
+
+    data: tuple[DataPort, int] | None = None
 
     @unary_errors
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
@@ -105,19 +114,22 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         answer = self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
                                  self._timeout(context)).to_proto()
         answer.shm = j.shm
-        if self.segments.remote is not None:  # the TCP bulk path: where to connect, and with which token
-            answer.data_port, answer.data_token = self.segments.remote.offer(j.worker_id)
+        if self.data is not None:  # the data connection: where to connect, with which token, which route
+            port, answer.data_route = self.data
+            answer.data_port, answer.data_token = port.offer(j.worker_id)
         return answer
 
     @unary_errors
     def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        return self._push(request_iterator)
+        return self.push_frames(request_iterator, self.segments)
 
-    def _push(self, requests: Iterator[ps_pb2.PushRequest]) -> ps_pb2.PushResponse:
+    def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments) -> ps_pb2.PushResponse:
+        """A Push (its messages, their bytes where ``segments`` say): the gRPC handler's and the data
+        connection's; StoreError for a refused one (nothing applied)."""
         store = self.store
         store.check_serving()
-        g = decode_push(requests, store.spec, store.staging, self.segments, store.takes_chunked)
+        g = decode_push(requests, store.spec, store.staging, segments, store.takes_chunked)
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights,
                            sync=g.sync, sync_switch=g.sync_switch)
@@ -134,23 +146,25 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         return answer
 
     def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        return self.pull_frames(request, self._timeout(context), self.segments)
+
+    def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]:
         """Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
         are (see add_servicers), a large Pull's while the rest are being framed. A Pull naming slices (a
-        tensor-parallel rank's) is answered with just those (server/slicepull.py)."""
+        tensor-parallel rank's) is answered with just those (server/slicepull.py). ``timeout``: the most
+        its wait may take (``wait_limit``); ``segments``: where a Pull naming one writes its weights."""
         self.store.check_serving()
         slices = decode_slices(request)
-        q = decode_pull(request, self.chunk_bytes, self.segments)
+        q = decode_pull(request, self.chunk_bytes, segments)
         messages: Iterable[bytes]
         if slices:
             waited, messages = self.store.pull_slices(q.worker_id, q.names, slices, q.wire_dtype, q.chunk_bytes,
                                                       min_version=q.min_version, min_clock=q.min_clock,
-                                                      epoch=q.epoch, timeout=self._timeout(context))
+                                                      epoch=q.epoch, timeout=timeout)
         else:
             waited, framed = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
                                              min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
-                                             timeout=self._timeout(context), segment=q.segment)
-            if isinstance(q.segment, PullSegment):  # the TCP bulk path: the bytes go before the answers
-                q.segment.flush()
+                                             timeout=timeout, segment=q.segment)
             messages = (msg for *_, msg in framed)
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
@@ -174,7 +188,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     def _push_one(self, request: ps_pb2.PushRequest, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         """Push asked as a unary call (framing.PUSH_ONE_HEADER): its one message, read whole before the
         handler runs (no hand-over per message and per end of stream between gRPC's threads)."""
-        return self._push(iter((request,)))
+        return self.push_frames(iter((request,)), self.segments)
 
     push_one = unary_errors(_push_one, "Push")
 
@@ -187,6 +201,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         version, live = self.store.goodbye(request.worker_id)
         self.segments.forget(request.worker_id)
+        if self.data is not None:
+            self.data[0].forget(request.worker_id, self.data[1])
         return ps_pb2.LeaveResponse(version=version, live_workers=live)
 
     Describe = unary_errors(_Servicer._stats, "Describe")
@@ -323,7 +339,8 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
 
 def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
                   chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
-                  segments: SegmentCache | None = None) -> SegmentCache:
+                  segments: SegmentCache | None = None, data: DataPort | None = None
+                  ) -> tuple[SegmentCache, tuple[DataPort, int] | None]:
     """The three services of ``store`` on ``server``, as the generated ``add_*Servicer_to_server`` with the
     data path's copies cut.
 
@@ -336,11 +353,15 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     and the status at once); a Push that carries framing.PUSH_ONE_HEADER is
     served by one (its one message read whole before the handler runs). The
     wire format is unchanged. Returns the workers' shared-memory segments the
-    services map (``segments``, or a new cache): the caller unmaps them.
+    services map (``segments``, or a new cache): the caller unmaps them. ``data``: the process's data
+    port, which the Workers servicer attaches to; returned with its route (``WorkersServicer.data``).
     """
     segments = segments if segments is not None else SegmentCache()
     kw: dict[str, Any] = dict(max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics, segments=segments)
-    _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, WorkersServicer(store, **kw), server)
+    workers = WorkersServicer(store, **kw)
+    if data is not None:
+        workers.data = (data, data.attach(workers))
+    _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, workers, server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
     rows = RowsServicer(store.rows, check_serving=store.check_serving, check_epoch=store.check_same_epoch,
@@ -351,7 +372,7 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     experts = ExpertsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
                               metrics=metrics, max_wait_s=max_wait_s, epoch=lambda: store.epoch)
     _register(EXPERTS, experts_pb2_grpc.add_ExpertsServicer_to_server, experts, server)
-    return segments
+    return segments, workers.data
 
 
 @dataclass(frozen=True)
@@ -361,6 +382,7 @@ class Served:
     executor: futures.ThreadPoolExecutor  # the handler threads: joined by stop_server
     health: health.HealthServicer  # grpc.health.v1, SERVING under "" and each service's name once started
     segments: SegmentCache  # the workers' same-host segments: unmapped by stop_server
+    data: tuple[DataPort, int] | None = None  # the process's data port and the shard's route on it
 
     def not_serving(self, services: Iterable[str] = ("", *SERVICES)) -> None:
         """Answer NOT_SERVING for ``services`` from now on (a shutdown begins; safe in a signal handler)."""
@@ -398,9 +420,10 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
 
     Binding port 0 picks a free port. Raises RuntimeError if the address
     cannot be bound. ``security`` adds TLS (mutual with a CA) and token
-    auth; ``interceptors`` run before auth (tests inject faults there). ``tcp``
-    (``SHARDPS_TCP``, on): a data port for the TCP bulk path
-    (server/tcpdata.py), never beside TLS or tokens.
+    auth; ``interceptors`` run before auth (tests inject faults there: they see
+    gRPC calls only). ``tcp`` (``SHARDPS_TCP``, on): the shard serves the
+    process's data port on its host too (server/dataconn.py), which workers
+    on other machines take for their Pushes and Pulls; never beside TLS.
     """
     security = security or Security()
     chain = list(interceptors)
@@ -419,16 +442,22 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     ]
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
     server = grpc.server(executor, options=options, interceptors=chain)
-    segments = add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics)
+    host = address.rsplit(":", 1)[0]
+    port_ = DataPort.shared(host) if env.pick_bool(tcp, env.TCP, True) and not security.tls else None
+    try:
+        segments, data = add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
+                                       metrics=metrics, data=port_)
+    except BaseException:
+        if port_ is not None:
+            port_.release()
+        raise
     health_servicer = health.HealthServicer()
-    _SERVED[server] = Served(executor, health_servicer, segments)
+    _SERVED[server] = Served(executor, health_servicer, segments, data)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = security.server_credentials()
     port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
-    if env.pick_bool(tcp, env.TCP, True) and not security.tls and not security.any_token:
-        segments.remote = TcpData(address.rsplit(":", 1)[0], store.job.received.add)  # frames count as received
     server.start()
     store.address = f"{address.rsplit(':', 1)[0]}:{port}"
     store.start_reaper()
@@ -451,7 +480,11 @@ def stop_server(server: grpc.Server, grace: float | None = None, timeout: float 
     beside = _SERVED.get(server)
     if beside is None:
         return
+    if beside.data is not None:  # frames for this shard are answered UNAVAILABLE from now on
+        beside.data[0].detach(beside.data[1])
     # A handler still running after a stop that timed out is not waited for, nor its segments unmapped.
     beside.executor.shutdown(wait=stopped, cancel_futures=True)
     if stopped:
         beside.segments.close()
+    if beside.data is not None:
+        beside.data[0].release()

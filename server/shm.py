@@ -4,22 +4,27 @@
 (protos/shm.py) once and returns a bounds-checked view of it; a bad name,
 a missing segment or bytes outside it are INVALID_ARGUMENT naming the
 segment. A worker's mappings are dropped when it leaves; at most ``limit``
-stay mapped (the least recently used go first). Names ``tcp-<seq>`` are the
-TCP bulk path's remote segments (server/tcpdata.py): handed to ``remote``
-when the shard has a data port, refused when it has none.
+stay mapped (the least recently used go first). ``Segments`` is what a
+Push or Pull reads its chunks through: this cache, or a data connection's
+frames in front of it (server/dataconn.py ``FrameSegments``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from shardps.protos import shm, tcpdata
+from shardps.protos import shm
 from shardps.server.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from shardps.server.tcpdata import TcpData
+
+class Segments(Protocol):
+    """Where a Push's or Pull's chunks that name a segment lie (INVALID_ARGUMENT for a bad one)."""
+
+    def get(self, worker_id: int, name: str) -> shm.Segment: ...
+
+    def view(self, worker_id: int, name: str, offset: int, nbytes: int, tensor: str = "") -> memoryview: ...
 
 
 class SegmentCache:
@@ -27,16 +32,8 @@ class SegmentCache:
         self._lock = threading.Lock()
         self._segments: OrderedDict[str, tuple[shm.Segment, int]] = OrderedDict()
         self.limit = limit
-        self.remote: TcpData | None = None  # the TCP bulk path's data port (create_server), if any
-
-    def _remote(self, name: str) -> TcpData:
-        if self.remote is None:
-            raise InvalidArgument(f"data segment {name[:80]!r}: this server has no data port (TCP path off)")
-        return self.remote
 
     def get(self, worker_id: int, name: str) -> shm.Segment:
-        if name.startswith(tcpdata.PREFIX):
-            return self._remote(name).pull_segment(worker_id, name)
         with self._lock:
             hit = self._segments.get(name)
             if hit is not None:
@@ -60,26 +57,20 @@ class SegmentCache:
         return seg
 
     def view(self, worker_id: int, name: str, offset: int, nbytes: int, tensor: str = "") -> memoryview:
-        """``tensor``: whose bytes these are (named in the TCP path's errors)."""
-        if name.startswith(tcpdata.PREFIX):
-            return self._remote(name).view(worker_id, name, offset, nbytes, tensor)
+        """``tensor``: whose bytes these are (named in a data connection's errors)."""
         try:
             return self.get(worker_id, name).view(offset, nbytes)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
 
     def forget(self, worker_id: int) -> None:
-        """Unmap the segments of a worker that left (and close its data connection)."""
-        if self.remote is not None:
-            self.remote.forget(worker_id)
+        """Unmap the segments of a worker that left."""
         with self._lock:
             names = [n for n, (_, w) in self._segments.items() if w == worker_id]
             for n in names:
                 self._segments.pop(n)[0].close()
 
     def close(self) -> None:
-        if self.remote is not None:
-            self.remote.close()
         with self._lock:
             for seg, _ in self._segments.values():
                 seg.close()

@@ -21,7 +21,7 @@ from shardps.server.assembly import ChunkAssembler
 from shardps.server.errors import InvalidArgument
 from shardps.server.headers import check_continuation, check_header, mixed
 from shardps.server.scaling import LossScaler
-from shardps.server.shm import SegmentCache
+from shardps.server.shm import Segments
 from shardps.server.slicepull import named_slices
 from shardps.server.slicepush import SlicedLookup
 from shardps.server.sync import Grad, PartKey
@@ -133,7 +133,7 @@ class PullAfter:
 
 def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], TensorSpec],
                 alloc: Callable[[PartKey, int], torch.Tensor] | None = None,
-                segments: SegmentCache | None = None,
+                segments: Segments | None = None,
                 keep_chunks: Callable[[float], bool] | None = None) -> Gradients:
     """``lookup``: the shard's spec of a tensor (NotFound for others); ``alloc``: its staging buffers;
     ``segments``: the workers' shared-memory segments, for a Push whose chunks lie there (``shm``);
@@ -234,7 +234,7 @@ def _wire_dtype(dtype: int, rpc: str) -> int | None:
 
 
 def decode_pull(request: ps_pb2.PullRequest, default_chunk_bytes: int,
-                segments: SegmentCache | None = None) -> PullQuery:
+                segments: Segments | None = None) -> PullQuery:
     wire = _wire_dtype(request.dtype, "Pull")
     seg = None
     if request.shm:

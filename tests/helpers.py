@@ -70,24 +70,25 @@ def kill_left(proc: subprocess.Popen[Any], leftovers: Callable[[], Iterable[int]
 
 def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
     """From now on, count the tensor bytes ``client`` receives and sends on the wire, by tensor: the payload of
-    every Pull response's chunk, and of every Push message's chunk."""
+    every Pull response's chunk, and of every Push message's chunk (bytes in the messages: gRPC's path, or a
+    data connection's calls that carry them so, as a tensor-parallel rank's slices)."""
     pulled: Counter[str] = Counter()
     pushed: Counter[str] = Counter()
     t = client.transport
     pull, push = t.pull, t.push
 
-    def counted_pull(shard: int, request: Any, *, one: bool = False) -> Iterator[Any]:
-        for resp in pull(shard, request, one=one):
+    def counted_pull(shard: int, request: Any, *, one: bool = False, via: Any = None) -> Iterator[Any]:
+        for resp in pull(shard, request, one=one, via=via):
             pulled[resp.chunk.name] += len(resp.chunk.data)
             yield resp
 
-    def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False) -> Any:
+    def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False, via: Any = None) -> Any:
         def each() -> Iterator[bytes]:
             for msg in requests:
                 chunk = ps_pb2.PushRequest.FromString(msg).chunk
                 pushed[chunk.name] += len(chunk.data)
                 yield msg
-        return push(shard, each(), stream=stream)
+        return push(shard, each(), stream=stream, via=via)
 
     t.pull, t.push = counted_pull, counted_push  # type: ignore[method-assign]
     return pulled, pushed
@@ -103,8 +104,8 @@ def train_over_paths(addresses: list[str], *, shm: bool, steps: int = 3,
                      **opt_kw: Any) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
     """Two workers in threads train ``path_model()`` (Adam, parts of 1 KiB) for ``steps`` steps on their own
     seeded batches. Each returns (the kind of its data path to each shard, by class: "GrpcPath",
-    "ShmPath", "TcpPath"; its final parameters). The path is the client's choice: ``shm`` and the
-    SHARDPS_TCP variable ("0": no TCP path, so ``shm=False`` is gRPC)."""
+    "ShmPath", "ConnPath"; its final parameters). The path is the client's choice: ``shm`` and the
+    SHARDPS_TCP variable ("0": no data connection, so ``shm=False`` is gRPC)."""
     base = path_model()
 
     def worker(k: int) -> tuple[list[str], dict[str, torch.Tensor]]:

@@ -269,7 +269,7 @@ WORKER = textwrap.dedent("""
 
 @needs_netns
 def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
-    """A server on h0; worker 1 on h1 (its bytes cross the link: the TCP bulk path) and worker 0 on h0 itself (the same
+    """A server on h0; worker 1 on h1 (its bytes cross the link: the data connection) and worker 0 on h0 itself (the same
     host's /dev/shm: shared memory), one bsp job. Hosts share no /dev/shm with each other or this machine."""
     c, _ = net
     [server] = c.start_servers(["h0"])
@@ -284,7 +284,7 @@ def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
             out.append(json.loads(stdout.strip().splitlines()[-1]))
         on_h0, on_h1 = out
         assert on_h1["shm"] == [False] and on_h0["shm"] == [True]
-        assert on_h1["paths"] == ["TcpPath"] and on_h0["paths"] == ["ShmPath"]  # across the link: TCP
+        assert on_h1["paths"] == ["ConnPath"] and on_h0["paths"] == ["ShmPath"]  # across the link: frames
         assert on_h1["steps"] == on_h0["steps"] == 3
         assert c.traffic("h1")[0] - tx0 > 3 * on_h1["weights"]  # its three pushes crossed h1's link
     finally:

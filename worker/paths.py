@@ -12,9 +12,10 @@ A push's messages and a pull's answers take one of three paths:
   gradient needs no cast of its own); should the segment close meanwhile (a
   fail-over in another thread), that push's share goes over gRPC, cast the
   same way (the shard's ``GrpcPath``).
-- ``TcpPath`` (worker/tcppath.py): the shard is on another machine and gave
-  a data port at Register: the messages are those of ``ShmPath``, the bytes
-  travel on a TCP connection of their own.
+- ``ConnPath`` (worker/dataconn.py): the shard's process gave a data port
+  at Register (and shared memory is not to be had): its Push and Pull calls
+  are frames on this worker's one connection to that process, the bytes
+  after the messages in the same frame.
 
 ``ShardPaths`` (worker/shardpaths.py) holds one path per shard and is the one place the choice is
 made: ``open`` after Register (shared memory for each shard that read the
@@ -23,7 +24,8 @@ it), ``off`` when a shard fails over to
 its backup on another machine (``Transport.on_moved``) or the client
 closes. The data path (``push.py``, ``pushstream.py``, ``pull.py``) reads a
 shard's path as a call to it starts (a retry after a fail-over reads it
-anew) and asks it; it never asks which one it is. Every Push message is
+anew), asks it, and hands it to the transport with the call (``via=``: a
+path with ``calls`` makes the call itself); it never asks which one it is. Every Push message is
 ``PushFramer``'s, byte for byte as before the paths existed.
 
 Thread-safety: a path's methods are called from the transport's threads, one
@@ -34,7 +36,7 @@ fail-over): it swaps the list entry, then closes the old path.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -71,6 +73,15 @@ class Routing(Protocol):
         ...
 
 
+class Calls(Protocol):
+    """A shard's Push and Pull made other than by gRPC's channel (worker/dataconn.py ``ConnPath``); failures
+    raise ``grpc.RpcError``s, read by the transport as gRPC's own."""
+
+    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse: ...
+
+    def pull(self, request: ps_pb2.PullRequest, timeout: float) -> Iterator[Any]: ...
+
+
 class ShardPath(Protocol):
     """How one shard's push messages are made from gradients and a pull's answers read (module docstring).
 
@@ -81,6 +92,11 @@ class ShardPath(Protocol):
 
     @property
     def shard(self) -> int: ...
+
+    @property
+    def calls(self) -> Calls | None:
+        """Who makes this shard's Push and Pull calls when not gRPC's channel (a data connection)."""
+        ...
 
     @property
     def writes_ahead(self) -> bool:
@@ -143,6 +159,7 @@ class GrpcPath:
     writes_ahead = False
     push_segment = ""
     pull_segment = ""
+    calls = None
 
     def __init__(self, shard: int) -> None:
         self.shard = shard
@@ -201,6 +218,7 @@ class ShmPath:
     """The bytes in the shard's segments (``link``), the messages saying where; ``grpc`` when a segment closed."""
 
     writes_ahead = True
+    calls = None
 
     def __init__(self, link: ShmLink, grpc: GrpcPath) -> None:
         self.link = link

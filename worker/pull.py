@@ -219,7 +219,7 @@ class PullInFlight:
         received = self._received[shard]
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
         responses = (map(framing.read_pull_response, given) if given is not None
-                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1))
+                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1, via=path))
         with torch.no_grad():
             # The path reads a view (of the received message, or of our pull segment): decode copies nothing,
             # copy_ is the one copy.

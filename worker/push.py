@@ -22,7 +22,7 @@ from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker import pushorder
 from shardps.worker.compress import Compressor, Encoded
-from shardps.worker.paths import Staged
+from shardps.worker.paths import ShardPath, Staged
 from shardps.worker.pull import PullInFlight
 from shardps.worker.pushframes import PushFramer
 from shardps.worker.route import Route
@@ -89,7 +89,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
     found_inf = found_inf or not packed.finite  # a compressed gradient with an inf/nan was left out
     more = pull_after_fields(pull_after)
 
-    def requests(shard: int) -> Iterator[bytes]:
+    def requests(shard: int) -> tuple[ShardPath, Iterator[bytes]]:
         path = route.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
 
         def frames(segment: str) -> PushFramer:
@@ -97,16 +97,18 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
                               epoch=route.epoch, sync=route.sync_said, found_inf=bool(found_inf), fields=more,
                               shm=segment, packed=packed.of(shard))
 
-        yield from path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct, route)
+        return path, path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct,
+                                        route)
 
     return send(route, requests, window, then)
 
 
-def send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int | None,
+def send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterator[bytes]]], window: int | None,
          then: PullInFlight | None) -> list[PushResult]:
-    """Each shard's Push (``requests(shard)``): all at once, or ``window`` at a time in ``push_order``;
-    ``then``'s pull of a shard begun as that shard answers, and abandoned if any push fails (nothing may
-    write into its destinations once the caller handles the failure)."""
+    """Each shard's Push (``requests(shard)``: the path that made its messages, and them): all at once, or
+    ``window`` at a time in ``push_order``; ``then``'s pull of a shard begun as that shard answers, and
+    abandoned if any push fails (nothing may write into its destinations once the caller handles the
+    failure)."""
     try:
         return _send(route, requests, window, then)
     except BaseException:
@@ -115,7 +117,7 @@ def send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int |
         raise
 
 
-def _send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int | None,
+def _send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterator[bytes]]], window: int | None,
           then: PullInFlight | None) -> list[PushResult]:
     t = route.transport
 
@@ -123,13 +125,17 @@ def _send(route: Route, requests: Callable[[int], Iterator[bytes]], window: int 
         if then is not None:
             then.begin(shard, result.ready_version, result.pulled)
 
+    def call(shard: int) -> PushResult:
+        via, messages = requests(shard)
+        return PushResult.from_proto(t.push(shard, messages, via=via))
+
     def one(shard: int) -> PushResult:
-        result = PushResult.from_proto(t.push(shard, requests(shard)))
+        result = call(shard)
         answered(shard, result)
         return result
 
     if window is None or window >= route.num_shards:
         return t.each(one)
-    got = t.in_order(lambda i: PushResult.from_proto(t.push(i, requests(i))),
+    got = t.in_order(call,
                      pushorder.push_order(t.addresses, route.worker_id), window=window, then=answered)
     return [got[i] for i in range(route.num_shards)]

@@ -66,7 +66,7 @@ class PushStream:
             self._parts[p.server].setdefault(p.name, []).append((p.start, p.stop))
         t = client.transport
         self._wait_s = t.timeout + t.recovery_timeout + 5.0
-        self._futures = t.submit_each(lambda i: t.push(i, self._requests(i), stream=True))
+        self._futures = t.submit_each(self._push)
         self.bytes_added = 0
 
     def add(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -187,11 +187,15 @@ class PushStream:
     def _more(self, sent: int) -> bool:
         return len(self._ready) > sent or self._done or self._aborted
 
-    def _requests(self, shard: int) -> Iterator[bytes]:
+    def _push(self, shard: int) -> ps_pb2.PushResponse:
+        """Shard ``shard``'s streamed Push (one try: ``submit_each`` retries it)."""
+        path = self._client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
+        return self._client.transport.push(shard, self._requests(shard, path), stream=True, via=path)
+
+    def _requests(self, shard: int, path: ShardPath) -> Iterator[bytes]:
         """Shard ``shard``'s PushRequests, as the buckets come: the whole stream from its start at each call."""
         client = self._client
         parts = self._parts[shard]
-        path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
         frames = PushFramer(worker_id=client.worker_id, step=self._step, base_version=self._bases[shard],
                             loss_scale=self._loss_scale, epoch=client.epoch, sync=client.sync_said,
                             shm=path.push_segment)

@@ -1,25 +1,28 @@
-"""Each shard's data path, chosen once per shard (``ShardPaths``): shared memory, the TCP bulk path or gRPC.
+"""Each shard's data path, chosen once per shard (``ShardPaths``): shared memory, a data connection or gRPC.
 
 The paths themselves are in worker/paths.py (``GrpcPath``, ``ShmPath``) and
-worker/tcppath.py (``TcpPath``); this module is the one place the choice is
-made, and undone when a shard fails over or a connection ends. Thread-safety
-as worker/paths.py says.
+worker/dataconn.py (``ConnPath``, on one ``DataConn`` per server process);
+this module is the one place the choice is made, and undone when a shard
+fails over or a connection ends. Thread-safety as worker/paths.py says.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, overload
 
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker import tcppath
+from shardps.worker import dataconn
 from shardps.worker.layout import Layout
 from shardps.worker.paths import GrpcPath, ShardPath, ShmPath
 from shardps.worker.shm import ShmLink
 
 if TYPE_CHECKING:
     from shardps.worker.transport import Transport
+
+log = logging.getLogger("shardps.worker")
 
 
 class ShardPaths(Sequence[ShardPath]):
@@ -33,6 +36,7 @@ class ShardPaths(Sequence[ShardPath]):
         self._worker_id = worker_id
         self._grpc = [GrpcPath(i) for i in range(num_shards)]
         self._paths: list[ShardPath] = list(self._grpc)
+        self._conns: dict[tuple[str, int], dataconn.DataConn] = {}  # (host, data port) -> the connection
 
     @overload
     def __getitem__(self, shard: int) -> ShardPath: ...
@@ -53,26 +57,42 @@ class ShardPaths(Sequence[ShardPath]):
              answers: Sequence[ps_pb2.RegisterResponse] = (), transport: Transport | None = None) -> None:
         """After Register: shared memory for every shard that read the probe (``readable``) and whose segments
         can be made (``ShmLink.open`` logs why not); else, given the shards' ``answers`` and the
-        ``transport``, the TCP bulk path (worker/tcppath.py) to each that gave a data port, unless
-        ``SHARDPS_TCP`` is 0 or the transport has TLS or a token; gRPC for the others."""
-        tcp = transport is not None and tcppath.wanted(transport.security)
+        ``transport``, a data connection (worker/dataconn.py) to the process of each that gave a data
+        port, one per process, unless ``SHARDPS_TCP`` is 0 or the transport has TLS; gRPC for the others."""
+        tcp = transport is not None and dataconn.wanted(transport.security)
+        self.close()
         for i in range(len(self._paths)):
-            self.off(i)
             if readable[i]:
                 link = ShmLink.open(self._worker_id, i, smap, layouts)
                 if link is not None:
                     self._paths[i] = ShmPath(link, self._grpc[i])
             elif tcp and answers and answers[i].data_port:
                 assert transport is not None
-                path = tcppath.TcpPath.open(transport.addresses[i], answers[i], self._grpc[i], smap, layouts,
-                                            transport.timeout, self.lost)
-                if path is not None:
-                    self._paths[i] = path
+                conn = self._conn(transport.addresses[i].rsplit(":", 1)[0], answers[i], transport.timeout)
+                if conn is not None:
+                    self._paths[i] = dataconn.ConnPath(conn, answers[i].data_route, self._grpc[i], smap, layouts)
 
-    def lost(self, path: ShardPath) -> None:
-        """``path``'s connection ended: its shard takes gRPC from now on (if ``path`` is still its path)."""
-        if self._paths[path.shard] is path:
-            self.off(path.shard)
+    def _conn(self, host: str, answer: ps_pb2.RegisterResponse, timeout: float) -> dataconn.DataConn | None:
+        """This worker's connection to the process at ``host`` whose data port ``answer`` gave (made once)."""
+        key = (host, answer.data_port)
+        conn = self._conns.get(key)
+        if conn is None or conn.error:
+            conn = dataconn.DataConn.open(host, answer.data_port, answer.data_token, self._worker_id, timeout,
+                                          lambda why: self._ended(key, why))
+            if conn is None:
+                return None
+            self._conns[key] = conn
+        return conn
+
+    def _ended(self, key: tuple[str, int], why: str) -> None:
+        """The connection to ``key`` ended by itself: its shards take gRPC from now on."""
+        quiet = why.startswith("connection closed")  # the process closed it (a stop)
+        log.log(logging.INFO if quiet else logging.WARNING,
+                "data connection to %s:%d ended (%s): its shards' bytes go through gRPC", *key, why)
+        conn = self._conns.get(key)
+        for i, p in enumerate(self._paths):
+            if isinstance(p, dataconn.ConnPath) and p.conn is conn:
+                self.off(i)
 
     def off(self, shard: int) -> None:
         """Shard ``shard`` no longer shares this machine (it failed over to its backup): gRPC from now on, its
@@ -81,9 +101,12 @@ class ShardPaths(Sequence[ShardPath]):
         path.close()
 
     def close(self) -> None:
-        """Every shard back to gRPC, every segment closed (the client closes). Idempotent."""
+        """Every shard back to gRPC, every segment and data connection closed (the client closes). Idempotent."""
         for i in range(len(self._paths)):
             self.off(i)
+        conns, self._conns = list(self._conns.values()), {}
+        for c in conns:
+            c.close()
 
     @property
     def links(self) -> list[ShmLink | None]:

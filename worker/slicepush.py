@@ -5,7 +5,7 @@ A tensor-parallel rank holds ``torch.chunk(g, p, dim)[rank]`` of a whole gradien
 runs along dim 0, one run of the slice's rows along a later dim), chunk offsets and shape the slice's, and
 puts them in place (server/slicepush.py); the other ranks' slices of the step fill the rest. Gradients not in
 ``slices`` go whole, as in any push. The bytes travel in the messages (``PushFramer.chunks``), whatever the
-shard's path (no shared memory, no TCP bulk path), and every shard gets a Push, an empty one if it holds
+shard's path (no shared memory, no data connection), and every shard gets a Push, an empty one if it holds
 none of the slices, so barriers see every worker.
 """
 
@@ -45,7 +45,7 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
     header = [ps_pb2.TensorSlice(name=n, dim=sl.dim, parts=sl.parts, index=sl.index, blocks=sl.blocks)
               for n, sl in slices.items() if n in flats]
 
-    def requests(shard: int) -> Iterator[bytes]:
+    def requests(shard: int) -> tuple[None, Iterator[bytes]]:  # over gRPC, bytes in the messages
         assert route.shard_map is not None
         framer = PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
                             epoch=route.epoch, sync=route.sync_said, found_inf=found_inf,
@@ -62,6 +62,6 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
                 for at, n in runs:
                     yield from framer.chunks(p.name, dtype, shapes[p.name], flat, at, at + n, route.chunk_bytes)
 
-        return framer.ending(chunks())
+        return None, framer.ending(chunks())
 
     return send(route, requests, window, then)

@@ -29,6 +29,7 @@ from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.worker import pushorder
 from shardps.worker.errors import ShardError, shard_error
+from shardps.worker.paths import ShardPath
 from shardps.worker.reach import explain_unreachable, health_status, status_of
 
 log = logging.getLogger("shardps.worker")
@@ -144,8 +145,10 @@ class Transport:
         """The current stubs, one per shard (a snapshot)."""
         return list(self._stubs)
 
-    def push(self, shard: int, requests: Iterator[bytes], *, stream: bool = False) -> ps_pb2.PushResponse:
-        """A Push of serialized PushRequests (``framing``) to ``shard``.
+    def push(self, shard: int, requests: Iterator[bytes], *, stream: bool = False,
+             via: ShardPath | None = None) -> ps_pb2.PushResponse:
+        """A Push of serialized PushRequests (``framing``) to ``shard``: made by ``via``'s ``calls`` when the
+        path that made the messages has them (a data connection), else over gRPC.
 
         A Push of one message (a small model's whole gradient) goes as a unary call of the same method:
         on the wire a client stream of one message is exactly that, and a unary call runs in the
@@ -153,6 +156,8 @@ class Transport:
         ``stream``: a stream whatever its length (its messages come while the caller computes: nothing
         is read ahead of the call).
         """
+        if via is not None and via.calls is not None:
+            return via.calls.push(requests, self.timeout, stream=stream)
         if stream:
             streamed: ps_pb2.PushResponse = self._push_raw[shard](requests, timeout=self.timeout)
             return streamed
@@ -165,13 +170,17 @@ class Transport:
         response: ps_pb2.PushResponse = self._push_raw[shard](messages, timeout=self.timeout)
         return response
 
-    def pull(self, shard: int, request: ps_pb2.PullRequest, *, one: bool = False) -> Iterator[Any]:
-        """A Pull from ``shard``: its responses (``framing.read_pull_response``).
+    def pull(self, shard: int, request: ps_pb2.PullRequest, *, one: bool = False,
+             via: ShardPath | None = None) -> Iterator[Any]:
+        """A Pull from ``shard``: its responses (``framing.read_pull_response``); made by ``via``'s ``calls``
+        when the path that made the request has them.
 
         ``one``: the caller knows the answer is one message, which is then asked as a unary call with
         ``framing.PULL_ONE_HEADER`` (the shard sends the message and its status at once). Should the
         shard answer that it has more, the Pull is asked again as a stream.
         """
+        if via is not None and via.calls is not None:
+            return via.calls.pull(request, self.timeout)
         if one:
             try:
                 return iter((self._pull_one[shard](request, timeout=self.timeout, metadata=_PULL_ONE),))

@@ -1,0 +1,171 @@
+"""The data connection's wire: one long-lived TCP connection per (worker, server process), calls as frames.
+
+A server process serves all its shards behind one data port
+(server/dataconn.py). Each shard's Register gives the worker the port, a
+token and the shard's *route* (a number naming the shard within the
+process). The worker opens one connection per process (worker/dataconn.py),
+says hello with the token, and from then on its Push and Pull calls to every
+shard of that process are frames on it, not gRPC calls:
+
+- control stays in protobuf: a request frame carries the call's
+  PushRequests (or its PullRequest) serialized as for gRPC, each prefixed by
+  its length (``LEN``);
+- bulk bytes do not: a Push's chunks name the segment ``FRAME_SEGMENT`` and
+  an offset in the route's *push buffer* on the server; the frame carries
+  those bytes after the control, as *extents* (offset, nbytes), each read
+  by the server straight into that buffer. A Pull's answer carries the
+  weights after its control the same way, read by the worker straight into
+  the shard's pull buffer.
+
+Frames, worker to server (``REQUEST``, then ``ctl`` bytes, then
+``n_ext`` times ``EXTENT``, then each extent's bytes in order):
+
+- ``PUSH``: a whole Push, answered once it is applied;
+- ``PUSH_PART``: one message of a streamed Push (its gradients come while
+  the worker computes); ``PUSH_END`` its last, answered;
+- ``PULL``: a Pull, answered once the weights it waits for are there.
+
+Server to worker (``ANSWER``, then ``ctl``, then ``payload`` bytes): the
+call's status (``OK`` or a gRPC status code's value, the control then the
+message, UTF-8), a PushResponse, or the PullResponses (``LEN``-prefixed)
+and the weights they name.
+
+Limits (``MAX_CTL``, ``MAX_EXTENTS``, ``MAX_BUFFER``) bound what a frame may
+make the other end allocate or read. A frame that breaks the protocol (its
+magic, a limit, an extent outside the buffer it names) ends the connection:
+everything in flight on it fails UNAVAILABLE, and the worker's calls go on
+over gRPC. A frame that keeps the protocol but is wrong (an unknown tensor,
+a part that was not sent, a worker id not the hello's) is answered with
+its status, and nothing is applied.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Callable, Iterable, Sequence
+
+HELLO = struct.Struct("!4s16sqd")  # b"SPC1", token, worker id, deadline (s) of every read and write
+ACK = struct.Struct("!4sI")  # b"SPK1", 0
+REQUEST = struct.Struct("!4sB3xQIIIIQ")  # magic, kind, call, route, timeout (ms), ctl bytes, extents, buffer bytes
+EXTENT = struct.Struct("!QQ")  # offset in the route's buffer, nbytes
+ANSWER = struct.Struct("!4sB3xQIIQ")  # magic, kind, call, status, ctl bytes, payload bytes
+LEN = struct.Struct("!I")
+HELLO_MAGIC, ACK_MAGIC, REQUEST_MAGIC, ANSWER_MAGIC = b"SPC1", b"SPK1", b"SPQ1", b"SPW1"
+
+PUSH, PUSH_PART, PUSH_END, PULL = 1, 2, 3, 4
+KINDS = {PUSH: "push", PUSH_PART: "push part", PUSH_END: "push end", PULL: "pull"}
+OK = 0
+
+FRAME_SEGMENT = "frame"  # what a chunk whose bytes travel in its frame names as its segment
+MAX_CTL = 256 << 20  # control bytes of one frame (compressed chunks carry their bytes in it)
+MAX_EXTENTS = 1 << 16
+MAX_BUFFER = 1 << 40  # a route's push or pull buffer (reserved lazily, page by page)
+
+
+class ProtocolError(ValueError):
+    """A frame that breaks the protocol: the connection ends."""
+
+
+class Torn(Exception):
+    """The peer ended or stalled past the deadline before a whole read; ``got`` bytes had come."""
+
+    def __init__(self, got: int, why: str) -> None:
+        super().__init__(why)
+        self.got, self.why = got, why
+
+
+def tune(sock: socket.socket, timeout: float) -> None:
+    """No Nagle delay, and a deadline on every blocking call. The buffers are left to the kernel's
+    autotuning: fixed large ones let every connection put megabytes into a shaped link's queue at once
+    (docs/performance.md, the simulated cluster)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(timeout)
+
+
+def keep_alive(sock: socket.socket, seconds: float) -> None:
+    """The kernel's keepalive as a gRPC channel's (protos/security.py ``KEEPALIVE_S``): after ``seconds``
+    without a byte, a probe; no answer within half of that (or data unacknowledged that long past
+    ``seconds``) and the connection fails, so a call waiting on a link gone silent ends UNAVAILABLE, not at
+    its deadline. 0: none."""
+    if seconds <= 0:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", max(1, round(seconds))), ("TCP_KEEPINTVL", max(1, round(seconds / 2))),
+                       ("TCP_KEEPCNT", 1), ("TCP_USER_TIMEOUT", max(1, int(1500 * seconds)))):
+        if hasattr(socket, opt):  # Linux; elsewhere the deadlines alone end such a call
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def fill(sock: socket.socket, view: memoryview, idle: Callable[[], bool] | None = None) -> None:
+    """Read exactly ``len(view)`` bytes into ``view`` (``recv_into``: no copy, the interpreter's lock
+    released while the kernel copies); ``Torn`` when the peer ends or stalls past the socket's deadline
+    first. ``idle``: while nothing at all was read, a timeout only asks it whether to go on waiting (an
+    idle connection)."""
+    n = 0
+    while n < len(view):
+        try:
+            k = sock.recv_into(view[n:])
+        except TimeoutError:
+            if n == 0 and idle is not None and idle():
+                continue
+            raise Torn(n, "stalled past the deadline") from None
+        except OSError as e:
+            raise Torn(n, f"connection failed ({e.strerror or e})") from None
+        if k == 0:
+            raise Torn(n, "connection closed")
+        n += k
+
+
+def read_exact(sock: socket.socket, nbytes: int) -> bytearray:
+    out = bytearray(nbytes)
+    if nbytes:
+        fill(sock, memoryview(out))
+    return out
+
+
+def send(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """``parts`` in one ``sendmsg`` where the kernel takes them all (straight from their memory: no copy,
+    the interpreter's lock released); what it did not take, sent after."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = sock.sendmsg(views[:512])
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def joined(messages: Iterable[bytes]) -> list[bytes]:
+    """Serialized messages as the control of a frame: each after its ``LEN``."""
+    out: list[bytes] = []
+    for m in messages:
+        out.append(LEN.pack(len(m)))
+        out.append(m)
+    return out
+
+
+def split(ctl: bytes | bytearray | memoryview) -> list[bytes]:
+    """The messages of a frame's control (``joined``'s inverse); ProtocolError when it is cut short."""
+    view = memoryview(ctl)
+    out: list[bytes] = []
+    at = 0
+    while at < len(view):
+        if at + LEN.size > len(view):
+            raise ProtocolError(f"control of {len(view)} bytes ends inside a message length at {at}")
+        (n,) = LEN.unpack_from(view, at)
+        at += LEN.size
+        if at + n > len(view):
+            raise ProtocolError(f"control message at {at - LEN.size} says {n} bytes, {len(view) - at} left")
+        out.append(bytes(view[at : at + n]))
+        at += n
+    return out
+
+
+def check_extents(extents: Sequence[tuple[int, int]], buffer_bytes: int) -> None:
+    """ProtocolError unless every extent lies inside a buffer of ``buffer_bytes``."""
+    for offset, nbytes in extents:
+        if offset + nbytes > buffer_bytes:
+            raise ProtocolError(f"extent [{offset}, {offset + nbytes}) outside the {buffer_bytes}-byte buffer "
+                                f"the frame names")

@@ -1,0 +1,215 @@
+"""The data connection (worker/dataconn.py, server/dataconn.py): one per (worker, server process), calls as frames.
+
+Exact against gRPC (the same bytes, another road), one connection for all
+the shards of a process, every bad frame refused with a status naming what
+was expected and received (nothing changes), the shards back on gRPC when
+their connection ends, and no thread left once the client and the servers
+closed. In-process servers on loopback ports (one process: one data port
+for all of them); ``shm=False`` so that the same-host path does not come
+first.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import pytest
+import torch
+
+import shardps
+from shardps.protos import dataconn as wire
+from shardps.protos import env
+from shardps.protos.security import Security
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker import dataconn
+from shardps.worker.dataconn import ConnPath, FrameError
+from shardps.worker.paths import GrpcPath
+from tests.helpers import train_over_paths
+
+
+@pytest.mark.parametrize("opt_kw", [dict(sync="bsp"), dict(sync="bsp", overlap=True, bucket_bytes=3000),
+                                    dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16),
+                                    dict(sync="bsp", push_window=1)],
+                         ids=["bsp", "bsp-overlap", "every2-bf16", "bsp-window1"])
+def test_frames_give_the_weights_grpc_gives(make_cluster, monkeypatch, opt_kw):
+    monkeypatch.setenv(env.TCP, "0")  # the workers decline the data port the shards offer
+    over_grpc = train_over_paths(make_cluster(3).addresses, shm=False, **opt_kw)
+    monkeypatch.delenv(env.TCP)
+    over_frames = train_over_paths(make_cluster(3).addresses, shm=False, **opt_kw)
+    for k in range(2):
+        assert over_grpc[k][0] == ["GrpcPath"] * 3 and over_frames[k][0] == ["ConnPath"] * 3
+        for n, w in over_grpc[k][1].items():
+            assert torch.equal(over_frames[k][1][n], w), f"worker {k}, {n}"
+
+
+def test_one_connection_serves_every_shard_of_a_process(make_cluster):
+    cluster = make_cluster(4)  # four shards in this process: one data port
+    with shardps.connect(cluster.addresses, shm=False) as client:
+        client.register({"w": torch.zeros(4000)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        conns = {id(p.conn) for p in client.paths if isinstance(p, ConnPath)}
+        assert len(conns) == 1 and all(isinstance(p, ConnPath) for p in client.paths)
+        assert len({p.route for p in client.paths}) == 4
+        client.push({"w": torch.ones(4000)}, step=0)
+        assert torch.equal(client.pull(min_versions=1)["w"], -torch.ones(4000))
+    assert sum(s.pushes_total for s in cluster.stores) == 4
+
+
+def test_a_server_with_tcp_off_offers_no_data_port(make_cluster, monkeypatch):
+    monkeypatch.setenv(env.TCP, "0")
+    cluster = make_cluster(1)
+    monkeypatch.delenv(env.TCP)  # the worker would take one
+    with shardps.connect(cluster.addresses, shm=False) as client:
+        client.register({"w": torch.zeros(3)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert [type(p) for p in client.paths] == [GrpcPath]
+
+
+def test_tls_keeps_the_bytes_in_grpc_a_token_does_not(monkeypatch):
+    monkeypatch.delenv(env.TCP, raising=False)
+    assert dataconn.wanted(Security())
+    assert dataconn.wanted(Security(token="secret"))  # the connection's token came from an authorized Register
+    assert not dataconn.wanted(Security(tls_cert="c.pem", tls_key="k.pem"))
+    monkeypatch.setenv(env.TCP, "0")
+    assert not dataconn.wanted(Security())
+
+
+def test_a_token_cluster_takes_the_connection(make_cluster):
+    cluster = make_cluster(2, security=Security(token="sesame"))
+    with shardps.connect(cluster.addresses, shm=False, security=Security(token="sesame")) as client:
+        client.register({"w": torch.zeros(600)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert [type(p) for p in client.paths] == [ConnPath, ConnPath]
+        client.push({"w": torch.ones(600)}, step=0)
+        assert torch.equal(client.pull(min_versions=1)["w"], -torch.ones(600))
+
+
+@pytest.fixture
+def one_shard(make_cluster):
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, shm=False, timeout=5.0)
+    client.register({"w": torch.randn(4, 5)}, shardps.optim.SGD(lr=0.5), sync="bsp")
+    path = client.paths[0]
+    assert isinstance(path, ConnPath)
+    yield cluster.stores[0], path, client
+    client.close()
+
+
+def _message(worker_id=0, name="w", nbytes=80, offset=0, **kw) -> bytes:
+    return ps_pb2.PushRequest(worker_id=worker_id, step=0, shm=wire.FRAME_SEGMENT, last=True, **kw,
+                              chunk=ps_pb2.Chunk(name=name, offset=0, dtype=ps_pb2.FLOAT32, shape=[4, 5],
+                                                 shm_offset=offset, shm_bytes=nbytes)).SerializeToString()
+
+
+def _refused(code, fn, *fragments):
+    with pytest.raises(FrameError) as err:
+        fn()
+    assert err.value.code() == code, err.value.details()
+    for f in fragments:
+        assert f in err.value.details(), (f, err.value.details())
+
+
+def test_bad_frames_are_refused_with_what_was_expected_and_received_and_change_nothing(one_shard):
+    store, path, _ = one_shard
+    conn, route = path.conn, path.route
+    before = store.state_hash()
+    bytes80 = memoryview(bytes(80))
+
+    def push(msgs, extents=(), buffer_bytes=80, r=route):
+        return conn.call(wire.PUSH, r, wire.joined(msgs), list(extents), buffer_bytes, 5.0)
+
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    _refused(bad, lambda: push([_message()]), "'w'", "expected its bytes [0, 80)", "received none")
+    _refused(bad, lambda: push([_message()], [(0, bytes80[:40])]), "'w'", "[0, 80)", "received [0, 40)")
+    _refused(bad, lambda: push([_message(offset=16)], [(0, bytes80)], 96), "'w'", "[16, 96)", "received [0, 80)")
+    _refused(bad, lambda: push([_message(nbytes=40)], [(0, bytes80[:40])]), "'w'")  # short of the part
+    _refused(grpc.StatusCode.NOT_FOUND, lambda: push([_message(name="nope")], [(0, bytes80)]), "nope")
+    _refused(bad, lambda: push([b"\xff\xff not a message"], [(0, bytes80)]), "does not parse")
+    _refused(grpc.StatusCode.PERMISSION_DENIED, lambda: push([_message(worker_id=7)], [(0, bytes80)]),
+             "worker 0", "worker 7")
+    _refused(grpc.StatusCode.UNAVAILABLE, lambda: push([_message()], [(0, bytes80)], r=route + 1000),
+             f"route {route + 1000}")
+    # A stream whose second message names an unknown tensor: refused whole, the first part not applied.
+    first = ps_pb2.PushRequest(worker_id=0, step=0, shm=wire.FRAME_SEGMENT, ends_with_last=True, chunk=ps_pb2.Chunk(
+        name="w", offset=0, dtype=ps_pb2.FLOAT32, shape=[4, 5], shm_offset=0, shm_bytes=80)).SerializeToString()
+    parts = iter([(first, [(0, bytes80)]), (_message(name="nope", ends_with_last=True), [])])
+    _refused(grpc.StatusCode.NOT_FOUND, lambda: conn.stream(route, parts, 80, 5.0), "nope")
+    # A stream that ends before its last message: nothing of it applied.
+    parts = iter([(first, [(0, bytes80)])])
+    _refused(bad, lambda: conn.stream(route, parts, 80, 5.0), "ended before its last message")
+    assert store.state_hash() == before and store.pushes_total == 0
+    push([_message()], [(0, memoryview(torch.ones(20).numpy()).cast("B"))])  # whole and as named: taken
+    assert store.pushes_total == 1
+
+
+def test_a_frame_after_its_stream_ended_is_refused(one_shard):
+    store, path, _ = one_shard
+    conn = path.conn
+    call, c = conn._begin(None)
+    msg = ps_pb2.PushRequest(worker_id=0, step=0, shm=wire.FRAME_SEGMENT, last=True, chunk=ps_pb2.Chunk(
+        name="w", offset=0, dtype=ps_pb2.FLOAT32, shape=[4, 5], shm_offset=0, shm_bytes=80)).SerializeToString()
+    conn._send(wire.PUSH_END, call, path.route, wire.joined([msg]), [(0, memoryview(bytes(80)))], 80, 5.0)
+    conn._wait(call, c, 5.0, "push")
+    assert store.pushes_total == 1
+    before = store.state_hash()
+    c2 = dataconn._Call(None)
+    with conn._mu:
+        conn._calls[call] = c2
+    conn._send(wire.PUSH_PART, call, path.route, wire.joined([msg]), [(0, memoryview(bytes(80)))], 80, 5.0)
+    _refused(grpc.StatusCode.INVALID_ARGUMENT, lambda: conn._wait(call, c2, 5.0, "push"),
+             f"call {call} came after that call ended")
+    assert store.state_hash() == before and store.pushes_total == 1
+
+
+@pytest.mark.parametrize("how", ["torn", "past-the-buffer", "bad-magic", "huge-control"])
+def test_a_frame_that_breaks_the_protocol_ends_the_connection_and_the_shard_goes_to_grpc(one_shard, how):
+    store, path, client = one_shard
+    conn = path.conn
+    before = store.state_hash()
+    msg = wire.joined([_message()])
+    nctl = sum(len(m) for m in msg)
+    head = {"torn": wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, 999, path.route, 5000, nctl, 1, 80),
+            "past-the-buffer": wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, 999, path.route, 5000, nctl, 1, 40),
+            "bad-magic": wire.REQUEST.pack(b"XXXX", wire.PUSH, 999, path.route, 5000, nctl, 1, 80),
+            "huge-control": wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, 999, path.route, 5000,
+                                              wire.MAX_CTL + 1, 1, 80)}[how]
+    with conn._send_lock:
+        conn.sock.sendall(head + b"".join(msg) + wire.EXTENT.pack(0, 80) + bytes(30))
+        if how == "torn":
+            conn.sock.shutdown(socket.SHUT_WR)  # the worker's end stops mid-frame
+    conn._thread.join(10)
+    assert not conn._thread.is_alive() and conn.error  # the server closed it
+    assert isinstance(client.paths[0], GrpcPath)
+    assert store.state_hash() == before and store.pushes_total == 0
+    w = store.weights("w")[0]
+    client.push({"w": torch.ones(4, 5)}, step=0)  # over gRPC now
+    assert torch.equal(client.pull(min_versions=1)["w"], w - 0.5)
+
+
+def test_a_lost_connection_sends_the_next_calls_over_grpc_with_the_same_result(make_cluster):
+    w, grad = torch.randn(600), torch.randn(600)
+    got = []
+    for lose in (False, True):
+        cluster = make_cluster(2)
+        with shardps.connect(cluster.addresses, part_bytes=1024, shm=False) as client:
+            client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+            client.push({"w": grad}, step=0)
+            conn = client.paths[1].conn
+            if lose:
+                conn.sock.shutdown(socket.SHUT_RD)  # the connection ends under the reader (the shards stay)
+                conn._thread.join(10)
+                assert [type(p) for p in client.paths] == [GrpcPath, GrpcPath]
+            client.push({"w": grad}, step=1)
+            got.append(client.pull(min_versions=2)["w"])
+    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0], w - grad - grad)
+
+
+def test_no_thread_is_left_behind(make_cluster):
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses, shm=False) as client:
+        client.register({"w": torch.zeros(600)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        client.push({"w": torch.ones(600)}, step=0)
+        client.pull(min_versions=1)
+        assert any(t.name.startswith("shardps-data-") for t in threading.enumerate())
+    cluster.stop()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("shardps-data-")] == []

@@ -1,0 +1,388 @@
+"""The worker's data connections (protos/dataconn.py): one per server process, every shard's calls as frames.
+
+``DataConn`` is one long-lived connection to a server process's data port,
+shared by every shard of that process this worker reaches; ``ConnPath`` is
+a ``ShardPath`` (worker/paths.py) for one shard on it. Its Push and Pull
+calls (``Transport.push``/``pull`` with ``via=`` the path) become frames:
+
+- a push's parts go from the gradient's own memory (already in its push
+  dtype: this path does not write ahead) as the frame's extents, at each
+  part's offset in the shard's push buffer; the control messages name the
+  segment ``FRAME_SEGMENT``; the frame is answered with the PushResponse;
+- a streamed push (its gradients come while backward runs) is one frame
+  per message, the last one ``PUSH_END``;
+- a pull's answer brings the weights after its control, read by the
+  connection's thread straight into the shard's pull buffer; ``read`` gives
+  views of it.
+
+One thread per connection reads the answers and hands each to the call
+waiting for it (each call waits with its deadline). Should the connection
+end (the process went, a broken frame), every call in flight on it fails
+UNAVAILABLE (``FrameError``, which the transport reads as it reads a gRPC
+error: it retries), and the shards on it go back to gRPC
+(``ShardPaths.lost``). ``close`` ends the connection and joins its thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from shardps.protos import codec, env, framing, shm
+from shardps.protos import dataconn as wire
+from shardps.protos.security import Security, keepalive_seconds
+from shardps.protos.shardmap import ShardMap
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.layout import Layout
+from shardps.worker.paths import Frames, GrpcPath, Routing, Staged
+from shardps.worker.pushframes import PushFramer
+
+log = logging.getLogger("shardps.worker")
+
+
+def wanted(security: Security) -> bool:
+    """Whether this worker takes a data connection where a shard offers one: ``SHARDPS_TCP`` (on by
+    default), never with TLS (the connection is not encrypted: the bytes then stay in gRPC's channel)."""
+    return env.pick_bool(None, env.TCP, True) and not security.tls
+
+
+class FrameError(grpc.RpcError):
+    """A call on a data connection that failed: read as a gRPC error (``code()``, ``details()``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _Call:
+    __slots__ = ("done", "status", "ctl", "nbytes", "into")
+
+    def __init__(self, into: memoryview | None) -> None:
+        self.done = threading.Event()
+        self.status, self.ctl, self.nbytes, self.into = -1, b"", 0, into
+
+
+class DataConn:
+    """One connection to a server process's data port (module docstring)."""
+
+    def __init__(self, sock: socket.socket, where: str, on_end: Callable[[str], None]) -> None:
+        self.sock, self.where, self._on_end = sock, where, on_end
+        self.timeout = sock.gettimeout() or 60.0
+        self._send_lock = threading.Lock()
+        self._mu = threading.Lock()
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self.error = ""  # why the connection ended ('' while it serves)
+        self.closed = False
+        self.token, self.worker_id = b"", -1
+        self._thread = threading.Thread(target=self._run, name=f"shardps-data-{where}", daemon=True)
+
+    @staticmethod
+    def open(host: str, port: int, token: bytes, worker_id: int, timeout: float,
+             on_end: Callable[[str], None]) -> DataConn | None:
+        """Connect, say hello, wait for the ACK (all within ``timeout``); None (logged) when that fails: the
+        shards of that process then take gRPC."""
+        where = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
+        except OSError as e:
+            log.warning("no data connection to %s (%s): its shards' bytes go through gRPC", where, e)
+            return None
+        try:
+            wire.tune(sock, timeout)
+            wire.keep_alive(sock, keepalive_seconds())
+            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, token, worker_id, timeout))
+            ack = wire.read_exact(sock, wire.ACK.size)
+            if wire.ACK.unpack(ack) != (wire.ACK_MAGIC, 0):
+                raise OSError("the server did not acknowledge")
+        except (OSError, wire.Torn) as e:
+            log.warning("data connection to %s refused (%s): its shards' bytes go through gRPC", where, e)
+            sock.close()
+            return None
+        conn = DataConn(sock, where, on_end)
+        conn.token, conn.worker_id = token, worker_id  # what a second connection of this worker would say
+        conn._thread.start()
+        return conn
+
+    def _run(self) -> None:
+        head = bytearray(wire.ANSWER.size)
+        why = ""
+        try:
+            while True:
+                wire.fill(self.sock, memoryview(head), idle=lambda: not self.closed)
+                magic, kind, call, status, nctl, nbytes = wire.ANSWER.unpack(head)
+                if magic != wire.ANSWER_MAGIC or nctl > wire.MAX_CTL or nbytes > wire.MAX_BUFFER:
+                    raise wire.ProtocolError(f"not an answer frame (starts {bytes(magic)!r}, {nctl} control "
+                                             f"bytes, {nbytes} payload bytes)")
+                ctl = wire.read_exact(self.sock, nctl)
+                with self._mu:
+                    c = self._calls.pop(call, None)
+                into = c.into if c is not None else None
+                if nbytes and (into is None or nbytes > len(into)):
+                    if c is not None:
+                        raise wire.ProtocolError(f"call {call}: an answer of {nbytes} bytes for a buffer of "
+                                                 f"{len(into) if into is not None else 0}")
+                    _skip(self.sock, nbytes)  # a call that gave up (its deadline passed)
+                elif nbytes and into is not None:
+                    wire.fill(self.sock, into[:nbytes])
+                if c is not None:
+                    c.status, c.ctl, c.nbytes = status, bytes(ctl), nbytes
+                    c.done.set()
+        except wire.Torn as t:
+            why = "" if self.closed else t.why
+        except wire.ProtocolError as e:
+            why = f"protocol error: {e}"
+        except Exception as e:  # noqa: BLE001 - whatever ends the reading ends the connection, said below
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            self.error = why or "closed"
+            with self._mu:
+                pending, self._calls = list(self._calls.values()), {}
+            for c in pending:
+                c.done.set()  # status -1: the connection ended
+            if not self.closed:
+                self._on_end(self.error)
+
+    def _unavailable(self) -> FrameError:
+        return FrameError(grpc.StatusCode.UNAVAILABLE, f"data connection to {self.where} ended ({self.error})")
+
+    def _send(self, kind: int, call: int, route: int, ctl: Sequence[bytes], extents: Sequence[tuple[int, Any]],
+              buffer_bytes: int, timeout: float) -> None:
+        nctl = sum(len(c) for c in ctl)
+        head = wire.REQUEST.pack(wire.REQUEST_MAGIC, kind, call, route, max(1, int(timeout * 1000)), nctl,
+                                 len(extents), buffer_bytes)
+        ext = b"".join(wire.EXTENT.pack(o, len(v)) for o, v in extents)
+        try:
+            with self._send_lock:
+                if self.error:
+                    raise OSError(self.error)
+                wire.send(self.sock, [head, *ctl, ext, *(v for _, v in extents)])
+        except OSError as e:
+            with self._mu:
+                self._calls.pop(call, None)
+            self.close_after_failure(f"send failed: {e}")
+            raise self._unavailable() from None
+
+    def _begin(self, into: memoryview | None) -> tuple[int, _Call]:
+        call = next(self._ids)
+        c = _Call(into)
+        with self._mu:
+            if self.error:
+                raise self._unavailable()
+            self._calls[call] = c
+        return call, c
+
+    def _wait(self, call: int, c: _Call, timeout: float, what: str) -> tuple[bytes, int]:
+        if not c.done.wait(timeout):
+            with self._mu:
+                self._calls.pop(call, None)
+            if c.done.is_set():  # answered as it gave up
+                return self._result(c, what)
+            raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what} on {self.where}: no answer within "
+                                                                f"{timeout:.1f}s")
+        return self._result(c, what)
+
+    def _result(self, c: _Call, what: str) -> tuple[bytes, int]:
+        if c.status < 0:
+            raise self._unavailable()
+        if c.status != wire.OK:
+            raise FrameError(_BY_VALUE.get(c.status, grpc.StatusCode.UNKNOWN), c.ctl.decode(errors="replace"))
+        return c.ctl, c.nbytes
+
+    def call(self, kind: int, route: int, ctl: Sequence[bytes], extents: Sequence[tuple[int, Any]],
+             buffer_bytes: int, timeout: float, into: memoryview | None = None) -> tuple[bytes, int]:
+        """One call (a whole Push, or a Pull): its answer's control and how many payload bytes came into
+        ``into``; FrameError for a failed one."""
+        call, c = self._begin(into)
+        self._send(kind, call, route, ctl, extents, buffer_bytes, timeout)
+        return self._wait(call, c, timeout, wire.KINDS[kind])
+
+    def stream(self, route: int, parts: Iterator[tuple[bytes, list[tuple[int, Any]]]], buffer_bytes: int,
+               timeout: float) -> bytes:
+        """A streamed Push: each (message, its extents) of ``parts`` as a frame as it comes, the last marked;
+        the PushResponse's bytes."""
+        call, c = self._begin(None)
+        try:
+            held: tuple[bytes, list[tuple[int, Any]]] | None = None
+            for part in parts:
+                if held is not None:
+                    self._send(wire.PUSH_PART, call, route, wire.joined((held[0],)), held[1], buffer_bytes, timeout)
+                held = part
+            msg, ext = held if held is not None else (b"", [])
+            self._send(wire.PUSH_END, call, route, wire.joined((msg,)) if msg else (), ext, buffer_bytes, timeout)
+        except BaseException:
+            with self._mu:
+                self._calls.pop(call, None)
+            raise
+        return self._wait(call, c, timeout, "push")[0]
+
+    def close_after_failure(self, why: str) -> None:
+        if not self.error:
+            self.error = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """End the connection and join its thread (unless called from it). Idempotent."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        self.sock.close()
+
+
+def _skip(sock: socket.socket, nbytes: int) -> None:
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes:
+        k = min(nbytes, len(scratch))
+        wire.fill(sock, scratch[:k])
+        nbytes -= k
+
+
+def _bytes(values: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy (bf16 too: numpy has no such dtype)."""
+    flat = values.reshape(-1)
+    if not flat.numel():
+        return memoryview(b"")
+    raw: Any = flat.view(torch.uint8).numpy()
+    return memoryview(raw)
+
+
+class ConnPath:
+    """One shard's calls as frames on its process's ``conn`` (module docstring)."""
+
+    writes_ahead = False
+
+    def __init__(self, conn: DataConn, route: int, grpc_path: GrpcPath, smap: ShardMap,
+                 layouts: Mapping[str, Layout]) -> None:
+        self.conn, self.route, self.grpc, self.shard = conn, route, grpc_path, grpc_path.shard
+        self.calls: ConnPath | None = self
+        self.offsets: dict[tuple[str, int], int] = {}
+        at = pull = 0
+        for p in smap.parts_for(self.shard):  # as ShmLink lays out its segments
+            self.offsets[(p.name, p.start)] = at
+            at = shm.aligned(at + (p.stop - p.start) * codec.itemsize(layouts[p.name].push_dtype))
+            pull = shm.aligned(pull + (p.stop - p.start) * 4)
+        self.push_bytes, self.pull_bytes = at, pull
+        self._pull_buf = bytearray(max(1, pull))
+        self._pulled = 0  # bytes of the latest pull's answer
+        self._extents: list[tuple[int, memoryview]] = []
+        self.closed = False
+
+    @property
+    def push_segment(self) -> str:
+        """What a push's chunks name; read as each call starts (its parts so far are dropped)."""
+        self._extents = []
+        return wire.FRAME_SEGMENT
+
+    @property
+    def pull_segment(self) -> str:
+        return wire.FRAME_SEGMENT
+
+    def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
+              ) -> Staged | None:
+        return None
+
+    def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
+                    route: Routing) -> list[torch.Tensor]:
+        return self.grpc.read_values(None, flats, cast, route)
+
+    def _part(self, name: str, flat: torch.Tensor, start: int, stop: int, route: Routing,
+              cast: bool) -> ps_pb2.Chunk:
+        """One part as an extent of the call's frame; the chunk that names it."""
+        lay = route.layouts[name]
+        values = flat[start:stop]
+        if cast:  # meant for shared memory (a fail-over): cast here
+            values = values.to(codec.to_torch_dtype(lay.push_dtype))
+        off = self.offsets[(name, start)]
+        if values.numel():  # an empty part has no bytes (the shard reads none for it)
+            self._extents.append((off, _bytes(values.contiguous())))
+        return ps_pb2.Chunk(name=name, offset=start, dtype=lay.push_dtype, shape=lay.shape,  # type: ignore[arg-type]
+                            shm_offset=off, shm_bytes=values.numel() * values.element_size())
+
+    def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
+                      cast: set[str], route: Routing) -> Iterator[bytes]:
+        framer = frames(self.push_segment)
+        assert route.shard_map is not None
+        parts = route.shard_map.parts_for(self.shard)
+
+        def messages() -> Iterator[bytes]:
+            chunks = [self._part(p.name, flats[p.name], p.start, p.stop, route, p.name in cast)
+                      for p in parts if p.name in flats]
+            yield from framer.shm_chunks(chunks, last=True)
+
+        return messages()
+
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+                        written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
+                        ranges: Mapping[str, Sequence[tuple[int, int]]], route: Routing) -> Iterator[bytes]:
+        chunks = [self._part(name, flat, start, stop, route, name in written)
+                  for name, flat in batch for start, stop in ranges.get(name, ())]
+        if chunks:
+            yield from frames.shm_chunks(chunks, last=False)
+
+    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
+        return 1  # one per part
+
+    def _taken(self) -> list[tuple[int, memoryview]]:
+        out, self._extents = self._extents, []
+        return out
+
+    def _closed(self) -> FrameError:
+        return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
+                                                       "(a fail-over): asked again over gRPC")
+
+    # -- the calls (Transport.push / pull with via=this path) ---------------------
+
+    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse:
+        if self.closed:
+            raise self._closed()
+        if stream:
+            parts = ((m, self._taken()) for m in requests)
+            return ps_pb2.PushResponse.FromString(self.conn.stream(self.route, parts, self.push_bytes, timeout))
+        messages = list(requests)
+        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
+                                timeout)
+        return ps_pb2.PushResponse.FromString(ctl)
+
+    def pull(self, request: ps_pb2.PullRequest, timeout: float) -> Iterator[Any]:
+        if self.closed:
+            raise self._closed()
+        into = memoryview(self._pull_buf)
+        ctl, self._pulled = self.conn.call(wire.PULL, self.route, (request.SerializeToString(),), (),
+                                           self.pull_bytes, timeout, into=into)
+        return iter([framing.read_pull_response(m) for m in wire.split(ctl)])
+
+    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
+        if not chunk.shm_bytes:
+            return codec.decode(chunk.data, chunk.dtype)
+        if chunk.shm_offset < 0 or chunk.shm_offset + chunk.shm_bytes > self._pulled:
+            raise ValueError(f"shard {self.shard}, tensor {chunk.name!r}: bytes [{chunk.shm_offset}, "
+                             f"{chunk.shm_offset + chunk.shm_bytes}) outside the {self._pulled} its answer brought")
+        return codec.decode(memoryview(self._pull_buf)[chunk.shm_offset : chunk.shm_offset + chunk.shm_bytes],
+                            chunk.dtype)
+
+    def close(self) -> None:
+        """This shard's calls go elsewhere from now on; the connection stays (ShardPaths closes it)."""
+        self.closed = True
