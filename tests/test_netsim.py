@@ -269,8 +269,8 @@ WORKER = textwrap.dedent("""
 
 @needs_netns
 def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
-    """A server on h0; worker 1 on h1 (its bytes cross the link: the data connection) and worker 0 on h0 itself (the same
-    host's /dev/shm: shared memory), one bsp job. Hosts share no /dev/shm with each other or this machine."""
+    """A server on h0; worker 1 on h1 (its bytes cross the link: the data connection) and worker 0 on h0 itself (the
+    same host's /dev/shm: shared memory), one bsp job. Hosts share no /dev/shm with each other or this machine."""
     c, _ = net
     [server] = c.start_servers(["h0"])
     try:
