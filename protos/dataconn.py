@@ -30,6 +30,11 @@ call's status (``OK`` or a gRPC status code's value, the control then the
 message, UTF-8), a PushResponse, or the PullResponses (``LEN``-prefixed)
 and the weights they name.
 
+With TLS (the gRPC port's certificates: ``Security.server_ssl_context``,
+``client_ssl_context``) the connection is TLS from its first byte, mutual
+where the servers require client certificates; the hello and everything
+after it are inside.
+
 Limits (``MAX_CTL``, ``MAX_EXTENTS``, ``MAX_BUFFER``) bound what a frame may
 make the other end allocate or read. A frame that breaks the protocol (its
 magic, a limit, an extent outside the buffer it names) ends the connection:
@@ -42,6 +47,7 @@ its status, and nothing is applied.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Callable, Iterable, Sequence
 
@@ -128,6 +134,10 @@ def send(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
     """``parts`` in one ``sendmsg`` where the kernel takes them all (straight from their memory: no copy,
     the interpreter's lock released); what it did not take, sent after."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg under TLS: each part encrypted from its memory
+        for v in views:
+            sock.sendall(v)
+        return
     while views:
         n = sock.sendmsg(views[:512])
         while views and n >= len(views[0]):

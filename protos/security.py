@@ -20,6 +20,7 @@ Configuration order: explicit arguments, then the environment
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +179,30 @@ class Security:
         ca = _read(self.tls_ca, "TLS CA")
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        """The data connection's TLS as the gRPC port's (``server_credentials``): this identity, and with a CA
+        a client certificate required; None without TLS."""
+        if not self.tls_cert:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        if self.tls_ca:
+            ctx.load_verify_locations(self.tls_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
     # -- client side ---------------------------------------------------------
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        """The data connection's TLS as a channel's (``channel``): the server checked against ``tls_ca`` (the
+        system's CAs without one) under ``server_name`` or its host, this client's certificate where given;
+        None without TLS."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else ssl.create_default_context()
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
 
     def channel(self, address: str, options: list[tuple[str, object]] | None = None, *,
                 role: str | None = None) -> grpc.Channel:

@@ -40,6 +40,7 @@ import mmap
 import queue
 import secrets
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -380,17 +381,20 @@ class DataPort:
     _ports: dict[str, DataPort] = {}
 
     @classmethod
-    def shared(cls, host: str) -> DataPort:
-        """The process's port on ``host``, made on first use; every ``shared`` is matched by a ``release``."""
+    def shared(cls, host: str, tls: ssl.SSLContext | None = None) -> DataPort:
+        """The process's port on ``host`` (with ``tls``, a TLS port: one per host and context), made on first
+        use; every ``shared`` is matched by a ``release``."""
+        key = f"{host}#{id(tls) if tls is not None else ''}"
         with cls._lock:
-            port = cls._ports.get(host)
+            port = cls._ports.get(key)
             if port is None:
-                port = cls._ports[host] = DataPort(host)
+                port = cls._ports[key] = DataPort(host, tls)
+                port._key = key
             port._users += 1
             return port
 
-    def __init__(self, host: str) -> None:
-        self.host = host
+    def __init__(self, host: str, tls: ssl.SSLContext | None = None) -> None:
+        self.host, self.tls, self._key = host, tls, host
         self._users = 0
         self._mu = threading.Lock()
         self._routes: dict[int, WorkersServicer] = {}
@@ -465,6 +469,8 @@ class DataPort:
         """Check the worker's hello (5 s to say it), answer ACK, then read its frames."""
         try:
             wire.tune(sock, 5.0)
+            if self.tls is not None:  # the handshake, then the hello inside it
+                sock = self.tls.wrap_socket(sock, server_side=True)
             head = wire.read_exact(sock, wire.HELLO.size)
             magic, token, worker_id, timeout = wire.HELLO.unpack(head)
             with self._mu:
@@ -477,7 +483,7 @@ class DataPort:
             sock.settimeout(timeout)
             wire.keep_alive(sock, keepalive_seconds())  # a worker gone silent: its streamed Pushes end
             conn = Conn(self, worker_id, sock, timeout)
-        except (OSError, wire.Torn) as e:
+        except (OSError, wire.Torn) as e:  # ssl.SSLError is an OSError: a refused handshake
             log.warning("a data connection failed before its hello (%s): closed", e)
             sock.close()
             return
@@ -511,8 +517,8 @@ class DataPort:
             self._users -= 1
             if self._users > 0:
                 return
-            if DataPort._ports.get(self.host) is self:
-                del DataPort._ports[self.host]
+            if DataPort._ports.get(self._key) is self:
+                del DataPort._ports[self._key]
         self.close()
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ decoding and encoding; splitting the module would scatter the RPC table.)
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -411,6 +412,18 @@ def connect(store: ShardStore, security: Security) -> None:
                   GrpcReplicaLink(security) if store.replica_link is None else None)
 
 
+_TLS: dict[tuple[str | None, str | None, str | None], ssl.SSLContext | None] = {}
+
+
+def shared_tls(security: Security) -> ssl.SSLContext | None:
+    """One TLS context per set of certificate files in a process (the shards of one process share one
+    data port)."""
+    key = (security.tls_cert, security.tls_key, security.tls_ca)
+    if key not in _TLS:
+        _TLS[key] = security.server_ssl_context()
+    return _TLS[key]
+
+
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
                   max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                   metrics: ServerMetrics | None = None, security: Security | None = None,
@@ -423,7 +436,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     auth; ``interceptors`` run before auth (tests inject faults there: they see
     gRPC calls only). ``tcp`` (``SHARDPS_TCP``, on): the shard serves the
     process's data port on its host too (server/dataconn.py), which workers
-    on other machines take for their Pushes and Pulls; never beside TLS.
+    on other machines take for their Pushes and Pulls (with TLS, TLS too).
     """
     security = security or Security()
     chain = list(interceptors)
@@ -443,7 +456,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
     server = grpc.server(executor, options=options, interceptors=chain)
     host = address.rsplit(":", 1)[0]
-    port_ = DataPort.shared(host) if env.pick_bool(tcp, env.TCP, True) and not security.tls else None
+    port_ = DataPort.shared(host, shared_tls(security)) if env.pick_bool(tcp, env.TCP, True) else None
     try:
         segments, data = add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
                                        metrics=metrics, data=port_)

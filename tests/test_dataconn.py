@@ -65,11 +65,11 @@ def test_a_server_with_tcp_off_offers_no_data_port(make_cluster, monkeypatch):
         assert [type(p) for p in client.paths] == [GrpcPath]
 
 
-def test_tls_keeps_the_bytes_in_grpc_a_token_does_not(monkeypatch):
+def test_the_connection_is_taken_with_a_token_and_with_tls_unless_turned_off(monkeypatch):
     monkeypatch.delenv(env.TCP, raising=False)
     assert dataconn.wanted(Security())
     assert dataconn.wanted(Security(token="secret"))  # the connection's token came from an authorized Register
-    assert not dataconn.wanted(Security(tls_cert="c.pem", tls_key="k.pem"))
+    assert dataconn.wanted(Security(tls_cert="c.pem", tls_key="k.pem"))  # TLS itself (tests/test_security.py)
     monkeypatch.setenv(env.TCP, "0")
     assert not dataconn.wanted(Security())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -196,3 +197,33 @@ def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
         assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
         assert client.failovers_total == 1 and backup_of[0].role == "primary"
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_the_data_connection_is_tls_under_tls(make_cluster, pki, mutual):
+    """A worker on another machine (shm=False) takes the data connection under TLS too, as TLS with the gRPC
+    port's certificates; a connection that does not speak TLS to it is refused before its hello."""
+    from shardps.protos import dataconn as wire
+    from shardps.worker.dataconn import ConnPath
+
+    ca = str(pki / "ca.pem")
+    server = Security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_ca=ca if mutual else None)
+    cluster = make_cluster(2, security=server)
+    client_sec = Security(tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"), tls_ca=ca) if mutual \
+        else Security(tls_ca=ca)
+    with shardps.connect(cluster.addresses, security=client_sec, shm=False, recovery_timeout=0) as client:
+        client.register({"w": torch.arange(600.0)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert [type(p) for p in client.paths] == [ConnPath, ConnPath]
+        conn = client.paths[0].conn
+        assert conn.sock.version() is not None  # TLS 1.2 or 1.3
+        client.push({"w": torch.ones(600)}, step=0)
+        assert torch.equal(client.pull(min_versions=1)["w"], torch.arange(600.0) - 1)
+        host, port = conn.where.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as plain:  # a hello in the clear
+            plain.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, conn.token, conn.worker_id, 10.0))
+            plain.settimeout(10)
+            try:
+                got = plain.recv(64)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""  # closed (or reset), no ACK

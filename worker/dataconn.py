@@ -49,8 +49,8 @@ log = logging.getLogger("shardps.worker")
 
 def wanted(security: Security) -> bool:
     """Whether this worker takes a data connection where a shard offers one: ``SHARDPS_TCP`` (on by
-    default), never with TLS (the connection is not encrypted: the bytes then stay in gRPC's channel)."""
-    return env.pick_bool(None, env.TCP, True) and not security.tls
+    default). With TLS the connection is TLS too (``Security.client_ssl_context``)."""
+    return env.pick_bool(None, env.TCP, True)
 
 
 class FrameError(grpc.RpcError):
@@ -95,9 +95,9 @@ class DataConn:
 
     @staticmethod
     def open(host: str, port: int, token: bytes, worker_id: int, timeout: float,
-             on_end: Callable[[str], None]) -> DataConn | None:
-        """Connect, say hello, wait for the ACK (all within ``timeout``); None (logged) when that fails: the
-        shards of that process then take gRPC."""
+             on_end: Callable[[str], None], security: Security | None = None) -> DataConn | None:
+        """Connect (with ``security``'s TLS, if any), say hello, wait for the ACK (all within ``timeout``);
+        None (logged) when that fails: the shards of that process then take gRPC."""
         where = f"{host}:{port}"
         try:
             sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
@@ -107,6 +107,10 @@ class DataConn:
         try:
             wire.tune(sock, timeout)
             wire.keep_alive(sock, keepalive_seconds())
+            tls = security.client_ssl_context() if security is not None else None
+            if tls is not None:
+                name = security.server_name if security is not None and security.server_name else host.strip("[]")
+                sock = tls.wrap_socket(sock, server_hostname=name)
             sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, token, worker_id, timeout))
             ack = wire.read_exact(sock, wire.ACK.size)
             if wire.ACK.unpack(ack) != (wire.ACK_MAGIC, 0):

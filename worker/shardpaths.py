@@ -68,17 +68,17 @@ class ShardPaths(Sequence[ShardPath]):
                     self._paths[i] = ShmPath(link, self._grpc[i])
             elif tcp and answers and answers[i].data_port:
                 assert transport is not None
-                conn = self._conn(transport.addresses[i].rsplit(":", 1)[0], answers[i], transport.timeout)
+                conn = self._conn(transport.addresses[i].rsplit(":", 1)[0], answers[i], transport)
                 if conn is not None:
                     self._paths[i] = dataconn.ConnPath(conn, answers[i].data_route, self._grpc[i], smap, layouts)
 
-    def _conn(self, host: str, answer: ps_pb2.RegisterResponse, timeout: float) -> dataconn.DataConn | None:
+    def _conn(self, host: str, answer: ps_pb2.RegisterResponse, transport: Transport) -> dataconn.DataConn | None:
         """This worker's connection to the process at ``host`` whose data port ``answer`` gave (made once)."""
         key = (host, answer.data_port)
         conn = self._conns.get(key)
         if conn is None or conn.error:
-            conn = dataconn.DataConn.open(host, answer.data_port, answer.data_token, self._worker_id, timeout,
-                                          lambda why: self._ended(key, why))
+            conn = dataconn.DataConn.open(host, answer.data_port, answer.data_token, self._worker_id,
+                                          transport.timeout, lambda why: self._ended(key, why), transport.security)
             if conn is None:
                 return None
             self._conns[key] = conn
