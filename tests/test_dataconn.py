@@ -213,3 +213,19 @@ def test_no_thread_is_left_behind(make_cluster):
         assert any(t.name.startswith("shardps-data-") for t in threading.enumerate())
     cluster.stop()
     assert [t.name for t in threading.enumerate() if t.name.startswith("shardps-data-")] == []
+
+
+def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(make_cluster):
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses, shm=False, part_bytes=1024) as client:
+        w = torch.randn(40, 25)
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        out = torch.empty(40, 25)
+        client.pull(out={"w": out})
+        assert torch.equal(out, w)
+        lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * 4
+        landed = [t for p in client.paths for t in p._landed.values()]
+        assert landed and all(lo <= t.data_ptr() < hi for t in landed)  # read into ``out``'s own storage
+        half = torch.empty(40, 25, dtype=torch.bfloat16)  # another dtype than the wire's: read, then cast
+        client.pull(out={"w": half})
+        assert torch.equal(half, w.to(torch.bfloat16)) and not any(p._landed for p in client.paths)

@@ -70,12 +70,19 @@ class FrameError(grpc.RpcError):
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 
-class _Call:
-    __slots__ = ("done", "status", "ctl", "nbytes", "into")
+Place = Callable[[str, int, int, int], "torch.Tensor | None"]
+"""Where a pulled part may land: (tensor, first element, wire dtype, bytes) -> a flat tensor of exactly those
+bytes (the destination's own storage), or None: into the shard's pull buffer."""
 
-    def __init__(self, into: memoryview | None) -> None:
+
+class _Call:
+    __slots__ = ("done", "status", "ctl", "nbytes", "into", "place", "parsed", "landed")
+
+    def __init__(self, into: memoryview | None, place: Place | None = None) -> None:
         self.done = threading.Event()
-        self.status, self.ctl, self.nbytes, self.into = -1, b"", 0, into
+        self.status, self.ctl, self.nbytes, self.into, self.place = -1, b"", 0, into, place
+        self.parsed: list[Any] | None = None  # a placed Pull's messages, parsed by the reading thread
+        self.landed: dict[int, torch.Tensor] = {}  # answer offset -> the destination its bytes were read into
 
 
 class DataConn:
@@ -127,6 +134,7 @@ class DataConn:
     def _run(self) -> None:
         head = bytearray(wire.ANSWER.size)
         why = ""
+        current: _Call | None = None  # the call whose answer is being read (its waiter waits for it)
         try:
             while True:
                 wire.fill(self.sock, memoryview(head), idle=lambda: not self.closed)
@@ -137,17 +145,22 @@ class DataConn:
                 ctl = wire.read_exact(self.sock, nctl)
                 with self._mu:
                     c = self._calls.pop(call, None)
+                current = c
                 into = c.into if c is not None else None
                 if nbytes and (into is None or nbytes > len(into)):
                     if c is not None:
                         raise wire.ProtocolError(f"call {call}: an answer of {nbytes} bytes for a buffer of "
                                                  f"{len(into) if into is not None else 0}")
                     _skip(self.sock, nbytes)  # a call that gave up (its deadline passed)
-                elif nbytes and into is not None:
-                    wire.fill(self.sock, into[:nbytes])
+                    continue
                 if c is not None:
                     c.status, c.ctl, c.nbytes = status, bytes(ctl), nbytes
+                    if c.place is not None and status == wire.OK:
+                        self._placed(c, nbytes)
+                    elif nbytes and into is not None:
+                        wire.fill(self.sock, into[:nbytes])
                     c.done.set()
+                    current = None
         except wire.Torn as t:
             why = "" if self.closed else t.why
         except wire.ProtocolError as e:
@@ -158,10 +171,43 @@ class DataConn:
             self.error = why or "closed"
             with self._mu:
                 pending, self._calls = list(self._calls.values()), {}
+            if current is not None:
+                current.status = -1
+                pending.append(current)
             for c in pending:
                 c.done.set()  # status -1: the connection ended
             if not self.closed:
                 self._on_end(self.error)
+
+    def _placed(self, c: _Call, nbytes: int) -> None:
+        """A Pull's answer: its messages parsed here, and each part's bytes read straight into the
+        destination ``c.place`` gives for it (the parameter's own storage, where its dtype is the wire's),
+        the others into the call's buffer at their offsets."""
+        assert c.place is not None and c.into is not None
+        c.parsed = [framing.read_pull_response(m) for m in wire.split(c.ctl)]
+        regions = []
+        for resp in c.parsed:
+            ch = resp.chunk
+            if ch.shm_bytes:
+                if ch.shm_offset < 0 or ch.shm_offset + ch.shm_bytes > nbytes:
+                    raise wire.ProtocolError(f"tensor {ch.name!r}: bytes [{ch.shm_offset}, "
+                                             f"{ch.shm_offset + ch.shm_bytes}) outside the {nbytes}-byte answer")
+                regions.append((ch.shm_offset, ch.shm_bytes, c.place(ch.name, ch.offset, ch.dtype, ch.shm_bytes)))
+        regions.sort(key=lambda r: r[0])
+        at = 0
+        for off, n, target in regions:
+            if off < at:
+                raise wire.ProtocolError(f"an answer's parts overlap at byte {off}")
+            if off > at:  # alignment between parts
+                wire.fill(self.sock, c.into[at:off])
+            if target is not None:
+                wire.fill(self.sock, _bytes(target))
+                c.landed[off] = target
+            else:
+                wire.fill(self.sock, c.into[off : off + n])
+            at = off + n
+        if at < nbytes:
+            wire.fill(self.sock, c.into[at:nbytes])
 
     def _unavailable(self) -> FrameError:
         return FrameError(grpc.StatusCode.UNAVAILABLE, f"data connection to {self.where} ended ({self.error})")
@@ -183,9 +229,9 @@ class DataConn:
             self.close_after_failure(f"send failed: {e}")
             raise self._unavailable() from None
 
-    def _begin(self, into: memoryview | None) -> tuple[int, _Call]:
+    def _begin(self, into: memoryview | None, place: Place | None = None) -> tuple[int, _Call]:
         call = next(self._ids)
-        c = _Call(into)
+        c = _Call(into, place)
         with self._mu:
             if self.error:
                 raise self._unavailable()
@@ -195,7 +241,9 @@ class DataConn:
     def _wait(self, call: int, c: _Call, timeout: float, what: str) -> tuple[bytes, int]:
         if not c.done.wait(timeout):
             with self._mu:
-                self._calls.pop(call, None)
+                mine = self._calls.pop(call, None)
+            if mine is None:  # its answer is being read (maybe into its destinations): that ends first
+                c.done.wait(self.timeout + 5.0)
             if c.done.is_set():  # answered as it gave up
                 return self._result(c, what)
             raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what} on {self.where}: no answer within "
@@ -216,6 +264,15 @@ class DataConn:
         call, c = self._begin(into)
         self._send(kind, call, route, ctl, extents, buffer_bytes, timeout)
         return self._wait(call, c, timeout, wire.KINDS[kind])
+
+    def pull(self, route: int, request: bytes, buffer_bytes: int, timeout: float, into: memoryview,
+             place: Place) -> tuple[list[Any], dict[int, torch.Tensor], int]:
+        """A Pull whose parts land where ``place`` says (else in ``into``): its PullResponses, the parts that
+        landed (by offset in the answer) and the answer's bytes; FrameError for a failed one."""
+        call, c = self._begin(into, place)
+        self._send(wire.PULL, call, route, (request,), (), buffer_bytes, timeout)
+        _, nbytes = self._wait(call, c, timeout, "pull")
+        return c.parsed or [], c.landed, nbytes
 
     def stream(self, route: int, parts: Iterator[tuple[bytes, list[tuple[int, Any]]]], buffer_bytes: int,
                timeout: float) -> bytes:
@@ -291,6 +348,7 @@ class ConnPath:
         self.push_bytes, self.pull_bytes = at, pull
         self._pull_buf = bytearray(max(1, pull))
         self._pulled = 0  # bytes of the latest pull's answer
+        self._landed: dict[int, torch.Tensor] = {}  # its parts read into their destinations, by answer offset
         self._extents: list[tuple[int, memoryview]] = []
         self.closed = False
 
@@ -370,22 +428,30 @@ class ConnPath:
                                 timeout)
         return ps_pb2.PushResponse.FromString(ctl)
 
-    def pull(self, request: ps_pb2.PullRequest, timeout: float) -> Iterator[Any]:
+    def pull(self, request: ps_pb2.PullRequest, timeout: float, place: Place | None = None) -> Iterator[Any]:
         if self.closed:
             raise self._closed()
         into = memoryview(self._pull_buf)
-        ctl, self._pulled = self.conn.call(wire.PULL, self.route, (request.SerializeToString(),), (),
-                                           self.pull_bytes, timeout, into=into)
-        return iter([framing.read_pull_response(m) for m in wire.split(ctl)])
+        data = request.SerializeToString()
+        if place is None:
+            ctl, self._pulled = self.conn.call(wire.PULL, self.route, (data,), (), self.pull_bytes, timeout, into=into)
+            self._landed = {}
+            return iter([framing.read_pull_response(m) for m in wire.split(ctl)])
+        messages, self._landed, self._pulled = self.conn.pull(self.route, data, self.pull_bytes, timeout, into, place)
+        return iter(messages)
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         if not chunk.shm_bytes:
             return codec.decode(chunk.data, chunk.dtype)
+        landed = self._landed.get(chunk.shm_offset)
+        if landed is not None:  # read straight into its destination: nothing left to copy
+            return landed
         if chunk.shm_offset < 0 or chunk.shm_offset + chunk.shm_bytes > self._pulled:
             raise ValueError(f"shard {self.shard}, tensor {chunk.name!r}: bytes [{chunk.shm_offset}, "
                              f"{chunk.shm_offset + chunk.shm_bytes}) outside the {self._pulled} its answer brought")
-        return codec.decode(memoryview(self._pull_buf)[chunk.shm_offset : chunk.shm_offset + chunk.shm_bytes],
-                            chunk.dtype)
+        at = chunk.shm_offset
+        out: torch.Tensor = codec.decode(memoryview(self._pull_buf)[at : at + chunk.shm_bytes], chunk.dtype)
+        return out
 
     def close(self) -> None:
         """This shard's calls go elsewhere from now on; the connection stays (ShardPaths closes it)."""

@@ -79,7 +79,11 @@ class Calls(Protocol):
 
     def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse: ...
 
-    def pull(self, request: ps_pb2.PullRequest, timeout: float) -> Iterator[Any]: ...
+    def pull(self, request: ps_pb2.PullRequest, timeout: float,
+             place: Callable[[str, int, int, int], torch.Tensor | None] | None = None) -> Iterator[Any]:
+        """``place(tensor, first element, wire dtype, bytes)``: where a part's bytes may land as they arrive
+        (a flat tensor of exactly those bytes), None for elsewhere."""
+        ...
 
 
 class ShardPath(Protocol):

@@ -219,7 +219,8 @@ class PullInFlight:
         received = self._received[shard]
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
         responses = (map(framing.read_pull_response, given) if given is not None
-                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1, via=path))
+                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1, via=path,
+                                                place=self._place))
         with torch.no_grad():
             # The path reads a view (of the received message, or of our pull segment): decode copies nothing,
             # copy_ is the one copy.
@@ -233,7 +234,9 @@ class PullInFlight:
                     size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"
                     raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
                                      f"outside {size}")
-                dst[c.offset : c.offset + values.numel()].copy_(values)
+                part = dst[c.offset : c.offset + values.numel()]
+                if values.numel() and values.data_ptr() != part.data_ptr():  # else it landed there already
+                    part.copy_(values)
                 version = resp.version
                 self._said = (resp.sync, resp.loss_scale, resp.slowest_clock)  # one store: the latest answer wins
                 with self._lock:
@@ -243,6 +246,17 @@ class PullInFlight:
                 if done:
                     self._complete(c.name)
         return version
+
+    def _place(self, name: str, offset: int, wire_dtype: int, nbytes: int) -> torch.Tensor | None:
+        """Where a part of ``name`` arriving on a data connection may land as it comes (worker/dataconn.py):
+        its destination's own flat elements where the wire dtype is theirs, else None (read, then copied)."""
+        dst = self._staging.get(name)
+        if dst is None or name in self._slices or codec.to_torch_dtype(wire_dtype) != dst.dtype:
+            return None
+        n = nbytes // dst.element_size()
+        if offset < 0 or offset + n > dst.numel() or n * dst.element_size() != nbytes:
+            return None  # refused by _fetch, naming it
+        return dst[offset : offset + n]
 
     def wait(self, names: Sequence[str], timeout: float | None = None) -> bool:
         """Block until ``names`` are complete; False when the pull failed first (``result()`` raises it)."""

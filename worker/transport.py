@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.experimental
+import torch
 
 from shardps.protos import framing
 from shardps.protos.security import Security
@@ -171,16 +172,18 @@ class Transport:
         return response
 
     def pull(self, shard: int, request: ps_pb2.PullRequest, *, one: bool = False,
-             via: ShardPath | None = None) -> Iterator[Any]:
+             via: ShardPath | None = None,
+             place: Callable[[str, int, int, int], torch.Tensor | None] | None = None) -> Iterator[Any]:
         """A Pull from ``shard``: its responses (``framing.read_pull_response``); made by ``via``'s ``calls``
-        when the path that made the request has them.
+        when the path that made the request has them, its parts landing where ``place`` says
+        (``Calls.pull``).
 
         ``one``: the caller knows the answer is one message, which is then asked as a unary call with
         ``framing.PULL_ONE_HEADER`` (the shard sends the message and its status at once). Should the
         shard answer that it has more, the Pull is asked again as a stream.
         """
         if via is not None and via.calls is not None:
-            return via.calls.pull(request, self.timeout)
+            return via.calls.pull(request, self.timeout, place)
         if one:
             try:
                 return iter((self._pull_one[shard](request, timeout=self.timeout, metadata=_PULL_ONE),))
