@@ -15,7 +15,10 @@ background load hits all alike. Per round: wall time, and the CPU time of
 this process plus the other end's processes (``/proc/<pid>/stat``), both
 sides of the transport. Reported: medians of CPU-s per MB moved (push +
 pull: 2 x model bytes) and MB/s, and the ratios frames / gRPC and frames /
-raw; the load average beside them (the machine is shared).
+raw; the load average beside them (the machine is shared). ``--tls``: the
+servers and both workers under TLS (a CA and a server certificate made
+with ``openssl`` in a temporary folder): gRPC's channel and the data
+connection both encrypted; the raw pair stays plain, the floor.
 
     .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--json]
 """
@@ -28,9 +31,12 @@ import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from guard import run_guarded
@@ -80,13 +86,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _CHILDREN.append(echo)
     raw_buf = memoryview(bytearray(nbytes))
     raw_src = memoryview(torch.cat([g.reshape(-1) for g in grads.values()]).numpy()).cast("B")
-    with shardps.LocalCluster(2, processes=True, max_wait_s=args.rpc_timeout) as cluster:
+    from shardps.protos.security import Security
+
+    tmp = tempfile.TemporaryDirectory(prefix="shardps-tcppath-")
+    server_sec = client_sec = None
+    if args.tls:
+        server_sec, client_sec = _pki(Path(tmp.name))
+    with tmp, shardps.LocalCluster(2, processes=True, max_wait_s=args.rpc_timeout,
+                                   security=server_sec or Security()) as cluster:
         _CHILDREN.extend(getattr(cluster, "_procs", []))
         pids = [p.pid for p in getattr(cluster, "_procs", [])]
         clients = {}
         for wid, (name, tcp) in enumerate((("grpc", "0"), ("frames", "1"))):
             os.environ[env.TCP] = tcp  # read when the worker registers
-            c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=2, shm=False, timeout=args.rpc_timeout)
+            c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=2, shm=False, timeout=args.rpc_timeout,
+                                security=client_sec or Security())
             c.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
             kinds = {type(p).__name__ for p in c.paths}
             if kinds != {"GrpcPath" if name == "grpc" else "ConnPath"}:
@@ -119,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     echo.join(30)
     ours.close()
     moved = 2 * nbytes / MB
-    res: dict[str, Any] = {"mb": nbytes / MB, "repeats": args.repeats, "load": os.getloadavg()}
+    res: dict[str, Any] = {"mb": nbytes / MB, "repeats": args.repeats, "load": os.getloadavg(), "tls": args.tls}
     for name, row in rows.items():
         res[name] = {"cpu_s_per_mb": statistics.median(row["cpu"]) / moved,
                      "mb_per_s": moved / statistics.median(row["wall"])}
@@ -127,6 +141,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["speed_ratio_frames_over_grpc"] = res["frames"]["mb_per_s"] / res["grpc"]["mb_per_s"]
     res["cpu_ratio_frames_over_raw"] = res["frames"]["cpu_s_per_mb"] / res["raw"]["cpu_s_per_mb"]
     return res
+
+
+def _pki(d: Path) -> tuple[Any, Any]:
+    """A CA and a server certificate for 127.0.0.1 in ``d``: (the servers' Security, the workers')."""
+    from shardps.protos.security import Security
+
+    def ossl(*a: str) -> None:
+        subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+         "-subj", "/CN=tcppath CA")
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=server")
+    ossl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.pem", "-days", "1", "-extfile", "server.ext")
+    return (Security(tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key")),
+            Security(tls_ca=str(d / "ca.pem")))
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -142,7 +173,8 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def report(res: dict[str, Any]) -> str:
-    lines = [f"{res['mb']:.1f} MB model, push + pull, {res['repeats']} rounds each, alternating; "
+    lines = [f"{res['mb']:.1f} MB model, push + pull, {res['repeats']} rounds each, alternating"
+             f"{', TLS' if res['tls'] else ''}; "
              f"load {' '.join(f'{x:.1f}' for x in res['load'])}",
              f"{'path':6} {'CPU ms/MB (both ends)':>22} {'MB/s':>8}"]
     for name in ("grpc", "frames", "raw"):
@@ -160,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--rpc-timeout", type=float, default=120.0, help="deadline of every RPC, seconds (default 120)")
     p.add_argument("--max-seconds", type=float, default=600.0, help="watchdog for the whole run (default 600)")
+    p.add_argument("--tls", action="store_true", help="servers and workers under TLS (openssl makes the certificates)")
     p.add_argument("--unix", action="store_true", help="the raw reference on a Unix socket pair (default: TCP)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = p.parse_args(argv)
