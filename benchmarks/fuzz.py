@@ -18,6 +18,15 @@ success where a refusal was due, an exception the server logged, a state
 change), whether the servers still serve, whether their state is unchanged
 and a valid pull gives the weights of before, and the elapsed time.
 
+Then ``--frames`` (default: as many as ``--cases``) damaged frames on the
+servers' data connection (tests/fuzzgen/gen_frames.py: raw bytes, frames
+torn at any byte, extents reordered, past their buffer or short of their
+part, lengths that disagree, unknown kinds and routes, another worker's
+requests, streams cut short or going on after their end, a connection
+closed mid-frame), each on a connection of its own after worker 0's hello
+(the setup's worker 0 is on the data connection): every answer a refusal,
+the state unchanged (checked after each in process).
+
 A generator that raises while drawing a case (fuzzgen.draw_case) is a
 generator defect: reported with the seed, the case number, the exception and
 the generator's line; that case is not sent and the campaign goes on.
@@ -65,6 +74,7 @@ from guard import cluster_processes, run_guarded  # noqa: E402
 
 import shardps  # noqa: E402
 from tests import fuzzgen  # noqa: E402
+from tests.fuzzgen import gen_frames  # noqa: E402
 
 _CLUSTERS: list[shardps.LocalCluster] = []  # for the watchdog's last resort
 
@@ -117,8 +127,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fuzzgen.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz:
         _log(args, f"fuzz.py: {args.shards} shard(s) {'as processes' if args.processes else 'in process'}, "
                    f"sync {args.sync}, {args.workers} workers; {args.cases} cases, seed {args.seed}")
+        conn: dict[str, Any] = {}
         weights = fuzzgen.prepare_job(cluster.addresses, args.sync, num_workers=args.workers, steps=args.steps,
-                                      timeout=args.rpc_timeout)
+                                      timeout=args.rpc_timeout, frames=conn)
         target = fz.describe()
         first_fp = baseline_fp = fz.fingerprint(args.rpc_timeout)
         stores = cluster.stores + cluster.backups  # in process: the backups' state is checked too
@@ -190,6 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            f"violations {n_violations}, known bugs {sum(known.values())}, "
                            f"generator defects {len(generator_defects)}")
         elapsed = time.monotonic() - t0
+        frames = fuzz_frames(args, conn, violation, lambda: fz.fingerprint(args.rpc_timeout),
+                             lambda: fuzzgen.local_state(stores) if stores else None)
         time.sleep(0.1)
         final_fp = fz.fingerprint(args.rpc_timeout)
         up = fuzzgen.serving(cluster.addresses)
@@ -248,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_log": server_log.name if server_log is not None else None,  # kept when it shows something new
         "violations": n_violations,
         "violation_examples": violations,
-        "generator_defects": generator_defects,  # cases a generator raised on (not sent): seed, case, error, where
+        "generator_defects": generator_defects,
+        "frames": frames,  # cases a generator raised on (not sent): seed, case, error, where
         "state_changes": state_changes,
         "state_unchanged": not state_changes and final_fp == first_fp,
         "final_state_equals_last_baseline": final_fp == baseline_fp,
@@ -257,6 +271,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weights_unchanged": same,
         "backups_equal_primaries": backups_equal,
     }
+
+
+def fuzz_frames(args: argparse.Namespace, conn: dict[str, Any], violation: Any, fingerprint: Any,
+                local: Any) -> dict[str, Any]:
+    """``--frames`` damaged frames (tests/fuzzgen/gen_frames.py) on worker 0's data connection to the first
+    server process, each on a connection of its own: every answer a refusal, the state as before."""
+    if not args.frames:
+        return {"cases": 0}
+    if not conn:
+        violation(args.cases, "the servers offered no data connection: the frames were not fuzzed", None)
+        return {"cases": 0}
+    rng = random.Random(args.seed + 1)
+    before_fp, before_local = fingerprint(), local()
+    defects: collections.Counter[str] = collections.Counter()
+    t0 = time.monotonic()
+    for i in range(1, args.frames + 1):
+        defect = gen_frames.DEFECTS[(i - 1) % len(gen_frames.DEFECTS)] if i <= len(gen_frames.DEFECTS) else None
+        case = gen_frames.make_case(rng, rng.choice(conn["shards"]), conn["worker_id"], defect)
+        defects[case.defect] += 1
+        try:
+            answers = gen_frames.send_case(conn["host"], conn["port"], conn["token"], conn["worker_id"], case,
+                                           timeout=args.rpc_timeout)
+        except (OSError, ConnectionError) as e:
+            violation(args.cases + i, f"frame case {i} ({case.defect}): the data port failed: {e}", None)
+            break
+        broke = gen_frames.judge_answers(case, answers)
+        if broke:
+            violation(args.cases + i, f"frame case {i}: {broke}", None)
+        now = local()
+        if now is not None and now != before_local:
+            violation(args.cases + i, f"frame case {i} ({case.defect}): the shards' state changed", None)
+            before_local = now
+        if i % args.progress_every == 0 or i == args.frames:
+            _log(args, f"[frames {i}/{args.frames}] {time.monotonic() - t0:.1f}s")
+    if fingerprint() != before_fp:
+        violation(args.cases + args.frames, "the shards' state changed during the frame cases", None)
+    return {"cases": args.frames, "defects": dict(defects.most_common()),
+            "seconds": round(time.monotonic() - t0, 2)}
 
 
 def report(res: dict[str, Any]) -> str:
@@ -278,6 +330,10 @@ def report(res: dict[str, Any]) -> str:
     lines.append(f"exceptions the servers logged: {sum(res['server_logged_exceptions'].values())}")
     for msg, n in res["server_logged_exceptions"].items():
         lines.append(f"  {n:>6}  {msg}")
+    fr = res.get("frames") or {}
+    if fr.get("cases"):
+        lines.append(f"frames: {fr['cases']} damaged frames on a data connection in {fr['seconds']}s, "
+                     f"{len(fr['defects'])} kinds")
     lines.append(f"violations: {res['violations']}")
     for v in res["violation_examples"]:
         lines.append(f"  case {v['case']}: {v['reason']}\n    {(v['request'] or '')[:800]}")
@@ -296,6 +352,8 @@ def report(res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=10000, help="cases to send (default 10000)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="damaged frames on a data connection after the cases (default: as many as --cases)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the case generator (default: a fresh random one, printed first: replay a failure "
                         "with --seed and the job's flags)")
@@ -325,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cases < 1 or args.shards < 1 or args.workers < 1 or args.steps < 0 or args.check_every < 1 \
             or args.progress_every < 1:
         p.error("need --cases, --shards, --workers, --check-every, --progress-every >= 1 and --steps >= 0")
+    if args.frames is None:
+        args.frames = args.cases
 
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**32)

@@ -31,11 +31,15 @@ def job_tensors() -> dict[str, torch.Tensor]:
 
 
 def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, steps: int = 2,
-                timeout: float = 30.0) -> dict[str, torch.Tensor]:
+                timeout: float = 30.0, frames: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Register ``num_workers`` workers and push ``steps`` valid steps from each; return the weights then.
 
     Optimizers with state (SGD momentum, Adam) so that the state hash covers
-    more than weights.
+    more than weights. Worker 0 goes on the servers' data connections
+    (``shm=False``); ``frames``, when given, is filled with what a frame
+    fuzzer needs to speak as it on them (gen_frames.py): ``host``, ``port``,
+    ``token``, ``worker_id``, ``shards`` (a ``gen_frames.Shard`` each), or
+    left empty when the servers offer no data port.
     """
     import shardps  # here: tests/fuzzgen is importable without the package's heavier parts
 
@@ -48,12 +52,14 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
             return shardps.optim.Adam(lr=0.01)
         return shardps.optim.SGD(lr=0.5)
 
-    clients = [shardps.connect(addresses, worker_id=k, num_workers=num_workers, timeout=timeout, part_bytes=32)
-               for k in range(num_workers)]
+    clients = [shardps.connect(addresses, worker_id=k, num_workers=num_workers, timeout=timeout, part_bytes=32,
+                               shm=k != 0) for k in range(num_workers)]
     try:
         clients[0].register(tensors, optimizer, sync=sync)
         for c in clients[1:]:
             c.register(tensors, optimizer, sync=sync)
+        if frames is not None:
+            _frames_of(clients[0], frames)
         for c in clients:
             c.rows.register(ROW_TABLE, ROW_DIM, optimizer=shardps.optim.SparseAdam(lr=0.1), seed=1)
         for step in range(steps):
@@ -64,6 +70,20 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
     finally:
         for c in clients:
             c.close(leave=False)  # the job's workers stay registered while it is fuzzed
+
+
+def _frames_of(client: Any, out: dict[str, Any]) -> None:
+    from shardps.worker.dataconn import ConnPath
+    from tests.fuzzgen.gen_frames import Shard
+
+    paths = [p for p in client.paths if isinstance(p, ConnPath)]
+    if not paths:
+        return
+    host, port = paths[0].conn.where.rsplit(":", 1)
+    out.update(host=host, port=int(port), token=paths[0].conn.token, worker_id=client.worker_id,
+               shards=[Shard(p.route, part.name, tuple(client.layouts[part.name].shape))
+                       for p in paths if p.conn is paths[0].conn
+                       for part in client.shard_map.parts_for(p.shard)[:1]])
 
 
 def pull_all(addresses: Sequence[str], timeout: float = 30.0) -> dict[str, torch.Tensor]:
