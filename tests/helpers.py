@@ -77,8 +77,9 @@ def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
     t = client.transport
     pull, push = t.pull, t.push
 
-    def counted_pull(shard: int, request: Any, *, one: bool = False, via: Any = None) -> Iterator[Any]:
-        for resp in pull(shard, request, one=one, via=via):
+    def counted_pull(shard: int, request: Any, *, one: bool = False, via: Any = None,
+                     place: Any = None) -> Iterator[Any]:
+        for resp in pull(shard, request, one=one, via=via, place=place):
             pulled[resp.chunk.name] += len(resp.chunk.data)
             yield resp
 
