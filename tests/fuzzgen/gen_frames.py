@@ -137,8 +137,15 @@ def make_case(rng: random.Random, sh: Shard, worker_id: int, defect: str | None 
                                  wire.MAX_BUFFER + 1 if which == "buf" else 0)
         return FrameCase(d, head + bytes(rng.randrange(0, 64)))
     if d == "control_garbage":
-        junk = bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 80)))
-        ctl = wire.LEN.pack(len(junk)) + junk if rng.random() < 0.5 else junk
+        # Never a valid PushRequest by chance (an empty or lucky one would be worker 0's duplicate of step 0,
+        # rightly answered OK): a message whose first tag is field 0 (never valid), or control whose first
+        # length runs past its end.
+        junk = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 80)))
+        if rng.random() < 0.5:
+            msg = b"\x07" + junk
+            ctl = wire.LEN.pack(len(msg)) + msg
+        else:
+            ctl = wire.LEN.pack(len(junk) + rng.randrange(1, 1000)) + junk
         head = wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, call, sh.route, 5000, len(ctl), 0, 0)
         return FrameCase(d, head + ctl, calls=1)
     if d == "pull_with_extents":
