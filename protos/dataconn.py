@@ -49,6 +49,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 HELLO = struct.Struct("!4s16sqd")  # b"SPC1", token, worker id, deadline (s) of every read and write
@@ -121,6 +122,26 @@ def fill(sock: socket.socket, view: memoryview, idle: Callable[[], bool] | None 
         if k == 0:
             raise Torn(n, "connection closed")
         n += k
+
+
+def discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (a frame for no one: a stopped shard's, a call that gave up)."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes:
+        k = min(nbytes, len(scratch))
+        fill(sock, scratch[:k])
+        nbytes -= k
+
+
+def end(sock: socket.socket, reader: threading.Thread) -> None:
+    """End a connection: shut it (its ``reader`` wakes and ends), join that thread unless this is it, close."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    if reader.is_alive() and reader is not threading.current_thread():
+        reader.join()
+    sock.close()
 
 
 def read_exact(sock: socket.socket, nbytes: int) -> bytearray:

@@ -228,7 +228,7 @@ class Conn:
                 if target is not None:
                     wire.fill(self.sock, target[offset : offset + nbytes])
                 else:
-                    _discard(self.sock, nbytes)
+                    wire.discard(self.sock, nbytes)
         if servicer is not None and kind != wire.PULL:  # what a Push counts on gRPC: the frame, header and all
             self.port.received(route, wire.REQUEST.size + nctl + len(raw) + sum(n for _, n in extents))
         timeout = min(timeout_ms / 1000.0, self.timeout) if timeout_ms else self.timeout
@@ -357,13 +357,7 @@ class Conn:
     def close(self) -> None:
         """End the connection and join its thread (unless called from it). Idempotent."""
         self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-        self.sock.close()
+        wire.end(self.sock, self._thread)
         for bufs in (self._push, self._pull):
             for b in bufs.values():
                 b.close()
@@ -377,14 +371,6 @@ def _ready_now(servicer: WorkersServicer, ctl: bytes | bytearray) -> bool:
     except Exception:  # noqa: BLE001 - refused by the Pull itself, in a pool thread
         return False
     return req.min_clock <= 0 and req.min_version <= servicer.store.job.version
-
-
-def _discard(sock: socket.socket, nbytes: int) -> None:
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-    while nbytes:
-        k = min(nbytes, len(scratch))
-        wire.fill(sock, scratch[:k])
-        nbytes -= k
 
 
 class DataPort:

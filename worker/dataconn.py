@@ -151,7 +151,7 @@ class DataConn:
                     if c is not None:
                         raise wire.ProtocolError(f"call {call}: an answer of {nbytes} bytes for a buffer of "
                                                  f"{len(into) if into is not None else 0}")
-                    _skip(self.sock, nbytes)  # a call that gave up (its deadline passed)
+                    wire.discard(self.sock, nbytes)  # a call that gave up (its deadline passed)
                     continue
                 if c is not None:
                     c.status, c.ctl, c.nbytes = status, bytes(ctl), nbytes
@@ -304,21 +304,7 @@ class DataConn:
     def close(self) -> None:
         """End the connection and join its thread (unless called from it). Idempotent."""
         self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-        self.sock.close()
-
-
-def _skip(sock: socket.socket, nbytes: int) -> None:
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-    while nbytes:
-        k = min(nbytes, len(scratch))
-        wire.fill(sock, scratch[:k])
-        nbytes -= k
+        wire.end(self.sock, self._thread)
 
 
 def _bytes(values: torch.Tensor) -> memoryview:

@@ -5,22 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from shardps.protos.security import Security
+from shardps.worker.dataconn import FrameError
 from shardps.worker.transport import Transport
 
-
-class Failure(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+Failure = FrameError  # a failed call as the transport reads it: code() and details(), as gRPC's
 
 
 Server = Callable[[str, str, Any], Any]
