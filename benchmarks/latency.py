@@ -325,15 +325,13 @@ class Bench:
         pull_request = ps_pb2.PullRequest(names=["w"], chunk_bytes=chunk).SerializeToString()
         channel = grpc.insecure_channel(cluster.addresses[0])
         self.stack.append(channel.close)
-        push = channel.unary_unary("/shardps.v1.Workers/Push")
-        pull = channel.unary_unary("/shardps.v1.Workers/Pull")
-        one = ((framing.PULL_ONE_HEADER, "1"),)
-        push_one = ((framing.PUSH_ONE_HEADER, "1"),)
+        push = channel.unary_unary("/shardps.v1.Workers/PushOne")
+        pull = channel.unary_unary("/shardps.v1.Workers/PullOne")
 
         def rpc_round() -> float:  # the two calls the client makes, as it makes them for one message each
             t = time.perf_counter()
-            push(push_msg, timeout=a.rpc_timeout, metadata=push_one)
-            pull(pull_request, timeout=a.rpc_timeout, metadata=one)
+            push(push_msg, timeout=a.rpc_timeout)
+            pull(pull_request, timeout=a.rpc_timeout)
             return time.perf_counter() - t
 
         self.rounds[("inprocess", "canned server")] = client_round

@@ -289,15 +289,6 @@ parse_pull_response = parser(ps_pb2.PullResponse)
 # about 5 us plus slower field reads through the view); above, its data stays a view.
 COPY_BELOW = 64 << 10
 
-# A worker that knows a shard's answer to its Pull is one message (its shard map says so) asks for it
-# with this header as a unary call: the shard then sends the message and its status at once, where a
-# stream waits for the message to be sent before sending the status. The bytes on the wire are the same.
-# A shard whose answer is not one message refuses with FAILED_PRECONDITION and details starting with
-# PULL_NOT_ONE; the worker then asks again without the header. Shards that do not know the header
-# answer as a stream of one message, which a unary call reads as its answer.
-PULL_ONE_HEADER = "shardps-pull-one"
-PUSH_ONE_HEADER = "shardps-push-one"  # a Push of one message, asked as a unary call (the shard reads it whole)
-PULL_NOT_ONE = "Pull: the answer is not one message"
 read_push_request = parser(ps_pb2.PushRequest, copy_below=COPY_BELOW)
 read_pull_response = parser(ps_pb2.PullResponse, copy_below=COPY_BELOW)
 PUSH_CHUNK_FIELD = ps_pb2.PushRequest.DESCRIPTOR.fields_by_name["chunk"].number

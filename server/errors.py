@@ -35,6 +35,10 @@ class Unavailable(StoreError):
     code = "UNAVAILABLE"
 
 
+class OutOfRange(StoreError):
+    code = "OUT_OF_RANGE"
+
+
 class Aborted(StoreError):
     """The job was rolled back (or this shard restarted): resync and redo from the rollback step."""
 

@@ -31,7 +31,7 @@ from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.dataconn import DataPort
-from shardps.server.errors import FailedPrecondition
+from shardps.server.errors import OutOfRange
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.experts import ExpertsServicer
 from shardps.server.metrics import ServerMetrics
@@ -176,22 +176,21 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
              context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from self._pull(request, context)
 
-    def _one_message(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> bytes:
-        """Pull asked as a unary call (framing.PULL_ONE_HEADER): the one message, sent with the status."""
+    def _pull_one(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> bytes:
+        """Workers.PullOne: the one message, sent with the status; OUT_OF_RANGE when it would be more."""
         messages = list(self._pull(request, context))
         if len(messages) != 1:
-            raise FailedPrecondition(f"{framing.PULL_NOT_ONE} but {len(messages)}: ask without the "
-                                     f"{framing.PULL_ONE_HEADER} header")
+            raise OutOfRange(f"PullOne: the answer is {len(messages)} messages, not one: ask with Pull")
         return messages[0]
 
-    pull_one = unary_errors(_one_message, "Pull")
+    PullOne = unary_errors(_pull_one, "Pull")
 
     def _push_one(self, request: ps_pb2.PushRequest, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        """Push asked as a unary call (framing.PUSH_ONE_HEADER): its one message, read whole before the
-        handler runs (no hand-over per message and per end of stream between gRPC's threads)."""
+        """Workers.PushOne: a Push of one message, read whole before the handler runs (no hand-over per
+        message and per end of stream between gRPC's threads)."""
         return self.push_frames(iter((request,)), self.segments)
 
-    push_one = unary_errors(_push_one, "Push")
+    PushOne = unary_errors(_push_one, "Push")
 
     @unary_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
@@ -291,50 +290,22 @@ def _pull_response_bytes(msg: bytes | ps_pb2.PullResponse | ps_pb2.PullRowsRespo
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-class _OneByHeader(grpc.GenericRpcHandler):
-    """Workers.Pull and Push: the streaming handler, or with the method's header (framing.PULL_ONE_HEADER,
-    PUSH_ONE_HEADER) the unary one."""
-
-    def __init__(self, handlers: dict[str, tuple[str, Any, Any]]) -> None:
-        self.handlers = handlers  # method path -> (header, streaming handler, unary handler)
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
-        found = self.handlers.get(handler_call_details.method)
-        if found is None:
-            return None
-        header, stream, one = found
-        chosen: grpc.RpcMethodHandler[Any, Any] = stream
-        for key, _ in handler_call_details.invocation_metadata or ():
-            if key == header:
-                chosen = one
-        return chosen
-
-
 def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer | RowsServicer | ExpertsServicer,
               server: grpc.Server) -> None:
     recorder = _HandlerRecorder()
     add(servicer, recorder)
     handlers = recorder.handlers
     if service == WORKERS and isinstance(servicer, _Servicer):
-        handlers["Push"] = handlers["Push"]._replace(
-            request_deserializer=counted(framing.read_push_request, servicer.store.job.received.add))
-        handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_pull_response_bytes)
+        for name in ("Push", "PushOne"):
+            handlers[name] = handlers[name]._replace(
+                request_deserializer=counted(framing.read_push_request, servicer.store.job.received.add))
+        for name in ("Pull", "PullOne"):
+            handlers[name] = handlers[name]._replace(response_serializer=_pull_response_bytes)
     if service == ROWS:  # PullRows yields its messages framed (framing.pull_rows_message)
         handlers["PullRows"] = handlers["PullRows"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
         handlers[name] = h._replace(request_deserializer=safe_deserializer(name, h.request_deserializer))
-    generic: list[grpc.GenericRpcHandler] = [grpc.method_handlers_generic_handler(service, handlers)]
-    if service == WORKERS:  # Pull's and Push's handlers depend on a header: not registered methods (those have one)
-        assert isinstance(servicer, WorkersServicer)
-        pull, push = handlers.pop("Pull"), handlers.pop("Push")
-        unary = grpc.unary_unary_rpc_method_handler
-        pull_one = unary(servicer.pull_one, request_deserializer=pull.request_deserializer,
-                         response_serializer=_pull_response_bytes)
-        push_one = unary(servicer.push_one, request_deserializer=push.request_deserializer,
-                         response_serializer=push.response_serializer)
-        generic.insert(0, _OneByHeader({f"/{WORKERS}/Pull": (framing.PULL_ONE_HEADER, pull, pull_one),
-                                        f"/{WORKERS}/Push": (framing.PUSH_ONE_HEADER, push, push_one)}))
-    server.add_generic_rpc_handlers(tuple(generic))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
 
 
@@ -348,14 +319,11 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     Every RPC keeps the generated handler; only Push's request deserializer
     (framing.read_push_request: chunk.data stays a view of the received
     bytes, but for small messages) and Pull's and PullRows' response serializers (the servicers yield
-    finished PullResponse and PullRowsResponse bytes) are replaced, and every request deserializer hands
-    over bytes that do not parse as a ``Malformed``. A Pull that carries
-    framing.PULL_ONE_HEADER is answered by a unary handler (its one message
-    and the status at once); a Push that carries framing.PUSH_ONE_HEADER is
-    served by one (its one message read whole before the handler runs). The
-    wire format is unchanged. Returns the workers' shared-memory segments the
-    services map (``segments``, or a new cache): the caller unmaps them. ``data``: the process's data
-    port, which the Workers servicer attaches to; returned with its route (``WorkersServicer.data``).
+    finished PullResponse and PullRowsResponse bytes) are replaced (PushOne's and PullOne's too), and
+    every request deserializer hands over bytes that do not parse as a ``Malformed``. Returns the workers'
+    shared-memory segments the services map (``segments``, or a new cache), which the caller unmaps, and
+    ``data``: the process's data port, which the Workers servicer attaches to, with its route
+    (``WorkersServicer.data``).
     """
     segments = segments if segments is not None else SegmentCache()
     kw: dict[str, Any] = dict(max_wait_s=max_wait_s, chunk_bytes=chunk_bytes, metrics=metrics, segments=segments)

@@ -46,18 +46,18 @@ def test_half_precision_payloads(cluster2, dtype):
 
 
 class _OneHeaders(grpc.ServerInterceptor):
-    """Records, per call of ``method`` (Push or Pull), whether it carried ``header`` (framing.PUSH_ONE_HEADER,
-    PULL_ONE_HEADER) and whether the shard's handler for it streams."""
+    """Records, per call of ``method`` (Push or Pull) or of its unary twin (PushOne, PullOne), whether it was
+    the twin and whether the shard's handler for it streams."""
 
-    def __init__(self, method: str, header: str) -> None:
-        self.method, self.header = f"/{method}", header
+    def __init__(self, method: str) -> None:
+        self.method = method
         self.seen: list[tuple[bool, bool]] = []
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if details.method.endswith(self.method):
-            self.seen.append((any(k == self.header for k, _ in details.invocation_metadata),
-                              handler.request_streaming or handler.response_streaming))
+        name = details.method.rsplit("/", 1)[-1]
+        if name in (self.method, f"{self.method}One"):
+            self.seen.append((name.endswith("One"), handler.request_streaming or handler.response_streaming))
         return handler
 
 
@@ -75,34 +75,34 @@ def _one_shard(make_cluster, headers: _OneHeaders, lr: float,
 
 
 def test_a_one_message_pull_is_a_unary_call_and_a_refused_one_is_asked_again_as_a_stream(make_cluster, monkeypatch):
-    headers = _OneHeaders("Pull", framing.PULL_ONE_HEADER)
+    headers = _OneHeaders("Pull")
     client, w = _one_shard(make_cluster, headers, 0.0, monkeypatch)
     with client:
         assert torch.equal(client.pull()["w"], w)
         assert torch.equal(client.pull(dtype=torch.float16)["w"], w.half())
         client.chunk_bytes = 2048
         assert torch.equal(client.pull()["w"], w)
-        assert headers.seen == [(True, False), (True, False), (False, True)]  # (header, a stream): one when it is
+        assert headers.seen == [(True, False), (True, False), (False, True)]  # (PullOne, a stream): one when it is
         t = client.transport
         two = ps_pb2.PullRequest(names=["w"], chunk_bytes=2048)
         with pytest.raises(grpc.RpcError) as refused:  # asked as one, the shard has two
-            t._pull_one[0](two, timeout=5, metadata=((framing.PULL_ONE_HEADER, "1"),))
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert refused.value.details().startswith(framing.PULL_NOT_ONE)
+            t._pull_one[0](two, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "2 messages, not one" in refused.value.details()
         got = list(t.pull(0, two, one=True))  # the transport then asks for the stream
         assert [r.chunk.offset for r in got] == [0, 512]
         assert torch.equal(torch.cat([codec.decode(r.chunk.data, r.chunk.dtype) for r in got]), w)
 
 
 def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(make_cluster, monkeypatch):
-    headers = _OneHeaders("Push", framing.PUSH_ONE_HEADER)
+    headers = _OneHeaders("Push")
     client, w = _one_shard(make_cluster, headers, 1.0, monkeypatch)
     with client:
         client.push({"w": torch.ones(1000)}, step=0)  # one message: a unary call, the shard's unary handler
         client.chunk_bytes = 2048
         client.push({"w": torch.ones(1000)}, step=1)  # two: a stream
-        assert headers.seen == [(True, False), (False, True)]  # (header, read as a stream)
-        # A worker that sends one message as a stream, without the header, is answered as before.
+        assert headers.seen == [(True, False), (False, True)]  # (PushOne, read as a stream)
+        # A worker that sends one message as a stream (Push, not PushOne) is answered as before.
         prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=0, step=2, base_version=0,
                                         epoch=client.epoch, ends_with_last=True, last=True)
         (_, _, msg), = framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, "w", ps_pb2.FLOAT32,
@@ -118,7 +118,7 @@ def test_a_one_message_push_is_read_whole_and_a_stream_of_one_is_still_taken(mak
         (_, _, msg), = framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, "nope", ps_pb2.FLOAT32,
                                               (1000,), torch.ones(1000), 0, 1000, 4096)
         with pytest.raises(grpc.RpcError) as unknown:
-            client.transport._push_one[0](msg, timeout=5, metadata=((framing.PUSH_ONE_HEADER, "1"),))
+            client.transport._push_one[0](msg, timeout=5)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.value.details()
         assert headers.seen[-1] == (True, False)
         assert torch.equal(client.pull()["w"], w - 1 - 1 - 1)  # three steps of lr 1, each once

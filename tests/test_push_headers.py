@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import shardps
-from shardps.protos import framing
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from tests import fuzzgen
 
@@ -70,16 +69,15 @@ def test_a_streamed_push_whose_found_inf_disagrees_is_refused(one_shard):
 
 
 def test_the_one_message_push_path_refuses_what_the_stream_refuses(one_shard):
-    """A one-message Push is served by a unary handler (framing.PUSH_ONE_HEADER): the same check."""
+    """A one-message Push (Workers.PushOne, a unary handler): the same check."""
     cluster, channel, _ = one_shard
-    one = channel.unary_unary(fuzzgen.method_path("Push"))
-    meta = ((framing.PUSH_ONE_HEADER, "1"),)
+    one = channel.unary_unary(fuzzgen.method_path("PushOne"))
     cut = ps_pb2.PushRequest(worker_id=0, step=0, chunk=chunk(0, 20), ends_with_last=True)  # no last: cut
-    refused(lambda: one(cut.SerializeToString(), timeout=10, metadata=meta), cluster.stores,
+    refused(lambda: one(cut.SerializeToString(), timeout=10), cluster.stores,
             ["ended before its last message"])
-    refused(lambda: one(b"\xff", timeout=10, metadata=meta), cluster.stores, ["does not parse"])
+    refused(lambda: one(b"\xff", timeout=10), cluster.stores, ["does not parse"])
     whole = ps_pb2.PushRequest(worker_id=0, step=0, chunk=chunk(0, 20), ends_with_last=True, last=True)
-    assert ps_pb2.PushResponse.FromString(one(whole.SerializeToString(), timeout=10, metadata=meta)).applied
+    assert ps_pb2.PushResponse.FromString(one(whole.SerializeToString(), timeout=10)).applied
 
 
 def test_a_push_through_shared_memory_whose_messages_disagree_is_refused(one_shard):

@@ -40,8 +40,6 @@ WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go 
 SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
 _NONE: Any = object()  # no message
-_PULL_ONE = ((framing.PULL_ONE_HEADER, "1"),)
-_PUSH_ONE = ((framing.PUSH_ONE_HEADER, "1"),)
 
 
 def gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
@@ -151,9 +149,9 @@ class Transport:
         """A Push of serialized PushRequests (``framing``) to ``shard``: made by ``via``'s ``calls`` when the
         path that made the messages has them (a data connection), else over gRPC.
 
-        A Push of one message (a small model's whole gradient) goes as a unary call of the same method:
-        on the wire a client stream of one message is exactly that, and a unary call runs in the
-        caller's thread, where gRPC reads a request stream in a thread it starts for every call.
+        A Push of one message (a small model's whole gradient) goes as the unary PushOne: a unary call
+        runs in the caller's thread, where gRPC reads a request stream in a thread it starts for every
+        call.
         ``stream``: a stream whatever its length (its messages come while the caller computes: nothing
         is read ahead of the call).
         """
@@ -165,7 +163,7 @@ class Transport:
         first = next(requests, _NONE)
         second = next(requests, _NONE) if first is not _NONE else _NONE
         if second is _NONE and first is not _NONE:
-            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout, metadata=_PUSH_ONE)
+            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout)
             return one
         messages = requests if first is _NONE else itertools.chain((first, second), requests)
         response: ps_pb2.PushResponse = self._push_raw[shard](messages, timeout=self.timeout)
@@ -178,18 +176,18 @@ class Transport:
         when the path that made the request has them, its parts landing where ``place`` says
         (``Calls.pull``).
 
-        ``one``: the caller knows the answer is one message, which is then asked as a unary call with
-        ``framing.PULL_ONE_HEADER`` (the shard sends the message and its status at once). Should the
-        shard answer that it has more, the Pull is asked again as a stream.
+        ``one``: the caller knows the answer is one message, which is then asked as the unary PullOne
+        (the shard sends the message and its status at once). Should the shard answer that it has more
+        (OUT_OF_RANGE), the Pull is asked again as a stream.
         """
         if via is not None and via.calls is not None:
             return via.calls.pull(request, self.timeout, place)
         if one:
             try:
-                return iter((self._pull_one[shard](request, timeout=self.timeout, metadata=_PULL_ONE),))
+                return iter((self._pull_one[shard](request, timeout=self.timeout),))
             except grpc.RpcError as e:
                 code, details = status_of(e)
-                if code != grpc.StatusCode.FAILED_PRECONDITION or not details.startswith(framing.PULL_NOT_ONE):
+                if code != grpc.StatusCode.OUT_OF_RANGE:
                     raise
                 log.warning("shard %d: %s", shard, details)
         responses: Iterator[Any] = self._pull_raw[shard](request, timeout=self.timeout)
@@ -211,13 +209,13 @@ class Transport:
             f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
             _registered_method=True)
         push_one: Any = channel.unary_unary(  # type: ignore[call-arg]
-            f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
+            f"/{WORKERS}/PushOne", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
             _registered_method=True)
         pull: Any = channel.unary_stream(  # type: ignore[call-arg]
             f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=framing.read_pull_response, _registered_method=True)
         pull_one: Any = channel.unary_unary(  # type: ignore[call-arg]
-            f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            f"/{WORKERS}/PullOne", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=framing.read_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)

@@ -19,7 +19,8 @@ T = TypeVar("T")
 PACKAGE = "shardps.v1"
 # The services of ps.proto, one per audience, and their methods (every method a case may call).
 SERVICES: dict[str, tuple[str, ...]] = {
-    "Workers": ("Register", "Push", "Pull", "Heartbeat", "Leave", "Describe", "Recover", "TakeOver"),
+    "Workers": ("Register", "Push", "Pull", "PushOne", "PullOne", "Heartbeat", "Leave", "Describe", "Recover",
+                "TakeOver"),
     "Operator": ("Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"),
     "Peers": ("Exchange", "Replicate"),  # and Describe, which the workers' service has too
     "Rows": ("RegisterRows", "PullRows", "PushRows"),  # row tables (docs/sparse.md)
@@ -296,7 +297,7 @@ class Case:
     may_block: bool = False  # may legitimately wait until its deadline
     malformed: bool = False  # some raw message is not a valid request message
     defects: tuple[str, ...] = ()  # deliberate faults, each enough for a refusal
-    one_message: bool = False  # a Push of one message, sent as the unary call (framing.PUSH_ONE_HEADER)
+    one_message: bool = False  # a Push of one message, sent as the unary Workers.PushOne
     to_backup: bool = False  # sent to the backup of shard ``shard`` (--replicas 2), not to its primary
 
     def __repr__(self) -> str:

@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardps.protos.framing import PUSH_ONE_HEADER
 from shardps.protos.rows import shard_of
 from shardps.protos.shardps.v1 import ps_pb2
 from tests.fuzzgen.cases import (
@@ -89,9 +88,8 @@ class Fuzzer:
         t0 = time.monotonic()
         try:
             if case.one_message:  # the unary handler of a one-message Push (what PSClient uses for small models)
-                fn = self.channels[case.shard].unary_unary(method_path("Push"))
-                res = [RESPONSE_TYPES["Push"].FromString(fn(case.request_bytes()[0], timeout=case.timeout,
-                                                             metadata=((PUSH_ONE_HEADER, "1"),)))]
+                fn = self.channels[case.shard].unary_unary(method_path("PushOne"))
+                res = [RESPONSE_TYPES["Push"].FromString(fn(case.request_bytes()[0], timeout=case.timeout))]
             elif case.raw is not None or case.to_backup:
                 fn = self._raw_callable(case)
                 case_raw = case.request_bytes()

@@ -53,6 +53,16 @@ class WorkersStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PushOne = channel.unary_unary(
+                '/shardps.v1.Workers/PushOne',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.PullOne = channel.unary_unary(
+                '/shardps.v1.Workers/PullOne',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/shardps.v1.Workers/Heartbeat',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
@@ -101,6 +111,23 @@ class WorkersServicer:
 
     def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushOne(self, request, context):
+        """Push of one message, as a unary call: the shard reads it whole before
+        its handler runs (a small model's step; no hand-over per message).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullOne(self, request, context):
+        """Pull whose answer is one message, as a unary call (the message and the
+        status at once). OUT_OF_RANGE when the answer is more than one message:
+        ask again with Pull.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -154,6 +181,16 @@ def add_WorkersServicer_to_server(servicer, server):
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
+            ),
+            'PushOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushOne,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PullOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullOne,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
             ),
@@ -266,6 +303,60 @@ class Workers:
             request,
             target,
             '/shardps.v1.Workers/Pull',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Workers/PushOne',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Workers/PullOne',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
             options,
