@@ -52,7 +52,8 @@ def test_the_services_have_one_audience_each():
     assert audience_of("/grpc.health.v1.Health/Check") is None
     services = {s.name: [m.name for m in s.methods] for s in ps_pb2.DESCRIPTOR.services_by_name.values()}
     assert services == {
-        "Workers": ["Register", "Push", "Pull", "Heartbeat", "Leave", "Describe", "Recover", "TakeOver"],
+        "Workers": ["Register", "Push", "Pull", "PushOne", "PullOne", "Heartbeat", "Leave", "Describe", "Recover",
+                    "TakeOver"],
         "Operator": ["Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"],
         "Peers": ["Exchange", "Replicate", "Describe"],
         "Rows": ["RegisterRows", "PullRows", "PushRows"],

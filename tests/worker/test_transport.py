@@ -212,7 +212,7 @@ def test_a_push_of_one_message_is_one_unary_call_and_a_longer_one_a_stream():
         assert t.push(0, iter([])).version == 4  # nothing: the stream, and the server's own answer
     finally:
         t.close()
-    assert seen == [("Push", b"one"), ("Push", [b"one", b"two", b"three"]), ("Push", b""), ("Push", [])]
+    assert seen == [("PushOne", b"one"), ("Push", [b"one", b"two", b"three"]), ("PushOne", b""), ("Push", [])]
 
 
 def test_backups_need_one_entry_per_shard():
