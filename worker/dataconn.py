@@ -43,6 +43,7 @@ from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.layout import Layout
 from shardps.worker.paths import Frames, GrpcPath, Routing, Staged
 from shardps.worker.pushframes import PushFramer
+from shardps.worker.reach import StatusError
 
 log = logging.getLogger("shardps.worker")
 
@@ -53,18 +54,7 @@ def wanted(security: Security) -> bool:
     return env.pick_bool(None, env.TCP, True)
 
 
-class FrameError(grpc.RpcError):
-    """A call on a data connection that failed: read as a gRPC error (``code()``, ``details()``)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+FrameError = StatusError  # a failed call on a data connection, as the transport reads a gRPC error
 
 
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}

@@ -49,6 +49,21 @@ def explain_unreachable(security: Security, details: str) -> str:
     return ""
 
 
+class StatusError(grpc.RpcError):
+    """A failed call made other than by a gRPC channel (a data connection's frame, an expert actor's answer),
+    read as gRPC's own errors are: ``code()``, ``details()``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     """A gRPC failure's status code and details (UNKNOWN and its text when it carries none)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN

@@ -42,6 +42,7 @@ from shardps.protos.shardps.v1 import experts_pb2, ps_pb2
 from shardps.server.errors import StoreError
 from shardps.server.experts import Program, check_program, decode, run_backward, run_forward
 from shardps.server.rpc import details, status_code
+from shardps.worker.reach import StatusError
 from shardps.worker.transport import Transport
 
 __all__ = ["ActorEndpoint", "ExpertActor", "ExpertActors", "start_expert_actors"]
@@ -142,18 +143,7 @@ class ExpertActor:
         self.transport.close()
 
 
-class ActorRpcError(grpc.RpcError):
-    """An expert actor's answer that is not OK, as the gRPC error the shard would have raised."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self._code, self._details = code, message
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+ActorRpcError = StatusError  # an expert actor's answer that is not OK, as the gRPC error the shard would raise
 
 
 class ActorEndpoint:
