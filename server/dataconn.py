@@ -239,10 +239,7 @@ class Conn:
                             [f"no shard serves route {route} on this data port (stopped?)".encode()])
             return
         if kind == wire.PULL:
-            if _ready_now(servicer, ctl):  # nothing to wait for: answered here, no hand-off to a pool thread
-                self._pull_call(servicer, call, route, bytes(ctl), buffer_bytes, timeout)
-            else:
-                self.port.pool.submit(self._pull_call, servicer, call, route, bytes(ctl), buffer_bytes, timeout)
+            self.port.pool.submit(self._pull_call, servicer, call, route, bytes(ctl), buffer_bytes, timeout)
             return
         if kind == wire.PUSH:
             self._push_call(servicer, call, ctl, target if extents else None, extents)
@@ -361,16 +358,6 @@ class Conn:
         for bufs in (self._push, self._pull):
             for b in bufs.values():
                 b.close()
-
-
-def _ready_now(servicer: WorkersServicer, ctl: bytes | bytearray) -> bool:
-    """Whether a Pull asks for nothing to wait for: a version the shard has, no clock (read without the lock:
-    a hint; the Pull itself checks under it, and versions only go up but at a rollback)."""
-    try:
-        req = ps_pb2.PullRequest.FromString(bytes(ctl))
-    except Exception:  # noqa: BLE001 - refused by the Pull itself, in a pool thread
-        return False
-    return req.min_clock <= 0 and req.min_version <= servicer.store.job.version
 
 
 class DataPort:

@@ -278,7 +278,6 @@ class DataPath:
                                            "weights": [[n, a, w] for (n, a), w in (weights or {}).items()],
                                            "sync": sync, "sync_switch": sync_switch},
                            packed=packed)
-            moved_from = (job.version, min(job.clocks().values(), default=0))
             updates = policy.offer(Contribution(worker_id, step, base_version, found_inf, late), grads, weights)
             job.pushes_total += 1
             job.push_bytes_total += nbytes
@@ -289,11 +288,7 @@ class DataPath:
             policy = job.policy
             assert policy is not None
             ready = job.version + (1 if policy.holds(worker_id) else 0)
-            if (job.version, min(job.clocks().values(), default=0)) != moved_from:
-                # What a parked Pull waits for moved (a version, the slowest clock): wake them. A push that
-                # moves neither (a bsp round not yet whole) wakes nobody: each woken Pull costs a thread
-                # hand-off for nothing (docs/performance.md, "The data connection").
-                self._cond.notify_all()
+            self._cond.notify_all()  # versions and clocks moved
             result = PushResult(job.version, applied=applied, duplicate=False, sync=job.sync_text,
                                 loss_scale=self.applier.loss_scale, ready_version=ready,
                                 sync_switch=job.sync_switches_total)

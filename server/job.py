@@ -102,8 +102,7 @@ class Job:
                                      or self._moved_to() != "", timeout)
         finally:
             self.waiting -= 1
-            if self.waiting == 0:  # what a halt waits for (parked waits have left); nobody else reads it
-                self._cond.notify_all()
+            self._cond.notify_all()
         if ok:
             self.check_halted()
         return ok, start_epoch
