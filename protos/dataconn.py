@@ -46,6 +46,8 @@ its status, and nothing is applied.
 
 from __future__ import annotations
 
+import collections
+import os
 import socket
 import ssl
 import struct
@@ -166,6 +168,118 @@ def send(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
+
+
+IOV_MAX = 1024  # the most buffers one writev takes (Linux's UIO_MAXIOV)
+
+
+class Sender:
+    """Frames onto one connection, whole and in order, without the caller ever waiting for the peer.
+
+    ``send`` writes what the socket takes at once (``os.writev`` on the
+    socket's non-blocking descriptor, straight from the parts' memory, the
+    interpreter's lock released); what it does not take goes, with every
+    frame after it, to the connection's writer thread, which sends it as
+    the peer reads (within the socket's deadline). A frame sent from a
+    reading thread (an answer sent by the thread that applied the step, the
+    next push of a window sent by the thread that read the last answer) can
+    then never block that reading: two ends whose reading threads both
+    waited on a full socket would wait for each other. On a quiet link the
+    writer thread is never started: no hand-off between threads.
+
+    Under TLS every frame goes through the writer thread (the SSL object
+    cannot write part of a record without blocking).
+
+    The parts must stay unchanged until the call they belong to is answered
+    (the peer has then read them all). A failed write ends the connection
+    (``on_error``: the reading thread then ends every call in flight).
+    Thread-safety: ``send`` may be called from any thread.
+    """
+
+    def __init__(self, sock: socket.socket, name: str, on_error: Callable[[str], None]) -> None:
+        self._sock, self._name, self._on_error = sock, name, on_error
+        # A frame is written by its caller only where the descriptor does not block (a socket with a deadline).
+        self._tls = isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is None
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: collections.deque[list[memoryview]] = collections.deque()  # head: being written
+        self._writer: threading.Thread | None = None
+        self.error = ""
+        self.closed = False
+        self.inline_frames = 0  # written whole by the caller
+        self.queued_frames = 0  # handed (in part) to the writer thread
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        """One frame (OSError once the connection failed: nothing of it was sent)."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        with self._cv:
+            if self.error or self.closed:
+                raise OSError(self.error or "connection closed")
+            if not self._queue and not self._tls:
+                try:
+                    views = _write_some(self._sock.fileno(), views)
+                except OSError as e:
+                    self._failed(f"send failed: {e.strerror or e}")
+                    raise OSError(self.error) from None
+                if not views:
+                    self.inline_frames += 1
+                    return
+            self._queue.append(views)
+            self.queued_frames += 1
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name=f"{self._name}-writer", daemon=True)
+                self._writer.start()
+            self._cv.notify()
+
+    def _failed(self, why: str) -> None:
+        """Under the lock: the connection failed; what is queued is dropped."""
+        if not self.error:
+            self.error = why
+        self._queue.clear()
+        self._cv.notify_all()
+
+    def _write(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self.closed and not self.error:
+                    self._cv.wait()
+                if self.closed or self.error:
+                    return
+                views = self._queue[0]
+            try:
+                send(self._sock, views)
+            except OSError as e:
+                with self._cv:
+                    self._failed(f"send failed: {e.strerror or e}")
+                self._on_error(self.error)
+                return
+            with self._cv:
+                if self._queue:
+                    self._queue.popleft()
+
+    def close(self) -> None:
+        """No more frames; the writer thread ends (what it still held is dropped) and is joined."""
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+            writer = self._writer
+        if writer is not None and writer is not threading.current_thread():
+            writer.join()
+
+
+def _write_some(fd: int, views: list[memoryview]) -> list[memoryview]:
+    """Write ``views`` to the non-blocking ``fd`` until done or the socket is full; what is left."""
+    at = 0
+    while at < len(views):
+        try:
+            n = os.writev(fd, views[at : at + IOV_MAX])
+        except BlockingIOError:
+            break
+        while at < len(views) and n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if n:
+            views[at] = views[at][n:]
+    return views[at:]
 
 
 def joined(messages: Iterable[bytes]) -> list[bytes]:

@@ -42,12 +42,13 @@ import secrets
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shardps.protos import dataconn as wire
 from shardps.protos import shm
+from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import keepalive_seconds
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import DeadlineExceeded, InvalidArgument, StoreError, Unavailable
@@ -74,6 +75,9 @@ class WorkersServicer(Protocol):
     def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments) -> ps_pb2.PushResponse: ...
 
     def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]: ...
+
+    def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
+                  answer: Callable[[list[bytes] | None, BaseException | None], None]) -> bool: ...
 
     def wait_limit(self, remaining: float | None) -> float: ...
 
@@ -158,7 +162,7 @@ class Conn:
 
     def __init__(self, port: DataPort, worker_id: int, sock: socket.socket, timeout: float) -> None:
         self.port, self.worker_id, self.sock, self.timeout = port, worker_id, sock, timeout
-        self._send_lock = threading.Lock()
+        self.sender = wire.Sender(sock, f"shardps-data-w{worker_id}", self._send_failed)
         self._push: dict[int, Buffer] = {}
         self._pull: dict[int, Buffer] = {}
         self._streams: dict[int, queue.SimpleQueue[Any]] = {}  # call -> its messages, as they come
@@ -177,11 +181,15 @@ class Conn:
         nbytes = payload.nbytes if payload is not None else 0
         head = wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, status, nctl, nbytes)
         try:
-            with self._send_lock:
-                wire.send(self.sock, [head, *ctl, *((payload,) if payload is not None else ())])
+            self.sender.send([head, *ctl, *((payload,) if payload is not None else ())])
         except OSError as e:
             log.info("data connection of worker %d: answer to call %d not sent (%s)", self.worker_id, call, e)
             self.close()
+
+    def _send_failed(self, why: str) -> None:
+        """The writer thread could not send (the worker went): the connection ends."""
+        log.info("data connection of worker %d: %s", self.worker_id, why)
+        self._shut()
 
     def _run(self) -> None:
         head = bytearray(wire.REQUEST.size)
@@ -239,7 +247,8 @@ class Conn:
                             [f"no shard serves route {route} on this data port (stopped?)".encode()])
             return
         if kind == wire.PULL:
-            self.port.pool.submit(self._pull_call, servicer, call, route, bytes(ctl), buffer_bytes, timeout)
+            if not self._pull_soon(servicer, call, route, ctl, buffer_bytes, timeout):
+                self.port.pool.submit(self._pull_call, servicer, call, route, bytes(ctl), buffer_bytes, timeout)
             return
         if kind == wire.PUSH:
             self._push_call(servicer, call, ctl, target if extents else None, extents)
@@ -320,14 +329,42 @@ class Conn:
         finally:
             self._stream_extents.pop(call, None)
 
+    def _pull_request(self, ctl: bytes | bytearray) -> ps_pb2.PullRequest:
+        try:
+            req = ps_pb2.PullRequest.FromString(bytes(ctl))
+        except Exception as e:  # noqa: BLE001 - a message that does not parse is the caller's error
+            raise InvalidArgument(f"Pull: the frame's control does not parse as a PullRequest: {e}") from None
+        self._own(req.worker_id, "Pull")
+        return req
+
+    def _pull_soon(self, servicer: WorkersServicer, call: int, route: int, ctl: bytearray, buffer_bytes: int,
+                   timeout: float) -> bool:
+        """A Pull answered without a thread of its own where the shard can (server/parked.py): at once in
+        this thread when its weights are there, else by the thread that makes them so; False when it needs
+        the pool's thread (``WorkersServicer.pull_soon``)."""
+        def answered(messages: list[bytes] | None, error: BaseException | None) -> None:
+            if messages is None:
+                assert error is not None
+                self.answer(wire.PULL, call, *self._failed(servicer, "Pull", error))
+                return
+            self.answer(wire.PULL, call, wire.OK, wire.joined(messages),
+                        pull.view(0, pull.used) if pull.used else None)
+
+        try:
+            req = self._pull_request(ctl)
+            if req.shm != wire.FRAME_SEGMENT:
+                return False
+            pull = PullBuffer(self._pull.setdefault(route, Buffer()), buffer_bytes)
+            return servicer.pull_soon(req, servicer.wait_limit(timeout), FrameSegments(servicer.segments, pull=pull),
+                                      self.port.deadlines, answered)
+        except Exception as e:  # noqa: BLE001 - answered as its status
+            self.answer(wire.PULL, call, *self._failed(servicer, "Pull", e))
+            return True
+
     def _pull_call(self, servicer: WorkersServicer, call: int, route: int, ctl: bytes, buffer_bytes: int,
                    timeout: float) -> None:
         try:
-            try:
-                req = ps_pb2.PullRequest.FromString(ctl)
-            except Exception as e:  # noqa: BLE001 - a message that does not parse is the caller's error
-                raise InvalidArgument(f"Pull: the frame's control does not parse as a PullRequest: {e}") from None
-            self._own(req.worker_id, "Pull")
+            req = self._pull_request(ctl)
             pull = PullBuffer(self._pull.setdefault(route, Buffer()), buffer_bytes) \
                 if req.shm == wire.FRAME_SEGMENT else None
             # The wait ends a little before the worker's deadline, so that it reads this server's account of
@@ -351,9 +388,17 @@ class Conn:
             if b is not None:
                 b.close()
 
+    def _shut(self) -> None:
+        """Shut the socket: the reading thread ends (and closes the connection)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
-        """End the connection and join its thread (unless called from it). Idempotent."""
+        """End the connection and join its threads (unless called from one). Idempotent."""
         self.closed = True
+        self.sender.close()
         wire.end(self.sock, self._thread)
         for bufs in (self._push, self._pull):
             for b in bufs.values():
@@ -401,6 +446,7 @@ class DataPort:
             self._listener.close()
             raise
         self.port: int = self._listener.getsockname()[1]
+        self.deadlines = Deadlines("shardps-data-deadlines")  # of the Pulls parked without a thread
         self._accepting = threading.Thread(target=self._accept, name=f"shardps-data-accept-{self.port}", daemon=True)
         self._accepting.start()
 
@@ -526,3 +572,4 @@ class DataPort:
         # A call still running ends by its own deadline (the store's max wait): joined, as gRPC's handlers are.
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.streams.shutdown(wait=True, cancel_futures=True)
+        self.deadlines.close()

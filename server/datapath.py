@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from shardps.protos import codec
+from shardps.protos.deadlines import Deadlines
 from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
 from shardps.protos.slices import TensorSlice
@@ -38,6 +38,7 @@ from shardps.server.checkpoint import Checkpointer
 from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, StoreError
 from shardps.server.job import Job
 from shardps.server.membership import Clock, Leases
+from shardps.server.parked import Parked, Signal
 from shardps.server.pullcache import Framing, Item, Reader, payload_bytes
 from shardps.server.remedies import Remedy, RemedyKind
 from shardps.server.replica import ReplicaSide
@@ -58,11 +59,12 @@ SMALL_PULL_BYTES = 1 << 20
 class DataPath:
     """Register, Push, Pull and sync switches over the store's parts; see the module docstring."""
 
-    def __init__(self, shard_index: int, num_shards: int, cond: threading.Condition, *, table: TensorTable,
+    def __init__(self, shard_index: int, num_shards: int, cond: Signal, *, table: TensorTable,
                  job: Job, leases: Leases, applier: Applier, reader: Reader, replica: ReplicaSide,
                  checkpointer: Checkpointer, checkpoint: Callable[[], str], clock: Clock) -> None:
         self.shard_index, self.num_shards = shard_index, num_shards
         self._cond = cond
+        self.parked = Parked(cond, halted=job.halted_since, count=job.count_waiting)
         self.table, self.job, self.leases, self.applier, self.reader = table, job, leases, applier, reader
         self.replica, self.checkpointer, self._checkpoint, self.clock = replica, checkpointer, checkpoint, clock
 
@@ -328,6 +330,58 @@ class DataPath:
                                            worker_id=worker_id)
         self.replica.replicated()  # workers see only weights the backup holds too (--replicas 2)
         return waited, messages
+
+    def parks(self) -> bool:
+        """Whether a Pull may wait without a thread (``pull_soon``): not with a backup, whose holding the
+        weights its answer would wait for."""
+        return self.replica.replicator is None
+
+    def pull_soon(self, worker_id: int, names: list[str], wire_dtype: int | None, *, min_version: int,
+                  min_clock: int, epoch: int, timeout: float, segment: Segment, deadlines: Deadlines,
+                  answer: Callable[[float, list[Item] | None, BaseException | None], None]) -> None:
+        """``pull`` into ``segment`` (the data connection's) without a thread that waits
+        (server/parked.py): answered in this thread when the weights are there, else parked and answered
+        by the thread whose change makes them so, or ``timeout`` from now with DEADLINE_EXCEEDED, as
+        ``pull``'s wait would. ``answer(seconds waited, messages, None)`` or ``answer(seconds waited, None,
+        error)``: called once, outside the lock (a failure before any wait is raised instead). Only where
+        ``parks()``."""
+        job = self.job
+        t0 = time.monotonic()
+        with self._cond:
+            if not names:
+                names = sorted(self.table)
+            job.check_epoch(epoch)
+            self.leases.membership.touch(worker_id)
+            for n in names:
+                self.table.spec(n)  # NotFound before any wait
+
+            def ready() -> bool:
+                return job.version >= min_version and (min_clock <= 0 or job.slowest_clock() >= min_clock)
+
+            def finish(timed_out: bool) -> None:
+                try:
+                    with self._cond:
+                        if timed_out:
+                            raise job.wait_failure(min_version, min_clock, timeout)
+                        job.check_halted()
+                        job.check_epoch(epoch)
+                        slowest = job.slowest_clock() if min_clock > 0 else 0
+                        self.leases.membership.touch(worker_id)
+                    waited = time.monotonic() - t0
+                    _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
+                                                        worker_id=worker_id)
+                    # A backup attached since the Pull parked (a rare moment): its answer waits for it, as
+                    # ``pull``'s would, in this thread.
+                    self.replica.replicated()
+                except Exception as e:  # noqa: BLE001 - the Pull's answer
+                    answer(time.monotonic() - t0, None, e)
+                    return
+                answer(waited, messages, None)
+
+            if not ready():
+                self.parked.park(ready, finish, t0 + timeout, job.epoch, deadlines)
+                return
+        finish(False)
 
     def _wait(self, worker_id: int, names: Sequence[str], min_version: int, min_clock: int, epoch: int,
               timeout: float) -> tuple[float, int]:

@@ -93,19 +93,43 @@ class Job:
             raise Aborted(f"the job was rolled back (shard {self.shard_index} is in epoch {self.epoch}, "
                           f"the request in {epoch}): resync")
 
+    def halted_since(self, epoch: int) -> bool:
+        """Under the lock: whether a wait begun in ``epoch`` must end whatever it waits for (a halt, a
+        rollback, a takeover: ``check_halted`` and ``check_epoch`` then say which)."""
+        return self.closing or self.epoch != epoch or self._moved_to() != ""
+
+    def count_waiting(self, delta: int) -> None:
+        """Under the lock: a Pull parked without a thread (server/parked.py) counts in ``waiting`` too."""
+        self.waiting += delta
+
     def _park(self, ready: Callable[[], bool], timeout: float) -> tuple[bool, int]:
         """Under the lock: park until ``ready`` or a halt, rollback or takeover; (ready, epoch at the start)."""
         start_epoch = self.epoch
         self.waiting += 1
         try:
-            ok = self._cond.wait_for(lambda: ready() or self.closing or self.epoch != start_epoch
-                                     or self._moved_to() != "", timeout)
+            ok = self._cond.wait_for(lambda: ready() or self.halted_since(start_epoch), timeout)
         finally:
             self.waiting -= 1
             self._cond.notify_all()
         if ok:
             self.check_halted()
         return ok, start_epoch
+
+    def slowest_clock(self) -> int:
+        """Under the lock: the slowest live worker's clock (0 with none)."""
+        c = self.clocks()
+        return min(c.values()) if c else 0
+
+    def wait_failure(self, min_version: int, min_clock: int, timeout: float) -> DeadlineExceeded:
+        """Under the lock: the error of a wait for ``min_version`` and ``min_clock`` that ran out, naming
+        what it still waits for (as ``wait_version`` and ``wait_clock`` raise it)."""
+        if self.version < min_version:
+            waiting = self.policy.waiting_on() if self.policy else "no job configured"
+            return DeadlineExceeded(f"shard {self.shard_index} is at version {self.version}, waited {timeout:.1f}s "
+                                    f"for version {min_version}: {waiting}")
+        behind = {w: c for w, c in self.clocks().items() if c < min_clock}
+        return DeadlineExceeded(f"shard {self.shard_index}: waited {timeout:.1f}s for every worker to reach clock "
+                                f"{min_clock} ({self.sync}); behind: {behind}")
 
     def wait_version(self, min_version: int, timeout: float, epoch: int | None = None) -> int:
         """Block until the shard reaches ``min_version``; return the version then."""
@@ -114,11 +138,7 @@ class Job:
             if ok:
                 self.check_epoch(start_epoch if epoch is None else epoch)
                 return self.version
-            waiting = self.policy.waiting_on() if self.policy else "no job configured"
-            raise DeadlineExceeded(
-                f"shard {self.shard_index} is at version {self.version}, waited {timeout:.1f}s "
-                f"for version {min_version}: {waiting}"
-            )
+            raise self.wait_failure(min_version, 0, timeout)
 
     def clocks(self) -> dict[int, int]:
         """Under the lock: the clocks of the live workers (the steps each pushed; evicted ones do not hold
@@ -128,19 +148,11 @@ class Job:
     def wait_clock(self, min_clock: int, timeout: float) -> int:
         """Block until every worker's clock is >= ``min_clock`` (SSP); return the slowest clock."""
         with self._cond:
-            def slowest() -> int:
-                c = self.clocks()
-                return min(c.values()) if c else 0
-
-            ok, start_epoch = self._park(lambda: slowest() >= min_clock, timeout)
+            ok, start_epoch = self._park(lambda: self.slowest_clock() >= min_clock, timeout)
             if ok:
                 self.check_epoch(start_epoch)
-                return slowest()
-            behind = {w: c for w, c in self.clocks().items() if c < min_clock}
-            raise DeadlineExceeded(
-                f"shard {self.shard_index}: waited {timeout:.1f}s for every worker to reach clock "
-                f"{min_clock} ({self.sync}); behind: {behind}"
-            )
+                return self.slowest_clock()
+            raise self.wait_failure(0, min_clock, timeout)
 
     def close(self) -> None:
         """Shutting down: waits in progress end with UNAVAILABLE (they have left when this returns, or 5 s

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.protos import codec, env, framing
+from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
@@ -35,6 +36,7 @@ from shardps.server.errors import OutOfRange
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.experts import ExpertsServicer
 from shardps.server.metrics import ServerMetrics
+from shardps.server.pullcache import Item
 from shardps.server.replication import GrpcReplicaLink, read_ops
 from shardps.server.rowservice import RowsServicer
 from shardps.server.rpc import safe_deserializer, stream_errors, unary_errors
@@ -170,6 +172,29 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         if self.metrics is not None and (q.min_version or q.min_clock):
             self.metrics.observe_wait(waited, str(self.store.sync or ""))
         return iter(messages)
+
+    def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
+                  answer: Callable[[list[bytes] | None, BaseException | None], None]) -> bool:
+        """``pull_frames`` without a thread that waits (server/parked.py), the messages or the failure given
+        to ``answer`` once (in this thread, or in the one whose change made the weights ready, or at the
+        deadline); False, with nothing done, where the Pull needs a thread: it names slices or no segment,
+        or the store has a backup. A failure before any wait is raised."""
+        store = self.store
+        if request.slices or not request.shm or not store.path.parks():
+            return False
+        store.check_serving()
+        q = decode_pull(request, self.chunk_bytes, segments)
+        assert q.segment is not None
+        metrics, waits = self.metrics, bool(q.min_version or q.min_clock)
+
+        def done(waited: float, items: list[Item] | None, error: BaseException | None) -> None:
+            if error is None and metrics is not None and waits:
+                metrics.observe_wait(waited, str(store.job.sync or ""))
+            answer([msg for *_, msg in items] if items is not None else None, error)
+
+        store.path.pull_soon(q.worker_id, q.names, q.wire_dtype, min_version=q.min_version, min_clock=q.min_clock,
+                             epoch=q.epoch, timeout=timeout, segment=q.segment, deadlines=deadlines, answer=done)
+        return True
 
     @stream_errors
     def Pull(self, request: ps_pb2.PullRequest,

@@ -56,7 +56,6 @@ checkpoint's disk writes, never over a call to another server.)
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -73,6 +72,7 @@ from shardps.server.datapath import DataPath
 from shardps.server.errors import FailedPrecondition
 from shardps.server.job import Job
 from shardps.server.membership import DEFAULT_LEASE_S, Clock, Leases, Membership
+from shardps.server.parked import Signal
 from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
 from shardps.server.pullcache import PullCache, Reader
 from shardps.server.remedies import Remedy
@@ -130,7 +130,7 @@ class ShardStore:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.clock = clock
-        self._cond = cond = threading.Condition(threading.Lock())
+        self._cond = cond = Signal()  # a Condition that also releases Pulls parked without a thread
         # The parts, each given what it needs. Leases and the reader call back into the data path, built last
         # (``path`` below is bound by the time any request runs).
         path: DataPath

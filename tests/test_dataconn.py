@@ -172,10 +172,9 @@ def test_a_frame_that_breaks_the_protocol_ends_the_connection_and_the_shard_goes
             "bad-magic": wire.REQUEST.pack(b"XXXX", wire.PUSH, 999, path.route, 5000, nctl, 1, 80),
             "huge-control": wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, 999, path.route, 5000,
                                               wire.MAX_CTL + 1, 1, 80)}[how]
-    with conn._send_lock:
-        conn.sock.sendall(head + b"".join(msg) + wire.EXTENT.pack(0, 80) + bytes(30))
-        if how == "torn":
-            conn.sock.shutdown(socket.SHUT_WR)  # the worker's end stops mid-frame
+    conn.sender.send([head + b"".join(msg) + wire.EXTENT.pack(0, 80) + bytes(30)])  # in order with any other frame
+    if how == "torn":
+        conn.sock.shutdown(socket.SHUT_WR)  # the worker's end stops mid-frame
     conn._thread.join(10)
     assert not conn._thread.is_alive() and conn.error  # the server closed it
     assert isinstance(client.paths[0], GrpcPath)
@@ -229,3 +228,83 @@ def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(mak
         half = torch.empty(40, 25, dtype=torch.bfloat16)  # another dtype than the wire's: read, then cast
         client.pull(out={"w": half})
         assert torch.equal(half, w.to(torch.bfloat16)) and not any(p._landed for p in client.paths)
+
+
+def _server_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
+
+
+def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_round_answers_it(make_cluster):
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    a = shardps.connect(cluster.addresses, worker_id=0, num_workers=2, shm=False, timeout=20.0)
+    b = shardps.connect(cluster.addresses, worker_id=1, num_workers=2, shm=False, timeout=20.0)
+    try:
+        w = torch.randn(300)
+        for c in (a, b):
+            c.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert isinstance(a.paths[0], ConnPath)
+        a.push({"w": torch.ones(300)}, step=0)
+        before = _server_threads()
+        pull = a.pull_async(min_versions=[1])  # the round waits for worker 1
+        with store._cond:  # parked: counted as a waiting Pull, held by no thread
+            assert store._cond.wait_for(lambda: store.job.waiting == 1, 10)
+            assert len(store.path.parked) == 1
+        assert _server_threads() == before and not pull.done()
+        b.push({"w": 3 * torch.ones(300)}, step=0)  # the round's last push: its thread answers the parked Pull
+        got = pull.result()["w"]
+        assert torch.equal(got, w - 2 * torch.ones(300)) and store.job.waiting == 0
+        assert len(store.path.parked) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_parked_pull_past_its_deadline_is_answered_with_what_it_waited_for(make_cluster):
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=2, shm=False, timeout=1.5,
+                         recovery_timeout=0.5) as a:
+        a.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        a.push({"w": torch.ones(8)}, step=0)
+        with pytest.raises(shardps.ShardError) as err:
+            a.pull(min_versions=[1])
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "at version 0" in err.value.details and "for version 1" in err.value.details
+        assert store.job.waiting == 0 and len(store.path.parked) == 0
+
+
+def test_a_parked_pull_of_a_stopping_shard_is_answered_unavailable(make_cluster):
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    a = shardps.connect(cluster.addresses, worker_id=0, num_workers=2, shm=False, timeout=20.0,
+                        recovery_timeout=0.5)
+    try:
+        a.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        a.push({"w": torch.ones(8)}, step=0)
+        pull = a.pull_async(min_versions=[1])
+        with store._cond:
+            assert store._cond.wait_for(lambda: store.job.waiting == 1, 10)
+        store.job.close()  # what a stopping server does first: every wait ends
+        with pytest.raises(shardps.ShardError) as err:
+            pull.result()
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details
+    finally:
+        a.close(leave=False)
+
+
+def test_a_window_of_pushes_and_their_pulls_run_on_the_connections_threads(make_cluster, monkeypatch):
+    cluster = make_cluster(4)
+    with shardps.connect(cluster.addresses, shm=False, part_bytes=1024) as client:
+        w = torch.randn(2000)
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        pool = client.transport._pool
+        handed: list[object] = []
+        real = pool.submit
+        monkeypatch.setattr(pool, "submit", lambda fn, *a, **kw: handed.append(fn) or real(fn, *a, **kw))
+        for step in range(3):
+            pull = client.pull_async(later=True)
+            client.push({"w": torch.ones(2000)}, step=step, window=2, then=pull)
+            w = w - 1
+            assert torch.equal(pull.result()["w"], w)
+        assert handed == []  # no push and no pull needed a transport thread

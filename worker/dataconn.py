@@ -25,10 +25,12 @@ error: it retries), and the shards on it go back to gRPC
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 
 from shardps.protos import codec, env, framing, shm
 from shardps.protos import dataconn as wire
+from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import Security, keepalive_seconds
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
@@ -65,14 +68,46 @@ Place = Callable[[str, int, int, int], "torch.Tensor | None"]
 bytes (the destination's own storage), or None: into the shard's pull buffer."""
 
 
-class _Call:
-    __slots__ = ("done", "status", "ctl", "nbytes", "into", "place", "parsed", "landed")
+EXPIRED = -2  # a call's status once its deadline passed unanswered (``DataConn.submit``)
 
-    def __init__(self, into: memoryview | None, place: Place | None = None) -> None:
-        self.done = threading.Event()
+
+class _Call:
+    """One call in flight: waited for (``done``), or ended by ``then`` in the reading thread (or at its
+    ``deadline`` by the connection's ``Deadlines``: ``expire``)."""
+
+    __slots__ = ("waiter", "then", "status", "ctl", "nbytes", "into", "place", "parsed", "landed", "deadline",
+                 "expire")
+
+    def __init__(self, into: memoryview | None, place: Place | None = None,
+                 then: Callable[[_Call], None] | None = None) -> None:
+        self.waiter = threading.Event() if then is None else None
+        self.then = then
+        self.deadline = 0.0
+        self.expire: Callable[[], None] = _nothing
         self.status, self.ctl, self.nbytes, self.into, self.place = -1, b"", 0, into, place
         self.parsed: list[Any] | None = None  # a placed Pull's messages, parsed by the reading thread
         self.landed: dict[int, torch.Tensor] = {}  # answer offset -> the destination its bytes were read into
+
+    @property
+    def done(self) -> bool:
+        """A call that waits for nothing: answered, failed or given up (``Deadlines`` then drops it)."""
+        return self.then is None and self.waiter is None
+
+    def end(self) -> None:
+        """The answer is in (or the connection ended: status -1): wake the waiter, or run ``then``."""
+        if self.then is None:
+            if self.waiter is not None:
+                self.waiter.set()
+            return
+        then, self.then = self.then, None  # once
+        try:
+            then(self)
+        except Exception:  # noqa: BLE001 - the reading thread goes on; the call's owner failed on its own
+            log.exception("a data connection call's completion failed")
+
+
+def _nothing() -> None:
+    pass
 
 
 class DataConn:
@@ -81,8 +116,10 @@ class DataConn:
     def __init__(self, sock: socket.socket, where: str, on_end: Callable[[str], None]) -> None:
         self.sock, self.where, self._on_end = sock, where, on_end
         self.timeout = sock.gettimeout() or 60.0
-        self._send_lock = threading.Lock()
+        self.sender = wire.Sender(sock, f"shardps-data-{where}", self.close_after_failure)
         self._mu = threading.Lock()
+        self._reading = threading.Lock()  # held while an answer is read into its call's destinations
+        self._deadlines: Deadlines | None = None  # of the calls that wait for nothing (made on the first)
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self.error = ""  # why the connection ended ('' while it serves)
@@ -133,24 +170,26 @@ class DataConn:
                     raise wire.ProtocolError(f"not an answer frame (starts {bytes(magic)!r}, {nctl} control "
                                              f"bytes, {nbytes} payload bytes)")
                 ctl = wire.read_exact(self.sock, nctl)
-                with self._mu:
-                    c = self._calls.pop(call, None)
-                current = c
-                into = c.into if c is not None else None
-                if nbytes and (into is None or nbytes > len(into)):
+                with self._reading:
+                    with self._mu:
+                        c = self._calls.pop(call, None)
+                    current = c
+                    into = c.into if c is not None else None
+                    if nbytes and (into is None or nbytes > len(into)):
+                        if c is not None:
+                            raise wire.ProtocolError(f"call {call}: an answer of {nbytes} bytes for a buffer of "
+                                                     f"{len(into) if into is not None else 0}")
+                        wire.discard(self.sock, nbytes)  # a call that gave up (its deadline passed)
+                        continue
                     if c is not None:
-                        raise wire.ProtocolError(f"call {call}: an answer of {nbytes} bytes for a buffer of "
-                                                 f"{len(into) if into is not None else 0}")
-                    wire.discard(self.sock, nbytes)  # a call that gave up (its deadline passed)
-                    continue
+                        c.status, c.ctl, c.nbytes = status, bytes(ctl), nbytes
+                        if c.place is not None and status == wire.OK:
+                            self._placed(c, nbytes)
+                        elif nbytes and into is not None:
+                            wire.fill(self.sock, into[:nbytes])
                 if c is not None:
-                    c.status, c.ctl, c.nbytes = status, bytes(ctl), nbytes
-                    if c.place is not None and status == wire.OK:
-                        self._placed(c, nbytes)
-                    elif nbytes and into is not None:
-                        wire.fill(self.sock, into[:nbytes])
-                    c.done.set()
                     current = None
+                    c.end()
         except wire.Torn as t:
             why = "" if self.closed else t.why
         except wire.ProtocolError as e:
@@ -164,8 +203,10 @@ class DataConn:
             if current is not None:
                 current.status = -1
                 pending.append(current)
+            self.close_after_failure(self.error)  # the writer thread, should it wait on the socket, ends too
+            self.sender.close()
             for c in pending:
-                c.done.set()  # status -1: the connection ended
+                c.end()  # status -1: the connection ended
             if not self.closed:
                 self._on_end(self.error)
 
@@ -204,43 +245,90 @@ class DataConn:
 
     def _send(self, kind: int, call: int, route: int, ctl: Sequence[bytes], extents: Sequence[tuple[int, Any]],
               buffer_bytes: int, timeout: float) -> None:
+        """The request frame (``wire.Sender``: written by this thread as far as the socket takes it, the rest by
+        the connection's writer thread; never waits for the server)."""
         nctl = sum(len(c) for c in ctl)
         head = wire.REQUEST.pack(wire.REQUEST_MAGIC, kind, call, route, max(1, int(timeout * 1000)), nctl,
                                  len(extents), buffer_bytes)
         ext = b"".join(wire.EXTENT.pack(o, len(v)) for o, v in extents)
         try:
-            with self._send_lock:
-                if self.error:
-                    raise OSError(self.error)
-                wire.send(self.sock, [head, *ctl, ext, *(v for _, v in extents)])
+            if self.error:
+                raise OSError(self.error)
+            self.sender.send([head, *ctl, ext, *(v for _, v in extents)])
         except OSError as e:
             with self._mu:
                 self._calls.pop(call, None)
             self.close_after_failure(f"send failed: {e}")
             raise self._unavailable() from None
 
-    def _begin(self, into: memoryview | None, place: Place | None = None) -> tuple[int, _Call]:
+    def _begin(self, into: memoryview | None, place: Place | None = None,
+               then: Callable[[_Call], None] | None = None) -> tuple[int, _Call]:
         call = next(self._ids)
-        c = _Call(into, place)
+        c = _Call(into, place, then)
         with self._mu:
             if self.error:
                 raise self._unavailable()
             self._calls[call] = c
         return call, c
 
+    def submit(self, kind: int, route: int, ctl: Sequence[bytes], extents: Sequence[tuple[int, Any]],
+               buffer_bytes: int, timeout: float, then: Callable[[_Call], None], *, into: memoryview | None = None,
+               place: Place | None = None) -> int:
+        """A call that waits for nothing: ``then(call)`` runs in the reading thread once its answer is in
+        (``result``: its control and payload bytes, or the FrameError) or the connection ended; the call's
+        number (``cancel``). FrameError (UNAVAILABLE) when it cannot be sent, ``then`` not run. The
+        caller bounds the wait: ``cancel`` once its deadline passed."""
+        call, c = self._begin(into, place, then)
+        c.deadline = time.monotonic() + timeout
+        c.expire = functools.partial(self._expire, call)
+        with self._mu:
+            if self._deadlines is None:
+                self._deadlines = Deadlines(f"shardps-data-deadlines-{self.where}")
+            deadlines = self._deadlines
+        deadlines.add(c)
+        self._send(kind, call, route, ctl, extents, buffer_bytes, timeout)
+        return call
+
+    def _expire(self, call: int) -> None:
+        """The deadlines' thread: ``call`` got no answer in time; it ends DEADLINE_EXCEEDED (unless its answer
+        is being read right now: that ends it)."""
+        with self._mu:
+            c = self._calls.pop(call, None)
+        if c is not None:
+            c.status, c.ctl = EXPIRED, b""
+            c.end()
+
+    def cancel(self, call: int) -> bool:
+        """The caller gives up on ``call``: its answer will be dropped unread, ``then`` never run; if the
+        answer is being read right now, this waits for that to end (nothing writes into the call's
+        destinations once this returns). False when the call had ended already."""
+        with self._mu:
+            mine = self._calls.pop(call, None)
+        if mine is None:
+            with self._reading:  # its answer may be being read: that ends first
+                pass
+            return False
+        mine.then = None
+        return True
+
     def _wait(self, call: int, c: _Call, timeout: float, what: str) -> tuple[bytes, int]:
-        if not c.done.wait(timeout):
+        assert c.waiter is not None
+        if not c.waiter.wait(timeout):
             with self._mu:
                 mine = self._calls.pop(call, None)
             if mine is None:  # its answer is being read (maybe into its destinations): that ends first
-                c.done.wait(self.timeout + 5.0)
-            if c.done.is_set():  # answered as it gave up
-                return self._result(c, what)
+                c.waiter.wait(self.timeout + 5.0)
+            if c.waiter.is_set():  # answered as it gave up
+                return self.result(c)
             raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what} on {self.where}: no answer within "
                                                                 f"{timeout:.1f}s")
-        return self._result(c, what)
+        return self.result(c)
 
-    def _result(self, c: _Call, what: str) -> tuple[bytes, int]:
+    def result(self, c: _Call) -> tuple[bytes, int]:
+        """An ended call's answer: its control and payload bytes; FrameError for a failed one."""
+        if c.status == EXPIRED:
+            raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.where}: no answer within the call's "
+                                                                f"deadline")
         if c.status < 0:
             raise self._unavailable()
         if c.status != wire.OK:
@@ -292,9 +380,14 @@ class DataConn:
             pass
 
     def close(self) -> None:
-        """End the connection and join its thread (unless called from it). Idempotent."""
+        """End the connection and join its threads (unless called from one). Idempotent."""
         self.closed = True
+        self.sender.close()
         wire.end(self.sock, self._thread)
+        with self._mu:
+            deadlines, self._deadlines = self._deadlines, None
+        if deadlines is not None:
+            deadlines.close()
 
 
 def _bytes(values: torch.Tensor) -> memoryview:
@@ -415,6 +508,45 @@ class ConnPath:
             return iter([framing.read_pull_response(m) for m in wire.split(ctl)])
         messages, self._landed, self._pulled = self.conn.pull(self.route, data, self.pull_bytes, timeout, into, place)
         return iter(messages)
+
+    def push_soon(self, requests: Iterator[bytes], timeout: float,
+                  then: Callable[[ps_pb2.PushResponse | None, FrameError | None], None]) -> int:
+        """A whole push that waits for nothing (``DataConn.submit``): ``then(answer, None)`` or ``then(None,
+        error)`` in the connection's reading thread; the call's number (``DataConn.cancel``)."""
+        if self.closed:
+            raise self._closed()
+
+        def done(c: _Call) -> None:
+            try:
+                ctl, _ = self.conn.result(c)
+            except FrameError as e:
+                then(None, e)
+                return
+            then(ps_pb2.PushResponse.FromString(ctl), None)
+
+        messages = list(requests)
+        return self.conn.submit(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
+                                timeout, done)
+
+    def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, place: Place,
+                  then: Callable[[list[Any] | None, FrameError | None], None]) -> int:
+        """A pull that waits for nothing, its parts landing where ``place`` says: ``then(responses, None)`` or
+        ``then(None, error)`` in the connection's reading thread, with ``read`` reading this answer then;
+        the call's number (``DataConn.cancel``)."""
+        if self.closed:
+            raise self._closed()
+
+        def done(c: _Call) -> None:
+            try:
+                _, nbytes = self.conn.result(c)
+            except FrameError as e:
+                then(None, e)
+                return
+            self._landed, self._pulled = c.landed, nbytes
+            then(c.parsed or [], None)
+
+        return self.conn.submit(wire.PULL, self.route, (request.SerializeToString(),), (), self.pull_bytes, timeout,
+                                done, into=memoryview(self._pull_buf), place=place)
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         if not chunk.shm_bytes:

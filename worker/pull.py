@@ -10,12 +10,19 @@ client's ``apply``, in the thread that takes the result. Each shard's path
 (``worker/paths.py``) names the segment a Pull asks for (same host) and reads
 its answers' chunks.
 
-The RPCs run on the transport's threads (one per shard; the shards whose
+A shard on a data connection (worker/dataconn.py) is asked with a frame
+that waits for nothing (``ConnPath.pull_soon``): the connection's reading
+thread reads its answer straight into the destinations and ends the shard
+here, with no thread of the transport's and no hand-over between threads.
+Should that frame fail UNAVAILABLE (the connection ended), the shard is
+asked again through the transport (its retries, a fail-over). The other
+shards' RPCs run on the transport's threads (one per shard; the shards whose
 Push answered with their weights are copied, and with ``start(inline=True)``
-the first shard's RPC made, in the caller's thread) and never block without
-a deadline: the client's timeout per RPC, and for waits on them the timeout
-plus the transport's recovery time. The shard threads write only this
-object's state (the destinations, what each shard said), never the client's.
+the first shard's RPC made, in the caller's thread). No wait is without a
+deadline: the client's timeout per RPC, and for waits on them the timeout
+plus the transport's recovery time. The threads that end a shard write only
+this object's state (the destinations, what each shard said), never the
+client's; one condition wakes whoever waits for a tensor or the end.
 """
 
 from __future__ import annotations
@@ -23,17 +30,19 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import Any
 
+import grpc
 import torch
 
 from shardps.protos import codec, framing
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
 from shardps.worker.jobview import JobView
+from shardps.worker.paths import ShardPath
 from shardps.worker.route import Route
-from shardps.worker.transport import gather
 
 
 class PullInFlight:
@@ -109,87 +118,148 @@ class PullInFlight:
         for got in self._owners.values():
             got.sort(key=order.__getitem__)
         self._lock = threading.Lock()
-        self._events = {n: threading.Event() for n in names}
+        self._cv = threading.Condition(self._lock)  # waiters on tensors (``wait``) and on the end (``result``)
+        self._done: set[str] = set()  # tensors complete
+        self._tensor_waiters = 0  # threads in ``wait``
         self._received: dict[int, dict[str, int]] = {s: {} for s in self._owners}
-        for n, m in self._missing.items():
-            if m == 0:
-                self._complete(n)
         t = client.transport
         self._wait_s = t.timeout + t.recovery_timeout + 5.0
         self._shards = sorted(self._owners)
-        self._futures: list[Future[int]] = []
         self._error: BaseException | None = None
         self._finished = False
         self._broken = False
         self._said: tuple[str, float, int] | None = None  # (sync, loss scale, slowest clock) last answered
-        self._pending: dict[int, Future[int]] = {}  # start_later: the shards not begun yet
+        self._later: set[int] = set()  # start_later: the shards not begun yet
+        self._ended: dict[int, int | BaseException] = {}  # each shard's version, or why it failed
+        self._calls: dict[int, tuple[Any, int]] = {}  # shard -> (its connection, call) while a frame is out
         self._versions: tuple[tuple[int, int], ...] = ()  # (shard, version) once every shard answered
+        for n, m in self._missing.items():
+            if m == 0:
+                self._complete(n)
 
     def start(self, *, inline: bool = False) -> PullInFlight:
         """Start every shard's Pull; ``inline``: the first shard's in this thread, before returning (for a
         caller that waits for the result anyway: no hand-over between threads for it). The shards whose
-        Push answered with their weights need no call: their copies run in this thread, before returning."""
-        t = self._client.transport
+        Push answered with their weights need no call: their copies run in this thread, before returning.
+        A shard on a data connection (worker/dataconn.py) is asked with a frame that waits for nothing: its
+        answer is read and put in place by the connection's thread."""
         here = [s for s in self._shards if s in self._answered]
         remote = [s for s in self._shards if s not in self._answered]
-        if inline and remote:
-            here.append(remote.pop(0))
-        futures = dict(zip(remote, t.submit_each(self._fetch, remote)))  # the calls go out first
+        framed = [s for s in remote if self._soon(s)]
+        rest = [s for s in remote if s not in framed]
+        if inline and rest:
+            here.append(rest.pop(0))
+        self._threaded(rest)  # the calls go out first
         for s in here:
-            f: Future[int] = Future()
-            try:
-                f.set_result(t.call(s, functools.partial(self._fetch, s)))
-            except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
-                f.set_exception(e)
-            futures[s] = f
-        self._futures = [futures[s] for s in self._shards]
-        for f in self._futures:
-            f.add_done_callback(self._ended)
+            self._inline(s)
         return self
 
     def start_later(self) -> PullInFlight:
         """Start no Pull yet: each shard's starts with ``begin`` (as that shard answers the step's push),
         and the shards that own none of the tensors are done. ``wait`` and ``result`` work as after
         ``start``."""
-        self._pending = {s: Future() for s in self._shards}
-        self._futures = [self._pending[s] for s in self._shards]
-        for f in self._futures:
-            f.add_done_callback(self._ended)
+        with self._lock:
+            self._later = set(self._shards)
         return self
 
     def begin(self, shard: int, min_version: int, answered: Sequence[bytes] = ()) -> None:
         """Start ``shard``'s Pull (``start_later``) from ``min_version`` on; ``answered``: the
         PullResponses its push answered with, copied in this thread instead of a call."""
         with self._lock:
-            f = self._pending.pop(shard, None)
-        if f is None:  # owns none of the tensors, or begun already
-            return
+            if shard not in self._later:  # owns none of the tensors, or begun already
+                return
+            self._later.discard(shard)
         self._mins[shard] = min_version
-        t = self._client.transport
         if answered and not self._slices:
             self._answered[shard] = list(answered)
-            try:
-                f.set_result(t.call(shard, functools.partial(self._fetch, shard)))
-            except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
-                f.set_exception(e)
+            self._inline(shard)
+        elif not self._soon(shard):
+            self._threaded([shard])
+
+    def _inline(self, shard: int) -> None:
+        """``shard``'s Pull made in this thread (retried as ``Transport.call``)."""
+        try:
+            version = self._client.transport.call(shard, functools.partial(self._fetch, shard))
+        except BaseException as e:  # noqa: BLE001 - raised by result(), as the others' failures
+            self._end(shard, e)
             return
-        inner = t.submit_each(self._fetch, [shard])[0]
-        inner.add_done_callback(functools.partial(_hand_on, f))
+        self._end(shard, version)
+
+    def _threaded(self, shards: Sequence[int]) -> None:
+        """The Pulls of ``shards``, each in a transport thread (retried as ``Transport.call``)."""
+        t = self._client.transport
+        for s, f in zip(shards, t.submit_each(self._fetch, shards)):
+            f.add_done_callback(functools.partial(self._end_future, s))
+
+    def _end_future(self, shard: int, f: Future[int]) -> None:
+        e = f.exception()
+        self._end(shard, e if e is not None else f.result())
+
+    def _soon(self, shard: int) -> bool:
+        """``shard``'s Pull as a frame that waits for nothing, where its path is a data connection
+        (``ConnPath.pull_soon``) and it asks no slices: its answer ends it in the connection's reading
+        thread. False where it cannot be sent so (nothing done)."""
+        path = self._client.paths[shard]
+        soon = getattr(path, "pull_soon", None)
+        if soon is None or self._slices or shard in self._answered:
+            return False
+        req = self._request(shard, path)
+        t = self._client.transport
+        try:
+            call = soon(req, t.timeout, self._place, functools.partial(self._answered_soon, shard, path))
+        except grpc.RpcError:  # the connection ended meanwhile: through the transport's retries instead
+            return False
+        with self._lock:
+            if shard not in self._ended:
+                self._calls[shard] = (getattr(path, "conn"), call)  # noqa: B009 - a ConnPath (pull_soon)
+        return True
+
+    def _answered_soon(self, shard: int, path: Any, responses: list[Any] | None, error: Exception | None) -> None:
+        """The connection's reading thread: ``shard``'s framed Pull answered."""
+        with self._lock:
+            self._calls.pop(shard, None)
+        t = self._client.transport
+        if error is not None:
+            failure = t.failed_once(shard, error)
+            if failure is None:  # UNAVAILABLE: asked again through the transport (its retries, a fail-over)
+                self._threaded([shard])
+            else:
+                self._end(shard, failure)
+            return
+        assert responses is not None
+        try:
+            version = self._take(shard, path, iter(responses), None)
+        except Exception as e:  # noqa: BLE001 - raised by result(), as the others' failures
+            self._end(shard, e)
+            return
+        self._end(shard, version)
 
     def abandon(self) -> None:
         """The step's push failed: begin no more shards, and wait (within the deadline) for those begun,
         so that nothing writes into the destinations afterwards."""
         with self._lock:
-            pending, self._pending = self._pending, {}
-        for f in pending.values():
-            f.set_exception(RuntimeError("the step's push failed before this shard's pull began"))
-        gather_quietly(self._futures, self._wait_s)
+            later, self._later = self._later, set()
+            calls, self._calls = dict(self._calls), {}
+        for s in later:
+            self._end(s, RuntimeError("the step's push failed before this shard's pull began"))
+        for s, (conn, call) in calls.items():
+            if conn.cancel(call):  # never answered: it ends here
+                self._end(s, RuntimeError("the step's push failed: this shard's pull was given up"))
+        deadline = time.monotonic() + self._wait_s
+        with self._cv:
+            self._cv.wait_for(lambda: len(self._ended) == len(self._shards), max(0.0, deadline - time.monotonic()))
 
-    def _ended(self, f: Future[int]) -> None:
-        if f.exception() is not None:  # the shard gave up (after its retries): wake every waiter
-            self._broken = True
-            for ev in self._events.values():
-                ev.set()
+    def _end(self, shard: int, outcome: int | BaseException) -> None:
+        """``shard``'s Pull ended: its version, or why it failed (every waiter is woken then)."""
+        with self._cv:
+            if shard in self._ended:
+                return
+            self._ended[shard] = outcome
+            failed = isinstance(outcome, BaseException)
+            if failed:
+                self._broken = True
+            if failed or len(self._ended) == len(self._shards):
+                self._cv.notify_all()
 
     def _complete(self, name: str) -> None:
         if name in self._staged:
@@ -198,29 +268,44 @@ class PullInFlight:
                 target.copy_(self._staging[name].view(target.shape), non_blocking=target.device.type == "cuda")
                 if target.device.type == "cuda":
                     torch.cuda.current_stream(target.device).synchronize()
-        self._events[name].set()
+        with self._cv:
+            self._done.add(name)
+            if self._tensor_waiters:  # a wake-up is a hand-over between threads: only for whoever waits
+                self._cv.notify_all()
 
-    def _fetch(self, shard: int) -> int:
+    def _request(self, shard: int, path: ShardPath) -> ps_pb2.PullRequest:
+        """``shard``'s PullRequest, for ``path``; a retry starts the shard over: what it sent before counts
+        no more."""
         client = self._client
-        with self._lock:  # a retry starts the shard over: what it sent before counts no more
+        with self._lock:
             for n, k in self._received[shard].items():
-                if not self._events[n].is_set():
+                if n not in self._done:
                     self._missing[n] += k
             self._received[shard] = {}
-        path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
         asked = self._owners[shard]
         sliced = [ps_pb2.TensorSlice(name=n, dim=sl.dim, parts=sl.parts, index=sl.index, blocks=sl.blocks)
                   for n in asked if (sl := self._slices.get(n)) is not None]
-        req = ps_pb2.PullRequest(worker_id=client.worker_id, names=[n for n in asked if n not in self._slices],
-                                 min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
-                                 chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
-                                 shm="" if sliced else path.pull_segment, slices=sliced)
-        version = -1
-        received = self._received[shard]
+        return ps_pb2.PullRequest(worker_id=client.worker_id, names=[n for n in asked if n not in self._slices],
+                                  min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
+                                  chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
+                                  shm="" if sliced else path.pull_segment, slices=sliced)
+
+    def _fetch(self, shard: int) -> int:
+        client = self._client
+        path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
+        req = self._request(shard, path)
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
         responses = (map(framing.read_pull_response, given) if given is not None
                      else client.transport.pull(shard, req, one=self._messages.get(shard) == 1, via=path,
                                                 place=self._place))
+        return self._take(shard, path, responses, given)
+
+    def _take(self, shard: int, path: ShardPath, responses: Iterable[Any], given: Sequence[bytes] | None) -> int:
+        """``shard``'s answers into their destinations; its version (-1: none came)."""
+        client = self._client
+        version = -1
+        received = self._received[shard]
+        done: list[str] = []
         with torch.no_grad():
             # The path reads a view (of the received message, or of our pull segment): decode copies nothing,
             # copy_ is the one copy.
@@ -242,9 +327,10 @@ class PullInFlight:
                 with self._lock:
                     received[c.name] = received.get(c.name, 0) + values.numel()
                     self._missing[c.name] -= values.numel()
-                    done = self._missing[c.name] == 0 and not self._events[c.name].is_set()
-                if done:
-                    self._complete(c.name)
+                    if self._missing[c.name] == 0 and c.name not in self._done:
+                        done.append(c.name)
+        for n in done:
+            self._complete(n)
         return version
 
     def _place(self, name: str, offset: int, wire_dtype: int, nbytes: int) -> torch.Tensor | None:
@@ -261,25 +347,40 @@ class PullInFlight:
     def wait(self, names: Sequence[str], timeout: float | None = None) -> bool:
         """Block until ``names`` are complete; False when the pull failed first (``result()`` raises it)."""
         deadline = time.monotonic() + (self._wait_s if timeout is None else timeout)
-        for n in names:
-            if not self._events[n].wait(timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"tensor {n!r} was not pulled within the deadline")
-        return not self._broken
+        with self._cv:
+            self._tensor_waiters += 1
+            try:
+                for n in names:
+                    if not self._cv.wait_for(lambda n=n: n in self._done or self._broken,  # type: ignore[misc]
+                                             max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"tensor {n!r} was not pulled within the deadline")
+            finally:
+                self._tensor_waiters -= 1
+            return not self._broken
 
     def done(self) -> bool:
-        return all(f.done() for f in self._futures)
+        with self._lock:
+            return len(self._ended) == len(self._shards)
 
     def result(self) -> dict[str, torch.Tensor]:
         """Wait for every shard; the destination tensors. Raises the first shard's failure (again on each
         call). The first that succeeds hands ``view`` to ``on_result`` (``PSClient.apply``), in this thread."""
         if not self._finished:
-            try:
-                versions = gather(self._futures, self._wait_s)
-            except BaseException as e:
-                self._error = e
+            deadline = time.monotonic() + self._wait_s
+            with self._cv:
+                # every shard ended, or one failed and the others ended (a barrier must see every shard)
+                ended = self._cv.wait_for(lambda: len(self._ended) == len(self._shards),
+                                          max(0.0, deadline - time.monotonic()))
+                outcomes = dict(self._ended)
+            failures = [o for s in self._shards if isinstance(o := outcomes.get(s), BaseException)]
+            if not ended and not failures:
+                missing = [s for s in self._shards if s not in outcomes]
+                failures = [TimeoutError(f"the pull of shards {missing} did not end within {self._wait_s:.0f}s")]
+            if failures:
+                self._error = failures[0]
                 self._finished = True
-                raise
-            self._versions = tuple((s, v) for s, v in zip(self._shards, versions) if v >= 0)
+                raise self._error
+            self._versions = tuple((s, v) for s in self._shards if isinstance(v := outcomes[s], int) and v >= 0)
             self._finished = True
             if self._on_result is not None:
                 self._on_result(self.view)
@@ -295,22 +396,3 @@ class PullInFlight:
         if said is None:
             return JobView(versions=self._versions)
         return JobView(sync=said[0], loss_scale=said[1], slowest_clock=said[2], versions=self._versions)
-
-
-def _hand_on(outer: Future[int], inner: Future[int]) -> None:
-    """``inner``'s outcome into ``outer``."""
-    e = inner.exception()
-    if e is not None:
-        outer.set_exception(e)
-    else:
-        outer.set_result(inner.result())
-
-
-def gather_quietly(futures: Sequence[Future[int]], timeout: float) -> None:
-    """Wait until every future ended (at most ``timeout`` in all), whatever each ended with."""
-    deadline = time.monotonic() + timeout
-    for f in futures:
-        try:
-            f.exception(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - a timeout or a cancellation: nothing more to wait for
-            return

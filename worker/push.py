@@ -129,13 +129,32 @@ def _send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterat
         via, messages = requests(shard)
         return PushResult.from_proto(t.push(shard, messages, via=via))
 
+    def soon(shard: int, done: Callable[[PushResult | None, Exception | None], None]) -> bool:
+        """The shard's Push as a frame that waits for nothing, where its path is a data connection: its
+        answer (and so the shard's pull, and the window's next push) handled by the connection's thread."""
+        if not hasattr(route.paths[shard], "push_soon"):
+            return False
+        via, messages = requests(shard)
+        push_soon = getattr(via, "push_soon", None)
+        if push_soon is None:  # the path changed in between (a fail-over)
+            return False
+
+        def pushed(answer: ps_pb2.PushResponse | None, error: Exception | None) -> None:
+            done(PushResult.from_proto(answer) if answer is not None else None, error)
+
+        push_soon(messages, t.timeout, pushed)
+        return True
+
     def one(shard: int) -> PushResult:
         result = call(shard)
         answered(shard, result)
         return result
 
-    if window is None or window >= route.num_shards:
+    framed = any(hasattr(p, "push_soon") for p in route.paths)
+    if (window is None or window >= route.num_shards) and not framed:
         return t.each(one)
-    got = t.in_order(call,
-                     pushorder.push_order(t.addresses, route.worker_id), window=window, then=answered)
+    order = (list(range(route.num_shards)) if window is None or window >= route.num_shards
+             else pushorder.push_order(t.addresses, route.worker_id))
+    got = t.in_order(call, order, window=min(window or route.num_shards, route.num_shards), then=answered,
+                     soon=soon if framed else None)
     return [got[i] for i in range(route.num_shards)]

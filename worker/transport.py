@@ -275,6 +275,15 @@ class Transport:
 
     # -- calls ----------------------------------------------------------------
 
+    def failed_once(self, shard: int, e: Exception) -> ShardError | None:
+        """A call to ``shard`` made outside ``call`` (a frame that waited for nothing) failed with ``e``: None
+        when it is to be made again through ``call`` (UNAVAILABLE: its retries, a fail-over), else the
+        ShardError to raise, as ``call`` would."""
+        code, details = status_of(e)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return None
+        return shard_error(self.addresses[shard], shard, code, details)
+
     def attempt(self, shard: int, fn: Callable[[], T]) -> T:
         """``fn()`` against one shard, once: a failure raises its ShardError (no retry, no fail-over)."""
         try:
@@ -333,11 +342,16 @@ class Transport:
         return [self._pool.submit(self.call, i, functools.partial(fn, i)) for i in idx]
 
     def in_order(self, fn: Callable[[int], T], order: Sequence[int], *, window: int,
-                 then: Callable[[int, T], None] | None = None) -> dict[int, T]:
+                 then: Callable[[int, T], None] | None = None,
+                 soon: Callable[[int, Callable[[T | None, Exception | None], None]], bool] | None = None
+                 ) -> dict[int, T]:
         """``fn(shard)`` for the shards of ``order`` (each retried as ``call``), started in that order, at
-        most ``window`` at once, ``then(shard, result)`` as each succeeds (``worker/pushorder.py``)."""
+        most ``window`` at once, ``then(shard, result)`` as each succeeds (``worker/pushorder.py``);
+        ``soon(shard, done)``: the shard's call as a frame that waits for nothing, where its path has one
+        (made again through ``call`` should it fail UNAVAILABLE)."""
         return pushorder.in_order(self._pool, lambda i: self.call(i, lambda: fn(i)), order, window=window,
-                                 wait_s=self.timeout + self.recovery_timeout + 5.0, then=then)
+                                 wait_s=self.timeout + self.recovery_timeout + 5.0, then=then,
+                                 soon=_Soon(soon, self) if soon is not None else None)
 
     def fan_out(self, fn: Callable[[int], T], shards: Iterable[int] | None = None) -> list[T]:
         """Run ``fn(shard)`` for every shard in parallel, as it is; once all ended, raise the first failure.
@@ -403,6 +417,20 @@ class Transport:
         self._pool.shutdown(wait=True)
         for c in self._channels + self._retired + list(self._operator_channels.values()):
             c.close()
+
+
+class _Soon:
+    """``pushorder.Soon`` over the transport: a failure mapped as ``Transport.failed_once``."""
+
+    def __init__(self, start: Callable[[int, Callable[[Any, Exception | None], None]], bool],
+                 transport: Transport) -> None:
+        self._start, self._transport = start, transport
+
+    def __call__(self, shard: int, done: Callable[[Any, Exception | None], None]) -> bool:
+        return self._start(shard, done)
+
+    def settle(self, shard: int, error: Exception) -> Exception | None:
+        return self._transport.failed_once(shard, error) if isinstance(error, grpc.RpcError) else error
 
 
 def unary(address: str, method: str, request: Any, *, timeout: float, security: Security | None = None,

@@ -13,7 +13,7 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 # The store's parts, bottom up: a module imports only server modules of a lower layer (lazy and TYPE_CHECKING
 # imports included). optim/ is a package of its own below them all.
 LAYERS = [
-    ["errors", "roles", "rowindex"],
+    ["errors", "roles", "rowindex", "parked"],
     ["remedies", "scaling", "sync", "peers", "checkpoint"],
     ["table", "job", "membership", "rowtable", "rowreshard", "heldgrads"],
     ["rows"],

@@ -1,0 +1,123 @@
+"""The data connection's sending side (protos/dataconn.py ``Sender``) and the deadlines thread
+(protos/deadlines.py): frames whole and in order whether the socket takes them at once or not, a caller
+that never waits for the peer, a failure that ends the connection, deadlines that cost nothing when met."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from shardps.protos import dataconn as wire
+from shardps.protos.deadlines import Deadlines
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    a.settimeout(10.0)
+    b.settimeout(10.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    return bytes(wire.read_exact(sock, n))
+
+
+def test_a_frame_the_socket_takes_is_written_by_the_caller_without_a_thread(pair):
+    a, b = pair
+    s = wire.Sender(a, "t", lambda why: None)
+    s.send([b"ab", memoryview(b"cd"), b""])
+    assert _read(b, 4) == b"abcd"
+    assert s.inline_frames == 1 and s.queued_frames == 0 and s._writer is None
+    s.close()
+
+
+def test_frames_larger_than_the_socket_go_whole_and_in_order_while_the_caller_goes_on(pair):
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    s = wire.Sender(a, "t", lambda why: None)
+    frames = [bytes([i]) * (200_000 + i) for i in range(6)]
+    for f in frames:  # nobody reads until all were sent: a send that waited for the reader would fail at 10 s
+        s.send([f[:7], memoryview(f)[7:]])
+    assert s.queued_frames >= 5 and s._writer is not None
+    for f in frames:
+        assert _read(b, len(f)) == f
+    s.close()
+    assert not s._writer.is_alive()
+
+
+def test_concurrent_senders_never_interleave_their_frames(pair):
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    s = wire.Sender(a, "t", lambda why: None)
+    n, size = 40, 30_000
+
+    def send(k: int) -> None:
+        for _ in range(n):
+            s.send([bytes([k]) * 4, bytes([k]) * size])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    got = {1: 0, 2: 0, 3: 0}
+    for _ in range(3 * n):
+        frame = _read(b, size + 4)
+        assert len(set(frame)) == 1  # one sender's bytes only
+        got[frame[0]] += 1
+    for t in threads:
+        t.join()
+    assert got == {1: n, 2: n, 3: n}
+    s.close()
+
+
+def test_a_peer_gone_fails_the_next_send_and_tells_the_connection(pair):
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    told = []
+    s = wire.Sender(a, "t", told.append)
+    s.send([bytes(1_000_000)])  # queued: the writer thread waits on the socket
+    b.close()
+    s._writer.join(10)  # the write fails: the writer ends and says so
+    assert told and "send failed" in told[0]
+    with pytest.raises(OSError, match="send failed"):
+        s.send([b"x"])
+    s.close()
+
+
+def test_deadlines_expire_what_is_not_done_and_skip_what_is():
+    class Item:
+        def __init__(self, when: float) -> None:
+            self.deadline, self.done, self.expired = when, False, threading.Event()
+
+        def expire(self) -> None:
+            self.expired.set()
+
+    d = Deadlines("test-deadlines")
+    now = time.monotonic()
+    late, met = Item(now + 0.05), Item(now + 0.01)
+    met.done = True  # done before its time: never expired
+    d.add(late)
+    d.add(met)
+    assert late.expired.wait(10)
+    assert not met.expired.is_set()
+    d.close()
+
+
+def test_deadlines_drop_what_was_done_early_when_the_heap_grows():
+    class Item:
+        def __init__(self) -> None:
+            self.deadline, self.done = time.monotonic() + 3600, True
+
+        def expire(self) -> None:
+            raise AssertionError("a done item expired")
+
+    d = Deadlines("test-deadlines")
+    for _ in range(10_000):
+        d.add(Item())
+    assert len(d) < 4200  # compacted as it reached 4096
+    d.close()
