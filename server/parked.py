@@ -69,12 +69,15 @@ class Signal(threading.Condition):
 
 
 class _Entry:
-    __slots__ = ("ready", "due", "deadline", "epoch", "done", "expire")
+    __slots__ = ("ready", "due", "deadline", "epoch", "done", "_expired")
 
     def __init__(self, ready: Callable[[], bool], due: Due, deadline: float, epoch: int,
-                 expire: Callable[[_Entry], None]) -> None:
+                 expired: Callable[[_Entry], None]) -> None:
         self.ready, self.due, self.deadline, self.epoch, self.done = ready, due, deadline, epoch, False
-        self.expire = lambda: expire(self)
+        self._expired = expired  # no cycle through a closure: an entry goes with its last reference
+
+    def expire(self) -> None:
+        self._expired(self)
 
 
 class Parked:

@@ -234,6 +234,7 @@ def _server_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
 
 
+@pytest.mark.fault
 def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_round_answers_it(make_cluster):
     cluster = make_cluster(1)
     store = cluster.stores[0]
@@ -260,6 +261,7 @@ def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_r
         b.close()
 
 
+@pytest.mark.fault
 def test_a_parked_pull_past_its_deadline_is_answered_with_what_it_waited_for(make_cluster):
     cluster = make_cluster(1)
     store = cluster.stores[0]
@@ -274,6 +276,7 @@ def test_a_parked_pull_past_its_deadline_is_answered_with_what_it_waited_for(mak
         assert store.job.waiting == 0 and len(store.path.parked) == 0
 
 
+@pytest.mark.fault
 def test_a_parked_pull_of_a_stopping_shard_is_answered_unavailable(make_cluster):
     cluster = make_cluster(1)
     store = cluster.stores[0]
