@@ -23,7 +23,8 @@ Frames, worker to server (``REQUEST``, then ``ctl`` bytes, then
 - ``PUSH``: a whole Push, answered once it is applied;
 - ``PUSH_PART``: one message of a streamed Push (its gradients come while
   the worker computes); ``PUSH_END`` its last, answered;
-- ``PULL``: a Pull, answered once the weights it waits for are there.
+- ``PULL``: a Pull, answered once the weights it waits for are there
+  (by the server thread that made them so: server/parked.py).
 
 Server to worker (``ANSWER``, then ``ctl``, then ``payload`` bytes): the
 call's status (``OK`` or a gRPC status code's value, the control then the

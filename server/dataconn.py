@@ -17,8 +17,19 @@ Each connection (``Conn``) has one thread reading its frames:
 - a streamed Push (``PUSH_PART`` ... ``PUSH_END``) runs in a thread of its
   own (its gradients come while the worker computes), fed message by
   message;
-- a ``PULL`` waits for its weights in a pool thread (``WorkersServicer.pull_frames``), which
-  writes them into the route's pull buffer and sends them in the answer.
+- a ``PULL`` whose weights are there is answered by that same thread; one
+  that must wait parks on the shard's state without a thread
+  (server/parked.py, ``WorkersServicer.pull_soon``) and is answered by the
+  thread whose change releases it (the round's last Push), or at its
+  deadline (``DataPort.deadlines``); the weights are written into the
+  route's pull buffer and sent in the answer. A shard with a backup, or a
+  Pull naming slices, waits in a pool thread instead
+  (``WorkersServicer.pull_frames``).
+
+Every answer goes through the connection's ``Sender`` (protos/dataconn.py):
+written by the answering thread as far as the socket takes it, the rest by
+the connection's writer thread, so that no thread that reads frames ever
+waits on a worker's socket.
 
 Every chunk that names ``FRAME_SEGMENT`` must lie in an extent its call's
 frames brought (``FrameSegments``): a part the worker did not send, or one

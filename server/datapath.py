@@ -379,6 +379,7 @@ class DataPath:
                 answer(waited, messages, None)
 
             if not ready():
+                job.check_halted()  # a shard stopping or taken over parks nothing (as ``Job._park`` ends at once)
                 self.parked.park(ready, finish, t0 + timeout, job.epoch, deadlines)
                 return
         finish(False)

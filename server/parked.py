@@ -52,6 +52,10 @@ class Signal(threading.Condition):
         for hook in self.hooks:
             hook()
 
+    def watched(self) -> bool:
+        """Under the lock: whether any thread waits on the condition (a wake-up would reach someone)."""
+        return bool(self._waiters)  # type: ignore[attr-defined]
+
     def defer(self, fn: Callable[[], None]) -> None:
         """Under the lock: run ``fn`` once the lock is released (by whichever thread releases it next)."""
         self._deferred.append(fn)
@@ -97,7 +101,8 @@ class Parked:
         self._entries.append(e)
         self._count(+1)
         deadlines.add(e)
-        self._cond.notify_all()  # whoever watches the waits (a test holding a Pull at an exact point)
+        if self._cond.watched():  # whoever watches the waits (a test holding a Pull at an exact point)
+            self._cond.notify_all()
 
     def __len__(self) -> int:
         return len(self._entries)

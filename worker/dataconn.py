@@ -15,8 +15,17 @@ calls (``Transport.push``/``pull`` with ``via=`` the path) become frames:
   connection's thread straight into the shard's pull buffer; ``read`` gives
   views of it.
 
-One thread per connection reads the answers and hands each to the call
-waiting for it (each call waits with its deadline). Should the connection
+One thread per connection reads the answers. A call made by the
+transport (``ConnPath.push``/``pull``: a retry, a streamed push) waits for
+its answer with its deadline; a call that waits for nothing
+(``ConnPath.push_soon``/``pull_soon``: a step's pushes and pulls, see
+worker/pushorder.py and worker/pull.py) is ended by the reading thread
+itself, which runs its completion (a pull's parts are read straight into
+their destinations first), or at its deadline by the connection's
+``Deadlines`` thread (DEADLINE_EXCEEDED). Frames go out through the
+connection's ``Sender`` (protos/dataconn.py): written by the caller as far
+as the socket takes them, so that a completion that sends (the next push of
+a window) never waits on the server. Should the connection
 end (the process went, a broken frame), every call in flight on it fails
 UNAVAILABLE (``FrameError``, which the transport reads as it reads a gRPC
 error: it retries), and the shards on it go back to gRPC
