@@ -203,6 +203,40 @@ def test_a_lost_connection_sends_the_next_calls_over_grpc_with_the_same_result(m
     assert torch.equal(got[0], w - grad - grad)
 
 
+def test_a_lost_connection_is_made_again_at_the_next_push_and_its_shards_take_it(make_cluster):
+    cluster = make_cluster(2)
+    w, grad = torch.randn(600), torch.randn(600)
+    with shardps.connect(cluster.addresses, part_bytes=1024, shm=False) as client:
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        conn = client.paths[0].conn
+        conn.sock.shutdown(socket.SHUT_RD)  # the link drops under the reader; the server process stays
+        conn._thread.join(10)
+        assert [type(p) for p in client.paths] == [GrpcPath, GrpcPath]
+        reviving = client.paths.revive()  # what the next push starts (in the background)
+        assert reviving is not None
+        reviving.join(30)
+        assert [type(p) for p in client.paths] == [ConnPath, ConnPath]
+        assert client.paths[0].conn is not conn and client.paths[0].conn is client.paths[1].conn
+        client.push({"w": grad}, step=0)
+        assert torch.equal(client.pull(min_versions=1)["w"], w - grad)
+        assert client.paths.revive() is None  # nothing lost
+
+
+def test_a_connection_that_cannot_be_made_again_leaves_its_shards_on_grpc_and_backs_off(make_cluster):
+    cluster = make_cluster(1)
+    with shardps.connect(cluster.addresses, shm=False) as client:
+        client.register({"w": torch.zeros(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        conn = client.paths[0].conn
+        client.paths._offers[0] = (client.paths._offers[0][0], b"x" * 16, *client.paths._offers[0][2:])
+        conn.sock.shutdown(socket.SHUT_RD)
+        conn._thread.join(10)
+        client.paths.revive().join(30)  # the server refuses the hello of a wrong token
+        assert isinstance(client.paths[0], GrpcPath)
+        assert client.paths.revive() is None  # not again before its back-off
+        client.push({"w": torch.ones(6)}, step=0)  # over gRPC, as before
+        assert torch.equal(client.pull(min_versions=1)["w"], -torch.ones(6))
+
+
 def test_no_thread_is_left_behind(make_cluster):
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses, shm=False) as client:

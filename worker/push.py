@@ -55,6 +55,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
     (worker/compress.py), in the messages on either path.
     """
     assert route.shard_map is not None
+    route.paths.revive()  # a data connection lost since: made again in the background
     layouts = route.layouts
     flats: dict[str, torch.Tensor] = {}  # flat CPU gradients, in their push dtype but for ``direct`` ones
     direct: set[str] = set()  # cast as they are written ahead (into shared memory): no buffer in between

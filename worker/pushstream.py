@@ -66,6 +66,7 @@ class PushStream:
             self._parts[p.server].setdefault(p.name, []).append((p.start, p.stop))
         t = client.transport
         self._wait_s = t.timeout + t.recovery_timeout + 5.0
+        client.paths.revive()  # a data connection lost since: made again in the background
         self._futures = t.submit_each(self._push)
         self.bytes_added = 0
 

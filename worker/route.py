@@ -11,12 +11,14 @@ state: what the shards answer comes back as a value (``worker/jobview.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shardps.worker.buffers import HostBuffers
-from shardps.worker.paths import Routing, ShardPath
+from shardps.worker.paths import Routing
 from shardps.worker.transport import Transport
+
+if TYPE_CHECKING:
+    from shardps.worker.shardpaths import ShardPaths
 
 
 class Route(Routing, Protocol):
@@ -41,9 +43,9 @@ class Route(Routing, Protocol):
     def num_shards(self) -> int: ...
 
     @property
-    def paths(self) -> Sequence[ShardPath]:
-        """Per shard, how its bytes travel (gRPC or shared memory); read as each call starts: a fail-over
-        turns a shard's shared memory off."""
+    def paths(self) -> ShardPaths:
+        """Per shard, how its bytes travel (gRPC, shared memory or a data connection); read as each call
+        starts: a fail-over turns a shard's shared memory off, a lost connection is made again (``revive``)."""
         ...
 
     @property

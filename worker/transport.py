@@ -275,6 +275,15 @@ class Transport:
 
     # -- calls ----------------------------------------------------------------
 
+    def at(self, shard: int, address: str, fn: Callable[[], None]) -> bool:
+        """``fn()`` if ``shard`` is still served at ``address`` (no fail-over moved it), under the fail-over
+        lock (a fail-over waits for it, and one in between wins); whether it ran."""
+        with self._failover_lock:
+            if self.addresses[shard] != address:
+                return False
+            fn()
+            return True
+
     def failed_once(self, shard: int, e: Exception) -> ShardError | None:
         """A call to ``shard`` made outside ``call`` (a frame that waited for nothing) failed with ``e``: None
         when it is to be made again through ``call`` (UNAVAILABLE: its retries, a fail-over), else the
