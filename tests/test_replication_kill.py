@@ -128,14 +128,15 @@ def test_a_killed_server_restarted_at_its_address_does_not_serve_its_old_shard(m
     becomes shard 0's backup again. The run is exact throughout."""
     from shardps.deploy.local import stop_processes
 
+    base, steps = model(), 16
+    clean = train(make_cluster(2).addresses, base, steps)
+    # Chosen once the reference cluster holds its own ports (the kernel could give it one chosen before).
     ports = [_free_port() for _ in range(4)]  # server 0, server 1, their replica ports
 
     def start(i: int) -> subprocess.Popen:
         return _start_fixed(ports, i)
 
     addresses = [f"127.0.0.1:{p}" for p in ports[:2]]
-    base, steps = model(), 16
-    clean = train(make_cluster(2).addresses, base, steps)
     procs = [start(0), start(1)]
     try:
         with shardps.connect(addresses[:1]) as c:  # both backups in sync before the workers start
@@ -179,14 +180,16 @@ def test_a_primary_restarted_before_anyone_noticed_does_not_overwrite_its_backup
     service, and the workers move to the backup: nothing is lost."""
     from shardps.deploy.local import stop_processes
 
+    base, steps = model(), 12
+    clean = train(make_cluster(2).addresses, base, steps)
+    # Chosen once the reference cluster holds its own ports: a port chosen before could be the one the kernel
+    # gives that cluster next (seen under load: its shard 0 on the restarted server's replica port).
     ports = [_free_port() for _ in range(4)]
 
     def start(i: int) -> subprocess.Popen:
         return _start_fixed(ports, i)
 
     addresses = [f"127.0.0.1:{p}" for p in ports[:2]]
-    base, steps = model(), 12
-    clean = train(make_cluster(2).addresses, base, steps)
     procs = [start(0), start(1)]
     try:
         def on_step(k, step, client):
