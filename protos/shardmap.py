@@ -16,10 +16,12 @@ exactly one part and the holders reduce their statistics among themselves.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 DEFAULT_PARTS_PER_SERVER = 16
 MIN_PART_BYTES = 256 << 10
@@ -75,6 +77,16 @@ def part_shape(shape: Sequence[int], start: int, stop: int) -> tuple[int, ...]:
     return (stop - start,)
 
 
+K = TypeVar("K")
+
+
+def _index(parts: Sequence[Part], key: Callable[[Part], K]) -> dict[K, tuple[Part, ...]]:
+    out: dict[K, list[Part]] = {}
+    for p in parts:
+        out.setdefault(key(p), []).append(p)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 @dataclass(frozen=True)
 class ShardMap:
     num_servers: int
@@ -82,10 +94,22 @@ class ShardMap:
     tensors: tuple[TensorInfo, ...] = field(default=())
 
     def parts_for(self, server: int) -> list[Part]:
-        return [p for p in self.parts if p.server == server]
+        """The parts ``server`` holds, in shard-map order."""
+        return list(self._by_server.get(server, ()))
 
     def parts_of(self, name: str) -> list[Part]:
-        return [p for p in self.parts if p.name == name]
+        """The parts of tensor ``name``, in shard-map order."""
+        return list(self._by_name.get(name, ()))
+
+    # Indexes made on first use (a push asks each shard's parts every step: no scan of the whole map). The map
+    # is frozen, so they stay true; cached_property writes the instance's __dict__ directly.
+    @functools.cached_property
+    def _by_server(self) -> dict[int, tuple[Part, ...]]:
+        return _index(self.parts, lambda p: p.server)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, tuple[Part, ...]]:
+        return _index(self.parts, lambda p: p.name)
 
     def holders(self, name: str) -> list[int]:
         """For a split unsplittable tensor: its servers in row order; else []."""
