@@ -35,7 +35,7 @@ from shardps.protos.slices import TensorSlice
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier
 from shardps.server.checkpoint import Checkpointer
-from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, StoreError
+from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, StoreError, Unavailable
 from shardps.server.job import Job
 from shardps.server.membership import Clock, Leases
 from shardps.server.parked import Parked, Signal
@@ -367,12 +367,15 @@ class DataPath:
                         job.check_epoch(epoch)
                         slowest = job.slowest_clock() if min_clock > 0 else 0
                         self.leases.membership.touch(worker_id)
+                        if self.replica.replicator is not None:
+                            # A backup attached since the Pull parked (a rare moment): its answer would wait for
+                            # the backup, which this thread (whichever released the lock) must not do. The
+                            # worker asks again; that Pull takes a thread of its own (``parks``).
+                            raise Unavailable(f"shard {self.shard_index}: a backup was attached while this Pull "
+                                              f"waited: ask again")
                     waited = time.monotonic() - t0
                     _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
                                                         worker_id=worker_id)
-                    # A backup attached since the Pull parked (a rare moment): its answer waits for it, as
-                    # ``pull``'s would, in this thread.
-                    self.replica.replicated()
                 except Exception as e:  # noqa: BLE001 - the Pull's answer
                     answer(time.monotonic() - t0, None, e)
                     return
