@@ -88,7 +88,8 @@ class WorkersServicer(Protocol):
     def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]: ...
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
-                  answer: Callable[[list[bytes] | None, BaseException | None], None]) -> bool: ...
+                  answer: Callable[[list[bytes] | None, memoryview | None, BaseException | None], None]
+                  ) -> bool: ...
 
     def wait_limit(self, remaining: float | None) -> float: ...
 
@@ -353,13 +354,12 @@ class Conn:
         """A Pull answered without a thread of its own where the shard can (server/parked.py): at once in
         this thread when its weights are there, else by the thread that makes them so; False when it needs
         the pool's thread (``WorkersServicer.pull_soon``)."""
-        def answered(messages: list[bytes] | None, error: BaseException | None) -> None:
+        def answered(messages: list[bytes] | None, payload: memoryview | None, error: BaseException | None) -> None:
             if messages is None:
                 assert error is not None
                 self.answer(wire.PULL, call, *self._failed(servicer, "Pull", error))
                 return
-            self.answer(wire.PULL, call, wire.OK, wire.joined(messages),
-                        pull.view(0, pull.used) if pull.used else None)
+            self.answer(wire.PULL, call, wire.OK, wire.joined(messages), payload if payload else None)
 
         try:
             req = self._pull_request(ctl)

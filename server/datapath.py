@@ -338,13 +338,15 @@ class DataPath:
 
     def pull_soon(self, worker_id: int, names: list[str], wire_dtype: int | None, *, min_version: int,
                   min_clock: int, epoch: int, timeout: float, segment: Segment, deadlines: Deadlines,
-                  answer: Callable[[float, list[Item] | None, BaseException | None], None]) -> None:
-        """``pull`` into ``segment`` (the data connection's) without a thread that waits
-        (server/parked.py): answered in this thread when the weights are there, else parked and answered
-        by the thread whose change makes them so, or ``timeout`` from now with DEADLINE_EXCEEDED, as
-        ``pull``'s wait would. ``answer(seconds waited, messages, None)`` or ``answer(seconds waited, None,
-        error)``: called once, outside the lock (a failure before any wait is raised instead). Only where
-        ``parks()``."""
+                  answer: Callable[[float, list[Item] | None, memoryview | None, BaseException | None], None]
+                  ) -> None:
+        """``pull`` for a data connection, without a thread that waits (server/parked.py): answered in this
+        thread when the weights are there, else parked and answered by the thread whose change makes them
+        so, or ``timeout`` from now with DEADLINE_EXCEEDED, as ``pull``'s wait would. The weights are
+        framed once per version for every such Pull (``Reader.read_shared``; ``segment``: the worker's pull
+        buffer, whose size they must fit). ``answer(seconds waited, messages, their bytes, None)`` or
+        ``answer(seconds waited, None, None, error)``: called once, outside the lock (a failure before any
+        wait is raised instead). Only where ``parks()``."""
         job = self.job
         t0 = time.monotonic()
         with self._cond:
@@ -374,12 +376,14 @@ class DataPath:
                             raise Unavailable(f"shard {self.shard_index}: a backup was attached while this Pull "
                                               f"waited: ask again")
                     waited = time.monotonic() - t0
-                    _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
-                                                        worker_id=worker_id)
+                    # One copy and one framing of this version's weights for every worker's Pull (bsp: each
+                    # worker of the round), not one each: the answers send the same buffer.
+                    _, messages, payload = self.reader.read_shared(names, wire_dtype, segment.size,
+                                                                   slowest_clock=slowest, worker_id=worker_id)
                 except Exception as e:  # noqa: BLE001 - the Pull's answer
-                    answer(time.monotonic() - t0, None, e)
+                    answer(time.monotonic() - t0, None, None, e)
                     return
-                answer(waited, messages, None)
+                answer(waited, messages, payload, None)
 
             if not ready():
                 job.check_halted()  # a shard stopping or taken over parks nothing (as ``Job._park`` ends at once)

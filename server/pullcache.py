@@ -211,6 +211,9 @@ class Reader:
         self._cond, self._table, self._job = cond, table, job
         self._settle, self._loss_scale, self._on_read = settle, loss_scale, on_read
         self.cache = PullCache()
+        # ``read_shared``'s weights of this version: (names, wire dtype, slowest clock, loss scale, sync) ->
+        # (PullResponses, the buffer they point into, its payload bytes); emptied as the weights change.
+        self.shared: dict[tuple[Any, ...], tuple[list[Item], memoryview, int]] = {}
         self.reading = 0  # Pulls framing or copying weights outside the lock; steps wait for 0
         self.writers_waiting = 0  # steps waiting for those Pulls
         self.frame_inline_bytes = frame_inline_bytes  # larger Pulls are framed outside the lock
@@ -246,6 +249,7 @@ class Reader:
         """Under the lock, before a step changes the weights: no Pull reads them, none is framed from them."""
         self.await_reads()
         self.cache.clear()
+        self.shared.clear()
 
     def _done_reading(self) -> None:
         with self._cond:
@@ -351,6 +355,61 @@ class Reader:
         finally:
             self._done_reading()
         return version, out
+
+    def read_shared(self, names: Sequence[str], wire_dtype: int | None, room: int, *, slowest_clock: int = 0,
+                    worker_id: int | None = None) -> tuple[int, list[Item], memoryview]:
+        """As ``read_into``, into a buffer shared by every Pull of the same weights (under bsp, each worker's
+        of a round): the parts copied (cast to the wire dtype) once per version, outside the lock, each on a
+        64-byte boundary; the PullResponses say where they lie in it. (version, messages, the buffer's
+        payload). The buffer is never written again (the next version gets one of its own), so an answer
+        may still be sending it while the weights change. INVALID_ARGUMENT when the weights need more than
+        ``room`` bytes (the worker's pull buffer)."""
+        with self._cond:
+            entries = self._entries_read(names, worker_id)
+            version, loss_scale, sync = self._job.version, self._loss_scale(), self._job.sync_text
+            key = (tuple(names), wire_dtype, slowest_clock, loss_scale, sync)
+            hit = self.shared.get(key)
+            if hit is not None:
+                self.pull_bytes_total += hit[2]
+                self.pulls_total += 1
+                return version, hit[0], hit[1]
+            layout: list[tuple[TensorEntry, int, int, int, int]] = []  # (entry, part start, dtype, offset, bytes)
+            at = end = 0
+            for e in entries:
+                dt = e.spec.dtype if wire_dtype is None else wire_dtype
+                itemsize = codec.itemsize(dt)
+                for start in sorted(e.parts):
+                    nbytes = e.parts[start].weight.numel() * itemsize
+                    layout.append((e, start, dt, at, nbytes))
+                    end = at + nbytes
+                    at = shm.aligned(end)
+            if end > room:
+                raise InvalidArgument(f"Pull: the worker's pull buffer holds {room} bytes; the weights asked "
+                                      f"need {end}")
+            payload = sum(size for *_, size in layout)
+            self.pull_bytes_total += payload
+            self.pulls_total += 1
+            self.reading += 1
+        try:
+            buf = torch.empty(max(1, end), dtype=torch.uint8)
+            out: list[Item] = []
+            for e, start, dt, off, size in layout:
+                w = e.parts[start].weight.reshape(-1)
+                if size:
+                    buf[off : off + size].view(codec.to_torch_dtype(dt)).copy_(w)
+                first = start == min(e.parts) if e.spec.shape else True
+                msg = ps_pb2.PullResponse(
+                    version=version, loss_scale=loss_scale, sync=sync, slowest_clock=slowest_clock,
+                    chunk=ps_pb2.Chunk(name=e.spec.name, offset=start, dtype=dt,  # type: ignore[arg-type]
+                                       shape=e.spec.shape if first else (), shm_offset=off, shm_bytes=size))
+                out.append((e.spec.name, start, dt, msg.SerializeToString()))
+            raw: Any = buf.numpy()
+            view = memoryview(raw)[:end]
+            with self._cond:
+                self.shared[key] = (out, view, payload)  # of this version: no step runs while ``reading``
+        finally:
+            self._done_reading()
+        return version, out, view
 
     def read_copies(self, names: Sequence[str], worker_id: int | None,
                     copy: Callable[[list[TensorEntry]], tuple[T, int]], *,

@@ -174,11 +174,12 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         return iter(messages)
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
-                  answer: Callable[[list[bytes] | None, BaseException | None], None]) -> bool:
-        """``pull_frames`` without a thread that waits (server/parked.py), the messages or the failure given
-        to ``answer`` once (in this thread, or in the one whose change made the weights ready, or at the
-        deadline); False, with nothing done, where the Pull needs a thread: it names slices or no segment,
-        or the store has a backup. A failure before any wait is raised."""
+                  answer: Callable[[list[bytes] | None, memoryview | None, BaseException | None], None]) -> bool:
+        """``pull_frames`` without a thread that waits (server/parked.py): the messages and the bytes they
+        point into, or the failure, given to ``answer`` once (in this thread, or in the one whose change
+        made the weights ready, or at the deadline); False, with nothing done, where the Pull needs a
+        thread: it names slices or no segment, or the store has a backup. A failure before any wait is
+        raised."""
         store = self.store
         if request.slices or not request.shm or not store.path.parks():
             return False
@@ -187,10 +188,11 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         assert q.segment is not None
         metrics, waits = self.metrics, bool(q.min_version or q.min_clock)
 
-        def done(waited: float, items: list[Item] | None, error: BaseException | None) -> None:
+        def done(waited: float, items: list[Item] | None, payload: memoryview | None,
+                 error: BaseException | None) -> None:
             if error is None and metrics is not None and waits:
                 metrics.observe_wait(waited, str(store.job.sync or ""))
-            answer([msg for *_, msg in items] if items is not None else None, error)
+            answer([msg for *_, msg in items] if items is not None else None, payload, error)
 
         store.path.pull_soon(q.worker_id, q.names, q.wire_dtype, min_version=q.min_version, min_clock=q.min_clock,
                              epoch=q.epoch, timeout=timeout, segment=q.segment, deadlines=deadlines, answer=done)

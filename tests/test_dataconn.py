@@ -290,6 +290,10 @@ def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_r
         got = pull.result()["w"]
         assert torch.equal(got, w - 2 * torch.ones(300)) and store.job.waiting == 0
         assert len(store.path.parked) == 0
+        pulls = store.reader.pulls_total
+        assert torch.equal(b.pull(min_versions=[1])["w"], got)
+        # Both workers' Pulls of version 1 were answered from one copy of its weights (Reader.read_shared).
+        assert store.reader.pulls_total == pulls + 1 and len(store.reader.shared) == 1
     finally:
         a.close()
         b.close()
