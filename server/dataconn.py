@@ -21,10 +21,12 @@ Each connection (``Conn``) has one thread reading its frames:
   that must wait parks on the shard's state without a thread
   (server/parked.py, ``WorkersServicer.pull_soon``) and is answered by the
   thread whose change releases it (the round's last Push), or at its
-  deadline (``DataPort.deadlines``); the weights are written into the
-  route's pull buffer and sent in the answer. A shard with a backup, or a
-  Pull naming slices, waits in a pool thread instead
-  (``WorkersServicer.pull_frames``).
+  deadline (``DataPort.deadlines``); the weights are copied once per
+  version into a buffer every such Pull shares (``Reader.read_shared``:
+  under bsp, each worker's of a round) and sent from it. A shard with a
+  backup, or a Pull naming slices, waits in a pool thread instead
+  (``WorkersServicer.pull_frames``), its weights written into the route's
+  pull buffer.
 
 Every answer goes through the connection's ``Sender`` (protos/dataconn.py):
 written by the answering thread as far as the socket takes it, the rest by
