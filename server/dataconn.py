@@ -179,6 +179,7 @@ class Conn:
         self.sender = wire.Sender(sock, f"shardps-data-w{worker_id}", self._send_failed)
         self._push: dict[int, Buffer] = {}
         self._pull: dict[int, Buffer] = {}
+        self._bufs_lock = threading.Lock()  # ``forget`` and ``close`` against each other (any thread)
         self._streams: dict[int, queue.SimpleQueue[Any]] = {}  # call -> its messages, as they come
         self._stream_extents: dict[int, list[tuple[int, int]]] = {}
         self._ended: collections.deque[int] = collections.deque(maxlen=4096)  # streamed calls that ended
@@ -396,10 +397,10 @@ class Conn:
         return status, [text]
 
     def forget(self, route: int) -> None:
-        for bufs in (self._push, self._pull):
-            b = bufs.pop(route, None)
-            if b is not None:
-                b.close()
+        with self._bufs_lock:
+            gone = [b for bufs in (self._push, self._pull) if (b := bufs.pop(route, None)) is not None]
+        for b in gone:
+            b.close()
 
     def _shut(self) -> None:
         """Shut the socket: the reading thread ends (and closes the connection)."""
@@ -413,9 +414,11 @@ class Conn:
         self.closed = True
         self.sender.close()
         wire.end(self.sock, self._thread)
-        for bufs in (self._push, self._pull):
-            for b in bufs.values():
-                b.close()
+        with self._bufs_lock:  # a stopping shard's ``forget`` may run meanwhile, in another thread
+            gone = [*self._push.values(), *self._pull.values()]
+            self._push, self._pull = {}, {}
+        for b in gone:
+            b.close()
 
 
 class DataPort:

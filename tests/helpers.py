@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,6 +27,26 @@ from torch import nn
 import shardps
 from shardps.deploy.spawn import Process, spawn
 from shardps.protos.shardps.v1 import ps_pb2
+
+
+def restart_port() -> int:
+    """A free port for a server that a test stops and starts again at the same address, below the kernel's
+    range for the local ports of outgoing connections: while the server is down, no client's connect (a
+    gRPC channel or a data connection trying to reach it) can take its port and keep it from binding again
+    (seen under load with a port from that range)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def run_workers(fn: Callable[[int], Any], n: int, timeout: float = 120.0) -> list[Any]:

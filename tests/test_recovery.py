@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 
@@ -18,7 +17,7 @@ from torch import nn
 
 import shardps
 from shardps.deploy.local import read_ready
-from tests.helpers import run_workers, shardps_process
+from tests.helpers import restart_port, run_workers, shardps_process
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -26,9 +25,8 @@ STEPS, WORKERS, EVERY = 20, 2, 5
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port the test's server is restarted at (``restart_port``: no client's connect can take it meanwhile)."""
+    return restart_port()
 
 
 def _server(port: int, shard: int, ckpt, every: int = EVERY) -> subprocess.Popen:
