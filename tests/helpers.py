@@ -29,11 +29,11 @@ from shardps.deploy.spawn import Process, spawn
 from shardps.protos.shardps.v1 import ps_pb2
 
 
-def restart_port() -> int:
-    """A free port for a server that a test stops and starts again at the same address, below the kernel's
-    range for the local ports of outgoing connections: while the server is down, no client's connect (a
-    gRPC channel or a data connection trying to reach it) can take its port and keep it from binding again
-    (seen under load with a port from that range)."""
+def chosen_port() -> int:
+    """A free port for a test to hand a process it starts later (or stops and starts again at the same
+    address), below the kernel's range for ephemeral ports: no other process's bind to port 0 and no
+    client's connect (a gRPC channel, a data connection) can take it in between. Seen under load with ports
+    from that range: a restarted server, and a worker's metrics port, could not bind theirs."""
     low = 32768
     with contextlib.suppress(OSError, ValueError):
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import yaml
 
 from shardps.deploy.local import stop_processes
 from shardps.protos import env
+from tests.helpers import chosen_port
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -163,9 +163,7 @@ def test_grafana_provisioning_points_at_the_dashboards_and_datasource():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return chosen_port()  # below the ephemeral range: nothing else takes it before its process binds it
 
 
 class _Local:

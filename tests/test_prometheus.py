@@ -9,7 +9,6 @@ import json
 import math
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import shardps
 from shardps.exposition import serve_metrics
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.metrics import WorkerMetrics
-from tests.helpers import run_workers, start_prometheus, stop_prometheus
+from tests.helpers import chosen_port, run_workers, start_prometheus, stop_prometheus
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
@@ -31,9 +30,7 @@ DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return chosen_port()  # below the ephemeral range: nothing else takes it before its process binds it
 
 
 def _train(addresses, k, steps):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardps.deploy.local import read_ready, stop_processes
+from tests.helpers import chosen_port
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -31,9 +31,7 @@ def blocks(lang: str) -> list[str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return chosen_port()  # below the ephemeral range: nothing else takes it before its process binds it
 
 
 def _env() -> dict[str, str]:

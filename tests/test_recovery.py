@@ -17,7 +17,7 @@ from torch import nn
 
 import shardps
 from shardps.deploy.local import read_ready
-from tests.helpers import restart_port, run_workers, shardps_process
+from tests.helpers import chosen_port, run_workers, shardps_process
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -25,8 +25,8 @@ STEPS, WORKERS, EVERY = 20, 2, 5
 
 
 def _free_port() -> int:
-    """A port the test's server is restarted at (``restart_port``: no client's connect can take it meanwhile)."""
-    return restart_port()
+    """A port the test's server is restarted at (``chosen_port``: no client's connect can take it meanwhile)."""
+    return chosen_port()
 
 
 def _server(port: int, shard: int, ckpt, every: int = EVERY) -> subprocess.Popen:

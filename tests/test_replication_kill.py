@@ -18,7 +18,7 @@ import shardps
 from shardps.admin import run_attach_replica, run_promote
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore
-from tests.helpers import restart_port, shardps_process
+from tests.helpers import chosen_port, shardps_process
 from tests.replicas import W, big_model, model, same_state, train
 
 # -- kill -9 ------------------------------------------------------------------------------------------
@@ -102,8 +102,8 @@ def test_demo_failover_drill():
 
 
 def _free_port() -> int:
-    """A port the test's server is restarted at (``restart_port``: no client's connect can take it meanwhile)."""
-    return restart_port()
+    """A port the test's server is restarted at (``chosen_port``: no client's connect can take it meanwhile)."""
+    return chosen_port()
 
 
 def _start_fixed(ports: list[int], i: int) -> subprocess.Popen:
