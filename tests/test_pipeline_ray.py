@@ -66,6 +66,8 @@ def test_stages_on_two_nodes_give_one_process_gradients(ray_cluster, schedule, c
         if offload:
             assert nodes[pipe.store_info["node_id"]] == "second"
             assert pipe.offload_stats()[0]["stored_total"] > 0
+            held = ray.get(pipe.store.info.remote(), timeout=60)  # the bytes went through the store's sockets
+            assert held["peak_bytes"] > 0 and held["bundles"] == 0 and held["bytes"] == 0, held
         timeline = pipe.timeline()
         assert sorted(timeline) == [0, 1]
         assert {k for k, *_ in timeline[0]} >= {"F", "B"} and all(b >= a for _, _, a, b in timeline[0])

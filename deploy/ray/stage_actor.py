@@ -10,12 +10,11 @@ its neighbours (``SocketLink``; on GPUs the pipeline's nccl group,
 ``GroupLink``; made by ``connect``), then pushes and pulls its
 weights. A failure ends the step on every stage (``StageFailed`` with what the
 stage saw). ``OffloadStore`` holds offloaded activations; ``RaySink`` is a
-stage's side of it.
+stage's side of it, one connection to the store (worker/pipeline/offloadwire.py).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from shardps.worker.moe import ExpertRows
 from shardps.worker.pipeline.failure import Outcome, StageFailed
 from shardps.worker.pipeline.link import GroupLink, LinkError
 from shardps.worker.pipeline.linkconnect import open_link
+from shardps.worker.pipeline.offloadwire import ByteStore, SocketSink
 from shardps.worker.pipeline.plan import StepPlan
 from shardps.worker.pipeline.rowstage import has_row_modules
 from shardps.worker.pipeline.schedule import Kind, Task
@@ -49,74 +49,31 @@ from shardps.worker.tp.split import split, tp_slices
 
 
 class OffloadStore:
-    """Holds offloaded activations between a forward and its backward (CPU memory of its node): one
-    bundle (key -> (tensor, dtype, device)) per micro-batch of a stage, by the bundle's name."""
+    """Holds offloaded activations between a forward and its backward (CPU memory of its node): a
+    ``ByteStore`` (worker/pipeline/offloadwire.py) the stages reach over one connection each, their
+    bundles' bytes never through Ray's object store."""
 
-    def __init__(self) -> None:
-        self.data: dict[str, dict[str, Any]] = {}
-        self.bytes = 0
-        self.peak_bytes = 0
+    def __init__(self, timeout: float = 300.0) -> None:
+        self.store = ByteStore(ray.util.get_node_ip_address(), timeout=timeout)
 
-    @staticmethod
-    def _size(bundle: dict[str, Any]) -> int:
-        return sum(int(v[0].numel() * v[0].element_size()) for v in bundle.values()
-                   if isinstance(v, tuple) and isinstance(v[0], torch.Tensor))
-
-    def put(self, group: str, bundle: dict[str, Any]) -> None:
-        self.data[group] = bundle
-        self.bytes += self._size(bundle)
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-
-    def get(self, group: str) -> dict[str, Any]:
-        return self.data[group]
-
-    def drop(self, group: str) -> None:
-        bundle = self.data.pop(group, None)
-        if bundle is not None:
-            self.bytes -= self._size(bundle)
+    def endpoint(self) -> tuple[str, bytes]:
+        """The store's address (``linkconnect.connect``'s) and the token a stage greets it with."""
+        return self.store.address, self.store.token
 
     def info(self) -> dict[str, Any]:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "bytes": self.bytes,
-                "peak_bytes": self.peak_bytes, "bundles": len(self.data)}
+        return {"node_id": ray.get_runtime_context().get_node_id(), **self.store.info()}
 
 
-class RaySink:
-    """A stage's side of the offload store. Its calls are made by one background thread, in the order
-    the stage asks (an actor runs one caller's calls in order, so a get follows its put): the stage's
-    forward does not wait for its bundle to be serialised and sent. ``get`` waits for the bundle's
-    prefetch (made now if none was), at most ``timeout`` seconds."""
+class RaySink(SocketSink):
+    """A stage's side of the pipeline's ``OffloadStore`` actor: a ``SocketSink`` whose endpoint the
+    actor gives (one Ray call, on first use)."""
 
     def __init__(self, store: Any, timeout: float = 300.0) -> None:
-        self.store, self.timeout = store, timeout
-        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload")
-        self._fetching: dict[str, concurrent.futures.Future[Any]] = {}
-        self._sent: list[concurrent.futures.Future[Any]] = []  # puts and drops: their errors raised later
+        def endpoint() -> tuple[str, bytes]:
+            addr, token = ray.get(store.endpoint.remote(), timeout=timeout)
+            return str(addr), bytes(token)
 
-    def _check(self) -> None:
-        """Raise what a put or drop submitted in the background raised."""
-        done = [f for f in self._sent if f.done()]
-        self._sent = [f for f in self._sent if not f.done()]
-        for f in done:
-            f.result()
-
-    def put(self, group: str, values: dict[str, Any]) -> None:
-        self._check()
-        self._sent.append(self._calls.submit(self.store.put.remote, group, values))
-
-    def prefetch(self, group: str) -> None:
-        if group not in self._fetching:
-            self._fetching[group] = self._calls.submit(self.store.get.remote, group)
-
-    def get(self, group: str) -> dict[str, Any]:
-        self.prefetch(group)
-        ref = self._fetching.pop(group).result(timeout=self.timeout)
-        self._check()
-        out: dict[str, Any] = ray.get(ref, timeout=self.timeout)
-        return out
-
-    def drop(self, group: str) -> None:
-        self._fetching.pop(group, None)
-        self._sent.append(self._calls.submit(self.store.drop.remote, group))
+        super().__init__(endpoint, ray.util.get_node_ip_address(), timeout)
 
 
 @dataclass(frozen=True)
@@ -280,6 +237,8 @@ class StageActor:
             first_b = next(t.microbatch for t in plan.orders[self.index] if t.kind is Kind.BACKWARD)
             losses: list[float] = walk(plan, {self.index: _Tracked(self, first_b)}, link, inputs, targets)
             link.flush()
+            if isinstance(self.rt.offload, SocketSink):
+                self.rt.offload.flush(timeout)  # the step's bundles dropped from the store, or its error
         except Exception as e:
             link.close()
             raise self._failed(e) from e

@@ -249,9 +249,9 @@ def test_a_neighbour_on_this_host_is_reached_over_a_unix_socket_and_one_in_anoth
     store.set("pp/far/link/0", "127.0.0.1|1|shardps-link-nobody-listens-here")  # a stale, unreachable name
     listener = socket.create_server(("127.0.0.1", 0))
     store.set("pp/far/link/0", f"127.0.0.1|{listener.getsockname()[1]}|shardps-link-nobody-listens-here")
-    from shardps.worker.pipeline.linkconnect import _connect
+    from shardps.worker.pipeline.linkconnect import connect
 
-    sock = _connect(store.get("pp/far/link/0").decode(), "127.0.0.1", time.monotonic() + 10)
+    sock = connect(store.get("pp/far/link/0").decode(), "127.0.0.1", time.monotonic() + 10)
     assert sock.family == socket.AF_INET
     sock.close()
     listener.close()

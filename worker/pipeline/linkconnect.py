@@ -51,21 +51,29 @@ def _read_exactly(sock: socket.socket, n: int, deadline: float, what: str) -> by
     return bytes(buf)
 
 
-def _listen(host: str) -> list[socket.socket]:
-    """A TCP listener on ``host`` and, on Linux, a Unix one (abstract name) that a neighbour on this host
-    (and network namespace) uses instead: cheaper, no TCP/IP stack between the two."""
-    listeners = [socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)]
+def listen(host: str, backlog: int = 1, what: str = "link") -> list[socket.socket]:
+    """A TCP listener on ``host`` and, on Linux, a Unix one (abstract name) that a peer on this host
+    (and network namespace) uses instead: cheaper, no TCP/IP stack between the two. ``published``
+    gives the address a peer passes to ``connect``."""
+    listeners = [socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                      backlog=backlog)]
     if hasattr(socket, "AF_UNIX") and sys.platform.startswith("linux"):
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        unix.bind(f"\0shardps-link-{os.getpid()}-{secrets.token_hex(8)}")
-        unix.listen(1)
+        unix.bind(f"\0shardps-{what}-{os.getpid()}-{secrets.token_hex(8)}")
+        unix.listen(backlog)
         listeners.append(unix)
     return listeners
 
 
-def _connect(addr: str, host: str, deadline: float) -> socket.socket:
-    """A connection to the listeners published as ``addr`` (by ``_listen``): the Unix one when the peer is
-    on this host and it answers, else TCP."""
+def published(host: str, listeners: list[socket.socket]) -> str:
+    """The address of ``listen``'s listeners that ``connect`` takes: ``host|port|unix name``."""
+    unix_name = listeners[1].getsockname()[1:].decode() if len(listeners) > 1 else ""
+    return f"{host}|{listeners[0].getsockname()[1]}|{unix_name}"
+
+
+def connect(addr: str, host: str, deadline: float) -> socket.socket:
+    """A connection to the listeners published as ``addr`` (by ``listen``; ``host``: this process's own
+    address): the Unix one when the peer is on this host and it answers, else TCP."""
     peer_host, port, unix_name = addr.split("|", 2)
     left = max(0.001, deadline - time.monotonic())
     if unix_name and peer_host == host:
@@ -108,12 +116,11 @@ def open_socket_link(store: Any, name: str, stage: int, num_stages: int, host: s
     listeners: list[socket.socket] = []
     try:
         if stage + 1 < num_stages:
-            listeners = _listen(host)
-            unix_name = listeners[1].getsockname()[1:].decode() if len(listeners) > 1 else ""
-            store.set(f"{name}/link/{stage}", f"{host}|{listeners[0].getsockname()[1]}|{unix_name}")
+            listeners = listen(host)
+            store.set(f"{name}/link/{stage}", published(host, listeners))
         if stage > 0:
             addr = store.get(f"{name}/link/{stage - 1}").decode()  # waits for it (the store's deadline)
-            sock = _connect(addr, host, deadline)
+            sock = connect(addr, host, deadline)
             socks[stage - 1] = sock
             sock.sendall(_hello(name, stage))
         if listeners:

@@ -6,10 +6,11 @@ key; when the micro-batch's forward ends, all it saved goes to a ``Sink`` as
 one bundle, in one transfer, and the backward gets the bundle back in one
 (``unpack`` takes each tensor from it). A tensor saved twice (a ReLU's output
 that the next Linear saves too) is stored once. The sink is an interface:
-``LocalSink`` keeps a dict (tests, one process); on Ray it is the offload
-store actor (shardps.deploy.ray.stage_actor), its transfers made in the
-background, with ``prefetch`` fetching a micro-batch's bundle ahead of the
-backward that needs it.
+``LocalSink`` keeps a dict (tests, one process); on Ray it is a connection
+to the offload store actor (``SocketSink``, worker/pipeline/offloadwire.py;
+shardps.deploy.ray.stage_actor), its transfers made in the background, with
+``prefetch`` fetching a micro-batch's bundle ahead of the backward that needs
+it.
 
 Encodings of what is stored (Gist, Jain et al. 2018):
 
