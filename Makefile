@@ -50,14 +50,16 @@ bytecode: venv
 demo: venv bytecode
 	$(BIN)/shardps demo
 
-# Debian tools some tests use: a real Prometheus (scrape and PromQL tests) and
-# docker-compose (validates deploy/docker-compose.yml). Installed with apt
+# Debian tools some tests use: a real Prometheus (scrape and PromQL tests),
+# docker-compose (validates deploy/docker-compose.yml) and etcd. Installed with apt
 # when missing and we are root; otherwise those tests say why they skip.
-DEBIAN_TOOLS := prometheus docker-compose
+# Each as package:command. etcd-server: the coordinator of `--coordinator etcd://...` (server/coordinator.py),
+# started by the tests on free ports.
+DEBIAN_TOOLS := prometheus:prometheus docker-compose:docker-compose etcd-server:etcd
 
 tools:
 	@missing=""; \
-	for t in $(DEBIAN_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	for t in $(DEBIAN_TOOLS); do command -v $${t#*:} >/dev/null 2>&1 || missing="$$missing $${t%%:*}"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 			echo "installing Debian packages:$$missing"; \

@@ -30,8 +30,9 @@ from shardps.exposition import MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos import env as env_names
 from shardps.protos.security import Security
+from shardps.server import coordinator as coord
 from shardps.server.app import READY_PREFIX
-from shardps.server.checks import check_replicas
+from shardps.server.checks import check_coordinator, check_replicas
 from shardps.server.metrics import ServerMetrics
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
@@ -142,10 +143,16 @@ class LocalCluster:
                  max_wait_s: float = 300.0, metrics: bool = False, security: Security | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), lease_s: float = DEFAULT_LEASE_S,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, coordinator: str | None = None, job: str = coord.DEFAULT_JOB,
+                 coordinator_ttl: int = coord.DEFAULT_TTL_S) -> None:
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         check_replicas(replicas, num_servers, None)
+        # who serves each shard is etcd's to say (server/coordinator.py): ValueError naming what is wrong
+        self.coordinator = check_coordinator(coordinator, job, coordinator_ttl) if coordinator else None
+        self.coordinator_url, self.job, self.coordinator_ttl = coordinator, job, coordinator_ttl
+        self.fences: list[coord.ShardLease] = []  # in-process mode with a coordinator: each store's hold
+        self._etcd: coord.Etcd | None = None
         self.replicas = replicas
         self.num_servers = num_servers
         self.processes = processes
@@ -206,12 +213,30 @@ class LocalCluster:
                     self.stores.append(store)
                     self._servers.append(server)
                     self.addresses.append(f"{self.host}:{port}")
+                self._fence()
             if self.replicas == 2:
                 attach_replicas(self.addresses, self.replica_addresses, self.security, self.startup_timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _fence(self) -> None:
+        """In-process, with a coordinator: each primary claims its shard in etcd, each backup gets its way to
+        take over (as ``shardps server --coordinator`` does)."""
+        if self.coordinator is None:
+            return
+        self._etcd = etcd = coord.Etcd(self.coordinator)
+        etcd.check(self.startup_timeout)
+        for store, address in zip(self.stores, self.addresses, strict=True):
+            fence = coord.ShardLease(etcd, self.job, store.shard_index, address, ttl=self.coordinator_ttl)
+            store.replica.fence = fence
+            self.fences.append(fence)
+            fence.claim(timeout=self.startup_timeout)
+        for backup, address in zip(self.backups, self.replica_addresses, strict=True):
+            held = coord.ShardLease(etcd, self.job, backup.shard_index, address, ttl=self.coordinator_ttl)
+            backup.replica.fence = held
+            self.fences.append(held)
 
     def _start_processes(self) -> None:
         for i in range(self.num_servers):
@@ -223,6 +248,9 @@ class LocalCluster:
             cmd += ["--lease-seconds", str(self.lease_s)]
             if self.replicas == 2:
                 cmd += ["--replicas", "2", "--replica-port", "0"]
+            if self.coordinator_url:
+                cmd += ["--coordinator", self.coordinator_url, "--job", self.job,
+                        "--coordinator-ttl", str(self.coordinator_ttl)]
             sec = self.security
             for flag, value in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key), ("--tls-ca", sec.tls_ca)):
                 if value:
@@ -288,6 +316,12 @@ class LocalCluster:
         for e in self._endpoints:
             e.close()
         self._endpoints = []
+        for fence in self.fences:
+            fence.close()
+        self.fences = []
+        if self._etcd is not None:
+            self._etcd.close()
+            self._etcd = None
         stop_processes(self._procs, grace)
         if self._lifeline is not None:
             self._lifeline.close()

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from shardps.exposition import LOOPBACK, MetricsEndpoint, serve_metrics
 from shardps.protos import codec
 from shardps.protos.security import Security
+from shardps.server import coordinator as coord
 from shardps.server.checks import check_replicas, check_spare
 from shardps.server.metrics import ServerMetrics
 from shardps.server.pullcache import FRAME_INLINE_BYTES
@@ -74,12 +75,14 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
               lease_s: float = DEFAULT_LEASE_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
               checkpoint_dir: str | None = None, checkpoint_every: int = 0,
               frame_inline_bytes: int = FRAME_INLINE_BYTES,
-              replica_timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S) -> int:
+              replica_timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S, coordinator: str | None = None,
+              job: str = coord.DEFAULT_JOB, coordinator_ttl: int = coord.DEFAULT_TTL_S,
+              start_timeout_s: float = 30.0) -> int:
     """``shardps server --backup-only K``: only a backup endpoint for shard K (no primary).
 
     A spare to give a shard a copy again after a takeover: point the shard
     at it with ``shardps ctl attach-replica``. It serves the shard if it is
-    promoted in turn.
+    promoted in turn (with a coordinator, only once etcd agrees).
     """
     check_spare(backup_of, num_shards)
     torch.set_num_threads(torch_threads or default_torch_threads())
@@ -97,6 +100,16 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     server, bound = create_server(backup, f"{host}:{replica_port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
                                   metrics=metrics, security=security)
     backup.address = advertised(host, bound)
+    etcd = None
+    if coordinator:
+        etcd = coord.Etcd(coord.parse(coordinator))
+        try:
+            etcd.check(start_timeout_s)
+        except coord.CoordinatorError as e:
+            stop_server(server)
+            print(f"shardps server: {e}", file=sys.stderr, flush=True)
+            return 2
+        backup.replica.fence = coord.ShardLease(etcd, job, backup_of, backup.address, ttl=coordinator_ttl)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -113,6 +126,10 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
           flush=True)
     server.wait_for_termination()
     stop_server(server)
+    if backup.replica.fence is not None and isinstance(backup.replica.fence, coord.ShardLease):
+        backup.replica.fence.close(release=stopping.is_set())
+    if etcd is not None:
+        etcd.close()
     if endpoint is not None:
         endpoint.close()
     return 0
@@ -138,8 +155,15 @@ class ShardServer:
                  checkpoint_seconds: float = 0.0, lease_s: float = DEFAULT_LEASE_S, replicas: int = 1,
                  replica_port: int = 0, replica_target: str | None = None, advertise: str | None = None,
                  frame_inline_bytes: int = FRAME_INLINE_BYTES,
-                 replica_timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S) -> None:
+                 replica_timeout_s: float = DEFAULT_REPLICA_TIMEOUT_S, coordinator: str | None = None,
+                 job: str = coord.DEFAULT_JOB, coordinator_ttl: int = coord.DEFAULT_TTL_S,
+                 start_timeout_s: float = 30.0) -> None:
         check_replicas(replicas, num_shards, replica_target)
+        self.coordinator = coord.parse(coordinator) if coordinator else None  # ValueError naming what is wrong
+        coord.check_job(job)
+        self.job, self.coordinator_ttl, self.start_timeout_s = job, coordinator_ttl, start_timeout_s
+        self._etcd: coord.Etcd | None = None
+        self.fences: list[coord.ShardLease] = []
         self.replica_timeout_s = check_replica_timeout(replica_timeout_s)
         self.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
         self.host, self.port, self.shard_index, self.num_shards = host, port, shard_index, num_shards
@@ -200,15 +224,49 @@ class ShardServer:
         self._servers.append(server)
         self.address = f"{host}:{bound}"
         store.address = self.advertise or advertised(host, bound)  # what its backup checks before taking over
+        backup_port = 0
         if self.backup is not None:
             backup_server, backup_port = create_server(self.backup, f"{host}:{self.replica_port}",
                                                        max_wait_s=self.max_wait_s, chunk_bytes=self.chunk_bytes,
                                                        security=security)
             self._servers.append(backup_server)
             self.replica_address = f"{host}:{backup_port}"
-            if self.replica_target:  # the sender retries until the backup answers; the first try settles first
-                store.start_replicated(self.replica_target, timeout=10.0)
+        try:
+            deposed = self._fence(store, advertised(host, backup_port) if self.backup is not None else "")
+        except BaseException:
+            self.stop()
+            raise
+        if self.backup is not None and self.replica_target and not deposed:
+            # the sender retries until the backup answers; the first try settles first
+            store.start_replicated(self.replica_target, timeout=10.0)
         return self
+
+    def _fence(self, store: ShardStore, backup_address: str) -> bool:
+        """With a coordinator: claim this shard in etcd before anything is acknowledged (data RPCs answer
+        UNAVAILABLE until then), and give the backup it holds its way to take over. True when etcd names
+        another server the shard's primary: this one is deposed and serves nothing (a restart after a
+        takeover). CoordinatorError, naming the coordinator, when etcd does not answer within the start
+        timeout."""
+        if self.coordinator is None:
+            return False
+        self._etcd = etcd = coord.Etcd(self.coordinator)
+        etcd.check(self.start_timeout_s)
+        fence = coord.ShardLease(etcd, self.job, self.shard_index, store.address, ttl=self.coordinator_ttl)
+        store.replica.fence = fence
+        self.fences.append(fence)
+        if self.backup is not None:
+            held = coord.ShardLease(etcd, self.job, self.backup.shard_index, backup_address, ttl=self.coordinator_ttl)
+            self.backup.replica.fence = held
+            self.fences.append(held)
+        try:
+            record = fence.claim(timeout=self.start_timeout_s)
+        except coord.Superseded as e:
+            log.error("shard %d: %s; this server does not serve it", self.shard_index, e)
+            store.replica._deposed(e.record.primary)
+            return True
+        log.info("shard %d: primary at epoch %d (etcd at %s, lease %ds)", self.shard_index, record.epoch,
+                 etcd.where, self.coordinator_ttl)
+        return False
 
     def ready_line(self) -> str:
         """What ``shardps server`` prints once it serves (LocalCluster reads it)."""
@@ -250,6 +308,10 @@ class ShardServer:
                 st.stop_replication()
                 if st.peers is not None:
                     st.peers.close()
+        for fence in self.fences:  # a clean stop gives the lease back: a backup may take over at once
+            fence.close(release=self._stopping.is_set())
+        if self._etcd is not None:
+            self._etcd.close()
         if self.store is not None:
             log.info("shard %d: stopped at version %d", self.shard_index, self.store.version)
 
@@ -322,6 +384,11 @@ def run_server(*, shards: int = 1, **options: Any) -> int:
     try:
         for k in range(shards):
             servers.append(ShardServer(**shard_options(options, k)).start())
+    except coord.CoordinatorError as e:
+        for server in servers:
+            server.stop()
+        print(f"shardps server: {e}", file=sys.stderr, flush=True)
+        return 2
     except BaseException:
         for server in servers:
             server.stop()

@@ -32,7 +32,7 @@ from shardps.server.errors import (
     Unavailable,
 )
 from shardps.server.peers import ReplicaLink, ReplicaSink
-from shardps.server.roles import OpKind, ReplicaState, Role, RoleEvent, next_role
+from shardps.server.roles import Fence, FenceError, OpKind, ReplicaState, Role, RoleEvent, next_role
 from shardps.server.scaling import LossScaler
 from shardps.server.snapshot import Packed, parse_part_keys
 from shardps.server.table import PartKey, TensorSpec, spec_from_json
@@ -128,6 +128,7 @@ class ReplicaSide:
         self.replica_synced = False
         self.replica_incarnation = ""  # backup role: the run of the primary whose copy it holds
         self.promotions_total = 0
+        self.fence: Fence | None = None  # --coordinator: who serves the shard is the coordinator's to say
 
     # -- the primary's side ---------------------------------------------------
 
@@ -191,17 +192,31 @@ class ReplicaSide:
             self._cond.notify_all()
 
     def replicated(self, timeout: float | None = None) -> None:
-        """Block until every change made so far is on the backup (at once without one)."""
+        """Block until every change made so far is on the backup (at once without one); with a coordinator,
+        then check that this server still holds the shard: what it acknowledges after this is fenced.
+
+        A primary whose backup is lost (degraded) goes on alone only once the coordinator records it
+        (``Fence.go_alone``): otherwise the backup could take over with a copy that lacks what this one
+        acknowledged. UNAVAILABLE, naming why, when either check fails: the change is not acknowledged
+        (applied here, it is an outcome the worker does not know, as a timeout's)."""
         rep = self.replicator
-        if rep is None:
+        if rep is not None:
+            try:
+                rep.wait(None, 2 * self.replica_timeout_s if timeout is None else timeout)
+            except Deposed as e:
+                self._deposed(e.address)
+                raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
+            except TimeoutError as e:
+                raise Unavailable(str(e)) from None
+        fence = self.fence
+        if fence is None or self.role != Role.PRIMARY:
             return
-        try:
-            rep.wait(None, 2 * self.replica_timeout_s if timeout is None else timeout)
-        except Deposed as e:
-            self._deposed(e.address)
-            raise Unavailable(f"shard {self.shard_index} was taken over by its backup at {e.address}") from None
-        except TimeoutError as e:
-            raise Unavailable(str(e)) from None
+        if rep is not None and rep.state == ReplicaState.DEGRADED and not fence.alone and not fence.go_alone():
+            raise Unavailable(f"shard {self.shard_index} lost its backup at {rep.address} and the coordinator did "
+                              f"not record that it goes on alone: not acknowledging")
+        why = fence.why_not()
+        if why:
+            raise Unavailable(f"{why}: not acknowledging")
 
     def check_serving(self) -> None:
         """UNAVAILABLE unless this store serves its shard: not a backup, not a deposed primary."""
@@ -213,6 +228,11 @@ class ReplicaSide:
         if self.role == Role.STARTING:
             raise Unavailable(f"shard {self.shard_index} is starting: it checks whether its backup took over "
                               f"while it was down")
+        fence = self.fence
+        if fence is not None and self.role == Role.PRIMARY:
+            why = fence.why_not()
+            if why:
+                raise Unavailable(why)
 
     def start_replicated(self, target: str, timeout: float) -> str:
         """Start as the primary only if the backup at ``target`` has not taken the shard over meanwhile.
@@ -330,7 +350,19 @@ class ReplicaSide:
 
     def _promote(self, reason: str, force: bool) -> None:
         primary = None
-        if not force:
+        if self.fence is not None:  # the coordinator decides, --force or not: no health check can
+            with self._replay_lock:
+                if not self._may_promote():
+                    return
+                primary = self.primary_address
+            try:
+                self.fence.take_over(primary)
+            except FenceError as e:
+                with self._replay_lock:
+                    if not self._may_promote():
+                        return
+                raise FailedPrecondition(str(e)) from None
+        elif not force:
             with self._replay_lock:
                 if not self._may_promote():
                     return

@@ -11,6 +11,9 @@ all import it; it imports no other server module.
 - ``Recorder``: what a part that changes the shard's state is given to
   record each change for the backup (the replica side implements it; a
   shard without a backup records nothing). Called under the store's lock.
+- ``Fence``: who serves the shard, as a coordinator says it
+  (server/coordinator.py's ``ShardLease`` over etcd); ``FenceError`` what it
+  raises when it refuses or cannot be asked.
 """
 
 from __future__ import annotations
@@ -151,3 +154,35 @@ class NoRecorder:
     def record(self, kind: OpKind, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
                packed: Any = None) -> None:
         pass
+
+
+class FenceError(RuntimeError):
+    """The coordinator refused a change of the shard's primary, or could not be asked: the message says why."""
+
+
+class Fence(Protocol):
+    """A shard's hold in the coordinator (``--coordinator``; server/coordinator.py ``ShardLease``). Its calls
+    go to the network: never made under the store's lock or the replay lock."""
+
+    @property
+    def epoch(self) -> int:
+        """The fencing epoch this server last wrote or read (raised by every change of primary)."""
+        ...
+
+    def why_not(self) -> str:
+        """Why this server may not acknowledge a write of the shard now ("" when it may): no lease, a lease
+        not renewed within its time-to-live less the margin, or one another server took."""
+        ...
+
+    def take_over(self, expected_primary: str) -> Any:
+        """Become the primary (a backup's takeover) if the coordinator agrees; ``FenceError`` why not."""
+        ...
+
+    def go_alone(self) -> bool:
+        """Record that the primary serves without its backup; False when it could not (refuse writes then)."""
+        ...
+
+    @property
+    def alone(self) -> bool:
+        """Whether the coordinator records that this primary serves without its backup."""
+        ...

@@ -184,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --replicas 2: how long a primary waits for its backup to confirm a change (plus 1s "
                         "per 20 MB) before it goes on alone, degraded: a backup cut off by the network holds "
                         "Pushes this long (default 30)")
+    r.add_argument("--coordinator", default=env.get(env.COORDINATOR) or None, metavar="etcd://HOST:PORT,...",
+                   help="who serves each shard is etcd's to say: a primary acknowledges only while it holds its "
+                        "lease there, a backup takes over only by a transaction after that lease expired "
+                        "(docs/operations.md, 'Fencing'); default none (env SHARDPS_COORDINATOR)")
+    r.add_argument("--job", default=env.get(env.JOB) or "shardps", metavar="NAME",
+                   help="with --coordinator: the job's name in etcd (its keys: /shardps/NAME/shards/<i>); jobs "
+                        "sharing an etcd need their own (default shardps; env SHARDPS_JOB)")
+    r.add_argument("--coordinator-ttl", type=int, default=5, metavar="SECONDS",
+                   help="with --coordinator: the primary's lease in etcd, renewed every third of it; a takeover "
+                        "waits this long after the primary was last heard (default 5, at least 2)")
+    r.add_argument("--start-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="with --coordinator: how long start-up waits for etcd to answer and for this server's "
+                        "claim on its shard (a lease left by its previous run expires meanwhile); default 30")
     r.add_argument("--backup-only", type=int, default=None, metavar="SHARD",
                    help="a spare: hold only a backup of shard SHARD on --replica-port, no shard of its own "
                         "(to give a shard a copy again after a takeover: shardps ctl attach-replica)")
@@ -311,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by LocalCluster or the demo: stop when that process is gone
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "server":
-        from shardps.server.checks import check_replicas, check_shards, check_spare  # (light: before the server)
+        from shardps.server.checks import (  # (light: before the server)
+            check_coordinator,
+            check_replicas,
+            check_shards,
+            check_spare,
+        )
 
         if args.replicas not in (1, 2):  # from SHARDPS_REPLICAS: argparse checks choices of flags only
             print(f"shardps server: --replicas / {env.REPLICAS} must be 1 or 2, got {args.replicas}", file=sys.stderr)
@@ -326,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.replica_timeout is not None and not args.replica_timeout > 0:
             print(f"shardps server: --replica-timeout must be > 0, got {args.replica_timeout}", file=sys.stderr)
             return 2
+        if args.coordinator:
+            try:
+                check_coordinator(args.coordinator, args.job, args.coordinator_ttl)
+            except ValueError as e:
+                print(f"shardps server: {e}", file=sys.stderr)
+                return 2
+            extra.update(coordinator=args.coordinator, job=args.job, coordinator_ttl=args.coordinator_ttl,
+                         start_timeout_s=args.start_timeout)
         if args.backup_only is not None:
             try:
                 check_spare(args.backup_only, args.num_shards)
