@@ -315,9 +315,10 @@ class ShardLease:
         return True
 
     def claim(self, timeout: float) -> ShardRecord:
-        """As the shard's primary at start: create its record (epoch 1), or renew a record that names this
-        server once no lease holds it (a restart: epoch + 1). CoordinatorError when another server is
-        the primary, or when the record does not free up within ``timeout`` seconds."""
+        """As the shard's primary at start: create its record (epoch 1), or hold a record that names this
+        server again once no lease holds it (a restart: the same epoch, since no other server served the
+        shard meanwhile). ``Superseded`` when another server is the primary; CoordinatorError when the
+        record does not free up within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             current = self.read()
@@ -329,10 +330,10 @@ class ShardLease:
                 raise Superseded(
                     f"etcd at {self.etcd.where} names {current.primary} the primary of shard {self.shard} "
                     f"(epoch {current.epoch}; key {self.key}), not this server at {self.address}", current)
-            elif current.holder == 0:
+            elif current.holder == 0:  # a restart: the same primary, the same epoch (the record did not change)
                 if self._win(f"claim shard {self.shard}", [_mod(self.key, current.revision),
                                                            _created(self.holder_key, 0)],
-                             ShardRecord(self.address, current.epoch + 1, current.alone)):
+                             ShardRecord(self.address, current.epoch, current.alone)):
                     return self._record()
             if time.monotonic() >= deadline:
                 raise CoordinatorError(

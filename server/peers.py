@@ -49,6 +49,7 @@ class ReplicaSink(Protocol):
     ops_total: int
     last_error: str
     on_deposed: Callable[[str], None] | None
+    fence_epoch: Callable[[], int]  # the sending primary's fencing epoch (--coordinator), carried by every op
 
     @property
     def lag(self) -> int: ...

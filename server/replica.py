@@ -116,6 +116,7 @@ class ReplicaSide:
         self.shard_index, self.num_shards = shard_index, num_shards
         self._cond = cond
         self._replay_lock = threading.Lock()  # backup: one replicated op replayed, or a promotion, at a time
+        self._takeover_lock = threading.Lock()  # with a coordinator: one takeover (its etcd calls) at a time
         self._replayer = replayer
         self.role = role
         self.address = ""  # this shard's own address, once served
@@ -129,6 +130,7 @@ class ReplicaSide:
         self.replica_incarnation = ""  # backup role: the run of the primary whose copy it holds
         self.promotions_total = 0
         self.fence: Fence | None = None  # --coordinator: who serves the shard is the coordinator's to say
+        self.fence_epoch_seen = 0  # backup role: the newest fencing epoch of the ops it replayed
 
     # -- the primary's side ---------------------------------------------------
 
@@ -177,6 +179,7 @@ class ReplicaSide:
                                                          timeout_s=self.replica_timeout_s,
                                                          primary_address=self.address)
                 self.replicator.on_deposed = self._deposed
+                self.replicator.fence_epoch = lambda: self.fence.epoch if self.fence is not None else 0
             rep = self.replicator
         try:
             rep.attach(address, self._replica_snapshot)  # outside the lock: it may start the sender
@@ -234,6 +237,23 @@ class ReplicaSide:
             if why:
                 raise Unavailable(why)
 
+    def check_fence(self, epoch: int, what: str) -> None:
+        """A request (``what``) that carries the shard's fencing epoch ``epoch`` (0: it carries none): refused,
+        changing nothing, when it is not this primary's: an older one FAILED_PRECONDITION (its sender has not
+        learnt of a takeover), a newer one UNAVAILABLE (this server was taken over: the sender goes on to the
+        new primary). Both epochs are named."""
+        fence = self.fence
+        if fence is None or not epoch:
+            return
+        mine = fence.epoch
+        if epoch < mine:
+            raise FailedPrecondition(f"shard {self.shard_index}: {what} of fencing epoch {epoch}, older than this "
+                                     f"primary's {mine}: it was sent to a primary that was taken over; nothing "
+                                     f"applied")
+        if epoch > mine:
+            raise Unavailable(f"shard {self.shard_index}: {what} of fencing epoch {epoch}, newer than this server's "
+                              f"{mine}: another server took the shard over; nothing applied")
+
     def start_replicated(self, target: str, timeout: float) -> str:
         """Start as the primary only if the backup at ``target`` has not taken the shard over meanwhile.
 
@@ -279,6 +299,10 @@ class ReplicaSide:
                 if (head.shard_index, head.num_shards) != (self.shard_index, self.num_shards):
                     raise InvalidArgument(f"this endpoint backs shard {self.shard_index} of {self.num_shards}, "
                                           f"got changes of shard {head.shard_index} of {head.num_shards}")
+                if head.fence_epoch and head.fence_epoch < self.fence_epoch_seen:
+                    raise FailedPrecondition(
+                        f"the backup of shard {self.shard_index} here has seen fencing epoch {self.fence_epoch_seen}; "
+                        f"op {op.seq} is of epoch {head.fence_epoch}: its sender is no longer the primary")
                 if self.replica_incarnation and head.incarnation != self.replica_incarnation:
                     raise FailedPrecondition(
                         f"the backup of shard {self.shard_index} here holds the state of an earlier run of its "
@@ -298,6 +322,7 @@ class ReplicaSide:
                 self.replica_seq = op.seq
                 self.primary_address = head.primary or self.primary_address
                 self.replica_incarnation = head.incarnation
+                self.fence_epoch_seen = max(self.fence_epoch_seen, head.fence_epoch)
         return self.replica_seq, self._replayer.version
 
     def _replay(self, op: Op) -> None:
@@ -349,6 +374,13 @@ class ReplicaSide:
         return self.shard_index, self._replayer.version, self._replayer.epoch
 
     def _promote(self, reason: str, force: bool) -> None:
+        if self.fence is None:
+            self._promote_now(reason, force)
+            return
+        with self._takeover_lock:  # concurrent takeovers (every worker fails over at once): one asks etcd at a time
+            self._promote_now(reason, force)
+
+    def _promote_now(self, reason: str, force: bool) -> None:
         primary = None
         if self.fence is not None:  # the coordinator decides, --force or not: no health check can
             with self._replay_lock:

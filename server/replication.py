@@ -79,7 +79,8 @@ RETRY_S = 2.0
 _TENSORS_KEY = bytes([(ps_pb2.ReplicateRequest.DESCRIPTOR.fields_by_name["tensors"].number << 3) | 2])
 
 
-def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarnation: str = "") -> Iterator[bytes]:
+def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarnation: str = "",
+                fence_epoch: int = 0) -> Iterator[bytes]:
     """One op as serialized ReplicateRequests: the header, then its tensors in BLOB_BYTES pieces.
 
     The header's args carry the tensors' layout; the tensor bytes are
@@ -90,7 +91,8 @@ def op_messages(op: Op, shard_index: int, num_shards: int, primary: str, incarna
     blob = memoryview(cast(Any, packed.buffer.numpy()))
     args = dict(op.args, _layout=packed.layout, _nbytes=packed.nbytes)
     head = ps_pb2.ReplicateRequest(seq=op.seq, op=str(op.kind), args_json=json.dumps(args), shard_index=shard_index,
-                                   num_shards=num_shards, primary=primary, incarnation=incarnation).SerializeToString()
+                                   num_shards=num_shards, primary=primary, incarnation=incarnation,
+                                   fence_epoch=fence_epoch).SerializeToString()
     rest = ps_pb2.ReplicateRequest(seq=op.seq).SerializeToString()
     for a in range(0, max(1, len(blob)), BLOB_BYTES):
         piece = blob[a:a + BLOB_BYTES]
@@ -154,6 +156,7 @@ class Replicator:
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.primary_address = primary_address
         self.incarnation = uuid.uuid4().hex  # this run of the primary
+        self.fence_epoch: Callable[[], int] = lambda: 0  # --coordinator: the primary's fencing epoch, now
         self.address = ""
         self.state = ReplicaState.NONE
         self.seq = 0  # the last op recorded
@@ -298,8 +301,10 @@ class Replicator:
             response_deserializer=ps_pb2.ReplicateResponse.FromString, _registered_method=True)
 
         def messages() -> Iterator[bytes]:
+            fence = self.fence_epoch()
             for op in batch:
-                yield from op_messages(op, self.shard_index, self.num_shards, self.primary_address, self.incarnation)
+                yield from op_messages(op, self.shard_index, self.num_shards, self.primary_address, self.incarnation,
+                                       fence)
 
         nbytes = sum(op.packed.nbytes if op.packed is not None else
                      sum(t.numel() * t.element_size() for t in op.tensors.values()) for op in batch)

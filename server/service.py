@@ -83,6 +83,11 @@ class _Servicer:
         version, epoch = self.store.recover(request.version, request.epoch)
         return ps_pb2.RollbackResponse(version=version, epoch=epoch)
 
+    def _fence_epoch(self) -> int:
+        """The shard's fencing epoch (--coordinator; 0 without one)."""
+        fence = self.store.replica.fence
+        return fence.epoch if fence is not None else 0
+
     def _timeout(self, context: grpc.ServicerContext) -> float:
         """How long a wait may block: the server's max wait, and less than the caller's deadline.
 
@@ -117,6 +122,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         answer = self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
                                  self._timeout(context)).to_proto()
         answer.shm = j.shm
+        answer.fence_epoch = self._fence_epoch()
         if self.data is not None:  # the data connection: where to connect, with which token, which route
             port, answer.data_route = self.data
             answer.data_port, answer.data_token = port.offer(j.worker_id)
@@ -133,6 +139,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store = self.store
         store.check_serving()
         g = decode_push(requests, store.spec, store.staging, segments, store.takes_chunked)
+        store.replica.check_fence(g.fence_epoch, f"worker {g.worker_id}'s push of step {g.step}")
         res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights,
                            sync=g.sync, sync_switch=g.sync_switch)
@@ -157,6 +164,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         tensor-parallel rank's) is answered with just those (server/slicepull.py). ``timeout``: the most
         its wait may take (``wait_limit``); ``segments``: where a Pull naming one writes its weights."""
         self.store.check_serving()
+        self.store.replica.check_fence(request.fence_epoch, f"worker {request.worker_id}'s pull")
         slices = decode_slices(request)
         q = decode_pull(request, self.chunk_bytes, segments)
         messages: Iterable[bytes]
@@ -184,6 +192,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         if request.slices or not request.shm or not store.path.parks():
             return False
         store.check_serving()
+        store.replica.check_fence(request.fence_epoch, f"worker {request.worker_id}'s pull")
         q = decode_pull(request, self.chunk_bytes, segments)
         assert q.segment is not None
         metrics, waits = self.metrics, bool(q.min_version or q.min_clock)
@@ -238,7 +247,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     @unary_errors
     def TakeOver(self, request: ps_pb2.TakeOverRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
         shard_index, version, epoch = self.store.take_over(request.reason)
-        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch)
+        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch,
+                                      fence_epoch=self._fence_epoch())
 
 
 class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
@@ -262,7 +272,8 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
     @unary_errors
     def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
         shard_index, version, epoch = self.store.promote(request.reason, request.force)
-        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch)
+        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch,
+                                      fence_epoch=self._fence_epoch())
 
     @unary_errors
     def AttachReplica(self, request: ps_pb2.AttachReplicaRequest,

@@ -30,7 +30,7 @@ from shardps.server.table import TensorSpec
 #: What every message of a Push stream repeats. ``chunk`` and ``last`` are each message's own; ``found_inf``
 #: is the header's too, but the last message of a stream that ends_with_last may raise it (``decode_push``).
 PUSH_HEADER = ("worker_id", "step", "base_version", "loss_scale", "epoch", "shm", "ends_with_last", "pull_after",
-               "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch")
+               "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch", "fence_epoch")
 
 
 def counted(parse: Callable[[bytes], Any], add: Callable[[int], None]) -> Callable[[bytes], Any]:
@@ -121,6 +121,7 @@ class Gradients:
     weights: dict[PartKey, int] | None = None  # a sliced Push: the gradients each part counts for (slicepush.py)
     sync: str = ""  # the mode the worker ran the step under, and the job's sync switch it came from
     sync_switch: int = 0
+    fence_epoch: int = 0  # the shard's fencing epoch the worker knows (--coordinator; 0: none)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def decode_push(requests: Iterator[ps_pb2.PushRequest], lookup: Callable[[str], 
         pull_after = PullAfter(_wire_dtype(first.pull_dtype, "Push"), first.pull_min_clock)
     return Gradients(first.worker_id, first.step, first.base_version, grads, asm.nbytes,
                      found_inf or not asm.all_finite, first.loss_scale, first.epoch, pull_after, weights,
-                     first.sync, first.sync_switch)
+                     first.sync, first.sync_switch, first.fence_epoch)
 
 
 def _chunk_bytes(requested: int, default: int, rpc: str) -> int:

@@ -18,6 +18,10 @@ Commands:
 - ``server_weights`` ``addresses``: the digest of the weights the shards hold.
 - ``push_once`` ``address`` ``worker`` ``workers``: a client that knows only
   ``address`` (one shard) registers as ``worker`` and pushes one step there.
+- ``record`` ``endpoints`` ``job`` ``shard``: the shard's record in etcd
+  (server/coordinator.py), as this host sees it.
+
+``join`` takes ``sync`` too (default bsp).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class Driver:
                                       backups=c.get("backups"), timeout=c.get("timeout", 30.0),
                                       recovery_timeout=c.get("recovery", 30.0), ready_timeout=30.0)
         self.opt = shardps.DistributedOptimizer(self.model, self.client, optimizer=shardps.optim.SGD(lr=LR),
-                                                sync="bsp")
+                                                sync=c.get("sync", "bsp"))
         return self.state(c)
 
     def _step(self) -> None:
@@ -137,6 +141,17 @@ class Driver:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             return {"versions": list(cl.versions), "pushes": opt.pushes}
+
+    def record(self, c: dict[str, Any]) -> dict[str, Any]:
+        from shardps.server.coordinator import Etcd, ShardLease
+
+        etcd = Etcd(c["endpoints"], timeout=2.0)
+        try:
+            rec = ShardLease(etcd, c["job"], c["shard"], "observer:0").read()
+        finally:
+            etcd.close()
+        return {"record": None if rec is None else {"primary": rec.primary, "epoch": rec.epoch, "alone": rec.alone,
+                                                     "held": rec.holder > 0}}
 
 
 def main() -> None:

@@ -169,7 +169,8 @@ def test_a_server_is_configured_by_its_variables(clean_env):
     values = {env.HOST: "0.0.0.0", env.PORT: "7000", env.SHARD_INDEX: "1", env.NUM_SHARDS: "2",
               env.LEASE_SECONDS: "30", env.REPLICAS: "2", env.REPLICA_PORT: "7100",
               env.REPLICA_TARGET: "server0:7100", env.ADVERTISE_ADDRESS: "server1:7000",
-              env.CHECKPOINT_EVERY: "500", env.FRAME_INLINE_BYTES: "0"}
+              env.CHECKPOINT_EVERY: "500", env.FRAME_INLINE_BYTES: "0", env.COORDINATOR: "etcd://etcd:2379",
+              env.JOB: "digits"}
     for k, v in values.items():
         clean_env.setenv(k, v)
     s = build_parser().parse_args(["server"])
@@ -177,6 +178,8 @@ def test_a_server_is_configured_by_its_variables(clean_env):
     assert (s.replicas, s.replica_port, s.replica_target) == (2, 7100, "server0:7100")
     assert (s.advertise_address, s.checkpoint_every) == ("server1:7000", 500)
     assert s.frame_inline_bytes == 0
+    assert (s.coordinator, s.job) == ("etcd://etcd:2379", "digits")
+    assert build_parser().parse_args(["server", "--job", "other"]).job == "other"
     assert build_parser().parse_args(["server", "--frame-inline-bytes", "4096"]).frame_inline_bytes == 4096
     s = build_parser().parse_args(["server", "--port", "7001", "--shard-index", "0"])
     assert (s.port, s.shard_index) == (7001, 0)

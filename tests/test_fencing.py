@@ -136,3 +136,50 @@ def test_bad_coordinator_flags_are_refused_naming_them():
         p = subprocess.run([sys.executable, "-m", "shardps", "server", "--port", "0", *flags], capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 2 and msg in p.stderr, (flags, p.stderr[-2000:])
+
+
+def _push_request(worker: int, step: int, fence_epoch: int) -> ps_pb2.PushRequest:
+    """A header-only Push (no gradients) carrying ``fence_epoch``: what a worker that missed a takeover sends."""
+    return ps_pb2.PushRequest(worker_id=worker, step=step, ends_with_last=True, last=True, fence_epoch=fence_epoch)
+
+
+def test_requests_carry_the_fencing_epoch_and_one_not_the_primarys_is_refused_naming_both(
+        make_cluster, etcd_server, job):
+    c = make_cluster(2, replicas=2, coordinator=etcd_server.url, job=job, coordinator_ttl=TTL)
+    with shardps.connect(c.addresses, backups=c.backup_addresses, recovery_timeout=30.0) as client:
+        client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        assert client.transport.fence_epochs == [1, 1]  # learnt at Register
+        push_one(client, 0)
+        c.fences[0].close(release=False)
+        push_one(client, 1)  # fails over once the lease expired
+        assert client.transport.fence_epochs[0] == 2  # learnt from the takeover's answer
+        new = c.backups[1]
+        version = new.version
+        stub = ps_pb2_grpc.WorkersStub(grpc.insecure_channel(c.backup_addresses[0]))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Push(iter([_push_request(0, 2, 1)]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "worker 0's push of step 2 of fencing epoch 1, older than this primary's 2" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Pull(ps_pb2.PullRequest(worker_id=0, fence_epoch=3), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker 0's pull of fencing epoch 3, newer than this server's 2" in e.value.details()
+        assert new.version == version  # nothing applied
+        push_one(client, 2)  # the worker's own requests carry 2: accepted
+        assert new.version == version + 1
+
+
+def test_a_backup_refuses_ops_of_an_older_fencing_epoch_than_it_saw_and_deposes_their_sender(
+        make_cluster, etcd_server, job):
+    c = make_cluster(2, replicas=2, coordinator=etcd_server.url, job=job, coordinator_ttl=TTL)
+    with shardps.connect(c.addresses, recovery_timeout=1.0) as client:
+        client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        push_one(client, 0)
+        backup = c.backups[1]
+        assert backup.replica.fence_epoch_seen == 1  # every op carries its primary's epoch
+        backup.replica.fence_epoch_seen = 3  # as if a newer primary's ops had reached it
+        with pytest.raises(shardps.ShardError) as e:
+            push_one(client, 1)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert c.stores[0].replica.role == "deposed"
+    assert weight(backup) == 1.0  # the refused op was not replayed

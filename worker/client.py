@@ -248,6 +248,8 @@ class PSClient(RowCalls):
         self.clock = min(r.worker_clock for r in responses)
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
+        for i, r in enumerate(responses):  # the shards' fencing epochs (--coordinator), carried by every request
+            self.transport.fence_epochs[i] = r.fence_epoch
         self.paths.open(smap, layouts, [r.shm for r in responses], responses, self.transport)
         self._registered = True
         self._serve_metrics()

@@ -288,7 +288,8 @@ class PullInFlight:
         return ps_pb2.PullRequest(worker_id=client.worker_id, names=[n for n in asked if n not in self._slices],
                                   min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
                                   chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
-                                  shm="" if sliced else path.pull_segment, slices=sliced)
+                                  shm="" if sliced else path.pull_segment, slices=sliced,
+                                  fence_epoch=client.transport.fence_epochs[shard])
 
     def _fetch(self, shard: int) -> int:
         client = self._client

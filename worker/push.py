@@ -96,7 +96,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
         def frames(segment: str) -> PushFramer:
             return PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
                               epoch=route.epoch, sync=route.sync_said, found_inf=bool(found_inf), fields=more,
-                              shm=segment, packed=packed.of(shard))
+                              shm=segment, packed=packed.of(shard), fence_epoch=route.transport.fence_epochs[shard])
 
         return path, path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct,
                                         route)

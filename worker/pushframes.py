@@ -44,10 +44,12 @@ class PushFramer:
 
     def __init__(self, *, worker_id: int, step: int, base_version: int, loss_scale: float, epoch: int,
                  sync: tuple[str, int], found_inf: bool = False, fields: Mapping[str, Any] | None = None,
-                 shm: str = "", packed: Sequence[PackedChunk] = ()) -> None:
+                 shm: str = "", packed: Sequence[PackedChunk] = (), fence_epoch: int = 0) -> None:
         self._head: dict[str, Any] = dict(worker_id=worker_id, step=step, base_version=base_version,
                                           loss_scale=loss_scale, epoch=epoch, ends_with_last=True,
                                           sync=sync[0], sync_switch=sync[1], **(fields or {}))
+        if fence_epoch:  # the shard's fencing epoch (--coordinator): left out without one, as before
+            self._head["fence_epoch"] = fence_epoch
         self._found_inf = found_inf
         self._shm = shm
         self._packed = packed

@@ -199,7 +199,7 @@ class PushStream:
         parts = self._parts[shard]
         frames = PushFramer(worker_id=client.worker_id, step=self._step, base_version=self._bases[shard],
                             loss_scale=self._loss_scale, epoch=client.epoch, sync=client.sync_said,
-                            shm=path.push_segment)
+                            shm=path.push_segment, fence_epoch=client.transport.fence_epochs[shard])
         i = 0
         while True:
             with self._cond:

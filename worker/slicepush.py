@@ -49,7 +49,7 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
         assert route.shard_map is not None
         framer = PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
                             epoch=route.epoch, sync=route.sync_said, found_inf=found_inf,
-                            fields={"slices": header})
+                            fields={"slices": header}, fence_epoch=route.transport.fence_epochs[shard])
 
         def chunks() -> Iterator[bytes]:
             for p in route.shard_map.parts_for(shard):  # type: ignore[union-attr]

@@ -72,6 +72,8 @@ class Transport:
     def __init__(self, addresses: Sequence[str], *, security: Security, timeout: float, recovery_timeout: float,
                  backups: Sequence[str] | None = None, worker_id: int = 0) -> None:
         self.addresses = list(addresses)
+        # each shard's fencing epoch (--coordinator; 0: none), learnt from Register and a takeover's answer
+        self.fence_epochs = [0] * len(self.addresses)
         self.security = security
         self.timeout = timeout
         self.recovery_timeout = recovery_timeout
@@ -265,6 +267,7 @@ class Transport:
                             e.code().name if hasattr(e, "code") else "?", e.details() if hasattr(e, "details") else e)
                 return False
             self._install(shard, backup, channel)
+            self.fence_epochs[shard] = r.fence_epoch or self.fence_epochs[shard]
             self.backups[shard] = ""
             self.failovers_total += 1
             if self.on_moved is not None:

@@ -109,6 +109,8 @@ def test_a_pipeline_offloading_through_the_store_has_the_gradients_of_one_that_k
             stage.offloader.sink = sink
             stage.offloader.prefix = f"s{stage.index}/"
         pipe.train_step(x, y, nn.CrossEntropyLoss())
+        for sink in sinks:
+            sink.flush()  # as a stage's step ends (deploy/ray/stage_actor.py): its drops are done
     finally:
         for sink in sinks:
             sink.close()

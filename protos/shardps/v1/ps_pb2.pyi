@@ -130,7 +130,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ..., shm_probe: _Optional[str] = ..., shm_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm", "sync_switch", "data_port", "data_token", "data_route")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm", "sync_switch", "data_port", "data_token", "data_route", "fence_epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class RegisterResponse(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DATA_ROUTE_FIELD_NUMBER: _ClassVar[int]
+    FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     num_shards: int
@@ -161,7 +162,8 @@ class RegisterResponse(_message.Message):
     data_port: int
     data_token: bytes
     data_route: int
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ..., sync_switch: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_route: _Optional[int] = ...) -> None: ...
+    fence_epoch: int
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ..., sync_switch: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_route: _Optional[int] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("version", "epoch")
@@ -210,7 +212,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last", "pull_after", "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch")
+    __slots__ = ("worker_id", "step", "base_version", "chunk", "found_inf", "loss_scale", "epoch", "shm", "ends_with_last", "last", "pull_after", "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch", "fence_epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,7 @@ class PushRequest(_message.Message):
     SLICES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     SYNC_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -243,7 +246,8 @@ class PushRequest(_message.Message):
     slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
     sync: str
     sync_switch: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ..., pull_after: _Optional[bool] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., pull_min_clock: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., sync: _Optional[str] = ..., sync_switch: _Optional[int] = ...) -> None: ...
+    fence_epoch: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., found_inf: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., ends_with_last: _Optional[bool] = ..., last: _Optional[bool] = ..., pull_after: _Optional[bool] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., pull_min_clock: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., sync: _Optional[str] = ..., sync_switch: _Optional[int] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "applied", "duplicate", "sync", "loss_scale", "ready_version", "pulled", "sync_switch")
@@ -266,7 +270,7 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ..., pulled: _Optional[_Iterable[bytes]] = ..., sync_switch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm", "slices")
+    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm", "slices", "fence_epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +280,7 @@ class PullRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     min_version: int
@@ -285,7 +290,8 @@ class PullRequest(_message.Message):
     epoch: int
     shm: str
     slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ...) -> None: ...
+    fence_epoch: int
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
 
 class TensorSlice(_message.Message):
     __slots__ = ("name", "dim", "parts", "index", "blocks")
@@ -486,7 +492,7 @@ class CheckpointResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("seq", "op", "args_json", "tensors", "shard_index", "num_shards", "primary", "incarnation")
+    __slots__ = ("seq", "op", "args_json", "tensors", "shard_index", "num_shards", "primary", "incarnation", "fence_epoch")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +501,7 @@ class ReplicateRequest(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     op: str
     args_json: str
@@ -503,7 +510,8 @@ class ReplicateRequest(_message.Message):
     num_shards: int
     primary: str
     incarnation: str
-    def __init__(self, seq: _Optional[int] = ..., op: _Optional[str] = ..., args_json: _Optional[str] = ..., tensors: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., primary: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    fence_epoch: int
+    def __init__(self, seq: _Optional[int] = ..., op: _Optional[str] = ..., args_json: _Optional[str] = ..., tensors: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., primary: _Optional[str] = ..., incarnation: _Optional[str] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ("seq", "version")
@@ -522,14 +530,16 @@ class PromoteRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class PromoteResponse(_message.Message):
-    __slots__ = ("shard_index", "version", "epoch")
+    __slots__ = ("shard_index", "version", "epoch", "fence_epoch")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     version: int
     epoch: int
-    def __init__(self, shard_index: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    fence_epoch: int
+    def __init__(self, shard_index: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
 
 class AttachReplicaRequest(_message.Message):
     __slots__ = ("address", "timeout_seconds")
