@@ -50,9 +50,11 @@ class Registered:
     epoch: int
     backup: str  # the backup's address, "" without one
     sync_switch: int = 0  # the job's sync switch ``sync`` came from (0: its first mode)
+    skips: bool = False  # the worker was evicted here: its next push may skip its clock ahead
 
     def to_proto(self) -> ps_pb2.RegisterResponse:
         return ps_pb2.RegisterResponse(
             version=self.version, shard_index=self.shard_index, num_shards=self.num_shards, sync=self.sync,
             created=self.created, loss_scale=self.loss_scale, worker_clock=self.worker_clock,
-            lease_seconds=self.lease_seconds, epoch=self.epoch, backup=self.backup, sync_switch=self.sync_switch)
+            lease_seconds=self.lease_seconds, epoch=self.epoch, backup=self.backup, sync_switch=self.sync_switch,
+            skips=self.skips)

@@ -134,7 +134,8 @@ class DataPath:
             rep, job = self.replica.replicator, self.job
             return Registered(job.version, self.shard_index, self.num_shards, str(mode), created,
                               self.applier.loss_scale, job.worker_clocks.get(worker_id, -1) + 1, self.leases.lease_s,
-                              job.epoch, rep.address if rep else "", job.sync_switches_total)
+                              job.epoch, rep.address if rep else "", job.sync_switches_total,
+                              worker_id in self.leases.membership.skips)
 
     def register_tensors(self, specs: Sequence[TensorSpec], values: dict[PartKey, torch.Tensor] | None) -> list[str]:
         """Create the tensors not yet held, from ``values`` (fp32, one per part).
@@ -260,7 +261,8 @@ class DataPath:
                 return PushResult(job.version, applied=False, duplicate=True, sync=job.sync_text,
                                   loss_scale=self.applier.loss_scale, ready_version=ready,
                                   sync_switch=job.sync_switches_total)
-            if step != last + 1:
+            skip = step > last + 1 and worker_id in self.leases.membership.skips  # a rejoin's clock: the newest
+            if step != last + 1 and not skip:
                 raise FailedPrecondition(
                     f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
                     f"was {last}: steps go up by one"
@@ -284,6 +286,7 @@ class DataPath:
             job.pushes_total += 1
             job.push_bytes_total += nbytes
             job.worker_clocks[worker_id] = step
+            self.leases.membership.skips.discard(worker_id)
             applied = False
             for update in updates:
                 applied |= self.step(update)

@@ -44,6 +44,10 @@ class Joined:
 
 class Membership:
     def __init__(self, shard_index: int, lease_s: float = DEFAULT_LEASE_S, clock: Clock = time.monotonic) -> None:
+        # Workers that registered again after an eviction and have not pushed since: a worker comes back with one
+        # clock for every shard, the newest (worker/client.py), so a shard it fell behind on skips it to that clock
+        # with its next push instead of refusing the step as a gap (docs/operations.md, "Rejoin").
+        self.skips: set[int] = set()
         self.shard_index = shard_index
         self.lease_s = lease_s
         self.clock = clock
@@ -97,6 +101,8 @@ class Membership:
         self.last_seen[worker_id] = self.clock()
         was_evicted = worker_id in self.evicted
         rejoined = was_evicted or worker_id in self.left
+        if was_evicted:  # it went on elsewhere meanwhile: its next push may skip its clock here ahead
+            self.skips.add(worker_id)
         if rejoined:
             self.evicted.discard(worker_id)
             self.left.discard(worker_id)

@@ -245,7 +245,14 @@ class PSClient(RowCalls):
         # The step to go on from: the lowest any shard expects. A push that reached some shards and
         # not others (a crash, a checkpoint taken between them) is sent again: the shards that took
         # it in acknowledge it as a duplicate, the others apply it, so every shard sees every step.
-        self.clock = min(r.worker_clock for r in responses)
+        # But a worker back after an eviction (a partition: it went on with the shards it reached) goes on
+        # from the newest, where every shard behind it evicted it and skips it there (RegisterResponse.skips):
+        # from the lowest, the shards ahead would answer its pushes as duplicates, counted in no round, and
+        # each shard's round would wait for a push the worker sends the other.
+        clocks = [r.worker_clock for r in responses]
+        newest = max(clocks)
+        behind = [r for r, c in zip(responses, clocks, strict=True) if c < newest]
+        self.clock = newest if behind and all(r.skips for r in behind) else min(clocks)
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
         for i, r in enumerate(responses):  # the shards' fencing epochs (--coordinator), carried by every request
