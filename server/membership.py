@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shardps.server.errors import FailedPrecondition, InvalidArgument
@@ -145,8 +145,9 @@ class Membership:
                         "steps now complete with workers %s", self.shard_index, w,
                         now - self.last_seen.get(w, now), self.lease_s, sorted(self.live()))
 
-    def restore(self, workers: list[int], evicted: list[int], left: list[int], num_workers: int | None) -> None:
-        self.workers, self.evicted, self.left = set(workers), set(evicted), set(left)
+    def restore(self, workers: list[int], evicted: list[int], left: list[int], num_workers: int | None,
+                skips: Iterable[int] = ()) -> None:
+        self.workers, self.evicted, self.left, self.skips = set(workers), set(evicted), set(left), set(skips)
         self.num_workers = num_workers
         self.renew_all()  # a fresh lease after a restart
 

@@ -27,7 +27,7 @@ import hashlib
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ class ShardState:
     counters: dict[str, int]
     staleness_counts: Counter[int]
     stale_weights: dict[int, dict[PartKey, torch.Tensor]]
+    skips: list[int] = field(default_factory=list)  # evicted workers back, whose next push may skip ahead
 
 
 def encode(s: ShardState) -> tuple[int, Meta, Tensors]:
@@ -102,7 +103,8 @@ def encode(s: ShardState) -> tuple[int, Meta, Tensors]:
     meta = {
         "num_shards": s.num_shards, "sync": str(s.sync) if s.sync else None,
         "num_workers": s.num_workers, "workers": sorted(s.workers), "evicted": sorted(s.evicted),
-        "left": sorted(s.left), "worker_clocks": {str(w): c for w, c in s.worker_clocks.items()},
+        "left": sorted(s.left), "skips": sorted(s.skips),
+        "worker_clocks": {str(w): c for w, c in s.worker_clocks.items()},
         "scaler": scaler, "remedy": str(s.remedy), "epoch": s.epoch, "tensors": specs, "pending": pending,
         "counters": dict(s.counters),
         "staleness_counts": {str(k): v for k, v in s.staleness_counts.items()},
@@ -146,6 +148,7 @@ def decode(version: int, meta: Meta, tensors: Tensors) -> ShardState:
         version=version, num_shards=meta["num_shards"],
         sync=SyncSpec.parse(meta["sync"]) if meta["sync"] else None, num_workers=meta["num_workers"],
         workers=list(meta["workers"]), evicted=list(meta.get("evicted", [])), left=list(meta.get("left", [])),
+        skips=list(meta.get("skips", [])),
         worker_clocks={int(w): c for w, c in meta["worker_clocks"].items()}, scaler=scaler,
         remedy=Remedy.parse(meta["remedy"]), epoch=meta.get("epoch", 0), entries=entries, held=held,
         counters=dict(meta["counters"]),

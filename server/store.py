@@ -312,7 +312,7 @@ class ShardStore:
         m, job, ap = self.leases.membership, self.job, self.applier
         version, meta, tensors = encode(ShardState(
             version=job.version, num_shards=self.num_shards, sync=job.sync, num_workers=m.num_workers,
-            workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left),
+            workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left), skips=sorted(m.skips),
             worker_clocks=job.worker_clocks, scaler=ap.scaler, remedy=ap.remedy, epoch=job.epoch,
             entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
             counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
@@ -337,7 +337,7 @@ class ShardStore:
             ap.settle()
             self.reader.cache.clear()
             self.table.replace(s.entries)
-            self.leases.membership.restore(s.workers, s.evicted, s.left, s.num_workers)
+            self.leases.membership.restore(s.workers, s.evicted, s.left, s.num_workers, s.skips)
             job.worker_clocks, job.sync = s.worker_clocks, s.sync
             ap.remedy, ap.scaler, ap.scaling_configured = s.remedy, s.scaler, scaling_config(s.scaler)
             job.policy = (make_policy(job.sync, s.num_workers, ap.pool.recycle)

@@ -48,3 +48,21 @@ def test_without_an_eviction_a_restarted_worker_goes_on_from_its_lowest_clock(ma
     with shardps.connect(c.addresses, worker_id=0, num_workers=1) as again:
         again.register({"a": torch.zeros(1000), "b": torch.zeros(1000)}, shardps.optim.SGD(lr=1.0), sync="asp")
         assert again.clock == 2
+
+
+def test_a_shard_that_skips_a_worker_keeps_it_across_a_snapshot(make_cluster):
+    """A backup synced (or a shard restored) between the rejoin and the worker's next push skips it too."""
+    c = make_cluster(1)
+    with shardps.connect(c.addresses, worker_id=0, num_workers=1, recovery_timeout=1.0) as client:
+        client.register({"a": torch.zeros(1000)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        client.push({"a": torch.ones(1000)}, 0)
+        store = c.stores[0]
+        store.evict([0])
+        client.register({"a": torch.zeros(1000)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        assert store.leases.membership.skips == {0}
+        version, meta, tensors = store.snapshot()
+        store.leases.membership.skips.clear()
+        store.restore(version, meta, tensors)
+        assert store.leases.membership.skips == {0}
+        client.push({"a": torch.ones(1000)}, 3)  # skipped ahead from step 0
+        assert store.clocks()[0] == 4 and store.leases.membership.skips == set()
