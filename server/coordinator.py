@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from aetcd.rpc import kv_pb2 as kvpb
 from aetcd.rpc import rpc_pb2 as etcdpb
 from aetcd.rpc import rpc_pb2_grpc as etcdrpc
 
@@ -188,6 +189,33 @@ class Etcd:
         r = self.call(what, lambda s, q, t: s.kv.Txn(q, timeout=t),
                       etcdpb.TxnRequest(compare=compare, success=success))
         return bool(r.succeeded)
+
+    def wait_gone(self, key: str, timeout: float) -> bool:
+        """Wait until ``key`` does not exist (a lease's key: until etcd lets the lease expire), at most
+        ``timeout`` seconds, on a watch from the revision it was read at; whether it is gone."""
+        now = self.call(f"get {key}", lambda s, q, t: s.kv.Range(q, timeout=t), etcdpb.RangeRequest(key=key.encode()))
+        if not now.kvs:
+            return True
+        revision = int(now.header.revision)
+        done = threading.Event()
+
+        def requests() -> Iterator[Any]:  # the stream stays open until the answer came or the deadline passed
+            yield etcdpb.WatchRequest(create_request=etcdpb.WatchCreateRequest(key=key.encode(),
+                                                                               start_revision=revision + 1))
+            done.wait(timeout + 5.0)  # the call's deadline ends it first; ``done`` as it returns
+
+        try:
+            for answer in etcdrpc.WatchStub(self._channel).Watch(requests(), timeout=timeout):
+                if any(ev.type == kvpb.Event.DELETE for ev in answer.events) or answer.canceled:
+                    return True
+        except grpc.RpcError as e:
+            # the deadline: ours (DEADLINE_EXCEEDED), or etcd's own copy of it, which it answers UNKNOWN
+            if not (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or "deadline exceeded" in (e.details() or "")):
+                raise CoordinatorError(f"etcd at {self.where}: watch {key} failed: {e.code().name} "
+                                       f"{e.details() or ''}".rstrip()) from None
+        finally:
+            done.set()
+        return self.get(key)[0] is None
 
     def put(self, key: str, value: bytes) -> None:
         self.call(f"put {key}", lambda s, q, t: s.kv.Put(q, timeout=t),
@@ -339,7 +367,8 @@ class ShardLease:
                 raise CoordinatorError(
                     f"shard {self.shard}: a lease still holds its key {self.holder_key} in etcd at "
                     f"{self.etcd.where} (a previous run of this server?) after {timeout:g}s")
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # the old lease's expiry: etcd's clock
+            # the old lease's expiry is etcd's to decide (its clock): watch its key go
+            self.etcd.wait_gone(self.holder_key, max(0.1, deadline - time.monotonic()))
 
     def take_over(self, expected_primary: str) -> ShardRecord:
         """As the shard's backup: become its primary (epoch + 1) if the record still names

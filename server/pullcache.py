@@ -322,19 +322,10 @@ class Reader:
         INVALID_ARGUMENT when the segment is too small.
         """
         with self._cond:
-            entries = self._entries_read(names, worker_id)
-            layout: list[tuple[TensorEntry, int, int, int, int]] = []  # (entry, part start, dtype, offset, bytes)
-            at = 0
-            for e in entries:
-                dt = e.spec.dtype if wire_dtype is None else wire_dtype
-                itemsize = codec.itemsize(dt)
-                for start in sorted(e.parts):
-                    nbytes = e.parts[start].weight.numel() * itemsize
-                    layout.append((e, start, dt, at, nbytes))
-                    at = shm.aligned(at + nbytes)
-            if layout and layout[-1][3] + layout[-1][4] > segment.size:
+            layout, end = _shm_layout(self._entries_read(names, worker_id), wire_dtype)
+            if end > segment.size:
                 raise InvalidArgument(f"Pull: shared-memory segment {segment.name} holds {segment.size} bytes; "
-                                      f"the weights asked need {layout[-1][3] + layout[-1][4]}")
+                                      f"the weights asked need {end}")
             version, loss_scale, sync = self._job.version, self._loss_scale(), self._job.sync_text
             self.pull_bytes_total += sum(size for *_, size in layout)
             self.pulls_total += 1
@@ -346,12 +337,7 @@ class Reader:
                 if size:
                     dst = torch.frombuffer(segment.view(off, size), dtype=codec.to_torch_dtype(dt))
                     dst.copy_(w)
-                first = start == min(e.parts) if e.spec.shape else True
-                msg = ps_pb2.PullResponse(
-                    version=version, loss_scale=loss_scale, sync=sync, slowest_clock=slowest_clock,
-                    chunk=ps_pb2.Chunk(name=e.spec.name, offset=start, dtype=dt,  # type: ignore[arg-type]
-                                       shape=e.spec.shape if first else (), shm_offset=off, shm_bytes=size))
-                out.append((e.spec.name, start, dt, msg.SerializeToString()))
+                out.append(_placed(e, start, dt, off, size, version, loss_scale, sync, slowest_clock))
         finally:
             self._done_reading()
         return version, out
@@ -373,16 +359,7 @@ class Reader:
                 self.pull_bytes_total += hit[2]
                 self.pulls_total += 1
                 return version, hit[0], hit[1]
-            layout: list[tuple[TensorEntry, int, int, int, int]] = []  # (entry, part start, dtype, offset, bytes)
-            at = end = 0
-            for e in entries:
-                dt = e.spec.dtype if wire_dtype is None else wire_dtype
-                itemsize = codec.itemsize(dt)
-                for start in sorted(e.parts):
-                    nbytes = e.parts[start].weight.numel() * itemsize
-                    layout.append((e, start, dt, at, nbytes))
-                    end = at + nbytes
-                    at = shm.aligned(end)
+            layout, end = _shm_layout(entries, wire_dtype)
             if end > room:
                 raise InvalidArgument(f"Pull: the worker's pull buffer holds {room} bytes; the weights asked "
                                       f"need {end}")
@@ -397,12 +374,7 @@ class Reader:
                 w = e.parts[start].weight.reshape(-1)
                 if size:
                     buf[off : off + size].view(codec.to_torch_dtype(dt)).copy_(w)
-                first = start == min(e.parts) if e.spec.shape else True
-                msg = ps_pb2.PullResponse(
-                    version=version, loss_scale=loss_scale, sync=sync, slowest_clock=slowest_clock,
-                    chunk=ps_pb2.Chunk(name=e.spec.name, offset=start, dtype=dt,  # type: ignore[arg-type]
-                                       shape=e.spec.shape if first else (), shm_offset=off, shm_bytes=size))
-                out.append((e.spec.name, start, dt, msg.SerializeToString()))
+                out.append(_placed(e, start, dt, off, size, version, loss_scale, sync, slowest_clock))
             raw: Any = buf.numpy()
             view = memoryview(raw)[:end]
             with self._cond:
@@ -449,3 +421,32 @@ class Reader:
             self._table.spec(name)
             return {s: p.weight.clone() for s, p in self._table[name].parts.items()}
 
+
+Placed = tuple[TensorEntry, int, int, int, int]  # (entry, part start, wire dtype, offset, bytes)
+
+
+def _shm_layout(entries: Sequence[TensorEntry], wire_dtype: int | None) -> tuple[list[Placed], int]:
+    """Where each part of ``entries`` lies in a buffer the worker reads (a segment, a shared answer), each on a
+    64-byte boundary, in the wire dtype; and where the last one ends."""
+    layout: list[Placed] = []
+    at = end = 0
+    for e in entries:
+        dt = e.spec.dtype if wire_dtype is None else wire_dtype
+        itemsize = codec.itemsize(dt)
+        for start in sorted(e.parts):
+            nbytes = e.parts[start].weight.numel() * itemsize
+            layout.append((e, start, dt, at, nbytes))
+            end = at + nbytes
+            at = shm.aligned(end)
+    return layout, end
+
+
+def _placed(e: TensorEntry, start: int, dt: int, off: int, size: int, version: int, loss_scale: float, sync: str,
+            slowest_clock: int) -> Item:
+    """The Pull answer of one part laid out by ``_shm_layout``: its chunk says where its bytes lie, no data."""
+    first = start == min(e.parts) if e.spec.shape else True
+    msg = ps_pb2.PullResponse(
+        version=version, loss_scale=loss_scale, sync=sync, slowest_clock=slowest_clock,
+        chunk=ps_pb2.Chunk(name=e.spec.name, offset=start, dtype=dt,  # type: ignore[arg-type]
+                           shape=e.spec.shape if first else (), shm_offset=off, shm_bytes=size))
+    return e.spec.name, start, dt, msg.SerializeToString()

@@ -206,3 +206,9 @@ def stop_prometheus(proc: subprocess.Popen[str]) -> None:
         proc.wait(timeout=10)
     if proc.stderr is not None:
         proc.stderr.close()
+
+
+# The tests of --coordinator need a real etcd: Debian's etcd-server, which `make tools` (and so `make test`) installs
+# where it can (root and apt-get). Elsewhere they skip, saying so; the rest of the suite does not need it.
+ETCD_MISSING = ("etcd is not installed: these tests need a real etcd server (Debian's etcd-server), which "
+                "`make tools`, run by `make test`, installs as root")

@@ -19,9 +19,10 @@ import torch
 import shardps
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.coordinator import Etcd, LocalEtcd, ShardLease
+from tests.helpers import ETCD_MISSING
 
 pytestmark = [pytest.mark.cluster,
-              pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make tools)")]
+              pytest.mark.skipif(shutil.which("etcd") is None, reason=ETCD_MISSING)]
 
 TTL = 2
 

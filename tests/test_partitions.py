@@ -27,6 +27,7 @@ import pytest
 
 from shardps.deploy.local import read_ready
 from shardps.netsim import NetCluster, unavailable
+from tests.helpers import ETCD_MISSING
 
 REASON = unavailable()
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,7 +353,7 @@ ETCD_PORT = 2379
 
 
 @needs_netns
-@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make tools)")
+@pytest.mark.skipif(shutil.which("etcd") is None, reason=ETCD_MISSING)
 @pytest.mark.timeout(300)
 def test_with_a_coordinator_the_primary_cut_off_acknowledges_nothing_and_no_acknowledged_push_is_lost():
     """The partition of the test above, asp, every server with ``--coordinator`` on an etcd in h6, which is on the

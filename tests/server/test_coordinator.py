@@ -17,8 +17,9 @@ from shardps.server.coordinator import (
     ShardLease,
     parse,
 )
+from tests.helpers import ETCD_MISSING
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make tools)")
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason=ETCD_MISSING)
 
 TTL = 2  # seconds: the shortest lease the module takes, so that expiries come soon
 
@@ -239,3 +240,17 @@ def test_a_primary_whose_lease_expired_and_whose_backup_took_over_serves_nothing
     finally:
         a.close()
         b.close()
+
+
+def test_a_primary_restarted_while_its_old_lease_lives_claims_once_etcd_lets_it_expire(etcd, job):
+    a = lease(etcd, job, "a:1")
+    a.claim(timeout=10)
+    a.close(release=False)  # killed: its lease lives on in etcd until its time-to-live runs out
+    again = lease(etcd, job, "a:1")
+    try:
+        assert again.claim(timeout=15).epoch == 1  # waited on a watch of the old lease's key, then claimed
+        assert again.holds()
+        with pytest.raises(CoordinatorError, match=r"a lease still holds its key .* after 0.5s"):
+            lease(etcd, job, "a:1").claim(timeout=0.5)  # held now: not freed within the timeout
+    finally:
+        again.close()
