@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # (docs/performance.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
 TEST_JOBS ?= 3
 
-.PHONY: venv bytecode tools demo test test-cpu test-fast stress fuzz lint typecheck proto clean
+.PHONY: venv bytecode tools demo test test-cpu test-fast stress fuzz partition lint typecheck proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -102,6 +102,13 @@ CASES ?= 10000
 SEED ?=
 fuzz: venv
 	$(BIN)/python benchmarks/fuzz.py --all-shapes --cases $(CASES) $(if $(SEED),--seed $(SEED))
+
+# The partition harness (deploy/partitions.py): each of its seven nemeses RUNS times against a job under
+# --coordinator on a simulated cluster, every run checked (nothing acknowledged lost or applied twice, one server
+# a version, the job goes on); the table at the end is docs/operations.md's. Needs root; etcd from `make tools`.
+RUNS ?= 20
+partition: venv tools
+	$(BIN)/python -m shardps.deploy.partitions --runs $(RUNS) $(PARTITION_ARGS)
 
 lint: venv typecheck
 	$(BIN)/ruff check .

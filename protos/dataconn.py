@@ -63,8 +63,10 @@ ANSWER = struct.Struct("!4sB3xQIIQ")  # magic, kind, call, status, ctl bytes, pa
 LEN = struct.Struct("!I")
 HELLO_MAGIC, ACK_MAGIC, REQUEST_MAGIC, ANSWER_MAGIC = b"SPC1", b"SPK1", b"SPQ1", b"SPW1"
 
-PUSH, PUSH_PART, PUSH_END, PULL = 1, 2, 3, 4
-KINDS = {PUSH: "push", PUSH_PART: "push part", PUSH_END: "push end", PULL: "pull"}
+PUSH, PUSH_PART, PUSH_END, PULL, PING = 1, 2, 3, 4, 5
+KINDS = {PUSH: "push", PUSH_PART: "push part", PUSH_END: "push end", PULL: "pull", PING: "ping"}
+# PING (call 0, nothing after the head): answered at once by the server's reading thread, so a worker whose calls
+# wait learns that the server process still runs (worker/dataconn.py, DataConn._watch)
 OK = 0
 
 FRAME_SEGMENT = "frame"  # what a chunk whose bytes travel in its frame names as its segment

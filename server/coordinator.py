@@ -490,6 +490,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def etcd_argv(binary: str, data: str, host: str, client_port: int, peer_port: int) -> list[str]:
+    """The command line of a one-member etcd serving clients at ``host:client_port``, its data in ``data``
+    (the same data: the same member, after a restart)."""
+    client, peer = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    return [binary, "--name", "shardps", "--data-dir", data, "--listen-client-urls", client,
+            "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"shardps={peer}", "--logger", "zap", "--log-level", "warn"]
+
+
 class LocalEtcd:
     """Debian's ``etcd`` (installed by ``make tools``), one member on free loopback ports, its data in a
     temporary folder: ``url`` (``etcd://127.0.0.1:PORT``) once ``start`` returned; ``stop`` kills it
@@ -508,13 +517,9 @@ class LocalEtcd:
         self.endpoints = [f"{host}:{self.client_port}"]
 
     def start(self, timeout: float = 30.0) -> LocalEtcd:
-        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
         self.log = open(os.path.join(self.data, "etcd.log"), "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [self.binary, "--name", "shardps", "--data-dir", os.path.join(self.data, "member"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"shardps={peer}", "--logger", "zap", "--log-level", "warn"],
+            etcd_argv(self.binary, os.path.join(self.data, "member"), self.host, self.client_port, self.peer_port),
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         etcd = Etcd(self.endpoints, timeout=1.0)
         try:

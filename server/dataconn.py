@@ -239,6 +239,11 @@ class Conn:
                                      f"{wire.MAX_BUFFER})")
         if kind == wire.PULL and next_:
             raise wire.ProtocolError(f"call {call}: a pull frame with {next_} extents")
+        if kind == wire.PING:
+            if nctl or next_:
+                raise wire.ProtocolError(f"a ping frame with {nctl} control bytes and {next_} extents")
+            self.answer(wire.PING, call, wire.OK, [])
+            return
         ctl = wire.read_exact(self.sock, nctl)
         raw = wire.read_exact(self.sock, next_ * wire.EXTENT.size)
         extents = [wire.EXTENT.unpack_from(raw, i * wire.EXTENT.size) for i in range(next_)]

@@ -349,3 +349,66 @@ def test_a_window_of_pushes_and_their_pulls_run_on_the_connections_threads(make_
             w = w - 1
             assert torch.equal(pull.result()["w"], w)
         assert handed == []  # no push and no pull needed a transport thread
+
+
+class SilentServer:
+    """A data port that takes the hello and then answers nothing but, if ``pings``, PING frames: a server process
+    stopped (SIGSTOP) after its kernel accepted the connection, or one whose calls are only slow."""
+
+    def __init__(self, pings: bool) -> None:
+        self.pings, self.pinged = pings, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock, _ = self.listener.accept()
+        with sock:
+            wire.read_exact(sock, wire.HELLO.size)
+            sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
+            try:
+                while True:
+                    _, kind, call, _, _, nctl, next_, _ = wire.REQUEST.unpack(wire.read_exact(sock, wire.REQUEST.size))
+                    wire.read_exact(sock, nctl + next_ * wire.EXTENT.size)
+                    if kind == wire.PING:
+                        self.pinged += 1
+                        if self.pings:
+                            sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, wire.PING, call, wire.OK, 0, 0))
+            except (wire.Torn, OSError):
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(10)
+
+
+def test_a_server_that_answers_no_ping_ends_the_connection_and_its_waiting_call_fails_unavailable(monkeypatch):
+    monkeypatch.setenv(env.KEEPALIVE_S, "0.2")
+    server = SilentServer(pings=False)
+    ended: list[str] = []
+    conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, ended.append)
+    assert conn is not None
+    try:
+        with pytest.raises(FrameError) as e:  # its deadline is a minute away: the unanswered ping ends it
+            conn.call(wire.PUSH, 0, [b"x"], [], 0, 60.0)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "answered no ping within 0.1s" in e.value.details()
+        assert server.pinged == 1 and ended and "no ping" in ended[0]
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_a_server_that_answers_its_pings_keeps_the_connection_and_the_call_ends_at_its_deadline(monkeypatch):
+    monkeypatch.setenv(env.KEEPALIVE_S, "1")
+    server = SilentServer(pings=True)
+    conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, lambda why: None)
+    assert conn is not None
+    try:
+        with pytest.raises(FrameError) as e:
+            conn.call(wire.PUSH, 0, [b"x"], [], 0, 4.0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert server.pinged >= 1 and not conn.error  # the connection serves on
+    finally:
+        conn.close()
+        server.close()

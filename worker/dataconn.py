@@ -135,6 +135,11 @@ class DataConn:
         self.closed = False
         self.token, self.worker_id = b"", -1
         self._thread = threading.Thread(target=self._run, name=f"shardps-data-{where}", daemon=True)
+        self.keepalive = keepalive_seconds()
+        self._heard_at = time.monotonic()  # the last answer frame (or the first call after none waited)
+        self._ping_at = 0.0  # when the ping not answered yet went (0: none)
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @staticmethod
     def open(host: str, port: int, token: bytes, worker_id: int, timeout: float,
@@ -165,7 +170,32 @@ class DataConn:
         conn = DataConn(sock, where, on_end)
         conn.token, conn.worker_id = token, worker_id  # what a second connection of this worker would say
         conn._thread.start()
+        if conn.keepalive > 0:
+            conn._watcher = threading.Thread(target=conn._watch, name=f"shardps-data-ping-{where}", daemon=True)
+            conn._watcher.start()
         return conn
+
+    def _watch(self) -> None:
+        """While calls wait: a PING once ``keepalive`` seconds passed without an answer frame; none back within
+        half of that and the connection ends (its calls fail UNAVAILABLE: retried, and failed over, as gRPC's
+        would be). A server process that stopped (SIGSTOP, a long pause) answers nothing though its kernel
+        keeps the TCP connection, and the kernel's keepalive sees nothing wrong: this does."""
+        k = self.keepalive
+        while not self._stop.wait(k / 4):
+            now = time.monotonic()
+            if self._ping_at:
+                if now - self._ping_at >= k / 2:
+                    self.close_after_failure(f"the server answered no ping within {k / 2:g}s (stopped?)")
+                    return
+                continue
+            with self._mu:
+                waiting = bool(self._calls)
+            if waiting and now - self._heard_at >= k:
+                self._ping_at = now
+                try:
+                    self.sender.send([wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PING, 0, 0, 1, 0, 0, 0)])
+                except OSError:
+                    return  # the connection ended: the reading thread says why
 
     def _run(self) -> None:
         head = bytearray(wire.ANSWER.size)
@@ -174,6 +204,7 @@ class DataConn:
         try:
             while True:
                 wire.fill(self.sock, memoryview(head), idle=lambda: not self.closed)
+                self._heard_at, self._ping_at = time.monotonic(), 0.0
                 magic, kind, call, status, nctl, nbytes = wire.ANSWER.unpack(head)
                 if magic != wire.ANSWER_MAGIC or nctl > wire.MAX_CTL or nbytes > wire.MAX_BUFFER:
                     raise wire.ProtocolError(f"not an answer frame (starts {bytes(magic)!r}, {nctl} control "
@@ -206,7 +237,8 @@ class DataConn:
         except Exception as e:  # noqa: BLE001 - whatever ends the reading ends the connection, said below
             why = f"{type(e).__name__}: {e}"
         finally:
-            self.error = why or "closed"
+            self.error = self.error or why or "closed"  # a failure said first (a ping not answered) stays
+            self._stop.set()
             with self._mu:
                 pending, self._calls = list(self._calls.values()), {}
             if current is not None:
@@ -277,6 +309,8 @@ class DataConn:
         with self._mu:
             if self.error:
                 raise self._unavailable()
+            if not self._calls:  # an idle connection heard nothing because nothing was asked
+                self._heard_at = time.monotonic()
             self._calls[call] = c
         return call, c
 
@@ -391,8 +425,11 @@ class DataConn:
     def close(self) -> None:
         """End the connection and join its threads (unless called from one). Idempotent."""
         self.closed = True
+        self._stop.set()
         self.sender.close()
         wire.end(self.sock, self._thread)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
         with self._mu:
             deadlines, self._deadlines = self._deadlines, None
         if deadlines is not None:

@@ -243,6 +243,19 @@ class Transport:
             return ""
         return s.backup if s.role == "deposed" else ""
 
+    def _silent(self, shard: int) -> bool:
+        """After a call's deadline passed: whether the shard, which has a backup, answers nothing at all, not
+        even Describe within 2 s. A stopped process (SIGSTOP, a long pause) keeps its TCP connections, which
+        neither gRPC's pings nor the kernel's keepalive then find broken; a shard that is only slow (a round
+        that waits for another worker) answers, and keeps its call's error."""
+        if not self.backups[shard]:
+            return False
+        try:
+            self._stubs[shard].Describe(ps_pb2.StatsRequest(), timeout=min(2.0, self.timeout))
+        except grpc.RpcError:
+            return True
+        return False
+
     def _fail_over(self, shard: int, failed: str, details: str) -> bool:
         """Ask shard's backup to take over (--replicas 2); True once requests should go there.
 
@@ -324,6 +337,9 @@ class Transport:
             except grpc.RpcError as e:
                 code, details = status_of(e)
                 if code == grpc.StatusCode.UNAVAILABLE and self._fail_over(shard, address, details):
+                    continue
+                if (code == grpc.StatusCode.DEADLINE_EXCEEDED and self._silent(shard)
+                        and self._fail_over(shard, address, f"no answer within the deadline: {details}")):
                     continue
                 waited = time.monotonic() - start
                 if code != grpc.StatusCode.UNAVAILABLE or waited >= self.recovery_timeout:
