@@ -1,6 +1,6 @@
 """What --replicas 2 costs: push+pull rounds with and without a backup per shard, same run.
 
-    .venv/bin/python benchmarks/replication.py [--params 8e6] [--rounds 10] [--repeats 3] [--coordinator]
+    .venv/bin/python benchmarks/replication.py [--params 8e6] [--rounds 10] [--repeats 3] [--sync bsp] [--coordinator]
     .venv/bin/python benchmarks/replication.py --failover [--ttls 2 5]
 
 ``--coordinator`` adds a third cluster, ``--replicas 2`` with ``--coordinator``
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, clusters: list[LocalCluster]) -> dict[str, Any
             for name, cluster in named:
                 c = shardps.connect(cluster.addresses, timeout=120)
                 clients[name] = c
-                c.register(params, shardps.optim.SGD(lr=1e-3), sync="asp")
+                c.register(params, shardps.optim.SGD(lr=1e-3), sync=args.sync)
                 rounds(c, grads, 0, 2)  # warm-up: connections, buffers
             times: dict[str, list[float]] = {name: [] for name in clients}
             for rep in range(args.repeats):
@@ -137,6 +137,8 @@ def main() -> int:
     ap.add_argument("--max-seconds", type=float, default=600.0,
                     help="watchdog: abort the whole run after this many seconds (default 600)")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    ap.add_argument("--sync", choices=["asp", "bsp"], default="asp",
+                    help="the job's sync mode (bsp: each round is a step through the barrier, its one worker's)")
     ap.add_argument("--coordinator", action="store_true",
                     help="a third cluster: --replicas 2 with --coordinator on a local etcd")
     ap.add_argument("--failover", action="store_true",

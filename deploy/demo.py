@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +29,8 @@ from shardps.deploy.local import LocalCluster, stop_processes
 from shardps.deploy.spawn import Process, spawn
 from shardps.protos import env as env_names
 from shardps.worker.client import connect
+
+ETCD_PORT = 2379  # shardps sim --coordinator: etcd's client port on its host (the peer port is the next)
 
 Start = Callable[[int, list[str]], Process]
 """How worker k starts, given its ``shardps`` arguments (``_run_workers``)."""
@@ -285,6 +289,8 @@ def run_sim(args: Any) -> int:
     worker_hosts = net.names[args.servers:args.servers + args.workers]
     t0 = time.perf_counter()
     procs: list[Process] = []
+    cleanup = contextlib.ExitStack()
+    coordinator: list[str] = []  # the servers' --coordinator flags
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):  # as the demo: stop everything on either
             signal.signal(sig, _interrupt)
@@ -299,7 +305,17 @@ def run_sim(args: Any) -> int:
             # this machine's namespaces reaches them)
             env = dict(os.environ)
             env.setdefault(env_names.LOG_LEVEL, "ERROR")
-            servers = net.start_servers(server_hosts, timeout=min(60.0, args.timeout), env=env)
+            if args.coordinator:  # etcd on the last host; each server waits for it (--start-timeout) and claims
+                from shardps.server.coordinator import etcd_argv
+
+                etcd_host = net.names[-1]
+                data = tempfile.mkdtemp(prefix="shardps-sim-etcd-")
+                cleanup.callback(shutil.rmtree, data, ignore_errors=True)
+                net.start(etcd_host, etcd_argv("etcd", data, net.host(etcd_host), ETCD_PORT, ETCD_PORT + 1),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                coordinator = ["--coordinator", f"etcd://{net.host(etcd_host)}:{ETCD_PORT}", "--job", "sim"]
+                say(f"etcd on {etcd_host} at {net.host(etcd_host)}:{ETCD_PORT}: the servers are fenced through it")
+            servers = net.start_servers(server_hosts, coordinator, timeout=min(60.0, args.timeout), env=env)
             addresses = [s.address for s in servers]
             say(f"servers up at {', '.join(addresses)}")
             try:
@@ -316,6 +332,7 @@ def run_sim(args: Any) -> int:
             with _signals_deferred("shardps sim"):
                 stop_processes(procs)
                 net.close()
+                cleanup.close()
     except KeyboardInterrupt:
         say("interrupted: stopped the workers and servers, removed the network")
         return 130
@@ -326,6 +343,7 @@ def run_sim(args: Any) -> int:
         print(f"shardps sim failed: {e}", file=sys.stderr, flush=True)
         return 1
     summary = _summary(args, results, test_acc, time.perf_counter() - t0)
-    summary.update(hosts=args.hosts, link=args.link, host_links=dict(args.host_link), mb_sent=sent)
+    summary.update(hosts=args.hosts, link=args.link, host_links=dict(args.host_link), mb_sent=sent,
+                   coordinator=coordinator[1] if coordinator else None)
     _report(args, summary, say)
     return 0

@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -283,6 +284,8 @@ class ShardLease:
         self._mu = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._together_pending = False  # this server no longer serves alone; etcd may still record it so
+        self._together_at = -1e9  # when back_together last asked etcd (monotonic)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -418,7 +421,49 @@ class ShardLease:
             _, revision, _ = self.etcd.get(self.key)
             with self._mu:
                 self.record = ShardRecord(rec.primary, rec.epoch, True, revision, rec.holder)
+                self._together_pending = False
         return ok
+
+    def wants_together(self) -> bool:
+        """Whether etcd may still record that this primary serves alone (``back_together`` not done yet)."""
+        rec = self.record
+        return rec is not None and (rec.alone or self._together_pending)
+
+    def back_together(self) -> bool:
+        """As the primary whose backup holds every change again (its replication synced after it went on
+        alone): record that it serves with its backup, so that the backup may take over once more. This
+        server's own record says so first: from then on, losing the backup again takes ``go_alone``'s
+        transaction before anything is acknowledged, on the same revision as this one, so etcd orders the
+        two. Asked at most every third of the time-to-live; True once etcd records it."""
+        now = time.monotonic()
+        with self._mu:
+            rec = self.record
+            if rec is None or not (rec.alone or self._together_pending):
+                return True
+            if now - self._together_at < self.ttl / 3:
+                return False
+            self._together_at, self._together_pending = now, True
+            self.record = ShardRecord(rec.primary, rec.epoch, False, rec.revision, rec.holder)
+        if not self.holds():
+            return False
+        together = ShardRecord(rec.primary, rec.epoch, False)
+        try:
+            self.etcd.txn(f"shard {self.shard} has its backup again",
+                          [_mod(self.key, rec.revision), _created(self.holder_key, rec.holder)],
+                          [_put(self.key, together.value())])
+            current = self.read()  # whoever won: what etcd holds now (this transaction may have landed unseen)
+        except CoordinatorError as e:
+            log.warning("shard %d: cannot record in etcd that its backup is back: %s", self.shard, e)
+            return False
+        if (current is None or current.alone or current.primary != self.address or current.epoch != rec.epoch
+                or current.holder != rec.holder):
+            return False
+        with self._mu:
+            if self.record is not None and not self.record.alone:
+                self.record = ShardRecord(rec.primary, rec.epoch, False, current.revision, rec.holder)
+                self._together_pending = False
+        log.warning("shard %d: its backup holds every change again; etcd no longer records it alone", self.shard)
+        return True
 
     def _record(self) -> ShardRecord:
         assert self.record is not None
@@ -484,9 +529,9 @@ class ShardLease:
 # -- a local etcd (tests, `shardps sim`, LocalCluster) --------------------------------------------
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -505,12 +550,14 @@ class LocalEtcd:
     (a clean stop, or ``kill=True``: SIGKILL) and ``start`` brings the same member back on the same ports
     and data."""
 
-    def __init__(self, binary: str = "etcd", host: str = "127.0.0.1") -> None:
+    def __init__(self, binary: str = "etcd", host: str = "127.0.0.1", *, with_parent: bool = False) -> None:
+        """``with_parent``: etcd ends when the process that started it ends, however it ends (a Ray actor
+        killed): a shell between them kills it once its stdin, this process's pipe, closes."""
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(f"{binary} is not installed (Debian's etcd-server: `make tools`)")
-        self.binary, self.host = path, host
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.binary, self.host, self.with_parent = path, host, with_parent
+        self.client_port, self.peer_port = _free_port(host), _free_port(host)
         self.data = tempfile.mkdtemp(prefix="shardps-etcd-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"{SCHEME}{host}:{self.client_port}"
@@ -518,9 +565,11 @@ class LocalEtcd:
 
     def start(self, timeout: float = 30.0) -> LocalEtcd:
         self.log = open(os.path.join(self.data, "etcd.log"), "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            etcd_argv(self.binary, os.path.join(self.data, "member"), self.host, self.client_port, self.peer_port),
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        argv = etcd_argv(self.binary, os.path.join(self.data, "member"), self.host, self.client_port, self.peer_port)
+        if self.with_parent:
+            argv = ["sh", "-c", '"$@" </dev/null & pid=$!; read -r _; kill "$pid"; wait "$pid"', "sh", *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if self.with_parent else None, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         etcd = Etcd(self.endpoints, timeout=1.0)
         try:
             etcd.check(timeout)
@@ -535,12 +584,17 @@ class LocalEtcd:
     def stop(self, kill: bool = False, timeout: float = 10.0) -> None:
         p, self.proc = self.proc, None
         if p is not None:
-            (p.kill if kill else p.terminate)()
+            try:  # the whole session: the shell of with_parent and etcd
+                os.killpg(p.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout)
+            if p.stdin is not None:
+                p.stdin.close()
             self.log.close()
 
     def close(self) -> None:

@@ -217,6 +217,8 @@ class ReplicaSide:
         if rep is not None and rep.state == ReplicaState.DEGRADED and not fence.alone and not fence.go_alone():
             raise Unavailable(f"shard {self.shard_index} lost its backup at {rep.address} and the coordinator did "
                               f"not record that it goes on alone: not acknowledging")
+        if rep is not None and rep.state == ReplicaState.SYNCED and fence.wants_together():
+            fence.back_together()  # the backup holds every change again: it may take over once more
         why = fence.why_not()
         if why:
             raise Unavailable(f"{why}: not acknowledging")

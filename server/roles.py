@@ -186,3 +186,11 @@ class Fence(Protocol):
     def alone(self) -> bool:
         """Whether the coordinator records that this primary serves without its backup."""
         ...
+
+    def wants_together(self) -> bool:
+        """Whether the coordinator may still record this primary alone (its backup back in sync since)."""
+        ...
+
+    def back_together(self) -> bool:
+        """Record that the primary serves with its backup again (in sync); False when it could not yet."""
+        ...

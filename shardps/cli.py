@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 from typing import TypeVar
 
@@ -101,8 +102,10 @@ HEALTH_HELP = "exit 0 only if the server answers SERVING (a container healthchec
 
 def _health_flags(hp: argparse.ArgumentParser) -> argparse.ArgumentParser:
     port = env.get(env.PORT)
-    hp.add_argument("--address", default=f"127.0.0.1:{port}" if port else None, required=port is None,
+    hp.add_argument("--address", default=f"127.0.0.1:{port}" if port else None,
                     help=f"HOST:PORT of the server (default 127.0.0.1:${env.PORT} when that is set)")
+    hp.add_argument("--etcd", metavar="etcd://HOST:PORT",
+                    help="check the coordinator instead: exit 0 only if this etcd answers (its container's check)")
     hp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
     _security_flags(hp)
     return hp
@@ -113,8 +116,34 @@ def health_main(argv: list[str]) -> int:
     seconds in every server's container, and what the other commands import at once is not its to pay for."""
     from shardps.worker.reach import run_health
 
-    args = _health_flags(argparse.ArgumentParser(prog="shardps health", description=HEALTH_HELP)).parse_args(argv)
+    hp = _health_flags(argparse.ArgumentParser(prog="shardps health", description=HEALTH_HELP))
+    args = hp.parse_args(argv)
+    if args.etcd:
+        return etcd_health(args.etcd, args.timeout)
+    if not args.address:
+        hp.error(f"--address is required (or {env.PORT} set, or --etcd)")
     return run_health(args.address, timeout=args.timeout, security=security_from(args))
+
+
+def etcd_health(url: str, timeout: float) -> int:
+    """``shardps health --etcd URL``: 0 only if an endpoint of the etcd at ``url`` answers within ``timeout``."""
+    from shardps.server.checks import parse_coordinator
+    from shardps.server.coordinator import CoordinatorError, Etcd
+
+    try:
+        client = Etcd(parse_coordinator(url), timeout=timeout)
+    except ValueError as e:
+        print(f"shardps health: {e}", file=sys.stderr)
+        return 2
+    try:
+        client.check(timeout)
+    except CoordinatorError as e:
+        print(f"{url}: {e}")
+        return 1
+    finally:
+        client.close()
+    print(f"{url}: SERVING")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--example", choices=["digits"], default="digits")
     sm.add_argument("--servers", type=int, default=2, help="servers, on hosts h0 .. h(S-1) (default 2)")
     sm.add_argument("--workers", type=int, default=4, help="workers, on hosts hS .. h(S+W-1) (default 4)")
+    sm.add_argument("--coordinator", action="store_true",
+                    help="start etcd (Debian's etcd-server: make tools) on the last host, which must be left over, "
+                         "and run every server with --coordinator on it (docs/operations.md)")
     _training_flags(sm)
     add_ray_parser(sub)
     return p
@@ -443,9 +475,14 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 print(f"shardps sim: --{name} must be >= 1", file=sys.stderr)
                 return 2
-        if args.hosts < args.servers + args.workers:
+        if args.hosts < args.servers + args.workers + int(args.coordinator):
             print(f"shardps sim: --hosts {args.hosts} is fewer than --servers {args.servers} + --workers "
-                  f"{args.workers}: each server and worker has a host of its own", file=sys.stderr)
+                  f"{args.workers}{' + 1 (etcd, --coordinator)' if args.coordinator else ''}: each server and "
+                  f"worker has a host of its own", file=sys.stderr)
+            return 2
+        if args.coordinator and shutil.which("etcd") is None:
+            print("shardps sim: --coordinator: etcd is not installed (Debian's etcd-server: make tools)",
+                  file=sys.stderr)
             return 2
         return run_sim(args)
     return 2

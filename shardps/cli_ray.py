@@ -39,6 +39,9 @@ def add_ray_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     ry.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs per worker actor (default 1)")
     ry.add_argument("--use-gpu", action="store_true", help="one GPU per worker actor")
     ry.add_argument("--replicas", type=int, choices=(1, 2), default=1, help="2: a live backup of every shard")
+    ry.add_argument("--coordinator", default=env.get(env.COORDINATOR), metavar="etcd://HOST:PORT|actor",
+                    help="who serves each shard is etcd's to say: an etcd the nodes reach, or 'actor' to run "
+                         f"Debian's etcd in an actor of the cluster (docs/ray.md; env {env.COORDINATOR})")
     ry.add_argument("--checkpoint-dir", default=env.get(env.CHECKPOINT_DIR),
                     help=f"servers checkpoint here (env {env.CHECKPOINT_DIR})")
     ry.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps")

@@ -11,6 +11,7 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_ray.py in
 
 from shardps.deploy.ray import (  # noqa: E402
     STRATEGIES,
+    EtcdService,
     ExpertActors,
     OffloadStore,
     Pipeline,
@@ -22,12 +23,14 @@ from shardps.deploy.ray import (  # noqa: E402
     WorkerGroup,
     WorkersFailed,
     run_workers,
+    start_etcd,
     start_expert_actors,
     start_servers,
 )
 
 __all__ = [
     "STRATEGIES",
+    "EtcdService",
     "ExpertActors",
     "OffloadStore",
     "Pipeline",
@@ -39,6 +42,7 @@ __all__ = [
     "WorkerGroup",
     "WorkersFailed",
     "run_workers",
+    "start_etcd",
     "start_expert_actors",
     "start_servers",
 ]

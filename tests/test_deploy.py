@@ -26,7 +26,8 @@ import yaml
 
 from shardps.deploy.local import stop_processes
 from shardps.protos import env
-from tests.helpers import chosen_port
+from shardps.server.coordinator import LocalEtcd
+from tests.helpers import ETCD_MISSING, chosen_port
 
 pytestmark = pytest.mark.cluster  # servers, processes or a venv: not in make test-fast
 
@@ -41,10 +42,12 @@ def _compose() -> dict[str, Any]:
 
 
 def _shardps_services(profile: str | None = None) -> dict[str, dict[str, Any]]:
-    """The services built from the shardps image (of the default profile, or of ``profile``)."""
+    """The services that run the shardps command from its image (of the default profile, or of ``profile``); not
+    etcd, which runs another program of the same image."""
     out = {}
     for name, svc in _compose()["services"].items():
-        if str(svc.get("image", "")).startswith("shardps") and profile in (svc.get("profiles") or [None]):
+        if (str(svc.get("image", "")).startswith("shardps") and "entrypoint" not in svc
+                and profile in (svc.get("profiles") or [None])):
             out[name] = svc
     return out
 
@@ -63,8 +66,8 @@ def test_compose_file_is_valid_and_wires_servers_workers_prometheus_grafana():
     out = subprocess.run(["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "--services"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert set(out.stdout.split()) == {"server0", "server1", "worker0", "worker1", "gpu-worker0", "gpu-worker1",
-                                       "prometheus", "grafana"}
+    assert set(out.stdout.split()) == {"etcd", "server0", "server1", "worker0", "worker1", "gpu-worker0",
+                                       "gpu-worker1", "prometheus", "grafana"}
     full = subprocess.run(["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "config"],
                           capture_output=True, text=True, timeout=60).stdout
     assert "SHARDPS_ADDRESSES: server0:7000,server1:7000" in full and "condition: service_healthy" in full
@@ -109,6 +112,20 @@ def test_scrape_targets_are_the_compose_services_metrics_ports():
     expected = {f"{n}:{s['environment'][env.METRICS_PORT]}" for n, s in
                 {**_shardps_services(), **_workers("gpu")}.items()}
     assert {t for ts in _scrape_targets().values() for t in ts} == expected
+
+
+def test_compose_servers_are_fenced_through_the_etcd_service():
+    """--coordinator: every server names the etcd service, waits for it healthy, and one job holds them all."""
+    compose = _compose()
+    etcd = compose["services"]["etcd"]
+    assert etcd["entrypoint"] == ["etcd"] and "--data-dir" in etcd["command"]
+    assert etcd["healthcheck"]["test"] == ["CMD", "shardps", "health", "--etcd", "etcd://127.0.0.1:2379"]
+    assert [v.split(":")[0] for v in etcd["volumes"]] == ["etcd"] and "etcd" in compose["volumes"]
+    for name, svc in _servers().items():
+        assert svc["environment"][env.COORDINATOR] == "etcd://etcd:2379", name
+        assert svc["environment"][env.JOB] == "compose", name
+        assert svc["depends_on"] == {"etcd": {"condition": "service_healthy"}}, name
+    assert "etcd-server" in (DEPLOY / "Dockerfile").read_text()
 
 
 def test_compose_servers_back_each_other_up():
@@ -172,12 +189,15 @@ class _Local:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
+        self.extra: dict[str, str] = {}  # other services' addresses (etcd's) made local ones
         self.ports = {(n, s["environment"][v]): _free_port() for n, s in _shardps_services().items()
                       for v in PORT_VARS if v in s["environment"]}
 
     def local(self, value: str) -> str:
         for (svc, port), free in self.ports.items():
             value = value.replace(f"{svc}:{port}", f"127.0.0.1:{free}")
+        for address, local in self.extra.items():
+            value = value.replace(address, local)
         return value
 
     def env(self, name: str, svc: dict[str, Any]) -> dict[str, str]:
@@ -222,11 +242,19 @@ def _metrics(address: str) -> str | None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("etcd") is None, reason=ETCD_MISSING)
 def test_the_compose_services_come_up_turn_healthy_train_and_serve_their_metrics(tmp_path):
     run = _Local(tmp_path)
     servers, workers = _servers(), _workers()
     procs: list[subprocess.Popen] = []
+    etcd = LocalEtcd()
     try:
+        etcd.start()  # the etcd service, on a free port; its own healthcheck, pointed there, says so
+        run.extra["etcd:2379"] = etcd.endpoints[0]
+        check = _compose()["services"]["etcd"]["healthcheck"]["test"][1:]
+        check = [SHARDPS if a == "shardps" else a.replace("127.0.0.1:2379", etcd.endpoints[0]) for a in check]
+        healthy = subprocess.run(check, capture_output=True, text=True, timeout=60)
+        assert healthy.returncode == 0 and healthy.stdout.strip().endswith("SERVING"), healthy.stdout + healthy.stderr
         for name, svc in servers.items():
             procs.append(run.start(name, svc))
         deadline = time.monotonic() + 120  # as Docker retries a healthcheck until it passes
@@ -264,3 +292,4 @@ def test_the_compose_services_come_up_turn_healthy_train_and_serve_their_metrics
         assert sorted(p.name for p in (tmp_path / "checkpoints" / "checkpoints").iterdir()) == ["shard-0", "shard-1"]
     finally:
         stop_processes(procs)
+        etcd.close()

@@ -7,6 +7,7 @@ side), then the test waits for states (the holder key gone in etcd, a takeover),
 
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,11 @@ import pytest
 import torch
 
 import shardps
+from shardps.admin import run_attach_replica
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.coordinator import Etcd, LocalEtcd, ShardLease
+from shardps.server.service import create_server, stop_server
+from shardps.server.store import ShardStore
 from tests.helpers import ETCD_MISSING
 
 pytestmark = [pytest.mark.cluster,
@@ -115,6 +119,46 @@ def test_a_primary_whose_backup_is_lost_goes_on_alone_only_as_etcd_records_it(ma
         record = ShardLease(etcd, job, 0, "observer:0").read()
         assert record is not None and record.alone and record.epoch == 1
     finally:
+        etcd.close()
+
+
+def test_a_primary_alone_whose_new_backup_is_in_sync_is_recorded_with_it_and_that_backup_may_take_over(
+        make_cluster, etcd_server, job):
+    """Alone, a shard could never fail over again: its backup's copy is stale while etcd says so. Once a backup
+    (here a spare, attached) holds every change again, the primary's next acknowledgement records that in etcd,
+    and that backup wins a takeover once the primary's lease is gone."""
+    c = make_cluster(2, replicas=2, coordinator=etcd_server.url, job=job, coordinator_ttl=TTL)
+    etcd = Etcd(etcd_server.endpoints)
+    spare = ShardStore(0, 2, role="backup")
+    server, port = create_server(spare)
+    spare.replica.fence = ShardLease(etcd, job, 0, f"127.0.0.1:{port}", ttl=TTL)
+    try:
+        with shardps.connect(c.addresses) as client:
+            client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=1.0), sync="asp")
+            push_one(client, 0)
+            c._servers[2].stop(None)  # shard 0's backup goes away: the primary goes on alone
+            push_one(client, 1)
+            assert ShardLease(etcd, job, 0, "observer:0").read().alone
+            assert run_attach_replica(c.addresses, 0, f"127.0.0.1:{port}", out=io.StringIO()) == 0
+            push_one(client, 2)  # acknowledged with the spare in sync: etcd records the primary with it again
+        record = ShardLease(etcd, job, 0, "observer:0").read()
+        assert record is not None and not record.alone and record.epoch == 1
+        assert weight(spare) == 3.0
+        c.fences[0].close(release=False)  # the primary stops renewing (cut from etcd)
+        stub = ps_pb2_grpc.WorkersStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + 30
+        while True:  # refused while the old lease holds in etcd; granted once etcd let it expire
+            try:
+                got = stub.TakeOver(ps_pb2.TakeOverRequest(reason="test"), timeout=10)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "still holds its lease" in e.details()
+                assert time.monotonic() < deadline, e.details()
+                time.sleep(0.2)  # etcd's clock lets the lease go
+        assert (got.shard_index, got.version, got.fence_epoch) == (0, spare.version, 2)
+    finally:
+        stop_server(server)
+        spare.replica.fence.close()  # its lease, renewed since it took over, before the client it renews with
         etcd.close()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from shardps.deploy import netns
 from shardps.deploy import netsim as impl
 from shardps.deploy.local import wait_gone
 from shardps.netsim import NetCluster, format_rate, parse_rate, sweep_stale, unavailable
+from tests.helpers import ETCD_MISSING
 
 REASON = unavailable()
 
@@ -293,12 +295,16 @@ def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
 
 
 @needs_netns
+@pytest.mark.skipif(shutil.which("etcd") is None, reason=ETCD_MISSING)
 def test_sim_trains_digits_end_to_end():
+    """With --coordinator: etcd on the host left over (h3), the server fenced through it."""
     proc = subprocess.run([sys.executable, "-m", "shardps", "sim", "--hosts", "4", "--link", "500mbit",
                            "--host-link", "h3=200mbit", "--servers", "1", "--workers", "2", "--epochs", "2",
-                           "--push-window", "1", "--json", "--quiet"], capture_output=True, text=True, timeout=180)
+                           "--push-window", "1", "--coordinator", "--json", "--quiet"], capture_output=True, text=True,
+                          timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["coordinator"].startswith("etcd://") and out["coordinator"].endswith(".4:2379"), out
     assert out["test_accuracy"] > 0.7 and out["steps"] == 2 * 22, out
     assert out["hosts"] == 4 and out["link"] == "500mbit" and out["host_links"] == {"h3": "200mbit"}
     assert set(out["mb_sent"]) == {"h0", "h1", "h2"} and min(out["mb_sent"].values()) > 0.1, out

@@ -7,6 +7,7 @@ directory). Faults are injected at exact steps from inside the loops.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +26,9 @@ from torch import nn
 
 import shardps
 import shardps.ray as sray
+from shardps.deploy.local import wait_gone
 from shardps.deploy.ray.local import RayLocalCluster, ray_command
+from tests.helpers import ETCD_MISSING
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,11 +166,33 @@ def _assert_same(got, expected):
 
 
 @pytest.mark.fault
-def test_kill_9_a_server_actor_its_backup_takes_over_and_the_result_is_exact(ray_cluster, clean_run):
-    with sray.start_servers(2, replicas=2) as servers:
+@pytest.mark.parametrize("coordinator", [False, True], ids=["alone", "etcd-in-an-actor"])
+def test_kill_9_a_server_actor_its_backup_takes_over_and_the_result_is_exact(ray_cluster, clean_run, coordinator):
+    """With a coordinator: etcd in an actor (start_etcd), the backup takes over once etcd let the killed
+    primary's lease expire (epoch 2), and the etcd process ends with its actor."""
+    with contextlib.ExitStack() as stack:
+        kw = {}
+        if coordinator:
+            if shutil.which("etcd") is None:
+                pytest.skip(ETCD_MISSING)
+            etcd = stack.enter_context(sray.start_etcd())
+            kw = {"coordinator": etcd.url, "job": "kill9", "coordinator_ttl": 2}
+        servers = stack.enter_context(sray.start_servers(2, replicas=2, **kw))
         config = {"kill_pid": servers.pids[1], "kill_by": 0, "kill_at": 7}
         got = sray.run_workers(exact_loop, servers, 2, config=config)
+        if coordinator:
+            from shardps.server.coordinator import Etcd, ShardLease, parse
+
+            client = Etcd(parse(etcd.url))
+            try:
+                record = ShardLease(client, "kill9", 1, "observer:0").read()
+            finally:
+                client.close()
+            assert record is not None and record.epoch == 2 and record.primary == servers.backup_addresses[1]
+            etcd_pid = ray.get(etcd.actor.__ray_call__.remote(lambda a: a.etcd.proc.pid))
     _assert_same(got, clean_run)
+    if coordinator:
+        assert wait_gone([etcd_pid], timeout=30) == [], "etcd outlived its actor"
 
 
 @pytest.mark.fault
@@ -280,10 +305,14 @@ def _summary(p: subprocess.CompletedProcess) -> dict:
 def test_ray_job_submit_trains_digits(ray_cluster):
     # 3 of the default 10 epochs: 0.9278 in `shardps demo --servers 2 --workers 2 --epochs 3`, the same
     # training (2026-12-04)
+    # with a live backup of each shard, fenced through etcd in an actor (where etcd is installed)
+    fenced = ["--replicas", "2", "--coordinator", "actor"] if shutil.which("etcd") else []
     p = _submit(ray_cluster, ["shardps", "ray", "--example", "digits", "--servers", "2", "--workers", "2",
-                              "--epochs", "3", "--json"])
+                              "--epochs", "3", "--json", *fenced])
     assert "succeeded" in p.stdout + p.stderr
     out = _summary(p)
+    if fenced:
+        assert out["replicas"] == 2 and out["coordinator"].startswith("etcd://"), out
     assert out["test_accuracy"] >= 0.9 and out["steps"] == 66, out
     assert (out["servers"], out["workers"], out["sync"]) == (2, 2, "bsp")
     nodes = _node_ids(ray_cluster)

@@ -4,6 +4,7 @@ Import it as ``shardps.ray`` (which says how to install Ray when it is
 missing). See docs/ray.md.
 """
 
+from shardps.deploy.ray.etcd import EtcdService, start_etcd
 from shardps.deploy.ray.experts import ExpertActors, start_expert_actors
 from shardps.deploy.ray.local import RayLocalCluster
 from shardps.deploy.ray.pipeline import OffloadStore, Pipeline, PipelineError
@@ -13,6 +14,7 @@ from shardps.deploy.ray.workers import WorkerContext, WorkerGroup, WorkersFailed
 
 __all__ = [
     "STRATEGIES",
+    "EtcdService",
     "ExpertActors",
     "OffloadStore",
     "Pipeline",
@@ -24,6 +26,7 @@ __all__ = [
     "WorkerGroup",
     "WorkersFailed",
     "run_workers",
+    "start_etcd",
     "start_expert_actors",
     "start_servers",
 ]

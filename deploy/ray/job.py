@@ -87,6 +87,7 @@ def _init_ray(args: Any, say: Any) -> None:
 
 def run_job(args: Any) -> int:
 
+    from shardps.deploy.ray.etcd import start_etcd
     from shardps.deploy.ray.pipeline import PipelineError
     from shardps.deploy.ray.placement import PlacementError
     from shardps.deploy.ray.servers import start_servers
@@ -97,7 +98,8 @@ def run_job(args: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _interrupt)
     t0 = time.perf_counter()
-    servers = workers = None
+    servers = workers = etcd = None
+    fencing: dict[str, Any] = {}  # the servers' coordinator and job (--coordinator)
     try:
         _init_ray(args, say)
         resources = json.loads(args.server_resources) if args.server_resources else None
@@ -105,11 +107,18 @@ def run_job(args: Any) -> int:
                else f"{args.workers} workers")
         say(f"shardps ray: {args.servers} servers ({args.strategy}), {who}, sync={args.sync}, "
             f"optimizer={args.optimizer or 'default'}, on {args.example}")
+        if args.coordinator:
+            url = args.coordinator
+            if url == "actor":
+                etcd = start_etcd(resources=resources)
+                url = etcd.url
+                say(f"etcd in an actor at {url}")
+            fencing = {"coordinator": url, "job": f"ray-{os.getpid()}"}
         servers = start_servers(args.servers, replicas=args.replicas, strategy=args.strategy, resources=resources,
                                 num_cpus=args.server_cpus, checkpoint_dir=args.checkpoint_dir,
                                 checkpoint_every=args.checkpoint_every,
                                 metrics_port=0 if args.metrics else None, max_restarts=args.max_restarts,
-                                placement_timeout=args.placement_timeout)
+                                placement_timeout=args.placement_timeout, **fencing)
         started = time.perf_counter() - t0
         say(f"servers up at {', '.join(servers.addresses)} in {started:.1f}s")
         if args.example == "shakespeare":
@@ -156,7 +165,7 @@ def run_job(args: Any) -> int:
         from shardps.deploy.demo import _signals_deferred
 
         with _signals_deferred("shardps ray"):  # a second Ctrl-C or SIGTERM must not cut the clean-up short
-            for group in (workers, servers):
+            for group in (workers, servers, etcd):
                 if group is not None:
                     group.shutdown()
     seconds = time.perf_counter() - t0
@@ -172,6 +181,7 @@ def run_job(args: Any) -> int:
         "epochs": args.epochs,
         "strategy": args.strategy,
         "replicas": args.replicas,
+        "coordinator": fencing.get("coordinator"),
         "rollbacks": sum(r.get("rollbacks", 0) for r in results),
         "failovers": sum(r.get("failovers", 0) for r in results),
         "server_nodes": servers.node_ids,

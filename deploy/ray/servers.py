@@ -46,7 +46,7 @@ log = logging.getLogger("shardps.ray")
 # ShardServer options a caller may set; host, ports and the shard come from the group.
 SERVER_OPTIONS = ("sync", "num_workers", "chunk_bytes", "max_wait_s", "grace_s", "metrics_port", "metrics_host",
                   "torch_threads", "security", "checkpoint_dir", "checkpoint_every", "checkpoint_seconds",
-                  "lease_s", "host")
+                  "lease_s", "host", "coordinator", "job", "coordinator_ttl", "start_timeout_s")
 
 
 def _port_file(checkpoint_dir: str, shard: int) -> Path:
@@ -180,7 +180,9 @@ def start_servers(num_servers: int, *, replicas: int = 1, strategy: str = "SPREA
     ``shardps server`` takes: ``checkpoint_dir``, ``checkpoint_every``,
     ``checkpoint_seconds``, ``lease_s``, ``security``, ``metrics_port`` (0: a
     free port each), ``metrics_host``, ``sync``, ``num_workers``,
-    ``chunk_bytes``, ``max_wait_s``, ``host`` (default: the node's IP).
+    ``chunk_bytes``, ``max_wait_s``, ``host`` (default: the node's IP);
+    ``coordinator`` (``etcd://HOST:PORT``: deploy/ray/etcd.py), ``job``,
+    ``coordinator_ttl``, ``start_timeout_s``.
     """
     if num_servers < 1:
         raise ValueError(f"num_servers must be >= 1, got {num_servers}")
