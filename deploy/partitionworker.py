@@ -47,6 +47,37 @@ def tensor_names(shards: int) -> list[str]:
     return [f"t{s}" for s in range(shards)]
 
 
+def endpoint_stats(addresses: list[str], keys: tuple[str, ...], timeout: float) -> dict[str, Any]:
+    """Each endpoint's Stats (those ``keys``), one connection each, or ``{"error": ...}`` where it does not
+    answer within ``timeout`` seconds."""
+    out: dict[str, Any] = {}
+    for a in addresses:
+        try:
+            with shardps.connect([a], timeout=timeout, recovery_timeout=0.0, ready_timeout=timeout) as cl:
+                s = cl.stats()[0]
+            out[a] = {k: s[k] for k in keys if k in s}
+        except Exception as e:  # noqa: BLE001 - an endpoint that does not answer is an answer here
+            out[a] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def shard_records(endpoints: list[str], job: str, shards: int, timeout: float = 5.0,
+                  wait: float | None = None) -> list[dict[str, Any] | None]:
+    """Shards ``0 .. shards-1``'s records in etcd (server/coordinator.py), as this host reads them (None: no
+    record); ``wait``: seconds to wait for a member that just started."""
+    from shardps.server.coordinator import Etcd, ShardLease
+
+    etcd = Etcd(endpoints, timeout=timeout)
+    try:
+        if wait:
+            etcd.check(wait)
+        recs = [ShardLease(etcd, job, s, "observer:0").read() for s in range(shards)]
+    finally:
+        etcd.close()
+    return [None if r is None else {"primary": r.primary, "epoch": r.epoch, "alone": r.alone, "held": r.holder > 0}
+            for r in recs]
+
+
 class Worker:
     def __init__(self) -> None:
         self.client: Any = None
@@ -120,29 +151,10 @@ class Worker:
         return {"pushes": self.pushes}
 
     def stats(self, c: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        t = c.get("timeout", 2.0)
-        for a in c["addresses"]:
-            try:
-                with shardps.connect([a], timeout=t, recovery_timeout=0.0, ready_timeout=t) as cl:
-                    s = cl.stats()[0]
-                out[a] = {k: s[k] for k in STATS if k in s}
-            except Exception as e:  # noqa: BLE001 - an endpoint that does not answer is an answer here
-                out[a] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        return {"stats": out}
+        return {"stats": endpoint_stats(c["addresses"], STATS, c.get("timeout", 2.0))}
 
     def record(self, c: dict[str, Any]) -> dict[str, Any]:
-        from shardps.server.coordinator import Etcd, ShardLease
-
-        etcd = Etcd(c["endpoints"], timeout=c.get("timeout", 5.0))
-        try:
-            if c.get("wait"):
-                etcd.check(c["wait"])  # a member just started: until it answers
-            recs = [ShardLease(etcd, c["job"], s, "observer:0").read() for s in range(c["shards"])]
-        finally:
-            etcd.close()
-        return {"records": [None if r is None else {"primary": r.primary, "epoch": r.epoch, "alone": r.alone,
-                                                    "held": r.holder > 0} for r in recs]}
+        return {"records": shard_records(c["endpoints"], c["job"], c["shards"], c.get("timeout", 5.0), c.get("wait"))}
 
     def weights(self, c: dict[str, Any]) -> dict[str, Any]:
         """The tensors as the servers at ``addresses`` (one a shard, in order) hold them."""

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import shardps
+from shardps.deploy.partitionworker import endpoint_stats, shard_records
 
 LR = 0.1
 STATS = ("role", "version", "worker_clocks", "evicted_workers", "evictions_total", "gradients_applied_total",
@@ -113,16 +114,7 @@ class Driver:
         return {"digest": digest(dict(self.model.named_parameters()))}
 
     def stats(self, c: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        t = c.get("timeout", 2.0)
-        for a in c["addresses"]:
-            try:
-                with shardps.connect([a], timeout=t, recovery_timeout=0.0, ready_timeout=t) as cl:
-                    s = cl.stats()[0]
-                out[a] = {k: s[k] for k in STATS if k in s}
-            except Exception as e:  # noqa: BLE001 - an unreachable endpoint is an answer here
-                out[a] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        return {"stats": out}
+        return {"stats": endpoint_stats(c["addresses"], STATS, c.get("timeout", 2.0))}
 
     def server_weights(self, c: dict[str, Any]) -> dict[str, Any]:
         with shardps.connect(c["addresses"], timeout=10.0, recovery_timeout=5.0, ready_timeout=10.0) as cl:
@@ -143,15 +135,7 @@ class Driver:
             return {"versions": list(cl.versions), "pushes": opt.pushes}
 
     def record(self, c: dict[str, Any]) -> dict[str, Any]:
-        from shardps.server.coordinator import Etcd, ShardLease
-
-        etcd = Etcd(c["endpoints"], timeout=2.0)
-        try:
-            rec = ShardLease(etcd, c["job"], c["shard"], "observer:0").read()
-        finally:
-            etcd.close()
-        return {"record": None if rec is None else {"primary": rec.primary, "epoch": rec.epoch, "alone": rec.alone,
-                                                     "held": rec.holder > 0}}
+        return {"record": shard_records(c["endpoints"], c["job"], c["shard"] + 1, timeout=2.0)[c["shard"]]}
 
 
 def main() -> None:
