@@ -339,8 +339,8 @@ class Harness:
             self._start_servers(job, logdir)
             self._wait_synced()
             result.tally = self._run(nemesis, result, job)
-        except (HarnessError, Stuck) as e:
-            result.error = str(e)
+        except Exception as e:  # noqa: BLE001 - the run failed, said in its line; the campaign goes on
+            result.error = str(e) if isinstance(e, (HarnessError, Stuck)) else f"{type(e).__name__}: {e}"
         finally:
             if self.etcd is None:  # the nemesis stopped it and the run ended before it came back
                 self.start_etcd()

@@ -3,8 +3,10 @@ backup takes over, and nothing a worker was told is taken in is lost. (The rest:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,9 +18,10 @@ import torch
 
 import shardps
 from shardps.admin import run_attach_replica, run_promote
+from shardps.server.coordinator import LocalEtcd
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore
-from tests.helpers import chosen_port, shardps_process
+from tests.helpers import ETCD_MISSING, chosen_port, shardps_process
 from tests.replicas import W, big_model, model, same_state, train
 
 # -- kill -9 ------------------------------------------------------------------------------------------
@@ -61,12 +64,29 @@ def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster):
 @pytest.mark.cluster
 @pytest.mark.fault
 @pytest.mark.timeout(300)
-def test_kill_9_under_asp_every_acknowledged_gradient_is_applied_once():
+@pytest.mark.parametrize("coordinator", [False, True], ids=["alone", "etcd"])
+def test_kill_9_under_asp_every_acknowledged_gradient_is_applied_once(coordinator):
+    """With --coordinator: the backup takes over only once etcd let the dead primary's lease expire."""
     steps = 30
-    with shardps.LocalCluster(2, processes=True, replicas=2) as c:
+    with contextlib.ExitStack() as stack:
+        kw = {}
+        if coordinator:
+            if shutil.which("etcd") is None:
+                pytest.skip(ETCD_MISSING)
+            etcd = stack.enter_context(LocalEtcd())
+            kw = {"coordinator": etcd.url, "job": "kill9asp", "coordinator_ttl": 2}
+        c = stack.enter_context(shardps.LocalCluster(2, processes=True, replicas=2, **kw))
         train(c.addresses, model(), steps, sync="asp", on_step=_kill_at(c, 0, 0, 12))
         with shardps.connect(c.serving_addresses()) as client:
             stats = client.stats()
+        if coordinator:
+            from shardps.server.coordinator import Etcd, ShardLease
+
+            client = Etcd(etcd.endpoints)
+            try:
+                assert [ShardLease(client, "kill9asp", i, "observer:0").read().epoch for i in (0, 1)] == [2, 1]
+            finally:
+                client.close()
     for s in stats:  # each of the 2 x 30 pushes acknowledged by each shard is in its weights, once
         assert s["gradients_applied_total"] == W * steps and s["version"] == W * steps
         assert s["worker_clocks"] == {0: steps - 1, 1: steps - 1}
