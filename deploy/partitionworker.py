@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 
-import shardps
+from shardps.protos.optim import SGD
+from shardps.worker.client import connect
+from shardps.worker.optimizer import DistributedOptimizer
 
 STATS = ("role", "version", "replica_state", "gradients_applied_total", "duplicate_pushes_total", "evictions_total")
 
@@ -53,7 +55,7 @@ def endpoint_stats(addresses: list[str], keys: tuple[str, ...], timeout: float) 
     out: dict[str, Any] = {}
     for a in addresses:
         try:
-            with shardps.connect([a], timeout=timeout, recovery_timeout=0.0, ready_timeout=timeout) as cl:
+            with connect([a], timeout=timeout, recovery_timeout=0.0, ready_timeout=timeout) as cl:
                 s = cl.stats()[0]
             out[a] = {k: s[k] for k in keys if k in s}
         except Exception as e:  # noqa: BLE001 - an endpoint that does not answer is an answer here
@@ -93,11 +95,11 @@ class Worker:
         size = c["workers"] * self.per_worker
         shards = len(c["addresses"])
         self.params = {n: torch.zeros(size, requires_grad=True) for n in tensor_names(shards)}
-        self.client = shardps.connect(c["addresses"], worker_id=self.worker, num_workers=c["workers"],
+        self.client = connect(c["addresses"], worker_id=self.worker, num_workers=c["workers"],
                                       backups=c["backups"], timeout=c["timeout"], recovery_timeout=c["recovery"],
                                       ready_timeout=c["timeout"])
-        self.opt = shardps.DistributedOptimizer(list(self.params.items()), self.client,
-                                                optimizer=shardps.optim.SGD(lr=1.0), sync="asp")
+        self.opt = DistributedOptimizer(list(self.params.items()), self.client,
+                                                optimizer=SGD(lr=1.0), sync="asp")
         self.pushes = []
         parts = [[p.name, p.start, p.stop, p.server] for p in self.client.shard_map.parts]
         return {"parts": parts, **self.state()}
@@ -159,7 +161,7 @@ class Worker:
     def weights(self, c: dict[str, Any]) -> dict[str, Any]:
         """The tensors as the servers at ``addresses`` (one a shard, in order) hold them."""
         t = c.get("timeout", 10.0)
-        with shardps.connect(c["addresses"], timeout=t, recovery_timeout=0.0, ready_timeout=t) as cl:
+        with connect(c["addresses"], timeout=t, recovery_timeout=0.0, ready_timeout=t) as cl:
             cl.attach()
             state = cl.export_state()
         return {"weights": {n: s["weight"].tolist() for n, s in state.items()}}
