@@ -122,6 +122,7 @@ def test_a_primary_whose_backup_is_lost_goes_on_alone_only_as_etcd_records_it(ma
         etcd.close()
 
 
+@pytest.mark.fault
 def test_a_primary_alone_whose_new_backup_is_in_sync_is_recorded_with_it_and_that_backup_may_take_over(
         make_cluster, etcd_server, job):
     """Alone, a shard could never fail over again: its backup's copy is stale while etcd says so. Once a backup
