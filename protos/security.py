@@ -66,11 +66,8 @@ def keepalive_options() -> list[tuple[str, int]]:
     opts = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2_000)]
     if seconds > 0:
         ms = max(1, int(seconds * 1000))
-        # a connection whose handshake the server does not answer (a stopped process, whose kernel still
-        # accepts it) is given up after as long too (gRPC's minimum connect timeout, 20 s by default)
         opts += [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", max(1, ms // 2)),
-                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-                 ("grpc.min_reconnect_backoff_ms", ms)]
+                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
     return opts
 
 
