@@ -18,8 +18,6 @@ Commands:
 - ``server_weights`` ``addresses``: the digest of the weights the shards hold.
 - ``push_once`` ``address`` ``worker`` ``workers``: a client that knows only
   ``address`` (one shard) registers as ``worker`` and pushes one step there.
-- ``record`` ``endpoints`` ``job`` ``shard``: the shard's record in etcd
-  (server/coordinator.py), as this host sees it.
 
 ``join`` takes ``sync`` too (default bsp).
 """
@@ -36,7 +34,7 @@ import torch
 from torch import nn
 
 import shardps
-from shardps.deploy.partitionworker import endpoint_stats, shard_records
+from shardps.deploy.partitionworker import endpoint_stats
 
 LR = 0.1
 STATS = ("role", "version", "worker_clocks", "evicted_workers", "evictions_total", "gradients_applied_total",
@@ -133,9 +131,6 @@ class Driver:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             return {"versions": list(cl.versions), "pushes": opt.pushes}
-
-    def record(self, c: dict[str, Any]) -> dict[str, Any]:
-        return {"record": shard_records(c["endpoints"], c["job"], c["shard"] + 1, timeout=2.0)[c["shard"]]}
 
 
 def main() -> None:

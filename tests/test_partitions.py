@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +25,6 @@ import pytest
 
 from shardps.deploy.local import read_ready
 from shardps.netsim import NetCluster, unavailable
-from tests.helpers import ETCD_MISSING
 
 REASON = unavailable()
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,81 +342,3 @@ def test_a_primary_partitioned_from_its_backup_and_the_workers_makes_two_primari
         w2 = workers[2].ask("state")
         assert (w2["rejoins"], w2["failovers"], w2["addresses"][1]) == (1, 1, new)
         assert w2["clock"] >= 2 + rounds + 4  # from its newest clock, not the lowest
-
-
-# ---- 5. the same partition, with a coordinator ------------------------------------------------------------------
-
-ETCD_PORT = 2379
-
-
-@needs_netns
-@pytest.mark.skipif(shutil.which("etcd") is None, reason=ETCD_MISSING)
-@pytest.mark.timeout(300)
-def test_with_a_coordinator_the_primary_cut_off_acknowledges_nothing_and_no_acknowledged_push_is_lost():
-    """The partition of the test above, asp, every server with ``--coordinator`` on an etcd in h6, which is on the
-    backup's side: {h1 (primary 1), h5 (worker 2)} | {h2, h3 (workers 0, 1), h4 (backup 1), h6 (etcd)}.
-
-    The old primary cannot renew its lease: it stops acknowledging (worker 2's pushes to it are refused, its
-    version does not move), and the backup takes over once etcd let the lease expire (epoch 2). The new primary
-    starts from every change the old one acknowledged (its version then), and takes workers 0's and 1's pushes.
-    Healed, the old primary is deposed, worker 2 fails over and goes on: one primary at a time, nothing
-    acknowledged lost."""
-    hosts = ["h0", "h1", "h2", "h3", "h4", "h5", "h6"]
-    with NetCluster(hosts, "1gbit") as net:
-        endpoint = f"{net.host('h6')}:{ETCD_PORT}"
-        peer = f"http://{net.host('h6')}:{ETCD_PORT + 1}"
-        with tempfile.TemporaryDirectory(prefix="shardps-etcd-") as data:
-            net.start("h6", ["etcd", "--name", "e", "--data-dir", data, "--listen-client-urls", f"http://{endpoint}",
-                             "--advertise-client-urls", f"http://{endpoint}", "--listen-peer-urls", peer,
-                             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"e={peer}",
-                             "--log-level", "warn", "--logger", "zap"], stdout=subprocess.DEVNULL)
-            a = {h: f"{net.host(h)}:{PORT}" for h in hosts}
-            r = {h: f"{net.host(h)}:{REPLICA_PORT}" for h in hosts}
-            common = ("--num-shards", "2", "--replica-port", str(REPLICA_PORT), "--replica-timeout", "2",
-                      "--coordinator", f"etcd://{endpoint}", "--coordinator-ttl", "2", "--job", "p")
-            procs = [server(net, "h0", "--shard-index", "0", "--replicas", "2", "--replica-target", r["h1"], *common),
-                     server(net, "h1", "--shard-index", "1", "--replicas", "2", "--replica-target", r["h4"], *common),
-                     server(net, "h4", "--backup-only", "1", *common)]
-            obs, old_side, *workers = drivers(net, ["h4", "h1", "h2", "h3", "h5"])
-            for p in procs:
-                read_ready(p, 90)  # each server waits for etcd (its --start-timeout) and claims its shard
-            old, new = a["h1"], r["h4"]
-            addresses, backups = [a["h0"], old], [r["h1"], new]
-            record = {"endpoints": [endpoint], "job": "p", "shard": 1}
-            assert obs.ask("record", **record)["record"] == {"primary": old, "epoch": 1, "alone": False, "held": True}
-            wait_for("both backups in sync",
-                     lambda: all(s.get("replica_state") == "synced" for s in obs.stats(*addresses).values()))
-            for k, w in enumerate(workers):
-                w.send("join", addresses=addresses, worker=k, workers=3, backups=backups, sync="asp",
-                       recovery=4.0 if k == 2 else 60.0)
-            for w in workers:
-                w.ok()
-            each(workers, "steps", n=2)
-            before = old_side.stats(old)[old]["version"]
-
-            net.partition({"h1", "h5"}, {"h2", "h3", "h4", "h6"})
-            for k in (0, 1):  # restarted: the backup takes over once etcd let the old primary's lease expire
-                workers[k].send("join", addresses=addresses, worker=k, workers=3, backups=backups, sync="asp",
-                                recovery=60.0)
-            moved = [workers[k].ok(90) for k in (0, 1)]
-            assert [(m["failovers"], m["addresses"][1]) for m in moved] == [(1, new)] * 2
-            assert obs.ask("record", **record)["record"] == {"primary": new, "epoch": 2, "alone": False, "held": True}
-            assert obs.stats(new)[new]["version"] == before  # every change the old primary acknowledged
-
-            workers[2].send("steps", n=1)  # its push to the old primary is refused: no lease
-            got = workers[2].answer(120)
-            assert not got["ok"] and "not sure it is still the primary" in got["error"], got
-            done = each(workers[:2], "steps", n=3)
-            assert all(d["addresses"][1] == new for d in done)
-            assert old_side.stats(old)[old]["version"] == before  # the old primary acknowledged nothing more
-            after = obs.stats(new)[new]["version"]
-            assert after >= before + 6  # workers 0's and 1's 6 pushes (and worker 2's eviction, if it came)
-
-            net.partition()
-            wait_for("the old primary deposed", lambda: old_side.stats(old)[old]["role"] == "deposed", timeout=150)
-            workers[2].send("steps", n=2)  # it fails over (the old primary sends it on) and goes on
-            w2 = workers[2].ok(120)
-            assert w2["addresses"][1] == new and w2["failovers"] == 1
-            # evicted meanwhile, it rejoins: the first push after that may be dropped as too stale (asp's bound)
-            assert obs.stats(new)[new]["version"] >= after + 1
-            assert obs.ask("record", **record)["record"]["epoch"] == 2  # one takeover: one primary at a time
