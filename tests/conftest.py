@@ -97,7 +97,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = ray_group(item.path.name)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    items[:] = on_ray + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())]
+    # Then the partition harness's group (one process, about two minutes of mostly waiting): long units first, so
+    # that no process starts it last.
+    harness = [i for i in items if i.path.name == "test_partition_harness.py"]
+    items[:] = on_ray + harness + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())
+                                   and i.path.name != "test_partition_harness.py"]
 
 
 class SessionRay:

@@ -43,12 +43,21 @@ def _kill_at(cluster, victim: int, worker: int, at_step: int) -> Callable[[int, 
 
 @pytest.mark.fault
 @pytest.mark.timeout(300)
-def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster):
-    """bsp: the backup takes over, and the final weights equal a run without the fault, bit for bit."""
+@pytest.mark.parametrize("coordinator", [False, True], ids=["alone", "etcd"])
+def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster, coordinator):
+    """bsp: the backup takes over (with --coordinator, once etcd let the dead primary's lease expire), and the
+    final weights equal a run without the fault, bit for bit."""
     steps = 20
     base = big_model()
     clean = train(make_cluster(2).addresses, base, steps, part_bytes=None)
-    with shardps.LocalCluster(2, processes=True, replicas=2) as c:
+    with contextlib.ExitStack() as stack:
+        kw = {}
+        if coordinator:
+            if shutil.which("etcd") is None:
+                pytest.skip(ETCD_MISSING)
+            etcd = stack.enter_context(LocalEtcd())
+            kw = {"coordinator": etcd.url, "job": "kill9bsp", "coordinator_ttl": 2}
+        c = stack.enter_context(shardps.LocalCluster(2, processes=True, replicas=2, **kw))
         got = train(c.addresses, base, steps, part_bytes=None, on_step=_kill_at(c, 1, 0, 7))
         for (exp, _), (res, failovers) in zip(clean, got):
             assert failovers == 1
