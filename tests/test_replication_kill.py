@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,19 @@ def _kill_at(cluster, victim: int, worker: int, at_step: int) -> Callable[[int, 
     return on_step
 
 
+def _replicated(stack: contextlib.ExitStack, coordinator: bool, job: str) -> tuple[shardps.LocalCluster, Any]:
+    """A --replicas 2 cluster of 2 server processes entered on ``stack``; with ``coordinator``, fenced through a
+    LocalEtcd (returned too, else None) under ``job`` (skipped, saying why, without etcd)."""
+    kw: dict[str, Any] = {}
+    etcd = None
+    if coordinator:
+        if shutil.which("etcd") is None:
+            pytest.skip(ETCD_MISSING)
+        etcd = stack.enter_context(LocalEtcd())
+        kw = {"coordinator": etcd.url, "job": job, "coordinator_ttl": 2}
+    return stack.enter_context(shardps.LocalCluster(2, processes=True, replicas=2, **kw)), etcd
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("coordinator", [False, True], ids=["alone", "etcd"])
@@ -51,13 +65,7 @@ def test_kill_9_a_primary_mid_training_and_the_result_is_exact(make_cluster, coo
     base = big_model()
     clean = train(make_cluster(2).addresses, base, steps, part_bytes=None)
     with contextlib.ExitStack() as stack:
-        kw = {}
-        if coordinator:
-            if shutil.which("etcd") is None:
-                pytest.skip(ETCD_MISSING)
-            etcd = stack.enter_context(LocalEtcd())
-            kw = {"coordinator": etcd.url, "job": "kill9bsp", "coordinator_ttl": 2}
-        c = stack.enter_context(shardps.LocalCluster(2, processes=True, replicas=2, **kw))
+        c, _ = _replicated(stack, coordinator, "kill9bsp")
         got = train(c.addresses, base, steps, part_bytes=None, on_step=_kill_at(c, 1, 0, 7))
         for (exp, _), (res, failovers) in zip(clean, got):
             assert failovers == 1
@@ -78,17 +86,11 @@ def test_kill_9_under_asp_every_acknowledged_gradient_is_applied_once(coordinato
     """With --coordinator: the backup takes over only once etcd let the dead primary's lease expire."""
     steps = 30
     with contextlib.ExitStack() as stack:
-        kw = {}
-        if coordinator:
-            if shutil.which("etcd") is None:
-                pytest.skip(ETCD_MISSING)
-            etcd = stack.enter_context(LocalEtcd())
-            kw = {"coordinator": etcd.url, "job": "kill9asp", "coordinator_ttl": 2}
-        c = stack.enter_context(shardps.LocalCluster(2, processes=True, replicas=2, **kw))
+        c, etcd = _replicated(stack, coordinator, "kill9asp")
         train(c.addresses, model(), steps, sync="asp", on_step=_kill_at(c, 0, 0, 12))
         with shardps.connect(c.serving_addresses()) as client:
             stats = client.stats()
-        if coordinator:
+        if etcd is not None:
             from shardps.server.coordinator import Etcd, ShardLease
 
             client = Etcd(etcd.endpoints)
