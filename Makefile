@@ -117,7 +117,7 @@ lint: venv typecheck
 # build/typecheck; strictness per package in pyproject.toml.
 typecheck: venv
 	@rm -rf build/typecheck && mkdir -p build/typecheck/shardps
-	@for f in shardps/*.py shardps/py.typed; do ln -s "$(CURDIR)/$$f" build/typecheck/shardps/; done
+	@for f in shardps/*.py shardps/py.typed shardps/testing; do ln -s "$(CURDIR)/$$f" build/typecheck/shardps/; done
 	@for d in server worker protos deploy examples; do ln -s "$(CURDIR)/$$d" build/typecheck/shardps/$$d; done
 	cd build/typecheck && $(abspath $(BIN))/mypy --config-file "$(CURDIR)/pyproject.toml" \
 		--cache-dir "$(CURDIR)/.mypy_cache" -p shardps

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fuzz a live shardps job with 10,000+ malformed and random requests.
 
-The generators and the rules are tests/fuzzgen/'s (tests/test_fuzz.py
+The generators and the rules are shardps/testing/fuzz/'s (tests/test_fuzz.py
 runs ~450 of the same cases under hypothesis): random and damaged Push,
 Register, Pull, PullState, Exchange, SetSync, Stats, Heartbeat, Rollback,
 Checkpoint and the replication RPCs (Replicate, Promote, AttachReplica)
@@ -12,14 +12,14 @@ each. Every Push, and every Register that could create a tensor, carries at
 least one deliberate defect, so no case may change the shards' state.
 
 Reported: cases sent, answers per status code and per kind of case, the
-known bugs hit (fuzzgen.KNOWN_BUGS) and any violation (a status outside
-fuzzgen.REFUSALS such as UNKNOWN or INTERNAL that no known bug explains, a
+known bugs hit (fuzz.KNOWN_BUGS) and any violation (a status outside
+fuzz.REFUSALS such as UNKNOWN or INTERNAL that no known bug explains, a
 success where a refusal was due, an exception the server logged, a state
 change), whether the servers still serve, whether their state is unchanged
 and a valid pull gives the weights of before, and the elapsed time.
 
 Then ``--frames`` (default: as many as ``--cases``) damaged frames on the
-servers' data connection (tests/fuzzgen/gen_frames.py: raw bytes, frames
+servers' data connection (shardps/testing/fuzz/gen_frames.py: raw bytes, frames
 torn at any byte, extents reordered, past their buffer or short of their
 part, lengths that disagree, unknown kinds and routes, another worker's
 requests, streams cut short or going on after their end, a connection
@@ -27,7 +27,7 @@ closed mid-frame), each on a connection of its own after worker 0's hello
 (the setup's worker 0 is on the data connection): every answer a refusal,
 the state unchanged (checked after each in process).
 
-A generator that raises while drawing a case (fuzzgen.draw_case) is a
+A generator that raises while drawing a case (fuzz.draw_case) is a
 generator defect: reported with the seed, the case number, the exception and
 the generator's line; that case is not sent and the campaign goes on.
 
@@ -37,7 +37,7 @@ every ``--check-every`` cases. A state change is reported with the case (and
 the one before it, whose stream the server may still have been handling),
 then the fuzzer re-reads the shards' state and goes on.
 
-fuzzgen.KNOWN_BUGS lists every bug this fuzzer has found (all fixed at the
+fuzz.KNOWN_BUGS lists every bug this fuzzer has found (all fixed at the
 time of writing). An answer that matches an open one is counted as that bug;
 one that matches a fixed one is a regression, a violation.
 ``--avoid-known-bugs`` keeps the generators away from the open ones (as the
@@ -67,14 +67,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.fuzzgen
+import grpc
+from guard import cluster_processes, run_guarded
 
-import grpc  # noqa: E402
-from guard import cluster_processes, run_guarded  # noqa: E402
-
-import shardps  # noqa: E402
-from tests import fuzzgen  # noqa: E402
-from tests.fuzzgen import gen_frames  # noqa: E402
+import shardps
+from shardps.testing import fuzz
+from shardps.testing.fuzz import gen_frames
 
 _CLUSTERS: list[shardps.LocalCluster] = []  # for the watchdog's last resort
 
@@ -98,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     generator_defects: list[dict[str, Any]] = []
     seconds_by_kind: collections.Counter[str] = collections.Counter()
 
-    def violation(i: int, reason: str, case: fuzzgen.Case | None) -> None:
+    def violation(i: int, reason: str, case: fuzz.Case | None) -> None:
         nonlocal n_violations
         n_violations += 1
         if len(violations) < args.keep:
@@ -123,35 +121,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.close(saved)
     else:
         cluster.start()
-    with stack, fuzzgen.capture_server_errors() as errors, \
-            fuzzgen.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz:
+    with stack, fuzz.capture_server_errors() as errors, \
+            fuzz.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz:
         _log(args, f"fuzz.py: {args.shards} shard(s) {'as processes' if args.processes else 'in process'}, "
                    f"sync {args.sync}, {args.workers} workers; {args.cases} cases, seed {args.seed}")
         conn: dict[str, Any] = {}
-        weights = fuzzgen.prepare_job(cluster.addresses, args.sync, num_workers=args.workers, steps=args.steps,
+        weights = fuzz.prepare_job(cluster.addresses, args.sync, num_workers=args.workers, steps=args.steps,
                                       timeout=args.rpc_timeout, frames=conn)
         target = fz.describe()
         first_fp = baseline_fp = fz.fingerprint(args.rpc_timeout)
         stores = cluster.stores + cluster.backups  # in process: the backups' state is checked too
-        local = fuzzgen.local_state(stores) if stores else None
-        src = fuzzgen.RandomSource(random.Random(args.seed))
-        prev: fuzzgen.Case | None = None
+        local = fuzz.local_state(stores) if stores else None
+        src = fuzz.RandomSource(random.Random(args.seed))
+        prev: fuzz.Case | None = None
         checked_at = 0
         t0 = time.monotonic()
 
-        def state_changed(i: int, case: fuzzgen.Case, suspects: list[fuzzgen.Case | None], since: int,
+        def state_changed(i: int, case: fuzz.Case, suspects: list[fuzz.Case | None], since: int,
                           case_succeeded: bool = False) -> None:
             """The state moved at case ``i`` (or since case ``since``). Blamed on a malformed stream among
             ``suspects`` (the bug malformed-stream-prefix-applied) only when case ``i`` itself was not a
             request that should have been refused and succeeded: that one changed it."""
             nonlocal target, baseline_fp, local
             culprits = [] if case_succeeded else \
-                [c for c in suspects if c is not None and c.malformed and c.method in fuzzgen.CLIENT_STREAM]
+                [c for c in suspects if c is not None and c.malformed and c.method in fuzz.CLIENT_STREAM]
             bug = "malformed-stream-prefix-applied" if culprits else None
-            entry = {"case": i, "since_case": since, "known_bug": bug if bug and fuzzgen.KNOWN_BUGS[bug].open else None,
+            entry = {"case": i, "since_case": since, "known_bug": bug if bug and fuzz.KNOWN_BUGS[bug].open else None,
                      "request": repr(culprits[-1] if culprits else case)[:3000]}
             state_changes.append(entry)
-            if bug and fuzzgen.KNOWN_BUGS[bug].open:
+            if bug and fuzz.KNOWN_BUGS[bug].open:
                 known[bug] += 1
                 known_examples.setdefault(bug, entry["request"])
                 _log(args, f"state changed at case {i}: known bug {bug}")
@@ -164,18 +162,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.05)  # let a still-running handler finish before the state is read again
             target = fz.describe()
             baseline_fp = fz.fingerprint(args.rpc_timeout)
-            local = fuzzgen.local_state(stores) if stores else None
+            local = fuzz.local_state(stores) if stores else None
 
         for i in range(1, args.cases + 1):
-            drawn = fuzzgen.draw_case(src, target, avoid_known_bugs=args.avoid_known_bugs)
-            if isinstance(drawn, fuzzgen.GeneratorDefect):  # nothing to send: report it and go on
+            drawn = fuzz.draw_case(src, target, avoid_known_bugs=args.avoid_known_bugs)
+            if isinstance(drawn, fuzz.GeneratorDefect):  # nothing to send: report it and go on
                 generator_defects.append({"seed": args.seed, "case": i, "error": drawn.error, "where": drawn.where})
                 _log(args, f"GENERATOR DEFECT at case {i} (seed {args.seed}): {drawn.error} ({drawn.where})")
                 continue
             case = drawn
             mark = len(errors.records)
             out = fz.send(case)
-            v = fuzzgen.judge(case, out, errors.since(mark) if cluster.stores else ())
+            v = fuzz.judge(case, out, errors.since(mark) if cluster.stores else ())
             codes[out.code] += 1
             kinds[case.kind] += 1
             codes_by_kind[case.kind][out.code] += 1
@@ -187,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             elif v.kind == "violation":
                 violation(i, v.reason, case)
             if stores:
-                if fuzzgen.local_state(stores) != local:
+                if fuzz.local_state(stores) != local:
                     state_changed(i, case, [prev, case], i, case_succeeded=out.code == "OK" and not case.may_succeed)
             elif i - checked_at >= args.check_every or i == args.cases:
                 if fz.fingerprint(args.rpc_timeout) != baseline_fp:
@@ -202,13 +200,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            f"generator defects {len(generator_defects)}")
         elapsed = time.monotonic() - t0
         frames = fuzz_frames(args, conn, violation, lambda: fz.fingerprint(args.rpc_timeout),
-                             lambda: fuzzgen.local_state(stores) if stores else None)
+                             lambda: fuzz.local_state(stores) if stores else None)
         time.sleep(0.1)
         final_fp = fz.fingerprint(args.rpc_timeout)
-        up = fuzzgen.serving(cluster.addresses)
+        up = fuzz.serving(cluster.addresses)
         try:
-            pulled = fuzzgen.pull_all(cluster.addresses, timeout=args.rpc_timeout)
-            pull_ok, same = True, fuzzgen.same_weights(pulled, weights)
+            pulled = fuzz.pull_all(cluster.addresses, timeout=args.rpc_timeout)
+            pull_ok, same = True, fuzz.same_weights(pulled, weights)
         except (grpc.RpcError, shardps.ShardError) as e:
             pull_ok, same = False, False
             violation(args.cases, f"a valid pull failed at the end: {e}", None)
@@ -231,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             m = re.search(r"(Exception calling application: .{0,80}|Exception deserializing message!)", line)
             if m:
                 logged[m.group(1)] += 1
-        unexplained = [m for m in logged if not any(re.search(pat, m) for pat in fuzzgen.LOG_PATTERNS.values())]
+        unexplained = [m for m in logged if not any(re.search(pat, m) for pat in fuzz.LOG_PATTERNS.values())]
         for msg in unexplained:
             violation(args.cases, f"a server logged an exception no known bug explains: {msg}", None)
         if not unexplained:
@@ -275,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def fuzz_frames(args: argparse.Namespace, conn: dict[str, Any], violation: Any, fingerprint: Any,
                 local: Any) -> dict[str, Any]:
-    """``--frames`` damaged frames (tests/fuzzgen/gen_frames.py) on worker 0's data connection to the first
+    """``--frames`` damaged frames (shardps/testing/fuzz/gen_frames.py) on worker 0's data connection to the first
     server process, each on a connection of its own: every answer a refusal, the state as before."""
     if not args.frames:
         return {"cases": 0}
@@ -326,7 +324,7 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"  {kind:<10}{n:>6}  {res['seconds_by_kind'].get(kind, 0):>7}  {by}")
     lines += ["", f"UNKNOWN or INTERNAL answers: {res['unknown_or_internal']}"]
     for bug, n in res["known_bugs"].items():
-        lines.append(f"  known bug {bug}: {n}  ({fuzzgen.KNOWN_BUGS[bug].summary})")
+        lines.append(f"  known bug {bug}: {n}  ({fuzz.KNOWN_BUGS[bug].summary})")
     lines.append(f"exceptions the servers logged: {sum(res['server_logged_exceptions'].values())}")
     for msg, n in res["server_logged_exceptions"].items():
         lines.append(f"  {n:>6}  {msg}")

@@ -30,19 +30,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-import shardps  # noqa: E402
-import shardps.tp as tp  # noqa: E402
-from shardps.examples import shakespeare as gpt  # noqa: E402
-from tests.helpers import count_wire  # noqa: E402
+import shardps
+import shardps.tp as tp
+from shardps.examples import shakespeare as gpt
+from shardps.testing.wire import count_wire
 
 VOCAB = 65  # tinyshakespeare's characters
 RNG = threading.Lock()

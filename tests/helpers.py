@@ -1,5 +1,5 @@
 """Test helpers: worker functions in threads (their first error re-raised), ``shardps`` processes (and
-killing what a failed test left), a client's bytes on the wire counted, two workers training over a data
+killing what a failed test left), two workers training over a data
 path (gRPC, shared memory, TCP), a real Prometheus."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from torch import nn
 
 import shardps
 from shardps.deploy.spawn import Process, spawn
-from shardps.protos.shardps.v1 import ps_pb2
 
 
 def chosen_port() -> int:
@@ -87,33 +85,6 @@ def kill_left(proc: subprocess.Popen[Any], leftovers: Callable[[], Iterable[int]
     for pid in leftovers():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
-    """From now on, count the tensor bytes ``client`` receives and sends on the wire, by tensor: the payload of
-    every Pull response's chunk, and of every Push message's chunk (bytes in the messages: gRPC's path, or a
-    data connection's calls that carry them so, as a tensor-parallel rank's slices)."""
-    pulled: Counter[str] = Counter()
-    pushed: Counter[str] = Counter()
-    t = client.transport
-    pull, push = t.pull, t.push
-
-    def counted_pull(shard: int, request: Any, *, one: bool = False, via: Any = None,
-                     place: Any = None) -> Iterator[Any]:
-        for resp in pull(shard, request, one=one, via=via, place=place):
-            pulled[resp.chunk.name] += len(resp.chunk.data)
-            yield resp
-
-    def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False, via: Any = None) -> Any:
-        def each() -> Iterator[bytes]:
-            for msg in requests:
-                chunk = ps_pb2.PushRequest.FromString(msg).chunk
-                pushed[chunk.name] += len(chunk.data)
-                yield msg
-        return push(shard, each(), stream=stream, via=via)
-
-    t.pull, t.push = counted_pull, counted_push  # type: ignore[method-assign]
-    return pulled, pushed
 
 
 def path_model() -> nn.Module:

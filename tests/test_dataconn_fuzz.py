@@ -1,4 +1,4 @@
-"""The data port under damaged frames (tests/fuzzgen/gen_frames.py): every one refused, nothing applied.
+"""The data port under damaged frames (shardps/testing/fuzz/gen_frames.py): every one refused, nothing applied.
 
 A seeded campaign against a live two-shard server: each case on a fresh
 connection after a valid hello, the writing side ended after it (what the
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shardps
-from tests.fuzzgen.gen_frames import DEFECTS, Shard, judge_answers, make_case, send_case
+from shardps.testing.fuzz.gen_frames import DEFECTS, Shard, judge_answers, make_case, send_case
 
 CASES = 240
 

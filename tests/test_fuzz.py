@@ -1,6 +1,6 @@
 """Fuzzing a live server: malformed and random requests get a proper status and change nothing.
 
-tests/fuzzgen/ builds the requests and judges the answers (its docstring
+shardps/testing/fuzz/ builds the requests and judges the answers (its docstring
 has the rules); hypothesis drives its choices here, derandomized, so every
 run sends the same cases: EXAMPLES to each job shape the fuzzer supports (1
 and 2 shards, with and without backups; asp, bsp, every:2, ssp:1). A bug
@@ -9,7 +9,7 @@ found_inf was applied) hides from a fuzzer that runs one shape. `make fuzz`
 (benchmarks/fuzz.py --all-shapes) runs the same generators for 10,000+
 cases per shape with a fresh seed.
 
-Every bug the fuzzer has found is in fuzzgen.KNOWN_BUGS with a reproducer
+Every bug the fuzzer has found is in fuzz.KNOWN_BUGS with a reproducer
 below (test_found_bug). While a bug is open (KnownBug.open) its reproducer
 is xfail(strict=True) and the generators steer clear of it here
 (avoid_known_bugs=True); once fixed, the reproducer is a plain regression
@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardps.protos.shardps.v1 import ps_pb2
-from tests import fuzzgen
+from shardps.testing import fuzz
 
 EXAMPLES = 200  # per job shape below: 2,400 cases in all
 SHAPES = [(sync, n, r) for n, r in ((1, 1), (2, 1), (2, 2)) for sync in ("asp", "bsp", "every:2", "ssp:1")]
@@ -36,36 +36,36 @@ SHAPES = [(sync, n, r) for n, r in ((1, 1), (2, 1), (2, 2)) for sync in ("asp", 
 @st.composite
 def cases(draw, target):
     """A case, or the GeneratorDefect of a generator that raised (counted; the run goes on, then fails)."""
-    return fuzzgen.draw_case(fuzzgen.HypothesisSource(draw), target, avoid_known_bugs=True)
+    return fuzz.draw_case(fuzz.HypothesisSource(draw), target, avoid_known_bugs=True)
 
 
 @pytest.mark.parametrize("sync, num_servers, replicas", SHAPES)
 def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sync, num_servers, replicas):
     cluster = make_cluster(num_servers, lease_s=0, replicas=replicas)  # lease 0: the idle setup workers stay
-    weights = fuzzgen.prepare_job(cluster.addresses, sync)
+    weights = fuzz.prepare_job(cluster.addresses, sync)
     seen: collections.Counter[str] = collections.Counter()
     generator_defects: list[str] = []
     stores = cluster.stores + cluster.backups
-    with fuzzgen.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz, \
-            fuzzgen.capture_server_errors() as errors:
+    with fuzz.Fuzzer(cluster.addresses, cluster.backup_addresses) as fz, \
+            fuzz.capture_server_errors() as errors:
         target = fz.describe()
-        before, local = fz.fingerprint(), fuzzgen.local_state(stores)
+        before, local = fz.fingerprint(), fuzz.local_state(stores)
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(cases(target))
         def check(case):
             seen["drawn"] += 1
-            if isinstance(case, fuzzgen.GeneratorDefect):  # nothing to send: reported at the end
+            if isinstance(case, fuzz.GeneratorDefect):  # nothing to send: reported at the end
                 generator_defects.append(f"example {seen['drawn']}: {case.error} ({case.where})")
                 return
             mark = len(errors.records)
             out = fz.send(case)
-            verdict = fuzzgen.judge(case, out, errors.since(mark))
+            verdict = fuzz.judge(case, out, errors.since(mark))
             assert verdict.kind != "violation", f"{verdict.reason}\n{case!r}"
             # An open bug the generators could not avoid (bytes that are not protobuf) is tolerated.
             assert verdict.kind != "known" or verdict.bug == "malformed-protobuf", f"{verdict.reason}\n{case!r}"
-            assert fuzzgen.local_state(stores) == local, f"the shard's state changed:\n{case!r}"
+            assert fuzz.local_state(stores) == local, f"the shard's state changed:\n{case!r}"
             seen[verdict.kind] += 1
 
         check()
@@ -74,8 +74,8 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
         "\n".join(generator_defects)
     # The generators reach past the first checks: most cases are refused, some succeed (no-ops).
     assert seen["refused"] > EXAMPLES // 2 and seen["ok"] > 0, seen
-    assert fuzzgen.serving(cluster.addresses)
-    assert fuzzgen.same_weights(fuzzgen.pull_all(cluster.addresses), weights)
+    assert fuzz.serving(cluster.addresses)
+    assert fuzz.same_weights(fuzz.pull_all(cluster.addresses), weights)
     backup_of = {b.shard_index: b for b in cluster.backups}
     for store in cluster.stores if replicas == 2 else ():  # nothing reached the backups either
         assert store.state_hash() == backup_of[store.shard_index].state_hash()
@@ -84,8 +84,8 @@ def test_fuzzed_requests_are_refused_cleanly_and_change_nothing(make_cluster, sy
 # -- reproducers of the bugs the fuzzer found -----------------------------------
 
 
-def _register(*messages: ps_pb2.RegisterRequest) -> fuzzgen.Case:
-    return fuzzgen.Case("register", "Register", 0, messages=list(messages))
+def _register(*messages: ps_pb2.RegisterRequest) -> fuzz.Case:
+    return fuzz.Case("register", "Register", 0, messages=list(messages))
 
 
 def _new_tensor(params_json: str = "", n: int = 2) -> ps_pb2.TensorSpec:
@@ -94,19 +94,19 @@ def _new_tensor(params_json: str = "", n: int = 2) -> ps_pb2.TensorSpec:
                              parts=[ps_pb2.Part(start=0, stop=n)])
 
 
-def _repro(bug: str, target: fuzzgen.Target) -> tuple[fuzzgen.Case, set[str]]:
+def _repro(bug: str, target: fuzz.Target) -> tuple[fuzz.Case, set[str]]:
     """The smallest case that shows ``bug`` (the job of prepare_job(..., "asp"), one shard) and the codes it
     should get."""
     job = dict(worker_id=0, num_workers=2, sync="asp")
     if bug == "malformed-protobuf":
-        return fuzzgen.Case("raw", "SetSync", 0, raw=[b"\xff"], malformed=True), {"INVALID_ARGUMENT"}
+        return fuzz.Case("raw", "SetSync", 0, raw=[b"\xff"], malformed=True), {"INVALID_ARGUMENT"}
     if bug == "malformed-stream-prefix-applied":
         # A valid header-only push of worker 0's next step, then a message that does not parse.
         step = target.shards[0].clocks[0] + 1
         raw = [ps_pb2.PushRequest(worker_id=0, step=step).SerializeToString(), b"\xff"]
         # The status is malformed-protobuf's business; this one is about the state.
-        internal = {"INTERNAL"} if fuzzgen.KNOWN_BUGS["malformed-protobuf"].open else set()
-        return fuzzgen.Case("raw", "Push", 0, raw=raw, malformed=True), {"INVALID_ARGUMENT", *internal}
+        internal = {"INTERNAL"} if fuzz.KNOWN_BUGS["malformed-protobuf"].open else set()
+        return fuzz.Case("raw", "Push", 0, raw=raw, malformed=True), {"INVALID_ARGUMENT", *internal}
     if bug == "json-int-overflow":
         return _register(ps_pb2.RegisterRequest(**job, tensors=[_new_tensor('{"lr": 1' + "0" * 400 + "}")])), \
             {"INVALID_ARGUMENT"}
@@ -118,12 +118,12 @@ def _repro(bug: str, target: fuzzgen.Target) -> tuple[fuzzgen.Case, set[str]]:
         values = ps_pb2.RegisterRequest(chunk=ps_pb2.Chunk(name="x", offset=0, dtype=ps_pb2.FLOAT32, data=b"\0" * 4))
         return _register(first, values), {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
     if bug == "oversized-error-details":
-        return fuzzgen.Case("pull", "Pull", 0, messages=[ps_pb2.PullRequest(names=["n" * 20000])]), {"NOT_FOUND"}
+        return fuzz.Case("pull", "Pull", 0, messages=[ps_pb2.PullRequest(names=["n" * 20000])]), {"NOT_FOUND"}
     if bug == "mixed-found-inf-accepted":
         # What the fuzzer sent (seed 20261201): two header-only messages of worker 1's next step, the second
         # saying found_inf; no ends_with_last, so no message may raise it.
         head = dict(worker_id=1, step=target.shards[0].clocks[1] + 1, base_version=target.shards[0].version)
-        return fuzzgen.Case("push", "Push", 0, messages=[ps_pb2.PushRequest(**head),
+        return fuzz.Case("push", "Push", 0, messages=[ps_pb2.PushRequest(**head),
                                                          ps_pb2.PushRequest(**head, found_inf=True)]), \
             {"INVALID_ARGUMENT"}
     raise AssertionError(bug)
@@ -132,21 +132,21 @@ def _repro(bug: str, target: fuzzgen.Target) -> tuple[fuzzgen.Case, set[str]]:
 @pytest.mark.parametrize("bug", [
     pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=f"open bug {name}: {bug.summary}")] if bug.open
                  else [])
-    for name, bug in fuzzgen.KNOWN_BUGS.items()
+    for name, bug in fuzz.KNOWN_BUGS.items()
 ])
 def test_found_bug(make_cluster, bug):
     """The reproducer of ``bug`` gets a proper refusal and changes nothing."""
     cluster = make_cluster(1, lease_s=0)
-    fuzzgen.prepare_job(cluster.addresses, "asp")
-    with fuzzgen.Fuzzer(cluster.addresses) as fz:
+    fuzz.prepare_job(cluster.addresses, "asp")
+    with fuzz.Fuzzer(cluster.addresses) as fz:
         case, codes = _repro(bug, fz.describe())
-        local = fuzzgen.local_state(cluster.stores)
+        local = fuzz.local_state(cluster.stores)
         out = fz.send(case)
-        assert fuzzgen.serving(cluster.addresses)
+        assert fuzz.serving(cluster.addresses)
         # The handler of a stream the client saw fail may still be running: give it a moment.
         deadline = time.monotonic() + (1.0 if case.malformed else 0.0)
-        changed = fuzzgen.local_state(cluster.stores) != local
+        changed = fuzz.local_state(cluster.stores) != local
         while not changed and time.monotonic() < deadline:
             time.sleep(0.02)
-            changed = fuzzgen.local_state(cluster.stores) != local
+            changed = fuzz.local_state(cluster.stores) != local
         assert out.code in codes and not changed, f"{out.code}: {out.details[:200]}; state changed: {changed}"

@@ -1,12 +1,12 @@
 """The fuzzer's generators never raise: every one, over SEEDS seeds, builds a case whose fields fit their types.
 
-No server: each generator of tests/fuzzgen (fuzzgen.KINDS) is called once a
+No server: each generator of shardps/testing/fuzz (fuzz.KINDS) is called once a
 seed with a seeded RandomSource (as benchmarks/fuzz.py draws) against the
-Target that Stats reports for fuzzgen.prepare_job's job, in the shapes the
+Target that Stats reports for fuzz.prepare_job's job, in the shapes the
 fuzzer runs (1 shard; 2 shards; 2 shards with backups; asp, bsp, every:2,
 ssp:1), taken in turn by seed. A generator that raises (a value out of its
 proto field's range: gen_register_rows set a uint32 dim of 2**32 - 1 plus
-one, seed 484 here) is a generator defect: fuzzgen.draw_case returns it as
+one, seed 484 here) is a generator defect: fuzz.draw_case returns it as
 a GeneratorDefect, which benchmarks/fuzz.py reports with its seed and case
 number, going on and exiting 1 at the end; here it fails the test, naming
 the seeds.
@@ -20,9 +20,9 @@ from collections.abc import Callable
 import pytest
 
 from shardps.protos.shardps.v1 import ps_pb2
-from tests import fuzzgen
-from tests.fuzzgen.cases import RowTableInfo, ShardInfo, TensorInfo
-from tests.fuzzgen.job import ROW_DIM, ROW_TABLE
+from shardps.testing import fuzz
+from shardps.testing.fuzz.cases import RowTableInfo, ShardInfo, TensorInfo
+from shardps.testing.fuzz.job import ROW_DIM, ROW_TABLE
 
 SEEDS = 500  # per generator: about 2 s of calls in all on 2 cores (the Replicate generators' long texts take most)
 SYNCS = ("asp", "bsp", "every:2", "ssp:1")
@@ -51,7 +51,7 @@ def _tensor(name: str, parts: tuple[tuple[int, int], ...]) -> TensorInfo:
     return TensorInfo(name, shape, dtype, dtype, parts, spec)
 
 
-def job_target(num_shards: int, backups: bool, sync: str) -> fuzzgen.Target:
+def job_target(num_shards: int, backups: bool, sync: str) -> fuzz.Target:
     """The Target ``Fuzzer.describe`` gives for prepare_job's job (2 workers, 2 steps each) of ``num_shards``."""
     rows = ps_pb2.RowTableSpec(
         name=ROW_TABLE, dim=ROW_DIM, keys="int64", seed=1, init_json='{"kind": "normal", "mean": 0.0, "std": 1.0}',
@@ -61,10 +61,10 @@ def job_target(num_shards: int, backups: bool, sync: str) -> fuzzgen.Target:
         ShardInfo(i, 2, sync, 2, (0, 1), {0: 1, 1: 1}, {n: _tensor(n, p) for n, p in held.items()}, 0.0,
                   row_tables={ROW_TABLE: RowTableInfo(rows, _ROWS_HELD[num_shards][i])})
         for i, held in enumerate(_LAYOUT[num_shards]))
-    return fuzzgen.Target(shards, backups=tuple(range(num_shards)) if backups else ())
+    return fuzz.Target(shards, backups=tuple(range(num_shards)) if backups else ())
 
 
-GENERATORS: dict[str, Callable[[fuzzgen.Source, fuzzgen.Target, bool], fuzzgen.Case]] = dict(fuzzgen.KINDS)
+GENERATORS: dict[str, Callable[[fuzz.Source, fuzz.Target, bool], fuzz.Case]] = dict(fuzz.KINDS)
 
 
 TARGETS = [job_target(n, backups, sync) for n, backups in SHAPES for sync in SYNCS]
@@ -79,18 +79,18 @@ def test_generator_builds_a_case_for_every_seed(kind: str) -> None:
     for seed in range(SEEDS):
         target = TARGETS[seed % len(TARGETS)]
         try:
-            case = gen(fuzzgen.RandomSource(random.Random(seed)), target, bool(seed % 2))
+            case = gen(fuzz.RandomSource(random.Random(seed)), target, bool(seed % 2))
         except Exception as e:  # noqa: BLE001 - any exception is a generator defect
             shape = f"{len(target.shards)} shard(s), backups {bool(target.backups)}, {target.shards[0].sync}"
             failures.append(f"seed {seed} ({shape}): {type(e).__name__}: {e}")
             continue
-        assert isinstance(case, fuzzgen.Case)
+        assert isinstance(case, fuzz.Case)
         for m in case.messages or ():
             m.SerializeToString()  # every field set fits its type
     assert not failures, f"{len(failures)} generator defect(s) in {kind}:\n" + "\n".join(failures[:20])
 
 
-class _RunsOut(fuzzgen.RandomSource):
+class _RunsOut(fuzz.RandomSource):
     """A RandomSource whose integer choices fail after ``n`` of them: any generator raises partway through."""
 
     def __init__(self, seed: int, n: int) -> None:
@@ -109,9 +109,9 @@ def test_draw_case_returns_a_generator_exception_as_a_defect() -> None:
     same source goes on to draw the next case."""
     target = TARGETS[0]
     src = _RunsOut(0, 3)
-    got = [fuzzgen.draw_case(src, target) for _ in range(3)]
-    defects = [g for g in got if isinstance(g, fuzzgen.GeneratorDefect)]
+    got = [fuzz.draw_case(src, target) for _ in range(3)]
+    defects = [g for g in got if isinstance(g, fuzz.GeneratorDefect)]
     assert defects and all(d.error == "ValueError: Value out of range: 4294967296" for d in defects), got
     assert all(d.where.startswith(("gen_", "draws.py", "cases.py")) and " in " in d.where for d in defects), defects
     src.left = 10**9  # choices again: the next case is drawn as usual
-    assert isinstance(fuzzgen.draw_case(src, target), fuzzgen.Case)
+    assert isinstance(fuzz.draw_case(src, target), fuzz.Case)

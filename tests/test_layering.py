@@ -8,7 +8,8 @@ under ``TYPE_CHECKING``. The packages as installed::
     shardps.worker | shardps.server       may import protos, never each other
     shardps.protos                        imports none of the above
 
-(shardps.examples sits beside the face and may import all of it, and so do
+(shardps.testing, what the tests and the benchmarks share, sits beside the
+face too, and nothing else of the package imports it. shardps.examples sits beside the face and may import all of it, and so do
 the commands that run the examples, ``shardps.deploy.demo``,
 ``shardps.deploy.demo_examples`` and ``shardps.deploy.ray.job``: they are
 the face's commands, kept beside what they start.) The face's
@@ -27,8 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"shardps": "shardps", "shardps.server": "server", "shardps.worker": "worker",
-            "shardps.protos": "protos", "shardps.deploy": "deploy", "shardps.examples": "examples"}
-LAYER = {"shardps": 3, "shardps.examples": 3, "shardps.deploy": 2, "shardps.worker": 1, "shardps.server": 1,
+            "shardps.protos": "protos", "shardps.deploy": "deploy", "shardps.examples": "examples",
+            "shardps.testing": "shardps/testing"}
+LAYER = {"shardps": 3, "shardps.examples": 3, "shardps.testing": 3, "shardps.deploy": 2, "shardps.worker": 1, "shardps.server": 1,
          "shardps.protos": 0}
 UPWARD_ALLOWED = {"shardps.exposition"}
 # Run the examples: the face's layer.
@@ -96,7 +98,8 @@ def _face(module: str) -> bool:
     return _package(module) == "shardps"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if not _face(m) and _package(m) != "shardps.examples"))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not _face(m)
+                                           and _package(m) not in ("shardps.examples", "shardps.testing")))
 def test_arrows_point_down(module):
     pkg = _package(module)
     layer = LAYER["shardps"] if module in COMMANDS else LAYER[pkg]
@@ -109,6 +112,13 @@ def test_arrows_point_down(module):
             # up, or sideways between the worker and the server
             bad.append(target)
     assert not bad, f"{module} ({pkg}) imports {bad}"
+
+
+def test_nothing_of_the_product_imports_testing():
+    """shardps.testing is for the tests and benchmarks/ only: no module outside it imports it."""
+    bad = {m: sorted(t for t in GRAPH[m] if _package(t) == "shardps.testing") for m in MODULES
+           if _package(m) != "shardps.testing"}
+    assert not {m: t for m, t in bad.items() if t}
 
 
 def _circles() -> list[list[str]]:
@@ -170,3 +180,16 @@ def test_the_checker_sees_a_circle_and_an_arrow_up():
     finally:
         GRAPH.clear()
         GRAPH.update(saved)
+
+
+def test_benchmarks_stand_on_the_package_not_on_the_tests():
+    """benchmarks/ imports the installed package (shardps.testing for what it shares with the tests), never
+    tests/ (nor puts the repository on sys.path to reach it)."""
+    bad = {}
+    for f in sorted((ROOT / "benchmarks").rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if any(n == "tests" or n.startswith("tests.") for n in names):
+            bad[f.name] = sorted(n for n in names if n.split(".")[0] == "tests")
+    assert not bad, f"benchmarks importing tests/: {bad}"

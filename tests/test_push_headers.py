@@ -18,7 +18,7 @@ import torch
 
 import shardps
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from tests import fuzzgen
+from shardps.testing import fuzz
 
 W = torch.arange(20, dtype=torch.float32).reshape(4, 5)
 
@@ -41,13 +41,13 @@ def chunk(offset: int, n: int, value: float = 1.0) -> ps_pb2.Chunk:
 
 
 def refused(call, stores, fragments) -> None:
-    before = fuzzgen.local_state(stores)
+    before = fuzz.local_state(stores)
     with pytest.raises(grpc.RpcError) as err:
         call()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     for f in fragments:
         assert f in err.value.details(), (f, err.value.details())
-    assert fuzzgen.local_state(stores) == before
+    assert fuzz.local_state(stores) == before
 
 
 def test_a_streamed_push_whose_found_inf_disagrees_is_refused(one_shard):
@@ -65,13 +65,13 @@ def test_a_streamed_push_whose_found_inf_disagrees_is_refused(one_shard):
     answer = stub.Push(iter(msgs), timeout=10)
     store = cluster.stores[0]
     assert answer.version == 1 and store.worker_clocks[0] == 0 and store.applied_updates_total == 0
-    assert torch.equal(fuzzgen.pull_all(cluster.addresses)["w"], W)
+    assert torch.equal(fuzz.pull_all(cluster.addresses)["w"], W)
 
 
 def test_the_one_message_push_path_refuses_what_the_stream_refuses(one_shard):
     """A one-message Push (Workers.PushOne, a unary handler): the same check."""
     cluster, channel, _ = one_shard
-    one = channel.unary_unary(fuzzgen.method_path("PushOne"))
+    one = channel.unary_unary(fuzz.method_path("PushOne"))
     cut = ps_pb2.PushRequest(worker_id=0, step=0, chunk=chunk(0, 20), ends_with_last=True)  # no last: cut
     refused(lambda: one(cut.SerializeToString(), timeout=10), cluster.stores,
             ["ended before its last message"])
@@ -110,7 +110,7 @@ def test_a_register_stream_whose_messages_disagree_or_do_not_parse_is_refused(on
     stub = ps_pb2_grpc.WorkersStub(channel)
     refused(lambda: stub.Register(iter([first, rest]), timeout=10), cluster.stores,
             ["Register stream mixes headers: message 2 has sync 'asp', the first message 'bsp'"])
-    raw = channel.stream_unary(fuzzgen.method_path("Register"))
+    raw = channel.stream_unary(fuzz.method_path("Register"))
     rest.ClearField("sync")
     refused(lambda: raw(iter([first.SerializeToString(), b"\xff", rest.SerializeToString()]), timeout=10),
             cluster.stores, ["does not parse"])
@@ -127,7 +127,7 @@ def test_an_op_replicated_to_a_backup_whose_messages_disagree_or_do_not_parse_is
                                        tensors=b"\0" * 4)
         rest = ps_pb2.ReplicateRequest(seq=1 << 40, op="evict", tensors=b"\0" * 4)
         with grpc.insecure_channel(cluster.backup_addresses[backups[0].shard_index]) as ch:
-            replicate = ch.stream_unary(fuzzgen.method_path("Replicate"))
+            replicate = ch.stream_unary(fuzz.method_path("Replicate"))
             refused(lambda: replicate(iter([head.SerializeToString(), rest.SerializeToString()]), timeout=10),
                     backups, ["Replicate stream mixes headers: message 2 has op 'evict', the first message 'submit'"])
             rest.ClearField("op")

@@ -19,7 +19,7 @@ import torch
 import shardps
 import shardps.tp as tp
 from shardps.examples import shakespeare as gpt
-from tests.helpers import count_wire
+from shardps.testing.wire import count_wire
 from tests.test_tp import _RNG, run_tp
 from tests.test_tp_servers import ADAM, LAYERS, VOCAB, _batch, _model
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tests.fuzzgen.cases import VOLATILE_STATS
+from shardps.testing.fuzz.cases import VOLATILE_STATS
 
 # -- the job the fuzzer runs against ---------------------------------------------------
 
@@ -41,7 +41,7 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
     ``token``, ``worker_id``, ``shards`` (a ``gen_frames.Shard`` each), or
     left empty when the servers offer no data port.
     """
-    import shardps  # here: tests/fuzzgen is importable without the package's heavier parts
+    import shardps  # here, not at the top: the generators and the judge need none of the package's API
 
     tensors = job_tensors()
 
@@ -73,8 +73,8 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
 
 
 def _frames_of(client: Any, out: dict[str, Any]) -> None:
+    from shardps.testing.fuzz.gen_frames import Shard
     from shardps.worker.dataconn import ConnPath
-    from tests.fuzzgen.gen_frames import Shard
 
     paths = [p for p in client.paths if isinstance(p, ConnPath)]
     if not paths:
@@ -99,7 +99,7 @@ def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
     return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
 
 
-def local_state(stores: Sequence[Any]) -> list[tuple[str, str]]:
+def local_state(stores: Sequence[Any]) -> list[tuple[str, str, str]]:
     """In-process shards: ``state_hash()`` and the counters and membership of ``stats()`` (less pulls)."""
     out = []
     for s in stores:

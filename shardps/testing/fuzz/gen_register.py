@@ -7,8 +7,8 @@ import math
 from shardps.protos.optim import SPECS
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.remedies import Remedy
-from tests.fuzzgen.bugs import avoiding
-from tests.fuzzgen.cases import (
+from shardps.testing.fuzz.bugs import avoiding
+from shardps.testing.fuzz.cases import (
     INT32,
     INT64,
     ITEMSIZE,
@@ -21,8 +21,8 @@ from tests.fuzzgen.cases import (
     shifted,
     wild_int,
 )
-from tests.fuzzgen.draws import VALID_OPTIMIZERS, _text, bad_params_json, bad_sync_string, unknown_name, values
-from tests.fuzzgen.gen_push import _cover
+from shardps.testing.fuzz.draws import VALID_OPTIMIZERS, _text, bad_params_json, bad_sync_string, unknown_name, values
+from shardps.testing.fuzz.gen_push import _cover
 
 # -- Register --------------------------------------------------------------------
 
@@ -101,8 +101,8 @@ def gen_register(src: Source, t: Target, avoid: bool) -> Case:
             else:
                 s = undamaged_spec()
                 if d == "bad_optimizer":
-                    n = src.choice(["", "SGD", "Adam", "lbfgs", "sgd ", "<text>"])
-                    s.optimizer.name = src.text(16) if n == "<text>" else n
+                    opt_name = src.choice(["", "SGD", "Adam", "lbfgs", "sgd ", "<text>"])
+                    s.optimizer.name = src.text(16) if opt_name == "<text>" else opt_name
                     if s.optimizer.name in SPECS:
                         s.optimizer.name += "?"
                 elif d == "bad_params":

@@ -142,8 +142,8 @@ def make_case(rng: random.Random, sh: Shard, worker_id: int, defect: str | None 
         # length runs past its end.
         junk = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 80)))
         if rng.random() < 0.5:
-            msg = b"\x07" + junk
-            ctl = wire.LEN.pack(len(msg)) + msg
+            bad = b"\x07" + junk
+            ctl = wire.LEN.pack(len(bad)) + bad
         else:
             ctl = wire.LEN.pack(len(junk) + rng.randrange(1, 1000)) + junk
         head = wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, call, sh.route, 5000, len(ctl), 0, 0)
@@ -171,7 +171,7 @@ def send_case(host: str, port: int, token: bytes, worker_id: int, case: FrameCas
             sock.shutdown(socket.SHUT_WR)
         except OSError:  # the server closed it already (a frame it refused whole)
             pass
-        out = []
+        out: list[tuple[int, int, str]] = []
         while True:
             try:
                 head = wire.read_exact(sock, wire.ANSWER.size)

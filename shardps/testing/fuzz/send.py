@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardps.protos.rows import shard_of
 from shardps.protos.shardps.v1 import ps_pb2
-from tests.fuzzgen.cases import (
+from shardps.testing.fuzz.cases import (
     CLIENT_STREAM,
     PACKAGE,
     RESPONSE_TYPES,
@@ -27,7 +27,7 @@ from tests.fuzzgen.cases import (
     describe,
     method_path,
 )
-from tests.fuzzgen.job import ROW_DIM, ROW_KEYS, ROW_TABLE
+from shardps.testing.fuzz.job import ROW_DIM, ROW_KEYS, ROW_TABLE
 
 # -- sending ----------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class Fuzzer:
         t0 = time.monotonic()
         try:
             if case.one_message:  # the unary handler of a one-message Push (what PSClient uses for small models)
-                fn = self.channels[case.shard].unary_unary(method_path("PushOne"))
+                fn: Any = self.channels[case.shard].unary_unary(method_path("PushOne"))
                 res = [RESPONSE_TYPES["Push"].FromString(fn(case.request_bytes()[0], timeout=case.timeout))]
             elif case.raw is not None or case.to_backup:
                 fn = self._raw_callable(case)

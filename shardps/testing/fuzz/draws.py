@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardps.protos.optim import spec_from_proto
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
-from tests.fuzzgen.bugs import avoiding
-from tests.fuzzgen.cases import ITEMSIZE, Source
+from shardps.testing.fuzz.bugs import avoiding
+from shardps.testing.fuzz.cases import ITEMSIZE, Source
 
 # -- names, values, optimizer params -------------------------------------------
 
@@ -21,7 +21,7 @@ def _text(src: Source, avoid: bool, long_ok: bool = True) -> str:
     return src.text(24)
 
 
-def unknown_name(src: Source, existing: Sequence[str] | dict[str, Any], avoid: bool) -> str:
+def unknown_name(src: Source, existing: Sequence[str] | Mapping[str, Any], avoid: bool) -> str:
     name = src.choice(["", "w ", "W", "w\x00", "b.", "\u00e9", "\U0001f600", "x" * 200, "<text>"])
     if name == "<text>":
         name = _text(src, avoid)
@@ -31,7 +31,7 @@ def unknown_name(src: Source, existing: Sequence[str] | dict[str, Any], avoid: b
 
 
 def values(src: Source, n: int, dtype: int) -> bytes:
-    size = ITEMSIZE.get(dtype, 4)
+    size = ITEMSIZE.get(dtype, 4)  # type: ignore[call-overload]  # a wire dtype: an int of the enum, or any
     return src.binary(n * size, n * size)
 
 

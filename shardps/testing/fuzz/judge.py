@@ -9,10 +9,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tests.fuzzgen.bugs import KNOWN_BUGS
-from tests.fuzzgen.cases import REFUSALS, Case
-from tests.fuzzgen.gen_rows import rows_detail_ok
-from tests.fuzzgen.send import Outcome
+from shardps.testing.fuzz.bugs import KNOWN_BUGS
+from shardps.testing.fuzz.cases import REFUSALS, Case
+from shardps.testing.fuzz.gen_rows import rows_detail_ok
+from shardps.testing.fuzz.send import Outcome
 
 # -- judging -----------------------------------------------------------------------
 

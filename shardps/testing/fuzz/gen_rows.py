@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from shardps.protos.rows import MAX_PULL_KEYS
 from shardps.protos.shardps.v1 import ps_pb2
-from tests.fuzzgen.cases import INT32, UINT32, UINT64, Case, Source, Target, shifted, wild_int
-from tests.fuzzgen.draws import unknown_name
-from tests.fuzzgen.job import ROW_TABLE
-from tests.fuzzgen.send import held_rows
+from shardps.testing.fuzz.cases import INT32, UINT32, UINT64, Case, Source, Target, shifted, wild_int
+from shardps.testing.fuzz.draws import unknown_name
+from shardps.testing.fuzz.job import ROW_TABLE
+from shardps.testing.fuzz.send import held_rows
 
 PULL_DEFECTS = ("unknown_table", "wrong_dim", "key_dtype", "ragged_keys", "repeated_keys", "oversize")
 PUSH_DEFECTS = ("unknown_table", "wrong_dim", "key_dtype", "ragged_keys", "short_grads", "long_grads",
@@ -48,7 +50,7 @@ def _keys(src: Source, held: np.ndarray, fresh: bool) -> np.ndarray:
     return out[np.argsort(np.array([src.integer(0, 1000) for _ in picked], dtype=np.int64), kind="stable")]
 
 
-def _table(src: Source, sh_tables: dict[str, object], defect: bool, avoid: bool) -> str:
+def _table(src: Source, sh_tables: Mapping[str, object], defect: bool, avoid: bool) -> str:
     return unknown_name(src, sh_tables, avoid) if defect else ROW_TABLE
 
 
@@ -92,7 +94,7 @@ def gen_push_rows(src: Source, t: Target, avoid: bool) -> Case:
     sh = src.choice(t.shards)
     dim = sh.row_tables[ROW_TABLE].spec.dim
     defects = sorted({src.choice(PUSH_DEFECTS) for _ in range(src.integer(1, 3))})
-    head = {"table": _table(src, sh.row_tables, "unknown_table" in defects, avoid),
+    head: dict[str, Any] = {"table": _table(src, sh.row_tables, "unknown_table" in defects, avoid),
             "dim": shifted(dim, src.choice([1, -1, 7]), *UINT32) if "wrong_dim" in defects else dim,
             "worker_id": src.choice([0, 1, wild_int(src, 0, INT32[1])]),
             "step": src.choice([0, 1, 5, wild_int(src, 0, 2**64 - 1)]),

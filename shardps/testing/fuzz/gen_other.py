@@ -12,8 +12,8 @@ from typing import Any
 
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
-from tests.fuzzgen.bugs import avoiding
-from tests.fuzzgen.cases import (
+from shardps.testing.fuzz.bugs import avoiding
+from shardps.testing.fuzz.cases import (
     CLIENT_STREAM,
     EXCHANGE_TIMEOUT,
     INT32,
@@ -29,10 +29,10 @@ from tests.fuzzgen.cases import (
     shifted,
     wild_int,
 )
-from tests.fuzzgen.draws import _text, bad_sync_string, unknown_name
-from tests.fuzzgen.gen_push import gen_push
-from tests.fuzzgen.gen_register import gen_register
-from tests.fuzzgen.gen_rows import gen_pull_rows, gen_push_rows, gen_register_rows
+from shardps.testing.fuzz.draws import _text, bad_sync_string, unknown_name
+from shardps.testing.fuzz.gen_push import gen_push
+from shardps.testing.fuzz.gen_register import gen_register
+from shardps.testing.fuzz.gen_rows import gen_pull_rows, gen_push_rows, gen_register_rows
 
 # -- the other RPCs -----------------------------------------------------------------
 
@@ -287,15 +287,16 @@ def gen_raw(src: Source, t: Target, avoid: bool) -> Case:
         out[0] += _WORKER_ID_MINUS_ONE
     elif method in _ROWS_DIM_ZERO and not malformed:  # a malformed PushRows stream must be refused whole
         out = [b + _ROWS_DIM_ZERO[method] for b in out]
-    if not malformed and method == "SetSync":
+    first = parsed[0] if parsed else None  # None: malformed (not parsed)
+    if not malformed and method == "SetSync" and first is not None:
         try:
-            switch = str(SyncSpec.parse(parsed[0].sync)) != sh.sync
+            switch = str(SyncSpec.parse(first.sync)) != sh.sync
         except ValueError:
             switch = False
         if switch:
             out[0] += b"\x0a\x01!"  # sync = "!"
-    elif not malformed and method == "Pull":
-        if parsed[0].min_version > sh.version or parsed[0].min_clock > sh.slowest_clock:
+    elif not malformed and method == "Pull" and first is not None:
+        if first.min_version > sh.version or first.min_clock > sh.slowest_clock:
             timeout = SHORT_TIMEOUT
     if method == "Exchange":
         timeout = EXCHANGE_TIMEOUT
@@ -328,7 +329,7 @@ class GeneratorDefect:
     """A generator raised instead of building a case: a bug of the fuzzer, not of the server."""
 
     error: str  # the exception: "ValueError: Value out of range: 4294967296"
-    where: str  # the innermost line of tests/fuzzgen that raised: "gen_rows.py:160 in gen_register_rows"
+    where: str  # the innermost line of shardps/testing/fuzz that raised: "gen_rows.py:160 in gen_register_rows"
 
 
 def draw_case(src: Source, t: Target, avoid_known_bugs: bool = True) -> Case | GeneratorDefect:

@@ -11,9 +11,9 @@ import torch
 
 from shardps.protos import compressed
 from shardps.protos.shardps.v1 import ps_pb2
-from tests.fuzzgen.bugs import avoiding
-from tests.fuzzgen.cases import INT32, INT64, ITEMSIZE, WIRE_DTYPES, Case, Source, Target, shifted, wild_int
-from tests.fuzzgen.draws import bad_sync_string, unknown_name, values
+from shardps.testing.fuzz.bugs import avoiding
+from shardps.testing.fuzz.cases import INT32, INT64, ITEMSIZE, WIRE_DTYPES, Case, Source, Target, shifted, wild_int
+from shardps.testing.fuzz.draws import bad_sync_string, unknown_name, values
 
 # -- Push ----------------------------------------------------------------------
 
@@ -40,11 +40,11 @@ def _pack(src: Source, c: ps_pb2.Chunk, info: Any, n: int, lowrank: bool) -> boo
         if not cols or c.offset % cols or n % cols:
             return False
         rank = src.integer(1, 3)
-        packed.encoding, packed.rank = compressed.LOWRANK, rank  # type: ignore[assignment]
+        packed.encoding, packed.rank = compressed.LOWRANK, rank
         packed.data, packed.factor = values(src, n // cols * rank, c.dtype), values(src, cols * rank, c.dtype)
     else:
         idx = sorted({src.integer(0, n - 1) for _ in range(src.integer(1, min(n, 8)))})
-        packed.encoding, packed.indices = compressed.TOPK, _indices(idx, n)  # type: ignore[assignment]
+        packed.encoding, packed.indices = compressed.TOPK, _indices(idx, n)
         packed.data = values(src, len(idx), c.dtype)
     c.CopyFrom(packed)
     return True
@@ -168,8 +168,8 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
         elif d == "bad_slice":  # a slice (PushRequest.slices) that does not fit a tensor the Push carries
             c = pick()
             assert c is not None
-            info = sh.tensors.get(c.name)
-            ndim = len(info.shape) if info is not None else 2
+            held = sh.tensors.get(c.name)
+            ndim = len(held.shape) if held is not None else 2
             parts = src.integer(1, 4)
             sl = ps_pb2.TensorSlice(name=c.name, dim=0, parts=parts, index=src.integer(0, parts - 1), blocks=1)
             kind = src.integer(0, 3) if ndim else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tests.fuzzgen.cases import Case
+from shardps.testing.fuzz.cases import Case
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class KnownBug:
 # seeds the suite had never run; fixed by server/headers.py (one check of a
 # stream's messages for Push, Register and Replicate). A bug seen only as a
 # state change (state_only) never matches a status. The fuzzer's own defects
-# (a generator that raises while drawing a case: fuzzgen.draw_case's
+# (a generator that raises while drawing a case: fuzz.draw_case's
 # GeneratorDefect) are not server bugs and are not listed here;
 # tests/test_fuzzgen_seeds.py runs every generator over many seeds.
 KNOWN_BUGS: dict[str, KnownBug] = {

@@ -34,8 +34,8 @@ an open one is reported as that bug, one that matches a fixed one as a
 regression (a violation); anything else outside the rules is a violation.
 """
 
-from tests.fuzzgen.bugs import KNOWN_BUGS, KnownBug, avoiding
-from tests.fuzzgen.cases import (
+from shardps.testing.fuzz.bugs import KNOWN_BUGS, KnownBug, avoiding
+from shardps.testing.fuzz.cases import (
     CLIENT_STREAM,
     REFUSALS,
     SERVER_STREAM,
@@ -47,10 +47,10 @@ from tests.fuzzgen.cases import (
     describe,
     method_path,
 )
-from tests.fuzzgen.gen_other import KINDS, GeneratorDefect, draw_case, make_case
-from tests.fuzzgen.job import job_tensors, local_state, prepare_job, pull_all, same_weights
-from tests.fuzzgen.judge import LOG_PATTERNS, Verdict, capture_server_errors, judge
-from tests.fuzzgen.send import Fuzzer, Outcome, serving
+from shardps.testing.fuzz.gen_other import KINDS, GeneratorDefect, draw_case, make_case
+from shardps.testing.fuzz.job import job_tensors, local_state, prepare_job, pull_all, same_weights
+from shardps.testing.fuzz.judge import LOG_PATTERNS, Verdict, capture_server_errors, judge
+from shardps.testing.fuzz.send import Fuzzer, Outcome, serving
 
 __all__ = ["CLIENT_STREAM", "KINDS", "KNOWN_BUGS", "LOG_PATTERNS", "REFUSALS", "SERVER_STREAM", "Case", "Fuzzer",
            "GeneratorDefect", "HypothesisSource", "KnownBug", "Outcome", "RandomSource", "Source", "Target",
