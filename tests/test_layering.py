@@ -9,8 +9,8 @@ under ``TYPE_CHECKING``. The packages as installed::
     shardps.protos                        imports none of the above
 
 (shardps.testing, what the tests and the benchmarks share, sits beside the
-face too, and nothing else of the package imports it. shardps.examples sits beside the face and may import all of it, and so do
-the commands that run the examples, ``shardps.deploy.demo``,
+face too, and nothing else of the package imports it. shardps.examples sits
+beside the face and may import all of it, and so do the commands that run the examples, ``shardps.deploy.demo``,
 ``shardps.deploy.demo_examples`` and ``shardps.deploy.ray.job``: they are
 the face's commands, kept beside what they start.) The face's
 ``shardps.exposition`` (serving a Prometheus registry over HTTP) is imported
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"shardps": "shardps", "shardps.server": "server", "shardps.worker": "worker",
             "shardps.protos": "protos", "shardps.deploy": "deploy", "shardps.examples": "examples",
             "shardps.testing": "shardps/testing"}
-LAYER = {"shardps": 3, "shardps.examples": 3, "shardps.testing": 3, "shardps.deploy": 2, "shardps.worker": 1, "shardps.server": 1,
-         "shardps.protos": 0}
+LAYER = {"shardps": 3, "shardps.examples": 3, "shardps.testing": 3, "shardps.deploy": 2, "shardps.worker": 1,
+         "shardps.server": 1, "shardps.protos": 0}
 UPWARD_ALLOWED = {"shardps.exposition"}
 # Run the examples: the face's layer.
 COMMANDS = {"shardps.deploy.demo", "shardps.deploy.demo_examples", "shardps.deploy.ray.job"}
