@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.replicas == 2 and cluster.stores:  # every shard's backup holds what its primary holds
             by_shard = {b.shard_index: b for b in cluster.backups}
             for st in cluster.stores:
-                st.replicated()
+                st.replica.replicated()
             backups_equal = all(st.state_hash() == by_shard[st.shard_index].state_hash() for st in cluster.stores)
             if not backups_equal:
                 violation(args.cases, "a backup's state differs from its primary's", None)

@@ -78,8 +78,8 @@ class ShardpsStep:
             flat = torch.randn(s).view(-1)
             for a, b in parts:
                 values[(name, a)] = flat[a:b]
-        self.store.register_tensors(specs, values)
-        self.store.register_worker(0)
+        self.store.path.register_tensors(specs, values)
+        self.store.leases.register(0)
         self.grads = {}
         for i, g in enumerate(grads):
             for p in smap.parts_of(f"t{i}"):
@@ -93,17 +93,17 @@ class ShardpsStep:
 
     def __call__(self) -> None:
         g = {k: v.clone() for k, v in self.grads.items()}  # the store owns what it is given; not timed
-        a0 = self.store.apply_seconds_total
+        a0 = self.store.applier.apply_seconds_total
         t0 = time.perf_counter()
-        self.store.submit(0, self.step, self.store.version, g, checked=True)
+        self.store.path.submit(0, self.step, self.store.job.version, g, checked=True)
         self.submit_ms.append((time.perf_counter() - t0) * 1000)
-        self.apply_ms.append((self.store.apply_seconds_total - a0) * 1000)
+        self.apply_ms.append((self.store.applier.apply_seconds_total - a0) * 1000)
         self.step += 1
 
     def messages(self) -> Iterator[bytes]:
         """This step's serialized PushRequests, framed as the worker frames them (worker/client.py)."""
         prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=0, step=self.step,
-                                        base_version=self.store.version, epoch=self.store.epoch)
+                                        base_version=self.store.job.version, epoch=self.store.job.epoch)
         for i, flat in enumerate(self.wire_grads):
             for p in self.smap.parts_of(f"t{i}"):
                 for _, _, msg in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, p.name,
@@ -129,9 +129,9 @@ class ShardpsStep:
         store = self.store
         t0 = time.perf_counter()
         # as WorkersServicer.Push
-        g = decode_push(received(), store.spec, store.staging, keep_chunks=store.takes_chunked)
+        g = decode_push(received(), store.table.spec, store.applier.pool.take, keep_chunks=store.path.takes_chunked)
         t1 = time.perf_counter()
-        res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
+        res = store.path.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True)
         t2 = time.perf_counter()
         if not res.applied:

@@ -58,19 +58,19 @@ def main() -> int:
     rows = max(8, n // 1024)
     names = [f"t{i}" for i in range(8)]
     st = ShardStore(0, 1, sync="asp", num_workers=1)
-    st.register_tensors([TensorSpec(nm, (rows // 8, 1024), codec.to_wire_dtype(torch.float32), optim.SGD(lr=0.0),
+    st.path.register_tensors([TensorSpec(nm, (rows // 8, 1024), codec.to_wire_dtype(torch.float32), optim.SGD(lr=0.0),
                                     ((0, rows // 8 * 1024),)) for nm in names],
                         {(nm, 0): torch.randn(rows // 8 * 1024) for nm in names})
-    st.register_worker(0)
+    st.leases.register(0)
     zeros = {(nm, 0): torch.zeros(rows // 8 * 1024) for nm in names}
-    default_inline = st.frame_inline_bytes
+    default_inline = st.reader.frame_inline_bytes
     step = 0
 
     def one_pull(outside: bool, probe: bool) -> tuple[float, float, float]:
         """(ms to the first response, to the last, longest stats() wait or 0 without ``probe``)."""
         nonlocal step
-        st.frame_inline_bytes = default_inline if outside else 1 << 62
-        st.submit(0, step, st.version, {k: v.clone() for k, v in zeros.items()})  # a new version: framed anew
+        st.reader.frame_inline_bytes = default_inline if outside else 1 << 62
+        st.path.submit(0, step, st.job.version, {k: v.clone() for k, v in zeros.items()})  # a new version: framed anew
         step += 1
         done = threading.Event()
         waits: list[float] = [0.0]
@@ -86,7 +86,7 @@ def main() -> int:
             prober.start()
         t0 = time.perf_counter()
         first = 0.0
-        for i, _ in enumerate(st.read(names, None, messages=True)[1]):
+        for i, _ in enumerate(st.reader.read(names, None, messages=True)[1]):
             if i == 0:
                 first = time.perf_counter() - t0
         last = time.perf_counter() - t0
@@ -112,8 +112,12 @@ def main() -> int:
     for outside, label in ((False, "under the lock"), (True, "outside it")):
         print(f"{label:16}{med(outside, False, 0):16.2f}{med(outside, False, 1):15.2f}{med(outside, True, 1):21.2f}"
               f"{med(outside, True, 2):22.2f}")
-    print(f"{'ratio':16}" + "".join(f"{med(True, p, i) / med(False, p, i):{w}.2f}"
-                                    for p, i, w in ((False, 0, 16), (False, 1, 15), (True, 1, 21), (True, 2, 22))))
+    def ratio(p: bool, i: int, w: int) -> str:  # a wait of 0 ms (no request waited): no ratio
+        base = med(False, p, i)
+        return f"{med(True, p, i) / base:{w}.2f}" if base > 0 else f"{'-':>{w}}"
+
+    print(f"{'ratio':16}" + "".join(ratio(p, i, w) for p, i, w in ((False, 0, 16), (False, 1, 15), (True, 1, 21),
+                                                                    (True, 2, 22))))
     if args.grpc_repeats > 0:
         over_grpc(args.mb, args.grpc_repeats)
     return 0

@@ -37,18 +37,18 @@ def main() -> int:
     rows = max(1, n // 1024)
     st = ShardStore(0, 1, sync="bsp", num_workers=args.workers)
     names = [f"t{i}" for i in range(8)]
-    st.register_tensors([TensorSpec(nm, (rows // 8, 1024), codec.to_wire_dtype(torch.float32), optim.SGD(lr=0.0),
+    st.path.register_tensors([TensorSpec(nm, (rows // 8, 1024), codec.to_wire_dtype(torch.float32), optim.SGD(lr=0.0),
                                     ((0, rows // 8 * 1024),)) for nm in names],
                         {(nm, 0): torch.randn(rows // 8 * 1024) for nm in names})
 
     def round_ms(shared: bool) -> float:
-        st.pullcache.clear()
+        st.reader.cache.clear()
         streaming = []  # every Pull's responses stay referenced, as while the Pulls send them
         t0 = time.perf_counter()
         for _ in range(args.workers):
             if not shared:
-                st.pullcache.clear()
-            framed = st.read(names, None, messages=True)[1]
+                st.reader.cache.clear()
+            framed = st.reader.read(names, None, messages=True)[1]
             streaming.append((framed, [msg for *_, msg in framed]))
         return (time.perf_counter() - t0) * 1e3
 

@@ -185,9 +185,9 @@ class LocalCluster:
                 for i in range(self.num_servers):
                     store = ShardStore(i, self.num_servers, lease_s=self.lease_s)
                     if self.checkpoint_dir:
-                        store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every)
+                        store.checkpointer.enable(self.checkpoint_dir, every_steps=self.checkpoint_every)
                         if store.restore_latest() is not None:
-                            store.recovering = True
+                            store.job.recovering = True
                     backups = []
                     if self.replicas == 2:
                         backup = ShardStore((i - 1) % self.num_servers, self.num_servers, lease_s=self.lease_s,
@@ -309,10 +309,10 @@ class LocalCluster:
         for s in self._servers:
             stop_server(s, grace=None)
         for st in self.stores + self.backups:
-            st.stop_reaper()
-            st.stop_replication()
-            if st.peers is not None:
-                st.peers.close()
+            st.leases.stop_reaper()
+            st.replica.stop_replication()
+            if st.applier.peers is not None:
+                st.applier.peers.close()
         for e in self._endpoints:
             e.close()
         self._endpoints = []

@@ -88,10 +88,10 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
     torch.set_num_threads(torch_threads or default_torch_threads())
     security = security or Security()
     backup = ShardStore(backup_of, num_shards, lease_s=lease_s, role=Role.BACKUP)
-    backup.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
-    backup.replica_timeout_s = check_replica_timeout(replica_timeout_s)  # its own backup's, once promoted
+    backup.reader.frame_inline_bytes = check_frame_inline_bytes(frame_inline_bytes)
+    backup.replica.replica_timeout_s = check_replica_timeout(replica_timeout_s)  # its own backup's, once promoted
     if checkpoint_dir:
-        backup.enable_checkpoints(checkpoint_dir, every_steps=checkpoint_every)
+        backup.checkpointer.enable(checkpoint_dir, every_steps=checkpoint_every)
     metrics = endpoint = None
     if metrics_port is not None:
         registry = CollectorRegistry()
@@ -99,7 +99,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
         endpoint = serve_metrics(registry, metrics_host, metrics_port)
     server, bound = create_server(backup, f"{host}:{replica_port}", max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
                                   metrics=metrics, security=security)
-    backup.address = advertised(host, bound)
+    backup.replica.address = advertised(host, bound)
     etcd = None
     if coordinator:
         etcd = coord.Etcd(coord.parse(coordinator))
@@ -109,7 +109,7 @@ def run_spare(*, host: str = "127.0.0.1", replica_port: int = 0, backup_of: int 
             stop_server(server)
             print(f"shardps server: {e}", file=sys.stderr, flush=True)
             return 2
-        backup.replica.fence = coord.ShardLease(etcd, job, backup_of, backup.address, ttl=coordinator_ttl)
+        backup.replica.fence = coord.ShardLease(etcd, job, backup_of, backup.replica.address, ttl=coordinator_ttl)
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -194,24 +194,24 @@ class ShardServer:
                         "can read and change the model", shard_index, host, missing)
         store = ShardStore(shard_index, self.num_shards, sync=self.sync, num_workers=self.num_workers,
                            lease_s=self.lease_s)
-        store.frame_inline_bytes = self.frame_inline_bytes
-        store.replica_timeout_s = self.replica_timeout_s
+        store.reader.frame_inline_bytes = self.frame_inline_bytes
+        store.replica.replica_timeout_s = self.replica_timeout_s
         self.store = store
         if self.checkpoint_dir:
-            store.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
+            store.checkpointer.enable(self.checkpoint_dir, every_steps=self.checkpoint_every,
                                      every_seconds=self.checkpoint_seconds)
             self.restored = store.restore_latest()
             if self.restored is not None:
-                store.recovering = True  # data RPCs answer ABORTED until the job rolls back consistently
+                store.job.recovering = True  # data RPCs answer ABORTED until the job rolls back consistently
                 log.warning("shard %d: restored from checkpoint at version %d in %s", shard_index, self.restored,
                             self.checkpoint_dir)
         if self.replicas == 2:  # this process keeps the copy of the previous shard
             self.backup = ShardStore((shard_index - 1) % self.num_shards, self.num_shards, lease_s=self.lease_s,
                                      role=Role.BACKUP)
-            self.backup.frame_inline_bytes = self.frame_inline_bytes
-            self.backup.replica_timeout_s = self.replica_timeout_s  # once promoted, for a spare attached to it
+            self.backup.reader.frame_inline_bytes = self.frame_inline_bytes
+            self.backup.replica.replica_timeout_s = self.replica_timeout_s  # once promoted, for a spare attached to it
             if self.checkpoint_dir:  # used once it takes over
-                self.backup.enable_checkpoints(self.checkpoint_dir, every_steps=self.checkpoint_every,
+                self.backup.checkpointer.enable(self.checkpoint_dir, every_steps=self.checkpoint_every,
                                                every_seconds=self.checkpoint_seconds)
         metrics = None
         if self.metrics_port is not None:
@@ -223,7 +223,7 @@ class ShardServer:
                                       chunk_bytes=self.chunk_bytes, metrics=metrics, security=security)
         self._servers.append(server)
         self.address = f"{host}:{bound}"
-        store.address = self.advertise or advertised(host, bound)  # what its backup checks before taking over
+        store.replica.address = self.advertise or advertised(host, bound)  # what its backup checks before taking over
         backup_port = 0
         if self.backup is not None:
             backup_server, backup_port = create_server(self.backup, f"{host}:{self.replica_port}",
@@ -238,7 +238,7 @@ class ShardServer:
             raise
         if self.backup is not None and self.replica_target and not deposed:
             # the sender retries until the backup answers; the first try settles first
-            store.start_replicated(self.replica_target, timeout=10.0)
+            store.replica.start_replicated(self.replica_target, timeout=10.0)
         return self
 
     def _fence(self, store: ShardStore, backup_address: str) -> bool:
@@ -251,7 +251,7 @@ class ShardServer:
             return False
         self._etcd = etcd = coord.Etcd(self.coordinator)
         etcd.check(self.start_timeout_s)
-        fence = coord.ShardLease(etcd, self.job, self.shard_index, store.address, ttl=self.coordinator_ttl)
+        fence = coord.ShardLease(etcd, self.job, self.shard_index, store.replica.address, ttl=self.coordinator_ttl)
         store.replica.fence = fence
         self.fences.append(fence)
         if self.backup is not None:
@@ -295,25 +295,25 @@ class ShardServer:
             stop_server(srv)  # stopped already: joins its handler threads
         if self.checkpoint_dir and self._stopping.is_set():
             for st in (self.store, self.backup):
-                if st is not None and st.role is Role.PRIMARY:
+                if st is not None and st.replica.role is Role.PRIMARY:
                     path = st.checkpoint_now()
-                    log.warning("shard %d: checkpoint on shutdown at version %d: %s", st.shard_index, st.version,
+                    log.warning("shard %d: checkpoint on shutdown at version %d: %s", st.shard_index, st.job.version,
                                 path)
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
         for st in (self.store, self.backup):
             if st is not None:
-                st.stop_reaper()
-                st.stop_replication()
-                if st.peers is not None:
-                    st.peers.close()
+                st.leases.stop_reaper()
+                st.replica.stop_replication()
+                if st.applier.peers is not None:
+                    st.applier.peers.close()
         for fence in self.fences:  # a clean stop gives the lease back: a backup may take over at once
             fence.close(release=self._stopping.is_set())
         if self._etcd is not None:
             self._etcd.close()
         if self.store is not None:
-            log.info("shard %d: stopped at version %d", self.shard_index, self.store.version)
+            log.info("shard %d: stopped at version %d", self.shard_index, self.store.job.version)
 
     def stop(self) -> None:
         self.begin_stop()

@@ -281,6 +281,12 @@ class Leases:
             self.evict_locked(expired, now)
             return expired
 
+    def evict(self, workers: list[int]) -> None:
+        """Evict ``workers`` now, as the reaper evicts those whose lease ran out (a backup replaying its primary's
+        eviction; a test that evicts at an exact point)."""
+        with self._cond:
+            self.evict_locked(workers)
+
     def evict_locked(self, expired: list[int], now: float | None = None) -> None:
         """Under the lock: evict ``expired`` (recorded; barriers go on without them)."""
         if expired:

@@ -48,7 +48,7 @@ class StoreCollector(Collector):
         self.backups = list(backups)
 
     def collect(self) -> Iterator[Metric]:
-        serving = [st for st in [self.store, *self.backups] if st.role == Role.PRIMARY] or [self.store]
+        serving = [st for st in [self.store, *self.backups] if st.replica.role == Role.PRIMARY] or [self.store]
         snaps = [(str(st.shard_index), st.stats(), st.clocks()) for st in serving]
         lab = ["shard"]
 
@@ -136,8 +136,8 @@ class StoreCollector(Collector):
                                     "Backups this server holds and does not serve yet: the last op replayed.",
                                     labels=["shard"])
         for b in self.backups:
-            if b.role == Role.BACKUP:
-                standby.add_metric([str(b.shard_index)], b.replica_seq)
+            if b.replica.role == Role.BACKUP:
+                standby.add_metric([str(b.shard_index)], b.replica.replica_seq)
         yield standby
         rh = HistogramMetricFamily(
             "shardps_row_staleness_steps",
@@ -171,7 +171,7 @@ class ServerMetrics:
             "shardps_replication_wait_seconds",
             "Time a Push waited for its backup to confirm the change before it was acknowledged (--replicas 2).",
             ["shard"], registry=registry, buckets=SECONDS_BUCKETS)
-        store.on_apply.append(self.apply_seconds.labels(self.shard).observe)
+        store.applier.on_apply.append(self.apply_seconds.labels(self.shard).observe)
 
     def observe_wait(self, seconds: float, sync: str) -> None:
         self.wait_seconds.labels(self.shard, sync).observe(seconds)

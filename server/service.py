@@ -117,9 +117,9 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     @unary_errors
     def Register(self, request_iterator: Iterator[ps_pb2.RegisterRequest],
                  context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
-        self.store.check_serving()
+        self.store.replica.check_serving()
         j = decode_register(request_iterator)
-        answer = self.store.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
+        answer = self.store.path.join(j.worker_id, j.num_workers, j.sync, j.scaling, j.remedy, j.specs, j.values,
                                  self._timeout(context)).to_proto()
         answer.shm = j.shm
         answer.fence_epoch = self._fence_epoch()
@@ -137,22 +137,22 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         """A Push (its messages, their bytes where ``segments`` say): the gRPC handler's and the data
         connection's; StoreError for a refused one (nothing applied)."""
         store = self.store
-        store.check_serving()
-        g = decode_push(requests, store.spec, store.staging, segments, store.takes_chunked)
+        store.replica.check_serving()
+        g = decode_push(requests, store.table.spec, store.applier.pool.take, segments, store.path.takes_chunked)
         store.replica.check_fence(g.fence_epoch, f"worker {g.worker_id}'s push of step {g.step}")
-        res = store.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
+        res = store.path.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights,
                            sync=g.sync, sync_switch=g.sync_switch)
         t0 = time.perf_counter()
-        store.replicated()  # acknowledged only once the backup holds it (--replicas 2)
-        if self.metrics is not None and store.replicator is not None:
+        store.replica.replicated()  # acknowledged only once the backup holds it (--replicas 2)
+        if self.metrics is not None and store.replica.replicator is not None:
             self.metrics.replication_seconds.labels(self.metrics.shard).observe(time.perf_counter() - t0)
         answer = res.to_proto()
         if g.pull_after is not None:  # a small model's step in one call, when the weights are ready at once
-            answer.pulled.extend(store.weights_now(g.worker_id, res.ready_version, g.pull_after.wire_dtype,
+            answer.pulled.extend(store.path.weights_now(g.worker_id, res.ready_version, g.pull_after.wire_dtype,
                                                    g.pull_after.min_clock, g.epoch, self.chunk_bytes))
             if answer.pulled and self.metrics is not None:  # a Pull that waited for nothing, as _pull counts
-                self.metrics.observe_wait(0.0, str(store.sync or ""))
+                self.metrics.observe_wait(0.0, str(store.job.sync or ""))
         return answer
 
     def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -163,22 +163,22 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         are (see add_servicers), a large Pull's while the rest are being framed. A Pull naming slices (a
         tensor-parallel rank's) is answered with just those (server/slicepull.py). ``timeout``: the most
         its wait may take (``wait_limit``); ``segments``: where a Pull naming one writes its weights."""
-        self.store.check_serving()
+        self.store.replica.check_serving()
         self.store.replica.check_fence(request.fence_epoch, f"worker {request.worker_id}'s pull")
         slices = decode_slices(request)
         q = decode_pull(request, self.chunk_bytes, segments)
         messages: Iterable[bytes]
         if slices:
-            waited, messages = self.store.pull_slices(q.worker_id, q.names, slices, q.wire_dtype, q.chunk_bytes,
+            waited, messages = self.store.path.pull_slices(q.worker_id, q.names, slices, q.wire_dtype, q.chunk_bytes,
                                                       min_version=q.min_version, min_clock=q.min_clock,
                                                       epoch=q.epoch, timeout=timeout)
         else:
-            waited, framed = self.store.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
+            waited, framed = self.store.path.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
                                              min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,
                                              timeout=timeout, segment=q.segment)
             messages = (msg for *_, msg in framed)
         if self.metrics is not None and (q.min_version or q.min_clock):
-            self.metrics.observe_wait(waited, str(self.store.sync or ""))
+            self.metrics.observe_wait(waited, str(self.store.job.sync or ""))
         return iter(messages)
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
@@ -191,7 +191,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store = self.store
         if request.slices or not request.shm or not store.path.parks():
             return False
-        store.check_serving()
+        store.replica.check_serving()
         store.replica.check_fence(request.fence_epoch, f"worker {request.worker_id}'s pull")
         q = decode_pull(request, self.chunk_bytes, segments)
         assert q.segment is not None
@@ -246,7 +246,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
 
     @unary_errors
     def TakeOver(self, request: ps_pb2.TakeOverRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
-        shard_index, version, epoch = self.store.take_over(request.reason)
+        shard_index, version, epoch = self.store.replica.take_over(request.reason)
         return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch,
                                       fence_epoch=self._fence_epoch())
 
@@ -271,7 +271,7 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
 
     @unary_errors
     def Promote(self, request: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
-        shard_index, version, epoch = self.store.promote(request.reason, request.force)
+        shard_index, version, epoch = self.store.replica.promote(request.reason, request.force)
         return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch,
                                       fence_epoch=self._fence_epoch())
 
@@ -279,15 +279,15 @@ class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
     def AttachReplica(self, request: ps_pb2.AttachReplicaRequest,
                       context: grpc.ServicerContext) -> ps_pb2.AttachReplicaResponse:
         timeout = min(max(0.0, request.timeout_seconds), self._timeout(context))
-        state = self.store.attach_replica(request.address, timeout)
+        state = self.store.replica.attach_replica(request.address, timeout)
         return ps_pb2.AttachReplicaResponse(replica_state=state)
 
     @stream_errors
     def PullState(self, request: ps_pb2.PullStateRequest,
                   context: grpc.ServicerContext) -> Iterator[ps_pb2.StateChunk]:
-        self.store.check_serving()
+        self.store.replica.check_serving()
         chunk_bytes = state_chunk_bytes(request, self.chunk_bytes)
-        version, items = self.store.export_state(list(request.names) or self.store.names())
+        version, items = self.store.reader.export_state(list(request.names) or self.store.names())
         yield from encode_state(version, items, chunk_bytes)
 
 
@@ -298,13 +298,13 @@ class PeersServicer(_Servicer, ps_pb2_grpc.PeersServicer):
     def Exchange(self, request: ps_pb2.ExchangeRequest,
                  context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
         key = (request.tensor, request.round, request.tag)
-        partial = self.store.exchange.wait(key, self._timeout(context))
+        partial = self.store.applier.exchange.wait(key, self._timeout(context))
         return ps_pb2.ExchangeResponse(partial=encode_partial(partial))
 
     @unary_errors
     def Replicate(self, request_iterator: Iterator[ps_pb2.ReplicateRequest],
                   context: grpc.ServicerContext) -> ps_pb2.ReplicateResponse:
-        seq, version = self.store.apply_replica(read_ops(request_iterator))
+        seq, version = self.store.replica.apply_ops(read_ops(request_iterator))
         return ps_pb2.ReplicateResponse(seq=seq, version=version)
 
     Describe = unary_errors(_Servicer._stats, "Describe")
@@ -371,13 +371,14 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     _register(WORKERS, ps_pb2_grpc.add_WorkersServicer_to_server, workers, server)
     _register(OPERATOR, ps_pb2_grpc.add_OperatorServicer_to_server, OperatorServicer(store, **kw), server)
     _register(PEERS, ps_pb2_grpc.add_PeersServicer_to_server, PeersServicer(store, **kw), server)
-    rows = RowsServicer(store.rows, check_serving=store.check_serving, check_epoch=store.check_same_epoch,
-                        replicated=store.replicated,
-                        backup=lambda: store.replicator.address if store.replicator is not None else "",
+    rows = RowsServicer(store.rows, check_serving=store.replica.check_serving, check_epoch=store.job.check_same_epoch,
+                        replicated=store.replica.replicated,
+                        backup=lambda: store.replica.replicator.address if store.replica.replicator is not None else "",
                         chunk_bytes=chunk_bytes, metrics=metrics, max_wait_s=max_wait_s)
     _register(ROWS, ps_pb2_grpc.add_RowsServicer_to_server, rows, server)
-    experts = ExpertsServicer(store.rows, check_serving=store.check_serving, replicated=store.replicated,
-                              metrics=metrics, max_wait_s=max_wait_s, epoch=lambda: store.epoch)
+    experts = ExpertsServicer(store.rows, check_serving=store.replica.check_serving,
+                              replicated=store.replica.replicated,
+                              metrics=metrics, max_wait_s=max_wait_s, epoch=lambda: store.job.epoch)
     _register(EXPERTS, experts_pb2_grpc.add_ExpertsServicer_to_server, experts, server)
     return segments, workers.data
 
@@ -410,12 +411,12 @@ def connect(store: ShardStore, security: Security) -> None:
 
     Kept when the store was given its own (tests inject in-process fakes).
     """
-    if isinstance(store.peers, PeerChannels):
-        store.peers.security = security
-    if isinstance(store.replica_link, GrpcReplicaLink):
-        store.replica_link.security = security
-    store.connect(PeerChannels(security) if store.peers is None else None,
-                  GrpcReplicaLink(security) if store.replica_link is None else None)
+    if isinstance(store.applier.peers, PeerChannels):
+        store.applier.peers.security = security
+    if isinstance(store.replica.replica_link, GrpcReplicaLink):
+        store.replica.replica_link.security = security
+    store.connect(PeerChannels(security) if store.applier.peers is None else None,
+                  GrpcReplicaLink(security) if store.replica.replica_link is None else None)
 
 
 _TLS: dict[tuple[str | None, str | None, str | None], ssl.SSLContext | None] = {}
@@ -478,8 +479,8 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()
-    store.address = f"{address.rsplit(':', 1)[0]}:{port}"
-    store.start_reaper()
+    store.replica.address = f"{address.rsplit(':', 1)[0]}:{port}"
+    store.leases.start_reaper()
     for svc in ("", *SERVICES):
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     return server, port

@@ -19,13 +19,10 @@ callable); no part reaches another through the store::
     '- replica: ReplicaSide    replica.py: role, replicator, replay and takeover; the parts' Recorder
 
 and the snapshot codec (snapshot.py), the sync policies (sync.py), the
-role and op enums (roles.py). The store's public attributes of earlier
-versions (``version``, ``pushes_total``, ``role``, ...) and methods
-(``submit``, ``pull``, ``promote``, ...) delegate to the part that owns them.
-
-(Over 400 lines: the wiring of the parts, the delegations that keep the
-store's surface, and the snapshot/restore that gathers every part's state
-belong to the facade.)
+role and op enums (roles.py). Callers name the part that owns what they
+want (``store.job.version``, ``store.path.submit(...)``,
+``store.replica.role``): the store forwards nothing. ``Replay``, at the
+end, is the ``Replayer`` its replica side is given.
 
 Versions: a shard starts at version 0 and adds one per optimizer step it
 applies (under BSP, one per step of the job; under ASP, one per gradient).
@@ -57,15 +54,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar, overload
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from shardps.protos.results import PushResult
 from shardps.protos.stats import ShardStats, TensorStats
-from shardps.protos.syncspec import SyncSpec
 from shardps.server.apply import Applier
 from shardps.server.checkpoint import Checkpointer
 from shardps.server.datapath import DataPath
@@ -73,48 +68,19 @@ from shardps.server.errors import FailedPrecondition
 from shardps.server.job import Job
 from shardps.server.membership import DEFAULT_LEASE_S, Clock, Leases, Membership
 from shardps.server.parked import Signal
-from shardps.server.peers import ExchangeTable, Peers, ReplicaLink, ReplicaSink
-from shardps.server.pullcache import PullCache, Reader
-from shardps.server.remedies import Remedy
+from shardps.server.peers import Peers, ReplicaLink
+from shardps.server.pullcache import Reader
 from shardps.server.replica import ReplicaSide
 from shardps.server.roles import OpKind, ReplicaState, Role
 from shardps.server.rows import RowTables
-from shardps.server.scaling import scaling_config
+from shardps.server.scaling import LossScaler, scaling_config
 from shardps.server.snapshot import COUNTERS, ShardState, decode, encode, state_hash
-from shardps.server.sync import make_policy
+from shardps.server.sync import PartKey, make_policy
 from shardps.server.table import TensorSpec, TensorTable
 
 __all__ = ["DEFAULT_LEASE_S", "PushResult", "ShardStore", "TensorSpec"]
 
 log = logging.getLogger("shardps.server")
-
-T = TypeVar("T")
-
-
-class Via(Generic[T]):
-    """A store attribute that is the same-named attribute (or ``name``) of one of its parts."""
-
-    def __init__(self, part: str, name: str = "") -> None:
-        self.part, self.name = part, name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> Via[T]: ...
-
-    @overload
-    def __get__(self, obj: object, owner: type) -> T: ...
-
-    def __get__(self, obj: object, owner: type) -> T | Via[T]:
-        if obj is None:
-            return self
-        value: T = getattr(getattr(obj, self.part), self.name)
-        return value
-
-    def __set__(self, obj: object, value: T) -> None:
-        setattr(getattr(obj, self.part), self.name, value)
-
 
 class ShardStore:
     """The state of one shard, made of parts. See the module docstring for the contract."""
@@ -136,7 +102,7 @@ class ShardStore:
         path: DataPath
         self.table = table = TensorTable(shard_index)
         self.checkpointer = ck = Checkpointer(shard_index)
-        self.replica = replica = ReplicaSide(shard_index, num_shards, cond, self, role=Role(role),
+        self.replica = replica = ReplicaSide(shard_index, num_shards, cond, Replay(self), role=Role(role),
                                              replica_link=replica_link)
         membership = Membership(shard_index, lease_s, clock)
         self.job = job = Job(shard_index, cond, live=membership.live, moved_to=lambda: replica.moved_to,
@@ -153,83 +119,12 @@ class ShardStore:
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
-        # What the store does, each the method of the part that does it (its signature and docstring).
-        self.configure, self.join, self.register_tensors = path.configure, path.join, path.register_tensors
-        self.wait_for_tensors, self.takes_chunked, self.submit = path.wait_for_tensors, path.takes_chunked, path.submit
-        self.pull, self.weights_now, self.set_sync = path.pull, path.weights_now, path.set_sync
-        self.pull_slices = path.pull_slices
-        self.spec, self.staging = table.spec, applier.pool.take
-        self.check_epoch, self.wait_version, self.wait_clock = job.check_epoch, job.wait_version, job.wait_clock
-        self.check_same_epoch = job.check_same_epoch
-        self.register_worker, self.leave, self.touch, self.live_workers = (leases.register, leases.leave,
-                                                                           leases.touch, leases.live)
-        self.check_worker_id = membership.check_worker_id
-        self.evict_expired, self.start_reaper, self.stop_reaper = (leases.evict_expired, leases.start_reaper,
-                                                                   leases.stop_reaper)
-        self.read, self.read_into = reader.read, reader.read_into
-        self.export_state, self.weights = reader.export_state, reader.weights
-        self.checkpoint_versions, self.enable_checkpoints = ck.versions, ck.enable
-        self.check_serving, self.replicated, self.attach_replica = (replica.check_serving, replica.replicated,
-                                                                    replica.attach_replica)
-        self.start_replicated, self.stop_replication = replica.start_replicated, replica.stop_replication
-        self.apply_replica, self.promote, self.take_over = replica.apply_ops, replica.promote, replica.take_over
-        self.replay_rows = self.rows.replay
         if sync is not None or num_workers is not None:
             if sync is None or num_workers is None:
                 raise ValueError("give both sync and num_workers, or neither")
-            self.configure(num_workers, sync)
+            self.path.configure(num_workers, sync)
 
-    # The attributes of earlier versions, now each part's own (read by service.py, metrics, tests, tools).
-    version: Via[int] = Via("job")
-    epoch: Via[int] = Via("job")
-    recovering: Via[bool] = Via("job")
-    closing: Via[bool] = Via("job")
-    waiting: Via[int] = Via("job")
-    worker_clocks: Via[dict[int, int]] = Via("job")
-    pushes_total: Via[int] = Via("job")
-    duplicate_pushes_total: Via[int] = Via("job")
-    push_bytes_total: Via[int] = Via("job")
-    sync_switches_total: Via[int] = Via("job")
-    sync: Via[SyncSpec | None] = Via("job")
-    membership: Via[Membership] = Via("leases")
-    lease_s: Via[float] = Via("leases")
-    evictions_total: Via[int] = Via("leases")
-    leaves_total: Via[int] = Via("leases")
-    peers: Via[Peers | None] = Via("applier")
-    exchange: Via[ExchangeTable] = Via("applier")
-    exchange_timeout_s: Via[float] = Via("applier")
-    applied_updates_total: Via[int] = Via("applier")
-    gradients_applied_total: Via[int] = Via("applier")
-    skipped_steps_total: Via[int] = Via("applier")
-    apply_seconds_total: Via[float] = Via("applier")
-    staleness_counts: Via[Counter[int]] = Via("applier")
-    on_apply: Via[list[Callable[[float], None]]] = Via("applier")
-    remedy: Via[Remedy] = Via("applier")
-    loss_scale: Via[float] = Via("applier")
-    pullcache: Via[PullCache] = Via("reader", "cache")
-    frame_inline_bytes: Via[int] = Via("reader")
-    writers_waiting: Via[int] = Via("reader")
-    pull_bytes_total: Via[int] = Via("reader")
-    pulls_total: Via[int] = Via("reader")
-    checkpoints_total: Via[int] = Via("checkpointer")
-    role: Via[Role] = Via("replica")
-    address: Via[str] = Via("replica")
-    replicator: Via[ReplicaSink | None] = Via("replica")
-    replica_link: Via[ReplicaLink | None] = Via("replica")
-    replica_timeout_s: Via[float] = Via("replica")
-    moved_to: Via[str] = Via("replica")
-    primary_address: Via[str] = Via("replica")
-    replica_seq: Via[int] = Via("replica")
-    replica_synced: Via[bool] = Via("replica")
-    promotions_total: Via[int] = Via("replica")
 
-    @property
-    def num_workers(self) -> int | None:
-        return self.leases.membership.num_workers
-
-    @property
-    def framed_hits_total(self) -> int:
-        return self.reader.cache.hits_total
 
     def connect(self, peers: Peers | None = None, replica_link: ReplicaLink | None = None) -> None:
         """Give the store its ways to other servers (at start-up; see service.connect)."""
@@ -245,6 +140,11 @@ class ShardStore:
         with self._cond:
             return sorted(self.table)
 
+    def _counter_part(self, counter: str) -> object:
+        """The part that keeps ``counter`` (one of snapshot.COUNTERS)."""
+        parts = (self.job, self.applier, self.reader, self.leases)
+        return next(p for p in parts if hasattr(p, counter))
+
     def clocks(self) -> dict[int, int]:
         """Each live worker's clock: the number of steps it has pushed (0 before its first)."""
         with self._cond:
@@ -254,7 +154,7 @@ class ShardStore:
 
     def heartbeat(self, worker_id: int) -> tuple[int, list[int], str]:
         """Renew ``worker_id``'s lease: (version, live workers, where the backup lives or "")."""
-        self.check_serving()
+        self.replica.check_serving()
         self.leases.membership.check_registered(worker_id)  # an evicted worker learns it here
         self.leases.touch(worker_id)
         rep = self.replica.replicator
@@ -263,28 +163,28 @@ class ShardStore:
 
     def goodbye(self, worker_id: int) -> tuple[int, list[int]]:
         """``worker_id`` leaves the job (``leave``), once the backup knows: (version, live workers)."""
-        self.check_serving()
+        self.replica.check_serving()
         self.leases.leave(worker_id)
-        self.replicated()
+        self.replica.replicated()
         return self.job.version, sorted(self.leases.live())
 
     def recover(self, version: int, epoch: int) -> tuple[int, int]:
         """Roll back to the checkpoint at ``version`` in ``epoch`` (``rollback``), once the backup holds it."""
-        self.check_serving()
+        self.replica.check_serving()
         result = self.rollback(version, epoch)
-        self.replicated()
+        self.replica.replicated()
         return result
 
     def switch_sync(self, sync: str) -> tuple[str, int, int]:
         """``set_sync``, once the backup holds it: (the sync mode now, version, the job's sync switch)."""
-        self.check_serving()
-        spec = self.set_sync(sync)
-        self.replicated()
+        self.replica.check_serving()
+        spec = self.path.set_sync(sync)
+        self.replica.replicated()
         return str(spec), self.job.version, self.job.sync_switches_total
 
     def checkpoint_request(self) -> tuple[int, str]:
         """Write a checkpoint now: (version, path)."""
-        self.check_serving()
+        self.replica.check_serving()
         path = self.checkpoint_now()
         return self.job.version, path
 
@@ -315,7 +215,7 @@ class ShardStore:
             workers=sorted(m.workers), evicted=sorted(m.evicted), left=sorted(m.left), skips=sorted(m.skips),
             worker_clocks=job.worker_clocks, scaler=ap.scaler, remedy=ap.remedy, epoch=job.epoch,
             entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
-            counters={k: getattr(self, k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
+            counters={k: getattr(self._counter_part(k), k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
             stale_weights=ap.stale_weights))
         meta["rows"], row_tensors = self.rows.snapshot_locked()  # row tables (server/rows.py): their own keys
         if holds:
@@ -347,7 +247,7 @@ class ShardStore:
                     job.policy.restore_held(s.held)
                 job.policy.track_live(self.leases.live())
             for k, v in s.counters.items():
-                setattr(self, k, v)
+                setattr(self._counter_part(k), k, v)
             ap.staleness_counts = s.staleness_counts
             job.version = version
             job.epoch = max(job.epoch, s.epoch)
@@ -395,24 +295,6 @@ class ShardStore:
         self.checkpointer.last_version = c.version
         return c.version
 
-    # -- the Replayer the replica side is given (replica.py); its other methods are the data path's ---------
-
-    def split_names_locked(self) -> list[str]:
-        return self.table.split_names()
-
-    def renew_leases_locked(self) -> None:
-        self.leases.membership.renew_all()
-
-    def evict(self, workers: list[int]) -> None:
-        """Replayed: evict ``workers`` as the primary did."""
-        with self._cond:
-            self.leases.evict_locked(workers)
-
-    def remember_pulled(self, worker_id: int, names: list[str]) -> None:
-        """Replayed: dc-asgd keeps the weights ``worker_id`` pulled."""
-        with self._cond:
-            self.path.remember_locked(worker_id, names)
-
     def stats(self) -> ShardStats:
         """Every part's figures, of one moment (taken under the lock)."""
         with self._cond:
@@ -436,3 +318,65 @@ class ShardStore:
                 replicated_ops_total=rep.ops_total if rep else self.replica.replica_seq,
                 replication_lag_ops=rep.lag if rep else 0, promotions_total=self.replica.promotions_total,
                 push_received_bytes_total=job.received.total, row_tables=self.rows.table_stats())
+
+
+class Replay:
+    """The ``Replayer`` the replica side is given (server/replica.py): each op replayed through the part that
+    answers the same request on a primary (the same code path), the snapshots through the store."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self._store = store
+
+    @property
+    def version(self) -> int:
+        return self._store.job.version
+
+    @property
+    def epoch(self) -> int:
+        return self._store.job.epoch
+
+    def snapshot_locked(self, *, holds: bool = False) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        return self._store.snapshot_locked(holds=holds)
+
+    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self._store.restore(version, meta, tensors)
+
+    def split_names_locked(self) -> list[str]:
+        return self._store.table.split_names()
+
+    def renew_leases_locked(self) -> None:
+        self._store.leases.membership.renew_all()
+
+    def configure(self, num_workers: int, sync: str, loss_scaling: LossScaler | None = None,
+                  remedy: str | None = None) -> Any:
+        return self._store.path.configure(num_workers, sync, loss_scaling, remedy)
+
+    def register_worker(self, worker_id: int) -> None:
+        self._store.leases.register(worker_id)
+
+    def register_tensors(self, specs: Sequence[TensorSpec], values: dict[PartKey, torch.Tensor] | None) -> list[str]:
+        return self._store.path.register_tensors(specs, values)
+
+    def submit(self, worker_id: int, step: int, base_version: int, grads: Any, nbytes: int = 0, *,
+               found_inf: bool = False, checked: bool = False, weights: Any = None, sync: str = "",
+               sync_switch: int = 0) -> Any:
+        return self._store.path.submit(worker_id, step, base_version, grads, nbytes, found_inf=found_inf,
+                                       checked=checked, weights=weights, sync=sync, sync_switch=sync_switch)
+
+    def leave(self, worker_id: int) -> bool:
+        return self._store.leases.leave(worker_id)
+
+    def set_sync(self, sync: str, switch: int | None = None) -> Any:
+        return self._store.path.set_sync(sync, switch)
+
+    def evict(self, workers: list[int]) -> None:
+        """Evict ``workers`` as the primary did."""
+        self._store.leases.evict(workers)
+
+    def remember_pulled(self, worker_id: int, names: list[str]) -> None:
+        """dc-asgd keeps the weights ``worker_id`` pulled, as the primary did."""
+        with self._store._cond:
+            self._store.path.remember_locked(worker_id, names)
+
+    def replay_rows(self, args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self._store.rows.replay(args, tensors)

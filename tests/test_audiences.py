@@ -91,7 +91,7 @@ def test_a_worker_token_trains_but_cannot_operate_or_replicate(make_cluster):
     out, _ = _train(cluster.addresses, worker)
     assert torch.equal(out["w"], torch.arange(6.0) - 2)
     store = cluster.stores[0]
-    before = (store.version, store.epoch, str(store.sync), store.state_hash(), store.role)
+    before = (store.job.version, store.job.epoch, str(store.job.sync), store.state_hash(), store.replica.role)
     ch = _channel(cluster.addresses[0], "w0rker")
     try:
         op, peers = ps_pb2_grpc.OperatorStub(ch), ps_pb2_grpc.PeersStub(ch)
@@ -111,12 +111,12 @@ def test_a_worker_token_trains_but_cannot_operate_or_replicate(make_cluster):
             assert details.startswith(f"{method} is for the {audience} audience: this token is the worker token")
     finally:
         ch.close()
-    assert (store.version, store.epoch, str(store.sync), store.state_hash(), store.role) == before
+    assert (store.job.version, store.job.epoch, str(store.job.sync), store.state_hash(), store.replica.role) == before
     # The operator's command sent with the worker's token is refused too, naming the audience.
     with pytest.raises(shardps.ShardError) as err:
         run_set_sync(cluster.addresses, "asp", security=Security(operator_token="w0rker"), out=io.StringIO())
     assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "operator" in err.value.details
-    assert str(store.sync) == "bsp"
+    assert str(store.job.sync) == "bsp"
 
 
 @pytest.mark.cluster
@@ -127,13 +127,13 @@ def test_the_operator_token_operates_and_is_refused_on_the_data_path(make_cluste
     operator = Security(operator_token="0perator")
     out = io.StringIO()
     assert run_set_sync(cluster.addresses, "asp", security=operator, out=out) == 0
-    assert all(str(st.sync) == "asp" for st in cluster.stores)
+    assert all(str(st.job.sync) == "asp" for st in cluster.stores)
     ch = _channel(cluster.addresses[0], "0perator")
     try:
         op = ps_pb2_grpc.OperatorStub(ch)
         version = op.Checkpoint(ps_pb2.CheckpointRequest(), timeout=10).version
         r = op.Rollback(ps_pb2.RollbackRequest(version=version, epoch=1), timeout=10)
-        assert (r.version, r.epoch) == (version, 1) and cluster.stores[0].epoch == 1
+        assert (r.version, r.epoch) == (version, 1) and cluster.stores[0].job.epoch == 1
         assert op.Promote(ps_pb2.PromoteRequest(force=True), timeout=10).epoch == 1  # a primary already: no-op
         workers = ps_pb2_grpc.WorkersStub(ch)
         code, details = _code(lambda: workers.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=0), timeout=10))
@@ -192,10 +192,10 @@ def test_replication_and_fail_over_with_the_peer_and_worker_tokens(make_cluster)
             code, details = _code(lambda: ps_pb2_grpc.WorkersStub(ch).TakeOver(ps_pb2.TakeOverRequest(),
                                                                                 timeout=10))
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "still answers SERVING" in details
-            assert backup_of[0].role == "backup"
+            assert backup_of[0].replica.role == "backup"
         finally:
             ch.close()
         cluster._servers[1].stop(None)  # shard 0's primary goes away: the worker's TakeOver succeeds
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
         assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
-        assert client.failovers_total == 1 and backup_of[0].role == "primary"
+        assert client.failovers_total == 1 and backup_of[0].replica.role == "primary"

@@ -69,14 +69,16 @@ def test_bad_push_is_refused_and_changes_nothing(setup, case):
     store, stub, _ = setup
     kwargs, code, fragments = BAD_PUSHES[case]
     before = store.state_hash()
-    counters = (store.version, store.pushes_total, store.applied_updates_total, dict(store.worker_clocks))
+    counters = (store.job.version, store.job.pushes_total, store.applier.applied_updates_total,
+                dict(store.job.worker_clocks))
     with pytest.raises(grpc.RpcError) as err:
         push(stub, *kwargs.pop("chunks"), **kwargs)
     assert err.value.code() == code, err.value.details()
     for f in fragments:
         assert f in err.value.details(), (f, err.value.details())
     assert store.state_hash() == before
-    assert (store.version, store.pushes_total, store.applied_updates_total, dict(store.worker_clocks)) == counters
+    assert (store.job.version, store.job.pushes_total, store.applier.applied_updates_total,
+            dict(store.job.worker_clocks)) == counters
 
 
 def test_mixed_headers_in_one_stream_are_refused(setup):
@@ -135,7 +137,7 @@ def test_barrier_wait_names_missing_workers(setup):
     push(stub, chunk(), chunk(name="b", n=5, shape=(5,)))
     with pytest.raises(shardps.server.errors.DeadlineExceeded,
                        match=r"waited 0.1s for version 1: round 0 has gradients from workers \[0\], missing \[1\]"):
-        store.wait_version(1, timeout=0.1)
+        store.job.wait_version(1, timeout=0.1)
 
 
 def test_duplicate_push_is_acknowledged_once(setup):
@@ -144,7 +146,7 @@ def test_duplicate_push_is_acknowledged_once(setup):
     before = store.state_hash()
     r2 = push(stub, chunk(), chunk(name="b", n=5, shape=(5,)))
     assert not r1.duplicate and r2.duplicate
-    assert store.state_hash() == before and store.pushes_total == 2 and store.duplicate_pushes_total == 1
+    assert store.state_hash() == before and store.job.pushes_total == 2 and store.job.duplicate_pushes_total == 1
 
 
 def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_skipped(make_cluster):
@@ -158,7 +160,7 @@ def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_sk
         stub = ps_pb2_grpc.WorkersStub(ch)
         r = push(stub, chunk(n=6, shape=(6,), data=bad.numpy().tobytes()))  # found_inf not set
     assert r.version == 1 and not r.applied
-    assert store.skipped_steps_total == 1 and torch.equal(store.weights("w")[0], torch.ones(6))
+    assert store.applier.skipped_steps_total == 1 and torch.equal(store.reader.weights("w")[0], torch.ones(6))
 
 
 def test_shapes_beyond_int64_element_counts_are_refused(make_cluster):

@@ -28,7 +28,7 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bsp_three_workers_equal_one_process_with_torch_adam(cluster2, frame_inline_bytes):
     if frame_inline_bytes is not None:  # every Pull framed outside the lock, as large ones are
         for st in cluster2.stores:
-            st.frame_inline_bytes = frame_inline_bytes
+            st.reader.frame_inline_bytes = frame_inline_bytes
     reference = make_model()
     topt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for step in range(STEPS):
@@ -64,7 +64,7 @@ def test_bsp_three_workers_equal_one_process_with_torch_adam(cluster2, frame_inl
                                        msg=lambda m, k=k, name=name: f"worker {k}, {name}: {m}")
     # The matrices really were split across both shards, and each shard stepped once per step.
     for store in cluster2.stores:
-        assert store.version == STEPS
-        assert any(len(store.weights(n)) >= 1 for n in ("0.weight", "2.weight"))
+        assert store.job.version == STEPS
+        assert any(len(store.reader.weights(n)) >= 1 for n in ("0.weight", "2.weight"))
     assert all(len(s.names()) > 0 for s in cluster2.stores)
-    assert all(st.staleness_counts == {0: STEPS * WORKERS} for st in cluster2.stores)
+    assert all(st.applier.staleness_counts == {0: STEPS * WORKERS} for st in cluster2.stores)

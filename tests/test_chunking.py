@@ -41,7 +41,7 @@ def test_half_precision_payloads(cluster2, dtype):
         as32 = client.pull(dtype=torch.float32)["w"]
         torch.testing.assert_close(as32, values.float() - 0.5, rtol=0, atol=0)
         for store in cluster2.stores:
-            for part in store.weights("w").values():
+            for part in store.reader.weights("w").values():
                 assert part.dtype == torch.float32
 
 

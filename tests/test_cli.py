@@ -56,7 +56,7 @@ def test_ctl_set_sync_switches_every_shard(cluster2):
     proc = _cli("ctl", "--addresses", ",".join(cluster2.addresses), "set-sync", "ssp:2")
     assert proc.returncode == 0, proc.stderr
     assert "sync is now ssp:2 on 2 shards" in proc.stdout
-    assert [str(s.sync) for s in cluster2.stores] == ["ssp:2", "ssp:2"]
+    assert [str(s.job.sync) for s in cluster2.stores] == ["ssp:2", "ssp:2"]
     bad = _cli("ctl", "--addresses", ",".join(cluster2.addresses), "set-sync", "sometimes")
     assert bad.returncode == 2 and "unknown sync mode" in bad.stderr
     client.close()
@@ -117,7 +117,7 @@ def test_server_frame_inline_bytes_from_flag_or_env_and_a_bad_one_refused():
     assert proc.returncode != 0 and "SHARDPS_FRAME_INLINE_BYTES='lots' is not an integer" in proc.stderr
     server = ShardServer(frame_inline_bytes=0, replicas=1).start()
     try:
-        assert server.store is not None and server.store.frame_inline_bytes == 0
+        assert server.store is not None and server.store.reader.frame_inline_bytes == 0
     finally:
         server.stop()
     with pytest.raises(ValueError, match="frame_inline_bytes must be an integer >= 0, got -5"):
@@ -132,7 +132,7 @@ def test_server_replica_timeout_reaches_the_primary_and_the_backup_and_a_bad_one
     server = ShardServer(num_shards=2, replicas=2, replica_timeout_s=2.5).start()
     try:
         assert server.store is not None and server.backup is not None
-        assert server.store.replica_timeout_s == 2.5 and server.backup.replica_timeout_s == 2.5
+        assert server.store.replica.replica_timeout_s == 2.5 and server.backup.replica.replica_timeout_s == 2.5
     finally:
         server.stop()
     assert ShardServer().replica_timeout_s == 30.0

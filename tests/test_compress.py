@@ -84,7 +84,7 @@ def test_bsp_two_workers_each_compressed_gradient_applied_exactly_once(make_clus
             want -= (a[name] + b[name]) / 2
         assert torch.equal(w0[name].reshape(-1), want) and torch.equal(w1[name].reshape(-1), want), name
     for st in cluster.stores:
-        assert st.version == steps and st.gradients_applied_total == 2 * steps
+        assert st.job.version == steps and st.applier.gradients_applied_total == 2 * steps
 
 
 @pytest.mark.parametrize("shm", PATHS)
@@ -157,18 +157,18 @@ def one_shard(make_cluster):
 def test_bad_compressed_push_is_refused_and_changes_nothing(one_shard, case):
     store, stub, _ = one_shard
     chunks, fragments = BAD[case]
-    before, pushes = store.state_hash(), store.pushes_total
+    before, pushes = store.state_hash(), store.job.pushes_total
     with pytest.raises(grpc.RpcError) as err:
         stub.Push(iter([ps_pb2.PushRequest(worker_id=0, step=0, chunk=c) for c in chunks]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     for f in fragments:
         assert f in err.value.details(), (f, err.value.details())
-    assert store.state_hash() == before and store.pushes_total == pushes
+    assert store.state_hash() == before and store.job.pushes_total == pushes
     # ... and a good compressed push goes in after it: 0 but w[1] = 1 - 1 (SGD at lr 1 from the values).
-    w = store.weights("w")[0].reshape(-1).clone()
+    w = store.reader.weights("w")[0].reshape(-1).clone()
     stub.Push(iter([ps_pb2.PushRequest(worker_id=0, step=0, chunk=_topk([1]))]), timeout=10)
     w[1] -= 1.0
-    assert store.version == 1 and torch.equal(store.weights("w")[0].reshape(-1), w)
+    assert store.job.version == 1 and torch.equal(store.reader.weights("w")[0].reshape(-1), w)
 
 
 def test_compressed_initial_values_and_shared_memory_ranges_are_refused(one_shard):

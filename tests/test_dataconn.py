@@ -53,7 +53,7 @@ def test_one_connection_serves_every_shard_of_a_process(make_cluster):
         assert len({p.route for p in client.paths}) == 4
         client.push({"w": torch.ones(4000)}, step=0)
         assert torch.equal(client.pull(min_versions=1)["w"], -torch.ones(4000))
-    assert sum(s.pushes_total for s in cluster.stores) == 4
+    assert sum(s.job.pushes_total for s in cluster.stores) == 4
 
 
 def test_a_server_with_tcp_off_offers_no_data_port(make_cluster, monkeypatch):
@@ -136,9 +136,9 @@ def test_bad_frames_are_refused_with_what_was_expected_and_received_and_change_n
     # A stream that ends before its last message: nothing of it applied.
     parts = iter([(first, [(0, bytes80)])])
     _refused(bad, lambda: conn.stream(route, parts, 80, 5.0), "ended before its last message")
-    assert store.state_hash() == before and store.pushes_total == 0
+    assert store.state_hash() == before and store.job.pushes_total == 0
     push([_message()], [(0, memoryview(torch.ones(20).numpy()).cast("B"))])  # whole and as named: taken
-    assert store.pushes_total == 1
+    assert store.job.pushes_total == 1
 
 
 def test_a_frame_after_its_stream_ended_is_refused(one_shard):
@@ -149,7 +149,7 @@ def test_a_frame_after_its_stream_ended_is_refused(one_shard):
         name="w", offset=0, dtype=ps_pb2.FLOAT32, shape=[4, 5], shm_offset=0, shm_bytes=80)).SerializeToString()
     conn._send(wire.PUSH_END, call, path.route, wire.joined([msg]), [(0, memoryview(bytes(80)))], 80, 5.0)
     conn._wait(call, c, 5.0, "push")
-    assert store.pushes_total == 1
+    assert store.job.pushes_total == 1
     before = store.state_hash()
     c2 = dataconn._Call(None)
     with conn._mu:
@@ -157,7 +157,7 @@ def test_a_frame_after_its_stream_ended_is_refused(one_shard):
     conn._send(wire.PUSH_PART, call, path.route, wire.joined([msg]), [(0, memoryview(bytes(80)))], 80, 5.0)
     _refused(grpc.StatusCode.INVALID_ARGUMENT, lambda: conn._wait(call, c2, 5.0, "push"),
              f"call {call} came after that call ended")
-    assert store.state_hash() == before and store.pushes_total == 1
+    assert store.state_hash() == before and store.job.pushes_total == 1
 
 
 @pytest.mark.parametrize("how", ["torn", "past-the-buffer", "bad-magic", "huge-control"])
@@ -178,8 +178,8 @@ def test_a_frame_that_breaks_the_protocol_ends_the_connection_and_the_shard_goes
     conn._thread.join(10)
     assert not conn._thread.is_alive() and conn.error  # the server closed it
     assert isinstance(client.paths[0], GrpcPath)
-    assert store.state_hash() == before and store.pushes_total == 0
-    w = store.weights("w")[0]
+    assert store.state_hash() == before and store.job.pushes_total == 0
+    w = store.reader.weights("w")[0]
     client.push({"w": torch.ones(4, 5)}, step=0)  # over gRPC now
     assert torch.equal(client.pull(min_versions=1)["w"], w - 0.5)
 

@@ -40,7 +40,7 @@ def test_damaged_frames_are_refused_and_change_nothing(served, seed):
     cluster, (host, port, token, worker_id), shards = served
     rng = random.Random(seed)
     before = [s.state_hash() for s in cluster.stores]
-    pushes = [s.pushes_total for s in cluster.stores]
+    pushes = [s.job.pushes_total for s in cluster.stores]
     seen = set()
     for i in range(CASES):
         defect = DEFECTS[i] if i < len(DEFECTS) else None  # every kind once, then drawn
@@ -50,5 +50,5 @@ def test_damaged_frames_are_refused_and_change_nothing(served, seed):
         broke = judge_answers(case, answers)
         assert not broke, f"seed {seed}, case {i}: {broke}"
         assert [s.state_hash() for s in cluster.stores] == before, f"seed {seed}, case {i} ({case.defect})"
-        assert [s.pushes_total for s in cluster.stores] == pushes, f"seed {seed}, case {i} ({case.defect})"
+        assert [s.job.pushes_total for s in cluster.stores] == pushes, f"seed {seed}, case {i} ({case.defect})"
     assert seen == set(DEFECTS)

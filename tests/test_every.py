@@ -58,6 +58,6 @@ def test_every_4_equals_accumulation_and_pushes_a_quarter(cluster2):
         for name, w in weights.items():
             torch.testing.assert_close(w, expected[name].detach(), rtol=1e-5, atol=1e-6)
     for store in cluster2.stores:
-        assert store.pushes_total == WORKERS * ROUNDS
-        assert store.version == ROUNDS
-        assert str(store.sync) == "every:4"
+        assert store.job.pushes_total == WORKERS * ROUNDS
+        assert store.job.version == ROUNDS
+        assert str(store.job.sync) == "every:4"

@@ -75,6 +75,6 @@ def test_lost_replies_are_retried_and_applied_once(make_cluster):
         for n in w_exp:
             assert torch.equal(w_got[n], w_exp[n]), n  # bitwise: every gradient applied exactly once
     for store in faulty.stores:
-        assert store.duplicate_pushes_total > 0
-        assert store.gradients_applied_total == WORKERS * STEPS
-        assert store.version == STEPS
+        assert store.job.duplicate_pushes_total > 0
+        assert store.applier.gradients_applied_total == WORKERS * STEPS
+        assert store.job.version == STEPS

@@ -72,7 +72,7 @@ def test_a_primary_cut_from_etcd_stops_acknowledging_and_its_backup_takes_over_o
             client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=1.0), sync="asp")
             for step in range(3):
                 push_one(client, step)
-            assert c.fences[0].epoch == 1 and primary.version == 3
+            assert c.fences[0].epoch == 1 and primary.job.version == 3
             c.fences[0].close(release=False)  # shard 0's primary can no longer renew: etcd is cut off from it
             assert "this server stopped holding it" in c.fences[0].why_not()
             # it refuses at once, naming why; nothing is applied
@@ -87,8 +87,8 @@ def test_a_primary_cut_from_etcd_stops_acknowledging_and_its_backup_takes_over_o
             assert client.failovers_total == 1 and client.addresses[0] == c.backup_addresses[0]
         record = ShardLease(etcd, job, 0, "observer:0").read()
         assert record is not None and (record.primary, record.epoch) == (c.backup_addresses[0], 2)
-        assert primary.version == 3 and weight(primary) == 3.0  # acknowledged nothing after its lease lapsed
-        assert backup.version == 6 and weight(backup) == 6.0  # every acknowledged push once: 3 + 3
+        assert primary.job.version == 3 and weight(primary) == 3.0  # acknowledged nothing after its lease lapsed
+        assert backup.job.version == 6 and weight(backup) == 6.0  # every acknowledged push once: 3 + 3
     finally:
         etcd.close()
 
@@ -156,7 +156,7 @@ def test_a_primary_alone_whose_new_backup_is_in_sync_is_recorded_with_it_and_tha
                 assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "still holds its lease" in e.details()
                 assert time.monotonic() < deadline, e.details()
                 time.sleep(0.2)  # etcd's clock lets the lease go
-        assert (got.shard_index, got.version, got.fence_epoch) == (0, spare.version, 2)
+        assert (got.shard_index, got.version, got.fence_epoch) == (0, spare.job.version, 2)
     finally:
         stop_server(server)
         spare.replica.fence.close()  # its lease, renewed since it took over, before the client it renews with
@@ -200,7 +200,7 @@ def test_requests_carry_the_fencing_epoch_and_one_not_the_primarys_is_refused_na
         push_one(client, 1)  # fails over once the lease expired
         assert client.transport.fence_epochs[0] == 2  # learnt from the takeover's answer
         new = c.backups[1]
-        version = new.version
+        version = new.job.version
         stub = ps_pb2_grpc.WorkersStub(grpc.insecure_channel(c.backup_addresses[0]))
         with pytest.raises(grpc.RpcError) as e:
             stub.Push(iter([_push_request(0, 2, 1)]), timeout=10)
@@ -210,9 +210,9 @@ def test_requests_carry_the_fencing_epoch_and_one_not_the_primarys_is_refused_na
             list(stub.Pull(ps_pb2.PullRequest(worker_id=0, fence_epoch=3), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "worker 0's pull of fencing epoch 3, newer than this server's 2" in e.value.details()
-        assert new.version == version  # nothing applied
+        assert new.job.version == version  # nothing applied
         push_one(client, 2)  # the worker's own requests carry 2: accepted
-        assert new.version == version + 1
+        assert new.job.version == version + 1
 
 
 def test_a_backup_refuses_ops_of_an_older_fencing_epoch_than_it_saw_and_deposes_their_sender(

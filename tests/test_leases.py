@@ -19,52 +19,53 @@ from tests.helpers import shardps_process
 
 def _store(workers=3, sync="bsp", lease=5.0):
     st = ShardStore(0, 1, lease_s=lease)
-    st.configure(workers, sync)
-    st.register_tensors([TensorSpec("w", (2,), 1, shardps.optim.SGD(lr=1.0), ((0, 2),))], {("w", 0): torch.zeros(2)})
+    st.path.configure(workers, sync)
+    st.path.register_tensors([TensorSpec("w", (2,), 1, shardps.optim.SGD(lr=1.0), ((0, 2),))], {("w",
+                                                                                                 0): torch.zeros(2)})
     for w in range(workers):
-        st.register_worker(w)
+        st.leases.register(w)
     return st
 
 
 def test_eviction_completes_the_round_with_the_live_workers(caplog):
     caplog.set_level(logging.WARNING, logger="shardps.server")
     st = _store()
-    st.submit(0, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
-    st.submit(1, 0, 0, {("w", 0): torch.tensor([3.0, 3.0])})
-    assert st.version == 0  # waiting for worker 2
+    st.path.submit(0, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
+    st.path.submit(1, 0, 0, {("w", 0): torch.tensor([3.0, 3.0])})
+    assert st.job.version == 0  # waiting for worker 2
     now = time.monotonic()
-    st.touch(0)
-    st.touch(1)
-    assert st.evict_expired(now + 4.0) == []
-    st.membership.last_seen[2] = now - 10  # worker 2 went silent
-    assert st.evict_expired(now) == [2]
-    assert st.version == 1  # the round completed with workers 0 and 1: their mean
-    assert torch.equal(st.weights("w")[0], torch.tensor([-2.0, -2.0]))
-    assert st.evictions_total == 1 and st.stats().evicted_workers == [2]
+    st.leases.touch(0)
+    st.leases.touch(1)
+    assert st.leases.evict_expired(now + 4.0) == []
+    st.leases.membership.last_seen[2] = now - 10  # worker 2 went silent
+    assert st.leases.evict_expired(now) == [2]
+    assert st.job.version == 1  # the round completed with workers 0 and 1: their mean
+    assert torch.equal(st.reader.weights("w")[0], torch.tensor([-2.0, -2.0]))
+    assert st.leases.evictions_total == 1 and st.stats().evicted_workers == [2]
     assert "evicted worker 2" in caplog.text
     # The next rounds need only the live workers; the evicted one must register again.
-    st.submit(0, 1, 1, {("w", 0): torch.tensor([1.0, 1.0])})
-    st.submit(1, 1, 1, {("w", 0): torch.tensor([1.0, 1.0])})
-    assert st.version == 2
+    st.path.submit(0, 1, 1, {("w", 0): torch.tensor([1.0, 1.0])})
+    st.path.submit(1, 1, 1, {("w", 0): torch.tensor([1.0, 1.0])})
+    assert st.job.version == 2
     with pytest.raises(shardps.server.errors.FailedPrecondition, match="worker 2 was evicted"):
-        st.submit(2, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
-    st.register_worker(2)  # rejoins; from now on rounds wait for it again
-    st.submit(0, 2, 2, {("w", 0): torch.tensor([1.0, 1.0])})
-    st.submit(1, 2, 2, {("w", 0): torch.tensor([1.0, 1.0])})
-    assert st.version == 2
-    st.submit(2, 0, 2, {("w", 0): torch.tensor([1.0, 1.0])})
-    assert st.version == 3
+        st.path.submit(2, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
+    st.leases.register(2)  # rejoins; from now on rounds wait for it again
+    st.path.submit(0, 2, 2, {("w", 0): torch.tensor([1.0, 1.0])})
+    st.path.submit(1, 2, 2, {("w", 0): torch.tensor([1.0, 1.0])})
+    assert st.job.version == 2
+    st.path.submit(2, 0, 2, {("w", 0): torch.tensor([1.0, 1.0])})
+    assert st.job.version == 3
 
 
 def test_evicted_workers_do_not_hold_ssp_back():
     st = _store(workers=2, sync="ssp:1")
     for step in range(3):
-        st.submit(0, step, st.version, {("w", 0): torch.ones(2)})
+        st.path.submit(0, step, st.job.version, {("w", 0): torch.ones(2)})
     with pytest.raises(shardps.server.errors.DeadlineExceeded, match="behind: {1: 0}"):
-        st.wait_clock(3, timeout=0.05)
-    st.membership.last_seen[1] = time.monotonic() - 60
-    st.evict_expired()
-    assert st.wait_clock(3, timeout=0.05) == 3
+        st.job.wait_clock(3, timeout=0.05)
+    st.leases.membership.last_seen[1] = time.monotonic() - 60
+    st.leases.evict_expired()
+    assert st.job.wait_clock(3, timeout=0.05) == 3
 
 
 def _clocks(cluster) -> dict[int, int]:

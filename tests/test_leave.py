@@ -21,69 +21,69 @@ from tests.test_leases import _store
 def test_a_leave_completes_the_round_with_the_others_and_is_no_eviction(caplog):
     caplog.set_level(logging.INFO, logger="shardps.server")
     st = _store(lease=60.0)
-    st.submit(0, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
-    st.submit(1, 0, 0, {("w", 0): torch.tensor([3.0, 3.0])})
-    assert st.version == 0
-    assert st.leave(2) is True
-    assert st.version == 1 and torch.equal(st.weights("w")[0], torch.tensor([-2.0, -2.0]))
+    st.path.submit(0, 0, 0, {("w", 0): torch.tensor([1.0, 1.0])})
+    st.path.submit(1, 0, 0, {("w", 0): torch.tensor([3.0, 3.0])})
+    assert st.job.version == 0
+    assert st.leases.leave(2) is True
+    assert st.job.version == 1 and torch.equal(st.reader.weights("w")[0], torch.tensor([-2.0, -2.0]))
     s = st.stats()
     assert s.left_workers == [2] and s.leaves_total == 1 and s.evictions_total == 0
     assert "worker 2 left" in caplog.text and "evicted" not in caplog.text
-    assert st.leave(2) is False and st.stats().leaves_total == 1  # idempotent
+    assert st.leases.leave(2) is False and st.stats().leaves_total == 1  # idempotent
     with pytest.raises(FailedPrecondition, match="worker 2 left the job"):
-        st.submit(2, 0, 0, {("w", 0): torch.ones(2)})
-    st.register_worker(2)  # rejoins: rounds wait for it again
-    st.submit(0, 1, 1, {("w", 0): torch.ones(2)})
-    st.submit(1, 1, 1, {("w", 0): torch.ones(2)})
-    assert st.version == 1
-    st.submit(2, 0, 1, {("w", 0): torch.ones(2)})
-    assert st.version == 2 and st.stats().left_workers == []
+        st.path.submit(2, 0, 0, {("w", 0): torch.ones(2)})
+    st.leases.register(2)  # rejoins: rounds wait for it again
+    st.path.submit(0, 1, 1, {("w", 0): torch.ones(2)})
+    st.path.submit(1, 1, 1, {("w", 0): torch.ones(2)})
+    assert st.job.version == 1
+    st.path.submit(2, 0, 1, {("w", 0): torch.ones(2)})
+    assert st.job.version == 2 and st.stats().left_workers == []
 
 
 def test_after_everyone_left_the_next_run_expects_every_worker_again():
     """A job resumed from a checkpoint taken after its workers left: the first worker back must not
     complete rounds on its own while the others are still registering."""
     st = _store(workers=2, lease=60.0)
-    st.leave(0)
-    st.leave(1)
-    st.register_worker(0)
-    st.submit(0, 0, 0, {("w", 0): torch.ones(2)})
-    assert st.version == 0 and st.live_workers() == {0, 1}  # waits for worker 1
-    st.register_worker(1)
-    st.submit(1, 0, 0, {("w", 0): torch.ones(2)})
-    assert st.version == 1
+    st.leases.leave(0)
+    st.leases.leave(1)
+    st.leases.register(0)
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(2)})
+    assert st.job.version == 0 and st.leases.live() == {0, 1}  # waits for worker 1
+    st.leases.register(1)
+    st.path.submit(1, 0, 0, {("w", 0): torch.ones(2)})
+    assert st.job.version == 1
 
 
 def test_an_evicted_worker_that_comes_back_after_the_others_finished_does_not_wait_for_them():
     """Review finding: when every registered worker had left, the next registration expected all workers
     again, even one that was evicted and came back to finish: it waited for workers that were done."""
     st = _store(workers=3, lease=60.0)
-    st.membership.last_seen[1] = time.monotonic() - 120
-    assert st.evict_expired() == [1]
-    st.leave(0)
-    st.leave(2)
-    st.register_worker(1)
-    assert st.live_workers() == {1}
-    st.submit(1, 0, 0, {("w", 0): torch.ones(2)})
-    assert st.version == 1
+    st.leases.membership.last_seen[1] = time.monotonic() - 120
+    assert st.leases.evict_expired() == [1]
+    st.leases.leave(0)
+    st.leases.leave(2)
+    st.leases.register(1)
+    assert st.leases.live() == {1}
+    st.path.submit(1, 0, 0, {("w", 0): torch.ones(2)})
+    assert st.job.version == 1
 
 
 def test_leaving_releases_ssp_clocks():
     st = _store(workers=2, sync="ssp:1", lease=60.0)
     for step in range(3):
-        st.submit(0, step, st.version, {("w", 0): torch.ones(2)})
+        st.path.submit(0, step, st.job.version, {("w", 0): torch.ones(2)})
     with pytest.raises(shardps.server.errors.DeadlineExceeded, match="behind: {1: 0}"):
-        st.wait_clock(3, timeout=0.05)
-    st.leave(1)
-    assert st.wait_clock(3, timeout=0.05) == 3
+        st.job.wait_clock(3, timeout=0.05)
+    st.leases.leave(1)
+    assert st.job.wait_clock(3, timeout=0.05) == 3
 
 
 def test_membership_after_leaving_survives_a_snapshot():
     st = _store(lease=60.0)
-    st.leave(1)
+    st.leases.leave(1)
     copy = ShardStore(0, 1, lease_s=60.0)
     copy.restore(*st.snapshot())
-    assert copy.stats().left_workers == [1] and copy.live_workers() == {0, 2}
+    assert copy.stats().left_workers == [1] and copy.leases.live() == {0, 2}
 
 
 @pytest.mark.cluster
@@ -106,7 +106,7 @@ def test_a_clean_run_ends_with_goodbyes_not_evictions(make_cluster, caplog):
         assert s.left_workers == [0, 1] and s.leaves_total == 2
         assert s.evictions_total == 0 and s.registered_workers == []
         # Nobody is left to be evicted later: the documented alert cannot fire for a finished job.
-        assert store.evict_expired(now=float("inf")) == []
+        assert store.leases.evict_expired(now=float("inf")) == []
     assert "evicted" not in caplog.text
 
 
@@ -134,14 +134,14 @@ def test_a_client_driven_by_hand_keeps_its_lease_while_it_waits(make_cluster):
     beats = _CountHeartbeats()
     cluster = make_cluster(1, lease_s=0.6, interceptors=[beats])
     store = cluster.stores[0]
-    store.stop_reaper()
+    store.leases.stop_reaper()
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=2) as client:
         client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=0.1), sync="bsp")
         with beats.cond:  # heartbeats come without any Push or Pull
             assert beats.cond.wait_for(lambda: len(beats.times) >= 3, timeout=120)
             last = beats.times[-1]
         # Each heartbeat renewed the lease: half a lease after the last one, the worker is still live.
-        assert store.evict_expired(now=last + 0.3) == [] and 0 in store.live_workers()
+        assert store.leases.evict_expired(now=last + 0.3) == [] and 0 in store.leases.live()
         client.stop_heartbeats()  # now it falls silent: once its lease has run out it is evicted
-        assert store.evict_expired(now=time.monotonic() + 1.2) == [0]
+        assert store.leases.evict_expired(now=time.monotonic() + 1.2) == [0]
         assert store.stats().evicted_workers == [0]

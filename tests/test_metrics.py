@@ -101,9 +101,9 @@ def test_bsp_wait_is_observed_and_clock_gap_is_read_at_scrape_time():
     store = ShardStore(0, 1, sync="bsp", num_workers=2)
     reg = CollectorRegistry()
     ServerMetrics(store, reg)
-    store.register_worker(0)
-    store.register_worker(1)
-    store.worker_clocks.update({0: 7, 1: 3})  # as the store keeps them: last step pushed
+    store.leases.register(0)
+    store.leases.register(1)
+    store.job.worker_clocks.update({0: 7, 1: 3})  # as the store keeps them: last step pushed
     assert reg.get_sample_value("shardps_clock_gap_steps", {"shard": "0"}) == 4
     assert reg.get_sample_value("shardps_worker_clock_steps", {"shard": "0", "worker": "0"}) == 8
 

@@ -98,9 +98,9 @@ def test_loss_scaling_matches_gradscaler_and_skips_an_inf_step_everywhere(cluste
             torch.testing.assert_close(w, expected[n].detach(), rtol=1e-5, atol=1e-6)
     assert ref_scales[INF_STEP] == ref_scales[INF_STEP - 1] * 0.5
     for store in cluster2.stores:
-        assert store.skipped_steps_total == 1
-        assert store.version == STEPS and store.applied_updates_total == STEPS - 1
-        assert store.loss_scale == ref_scales[-1]
+        assert store.applier.skipped_steps_total == 1
+        assert store.job.version == STEPS and store.applier.applied_updates_total == STEPS - 1
+        assert store.applier.loss_scale == ref_scales[-1]
 
 
 def test_export_state_matches_torch_adam(cluster2):

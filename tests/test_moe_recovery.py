@@ -130,7 +130,7 @@ def test_an_expert_step_computed_before_a_rollback_applies_nothing(make_cluster,
             opt.zero_grad()
         before = client.pull_rows("experts", torch.arange(E), track=False)
         for store in cluster.stores:  # another worker's rollback to the last checkpoint, in a new epoch
-            store.rollback(store.version, client.epoch + 1)
+            store.rollback(store.job.version, client.epoch + 1)
         out, aux = model(x)
         (out.pow(2).mean() + aux).backward()  # "send": the shards' Backward, refused to apply
         assert torch.equal(client.pull_rows("experts", torch.arange(E), track=False), before)

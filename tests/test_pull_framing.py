@@ -35,7 +35,7 @@ def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
     monkeypatch.setenv("SHARDPS_TCP", "0")  # the bytes in gRPC's answers, framed by frame_items (no TCP path)
     cluster = make_cluster(1)
     st = cluster.stores[0]
-    st.frame_inline_bytes = 0
+    st.reader.frame_inline_bytes = 0
     paused, real = threading.Event(), pullcache.frame_items
 
     def items(*args, **kw):
@@ -43,7 +43,7 @@ def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
             if i == 1 and not paused.is_set():
                 paused.set()
                 with st._cond:
-                    assert st._cond.wait_for(lambda: st.writers_waiting or st.version > 1, timeout=60)
+                    assert st._cond.wait_for(lambda: st.reader.writers_waiting or st.job.version > 1, timeout=60)
             yield item
 
     monkeypatch.setattr(pullcache, "frame_items", items)
@@ -66,7 +66,7 @@ def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
 @pytest.mark.fault
 def test_asp_workers_pulling_and_pushing_at_once_see_whole_versions(cluster2):
     for st in cluster2.stores:
-        st.frame_inline_bytes = 0
+        st.reader.frame_inline_bytes = 0
     zeros = {n: torch.zeros(s) for n, s in SHAPES.items()}
 
     def worker(k: int) -> list[tuple[dict[str, int], dict[str, torch.Tensor]]]:

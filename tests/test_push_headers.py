@@ -64,7 +64,7 @@ def test_a_streamed_push_whose_found_inf_disagrees_is_refused(one_shard):
     msgs[-1].last = True
     answer = stub.Push(iter(msgs), timeout=10)
     store = cluster.stores[0]
-    assert answer.version == 1 and store.worker_clocks[0] == 0 and store.applied_updates_total == 0
+    assert answer.version == 1 and store.job.worker_clocks[0] == 0 and store.applier.applied_updates_total == 0
     assert torch.equal(fuzz.pull_all(cluster.addresses)["w"], W)
 
 
@@ -136,6 +136,6 @@ def test_an_op_replicated_to_a_backup_whose_messages_disagree_or_do_not_parse_is
         # The backups took nothing in and are still in step: the next real step reaches them.
         client.push({"w": torch.ones(4, 5)}, step=0)
     for store in cluster.stores:
-        store.replicated()
+        store.replica.replicated()
         backup = next(b for b in backups if b.shard_index == store.shard_index)
-        assert backup.state_hash() == store.state_hash() and store.version == 1
+        assert backup.state_hash() == store.state_hash() and store.job.version == 1

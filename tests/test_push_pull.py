@@ -194,7 +194,7 @@ def test_a_bad_pull_dtype_is_refused_and_changes_nothing(make_cluster):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Push" in e.value.details()
         assert "77" in e.value.details()
         st = cluster.stores[0]
-        assert st.version == 0 and st.pushes_total == 0
+        assert st.job.version == 0 and st.job.pushes_total == 0
     finally:
         channel.close()
         client.close()

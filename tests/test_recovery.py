@@ -235,7 +235,7 @@ def test_a_second_rollback_while_a_worker_resyncs_is_followed(make_cluster, tmp_
             model(torch.ones(1, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        cluster.stores[1].recovering = True  # shard 1 restarted from its checkpoint at 4
+        cluster.stores[1].job.recovering = True  # shard 1 restarted from its checkpoint at 4
         real_pull, calls = client.pull, []
 
         def pull(*args, **kwargs):

@@ -25,7 +25,7 @@ def test_a_worker_evicted_on_one_shard_rejoins_at_its_newest_clock_and_that_shar
         assert {len(client.shard_map.parts_for(i)) > 0 for i in range(2)} == {True}  # a tensor on each shard
         for step in range(3):
             client.push(grads(), step)
-        c.stores[1].evict([0])  # shard 1 lost the worker (a partition, a lease run out); shard 0 did not
+        c.stores[1].leases.evict([0])  # shard 1 lost the worker (a partition, a lease run out); shard 0 did not
         with pytest.raises(shardps.ShardError, match="evicted") as e:
             client.push(grads(), 3)  # taken in by shard 0 (it moves on), refused by shard 1
         assert e.value.shard == 1
@@ -57,7 +57,7 @@ def test_a_shard_that_skips_a_worker_keeps_it_across_a_snapshot(make_cluster):
         client.register({"a": torch.zeros(1000)}, shardps.optim.SGD(lr=1.0), sync="asp")
         client.push({"a": torch.ones(1000)}, 0)
         store = c.stores[0]
-        store.evict([0])
+        store.leases.evict([0])
         client.register({"a": torch.zeros(1000)}, shardps.optim.SGD(lr=1.0), sync="asp")
         assert store.leases.membership.skips == {0}
         version, meta, tensors = store.snapshot()

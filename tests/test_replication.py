@@ -83,8 +83,8 @@ def test_an_acknowledged_push_is_already_on_the_backup(make_cluster):
             results = client.push({"w": torch.ones(300), "b": torch.ones(7)}, step)
             for shard, r in enumerate(results):
                 # Acknowledged: the backup has taken it in, in the same version.
-                assert backup_of[shard].worker_clocks[0] == step
-                assert backup_of[shard].version == r.version
+                assert backup_of[shard].job.worker_clocks[0] == step
+                assert backup_of[shard].job.version == r.version
             got = client.pull()
             assert torch.equal(got["w"], torch.full((300,), -0.5 * (step + 1)))
 
@@ -103,9 +103,9 @@ def test_dc_asgd_and_evictions_are_replicated(make_cluster):
                 cl.push({"w": torch.randn(128, generator=torch.Generator().manual_seed(step))}, step)
         c1.stop_heartbeats()
         for st in c.stores:  # worker 1 falls silent
-            st.membership.last_seen[1] = time.monotonic() - 120
-            assert st.evict_expired() == [1]
-            st.replicated()
+            st.leases.membership.last_seen[1] = time.monotonic() - 120
+            assert st.leases.evict_expired() == [1]
+            st.replica.replicated()
         c0.push({"w": torch.ones(128)}, 4)
     for st in c.stores:
         same_state(st, backup_of[st.shard_index])
@@ -157,7 +157,7 @@ def test_replicate_refuses_gaps_and_other_shards():
                            timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "backs shard 1 of 2, got changes of shard 0 of 2" in e.value.details()
-        assert backup.version == 0 and not backup.replica_synced
+        assert backup.job.version == 0 and not backup.replica.replica_synced
     finally:
         channel.close()
         stop_server(server)
@@ -181,7 +181,7 @@ def test_a_wrongly_deposed_primary_stops_and_the_workers_follow_its_backup(make_
         for n in exp:
             assert torch.equal(res[n], exp[n]), n
     assert c.stores[0].stats().role == "deposed"
-    assert c.backups[1].stats().role == "primary" and c.backups[1].version == 12
+    assert c.backups[1].stats().role == "primary" and c.backups[1].job.version == 12
 
 
 @pytest.mark.fault

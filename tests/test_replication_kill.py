@@ -246,14 +246,14 @@ def test_a_backup_refuses_the_state_of_another_run_of_its_primary(make_cluster):
     impostor = ShardStore(0, 2)  # shard 0 as a restarted, empty primary would hold it
     server, port = create_server(impostor)
     try:
-        assert impostor.attach_replica(c.replica_addresses[1], timeout=10) == "deposed"
-        assert "holds the state of an earlier run of its primary" in impostor.replicator.last_error
-        assert impostor.role == "deposed"
+        assert impostor.replica.attach_replica(c.replica_addresses[1], timeout=10) == "deposed"
+        assert "holds the state of an earlier run of its primary" in impostor.replica.replicator.last_error
+        assert impostor.replica.role == "deposed"
         same_state(c.stores[0], backup)  # the copy is intact, and the real primary goes on replicating
         train(c.addresses, model(), 2)
         same_state(c.stores[0], backup)
     finally:
-        impostor.stop_replication()
+        impostor.replica.stop_replication()
         stop_server(server)
 
 

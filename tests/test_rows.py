@@ -330,7 +330,7 @@ def test_a_row_push_from_before_a_rollback_is_refused_and_changes_nothing(make_c
         client.rows.push("emb", keys, torch.ones(6, 4), 0)
         client.checkpoint()
         saved = client.rows.pull("emb", keys)
-        cluster.stores[0].rollback(cluster.stores[0].version, client.epoch + 1)  # another worker's rollback
+        cluster.stores[0].rollback(cluster.stores[0].job.version, client.epoch + 1)  # another worker's rollback
         with pytest.raises(shardps.ShardError) as e:
             client.rows.push("emb", keys, torch.ones(6, 4), 1)
         assert e.value.code == grpc.StatusCode.ABORTED and "is in epoch 1, the request in 0" in str(e.value)

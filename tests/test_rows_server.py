@@ -80,7 +80,7 @@ def test_bsp_row_steps_go_on_without_an_evicted_worker(make_cluster):
             with store.rows.lock:
                 assert store.rows.lock.wait_for(lambda s=store: len(s.rows.tables["t"].held.get(0, {})) == 2, 60)
         for store in cluster.stores:
-            store.evict([2])
+            store.leases.evict([2])
         for th in threads:
             th.join(60)
             assert not th.is_alive()
@@ -258,7 +258,7 @@ def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_pat
         assert torch.equal(got, want[torch.from_numpy(order)])
         promoted = next(b for b in cluster.backups if b.shard_index == 0)
         for store in (promoted, cluster.stores[1]):
-            store.enable_checkpoints(str(tmp_path), every_steps=0)
+            store.checkpointer.enable(str(tmp_path), every_steps=0)
             store.checkpoint_now()
     resharded = [RowTables() for _ in range(3)]
     for i, tables in enumerate(resharded):

@@ -196,7 +196,7 @@ def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
         cluster._servers[1].stop(None)  # shard 0's primary goes away: the client fails over, over mTLS
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
         assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
-        assert client.failovers_total == 1 and backup_of[0].role == "primary"
+        assert client.failovers_total == 1 and backup_of[0].replica.role == "primary"
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])

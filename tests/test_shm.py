@@ -119,7 +119,7 @@ def test_bad_segments_are_refused_and_change_nothing(one_shard):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         for f in fragments:
             assert f in err.value.details(), (f, err.value.details())
-    assert store.state_hash() == before and store.pushes_total == 0
+    assert store.state_hash() == before and store.job.pushes_total == 0
 
 
 def test_a_pull_into_a_small_segment_is_refused(one_shard):
@@ -142,7 +142,7 @@ def test_a_pull_through_shared_memory_says_where_each_part_lies(one_shard):
     assert [(a.chunk.name, a.chunk.shm_offset, a.chunk.shm_bytes, a.chunk.data) for a in answers] == [
         ("w", 0, 80, b"")]
     got = torch.frombuffer(bytearray(link.read(0, 80)), dtype=torch.float32)
-    assert torch.equal(got, store.weights("w")[0].reshape(-1))
+    assert torch.equal(got, store.reader.weights("w")[0].reshape(-1))
 
 
 def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
@@ -209,12 +209,12 @@ def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shar
         grad[last.start] = 1e5  # on the second shard only
         send(client, {"w": grad}, 0)
         assert sources == [torch.float32] * len(client.shard_map.parts_of("w"))
-        assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
+        assert [st.applier.skipped_steps_total for st in cluster2.stores] == [1, 1]
         assert torch.equal(client.pull(min_versions=1)["w"], w)  # neither shard stepped
         grad[last.start] = 0.5
         send(client, {"w": grad}, 1)
         assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5)
-        assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
+        assert [st.applier.skipped_steps_total for st in cluster2.stores] == [1, 1]
 
 
 def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradient_over_grpc(make_cluster,
@@ -287,7 +287,7 @@ def test_a_segment_closed_before_the_copy_sends_that_shards_share_over_grpc_chec
         grad = torch.full((600,), 0.5)
         grad[last.start] = 1e5  # inf in float16, on the closed shard's share only
         client.push({"w": grad}, step=0)
-        assert [st.skipped_steps_total for st in cluster2.stores] == [1, 1]
+        assert [st.applier.skipped_steps_total for st in cluster2.stores] == [1, 1]
         grad[last.start] = 0.5
         client.push({"w": grad}, step=1)
         assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5)

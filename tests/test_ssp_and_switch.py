@@ -51,7 +51,7 @@ def test_ssp_fast_worker_never_gets_more_than_s_clocks_ahead(cluster2, staleness
     # The slow worker held it back: the bound was reached, not just respected.
     assert any(clock - slowest == staleness for clock, slowest in records[0]), records[0]
     for store in cluster2.stores:
-        assert store.pushes_total == 2 * steps and store.gradients_applied_total == 2 * steps
+        assert store.job.pushes_total == 2 * steps and store.applier.gradients_applied_total == 2 * steps
 
 
 def test_ssp_zero_clocks_like_bsp(cluster2):
@@ -86,7 +86,7 @@ def test_switch_bsp_asp_bsp_loses_and_repeats_no_gradient(cluster2):
                     with shardps.connect(cluster2.addresses) as ctl:
                         assert ctl.set_sync(mode) == [mode] * 2
                     if mode == "bsp":
-                        final["version"] = cluster2.stores[0].version + 10
+                        final["version"] = cluster2.stores[0].job.version + 10
                 _step(model, opt, k, step)
                 step += 1
             return opt.pushes, list(opt.sync_history)

@@ -244,9 +244,9 @@ def test_rollback_mid_stream_holds_nothing(make_cluster, tmp_path, where):
             opt.step()
         with pytest.raises(shardps.RolledBack) as e:
             if where == "forward":
-                cluster.stores[1].recovering = True  # shard 1 restarted from its checkpoint at 4
+                cluster.stores[1].job.recovering = True  # shard 1 restarted from its checkpoint at 4
             loss = nn.functional.cross_entropy(model(x), y)
-            cluster.stores[1].recovering = True
+            cluster.stores[1].job.recovering = True
             loss.backward()
             opt.step()
         assert e.value.step == 4

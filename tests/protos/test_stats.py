@@ -12,16 +12,16 @@ from shardps.server.store import ShardStore, TensorSpec
 
 def _busy_store() -> ShardStore:
     st = ShardStore(1, 2, sync="asp", num_workers=3)
-    st.register_tensors([TensorSpec("w", (2, 3), ps_pb2.FLOAT32, shardps.optim.Adam(lr=0.1), ((0, 6),)),
+    st.path.register_tensors([TensorSpec("w", (2, 3), ps_pb2.FLOAT32, shardps.optim.Adam(lr=0.1), ((0, 6),)),
                          TensorSpec("b", (3,), ps_pb2.BFLOAT16, shardps.optim.SGD(lr=1.0), ((0, 3),))],
                         {("w", 0): torch.zeros(6), ("b", 0): torch.ones(3)})
     for w in range(3):
-        st.register_worker(w)
-    st.submit(0, 0, 0, {("w", 0): torch.ones(6)}, 24)
-    st.submit(1, 0, 0, {("b", 0): torch.ones(3)}, 12)
-    st.submit(0, 0, 0, {("w", 0): torch.ones(6)}, 24)  # a duplicate
-    st.leave(2)
-    st.read(["w", "b"], None)
+        st.leases.register(w)
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)}, 24)
+    st.path.submit(1, 0, 0, {("b", 0): torch.ones(3)}, 12)
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)}, 24)  # a duplicate
+    st.leases.leave(2)
+    st.reader.read(["w", "b"], None)
     return st
 
 

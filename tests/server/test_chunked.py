@@ -177,17 +177,17 @@ SLICED = ("adam", "sgd")  # the optimizers whose step_many takes slices of a par
 
 def _store(spec: TensorSpec, sync: str = "asp", workers: int = 1, remedy: str | None = None) -> ShardStore:
     st = ShardStore(0, 1)
-    st.configure(workers, sync, remedy=remedy)
+    st.path.configure(workers, sync, remedy=remedy)
     torch.manual_seed(1)
     w0 = torch.randn(SHAPE).view(-1)
-    st.register_tensors([spec], {("w", a): w0[a:b].clone() for a, b in spec.parts})
+    st.path.register_tensors([spec], {("w", a): w0[a:b].clone() for a, b in spec.parts})
     for i in range(workers):
-        st.register_worker(i)
+        st.leases.register(i)
     return st
 
 
 def _state(st: ShardStore) -> dict:
-    return {(n, s, k): t for n, s, _, k, t in st.export_state(["w"])[1]}
+    return {(n, s, k): t for n, s, _, k, t in st.reader.export_state(["w"])[1]}
 
 
 def _same(a: ShardStore, b: ShardStore) -> None:
@@ -195,13 +195,14 @@ def _same(a: ShardStore, b: ShardStore) -> None:
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
-    assert a.version == b.version
+    assert a.job.version == b.job.version
 
 
 def _push(st, grad, spec, step, chunked, worker=0, **kw):
-    g = decode_push(iter(_messages(grad, spec, step=step, base=st.version, **kw)), st.spec, st.staging,
+    g = decode_push(iter(_messages(grad, spec, step=step, base=st.job.version, **kw)), st.table.spec,
+                    st.applier.pool.take,
                     keep_chunks=(lambda scale: True) if chunked else None)
-    return st.submit(worker, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
+    return st.path.submit(worker, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                      loss_scale=g.loss_scale, checked=True)
 
 
@@ -226,7 +227,7 @@ def test_a_step_from_chunks_is_the_step_from_a_staged_copy(opt, chunk_bytes):
 def test_a_step_from_chunks_matches_torch_adam():
     spec = _spec(optim.Adam(lr=1e-2), parts=((0, 5000),))
     st = _store(spec)
-    w = st.weights("w")[0].view(SHAPE).clone().requires_grad_(True)
+    w = st.reader.weights("w")[0].view(SHAPE).clone().requires_grad_(True)
     # Against torch's fused kernel, the one the server steps with: its single-tensor loop rounds differently,
     # by up to 3e-6 here after 3 steps, depending on what ran before in the process.
     ref = torch.optim.Adam([w], lr=1e-2, fused=True)
@@ -236,7 +237,7 @@ def test_a_step_from_chunks_matches_torch_adam():
         _push(st, grad, spec, step, True, chunk_bytes=4096)
         w.grad = grad
         ref.step()
-    assert torch.allclose(st.weights("w")[0].view(SHAPE), w.detach(), rtol=0, atol=1e-6)
+    assert torch.allclose(st.reader.weights("w")[0].view(SHAPE), w.detach(), rtol=0, atol=1e-6)
 
 
 def test_a_non_finite_chunk_skips_the_step_and_changes_no_weight():
@@ -247,7 +248,7 @@ def test_a_non_finite_chunk_skips_the_step_and_changes_no_weight():
     grad = torch.randn(SHAPE)
     grad.view(-1)[4999] = float("nan")
     res = _push(st, grad, spec, 1, True)
-    assert not res.applied and st.skipped_steps_total == 1 and st.version == 2  # the version advances
+    assert not res.applied and st.applier.skipped_steps_total == 1 and st.job.version == 2  # the version advances
     after = _state(st)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -256,19 +257,19 @@ def test_a_refused_push_in_chunks_changes_nothing():
     spec = _spec()
     st = _store(spec)
     _push(st, torch.randn(SHAPE), spec, 0, True)
-    before, version = _state(st), st.version
+    before, version = _state(st), st.job.version
     with pytest.raises(Exception, match="steps go up by one"):
         _push(st, torch.randn(SHAPE), spec, 5, True)
     after = _state(st)
-    assert st.version == version and all(torch.equal(before[k], after[k]) for k in before)
+    assert st.job.version == version and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_takes_chunked_only_where_the_step_reads_them_as_they_are():
     spec = _spec()
-    assert _store(spec).takes_chunked(0.0)
-    assert not _store(spec).takes_chunked(128.0)  # to unscale: copied as the chunks arrive
-    assert not _store(spec, "bsp", workers=2).takes_chunked(0.0)  # summed: copied as the chunks arrive
-    assert not ShardStore(0, 1).takes_chunked(0.0)  # no job yet
+    assert _store(spec).path.takes_chunked(0.0)
+    assert not _store(spec).path.takes_chunked(128.0)  # to unscale: copied as the chunks arrive
+    assert not _store(spec, "bsp", workers=2).path.takes_chunked(0.0)  # summed: copied as the chunks arrive
+    assert not ShardStore(0, 1).path.takes_chunked(0.0)  # no job yet
 
 
 @pytest.mark.parametrize("sync,workers,remedy", [("bsp", 2, None), ("every:2", 2, None), ("asp", 2, "dc-asgd:0.5"),
@@ -279,17 +280,17 @@ def test_chunks_handed_where_they_must_be_copied_give_the_same_result(sync, work
     chunked, staged = _store(spec, sync, workers, remedy), _store(spec, sync, workers, remedy)
     for st in (chunked, staged):
         if remedy and remedy.startswith("dc-asgd"):
-            st.read(["w"], None, worker_id=1)
+            st.reader.read(["w"], None, worker_id=1)
     torch.manual_seed(4)
     for step in range(2):
         for worker in range(workers):
             grad = torch.randn(SHAPE)
-            base = chunked.version
+            base = chunked.job.version
             for st, kept in ((chunked, True), (staged, False)):
-                g = decode_push(iter(_messages(grad, spec, step=step, base=base)), st.spec, st.staging,
+                g = decode_push(iter(_messages(grad, spec, step=step, base=base)), st.table.spec, st.applier.pool.take,
                                 keep_chunks=(lambda scale: True) if kept else None)
                 assert any(isinstance(t, Chunked) for t in g.grads.values()) == kept
-                st.submit(worker, g.step, g.base_version, g.grads, found_inf=g.found_inf, checked=True)
+                st.path.submit(worker, g.step, g.base_version, g.grads, found_inf=g.found_inf, checked=True)
     _same(chunked, staged)
 
 
@@ -298,9 +299,9 @@ def test_loss_scaled_chunks_are_unscaled_like_staged_ones():
     st_a, st_b = _store(spec), _store(spec)
     grad = torch.randn(SHAPE) * 1024
     for st, kept in ((st_a, True), (st_b, False)):
-        g = decode_push(iter(_messages(grad, spec, loss_scale=1024.0)), st.spec, st.staging,
+        g = decode_push(iter(_messages(grad, spec, loss_scale=1024.0)), st.table.spec, st.applier.pool.take,
                         keep_chunks=(lambda scale: True) if kept else None)
-        st.submit(0, g.step, g.base_version, g.grads, found_inf=g.found_inf, loss_scale=g.loss_scale, checked=True)
+        st.path.submit(0, g.step, g.base_version, g.grads, found_inf=g.found_inf, loss_scale=g.loss_scale, checked=True)
     _same(st_a, st_b)
 
 
@@ -316,8 +317,9 @@ def test_a_scaled_push_is_checked_once_as_it_is_unscaled(push):
     st = _store(spec)
     grad = torch.randn(SHAPE)
     grad.view(-1)[3000] = float("inf")
-    g = decode_push(iter(_messages(grad, spec, loss_scale=8.0)), st.spec, st.staging, keep_chunks=st.takes_chunked)
+    g = decode_push(iter(_messages(grad, spec, loss_scale=8.0)), st.table.spec, st.applier.pool.take,
+                    keep_chunks=st.path.takes_chunked)
     assert not g.found_inf  # not looked at here
-    res = st.submit(0, g.step, g.base_version, g.grads, found_inf=g.found_inf, loss_scale=g.loss_scale,
+    res = st.path.submit(0, g.step, g.base_version, g.grads, found_inf=g.found_inf, loss_scale=g.loss_scale,
                     checked=True)
-    assert not res.applied and st.skipped_steps_total == 1
+    assert not res.applied and st.applier.skipped_steps_total == 1

@@ -158,12 +158,13 @@ def test_the_store_reads_leases_from_its_injected_clock():
 
     clock = FakeClock()
     st = ShardStore(0, 1, sync="bsp", num_workers=2, lease_s=10.0, clock=clock)
-    st.register_tensors([TensorSpec("w", (2,), 1, shardps.optim.SGD(lr=1.0), ((0, 2),))], {("w", 0): torch.zeros(2)})
-    st.register_worker(0)
-    st.register_worker(1)
-    st.submit(0, 0, 0, {("w", 0): torch.ones(2)})  # waits for worker 1 in the barrier
+    st.path.register_tensors([TensorSpec("w", (2,), 1, shardps.optim.SGD(lr=1.0), ((0, 2),))], {("w",
+                                                                                                 0): torch.zeros(2)})
+    st.leases.register(0)
+    st.leases.register(1)
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(2)})  # waits for worker 1 in the barrier
     clock.now = 105.0
-    st.touch(0)
+    st.leases.touch(0)
     clock.now = 112.0
-    assert st.evict_expired() == [1]  # worker 1 silent since 100: the round completes without it
-    assert st.version == 1 and st.live_workers() == {0}
+    assert st.leases.evict_expired() == [1]  # worker 1 silent since 100: the round completes without it
+    assert st.job.version == 1 and st.leases.live() == {0}

@@ -39,7 +39,7 @@ class FakePeers:
         self.lock_free_during_fetch.append(free)
         me.stats()  # another request is served meanwhile
         self.fetches += 1
-        return self.stores[shard].exchange.wait(key, timeout).clone()
+        return self.stores[shard].applier.exchange.wait(key, timeout).clone()
 
     def close(self) -> None:
         pass
@@ -54,8 +54,8 @@ def _split_stores(peers: FakePeers, w0: torch.Tensor) -> list[ShardStore]:
     stores = []
     for i, (a, b) in enumerate([(0, 6), (6, 12)]):
         st = ShardStore(i, 2, sync="bsp", num_workers=1, peers=peers, exchange_timeout_s=10.0)
-        st.register_tensors([_spec((a, b))], {("w", a): flat[a:b].clone()})
-        st.register_worker(0)
+        st.path.register_tensors([_spec((a, b))], {("w", a): flat[a:b].clone()})
+        st.leases.register(0)
         stores.append(st)
     peers.stores = stores
     return stores
@@ -68,8 +68,8 @@ def test_a_split_tensor_steps_through_fake_peers_like_the_whole_tensor():
     peers = FakePeers()
     stores = _split_stores(peers, w0)
     whole = ShardStore(0, 1, sync="bsp", num_workers=1)
-    whole.register_tensors([TensorSpec("w", SHAPE, ps_pb2.FLOAT32, OPT, ((0, 12),))], {("w", 0): w0.reshape(-1)})
-    whole.register_worker(0)
+    whole.path.register_tensors([TensorSpec("w", SHAPE, ps_pb2.FLOAT32, OPT, ((0, 12),))], {("w", 0): w0.reshape(-1)})
+    whole.leases.register(0)
     for step, g in enumerate(grads):
         flat = g.reshape(-1)
         errors: list[BaseException] = []
@@ -77,7 +77,7 @@ def test_a_split_tensor_steps_through_fake_peers_like_the_whole_tensor():
         def push(st: ShardStore, a: int, b: int, step: int = step, flat: torch.Tensor = flat,
                  errors: list[BaseException] = errors) -> None:
             try:
-                st.submit(0, step, step, {("w", a): flat[a:b].clone()})
+                st.path.submit(0, step, step, {("w", a): flat[a:b].clone()})
             except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -87,19 +87,19 @@ def test_a_split_tensor_steps_through_fake_peers_like_the_whole_tensor():
         for t in threads:
             t.join(30)
         assert not errors, errors
-        whole.submit(0, step, step, {("w", 0): flat.clone()})
+        whole.path.submit(0, step, step, {("w", 0): flat.clone()})
     assert peers.fetches > 0 and all(peers.lock_free_during_fetch)
-    got = torch.cat([stores[0].weights("w")[0], stores[1].weights("w")[6]]).reshape(SHAPE)
-    want = whole.weights("w")[0].reshape(SHAPE)
+    got = torch.cat([stores[0].reader.weights("w")[0], stores[1].reader.weights("w")[6]]).reshape(SHAPE)
+    want = whole.reader.weights("w")[0].reshape(SHAPE)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    assert [st.version for st in stores] == [3, 3]
+    assert [st.job.version for st in stores] == [3, 3]
 
 
 def test_a_store_without_peers_refuses_a_split_step_and_is_not_left_applying():
     st = ShardStore(0, 2, sync="bsp", num_workers=1, exchange_timeout_s=0.5)
-    st.register_tensors([_spec((0, 6))], {("w", 0): torch.ones(6)})
-    st.register_worker(0)
+    st.path.register_tensors([_spec((0, 6))], {("w", 0): torch.ones(6)})
+    st.leases.register(0)
     with pytest.raises(Unavailable, match="no connection to its peers"):
-        st.submit(0, 0, 0, {("w", 0): torch.ones(6)})
+        st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)})
     assert not st.applier.applying
-    st.read(["w"], None)  # not stuck behind a step that ended
+    st.reader.read(["w"], None)  # not stuck behind a step that ended

@@ -16,9 +16,10 @@ from shardps.server.store import ShardStore, TensorSpec
 
 def _store(sync: str = "asp") -> ShardStore:
     st = ShardStore(0, 1, sync=sync, num_workers=2)
-    st.register_tensors([TensorSpec("w", (6,), 1, shardps.optim.SGD(lr=1.0), ((0, 6),))], {("w", 0): torch.zeros(6)})
-    st.register_worker(0)
-    st.register_worker(1)
+    st.path.register_tensors([TensorSpec("w", (6,), 1, shardps.optim.SGD(lr=1.0), ((0, 6),))], {("w",
+                                                                                                 0): torch.zeros(6)})
+    st.leases.register(0)
+    st.leases.register(1)
     return st
 
 
@@ -35,37 +36,38 @@ def _values(messages) -> tuple[int, torch.Tensor]:
 
 def test_pulls_of_one_version_share_one_framing_and_a_step_invalidates_it():
     st = _store()
-    _, first = st.read(["w"], None, messages=True)  # held, as by a Pull still streaming it
-    _, second = st.read(["w"], None, messages=True)
-    assert st.framed_hits_total == 1 and first is second  # the same bytes, not a copy
-    assert st.pulls_total == 2 and st.pull_bytes_total == 2 * 24
+    _, first = st.reader.read(["w"], None, messages=True)  # held, as by a Pull still streaming it
+    _, second = st.reader.read(["w"], None, messages=True)
+    assert st.reader.cache.hits_total == 1 and first is second  # the same bytes, not a copy
+    assert st.reader.pulls_total == 2 and st.reader.pull_bytes_total == 2 * 24
     del first, second  # both Pulls done: the framed bytes are freed, the next Pull frames again
-    st.read(["w"], None, messages=True)
-    assert st.framed_hits_total == 1
-    held = st.read(["w"], None, messages=True)
-    st.submit(0, 0, 0, {("w", 0): torch.ones(6)})
-    _, third = st.read(["w"], None, messages=True)
-    assert st.framed_hits_total == 1 and held[1] is not third  # framed again: the weights moved
+    st.reader.read(["w"], None, messages=True)
+    assert st.reader.cache.hits_total == 1
+    held = st.reader.read(["w"], None, messages=True)
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)})
+    _, third = st.reader.read(["w"], None, messages=True)
+    assert st.reader.cache.hits_total == 1 and held[1] is not third  # framed again: the weights moved
     v, values = _values(third)
     assert v == 1 and torch.equal(values, torch.full((6,), -1.0))
     # Another dtype, chunk size or clock is another framing; the sync mode is in every header.
-    held = [st.read(["w"], framing.ps_pb2.BFLOAT16, messages=True), st.read(["w"], None, 8, messages=True),
-            st.read(["w"], None, messages=True, slowest_clock=3)]
-    assert st.framed_hits_total == 1 and len(held) == 3
-    st.set_sync("bsp")
-    _, fourth = st.read(["w"], None, messages=True)
-    assert st.framed_hits_total == 1 and framing.parse_pull_response(fourth[0][3]).sync == "bsp"
+    held = [st.reader.read(["w"], framing.ps_pb2.BFLOAT16, messages=True), st.reader.read(["w"], None, 8,
+                                                                                          messages=True),
+            st.reader.read(["w"], None, messages=True, slowest_clock=3)]
+    assert st.reader.cache.hits_total == 1 and len(held) == 3
+    st.path.set_sync("bsp")
+    _, fourth = st.reader.read(["w"], None, messages=True)
+    assert st.reader.cache.hits_total == 1 and framing.parse_pull_response(fourth[0][3]).sync == "bsp"
     assert third is not fourth
 
 
 def test_a_restore_invalidates_the_framed_pulls():
     st = _store()
     version, meta, tensors = st.snapshot()
-    held = [st.read(["w"], None, messages=True)]
-    st.submit(0, 0, 0, {("w", 0): torch.ones(6)})
-    held.append(st.read(["w"], None, messages=True))  # version 1 framed, still streaming
+    held = [st.reader.read(["w"], None, messages=True)]
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)})
+    held.append(st.reader.read(["w"], None, messages=True))  # version 1 framed, still streaming
     st.restore(version, meta, tensors)  # back to version 0: a different state at an earlier version
-    v, values = _values(st.read(["w"], None, messages=True)[1])
+    v, values = _values(st.reader.read(["w"], None, messages=True)[1])
     assert v == 0 and torch.equal(values, torch.zeros(6))
 
 
@@ -77,11 +79,11 @@ def _big_store(monkeypatch, block_after: int | None = None, fail_after: int | No
     from shardps.server import pullcache
 
     st = ShardStore(0, 1, sync="asp", num_workers=2)
-    st.register_tensors([TensorSpec("w", (4096,), 1, shardps.optim.SGD(lr=1.0), ((0, 4096),))],
+    st.path.register_tensors([TensorSpec("w", (4096,), 1, shardps.optim.SGD(lr=1.0), ((0, 4096),))],
                         {("w", 0): torch.zeros(4096)})
-    st.register_worker(0)
-    st.register_worker(1)
-    st.frame_inline_bytes = 0
+    st.leases.register(0)
+    st.leases.register(1)
+    st.reader.frame_inline_bytes = 0
     framed, release = threading.Event(), threading.Event()
     real = pullcache.frame_items
 
@@ -112,26 +114,26 @@ def _all_values(messages, n: int = 4096) -> tuple[set[int], torch.Tensor]:
 @pytest.mark.fault
 def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeypatch):
     st, framed, release = _big_store(monkeypatch, block_after=1)
-    version, framing_ = st.read(["w"], None, 1024, messages=True)
+    version, framing_ = st.reader.read(["w"], None, 1024, messages=True)
     assert isinstance(framing_, Framing) and version == 0
     assert framed.wait(30)  # the framing thread stopped after its first response, the weights half read
     # The store's lock is free meanwhile: other requests are answered, a Pull of the same asks shares it.
     assert st.stats().version == 0
-    again = st.read(["w"], None, 1024, messages=True)[1]
-    assert again is framing_ and st.framed_hits_total == 1
+    again = st.reader.read(["w"], None, 1024, messages=True)[1]
+    assert again is framing_ and st.reader.cache.hits_total == 1
     # A step must not change the weights under the framing: it waits for it (at an exact point, not a moment).
-    stepper = threading.Thread(target=st.submit, args=(0, 0, 0, {("w", 0): torch.ones(4096)}))
+    stepper = threading.Thread(target=st.path.submit, args=(0, 0, 0, {("w", 0): torch.ones(4096)}))
     stepper.start()
     with st._cond:
-        assert st._cond.wait_for(lambda: st.writers_waiting == 1, timeout=30)
-        assert st.version == 0 and st.reader.reading == 1
+        assert st._cond.wait_for(lambda: st.reader.writers_waiting == 1, timeout=30)
+        assert st.job.version == 0 and st.reader.reading == 1
     release.set()
     versions, values = _all_values(msg for *_, msg in framing_)
     stepper.join(30)
-    assert not stepper.is_alive() and st.version == 1
+    assert not stepper.is_alive() and st.job.version == 1
     assert versions == {0} and torch.equal(values, torch.zeros(4096))  # all of version 0, none torn
     # The next Pull frames version 1 anew.
-    versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
+    versions, values = _all_values(msg for *_, msg in st.reader.read(["w"], None, 1024, messages=True)[1])
     assert versions == {1} and torch.equal(values, torch.full((4096,), -1.0))
     assert st.reader.reading == 0
 
@@ -139,25 +141,25 @@ def test_a_large_pull_is_framed_outside_the_lock_and_a_step_waits_for_it(monkeyp
 @pytest.mark.fault
 def test_a_failed_framing_fails_its_pulls_and_lets_steps_go_on(monkeypatch):
     st, _, _ = _big_store(monkeypatch, fail_after=2)
-    _, failed = st.read(["w"], None, 1024, messages=True)
+    _, failed = st.reader.read(["w"], None, 1024, messages=True)
     with pytest.raises(Unavailable, match="framing the weights failed.*injected framing fault"):
         list(failed)
     with st._cond:  # the framing thread let go of the weights
         assert st._cond.wait_for(lambda: st.reader.reading == 0, timeout=30)
     monkeypatch.undo()  # framing works again: the failed one, still held, is not handed to the next Pull
-    _, fresh = st.read(["w"], None, 1024, messages=True)
-    assert fresh is not failed and st.framed_hits_total == 0
+    _, fresh = st.reader.read(["w"], None, 1024, messages=True)
+    assert fresh is not failed and st.reader.cache.hits_total == 0
     versions, values = _all_values(msg for *_, msg in fresh)
     assert versions == {0} and torch.equal(values, torch.zeros(4096))
-    st.submit(0, 0, 0, {("w", 0): torch.ones(4096)})
-    versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(4096)})
+    versions, values = _all_values(msg for *_, msg in st.reader.read(["w"], None, 1024, messages=True)[1])
     assert versions == {1} and torch.equal(values, torch.full((4096,), -1.0))
 
 
 def test_a_small_pull_is_still_framed_under_the_lock_as_a_list():
     st = _store()
-    assert st.frame_inline_bytes >= 1 << 20
-    _, messages = st.read(["w"], None, messages=True)
+    assert st.reader.frame_inline_bytes >= 1 << 20
+    _, messages = st.reader.read(["w"], None, messages=True)
     assert isinstance(messages, list) and st.reader.reading == 0
 
 
@@ -182,24 +184,25 @@ class _SlowSegment:
 def test_a_same_host_pull_copies_outside_the_lock_and_a_step_waits_for_it():
     st = ShardStore(0, 1, sync="asp", num_workers=1)
     sgd = shardps.optim.SGD(lr=1.0)
-    st.register_tensors([TensorSpec("a", (64,), 1, sgd, ((0, 64),)), TensorSpec("b", (64,), 1, sgd, ((0, 64),))],
+    st.path.register_tensors([TensorSpec("a", (64,), 1, sgd, ((0, 64),)), TensorSpec("b", (64,), 1, sgd, ((0, 64),))],
                         {("a", 0): torch.zeros(64), ("b", 0): torch.zeros(64)})
-    st.register_worker(0)
+    st.leases.register(0)
     seg = _SlowSegment(1024)
     got: list = []
-    reader = threading.Thread(target=lambda: got.append(st.read_into(["a", "b"], None, seg)))
+    reader = threading.Thread(target=lambda: got.append(st.reader.read_into(["a", "b"], None, seg)))
     reader.start()
     assert seg.copying.wait(30)  # "a" copied, "b" not yet: the store's lock is free meanwhile
     assert st.stats().version == 0
-    stepper = threading.Thread(target=st.submit, args=(0, 0, 0, {("a", 0): torch.ones(64), ("b", 0): torch.ones(64)}))
+    stepper = threading.Thread(target=st.path.submit, args=(0, 0, 0, {("a", 0): torch.ones(64), ("b",
+                                                                                                 0): torch.ones(64)}))
     stepper.start()
     with st._cond:
-        assert st._cond.wait_for(lambda: st.writers_waiting == 1, timeout=30)
-        assert st.version == 0
+        assert st._cond.wait_for(lambda: st.reader.writers_waiting == 1, timeout=30)
+        assert st.job.version == 0
     seg.release.set()
     reader.join(30)
     stepper.join(30)
-    assert not reader.is_alive() and not stepper.is_alive() and st.version == 1
+    assert not reader.is_alive() and not stepper.is_alive() and st.job.version == 1
     version, items = got[0]
     assert version == 0 and {framing.parse_pull_response(msg).version for *_, msg in items} == {0}
     for *_, msg in items:  # both parts hold version 0's weights, none torn
@@ -223,8 +226,8 @@ def test_a_framing_thread_that_cannot_start_fails_its_pull_and_the_next_one_fram
 
     monkeypatch.setattr(pullcache.threading, "Thread", NoThread)
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        st.read(["w"], None, 1024, messages=True)
+        st.reader.read(["w"], None, 1024, messages=True)
     assert st.reader.reading == 0
     monkeypatch.undo()
-    versions, values = _all_values(msg for *_, msg in st.read(["w"], None, 1024, messages=True)[1])
+    versions, values = _all_values(msg for *_, msg in st.reader.read(["w"], None, 1024, messages=True)[1])
     assert versions == {0} and torch.equal(values, torch.zeros(4096))

@@ -129,8 +129,8 @@ def test_a_window_of_one_gives_the_same_weights_as_every_shard_at_once(make_clus
     for k in range(WORKERS):
         for name, value in expected[0].items():
             assert torch.equal(got[k][name], value), (k, name)
-    assert all(st.version == windowed.stores[0].version for st in windowed.stores)
-    assert windowed.stores[0].version == at_once.stores[0].version > 0
+    assert all(st.job.version == windowed.stores[0].job.version for st in windowed.stores)
+    assert windowed.stores[0].job.version == at_once.stores[0].job.version > 0
 
 
 def test_each_shards_pull_begins_as_it_answers_before_the_next_push_goes(make_cluster, monkeypatch):
@@ -160,7 +160,7 @@ def test_each_shards_pull_begins_as_it_answers_before_the_next_push_goes(make_cl
     opt.step()
     order = push_order(client.transport.addresses, 0)
     assert log == [e for s in order for e in (("push", s), ("pull", s))]
-    assert [st.version for st in cluster.stores] == [1, 1, 1]
+    assert [st.job.version for st in cluster.stores] == [1, 1, 1]
     client.close()
 
 
