@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many processes (pytest-xdist; 1: one process, in collection order).
 # Three by default, on 2 cores too: many tests wait on processes, sockets and clusters rather than compute
-# (docs/performance.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
+# (docs/history/performance-log.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
 TEST_JOBS ?= 3
 
 .PHONY: venv bytecode tools demo test test-cpu test-fast stress fuzz partition lint typecheck proto clean
@@ -41,7 +41,7 @@ venv: $(VENV)/.installed
 
 # The project's own bytecode, compiled once before its processes start: where PYTHONDONTWRITEBYTECODE is set,
 # every process (servers, workers, Ray actors) would otherwise compile each module it imports from source,
-# about 0.25 CPU-s a process that imports the server, worker and Ray stage modules (docs/performance.md).
+# about 0.25 CPU-s a process that imports the server, worker and Ray stage modules (docs/history/performance-log.md).
 # Python still reads __pycache__ with the variable set; it only stops writing it.
 PY_DIRS := shardps server worker protos deploy examples benchmarks tests
 bytecode: venv

@@ -295,7 +295,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="each row this many times, in rotating order")
     p.add_argument("--shards-per-host", type=int, default=16,
-                   help="shards each server host serves (default 16: the best at 200 Mbit/s, docs/performance.md)")
+                   help="shards each server host serves "
+                        "(default 16: the best at 200 Mbit/s, docs/history/performance-log.md)")
     p.add_argument("--window", type=int, default=4, help="pushes going at once (default 4)")
     p.add_argument("--timeout", type=float, default=600.0, help="per row, seconds")
     p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4 (200mbit)")

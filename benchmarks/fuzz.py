@@ -436,7 +436,7 @@ def status(res: dict[str, Any]) -> int:
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    """One row per job shape: the markdown table of docs/performance.md."""
+    """One row per job shape: the markdown table of docs/history/performance-log.md ("Fuzzing and soak")."""
     lines = ["| shards | replicas | sync | seed | cases | violations | state unchanged | seconds |",
              "|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in results:

@@ -1,7 +1,7 @@
 """A fork server: ``shardps server`` and ``shardps worker`` processes forked from one that imported torch once.
 
 A fresh ``python -m shardps server`` spends about 2 CPU-seconds importing torch before it serves anything
-(docs/performance.md, "The test suite's time"). ``LocalCluster(processes=True)`` and ``shardps demo`` start
+(docs/history/performance-log.md, "The test suite's time"). ``LocalCluster(processes=True)`` and ``shardps demo`` start
 theirs through ``spawn()`` instead: the first call starts one fork server for this process (``python -m
 shardps.forkserver``), which imports torch and shardps's server and worker modules and then waits. Each
 ``spawn()`` asks it to fork; the child becomes ``python -m shardps ARGS`` (its command line in ``ps`` too,

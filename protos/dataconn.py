@@ -90,7 +90,7 @@ class Torn(Exception):
 def tune(sock: socket.socket, timeout: float) -> None:
     """No Nagle delay, and a deadline on every blocking call. The buffers are left to the kernel's
     autotuning: fixed large ones let every connection put megabytes into a shaped link's queue at once
-    (docs/performance.md, the simulated cluster)."""
+    (docs/history/performance-log.md, "The TCP bulk path on the cluster")."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout)
 

@@ -48,7 +48,7 @@ def on_ray_group(module: str) -> bool:
 
 # The Ray modules in two groups, each run by one xdist process with a session cluster of its own, so that no
 # one process holds all of them: as one group they took 471-682 s of a 580-800 s suite, the longest of the
-# three processes' shares (docs/performance.md, "The test suite's time").
+# three processes' shares (docs/history/performance-log.md, "The test suite's time").
 RAY_GROUP_B = {"test_pipeline_ray.py", "test_moe_ray.py"}
 
 
@@ -125,7 +125,7 @@ class SessionRay:
             # so its path will do, in the nodes' own environment. (Not a working_dir: jobs the tests submit
             # upload the same content, and Ray deleted the shared unpacked copy under a running job. Not the
             # driver's runtime_env: each actor's worker would start through Ray's setup_worker.py; the Ray
-            # group took 396-501 CPU seconds that way, 342-347 this way: docs/performance.md.)
+            # group took 396-501 CPU seconds that way, 342-347 this way: docs/history/performance-log.md.)
             with ray_start_lock():
                 rc = RayLocalCluster(num_cpus=4, node_env={"PYTHONPATH": str(ROOT)}).start()
             try:

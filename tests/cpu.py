@@ -7,7 +7,7 @@ before and after, so what the test's own processes, servers, workers and Ray act
 not only the pytest process's. That is only the test's when nothing else runs beside it: run it in one
 process (``-p no:xdist``) on a quiet machine; with ``-n`` it refuses. At the end it prints the tests and
 modules that took the most CPU seconds, and with ``--cpu-out`` writes one JSON line per test (``id``,
-``cpu_s``, ``wall_s``). docs/performance.md, "The test suite's time", has a run of it.
+``cpu_s``, ``wall_s``). docs/history/performance-log.md, "The test suite's time", has a run of it.
 """
 
 from __future__ import annotations

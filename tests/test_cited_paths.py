@@ -1,6 +1,6 @@
 """Every path of the project that the docs, docstrings and comments cite exists.
 
-Read from README.md, docs/ and every Python file of the project (the generated stubs aside): tokens such as
+Read from README.md, docs/ (but docs/history/, the dated records) and every Python file of the project (the generated stubs aside): tokens such as
 ``worker/tp/split.py`` or ``docs/streaming.md`` under one of the project's top-level folders. A path of the
 installed package (``shardps/protos/...``: pyproject.toml's package-dir mapping) or of the proto tree
 (``shardps/v1/ps.proto``, under protos/) counts as its source's; placeholders (``benchmarks/X.py``,
@@ -22,7 +22,8 @@ INSTALLED = {"shardps/server/": "server/", "shardps/worker/": "worker/", "shardp
 
 
 def _sources() -> list[Path]:
-    out = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    # docs/history/ keeps dated records as they were written: the paths they cite are those of their day
+    out = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "history" not in p.parts)]
     for top in TOPS[:-2]:
         out += [p for p in sorted((ROOT / top).rglob("*.py")) if "_pb2" not in p.name and ".venv" not in p.parts]
     return [p for p in out if p != Path(__file__).resolve()]  # this file names missing paths on purpose

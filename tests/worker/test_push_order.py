@@ -168,7 +168,7 @@ def test_under_a_push_window_no_push_is_answered_with_the_weights(make_cluster):
     """Without a window a small model's shards answer the push with their weights (one call a step); under
     ``push_window`` none does: a push that completes a bsp round and came back with megabytes of weights
     held its place in the window meanwhile, so on a slow link the uplink idled and the worker that came
-    last in one step came last in the next (docs/performance.md). Its pulls bring the same weights."""
+    last in one step came last in the next (docs/history/performance-log.md). Its pulls bring the same weights."""
     got = {}
     for window in (None, 1):
         cluster = make_cluster(2)
