@@ -1,11 +1,12 @@
 """Every path of the project that the docs, docstrings and comments cite exists.
 
 Read from README.md, docs/ (but docs/history/, the dated records) and every Python file of the project (the
-generated stubs aside): tokens such as ``worker/tp/split.py`` or ``docs/streaming.md`` under one of the project's top-level folders. A path of the
-installed package (``shardps/protos/...``: pyproject.toml's package-dir mapping) or of the proto tree
-(``shardps/v1/ps.proto``, under protos/) counts as its source's; placeholders (``benchmarks/X.py``,
-``server/optim/NAME.py``) and globs are not paths. Regressions pinned: deploy/demo.py cited a
-``deploy/demo_gpt.py`` and shardps/ray.py a ``tests/test_ray_import.py``, neither of which existed.
+generated stubs aside): tokens such as ``worker/tp/split.py`` or ``docs/streaming.md`` under one of the
+project's top-level folders. A path of the installed package (``shardps/protos/...``: pyproject.toml's
+package-dir mapping) or of the proto tree (``shardps/v1/ps.proto``, under protos/) counts as its source's;
+placeholders (``benchmarks/X.py``, ``server/optim/NAME.py``) and globs are not paths. Regressions pinned:
+deploy/demo.py cited a ``deploy/demo_gpt.py`` and shardps/ray.py a ``tests/test_ray_import.py``, neither of
+which existed.
 """
 
 from __future__ import annotations
