@@ -52,10 +52,10 @@ import shardps
 from shardps.compress import Compressor, PowerSGD, TopK
 from shardps.protos import codec, framing
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.server.assembly import ChunkAssembler
+from shardps.server.datapath.assembly import ChunkAssembler
 from shardps.server.table import TensorSpec
 from shardps.worker import layout
-from shardps.worker.pushframes import PushFramer
+from shardps.worker.datapath.pushframes import PushFramer
 
 MB = 1_000_000
 

@@ -16,7 +16,7 @@ the rows of the experts a batch hits and their gradients, 2 x U x (4P + 16)
 bytes with U = E(1 - (1 - k/E)^T) expected; "send" moves the tokens out and
 back and, in backward, the tokens and their output gradients out and the
 tokens' gradients back, 5 x T x k x d x 4 bytes. The step time the cost
-model predicts (worker/placement.py, ``CostModel``: the layer's own,
+model predicts (worker/experts/placement.py, ``CostModel``: the layer's own,
 ``--cost-model`` the JSON ``costs`` printed, or ``--calibrate``: measured
 as ``costs`` does, in the same run, just before the sweep) for the same
 expected U.
@@ -66,7 +66,7 @@ from torch import nn
 
 import shardps
 from shardps.optim import SGD
-from shardps.worker.placement import CostModel
+from shardps.worker.experts.placement import CostModel
 
 PLACEMENTS = ("pull", "send", "auto")
 

@@ -37,8 +37,8 @@ from shardps import optim
 from shardps.protos import codec, framing
 from shardps.protos.shardmap import TensorInfo, build_shard_map
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.datapath.wire import decode_push
 from shardps.server.store import ShardStore, TensorSpec
-from shardps.server.wire import decode_push
 
 PUSH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -10,7 +10,7 @@ for its stats every millisecond (a request that needs the store's lock,
 like a heartbeat or the first step of another worker's Push). Rounds alternate between the two ways a
 Pull is framed: under the store's lock (``frame_inline_bytes`` above the
 Pull's size: how every Pull was framed before) and by a thread of its own
-outside the lock (pullcache.py; the default for Pulls over 2 MiB).
+outside the lock (server/datapath/reader.py; the default for Pulls over 2 MiB).
 
 Prints, for each way, the median over Pulls of: the time to the Pull's
 first response (when the handler can start sending) and to its last, alone;

@@ -9,7 +9,7 @@ Pull handler asks (``read(..., messages=True)``): once as shardps does
 sends them) and once with the shared framing dropped before every Pull
 (what each Pull cost before). Each Pull's responses are all taken, as the
 Pull handler sends them (a large Pull's are framed by a thread of its own,
-see pullcache.py). Prints the median milliseconds of each and the ratio
+see server/datapath/reader.py). Prints the median milliseconds of each and the ratio
 (shared / per-Pull time; lower is better).
 """
 

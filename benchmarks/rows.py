@@ -18,7 +18,7 @@ rows pulled and pushed: the machine's other work moves that far less than
 the wall time (it can still cost cache misses and switches).
 
 ``--index``: no servers; one shard's ``RowTables`` in this process, the
-key -> slot index of server/rowindex.py (``KeyIndex``) against a Python
+key -> slot index of server/rows/index.py (``KeyIndex``) against a Python
 dict (``DictIndex``, what the tables used before), on the same keys, the
 two runs interleaved ``--repeats`` times, each first as often (medians): rows/s of the first
 pull, a pull of rows held and a push + SparseAdam step, and the bytes the
@@ -49,8 +49,8 @@ def index_compare(rows: int, dim: int, repeats: int) -> dict[str, object]:
 
     from shardps.protos.optim import SparseAdam as SparseAdamSpec
     from shardps.protos.rows import RowTableSpec
-    from shardps.server.rowindex import DictIndex, KeyIndex
-    from shardps.server.rows import RowTables
+    from shardps.server.rows.index import DictIndex, KeyIndex
+    from shardps.server.rows.tables import RowTables
 
     keys = np.unique(np.random.default_rng(0).integers(-(2**63), 2**63 - 1, rows, dtype=np.int64).view(np.uint64))
     np.random.default_rng(1).shuffle(keys)

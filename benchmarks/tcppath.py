@@ -4,7 +4,7 @@
 Two ``shardps server`` processes (``LocalCluster(2, processes=True)``), two
 workers of one asp job in this process: one that declines the servers' data
 ports (``SHARDPS_TCP=0`` when it registers: every byte in gRPC messages)
-and one that takes them (worker/dataconn.py: its calls as frames on one
+and one that takes them (worker/datapath/dataconn.py: its calls as frames on one
 connection per server process), both with ``shm=False``. The reference
 (``raw``): the same bytes over a plain socket pair between this process and
 a child, each end receiving with ``recv_into`` into a buffer of its own

@@ -33,7 +33,7 @@ import shardps
 from shardps.examples.moe_flags import add_flags
 from shardps.examples.shakespeare import Block, CharLoss, Embed, Head, Text, batch, evaluate, load_text
 from shardps.protos.optim import Adam, SparseAdam
-from shardps.worker.moe import MoE
+from shardps.worker.experts.moe import MoE
 
 
 class Experts(nn.Module):

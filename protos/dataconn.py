@@ -1,9 +1,9 @@
 """The data connection's wire: one long-lived TCP connection per (worker, server process), calls as frames.
 
 A server process serves all its shards behind one data port
-(server/dataconn.py). Each shard's Register gives the worker the port, a
+(server/datapath/dataconn.py). Each shard's Register gives the worker the port, a
 token and the shard's *route* (a number naming the shard within the
-process). The worker opens one connection per process (worker/dataconn.py),
+process). The worker opens one connection per process (worker/datapath/dataconn.py),
 says hello with the token, and from then on its Push and Pull calls to every
 shard of that process are frames on it, not gRPC calls:
 
@@ -66,7 +66,7 @@ HELLO_MAGIC, ACK_MAGIC, REQUEST_MAGIC, ANSWER_MAGIC = b"SPC1", b"SPK1", b"SPQ1",
 PUSH, PUSH_PART, PUSH_END, PULL, PING = 1, 2, 3, 4, 5
 KINDS = {PUSH: "push", PUSH_PART: "push part", PUSH_END: "push end", PULL: "pull", PING: "ping"}
 # PING (call 0, nothing after the head): answered at once by the server's reading thread, so a worker whose calls
-# wait learns that the server process still runs (worker/dataconn.py, DataConn._watch)
+# wait learns that the server process still runs (worker/datapath/dataconn.py, DataConn._watch)
 OK = 0
 
 FRAME_SEGMENT = "frame"  # what a chunk whose bytes travel in its frame names as its segment

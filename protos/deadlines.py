@@ -1,7 +1,7 @@
 """Deadlines kept by one thread: each item expires at its time unless it is done first, at no cost then.
 
 A call that waits for nothing (a Pull parked on a shard, server/parked.py;
-a frame on a worker's data connection, worker/dataconn.py) still has a
+a frame on a worker's data connection, worker/datapath/dataconn.py) still has a
 deadline. Rather than a thread per call, one ``Deadlines`` thread sleeps
 until the earliest deadline; an item done before its time costs no wake-up
 (it is dropped when the thread next looks, or when the heap is compacted).

@@ -36,7 +36,7 @@ ROW_TABLE_COUNTS = ("rows", "weight_bytes", "state_bytes", "index_bytes", "steps
 
 @dataclass(frozen=True)
 class RowTableStats:
-    """One row table on a shard (server/rows.py ``RowTables.stats``)."""
+    """One row table on a shard (server/rows/tables.py ``RowTables.stats``)."""
 
     spec: ps_pb2.RowTableSpec  # as registered (the wire form)
     counts: dict[str, int]  # ROW_TABLE_COUNTS

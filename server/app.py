@@ -31,10 +31,10 @@ from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.server import coordinator as coord
 from shardps.server.checks import check_replicas, check_spare
+from shardps.server.datapath.reader import FRAME_INLINE_BYTES
 from shardps.server.metrics import ServerMetrics
-from shardps.server.pullcache import FRAME_INLINE_BYTES
-from shardps.server.replica import DEFAULT_REPLICA_TIMEOUT_S
-from shardps.server.roles import Role
+from shardps.server.replication.roles import Role
+from shardps.server.replication.state import DEFAULT_REPLICA_TIMEOUT_S
 from shardps.server.service import DEFAULT_MAX_WAIT_S, SERVICES, create_server, served, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 
@@ -63,7 +63,7 @@ def check_replica_timeout(seconds: float) -> float:
 
 
 def check_frame_inline_bytes(n: int) -> int:
-    """``frame_inline_bytes`` if it is one (an int >= 0; see server/pullcache.py), else ValueError."""
+    """``frame_inline_bytes`` if it is one (an int >= 0; see server/datapath/reader.py), else ValueError."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"frame_inline_bytes must be an integer >= 0, got {n!r}")
     return n

@@ -13,7 +13,7 @@ so a crash mid-write leaves the previous one in force.
 
 ``Checkpointer`` is the store's part that owns the files of one shard and
 their schedule: when a checkpoint is due, writing a snapshot it is handed
-(server/snapshot.py), listing and loading them; the store restores what it
+(server/replication/snapshot.py), listing and loading them; the store restores what it
 loads (a rollback, a restart).
 """
 
@@ -144,7 +144,7 @@ def latest(root: str | Path, shard_index: int, at_most: int | None = None) -> Ch
 
 
 
-Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]  # (version, meta, tensors): server/snapshot.py
+Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]  # (version, meta, tensors): replication/snapshot.py
 
 
 class Checkpointer:

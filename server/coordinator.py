@@ -1,7 +1,7 @@
 """Who serves a shard is etcd's to say: a shard's record, the primary's lease, takeover as a transaction.
 
 Without a coordinator a backup takes over when a worker cannot reach the
-primary and the backup cannot either (server/replica.py): a partition
+primary and the backup cannot either (server/replication/state.py): a partition
 answers that like a crash, and two primaries acknowledge writes
 (docs/operations.md, "Known hole"). With ``shardps server --coordinator
 etcd://HOST:PORT[,HOST:PORT...]`` (or ``SHARDPS_COORDINATOR``) the decision
@@ -61,7 +61,7 @@ from aetcd.rpc import rpc_pb2 as etcdpb
 from aetcd.rpc import rpc_pb2_grpc as etcdrpc
 
 from shardps.server.checks import check_job, parse_coordinator
-from shardps.server.roles import FenceError
+from shardps.server.replication.roles import FenceError
 
 __all__ = ["CoordinatorError", "Etcd", "LocalEtcd", "ShardLease", "ShardRecord", "Superseded", "check_job", "parse",
            "local_etcd"]

@@ -14,7 +14,7 @@ count) names the same step on every shard.
 
 ``PeerChannels`` is the gRPC implementation of ``peers.Peers`` the server
 gives its store (``service Peers``, with the peer token); the table and the reduction themselves are in
-server/peers.py (no network).
+server/replication/peers.py (no network).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shardps.protos import codec
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.errors import Unavailable
-from shardps.server.peers import ExchangeTable, Key, PeerReducer
+from shardps.server.replication.peers import ExchangeTable, Key, PeerReducer
 
 __all__ = ["ExchangeTable", "Key", "PeerChannels", "PeerReducer", "decode_partial", "encode_partial"]
 

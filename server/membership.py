@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shardps.server.errors import FailedPrecondition, InvalidArgument
-from shardps.server.roles import OpKind, Recorder
+from shardps.server.replication.roles import OpKind, Recorder
 
 log = logging.getLogger("shardps.server")
 

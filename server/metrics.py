@@ -4,7 +4,7 @@ What is cheap to read (counters the store keeps, versions, clocks, bytes,
 the staleness histogram built from the store's exact counts) is collected
 at scrape time by ``StoreCollector``; what must be observed as it happens
 (apply time, barrier/SSP wait time, RPC errors) is recorded by
-``ServerMetrics``. Row tables' metrics: server/rowmetrics.py. Everything is created on the registry passed in; every
+``ServerMetrics``. Row tables' metrics: server/rows/metrics.py. Everything is created on the registry passed in; every
 sample carries the label ``shard``.
 """
 
@@ -22,8 +22,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from shardps.protos.stats import ShardStats
-from shardps.server.roles import Role
-from shardps.server.rowmetrics import row_families
+from shardps.server.replication.roles import Role
+from shardps.server.rows.metrics import row_families
 from shardps.server.store import ShardStore
 
 #: Staleness is counted in versions (steps); Fibonacci buckets.

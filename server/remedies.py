@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardps.server.roles import StrEnum
+from shardps.server.replication.roles import StrEnum
 
 
 class RemedyKind(StrEnum):

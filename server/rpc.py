@@ -4,7 +4,7 @@
 (server/errors.py) becomes ``context.abort`` with its status code and
 message (counted in the servicer's metrics); ``safe_deserializer`` hands
 over bytes that do not parse as a ``Malformed``, refused by ``checked``.
-Shared by every servicer (server/service.py, server/rowservice.py).
+Shared by every servicer (server/service.py, server/rows/service.py).
 """
 
 from __future__ import annotations

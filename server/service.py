@@ -31,19 +31,26 @@ from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
-from shardps.server.dataconn import DataPort
+from shardps.server.datapath.dataconn import DataPort
+from shardps.server.datapath.reader import Item
+from shardps.server.datapath.shm import SegmentCache, Segments
+from shardps.server.datapath.slicepull import decode_slices
+from shardps.server.datapath.wire import (
+    counted,
+    decode_pull,
+    decode_push,
+    decode_register,
+    encode_state,
+    state_chunk_bytes,
+)
 from shardps.server.errors import OutOfRange
 from shardps.server.exchange import PeerChannels, encode_partial
-from shardps.server.experts import ExpertsServicer
+from shardps.server.experts.service import ExpertsServicer
 from shardps.server.metrics import ServerMetrics
-from shardps.server.pullcache import Item
-from shardps.server.replication import GrpcReplicaLink, read_ops
-from shardps.server.rowservice import RowsServicer
+from shardps.server.replication.transport import GrpcReplicaLink, read_ops
+from shardps.server.rows.service import RowsServicer
 from shardps.server.rpc import safe_deserializer, stream_errors, unary_errors
-from shardps.server.shm import SegmentCache, Segments
-from shardps.server.slicepull import decode_slices
 from shardps.server.store import ShardStore
-from shardps.server.wire import counted, decode_pull, decode_push, decode_register, encode_state, state_chunk_bytes
 
 log = logging.getLogger("shardps.server")
 
@@ -51,7 +58,7 @@ WORKERS = "shardps.v1.Workers"
 OPERATOR = "shardps.v1.Operator"
 PEERS = "shardps.v1.Peers"
 ROWS = "shardps.v1.Rows"
-EXPERTS = "shardps.v1.Experts"  # experts.proto: experts run where they live (server/experts.py)
+EXPERTS = "shardps.v1.Experts"  # experts.proto: experts run where they live (server/experts/service.py)
 SERVICES = (WORKERS, OPERATOR, PEERS, ROWS, EXPERTS)
 DEFAULT_MAX_WAIT_S = 300.0
 # Room for a chunk of MAX_CHUNK_BYTES plus its header.
@@ -108,7 +115,7 @@ class _Servicer:
 class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     """The worker data path (``service Workers``): the worker token.
 
-    ``data``: the process's data port (server/dataconn.py) and this shard's route on it, when it has one:
+    ``data``: the process's data port (server/datapath/dataconn.py) and this shard's route on it, when it has one:
     Push and Pull then also come as frames (``push_frames``, ``pull_frames``).
     """
 
@@ -159,9 +166,9 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         return self.pull_frames(request, self._timeout(context), self.segments)
 
     def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]:
-        """Whole PullResponse messages, framed once per version (see pullcache.py): they go out as they
+        """Whole PullResponse messages, framed once per version (see datapath/reader.py): they go out as they
         are (see add_servicers), a large Pull's while the rest are being framed. A Pull naming slices (a
-        tensor-parallel rank's) is answered with just those (server/slicepull.py). ``timeout``: the most
+        tensor-parallel rank's) is answered with just those (server/datapath/slicepull.py). ``timeout``: the most
         its wait may take (``wait_limit``); ``segments``: where a Pull naming one writes its weights."""
         self.store.replica.check_serving()
         self.store.replica.check_fence(request.fence_epoch, f"worker {request.worker_id}'s pull")
@@ -442,7 +449,7 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     cannot be bound. ``security`` adds TLS (mutual with a CA) and token
     auth; ``interceptors`` run before auth (tests inject faults there: they see
     gRPC calls only). ``tcp`` (``SHARDPS_TCP``, on): the shard serves the
-    process's data port on its host too (server/dataconn.py), which workers
+    process's data port on its host too (server/datapath/dataconn.py), which workers
     on other machines take for their Pushes and Pulls (with TLS, TLS too).
     """
     security = security or Security()

@@ -1,25 +1,25 @@
 """ShardStore: one shard, a facade over the parts it owns, each an object with its own state.
 
 Pure Python/torch, no gRPC: other servers are reached through the ``Peers``
-and ``ReplicaLink`` interfaces it is given (server/peers.py). The store owns
+and ``ReplicaLink`` interfaces it is given (server/replication/peers.py). The store owns
 its parts as objects, each holding its own state and given, at
 construction, the store's lock and what it needs (a Protocol or a
 callable); no part reaches another through the store::
 
     ShardStore                 store.py: the lock, the wiring, stats, snapshot/restore, rollback,
     |                          the RPCs answered in one call; the Replayer of the replica side
-    |- path: DataPath          datapath.py: configure, join, submit, pull, set_sync over the parts below
+    |- path: DataPath          datapath/path.py: configure, join, submit, pull, set_sync over the parts below
     |- table: TensorTable      table.py: the tensors (fp32 master weights, optimizer state)
     |- job: Job                job.py: version, epoch, sync mode and policy, clocks, the waits
     |- leases: Leases          membership.py: who is registered, evicted, gone; the lease reaper
-    |- applier: Applier        apply.py: the optimizer step, remedies, loss scaler, step counters
-    |- reader: Reader          pullcache.py: reads, the Pull framing cache, reads in progress
+    |- applier: Applier        datapath/apply.py: the optimizer step, remedies, loss scaler, step counters
+    |- reader: Reader          datapath/reader.py: reads, the Pull framing cache, reads in progress
     |- checkpointer            checkpoint.py: checkpoint files and their schedule
-    |- rows: RowTables         rows.py: row tables, pulled and pushed by key (docs/sparse.md)
-    '- replica: ReplicaSide    replica.py: role, replicator, replay and takeover; the parts' Recorder
+    |- rows: RowTables         rows/tables.py: row tables, pulled and pushed by key (docs/sparse.md)
+    '- replica: ReplicaSide    replication/state.py: role, replicator, replay and takeover; the parts' Recorder
 
-and the snapshot codec (snapshot.py), the sync policies (sync.py), the
-role and op enums (roles.py). Callers name the part that owns what they
+and the snapshot codec (replication/snapshot.py), the sync policies (sync.py), the
+role and op enums (replication/roles.py). Callers name the part that owns what they
 want (``store.job.version``, ``store.path.submit(...)``,
 ``store.replica.role``): the store forwards nothing. ``Replay``, at the
 end, is the ``Replayer`` its replica side is given.
@@ -35,12 +35,12 @@ LOCK ORDER (a lock may be taken while holding only those listed before it)::
                   epoch, policy, membership, counters. Every wait on it has a timeout.
     leaf locks    taken under _cond, taking nothing else: StagingPool's, the
                   ExchangeTable's, the Replicator's (record), PeerChannels'
-    Framing._cond a large Pull's framed responses (pullcache.py); taken with no
+    Framing._cond a large Pull's framed responses (datapath/reader.py); taken with no
                   other lock held
 
 A large Pull frames (or, same-host, copies) the weights outside _cond,
 counted in ``reader.reading``; a step waits for it to be 0 before it
-changes weights in place (``Reader.before_write``, see pullcache.py).
+changes weights in place (``Reader.before_write``, see datapath/reader.py).
 
 No network call is made while holding _cond or the replay lock: a split
 tensor's step releases _cond around ``Peers.fetch`` (``applier.applying``
@@ -61,20 +61,20 @@ import torch
 
 from shardps.protos.results import PushResult
 from shardps.protos.stats import ShardStats, TensorStats
-from shardps.server.apply import Applier
 from shardps.server.checkpoint import Checkpointer
-from shardps.server.datapath import DataPath
+from shardps.server.datapath.apply import Applier
+from shardps.server.datapath.path import DataPath
+from shardps.server.datapath.reader import Reader
 from shardps.server.errors import FailedPrecondition
 from shardps.server.job import Job
 from shardps.server.membership import DEFAULT_LEASE_S, Clock, Leases, Membership
 from shardps.server.parked import Signal
-from shardps.server.peers import Peers, ReplicaLink
-from shardps.server.pullcache import Reader
-from shardps.server.replica import ReplicaSide
-from shardps.server.roles import OpKind, ReplicaState, Role
-from shardps.server.rows import RowTables
+from shardps.server.replication.peers import Peers, ReplicaLink
+from shardps.server.replication.roles import OpKind, ReplicaState, Role
+from shardps.server.replication.snapshot import COUNTERS, ShardState, decode, encode, state_hash
+from shardps.server.replication.state import ReplicaSide
+from shardps.server.rows.tables import RowTables
 from shardps.server.scaling import LossScaler, scaling_config
-from shardps.server.snapshot import COUNTERS, ShardState, decode, encode, state_hash
 from shardps.server.sync import PartKey, make_policy
 from shardps.server.table import TensorSpec, TensorTable
 
@@ -114,7 +114,7 @@ class ShardStore:
         self.reader = reader = Reader(shard_index, cond, table, job, settle=applier.settle,
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
-        self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows.py
+        self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows/tables.py
                               lambda: replica.recording, gone=lambda: membership.evicted | membership.left)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
@@ -207,7 +207,7 @@ class ShardStore:
 
     def snapshot_locked(self, *, holds: bool = False) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
         """``snapshot`` with the lock held; ``holds``: with the expert gradients held for a step under way
-        (server/heldgrads.py), for a backup's sync (a checkpoint leaves them out)."""
+        (server/experts/heldgrads.py), for a backup's sync (a checkpoint leaves them out)."""
         self.applier.settle()
         m, job, ap = self.leases.membership, self.job, self.applier
         version, meta, tensors = encode(ShardState(
@@ -217,7 +217,7 @@ class ShardStore:
             entries=self.table.entries, held=job.policy.held_state() if job.policy else None,
             counters={k: getattr(self._counter_part(k), k) for k in COUNTERS}, staleness_counts=ap.staleness_counts,
             stale_weights=ap.stale_weights))
-        meta["rows"], row_tensors = self.rows.snapshot_locked()  # row tables (server/rows.py): their own keys
+        meta["rows"], row_tensors = self.rows.snapshot_locked()  # row tables (server/rows/tables.py): their own keys
         if holds:
             meta["row_holds"], held = self.rows.held.state()
             row_tensors.update(held)
@@ -321,7 +321,7 @@ class ShardStore:
 
 
 class Replay:
-    """The ``Replayer`` the replica side is given (server/replica.py): each op replayed through the part that
+    """The ``Replayer`` the replica side is given (server/replication/state.py): each op replayed through the part that
     answers the same request on a primary (the same code path), the snapshots through the store."""
 
     def __init__(self, store: ShardStore) -> None:

@@ -137,7 +137,7 @@ class SyncPolicy:
     def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
         """The updates now due (a policy that does not pass gradients through is given fp32 tensors only).
         ``weights``: how many gradients a part counts for (1 for those not named; a sliced Push's, which only
-        a barrier takes: server/slicepush.py)."""
+        a barrier takes: server/datapath/slicepush.py)."""
         raise NotImplementedError
 
     def flush(self) -> list[Update]:

@@ -25,7 +25,7 @@ _WHERE = {
     "PushResult": "shardps.worker.client",
     "RolledBack": "shardps.worker.errors",
     "ShardError": "shardps.worker.errors",
-    "Stream": "shardps.worker.streamplan",
+    "Stream": "shardps.worker.streaming.plan",
     "connect": "shardps.worker.client",
 }
 _SUBMODULES = ("compress", "nn", "optim")
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from shardps.worker.client import PSClient, PushResult, connect
     from shardps.worker.errors import RolledBack, ShardError
     from shardps.worker.optimizer import DistributedOptimizer
-    from shardps.worker.streamplan import Stream
+    from shardps.worker.streaming.plan import Stream
 
 
 def __getattr__(name: str) -> Any:

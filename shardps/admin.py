@@ -20,8 +20,8 @@ from typing import Any, TextIO
 
 from shardps.protos.security import Security
 from shardps.worker.client import connect
+from shardps.worker.datapath.reach import run_health
 from shardps.worker.operator import attach_replica, checkpoint, health, promote, set_sync, stats
-from shardps.worker.reach import run_health
 
 __all__ = [
     "COLUMNS", "attach_replica", "checkpoint", "health", "percentile", "promote", "render_table", "run_attach_replica",

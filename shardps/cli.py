@@ -114,7 +114,7 @@ def _health_flags(hp: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def health_main(argv: list[str]) -> int:
     """``shardps health ...``, parsed and run without the rest of the CLI: a healthcheck runs every few
     seconds in every server's container, and what the other commands import at once is not its to pay for."""
-    from shardps.worker.reach import run_health
+    from shardps.worker.datapath.reach import run_health
 
     hp = _health_flags(argparse.ArgumentParser(prog="shardps health", description=HEALTH_HELP))
     args = hp.parse_args(argv)
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_worker(args, security_from(args))
     if args.command == "health":  # after top-level flags (`shardps --log-level debug health`)
-        from shardps.worker.reach import run_health
+        from shardps.worker.datapath.reach import run_health
 
         return run_health(args.address, timeout=args.timeout, security=security_from(args))
     if args.command in ("stats", "ctl"):

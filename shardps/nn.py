@@ -7,7 +7,7 @@ pushes their gradients, and a sparse optimizer (``shardps.optim.SparseAdam``,
 experts are the rows of a row table (docs/moe.md).
 """
 
-from shardps.worker.moe import MoE
-from shardps.worker.rowmodules import Embedding, EmbeddingBag
+from shardps.worker.experts.moe import MoE
+from shardps.worker.rows.modules import Embedding, EmbeddingBag
 
 __all__ = ["Embedding", "EmbeddingBag", "MoE"]

@@ -1,4 +1,5 @@
-"""The data connection (worker/dataconn.py, server/dataconn.py): one per (worker, server process), calls as frames.
+"""The data connection (worker/datapath/dataconn.py, server/datapath/dataconn.py): one per (worker, server process),
+calls as frames.
 
 Exact against gRPC (the same bytes, another road), one connection for all
 the shards of a process, every bad frame refused with a status naming what
@@ -23,9 +24,9 @@ from shardps.protos import dataconn as wire
 from shardps.protos import env
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker import dataconn
-from shardps.worker.dataconn import ConnPath, FrameError
-from shardps.worker.paths import GrpcPath
+from shardps.worker.datapath import dataconn
+from shardps.worker.datapath.dataconn import ConnPath, FrameError
+from shardps.worker.datapath.paths import GrpcPath
 from tests.helpers import train_over_paths
 
 

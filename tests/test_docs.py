@@ -23,8 +23,8 @@ from shardps.deploy.lifeline import LIFELINE_FD
 from shardps.protos import env
 from shardps.server.metrics import ServerMetrics
 from shardps.server.store import ShardStore
+from shardps.worker.experts.moe import MoECollector
 from shardps.worker.metrics import WorkerMetrics
-from shardps.worker.moe import MoECollector
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

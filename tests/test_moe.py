@@ -17,9 +17,9 @@ from torch import nn
 import shardps
 from shardps.optim import SGD
 from shardps.protos.shardps.v1 import experts_pb2
-from shardps.worker.moe import MoECollector
-from shardps.worker.placement import AutoPlacement, CostModel
-from shardps.worker.routing import capacity, route
+from shardps.worker.experts.moe import MoECollector
+from shardps.worker.experts.placement import AutoPlacement, CostModel
+from shardps.worker.experts.routing import capacity, route
 from tests.helpers import run_workers
 
 D, E = 8, 8

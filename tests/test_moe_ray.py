@@ -20,7 +20,7 @@ from torch import nn
 import shardps
 import shardps.ray as sray
 from shardps.optim import SGD
-from shardps.worker.routing import capacity
+from shardps.worker.experts.routing import capacity
 from tests.test_moe import D, E, dense_loop, expert
 
 pytestmark = pytest.mark.cluster

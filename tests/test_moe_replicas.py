@@ -1,5 +1,5 @@
 """Mixture of experts under --replicas 2: the gradients a step's held backwards leave on a shard
-(server/heldgrads.py) outlive its primary, reach a backup that joins mid-step, and stay out of checkpoints.
+(server/experts/heldgrads.py) outlive its primary, reach a backup that joins mid-step, and stay out of checkpoints.
 
 Real servers in this process on loopback ports (LocalCluster); faults at exact points (a primary stopped,
 a backup attached, between a step's two backwards).
@@ -19,7 +19,7 @@ def test_held_expert_gradients_survive_their_primary(make_cluster):
     """--replicas 2, "send" with ``hold`` (a pipeline stage's micro-batches): shard 0's primary stops once the
     step's first backward has held its experts' gradients there and been answered. The second backward and
     the step's push go to the backup, which holds the first backward's gradients too (replicated before
-    the answer: server/heldgrads.py), so every expert's row equals the same step without the stop, bit for
+    the answer: server/experts/heldgrads.py), so every expert's row equals the same step without the stop, bit for
     bit. Without the replication the backup pushes the second backward's alone and the rows differ."""
     rows = []
     for stop in (False, True):
@@ -48,7 +48,7 @@ def test_a_backup_that_joins_mid_step_gets_the_held_gradients(make_cluster):
     """--replicas 2 with shard 0's backup gone: the step's first backward holds its experts' gradients on the
     primary alone. A fresh backup then joins (``attach-replica``: a snapshot syncs it) and the primary
     stops; the second backward and the step's push go to the new backup, which got the held gradients in
-    the snapshot (server/heldgrads.py ``state``), so every expert's row equals the same step without any of
+    the snapshot (server/experts/heldgrads.py ``state``), so every expert's row equals the same step without any of
     this, bit for bit. Without them in the snapshot the backup pushes the second backward's alone."""
     import io
 
@@ -122,7 +122,7 @@ def test_a_hold_sent_twice_is_held_once_and_every_hold_reaches_the_backup():
     names the same ``hold_index``: held once, recorded once; the backup's replay holds what the primary
     holds."""
     from shardps.protos.rows import RowTableSpec
-    from shardps.server.rows import RowTables
+    from shardps.server.rows.tables import RowTables
 
     log: list = []
     primary = RowTables(record=lambda args, tensors: log.append((args, tensors)), recording=lambda: True)

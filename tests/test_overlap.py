@@ -184,20 +184,20 @@ def test_overlap_needs_the_model(cluster2):
 
 
 def test_calls_get_through_while_a_push_stream_is_open(cluster2):
-    """An open push stream holds a transport thread per shard for a whole backward (overlap); the client's
+    """An open bucketed push holds a transport thread per shard for a whole backward (overlap); the client's
     other calls over the shards (stats, a pull) must still get through meanwhile, not wait for the step's end."""
     model = make_model()
     client = shardps.connect(cluster2.addresses, part_bytes=1024)
     try:
         shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1))
-        stream = client.push_stream(client.clock)
+        stream = client.push_bucketed(client.clock)
         pulling = client.pull_async()  # a pull in flight holds one more thread per shard
         pulling.result()
         done = threading.Event()
         caller = threading.Thread(target=lambda: (client.stats(), client.pull_async().result(), done.set()))
         caller.start()
         caller.join(30)
-        assert done.is_set(), "a call waited behind the open push streams"
+        assert done.is_set(), "a call waited behind the open bucketed pushes"
         stream.add({n: torch.zeros_like(p) for n, p in model.named_parameters()})
         assert all(r.applied for r in stream.finish())
     finally:

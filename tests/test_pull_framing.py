@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardps
-from shardps.server import pullcache
+from shardps.server.datapath import reader as pullcache
 from tests.helpers import run_workers
 
 STEPS = 8

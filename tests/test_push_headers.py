@@ -5,7 +5,7 @@ run): a Push whose later message said found_inf where its first did not was
 applied as one step, and a state change it made was blamed on the malformed
 stream before it. Every path that reads a Push (the stream, the one-message
 unary call, the same-host path through shared memory), a Register stream,
-and an op replicated to a backup share one check (server/headers.py); each
+and an op replicated to a backup share one check (server/datapath/headers.py); each
 path is tried here over gRPC. The checks themselves: tests/server/test_wire.py
 and tests/server/test_replica.py.
 """

@@ -20,9 +20,9 @@ from shardps.admin import run_stats
 from shardps.protos.optim import SGD, SM3, SparseAdam
 from shardps.protos.rows import RowTableSpec, shard_of
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
-from shardps.server.rows import RowTables
+from shardps.server.rows.tables import RowTables
 from shardps.worker.errors import Unreachable
-from shardps.worker.rows import finite
+from shardps.worker.rows.client import finite
 from tests.helpers import run_workers
 
 

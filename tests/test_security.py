@@ -204,7 +204,7 @@ def test_the_data_connection_is_tls_under_tls(make_cluster, pki, mutual):
     """A worker on another machine (shm=False) takes the data connection under TLS too, as TLS with the gRPC
     port's certificates; a connection that does not speak TLS to it is refused before its hello."""
     from shardps.protos import dataconn as wire
-    from shardps.worker.dataconn import ConnPath
+    from shardps.worker.datapath.dataconn import ConnPath
 
     ca = str(pki / "ca.pem")
     server = Security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_ca=ca if mutual else None)

@@ -150,7 +150,7 @@ def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
     SIGBUS later: the worker says so and trains over gRPC."""
     import errno
 
-    from shardps.worker import shm as worker_shm
+    from shardps.worker.datapath import shm as worker_shm
 
     def full(tag, size):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -185,17 +185,17 @@ def test_segments_of_a_dead_worker_are_removed_by_the_next(tmp_path):
         alive.close()
 
 
-def _push_streamed(client, grads, step):
-    stream = client.push_stream(step)
+def _push_bucketed(client, grads, step):
+    stream = client.push_bucketed(step)
     stream.add(grads)
     return stream.finish()
 
 
-@pytest.mark.parametrize("push", ["push", "push_stream"])
+@pytest.mark.parametrize("push", ["push", "push_bucketed"])
 def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shard(cluster2, push):
     """Gradients are cast to their push dtype as they are copied into shared memory: the bytes checked for
     inf/nan are those the shards read (1e5 is finite in fp32, inf in float16)."""
-    send = (lambda c, g, step: c.push(g, step=step)) if push == "push" else _push_streamed
+    send = (lambda c, g, step: c.push(g, step=step)) if push == "push" else _push_bucketed
     w = torch.randn(600)
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.float16)
@@ -221,7 +221,7 @@ def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradi
                                                                                               monkeypatch):
     """A fail-over turns a shard's segments off: a gradient meant to be cast into them goes over gRPC,
     cast the same way."""
-    from shardps.worker.shm import ShmLink
+    from shardps.worker.datapath.shm import ShmLink
 
     w = torch.randn(600)
     grad = torch.randn(600)
@@ -257,7 +257,7 @@ def test_a_streamed_push_cast_into_shared_memory_survives_a_fail_over(tmp_path):
         with shardps.connect(c.addresses, part_bytes=1024) as client:
             client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.bfloat16)
             assert all(client.shm_links) and {p.server for p in client.shard_map.parts_of("w")} == {0, 1}
-            stream = client.push_stream(0)
+            stream = client.push_bucketed(0)
             stream.add({"w": grad})  # written into both segments now
             c.kill(1)  # shard 1's primary: its stream has not ended, nothing of it was applied
             res = stream.finish()
@@ -291,7 +291,7 @@ def test_a_segment_closed_before_the_copy_sends_that_shards_share_over_grpc_chec
         grad[last.start] = 0.5
         client.push({"w": grad}, step=1)
         assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5)
-        stream = client.push_stream(2)  # a stream casts into the segments as gradients are handed in
+        stream = client.push_bucketed(2)  # a stream casts into the segments as gradients are handed in
         stream.add({"w": grad})  # shard 1's is closed: cast into a buffer instead, no error here
         assert "w" not in stream._written
         stream.abort()

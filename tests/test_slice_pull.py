@@ -1,4 +1,4 @@
-"""Sliced pulls (PullRequest.slices, server/slicepull.py): a shard answers with a slice of a whole tensor only.
+"""Sliced pulls (PullRequest.slices, server/datapath/slicepull.py): a shard answers with a slice of a whole tensor only.
 
 Real servers on loopback. Each slice pulled equals ``torch.chunk``'s of the whole tensor, along dim 0 and
 along dim 1 (gathered by the shards from their row blocks), and the shards count exactly the slice's bytes
@@ -15,7 +15,7 @@ import torch
 import shardps
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
-from shardps.worker.pull import PullInFlight
+from shardps.worker.datapath.pull import PullInFlight
 
 pytestmark = pytest.mark.cluster
 

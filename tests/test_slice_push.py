@@ -1,4 +1,5 @@
-"""Sliced pushes (PushRequest.slices, server/slicepush.py): each worker of a TP group pushes its slice of a gradient.
+"""Sliced pushes (PushRequest.slices, server/datapath/slicepush.py): each worker of a TP group pushes its slice of a
+gradient.
 
 Real servers on loopback, the workers threads. 2 data-parallel replicas x 2 slices (4 workers) pushing the
 slices of each replica's gradient give, step after step under Adam, the very weights 2 workers pushing the
@@ -16,7 +17,7 @@ import shardps
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
-from shardps.worker.slicepush import push_slices
+from shardps.worker.datapath.slicepush import push_slices
 from tests.helpers import run_workers
 from tests.replicas import same_state
 from tests.test_slice_pull import _expected, _tensors

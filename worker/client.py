@@ -2,7 +2,7 @@
 
 Routes tensors by the shard map (``register``/``attach``; layouts:
 ``worker/layout.py``), pushes gradients and pulls weights over all shards in
-parallel (``worker/push.py``, ``pushstream.py``, ``pull.py``: they return
+parallel (``worker/datapath/push.py``, ``bucketedpush.py``, ``pull.py``: they return
 what the shards said, a ``JobView`` the client takes in ``apply``), exports
 state and recovers from a rollback. Channels, deadlines, retries and
 fail-over are the transport's, the lease the heartbeats'; failures surface
@@ -30,20 +30,22 @@ from shardps.protos.results import PushResult
 from shardps.protos.security import Security
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker import export, layout, operator, push, recovery
-from shardps.worker.buffers import HostBuffers
+from shardps.worker import export, layout, operator
 from shardps.worker.compress import Compressor
+from shardps.worker.datapath import push
+from shardps.worker.datapath.bucketedpush import BucketedPush
+from shardps.worker.datapath.buffers import HostBuffers
+from shardps.worker.datapath.pull import PullInFlight
+from shardps.worker.datapath.shardpaths import ShardPaths
+from shardps.worker.datapath.shm import ShmLink, shm_probe
+from shardps.worker.datapath.transport import Transport
 from shardps.worker.errors import ShardError
-from shardps.worker.heartbeat import Heartbeats
-from shardps.worker.jobview import JobView
+from shardps.worker.job import recovery
+from shardps.worker.job.heartbeat import Heartbeats
+from shardps.worker.job.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, Layout, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics, serve_worker_metrics
-from shardps.worker.pull import PullInFlight
-from shardps.worker.pushstream import PushStream
-from shardps.worker.rows import RowCalls, RowClient
-from shardps.worker.shardpaths import ShardPaths
-from shardps.worker.shm import ShmLink, shm_probe
-from shardps.worker.transport import Transport
+from shardps.worker.rows.client import RowCalls, RowClient
 
 # Importable from here as before: ShardError (worker/errors.py); Layout, OptimizerChoice, DEFAULT_MAX_WHOLE_BYTES
 # (worker/layout.py).
@@ -63,7 +65,7 @@ class PSClient(RowCalls):
     """
 
     # A superset of the tensors registered whose shard map register() plans (a TP rank's: worker/tp/servers.py).
-    placement: Mapping[str, torch.Tensor] | None = None
+    plan_over: Mapping[str, torch.Tensor] | None = None
 
     def __init__(self, addresses: Sequence[str], worker_id: int = 0, num_workers: int = 1, *,
                  timeout: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
@@ -92,8 +94,8 @@ class PSClient(RowCalls):
         self.lease_s = 0.0  # the job's worker lease (0: none)
         self.epoch = 0  # the job's rollback epoch this client is in
         self.heartbeats = Heartbeats(self.transport, worker_id)
-        # The same-host fast path (worker/shm.py): asked for (argument, SHARDPS_SHM, on by default); each
-        # shard's path (worker/paths.py): shared memory if it read this worker's probe at Register, else gRPC.
+        # The same-host fast path (worker/datapath/shm.py): asked for (argument, SHARDPS_SHM, on by default); each
+        # shard's path (worker/datapath/paths.py): shared memory if it read this worker's probe at Register, else gRPC.
         self.use_shm = env.pick_bool(shm, env.SHM, True)
         self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
         self.paths = ShardPaths(worker_id, len(self.addresses))
@@ -110,7 +112,7 @@ class PSClient(RowCalls):
         self.metrics: WorkerMetrics | None = None
         self.metrics_endpoint: MetricsEndpoint | None = None
 
-    # -- the transport's settings and counters (worker/transport.py) ---------
+    # -- the transport's settings and counters (worker/datapath/transport.py) ---------
 
     @property
     def num_shards(self) -> int:
@@ -215,7 +217,7 @@ class PSClient(RowCalls):
         """
         if provides_values is None:
             provides_values = self.worker_id == 0
-        layouts, smap = layout.plan(tensors, optimizer, self.num_shards, placement=self.placement,
+        layouts, smap = layout.plan(tensors, optimizer, self.num_shards, plan_over=self.plan_over,
                                     grad_dtype=grad_dtype, part_bytes=self.part_bytes, max_whole_bytes=max_whole_bytes)
         flats = {n: tensors[n].detach().to("cpu").contiguous().view(-1) for n in tensors} if provides_values else None
         scaling = loss_scaling.to_proto() if loss_scaling is not None else None
@@ -307,7 +309,7 @@ class PSClient(RowCalls):
         Pull begins as soon as that shard answered, from its ready version
         (or with the weights it answered with), while the other shards'
         pushes still go up. ``window``: at most that many shards' Pushes at
-        once, in ``worker/pushorder.py``'s order (None: all at once).
+        once, in ``worker/datapath/pushorder.py``'s order (None: all at once).
         ``compressor``: the tensors it compresses go compressed (worker/compress.py).
         """
         self._require_layout(grads)
@@ -375,13 +377,13 @@ class PSClient(RowCalls):
         return PullInFlight(self, wanted, out=out, min_versions=mins, dtype=dtype, min_clock=min_clock,
                             answered=given, on_result=self.apply)
 
-    def push_stream(self, step: int, base_versions: Sequence[int] | None = None, *,
-                    loss_scale: float = 0.0) -> PushStream:
+    def push_bucketed(self, step: int, base_versions: Sequence[int] | None = None, *,
+                    loss_scale: float = 0.0) -> BucketedPush:
         """A Push of step ``step`` opened on every shard now and fed bucket by bucket (``add``) while
         backward runs; ``finish()`` closes it and returns one result per shard, as ``push`` (the client ``apply``s
         what they say)."""
         self._require_layout(())
-        return PushStream(self, step, list(self.versions if base_versions is None else base_versions),
+        return BucketedPush(self, step, list(self.versions if base_versions is None else base_versions),
                           loss_scale, on_result=self.apply)
 
     def export_state(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -400,7 +402,7 @@ class PSClient(RowCalls):
 
         If a shard restarted from its checkpoint, or the shards are in
         different epochs, every shard rolls back to the newest checkpoint
-        version all of them hold (``worker/recovery.py``). Idempotent. Then
+        version all of them hold (``worker/job/recovery.py``). Idempotent. Then
         this client takes the shards' epoch, versions and its own clock.
         """
         stats = recovery.bring_together(self.transport, self.worker_id)

@@ -16,8 +16,8 @@ import torch
 from shardps.protos import codec
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.datapath.transport import Transport
 from shardps.worker.layout import Layout
-from shardps.worker.transport import Transport
 
 Item = tuple[str, int, int, str, torch.Tensor]  # (name, part start, part stop, key, values)
 

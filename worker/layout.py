@@ -49,16 +49,16 @@ class Layout:
 def plan(tensors: Mapping[str, torch.Tensor], optimizer: OptimizerChoice, num_shards: int, *,
          grad_dtype: torch.dtype | None = None, part_bytes: int | None = None,
          max_whole_bytes: int = DEFAULT_MAX_WHOLE_BYTES,
-         placement: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, Layout], ShardMap]:
+         plan_over: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, Layout], ShardMap]:
     """Each tensor's layout and the shard map of their parts (empty tensors have a layout, no part).
-    ``placement``: a superset of ``tensors`` (shapes and dtypes: "meta" tensors do) whose shard map is
+    ``plan_over``: a superset of ``tensors`` (shapes and dtypes: "meta" tensors do) whose shard map is
     planned, then kept to ``tensors``' parts, so that a tensor's place does not depend on which others
     this worker registers (a TP rank's owned tensors: worker/tp/servers.py)."""
-    if placement is not None:
-        missing = [n for n in tensors if n not in placement]
+    if plan_over is not None:
+        missing = [n for n in tensors if n not in plan_over]
         if missing:
-            raise ValueError(f"placement lacks the registered tensors {missing[:3]}")
-        every, smap = plan(placement, optimizer, num_shards, grad_dtype=grad_dtype, part_bytes=part_bytes,
+            raise ValueError(f"plan_over lacks the registered tensors {missing[:3]}")
+        every, smap = plan(plan_over, optimizer, num_shards, grad_dtype=grad_dtype, part_bytes=part_bytes,
                            max_whole_bytes=max_whole_bytes)
         return ({n: every[n] for n in tensors},
                 ShardMap(smap.num_servers, tuple(p for p in smap.parts if p.name in tensors),

@@ -43,9 +43,9 @@ class WorkerMetrics:
                            ["worker"], registry=registry).labels(w)
 
     def add_moe(self, model: nn.Module) -> None:
-        """Collect the MoE layers of ``model`` here too (``shardps_moe_*``, worker/moe.py's ``MoECollector``),
+        """Collect the MoE layers of ``model`` here too (``shardps_moe_*``, worker/experts/moe.py's ``MoECollector``),
         once per model; a model without any adds nothing."""
-        from shardps.worker.moe import MoE, MoECollector
+        from shardps.worker.experts.moe import MoE, MoECollector
 
         if id(model) in self.models or not any(isinstance(m, MoE) for m in model.modules()):
             return

@@ -1,7 +1,7 @@
 """The operator's calls to a running job: stats, set_sync, checkpoint, promote, attach_replica, health.
 
 Not on the worker's data path. ``stats``, ``set_sync`` and ``checkpoint``
-act on every shard of a transport (``worker/transport.py``) through each
+act on every shard of a transport (``worker/datapath/transport.py``) through each
 shard's ``Operator`` service, with the operator token
 (``SHARDPS_OPERATOR_TOKEN``, else the shared one); ``promote``,
 ``attach_replica`` and ``health`` talk to one endpoint by address. Every
@@ -18,8 +18,8 @@ from typing import Any
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.stats import ShardStats
-from shardps.worker.reach import health_status
-from shardps.worker.transport import Transport, unary
+from shardps.worker.datapath.reach import health_status
+from shardps.worker.datapath.transport import Transport, unary
 
 __all__ = ["attach_replica", "checkpoint", "health", "promote", "set_sync", "stats"]
 

@@ -11,7 +11,7 @@ live (``shardps ctl set-sync``), workers follow from their next step.
 Over 400 lines: one class whose paths (plain, overlapped, streamed) share
 the step's bookkeeping (round, accumulation, rollback, rejoin, the sync mode
 followed); what each path does with tensors lives in worker/overlap.py,
-worker/stream.py and the client.
+worker/streaming/streamer.py and the client.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from shardps.protos.syncspec import SyncSpec
 from shardps.worker.accumulate import Accumulator
 from shardps.worker.client import PSClient, PushResult
 from shardps.worker.compress import CompressChoice, Compressor
+from shardps.worker.datapath.bucketedpush import BucketedPush
+from shardps.worker.datapath.pull import PullInFlight
 from shardps.worker.errors import RolledBack, ShardError
-from shardps.worker.heap import give_back_freed_memory
+from shardps.worker.job.rollback import Action, During, decide, resume_step
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES, OptimizerChoice
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.overlap import DEFAULT_BUCKET_BYTES, Overlap
-from shardps.worker.pull import PullInFlight
-from shardps.worker.pushstream import PushStream
-from shardps.worker.rollback import Action, During, decide, resume_step
-from shardps.worker.rowmodules import RowModules
-from shardps.worker.stream import Stream, Streamer
+from shardps.worker.rows.modules import RowModules
+from shardps.worker.streaming.heap import give_back_freed_memory
+from shardps.worker.streaming.streamer import Stream, Streamer
 
 __all__ = ["DistributedOptimizer", "RolledBack"]  # RolledBack: importable from here as before (worker/errors.py)
 
@@ -96,7 +96,7 @@ class DistributedOptimizer:
 
     Each shard's pull begins as soon as that shard answered the step's push.
     ``push_window=w`` sends the shards' pushes w at a time, in an order
-    that spreads the workers over the server hosts (``worker/pushorder.py``):
+    that spreads the workers over the server hosts (``worker/datapath/pushorder.py``):
     with a model cut into many shards (``shardps server --shards``) the
     first shards' weights come down while the last gradients go up. None
     (the default): every shard's push at once.
@@ -176,7 +176,7 @@ class DistributedOptimizer:
         self.rejoins = 0
         self.rollbacks = 0
         self._join()
-        # Row tables (worker/rowmodules.py): the model's shardps.nn.Embedding modules, registered here, their
+        # Row tables (worker/rows/modules.py): the model's shardps.nn.Embedding modules, registered here, their
         # gradients pushed at each step() (docs/sparse.md).
         self.rows = RowModules.attach(params, client.rows, num_workers=client.num_workers, sync=str(self.sync),
                                       provides_values=client.worker_id == 0 if provides_values is None
@@ -320,12 +320,12 @@ class DistributedOptimizer:
             self.synchronize()
         self.local_steps += 1
         x = self.sync.accumulation  # every:X: the row modules hold their gradients until the step that pushes
-        try:  # the row modules' gradients (worker/rowmodules.py); a rollback since is found here first
+        try:  # the row modules' gradients (worker/rows/modules.py); a rollback since is found here first
             self.rows.step(self.local_steps - 1, push=x <= 1 or self.accumulator.steps + 1 >= x)
         except ShardError as e:
             return self._push_failed(e, loss)
         if stream is not None:
-            return self._push_streamed(stream, loss)
+            return self._push_bucketed(stream, loss)
         grads = self.gradients()
         if self.sync.accumulation > 1:
             self.accumulator.add(grads)
@@ -350,7 +350,7 @@ class DistributedOptimizer:
             return self._push_failed(e, loss)
         return self._pushed(mode, t0, loss, pull)
 
-    def _push_streamed(self, stream: PushStream, loss: Any) -> Any:
+    def _push_bucketed(self, stream: BucketedPush, loss: Any) -> Any:
         """Close the step's push stream (the gradients not handed in during backward go now)."""
         assert self.overlap is not None
         mode = self.sync
@@ -381,7 +381,7 @@ class DistributedOptimizer:
         t0 = time.perf_counter()
         try:
             if push is None:
-                push = self.open_push_stream()
+                push = self.open_bucketed_push()
             rest = self.stream.remaining(push)
             if rest:
                 push.add(rest)
@@ -455,9 +455,9 @@ class DistributedOptimizer:
         if self.metrics is not None:
             self.metrics.pull_seconds.observe(time.perf_counter() - t1)
 
-    def open_push_stream(self) -> PushStream:
+    def open_bucketed_push(self) -> BucketedPush:
         """This step's push, opened on every shard from the versions pulled (the overlap hooks feed it)."""
-        return self.client.push_stream(self.round, list(self.client.versions), loss_scale=self.client.loss_scale)
+        return self.client.push_bucketed(self.round, list(self.client.versions), loss_scale=self.client.loss_scale)
 
     def synchronize(self) -> None:
         """With ``overlap``: wait until the weights of the last step are in every parameter (no-op

@@ -3,7 +3,7 @@
 Push: a post-accumulate-grad hook on every parameter hands each finished
 gradient to its bucket (about ``bucket_bytes``, parameters in reverse
 order, as DDP: backward finishes the last layers first); a full bucket goes
-into the step's ``PushStream`` at once, so its bytes travel while backward
+into the step's ``BucketedPush`` at once, so its bytes travel while backward
 computes the layers before it. The stream opens at the step's first
 gradient; ``step()`` hands in what is left (partial buckets, parameters
 without a hook call) and closes it.
@@ -32,8 +32,8 @@ from torch import nn
 
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.accumulate import Accumulator
-from shardps.worker.pull import PullInFlight
-from shardps.worker.pushstream import PushStream
+from shardps.worker.datapath.bucketedpush import BucketedPush
+from shardps.worker.datapath.pull import PullInFlight
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # as DDP's bucket_cap_mb
 
@@ -76,7 +76,7 @@ class Stepper(Protocol):
         """The ``every:X`` sums of the steps before this one."""
         ...
 
-    def open_push_stream(self) -> PushStream:
+    def open_bucketed_push(self) -> BucketedPush:
         """This step's push, opened on every shard."""
         ...
 
@@ -98,7 +98,7 @@ class Overlap:
         self._pull: tuple[PullInFlight, float] | None = None  # the last step's weights, coming in; when started
         self.buckets = buckets(opt.params, bucket_bytes)
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b}
-        self._stream: PushStream | None = None
+        self._stream: BucketedPush | None = None
         self._broken = False  # this step pushes whole at step()
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self.streamed_steps = 0  # steps whose gradient went up during backward
@@ -156,7 +156,7 @@ class Overlap:
             except Exception:  # noqa: BLE001 - step() raises it again (synchronize), out of backward
                 return False
             opt.synchronize()
-        self._stream = opt.open_push_stream()
+        self._stream = opt.open_bucketed_push()
         return True
 
     def _grad_ready(self, name: str, param: torch.Tensor) -> None:
@@ -193,7 +193,7 @@ class Overlap:
 
     # -- step() ------------------------------------------------------------------
 
-    def take_stream(self) -> PushStream | None:
+    def take_stream(self) -> BucketedPush | None:
         """The step's open stream with every full or partial bucket in it; None when the step pushes
         whole (nothing streamed, or overlap stepped aside: any stream opened is cancelled)."""
         stream, broken = self._stream, self._broken
@@ -210,7 +210,7 @@ class Overlap:
             self.streamed_steps += 1
         return stream
 
-    def remaining(self, stream: PushStream) -> dict[str, torch.Tensor]:
+    def remaining(self, stream: BucketedPush) -> dict[str, torch.Tensor]:
         """Gradients not handed in during backward (parameters whose hook did not run)."""
         opt = self.opt
         out = {}

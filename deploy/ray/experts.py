@@ -3,7 +3,7 @@ shards' processes (docs/moe.md, "Expert actors").
 
 ``start_expert_actors(servers)`` starts one ``ExpertActor`` per shard. Each
 answers the calls of ``service Experts`` (experts.proto) for its shard's
-experts, as the shard itself would (server/experts.py: the same ``Program``,
+experts, as the shard itself would (server/experts/service.py: the same ``Program``,
 ``run_forward`` and ``run_backward``): it holds the experts' TorchScript,
 pulls the rows of the experts a call names from its shard (``PullRows``)
 and, in ``Backward``, pushes their gradients to that shard alone
@@ -40,10 +40,10 @@ from shardps.protos.rows import MAX_PULL_KEYS, rows_per_message
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import experts_pb2, ps_pb2
 from shardps.server.errors import StoreError
-from shardps.server.experts import Program, check_program, decode, run_backward, run_forward
+from shardps.server.experts.service import Program, check_program, decode, run_backward, run_forward
 from shardps.server.rpc import details, status_code
-from shardps.worker.reach import StatusError
-from shardps.worker.transport import Transport
+from shardps.worker.datapath.reach import StatusError
+from shardps.worker.datapath.transport import Transport
 
 __all__ = ["ActorEndpoint", "ExpertActor", "ExpertActors", "start_expert_actors"]
 

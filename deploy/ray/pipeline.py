@@ -59,7 +59,7 @@ from shardps.worker.pipeline.partition import scatter, split_model, stage_ties
 from shardps.worker.pipeline.plan import PipelineOptions, StepPlan, loss_reduction, plan_step
 from shardps.worker.pipeline.rowstage import check_row_modules
 from shardps.worker.pipeline.streamweights import check_stream
-from shardps.worker.streamplan import Stream
+from shardps.worker.streaming.plan import Stream
 from shardps.worker.tp.split import check_tp, join_slices
 
 __all__ = ["OffloadStore", "Pipeline", "PipelineError", "RaySink", "StageActor", "StageOptions"]
@@ -181,7 +181,7 @@ class Pipeline:
 
     # -- start ---------------------------------------------------------------
 
-    def _placement(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+    def _plan_over(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
         """With weights tied across stages, the whole model's tensors (by the names the stages use): every
         stage plans the shard map over them, so that a tied weight lives on one shard for all its users."""
         if not self.ties.shared:
@@ -237,7 +237,7 @@ class Pipeline:
                                 sync=self.sync_spec, optimizer=self.optimizer, security=self.security,
                                 weight_delay=self.weight_delay, tensor_parallel=p, tp_plan=self.tp_plan or None,
                                 stream=self.stream, stream_modules=self.stream_modules,
-                                tied=dict(self.ties.shared), placement=self._placement())
+                                tied=dict(self.ties.shared), plan_over=self._plan_over())
             for row_index in range(r * p):  # a row: one TP rank of one replica, all its stages
                 rep, t = divmod(row_index, p)
                 row = []

@@ -27,8 +27,8 @@ from torch import nn
 from shardps.deploy.ray.placement import actor_logging
 from shardps.protos.security import Security
 from shardps.protos.syncspec import SyncSpec
+from shardps.worker.experts.moe import ExpertRows
 from shardps.worker.groups import GroupSpec, Rendezvous, connect_store, open_group
-from shardps.worker.moe import ExpertRows
 from shardps.worker.pipeline.failure import Outcome, StageFailed
 from shardps.worker.pipeline.link import GroupLink, LinkError
 from shardps.worker.pipeline.linkconnect import open_link
@@ -42,8 +42,8 @@ from shardps.worker.pipeline.streamstage import StageOptimizer
 from shardps.worker.pipeline.streamweights import StreamWeights, stage_stream
 from shardps.worker.pipeline.walk import walk, walk_eval
 from shardps.worker.pipeline.weights import StageWeights, Stepper
-from shardps.worker.rowmodules import RowModules
-from shardps.worker.streamplan import Stream
+from shardps.worker.rows.modules import RowModules
+from shardps.worker.streaming.plan import Stream
 from shardps.worker.tp.group import Slice, TPGroup
 from shardps.worker.tp.split import split, tp_slices
 
@@ -101,7 +101,7 @@ class StageOptions:
     stream: Stream | None = None  # the stages' weights streamed from the servers (docs/streaming.md)
     stream_modules: tuple[str, ...] = ()  # the names (in the whole model) of Stream(modules=...)
     tied: dict[str, int] | None = None  # weights tied across stages -> how many stages use each (StageTies)
-    placement: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # with ties: the whole model's
+    plan_over: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # with ties: the whole model's
 
 
 class StageActor:
@@ -166,9 +166,9 @@ class StageActor:
 
             r = self.replica
             self._connect_client(opts)
-            if opts.placement:  # weights tied across stages: every stage plans the whole model's shard map
-                self.client.placement = {n: torch.empty(shape, dtype=dtype, device="meta")
-                                         for n, (shape, dtype) in opts.placement.items()}
+            if opts.plan_over:  # weights tied across stages: every stage plans the whole model's shard map
+                self.client.plan_over = {n: torch.empty(shape, dtype=dtype, device="meta")
+                                         for n, (shape, dtype) in opts.plan_over.items()}
             if self.tp is not None:
                 from shardps.worker.tp.servers import TPOptimizer
 
@@ -224,7 +224,7 @@ class StageActor:
         """This stage's part of step ``step``: its tasks of ``plan`` in its own order (stage 0 reads
         ``inputs``, the last stage ``targets``), every wait within ``timeout`` seconds; then the push and
         pull of its gradients. The last stage's weighted losses, then the stage's weighted extra loss
-        terms (the balancing losses of its MoE layers; worker/auxloss.py): the step's loss is their sum over
+        terms (the balancing losses of its MoE layers; worker/experts/auxloss.py): the step's loss is their sum over
         the stages. Raises
         ``StageFailed``; a failure in the walk closes this stage's group, so that its neighbours end too."""
         link = self._link()

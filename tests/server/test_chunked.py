@@ -16,12 +16,12 @@ import torch
 from shardps import optim
 from shardps.protos import codec, framing
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.datapath.wire import decode_push
 from shardps.server.optim.adam import AdamImpl
 from shardps.server.optim.base import PartInfo
 from shardps.server.optim.sgd import SGDImpl
 from shardps.server.store import ShardStore, TensorSpec
 from shardps.server.sync import SLICE_ALIGN, Chunked
-from shardps.server.wire import decode_push
 
 PARTS = ((0, 3000), (3000, 5000))  # two parts of one 5000-element tensor
 SHAPE = (50, 100)

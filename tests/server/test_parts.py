@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import shardps
-from shardps.server.apply import Applier
 from shardps.server.checkpoint import Checkpointer
+from shardps.server.datapath.apply import Applier
+from shardps.server.datapath.reader import Reader
 from shardps.server.errors import Aborted, DeadlineExceeded, FailedPrecondition, Unavailable
 from shardps.server.job import Job
 from shardps.server.membership import Leases, Membership
-from shardps.server.pullcache import Reader
-from shardps.server.replica import ReplicaSide
-from shardps.server.roles import OpKind, Role
+from shardps.server.replication.roles import OpKind, Role
+from shardps.server.replication.state import ReplicaSide
 from shardps.server.sync import Contribution, Update
 from shardps.server.table import TensorEntry, TensorSpec, TensorTable
 

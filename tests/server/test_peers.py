@@ -11,7 +11,7 @@ import torch
 import shardps
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.errors import Unavailable
-from shardps.server.peers import Key
+from shardps.server.replication.peers import Key
 from shardps.server.store import ShardStore, TensorSpec
 
 SHAPE = (4, 3)

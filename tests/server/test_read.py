@@ -9,8 +9,8 @@ import torch
 
 import shardps
 from shardps.protos import framing
+from shardps.server.datapath.reader import Framing
 from shardps.server.errors import Unavailable
-from shardps.server.pullcache import Framing
 from shardps.server.store import ShardStore, TensorSpec
 
 
@@ -76,7 +76,7 @@ def test_a_restore_invalidates_the_framed_pulls():
 def _big_store(monkeypatch, block_after: int | None = None, fail_after: int | None = None):
     """A store whose Pulls of "w" (4096 fp32) go through a ``Framing`` in 1 KiB chunks; the framing thread
     stops after ``block_after`` items until ``release`` is set, or raises after ``fail_after`` items."""
-    from shardps.server import pullcache
+    from shardps.server.datapath import reader as pullcache
 
     st = ShardStore(0, 1, sync="asp", num_workers=2)
     st.path.register_tensors([TensorSpec("w", (4096,), 1, shardps.optim.SGD(lr=1.0), ((0, 4096),))],
@@ -213,7 +213,7 @@ def test_a_same_host_pull_copies_outside_the_lock_and_a_step_waits_for_it():
 
 
 def test_a_framing_thread_that_cannot_start_fails_its_pull_and_the_next_one_frames_again(monkeypatch):
-    from shardps.server import pullcache
+    from shardps.server.datapath import reader as pullcache
 
     st, _, _ = _big_store(monkeypatch)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.server.roles import (
+from shardps.server.replication.roles import (
     REPLICA_TRANSITIONS,
     ROLE_TRANSITIONS,
     InvalidTransition,
@@ -90,14 +90,14 @@ def _op_stream(numel: int = (1 << 18) + 5) -> list[ps_pb2.ReplicateRequest]:
     """One submit op whose tensor bytes take two messages (over BLOB_BYTES)."""
     import torch
 
-    from shardps.server.replication import Op, op_messages
+    from shardps.server.replication.transport import Op, op_messages
 
     op = Op(7, str(OpKind.SUBMIT), {"worker": 1, "step": 2}, {"w@0": torch.arange(numel, dtype=torch.float32)})
     return [ps_pb2.ReplicateRequest.FromString(m) for m in op_messages(op, 0, 2, "127.0.0.1:1", "run")]
 
 
 def test_an_op_is_read_whole_and_its_later_messages_carry_its_bytes_only():
-    from shardps.server.replication import read_ops
+    from shardps.server.replication.transport import read_ops
 
     msgs = _op_stream()
     assert len(msgs) == 2
@@ -109,9 +109,9 @@ def test_an_op_is_read_whole_and_its_later_messages_carry_its_bytes_only():
 @pytest.mark.parametrize("field, value", [("op", "leave"), ("args_json", "{}"), ("shard_index", 1),
                                           ("num_shards", 3), ("primary", "10.0.0.1:1"), ("incarnation", "other")])
 def test_an_op_whose_later_message_disagrees_is_refused(field, value):
-    """The same check as a Push stream's (server/headers.py): nothing of the op is handed on to be replayed."""
+    """The same check as a Push stream's (server/datapath/headers.py): nothing of the op is handed on to be replayed."""
     from shardps.server.errors import InvalidArgument
-    from shardps.server.replication import read_ops
+    from shardps.server.replication.transport import read_ops
 
     msgs = _op_stream()
     setattr(msgs[1], field, value)
@@ -124,7 +124,7 @@ def test_an_op_whose_later_message_disagrees_is_refused(field, value):
 
 def test_a_cut_op_is_refused():
     from shardps.server.errors import InvalidArgument
-    from shardps.server.replication import read_ops
+    from shardps.server.replication.transport import read_ops
 
     with pytest.raises(InvalidArgument, match=r"op 7 sent 1048576 tensor bytes, its layout says 1048[56]\d\d"):
         list(read_ops(iter(_op_stream()[:1])))

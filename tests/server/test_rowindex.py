@@ -1,4 +1,4 @@
-"""The row tables' key -> slot index (server/rowindex.py) against a dict, through inserts, removals, moves and
+"""The row tables' key -> slot index (server/rows/index.py) against a dict, through inserts, removals, moves and
 rebuilds, with keys chosen to collide."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardps.protos.rows import mix64
-from shardps.server.rowindex import DictIndex, KeyIndex
+from shardps.server.rows.index import DictIndex, KeyIndex
 
 
 def test_the_index_answers_as_a_dict_through_growth_removal_and_collisions():

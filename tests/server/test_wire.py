@@ -1,4 +1,4 @@
-"""Decoding requests (server/wire.py): everything refused before the store is touched."""
+"""Decoding requests (server/datapath/wire.py): everything refused before the store is touched."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import shardps
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.datapath.wire import decode_pull, decode_push, decode_register, encode_state
 from shardps.server.errors import InvalidArgument, NotFound
 from shardps.server.table import TensorSpec
-from shardps.server.wire import decode_pull, decode_push, decode_register, encode_state
 
 SPEC = TensorSpec("w", (4,), ps_pb2.FLOAT32, shardps.optim.SGD(lr=1.0), ((0, 4),))
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from shardps.protos.security import Security
-from shardps.worker.dataconn import FrameError
-from shardps.worker.transport import Transport
+from shardps.worker.datapath.dataconn import FrameError
+from shardps.worker.datapath.transport import Transport
 
 Failure = FrameError  # a failed call as the transport reads it: code() and details(), as gRPC's
 

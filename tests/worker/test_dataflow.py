@@ -8,8 +8,8 @@ from shardps.protos import codec, framing
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.accumulate import Accumulator
-from shardps.worker.jobview import JobView
-from shardps.worker.pushframes import PushFramer
+from shardps.worker.datapath.pushframes import PushFramer
+from shardps.worker.job.jobview import JobView
 
 HEAD: dict = dict(worker_id=1, step=7, base_version=5, loss_scale=8.0, epoch=2, sync=("every:2", 3))
 WIRE = {**{k: v for k, v in HEAD.items() if k != "sync"}, "sync": "every:2", "sync_switch": 3}  # as PushRequest's

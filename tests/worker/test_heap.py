@@ -1,4 +1,4 @@
-"""worker/heap.py: with the mmap threshold fixed, freed blocks leave the process's RSS (glibc).
+"""worker/streaming/heap.py: with the mmap threshold fixed, freed blocks leave the process's RSS (glibc).
 
 Regression pinned: a streamed worker's peak RSS was above the resident one's, because glibc raised its mmap
 threshold at the first large free and kept every later freed weight in its heap. Each case runs in a fresh
@@ -17,7 +17,7 @@ import pytest
 
 CASE = """
 import json, sys
-from shardps.worker import heap
+from shardps.worker.streaming import heap
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker.heartbeat import Heartbeats
+from shardps.worker.job.heartbeat import Heartbeats
 from tests.worker.fakes import Failure, fake_transport
 
 

@@ -1,4 +1,5 @@
-"""The shard paths (worker/paths.py): which path each shard gets, and the fall-back to gRPC when a segment closes.
+"""The shard paths (worker/datapath/paths.py): which path each shard gets, and the fall-back to gRPC when a segment
+closes.
 
 No server: real segments in /dev/shm, the messages compared byte for byte with gRPC's.
 """
@@ -15,11 +16,11 @@ from shardps.protos import codec, shm
 from shardps.protos.optim import SGD
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker import shm as worker_shm
+from shardps.worker.datapath import shm as worker_shm
+from shardps.worker.datapath.paths import GrpcPath, ShmPath
+from shardps.worker.datapath.pushframes import PushFramer
+from shardps.worker.datapath.shardpaths import ShardPaths
 from shardps.worker.layout import Layout, plan
-from shardps.worker.paths import GrpcPath, ShmPath
-from shardps.worker.pushframes import PushFramer
-from shardps.worker.shardpaths import ShardPaths
 
 pytestmark = pytest.mark.skipif(
     not shm.available(),

@@ -1,4 +1,4 @@
-"""The order of a step's pushes and their window (worker/pushorder.py), and each shard's pull begun as that
+"""The order of a step's pushes and their window (worker/datapath/pushorder.py), and each shard's pull begun as that
 shard answers: over real gRPC servers, exact against pushing every shard at once."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import shardps
-from shardps.worker.pull import PullInFlight
-from shardps.worker.pushorder import host_of, in_order, push_order
+from shardps.worker.datapath.pull import PullInFlight
+from shardps.worker.datapath.pushorder import host_of, in_order, push_order
 from tests.helpers import run_workers
 
 

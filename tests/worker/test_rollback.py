@@ -7,7 +7,7 @@ import pytest
 
 from shardps.protos.syncspec import SyncSpec
 from shardps.worker.errors import Aborted, Evicted, ShardError, Unreachable, shard_error
-from shardps.worker.rollback import Action, During, decide, resume_step
+from shardps.worker.job.rollback import Action, During, decide, resume_step
 
 ABORTED = shard_error("h:1", 0, grpc.StatusCode.ABORTED, "the job was rolled back (shard 0 is in epoch 1, ...)")
 EVICTED = shard_error("h:1", 0, grpc.StatusCode.FAILED_PRECONDITION, "worker 1 was evicted from shard 0 (...)")

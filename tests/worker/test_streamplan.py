@@ -1,11 +1,11 @@
-"""The pure parts of a streamed model's plan (worker/streamplan.py), as tables."""
+"""The pure parts of a streamed model's plan (worker/streaming/plan.py), as tables."""
 
 from __future__ import annotations
 
 import pytest
 from torch import nn
 
-from shardps.worker.streamplan import ahead, fits, schedule, units
+from shardps.worker.streaming.plan import ahead, fits, schedule, units
 
 
 def test_schedule_is_forward_then_backward_in_reverse():

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.worker.datapath.transport import Transport, unary
 from shardps.worker.errors import Aborted, Evicted, ShardError, Unreachable
-from shardps.worker.transport import Transport, unary
 from tests.worker.fakes import OPENED, SERVERS, Failure, FakeSecurity, fake_transport
 
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from shardps.worker.moe import MoE
-from shardps.worker.rowmodules import _Rows
+from shardps.worker.experts.moe import MoE
+from shardps.worker.rows.modules import _Rows
 
 
 def has_row_modules(module: nn.Module) -> bool:

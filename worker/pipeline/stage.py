@@ -13,7 +13,7 @@ order of the schedule, one call at a time.
   input and runs its forward again in the backward; ``"except_last"`` (as
   torchgpipe) does that for all but the last micro-batch, whose backward
   comes first; ``"never"`` keeps every activation.
-- Extra loss terms (worker/auxloss.py: the balancing loss of every
+- Extra loss terms (worker/experts/auxloss.py: the balancing loss of every
   ``shardps.nn.MoE`` in the stage): collected during each micro-batch's
   forward (and its recomputation) and added, times the micro-batch's loss
   weight, to that micro-batch's backward on this stage; their values are
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardps.worker import auxloss
+from shardps.worker.experts import auxloss
 from shardps.worker.pipeline.names import CHECKPOINT_MODES
 from shardps.worker.pipeline.offload import Offloader, Sink, check_compress, use_mask_relu
 

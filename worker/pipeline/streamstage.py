@@ -2,7 +2,7 @@
 
 A Ray pipeline stage is a ``DistributedOptimizer`` worker of its own
 parameters; with ``Pipeline(stream=shardps.Stream(...))`` its optimizer
-streams them as a data-parallel worker's does (``worker/stream.py``: units cut
+streams them as a data-parallel worker's does (``worker/streaming/streamer.py``: units cut
 at ``nn.Module`` boundaries, storage released with ``resize_(0)``, hooks on
 each unit's forward and backward), but a stage runs many micro-batches'
 forwards before their backwards (GPipe, 1F1B) and may recompute a forward in
@@ -51,12 +51,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardps.worker.datapath.bucketedpush import BucketedPush
+from shardps.worker.datapath.pull import PullInFlight
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.pipeline.schedule import Kind
-from shardps.worker.pull import PullInFlight
-from shardps.worker.pushstream import PushStream
-from shardps.worker.stream import Streamed, Streamer, _tensors
-from shardps.worker.streamplan import Slot, Stream, fits
+from shardps.worker.streaming.plan import Slot, Stream, fits
+from shardps.worker.streaming.streamer import Streamed, Streamer, _tensors
 
 Step = Sequence[tuple[Kind, int, bool]]  # a stage's tasks of a step, in order: (kind, micro-batch, recomputed)
 
@@ -262,7 +262,7 @@ class StageStreamer(Streamer):
 
     # -- step boundaries ------------------------------------------------------------
 
-    def end_step(self) -> PushStream | None:
+    def end_step(self) -> BucketedPush | None:
         self._record()
         push = super().end_step()
         self.training = False

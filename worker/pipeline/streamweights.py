@@ -25,7 +25,7 @@ from shardps.protos.syncspec import SyncSpec
 from shardps.worker.pipeline.schedule import Kind, Task
 from shardps.worker.pipeline.stage import StageRuntime
 from shardps.worker.pipeline.streamstage import StageOptimizer, StageStreamer
-from shardps.worker.streamplan import Stream
+from shardps.worker.streaming.plan import Stream
 
 # Builds a stage's optimizer over its module, streaming with the given settings.
 MakeOptimizer = Callable[[nn.Module, Stream], StageOptimizer]

@@ -87,13 +87,13 @@ class TPOptimizer:
                 masters[n] = nn.Parameter(full)
         self.owned = sorted(masters)
         # The shard map of the whole model, whichever tensors this rank owns: the same at every TP size.
-        client.placement = {n: torch.empty(shape, dtype=p.dtype, device="meta")
+        client.plan_over = {n: torch.empty(shape, dtype=p.dtype, device="meta")
                             for (n, shape), (_, p) in zip(shapes, self.params)}
         cut = {n: TensorSlice(sl.dim, g.size, g.rank, sl.parts) for n, (sl, _) in self.split.items()}
         owned = {n for n, r in self.owner.items() if r == g.rank and n not in self.split}
         # Registers the masters, then pulls this rank's slices and replicated tensors (every rank starts from
         # the servers' values).
-        self.opt = TPStepper(masters, client, local=dict(self.params), slices=cut, placement=client.placement,
+        self.opt = TPStepper(masters, client, local=dict(self.params), slices=cut, plan_over=client.plan_over,
                              pushes=owned, optimizer=optimizer, sync=sync, provides_values=provides_values,
                              **options)
 

@@ -2,8 +2,8 @@
 
 A ``DistributedOptimizer`` whose push and pull are of every parameter the rank holds (``local``): each split
 one as its slice (``torch.chunk(t, p, dim)[rank]``: ``PushRequest.slices``, the shards put each slice in its
-place and step the whole tensor once every slice of every replica is in, server/slicepush.py;
-``PullRequest.slices``, the shards answer with the slice's elements only, server/slicepull.py), each
+place and step the whole tensor once every slice of every replica is in, server/datapath/slicepush.py;
+``PullRequest.slices``, the shards answer with the slice's elements only, server/datapath/slicepull.py), each
 replicated one whole, pushed by its owner alone (``pushes``: those this rank owns) and pulled by every
 rank. Its first registration is of the whole tensors this rank owns (``masters``: their values registered,
 by replica 0; let go once registered); before its first pull the rank registers the whole model with no
@@ -23,28 +23,28 @@ from torch import nn
 from shardps.protos.amp import LossScaling
 from shardps.protos.slices import TensorSlice
 from shardps.worker.client import PSClient, PushResult
-from shardps.worker.jobview import JobView
+from shardps.worker.datapath.pull import PullInFlight
+from shardps.worker.datapath.slicepush import push_slices
+from shardps.worker.job.jobview import JobView
 from shardps.worker.layout import DEFAULT_MAX_WHOLE_BYTES
 from shardps.worker.optimizer import DistributedOptimizer
-from shardps.worker.pull import PullInFlight
-from shardps.worker.slicepush import push_slices
 
 
 class TPStepper(DistributedOptimizer):
     """See the module docstring. ``local``: every parameter this rank holds, by name (its slice for those in
-    ``slices``); ``placement``: the whole model's tensors ("meta" ones do); the rest is
+    ``slices``); ``plan_over``: the whole model's tensors ("meta" ones do); the rest is
     ``DistributedOptimizer``'s, over ``masters``."""
 
     answers_with_weights = False
 
     def __init__(self, masters: Mapping[str, torch.Tensor], client: PSClient, *, local: Mapping[str, torch.Tensor],
-                 slices: Mapping[str, TensorSlice], placement: Mapping[str, torch.Tensor], pushes: set[str],
+                 slices: Mapping[str, TensorSlice], plan_over: Mapping[str, torch.Tensor], pushes: set[str],
                  **options: Any) -> None:
         if options.get("compress") is not None:
             raise ValueError("TPOptimizer: compress= is not supported: a TP rank pushes its slices uncompressed")
         self.local = dict(local)
         self.slices = dict(slices)
-        self.placement = dict(placement)
+        self.plan_over = dict(plan_over)
         self.to_push = [n for n in self.local if n in slices or n in pushes]  # the split ones, the owned replicated
         self._options = options
         super().__init__(list(masters.items()), client, **options)
@@ -58,7 +58,7 @@ class TPStepper(DistributedOptimizer):
         """Every tensor of the model, without values: waits until their owners have registered them."""
         o = self._options
         scaling = o.get("loss_scaling", False)
-        self.client.register(self.placement, self.optimizer, sync=str(self.sync), grad_dtype=o.get("grad_dtype"),
+        self.client.register(self.plan_over, self.optimizer, sync=str(self.sync), grad_dtype=o.get("grad_dtype"),
                              loss_scaling=LossScaling() if scaling is True else (scaling or None),
                              max_whole_bytes=o.get("max_whole_bytes", DEFAULT_MAX_WHOLE_BYTES),
                              staleness_remedy=o.get("staleness_remedy", "none"), provides_values=False)

@@ -28,10 +28,10 @@ class KnownBug:
 # (bytes that are not protobuf cannot avoid malformed-protobuf). Six were
 # found on 2026-11-30 and fixed the same day in commit 3780004 (service.py:
 # malformed requests are INVALID_ARGUMENT and end a stream with an error,
-# details cut to 2000 characters; optim.py: params_json checks; assembly.py:
+# details cut to 2000 characters; optim.py: params_json checks; server/datapath/assembly.py:
 # parts over 2^32 elements are RESOURCE_EXHAUSTED). mixed-found-inf-accepted
 # came in with overlap's streamed pushes and was found on 2026-12-01 with
-# seeds the suite had never run; fixed by server/headers.py (one check of a
+# seeds the suite had never run; fixed by server/datapath/headers.py (one check of a
 # stream's messages for Push, Register and Replicate). A bug seen only as a
 # state change (state_only) never matches a status. The fuzzer's own defects
 # (a generator that raises while drawing a case: fuzz.draw_case's

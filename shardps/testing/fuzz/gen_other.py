@@ -51,7 +51,7 @@ def _chunk_bytes(src: Source) -> int:
 
 
 def _slices(src: Source, sh: ShardInfo, avoid: bool) -> list[ps_pb2.TensorSlice]:
-    """Slices of a sliced Pull (a tensor-parallel rank's, server/slicepull.py): of held tensors or not, with
+    """Slices of a sliced Pull (a tensor-parallel rank's, server/datapath/slicepull.py): of held tensors or not, with
     dims, parts, indexes and blocks that fit or not (a dim out of range, parts < 1, an index outside the
     parts, blocks that do not divide the dim)."""
     out = []

@@ -74,7 +74,7 @@ def prepare_job(addresses: Sequence[str], sync: str, *, num_workers: int = 2, st
 
 def _frames_of(client: Any, out: dict[str, Any]) -> None:
     from shardps.testing.fuzz.gen_frames import Shard
-    from shardps.worker.dataconn import ConnPath
+    from shardps.worker.datapath.dataconn import ConnPath
 
     paths = [p for p in client.paths if isinstance(p, ConnPath)]
     if not paths:

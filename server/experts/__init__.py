@@ -1,0 +1,2 @@
+"""Experts run where they live (shardps.nn.MoE's "send" placement): the gRPC face and the gradients held between
+backwards."""

@@ -1,0 +1,279 @@
+"""How one shard's tensor bytes travel: a ``ShardPath``, over gRPC or through shared memory, chosen once per shard.
+
+A push's messages and a pull's answers take one of three paths:
+
+- ``GrpcPath``: the bytes travel in the messages (a push's copied once from
+  the gradient into them by ``PushFramer``, a pull's read from each answer's
+  ``chunk.data``).
+- ``ShmPath``: the shard shares this machine (it read the worker's probe at
+  Register): the bytes lie in the shard's segments (``worker/datapath/shm.py``
+  ``ShmLink``) and the messages only say where. A push first writes them
+  there (``stage``: cast to the push dtype as they are copied, so a CPU
+  gradient needs no cast of its own); should the segment close meanwhile (a
+  fail-over in another thread), that push's share goes over gRPC, cast the
+  same way (the shard's ``GrpcPath``).
+- ``ConnPath`` (worker/datapath/dataconn.py): the shard's process gave a data port
+  at Register (and shared memory is not to be had): its Push and Pull calls
+  are frames on this worker's one connection to that process, the bytes
+  after the messages in the same frame.
+
+``ShardPaths`` (worker/datapath/shardpaths.py) holds one path per shard and is the one place the choice is
+made: ``open`` after Register (shared memory for each shard that read the
+probe and whose segments could be made, else TCP where the shard offers
+it), ``off`` when a shard fails over to
+its backup on another machine (``Transport.on_moved``) or the client
+closes. The data path (``push.py``, ``bucketedpush.py``, ``pull.py``) reads a
+shard's path as a call to it starts (a retry after a fail-over reads it
+anew), asks it, and hands it to the transport with the call (``via=``: a
+path with ``calls`` makes the call itself); it never asks which one it is. Every Push message is
+``PushFramer``'s, byte for byte as before the paths existed.
+
+Thread-safety: a path's methods are called from the transport's threads, one
+call per shard at a time; ``ShardPaths.off`` may run in any thread (a
+fail-over): it swaps the list entry, then closes the old path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from shardps.protos import codec
+from shardps.protos.shardmap import ShardMap
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.shm import SegmentClosed
+from shardps.worker.datapath.pushframes import PushFramer
+from shardps.worker.datapath.shm import ShmLink
+from shardps.worker.layout import Layout
+
+if TYPE_CHECKING:
+    pass
+
+Staged = list[tuple[ps_pb2.Chunk, torch.Tensor]]
+"""A shard's parts written ahead where it reads them: per part the chunk that says where, and the values."""
+
+Frames = Callable[[str], PushFramer]
+"""A plain push's framer for one shard, given the push segment its messages name ('' for gRPC)."""
+
+
+class ClientRoute(Protocol):
+    """What a path reads of its client at each call (``worker/datapath/route.py``'s ``Route`` is one)."""
+
+    @property
+    def shard_map(self) -> ShardMap | None: ...
+
+    @property
+    def layouts(self) -> Mapping[str, Layout]: ...
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The largest chunk of a gRPC message, in bytes."""
+        ...
+
+
+class Calls(Protocol):
+    """A shard's Push and Pull made other than by gRPC's channel (worker/datapath/dataconn.py ``ConnPath``); failures
+    raise ``grpc.RpcError``s, read by the transport as gRPC's own."""
+
+    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse: ...
+
+    def pull(self, request: ps_pb2.PullRequest, timeout: float,
+             place: Callable[[str, int, int, int], torch.Tensor | None] | None = None) -> Iterator[Any]:
+        """``place(tensor, first element, wire dtype, bytes)``: where a part's bytes may land as they arrive
+        (a flat tensor of exactly those bytes), None for elsewhere."""
+        ...
+
+
+class ShardPath(Protocol):
+    """How one shard's push messages are made from gradients and a pull's answers read (module docstring).
+
+    ``flats``: flat CPU gradients in their push dtype, but for the names in
+    ``cast`` (a CPU gradient in another dtype, meant to be cast as it is
+    copied into shared memory): a path that carries one of those casts it.
+    """
+
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def calls(self) -> Calls | None:
+        """Who makes this shard's Push and Pull calls when not gRPC's channel (a data connection)."""
+        ...
+
+    @property
+    def writes_ahead(self) -> bool:
+        """Whether a push's bytes are written where the shard reads them before its messages go (``stage``),
+        cast to the push dtype as they are copied: a CPU gradient may then be handed in uncast."""
+        ...
+
+    @property
+    def push_segment(self) -> str:
+        """The push segment a streamed push's messages name ('' for gRPC)."""
+        ...
+
+    @property
+    def pull_segment(self) -> str:
+        """The segment a PullRequest asks the shard to write into ('' for gRPC: the bytes in the answers)."""
+        ...
+
+    def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
+              ) -> Staged | None:
+        """Write the shard's ``parts`` of ``flats`` (default: all of its parts) ahead, cast as they are copied;
+        None when nothing was (gRPC, or a segment closed meanwhile: the messages then carry the bytes)."""
+        ...
+
+    def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
+                    route: ClientRoute) -> list[torch.Tensor]:
+        """The values of the ``cast`` tensors this shard will read: those ``staged``, or as the messages will
+        carry them (for the inf/nan check: a cast can overflow)."""
+        ...
+
+    def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
+                      cast: set[str], route: ClientRoute) -> Iterator[bytes]:
+        """A plain push's messages to this shard, its last one marked last: what ``stage`` wrote (``staged``),
+        or the shard's parts of ``flats`` carried in the messages when nothing was."""
+        ...
+
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+                        written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
+                        ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
+        """A streamed push's messages for one batch of gradients (none marked last). ``written``: per tensor,
+        the chunks each shard's segment got in ``BucketedPush.add`` (their flats in ``batch`` are uncast);
+        ``ranges``: this shard's (start, stop) of each tensor."""
+        ...
+
+    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
+        """How many PullResponses the shard answers with for a part of ``numel`` elements of ``itemsize``."""
+        ...
+
+    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
+        """A PullResponse's chunk as flat values (a view of the message or the segment: no copy)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the path holds (its segments); the shard's next calls take another path."""
+        ...
+
+
+class GrpcPath:
+    """The bytes in the messages: ``PushFramer.chunks`` copies them once from the gradient into each one."""
+
+    writes_ahead = False
+    push_segment = ""
+    pull_segment = ""
+    calls = None
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+
+    def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
+              ) -> Staged | None:
+        return None
+
+    def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
+                    route: ClientRoute) -> list[torch.Tensor]:
+        assert route.shard_map is not None
+        return [flats[p.name][p.start : p.stop].to(codec.to_torch_dtype(route.layouts[p.name].push_dtype))
+                for p in route.shard_map.parts_for(self.shard) if p.name in cast]
+
+    def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
+                      cast: set[str], route: ClientRoute) -> Iterator[bytes]:
+        framer = frames("")
+        return framer.ending(self._chunks(framer, flats, cast, route))
+
+    def _chunks(self, frames: PushFramer, flats: Mapping[str, torch.Tensor], cast: set[str],
+                route: ClientRoute) -> Iterator[bytes]:
+        assert route.shard_map is not None
+        for p in route.shard_map.parts_for(self.shard):
+            flat = flats.get(p.name)
+            if flat is None:
+                continue
+            lay = route.layouts[p.name]
+            if p.name in cast:  # meant for shared memory, but this shard's went off (a fail-over)
+                flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
+            yield from frames.chunks(p.name, lay.push_dtype, lay.shape, flat, p.start, p.stop, route.chunk_bytes)
+
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+                        written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
+                        ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
+        for name, flat in batch:
+            lay = route.layouts[name]
+            if name in written and name in ranges:  # meant for shared memory, now off (a fail-over)
+                flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
+            for start, stop in ranges.get(name, ()):
+                yield from frames.chunks(name, lay.push_dtype, lay.shape, flat, start, stop, route.chunk_bytes)
+
+    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
+        per = max(1, chunk_bytes // itemsize)  # one per chunk, as the shard frames them
+        return -(-numel // per)
+
+    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
+        if chunk.shm_bytes:
+            raise ValueError(f"shard {self.shard} answered with shared memory this client did not offer")
+        return codec.decode(chunk.data, chunk.dtype)
+
+    def close(self) -> None:
+        pass
+
+
+class ShmPath:
+    """The bytes in the shard's segments (``link``), the messages saying where; ``grpc`` when a segment closed."""
+
+    writes_ahead = True
+    calls = None
+
+    def __init__(self, link: ShmLink, grpc: GrpcPath) -> None:
+        self.link = link
+        self.grpc = grpc
+        self.shard = grpc.shard
+
+    @property
+    def push_segment(self) -> str:
+        return self.link.push.name
+
+    @property
+    def pull_segment(self) -> str:
+        return self.link.pull.name
+
+    def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
+              ) -> Staged | None:
+        try:
+            return self.link.write(flats, parts)
+        except SegmentClosed:  # the shard failed over meanwhile: its share goes over gRPC
+            return None
+
+    def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
+                    route: ClientRoute) -> list[torch.Tensor]:
+        if staged is None:
+            return self.grpc.read_values(None, flats, cast, route)
+        return [v for c, v in staged if c.name in cast]
+
+    def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
+                      cast: set[str], route: ClientRoute) -> Iterator[bytes]:
+        if staged is None:
+            return self.grpc.push_messages(frames, None, flats, cast, route)
+        return frames(self.link.push.name).shm_chunks([c for c, _ in staged], last=True)
+
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+                        written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
+                        ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
+        chunks = [c for name, _ in batch if name in written for c in written[name].get(self.shard, ())]
+        if chunks:  # cast into the segment in add()
+            yield from frames.shm_chunks(chunks, last=False)
+        flats = {name: flat for name, flat in batch if name in ranges and name not in written}
+        if flats:  # copied into it here
+            staged = self.link.write(flats, [(n, a, b) for n in flats for a, b in ranges[n]])
+            yield from frames.shm_chunks([c for c, _ in staged], last=False)
+
+    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
+        return 1  # one per part
+
+    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
+        if chunk.shm_bytes:  # the bytes are in our pull segment
+            return codec.decode(self.link.read(chunk.shm_offset, chunk.shm_bytes), chunk.dtype)
+        return codec.decode(chunk.data, chunk.dtype)
+
+    def close(self) -> None:
+        self.link.close()
