@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # (docs/history/performance-log.md, "The test suite's time": 490.5 s in three, 599.7 s in two, same tree).
 TEST_JOBS ?= 3
 
-.PHONY: venv bytecode tools demo test test-cpu test-fast stress fuzz partition lint typecheck proto clean
+.PHONY: venv bytecode tools demo test test-cpu test-fast stress fuzz partition compose-check lint typecheck proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -109,6 +109,13 @@ fuzz: venv
 RUNS ?= 20
 partition: venv tools
 	$(BIN)/python -m shardps.deploy.partitions --runs $(RUNS) $(PARTITION_ARGS)
+
+# deploy/docker-compose.yml brought up for real with Docker on this machine (deploy/composecheck.py): servers
+# healthy, workers trained, checkpoints in the volume, Prometheus scraping, a second run, a failover; then
+# everything it made taken down. Needs root; installs Debian's docker.io and docker-compose when missing. Not
+# part of `make test`. COMPOSE_CHECK_ARGS=--remove-images also removes the images it built.
+compose-check: venv
+	$(BIN)/python -m shardps.deploy.composecheck $(COMPOSE_CHECK_ARGS)
 
 lint: venv typecheck
 	$(BIN)/ruff check .
