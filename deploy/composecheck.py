@@ -497,6 +497,8 @@ class Run:
                                   f"{answer!r}")
             time.sleep(1.0)  # the retry interval of a refused takeover
         seconds = time.monotonic() - t
+        if now["primary"] != target:  # the name the workers reach it by (SHARDPS_ADVERTISE_ADDRESS's host)
+            raise CheckFailed(f"etcd names the new primary of shard {shard} {now['primary']!r}, not {target!r}")
         return (f"{backup} took shard {shard} over {seconds:.1f} s after {victim.name} stopped: etcd names "
                 f"{now['primary']} (epoch {before['epoch']} -> {now['epoch']}); promote answered at attempt "
                 f"{attempts}: {answer}")

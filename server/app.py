@@ -55,6 +55,14 @@ def advertised(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def advertised_beside(advertise: str | None, host: str, port: int) -> str:
+    """How other servers reach this process's second port (the backup it holds): the host of ``advertise``
+    (``--advertise-address``, HOST:PORT) when given, as the main port's, else ``advertised``."""
+    if advertise:
+        return f"{advertise.rsplit(':', 1)[0]}:{port}"
+    return advertised(host, port)
+
+
 def check_replica_timeout(seconds: float) -> float:
     """``seconds`` if it is a replica timeout (a number > 0), else ValueError."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
@@ -232,7 +240,8 @@ class ShardServer:
             self._servers.append(backup_server)
             self.replica_address = f"{host}:{backup_port}"
         try:
-            deposed = self._fence(store, advertised(host, backup_port) if self.backup is not None else "")
+            deposed = self._fence(store, advertised_beside(self.advertise, host, backup_port)
+                                  if self.backup is not None else "")
         except BaseException:
             self.stop()
             raise

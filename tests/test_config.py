@@ -270,3 +270,13 @@ def test_server_processes_are_forked_unless_the_variable_says_0(clean_env):
     clean_env.setenv(env.FORK, "maybe")
     with pytest.raises(ValueError, match="SHARDPS_FORK='maybe'"):
         shardps.LocalCluster(1, processes=True).start()
+
+
+def test_the_backup_is_advertised_on_the_advertised_host():
+    """A server process's backup port is named in the coordinator with --advertise-address's host (a container's
+    service name), not the machine's host name; without the flag, as its main port is."""
+    from shardps.server.app import advertised, advertised_beside
+
+    assert advertised_beside("server1:7000", "0.0.0.0", 7100) == "server1:7100"
+    assert advertised_beside("[::1]:7000", "::", 7100) == "[::1]:7100"
+    assert advertised_beside(None, "10.0.0.5", 7100) == "10.0.0.5:7100" == advertised("10.0.0.5", 7100)
