@@ -8,7 +8,7 @@
 
 One ``shardps.netsim.NetCluster`` of 8 hosts (4 worker hosts h0-h3, 4 server
 hosts h4-h7), every link shaped to the same rate, and on it, in one run and
-in rotating order, the systems of issue 20's table: DDP over gloo (ring
+in rotating order, the systems compared: DDP over gloo (ring
 all-reduce) on n = 2 and 4 worker hosts; shardps bsp with k = 0 (a server on
 each worker host), 2 and 4 server hosts, fp32, bf16 both ways, and
 every:4. The workload (``baselines/common.py``): an MLP ``--dims``

@@ -22,7 +22,7 @@ servers the weights; deploy/partitioncheck.py checks them against every
 worker's log (exact accounting: each push adds 1.0 to a coordinate of its
 own) and the acknowledgements (one server a version, epochs that only rise).
 
-The nemeses (``NEMESES``) are the issue's seven; what each does to shard 1,
+The nemeses (``NEMESES``) are seven; what each does to shard 1,
 and what the checker expects of it, is in its line there. Needs root (network
 namespaces) and Debian's ``etcd`` (``make tools``).
 """

@@ -127,3 +127,16 @@ def test_help_names_what_the_command_takes(command, capsys):
         assert env.ADDRESSES in out
     if command == "demo":
         assert "ssp:S" in out and "every:X" in out
+
+
+def test_the_project_text_names_no_tracker_issue():
+    """Code, docs and comments say what is true of the project, not which tracker issue asked for it (an
+    upstream project's issue, named with its project, is a reference; docs/history/ keeps dated records)."""
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"\b(?<!pytorch )(?<!ray )(?<!megatron )issue( #?\d+|'s)", re.I)
+    sources = [root / "README.md", *(p for p in (root / "docs").rglob("*.md") if "history" not in p.parts)]
+    sources += [p for top in ("server", "worker", "protos", "deploy", "shardps", "examples", "benchmarks", "tests")
+                for p in (root / top).rglob("*.py") if "_pb2" not in p.name and p != Path(__file__).resolve()]
+    found = [f"{p.relative_to(root)}:{n}" for p in sources for n, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line)]
+    assert not found, f"tracker issues named in: {found}"

@@ -1,4 +1,4 @@
-"""The digits example trains to the issue's accuracy with each server-side optimizer."""
+"""The digits example trains to its target accuracy with each server-side optimizer."""
 
 import pytest
 
