@@ -106,6 +106,7 @@ class Job:
         """Under the lock: park until ``ready`` or a halt, rollback or takeover; (ready, epoch at the start)."""
         start_epoch = self.epoch
         self.waiting += 1
+        self._cond.notify_all()  # whoever watches ``waiting`` (a test at an exact point) looks again
         try:
             ok = self._cond.wait_for(lambda: ready() or self.halted_since(start_epoch), timeout)
         finally:

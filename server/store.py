@@ -107,7 +107,7 @@ class ShardStore:
         membership = Membership(shard_index, lease_s, clock)
         self.job = job = Job(shard_index, cond, live=membership.live, moved_to=lambda: replica.moved_to,
                              checkpoints=ck.versions)
-        self.leases = leases = Leases(cond, replica, membership, on_live_changed=lambda live: path.live_changed(live),
+        self.leases = leases = Leases(cond, replica, membership, on_live_changed=lambda live: self._live_changed(live),
                                       may_evict=lambda: replica.role is Role.PRIMARY,
                                       clock_of=lambda w: job.worker_clocks.get(w, -1) + 1)
         self.applier = applier = Applier(shard_index, cond, table, peers=peers, exchange_timeout_s=exchange_timeout_s)
@@ -115,7 +115,8 @@ class ShardStore:
                                       loss_scale=lambda: applier.loss_scale,
                                       on_read=lambda worker, names: path.on_read(worker, names))
         self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows/tables.py
-                              lambda: replica.recording, gone=lambda: membership.evicted | membership.left)
+                              lambda: replica.recording, gone=lambda: membership.evicted | membership.left,
+                              halted=lambda: job.recovering or job.closing)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
@@ -139,6 +140,11 @@ class ShardStore:
         """The names of the tensors held, sorted."""
         with self._cond:
             return sorted(self.table)
+
+    def _live_changed(self, live: set[int]) -> None:
+        """Under the lock: the live workers changed: the dense barrier and every row table's may be complete."""
+        self.path.live_changed(live)
+        self.rows.live_changed()
 
     def _counter_part(self, counter: str) -> object:
         """The part that keeps ``counter`` (one of snapshot.COUNTERS)."""

@@ -8,7 +8,7 @@ a step it already sent is a duplicate), so a policy sees each gradient once.
 - ``AsyncPolicy`` (``asp`` and ``ssp:S``): every gradient is applied on
   arrival. For ``ssp:S`` the store also makes a worker wait, before its next
   step, until the slowest worker is at most S clocks behind (see
-  ``ShardStore.wait_clock``); that is a wait, not an application rule.
+  ``Job.wait_clock``); that is a wait, not an application rule.
 - ``BarrierPolicy`` (``bsp`` and ``every:X``): gradients are held until every
   one of ``num_workers`` workers has sent one for the current round, then
   their mean is applied once. Rounds count arrivals, not step numbers, so a
@@ -27,6 +27,9 @@ wait for its ``ready_version`` relies on. Nobody waits for a late gradient
 (``holds`` is False for it): its worker's next pull takes the weights as
 they are, as the mode it ran under would have.
 
+Row tables use the same policies, one per table (server/rows/tables.py):
+their gradient is a ``RowGrad`` (keys and rows, summed by concatenation).
+
 The store asks a policy everything it needs through ``SyncPolicy`` (never
 its class): the live workers changed (``live_changed``, ``track_live``),
 whether nothing is held (``quiescent``, when a checkpoint may be taken),
@@ -39,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shardps.protos.syncspec import SyncSpec
@@ -88,6 +92,32 @@ class Chunked:
         flat = acc.view(-1)
         for a, v in self.pieces:
             flat[a : a + v.numel()].add_(v)
+
+
+class RowGrad:
+    """A row table's gradient as a barrier holds it (server/rows/tables.py): each push's distinct keys and
+    their gradient rows, summed by concatenation (a key several pushes carry is summed when the round is
+    applied), scaled in place. The barrier treats it as it treats a part's fp32 tensor (``add_``, ``div_``)."""
+
+    __slots__ = ("keys", "grads")
+
+    def __init__(self, keys: list[np.ndarray], grads: list[torch.Tensor]) -> None:
+        self.keys, self.grads = keys, grads
+
+    def add_(self, other: RowGrad) -> RowGrad:
+        self.keys += other.keys
+        self.grads += other.grads
+        return self
+
+    def div_(self, n: int) -> RowGrad:
+        self.grads = [g / n for g in self.grads]
+        return self
+
+    def joined(self) -> tuple[np.ndarray, torch.Tensor]:
+        """(every key, every gradient row) in the order the pushes came."""
+        dim = self.grads[0].shape[1] if self.grads else 0
+        keys = np.concatenate(self.keys) if self.keys else np.zeros(0, dtype=np.uint64)
+        return keys, torch.cat(self.grads) if self.grads else torch.zeros(0, dim)
 
 
 Grad = torch.Tensor | Chunked
@@ -247,7 +277,7 @@ class BarrierPolicy(SyncPolicy):
                 f"the barrier ({self.waiting_on()}): pull the next version before pushing again"
             )
         for key, g in grads.items():
-            assert isinstance(g, torch.Tensor), "a barrier is given fp32 tensors (passes_through is False)"
+            assert isinstance(g, (torch.Tensor, RowGrad)), "a barrier is given fp32 tensors (passes_through is False)"
             acc = self._sum.get(key)
             if acc is None:
                 self._sum[key] = g  # the store hands over a fresh buffer it no longer uses

@@ -97,7 +97,8 @@ def test_layer_equals_a_dense_loop_over_the_routed_experts(make_cluster, top_k, 
         asked: list[int] = []
         for store in cluster.stores:  # the keys each server is asked for, counted where they arrive
             pull = store.rows.pull
-            store.rows.pull = lambda name, dim, keys, pull=pull: (asked.extend(keys.tolist()), pull(name, dim, keys))[1]
+            store.rows.pull = lambda name, dim, keys, pull=pull, **kw: (asked.extend(keys.tolist()),
+                                                                        pull(name, dim, keys, **kw))[1]
         x = torch.randn(2, 3, D) + 1.0  # 6 tokens: fewer than the experts for top-1
         xr = x.clone().requires_grad_()
         x.requires_grad_()

@@ -58,9 +58,10 @@ def test_sm3_rows_equal_the_reference_and_refuse_momentum(make_cluster):
 
 
 def test_bsp_row_steps_go_on_without_an_evicted_worker(make_cluster):
-    """Three workers push a bsp table; two are held at step 0 when the third is evicted: the step completes
+    """Three workers push a bsp table; two pushes of step 0 are taken in at once and held for the third, and
+    a pull of worker 0 waits for their round. The third is evicted while that pull waits: the round completes
     with the mean of the two held (no wait until the deadline), the evicted worker's next push is refused
-    naming it, and the next step needs only the live two."""
+    naming it, and the next round needs only the live two."""
     cluster = make_cluster(2, max_wait_s=120.0)
     keys = torch.tensor([3, 4, 5, 6])
     clients = [shardps.connect(cluster.addresses, worker_id=k, num_workers=3, timeout=120) for k in range(3)]
@@ -68,27 +69,26 @@ def test_bsp_row_steps_go_on_without_an_evicted_worker(make_cluster):
         clients[0].rows.register("t", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
         for c in clients[1:]:
             c.rows.register("t", 2, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
-        pushed: dict[int, int] = {}
-
-        def push(k: int, step: int) -> None:
-            pushed[k] = clients[k].rows.push("t", keys, torch.full((4, 2), float(k + 1)), step, num_workers=3)
-
-        threads = [threading.Thread(target=push, args=(k, 0)) for k in (0, 1)]
-        for th in threads:
-            th.start()
-        for store in cluster.stores:  # both pushes held at the barrier of step 0, on every shard
+        pushed = {k: clients[k].rows.push("t", keys, torch.full((4, 2), float(k + 1)), 0, num_workers=3,
+                                          sync="bsp") for k in (0, 1)}
+        assert pushed == {0: 4, 1: 4}  # taken in, not applied: held for worker 2
+        for store in cluster.stores:
+            assert store.rows.tables["t"].policy.pending_workers == [0, 1] and store.rows.tables["t"].rounds == 0
+        got: dict[str, torch.Tensor] = {}
+        reader = threading.Thread(target=lambda: got.update(rows=clients[0].rows.pull("t", keys)))
+        reader.start()
+        for store in cluster.stores:  # the pull waits for round 1 on both shards (worker 0 pushed to both)
             with store.rows.lock:
-                assert store.rows.lock.wait_for(lambda s=store: len(s.rows.tables["t"].held.get(0, {})) == 2, 60)
+                assert store.rows.lock.wait_for(lambda s=store: s.rows.waiting == 1, 60)
         for store in cluster.stores:
             store.leases.evict([2])
-        for th in threads:
-            th.join(60)
-            assert not th.is_alive()
-        assert pushed == {0: 4, 1: 4}
-        assert torch.equal(clients[0].rows.pull("t", keys), torch.full((4, 2), -1.5))  # 0 - (1 + 2) / 2
+        reader.join(60)
+        assert not reader.is_alive()
+        assert torch.equal(got["rows"], torch.full((4, 2), -1.5))  # 0 - (1 + 2) / 2
         with pytest.raises(shardps.ShardError, match="worker 2 is gone from the job"):
-            clients[2].rows.push("t", keys, torch.ones(4, 2), 1, num_workers=3)
-        run_workers(lambda k: push(k, 1), 2)
+            clients[2].rows.push("t", keys, torch.ones(4, 2), 1, num_workers=3, sync="bsp")
+        run_workers(lambda k: clients[k].rows.push("t", keys, torch.full((4, 2), float(k + 1)), 1, num_workers=3,
+                                                   sync="bsp"), 2)
         assert torch.equal(clients[0].rows.pull("t", keys), torch.full((4, 2), -3.0))
         assert sum(s.rows.stats()["t"]["steps"] for s in cluster.stores) == 4
     finally:

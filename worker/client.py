@@ -407,6 +407,7 @@ class PSClient(RowCalls):
         """
         stats = recovery.bring_together(self.transport, self.worker_id)
         self.epoch, self.sync_switch = max(s.epoch for s in stats), 0  # the shards' sync switch may go back too
+        self.rows.forget_waits()  # the row tables went back with the job: their rounds are the checkpoint's
         self.apply(JobView.of_stats(stats))
         return int(min(s.worker_clocks.get(self.worker_id, -1) for s in stats)) + 1  # as in register()
 

@@ -321,7 +321,7 @@ class DistributedOptimizer:
         self.local_steps += 1
         x = self.sync.accumulation  # every:X: the row modules hold their gradients until the step that pushes
         try:  # the row modules' gradients (worker/rows/modules.py); a rollback since is found here first
-            self.rows.step(self.local_steps - 1, push=x <= 1 or self.accumulator.steps + 1 >= x)
+            self.rows.step(self.local_steps - 1, push=x <= 1 or self.accumulator.steps + 1 >= x, sync=str(self.sync))
         except ShardError as e:
             return self._push_failed(e, loss)
         if stream is not None:

@@ -89,10 +89,10 @@ class ExpertActor:
     def _run(self, req: experts_pb2.ExpertCall, *, backward: bool) -> experts_pb2.ExpertAnswer:
         program = check_program(req.table, self.programs.get(req.table), req.dim)
         experts, counts, x, dy = decode(req, backward=backward)
-        if not backward:
+        if not backward:  # the pull waits for the rounds and the ssp clock the worker's step must see
+            rows, _ = self._pull(req.table, req.dim, experts, min_round=req.min_round, min_clock=req.min_clock)
             if not len(experts):
                 return experts_pb2.ExpertAnswer()
-            rows, _ = self._pull(req.table, req.dim, experts)
             return experts_pb2.ExpertAnswer(out=run_forward(program, rows, x, counts))
         assert dy is not None
         dx, g, versions = b"", torch.zeros(0, req.dim), np.zeros(0, dtype=np.int64)
@@ -104,18 +104,21 @@ class ExpertActor:
                 if len(experts):
                     self._push(req, experts, g, versions, hold=True)
                 return experts_pb2.ExpertAnswer(out=dx)
-            return experts_pb2.ExpertAnswer(out=dx, rows=self._push(req, experts, g, versions))
+            done = self._push(req, experts, g, versions)
+            return experts_pb2.ExpertAnswer(out=dx, rows=done.rows, ready=done.ready)
         except grpc.RpcError as e:  # from before a rollback (the worker's epoch): the shard took nothing,
             if req.HasField("epoch") and e.code() == grpc.StatusCode.ABORTED:  # as its own Backward answers
                 return experts_pb2.ExpertAnswer(out=dx)
             raise
 
-    def _pull(self, table: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """The rows of distinct uint64 ``keys`` (all this actor's shard's) and their versions."""
+    def _pull(self, table: str, dim: int, keys: np.ndarray, *, min_round: int = 0,
+              min_clock: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows of distinct uint64 ``keys`` (all this actor's shard's) and their versions, once the table
+        applied ``min_round`` rounds and every worker has ``min_clock`` (none: a pull that only waits)."""
         rows, versions = torch.empty(len(keys), dim), np.zeros(len(keys), dtype=np.int64)
-        for lo in range(0, len(keys), MAX_PULL_KEYS):
+        for lo in range(0, max(1, len(keys)) if min_round or min_clock else len(keys), MAX_PULL_KEYS):
             req = ps_pb2.PullRowsRequest(table=table, key_dtype="uint64", keys=keys[lo:lo + MAX_PULL_KEYS].tobytes(),
-                                         dim=dim)
+                                         dim=dim, min_round=min_round, min_clock=min_clock)
             for msg in self.transport.rows(self.shard).PullRows(req, timeout=self.timeout):
                 n, at = len(msg.rows) // (dim * 4), lo + msg.first
                 rows[at:at + n] = torch.frombuffer(bytearray(msg.rows), dtype=torch.float32).view(n, dim)
@@ -123,9 +126,9 @@ class ExpertActor:
         return rows, versions
 
     def _push(self, req: experts_pb2.ExpertCall, keys: np.ndarray, grads: torch.Tensor, versions: np.ndarray, *,
-              hold: bool = False) -> int:
+              hold: bool = False) -> ps_pb2.PushRowsResponse:
         """The experts' gradients to this actor's shard, as the worker's push of ``req.step`` (the shard adds
-        what the step held); the rows updated. ``hold``: for the shard to hold, as ``req.hold_index``."""
+        what the step held); the shard's answer. ``hold``: for the shard to hold, as ``req.hold_index``."""
         per = rows_per_message(req.dim + 2, codec.DEFAULT_CHUNK_BYTES)  # + the base version
 
         def messages() -> Iterator[ps_pb2.PushRowsRequest]:
@@ -134,10 +137,11 @@ class ExpertActor:
                                              grads=grads[lo:lo + per].numpy().tobytes(), dim=req.dim,
                                              worker_id=req.worker_id, step=req.step, num_workers=req.num_workers,
                                              base_versions=versions[lo:lo + per].tobytes(), hold=hold,
-                                             hold_index=req.hold_index,
+                                             hold_index=req.hold_index, sync=req.sync, min_round=req.min_round,
                                              epoch=req.epoch if req.HasField("epoch") else None)
 
-        return int(self.transport.rows(self.shard).PushRows(messages(), timeout=self.timeout).rows)
+        answer: ps_pb2.PushRowsResponse = self.transport.rows(self.shard).PushRows(messages(), timeout=self.timeout)
+        return answer
 
     def close(self) -> None:
         self.transport.close()

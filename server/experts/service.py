@@ -180,9 +180,13 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         self.check_serving()
         program = self._program(request.table, request.dim)
         experts, counts, x, _ = decode(request, backward=False)
+        remaining = context.time_remaining()
+        timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
+        # the rounds and the ssp clock the worker's step must see first, as its PullRows would
+        rows, _ = self.rows.pull(request.table, request.dim, experts, min_round=request.min_round,
+                                 min_clock=request.min_clock, timeout=timeout)
         if not len(experts):
             return experts_pb2.ExpertAnswer()
-        rows, _ = self.rows.pull(request.table, request.dim, experts)
         return experts_pb2.ExpertAnswer(out=run_forward(program, rows, x, counts))
 
     @unary_errors
@@ -206,8 +210,9 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         keys, g, _ = self.rows.held.with_held(request.table, request.worker_id, request.step, experts, g, none)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
-        updated = self.rows.push(request.table, request.dim, keys, g, worker=request.worker_id,
-                                 step=request.step, num_workers=request.num_workers, timeout=timeout).rows
+        done = self.rows.push(request.table, request.dim, keys, g, worker=request.worker_id, step=request.step,
+                              num_workers=request.num_workers, sync=request.sync, min_round=request.min_round,
+                              timeout=timeout)
         self.rows.held.drop(request.table, request.worker_id, request.step)  # kept until the push went through
         self.replicated()
-        return experts_pb2.ExpertAnswer(out=dx, rows=updated)
+        return experts_pb2.ExpertAnswer(out=dx, rows=done.rows, ready=done.ready)

@@ -32,6 +32,15 @@ from shardps.server.errors import FailedPrecondition
 Snapshot = tuple[dict[str, Any], dict[str, torch.Tensor]]  # RowTables.snapshot(): (meta, tensors)
 
 
+#: Where a snapshot keeps a table's round in progress (RowTables.snapshot: ``rowsheld/{table}/keys``, ``/grads``).
+HELD = "rowsheld"
+
+
+def _rounds(m: dict[str, Any]) -> int:
+    """A table's rounds in a snapshot's meta (a checkpoint of before the tables' policies: its bsp steps + 1)."""
+    return int(m["rounds"]) if "rounds" in m else int(m.get("bsp_done", -1)) + 1
+
+
 def old_snapshots(directory: str) -> list[Snapshot]:
     """The row tables of the newest checkpoint of every shard of the job checkpointed in ``directory``."""
     first = latest(directory, 0)
@@ -43,7 +52,8 @@ def old_snapshots(directory: str) -> list[Snapshot]:
         if c is None:
             raise FailedPrecondition(f"no checkpoint of shard {i} of {first.meta['num_shards']} under {directory}")
         tensors = c.tensors()
-        out.append((c.meta.get("rows") or {}, {k: v for k, v in tensors.items() if k.startswith("rows/")}))
+        out.append((c.meta.get("rows") or {}, {k: v for k, v in tensors.items()
+                                              if k.startswith(("rows/", f"{HELD}/"))}))
     return out
 
 
@@ -55,11 +65,12 @@ def reshard(snapshots: list[Snapshot], shard_index: int, num_shards: int) -> Sna
     for name in names:
         got = [(m[name], t) for m, t in snapshots if name in m]
         specs = {repr(m["spec"]) for m, _ in got}
-        cuts = sorted({(m["steps"], m["bsp_done"]) for m, _ in got})
+        cuts = sorted({(m["steps"], _rounds(m), repr(m.get("mode")), repr((m.get("held") or {}).get("contributions")))
+                       for m, _ in got})
         if len(got) != len(snapshots) or len(specs) != 1 or len(cuts) != 1:
-            raise FailedPrecondition(f"row table {label(name)}: expected the same spec, step count and bsp step on "
-                                     f"each of the {len(snapshots)} old shards, got (steps, bsp step) {cuts} on "
-                                     f"{len(got)} shards with {len(specs)} specs")
+            raise FailedPrecondition(f"row table {label(name)}: expected the same spec, step count, rounds and round "
+                                     f"in progress on each of the {len(snapshots)} old shards, got (steps, rounds, "
+                                     f"mode, held pushes) {cuts} on {len(got)} shards with {len(specs)} specs")
         keys = np.concatenate([t[f"rows/{name}/keys"].numpy().view(np.uint64) for _, t in got])
         mine = torch.from_numpy(np.flatnonzero(shard_of(keys, num_shards) == shard_index))
         for part in sorted({k.removeprefix(f"rows/{name}/") for _, t in got for k in t
@@ -74,7 +85,14 @@ def reshard(snapshots: list[Snapshot], shard_index: int, num_shards: int) -> Sna
                 pushed[int(w)] = min(int(st), pushed.get(int(w), int(st)))
         first = got[0][0]
         counts = {k: sum(m["counts"].get(k, 0) for m, _ in got) if shard_index == 0 else 0 for k in first["counts"]}
-        meta_out[name] = {"spec": first["spec"], "steps": first["steps"], "bsp_done": first["bsp_done"],
-                          "counts": counts, "seen": [[k, c] for (k, c), h in zip(seen, held_seen, strict=True) if h],
+        meta_out[name] = {"spec": first["spec"], "steps": first["steps"], "rounds": _rounds(first),
+                          "mode": first.get("mode") or ["", 0], "counts": counts,
+                          "seen": [[k, c] for (k, c), h in zip(seen, held_seen, strict=True) if h],
                           "pushed": [[w, st] for w, st in sorted(pushed.items())]}
+        if first.get("held") is not None:  # a round in progress: each old shard held its keys' part of its pushes
+            keys = np.concatenate([t[f"{HELD}/{name}/keys"].numpy().view(np.uint64) for _, t in got])
+            mine_held = torch.from_numpy(np.flatnonzero(shard_of(keys, num_shards) == shard_index))
+            tensors_out[f"{HELD}/{name}/keys"] = torch.cat([t[f"{HELD}/{name}/keys"] for _, t in got])[mine_held]
+            tensors_out[f"{HELD}/{name}/grads"] = torch.cat([t[f"{HELD}/{name}/grads"] for _, t in got])[mine_held]
+            meta_out[name]["held"] = first["held"]
     return meta_out, tensors_out

@@ -54,12 +54,14 @@ def decode_push_rows(requests: Iterator[ps_pb2.PushRowsRequest], max_keys: int =
     found_inf, total = False, 0
     for m in requests:
         first = first or m
-        head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign, m.hold, m.hold_index)
+        head = (m.table, m.dim, m.worker_id, m.step, m.num_workers, m.assign, m.hold, m.hold_index, m.sync,
+                m.min_round)
         want = (first.table, first.dim, first.worker_id, first.step, first.num_workers, first.assign, first.hold,
-                first.hold_index)
+                first.hold_index, first.sync, first.min_round)
         if head != want:
             raise InvalidArgument(f"row table {label(first.table)}: every message of a PushRows stream names the same "
-                                  f"(table, dim, worker, step, num_workers, assign, hold, hold_index): expected "
+                                  f"(table, dim, worker, step, num_workers, assign, hold, hold_index, sync, "
+                                  f"min_round): expected "
                                   f"{want}, got {head}")
         if m.hold and m.assign:
             raise InvalidArgument(f"row table {label(m.table)}: expected hold or assign in a PushRows, got both")
@@ -95,7 +97,7 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, metrics: ServerMetrics | None = None,
                  max_wait_s: float = 300.0) -> None:
         self.rows = rows
-        self.max_wait_s = max_wait_s  # the longest a bsp push waits for the other workers
+        self.max_wait_s = max_wait_s  # the longest a pull or push waits for a round or the ssp clock
         self.check_serving = check_serving
         # ABORTED for a push from another rollback epoch (as a dense Push): a worker's step computed
         # before a rollback is never applied after it
@@ -127,7 +129,10 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
         if len(keys) > MAX_PULL_KEYS:
             raise ResourceExhausted(f"row table {label(request.table)}: expected at most {MAX_PULL_KEYS} keys in one "
                                     f"PullRows, got {len(keys)}")
-        rows, versions = self.rows.pull(request.table, request.dim, keys)  # checks the keys are distinct
+        remaining = context.time_remaining()
+        timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
+        rows, versions = self.rows.pull(request.table, request.dim, keys, min_round=request.min_round,
+                                        min_clock=request.min_clock, timeout=timeout)  # checks the keys are distinct
         per = rows_per_message(request.dim + 2, self.chunk_bytes)  # + its version
         r, v = rows.numpy(), versions.numpy()
         for first in range(0, len(keys), per):  # bytes (server/service.py sends them as they are)
@@ -154,7 +159,8 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         done = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
-                              num_workers=head.num_workers, timeout=timeout, base=base, found_inf=found_inf)
+                              num_workers=head.num_workers, sync=head.sync, min_round=head.min_round,
+                              timeout=timeout, base=base, found_inf=found_inf)
         held.drop(head.table, head.worker_id, head.step)  # kept until the push went through
         self.replicated()  # acknowledged only once the backup holds it
-        return ps_pb2.PushRowsResponse(rows=done.rows, steps=done.steps, skipped=done.skipped)
+        return ps_pb2.PushRowsResponse(rows=done.rows, steps=done.steps, skipped=done.skipped, ready=done.ready)

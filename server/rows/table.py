@@ -21,6 +21,7 @@ import torch
 from shardps.protos.rows import RowTableSpec, init_rows
 from shardps.server.optim import RowOptimizer
 from shardps.server.rows.index import DictIndex, KeyIndex
+from shardps.server.sync import SyncPolicy
 
 INITIAL_CAPACITY = 1024
 #: What a table counts (``RowTable.counts``; the metrics and Stats show them).
@@ -43,13 +44,15 @@ class RowTable:
     weights: torch.Tensor = field(init=False)
     state: dict[str, torch.Tensor] = field(init=False)
     index: KeyIndex | DictIndex = field(default_factory=KeyIndex)  # key -> row of ``weights``
-    steps: int = 0  # pushes applied (the optimizer's step count: one per push, touched or not)
-    # bsp: step -> worker -> (keys, gradients, skip: an inf/nan in them)
-    held: dict[int, dict[int, tuple[np.ndarray, torch.Tensor, bool]]] = field(default_factory=dict)
-    bsp_done: int = -1  # the last bsp step applied
+    steps: int = 0  # optimizer steps applied (one per update the sync policy hands over, touched rows or not)
+    # The sync policy (server/sync.py) of the mode and worker count the pushes name ("" and 0: none yet), and the
+    # barrier rounds applied since the table was made (what a push's ``ready`` and a pull's ``min_round`` count).
+    policy: SyncPolicy | None = None
+    mode: tuple[str, int] = ("", 0)
+    rounds: int = 0
     seen: dict[int, int] = field(default_factory=dict)  # admission: pushes that carried each key not held
     counts: dict[str, int] = field(default_factory=dict)
-    pushed: dict[int, int] = field(default_factory=dict)  # asp: worker -> the last step of its applied
+    pushed: dict[int, int] = field(default_factory=dict)  # worker -> the last step of its taken in (its clock - 1)
     skipped_steps: set[int] = field(default_factory=set)  # the newest steps skipped (inf/nan): answers to retries
 
     def __post_init__(self) -> None:

@@ -5,22 +5,30 @@ each checked whole before anything changes (a refused request changes
 nothing: no row created, no step counted). Each table is a ``RowTable``
 (server/rows/table.py: its rows, first touch, admission, expiry, versions).
 
-Sync per table push: asp (``num_workers`` <= 1) applies a push at once;
-bsp holds step t's pushes until every one of its ``num_workers`` workers
-that is not gone (evicted or left: the store's membership, as the dense
-barriers follow leases) pushed it, then applies the mean of the pushes held
-as one optimizer step and answers them all (a wait with a deadline that
-names the workers it waited for); an eviction or a Leave wakes the waiters
-and the step completes without the gone. A push is applied once: one of a
-step at or below its worker's last applied (asp) or the table's last bsp
-step is a retry, answered and counted, not applied. A step with an inf/nan
-in some gradient (or ``found_inf``) is skipped, as a dense one: no row
-changes and no optimizer step, counted (``skipped``).
+Sync: one model for rows and dense tensors (docs/sync.md). Each table has
+the ``SyncPolicy`` of the mode its pushes name (``sync``: the job's mode as
+the worker knows it, over the table's ``num_workers`` workers):
+``BarrierPolicy`` for bsp and every:X (a round applies the mean of every
+worker's push once every worker not gone, as the store's membership says,
+pushed one; its gradients are ``RowGrad`` s, summed by concatenation),
+``AsyncPolicy`` for asp and ssp:S (applied on arrival). Another mode or
+worker count in a push (a live switch) applies what the old policy held
+first. A push is taken in and answered at once with ``ready``, the table's
+rounds once it is applied; the wait is at the worker's next call on the
+table: a pull carries ``min_round`` (and, under ssp, ``min_clock``: every
+worker has pushed that many steps), a push on a shard the worker did not
+pull from since carries ``min_round`` too, and under ssp:S a push of step t
+waits until every worker pushed t - S. A retry (a step at or below its
+worker's last taken in) is answered again and counted, not taken in twice.
+A step with an inf/nan in some gradient (or ``found_inf``) is skipped, as a
+dense one: no row changes and no optimizer step, counted (``skipped``).
+Waits end early when the shard awaits a rollback or closes (``halted``).
 
 Thread-safety: the store's lock (and condition), held over each whole
-request but a bsp wait; changes are recorded for the shard's backup under
-it (``--replicas 2``: the backup replays them, ``replay``), in order with
-the dense ones.
+request but its waits; the pushes taken in are recorded for the shard's
+backup under it (``--replicas 2``: the backup takes them in through the
+same policy, ``replay``), in order with the dense changes; a round in
+progress is in the snapshot (``rowsheld/{table}/``).
 """
 
 from __future__ import annotations
@@ -28,19 +36,25 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
 from shardps.protos.rows import ROW_ITEMSIZE, RowTableSpec, label
 from shardps.protos.stats import RowTableStats
+from shardps.protos.syncspec import SyncSpec
 from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from shardps.server.experts.heldgrads import Held
 from shardps.server.optim import make_row_optimizer
 from shardps.server.rows import reshard as rowreshard
 from shardps.server.rows.index import DictIndex, KeyIndex
+from shardps.server.rows.reshard import HELD
 from shardps.server.rows.table import RowTable
+from shardps.server.sync import Contribution, Grads, HeldState, Received, RowGrad, Update, make_policy
+
+#: The one "part" of a table's gradient a sync policy holds (a barrier sums per part).
+ROWS = ("rows", 0)
 
 
 def _coalesce(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -63,11 +77,13 @@ def _no_record(args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 
 
 class Pushed(NamedTuple):
-    """A push's answer: distinct rows updated, the table's step count, whether the step was skipped."""
+    """A push's answer: its distinct rows, the table's step count, whether its step was skipped (when applied
+    at once), and the rounds the table will have applied once it is (``ready``: a pull's ``min_round``)."""
 
     rows: int
     steps: int
     skipped: bool
+    ready: int = 0
 
 
 class RowTables:
@@ -76,7 +92,8 @@ class RowTables:
 
     def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record,
                  recording: Callable[[], bool] = lambda: False, gone: Callable[[], set[int]] = set,
-                 index: Callable[[], KeyIndex | DictIndex] = KeyIndex) -> None:
+                 index: Callable[[], KeyIndex | DictIndex] = KeyIndex,
+                 halted: Callable[[], bool] = lambda: False) -> None:
         """``gone``: the workers evicted or gone from the job (the store's membership; called under the lock):
         bsp steps complete without them. ``index``: each table's key -> slot index (server/rows/index.py)."""
         self.index = index
@@ -84,7 +101,11 @@ class RowTables:
         self.gone = gone
         self.record = record
         self.recording = recording  # whether a backup takes the changes: only then are they copied for it
+        # Whether the shard awaits a rollback (restarted from its checkpoint) or is closing: a wait for a round or
+        # the ssp clock ends at once (the worker's next dense call is refused and it rolls back).
+        self.halted = halted
         self.tables: dict[str, RowTable] = {}
+        self.waiting = 0  # pulls and pushes waiting now for a round or the ssp clock
         self.held = Held()  # expert gradients of a step's backwards, held for its last (server/experts/heldgrads.py)
 
     def register(self, spec: RowTableSpec) -> int:
@@ -114,94 +135,153 @@ class RowTables:
             raise InvalidArgument(f"row table {label(name)}: expected dim {t.spec.dim}, got {dim}")
         return t
 
-    def pull(self, name: str, dim: int, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def pull(self, name: str, dim: int, keys: np.ndarray, *, min_round: int = 0, min_clock: int = 0,
+             timeout: float = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held, and
-        their versions; InvalidArgument for a key repeated (before anything changes)."""
+        their versions; InvalidArgument for a key repeated (before anything changes). First waits (at most
+        ``timeout``) until the table applied ``min_round`` rounds (the worker's own push is in) and every worker
+        of the table pushed ``min_clock`` steps (ssp); DeadlineExceeded names what it still waits for."""
         ordered = np.sort(keys)
         repeated = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
         if repeated:
             raise InvalidArgument(f"row table {label(name)}: expected distinct keys in a PullRows, got {repeated} "
                                   "repeated")
         with self.lock:
-            return self.table(name, dim).read(keys)
+            t = self.table(name, dim)
+            self._wait(t, min_round, min_clock, timeout)
+            return t.read(keys)
 
     def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
-             num_workers: int = 1, timeout: float = 60.0, base: np.ndarray | None = None,
-             found_inf: bool = False) -> Pushed:
-        """One optimizer step of the table on the rows of ``keys`` (repeated keys' gradients summed first).
-        Every push counts as a step, an empty one too; under bsp (``num_workers`` > 1) once per step, when
-        every worker that is not gone pushed it (see the module). A step whose gradients hold an inf/nan
-        (``found_inf``: on any shard, as the worker says) is skipped: no row changes, no optimizer step,
-        counted (``skipped``), as a dense step with found_inf is."""
+             num_workers: int = 1, sync: str = "", min_round: int = 0, timeout: float = 60.0,
+             base: np.ndarray | None = None, found_inf: bool = False) -> Pushed:
+        """Take in worker ``worker``'s push of ``step`` (repeated keys' gradients summed when applied) under the
+        sync mode ``sync`` over ``num_workers`` workers (see the module); its answer says the rounds that apply
+        it (``ready``). Waits first (at most ``timeout``) for the worker's previous round (``min_round``) and,
+        under ssp:S, until every worker pushed ``step - S``. Every push counts, an empty one too. A step whose
+        gradients hold an inf/nan (``found_inf``: on any shard, as the worker says) is skipped: no row changes,
+        no optimizer step, counted (``skipped``), as a dense step with found_inf is."""
         if grads.shape != (len(keys), dim):
             raise InvalidArgument(f"row table {label(name)}: expected gradients of shape [{len(keys)}, {dim}] for "
                                   f"{len(keys)} keys, got {list(grads.shape)}")
         if base is not None and len(base) != len(keys):
             raise InvalidArgument(f"row table {label(name)}: expected {len(keys)} base versions, got {len(base)}")
+        spec = self._spec(name, sync, num_workers)
+        n = max(1, num_workers)
+        if n > 1 and worker >= n:
+            raise InvalidArgument(f"row table {label(name)}: expected a worker id in [0, {n}) for a push of {n} "
+                                  f"workers, got {worker}")
         skip = found_inf or not bool(torch.isfinite(grads).all())
         with self.lock:
             t = self.table(name, dim)
-            if num_workers > 1 and worker >= num_workers:
-                raise InvalidArgument(f"row table {label(name)}: expected a worker id in [0, {num_workers}) for a bsp "
-                                      f"push of {num_workers} workers, got {worker}")
-            if step <= (t.pushed.get(worker, -1) if num_workers <= 1 else t.bsp_done):
-                t.counts["duplicates"] += 1  # a retry of a push applied already: applied once, answered again
-                return Pushed(0, t.steps, step in t.skipped_steps)
-            gone = self.gone() & set(range(num_workers)) if num_workers > 1 else set()
-            if worker in gone:
-                raise FailedPrecondition(f"row table {label(name)}: worker {worker} is gone from the job (evicted or "
-                                         f"left; bsp steps go on without it): register again to rejoin")
-            if base is not None and not skip:  # before any change: under bsp, no step applies while this one is held
+            if step > t.pushed.get(worker, -1):
+                if spec.barrier and n > 1 and worker in self.gone():
+                    raise FailedPrecondition(f"row table {label(name)}: worker {worker} is gone from the job "
+                                             f"(evicted or left; barrier rounds go on without it): register again "
+                                             f"to rejoin")
+                self._wait(t, min_round, spec.min_clock(step) if spec.bounded else 0, timeout, n, str(spec))
+            if step <= t.pushed.get(worker, -1):  # a retry of a push taken in already: taken in once, answered again
+                t.counts["duplicates"] += 1
+                return Pushed(0, t.steps, step in t.skipped_steps, self._ready(t, worker))
+            if base is not None and not skip:
                 t.observe_staleness(keys, base)
-            if num_workers <= 1:
-                t.pushed[worker] = step
-                self._record_step(name, keys, grads, worker=worker, step=step, bsp=False, skip=skip)
-                return self._apply(t, keys, grads, step, skip)
-            t.held.setdefault(step, {})[worker] = (keys, grads, skip)
-            done = self._complete(t, step, num_workers)
-            if done is not None:
-                return done
-            self.lock.notify_all()  # a push held: whoever watches the barrier looks again
-            complete = self.lock.wait_for(lambda: t.bsp_done >= step or step in self._ready(t, num_workers),
-                                          timeout)
-            if complete and t.bsp_done < step:  # the workers still missing are gone: this waiter applies it
-                done = self._complete(t, step, num_workers)
-                assert done is not None
-                return done
-            if not complete:
-                missing = sorted(set(range(num_workers)) - set(t.held.get(step, {})) - self.gone())
-                raise DeadlineExceeded(f"row table {label(name)}: bsp step {step} waited {timeout:.1f}s for workers "
-                                       f"{missing} of {num_workers}")
-            return Pushed(len(np.unique(keys)), t.steps, step in t.skipped_steps)
+            if self.recording():  # the backup takes the push in through the same policy (``replay``)
+                self.record({"op": "push", "table": name, "worker": worker, "step": step, "n": n,
+                             "sync": str(spec), "skip": skip},
+                            {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
+            skipped = self._take(t, spec, n, worker, step, keys, grads, skip)
+            return Pushed(0 if skipped else len(np.unique(keys)), t.steps, skipped, self._ready(t, worker))
 
-    def _ready(self, t: RowTable, num_workers: int) -> set[int]:
-        """The bsp steps every worker not gone has pushed."""
-        want = set(range(num_workers)) - self.gone()
-        return {s for s, got in t.held.items() if want <= set(got)}
+    @staticmethod
+    def _spec(name: str, sync: str, num_workers: int) -> SyncSpec:
+        """The mode a push names; "": bsp over more than one worker, else asp (a client that names none)."""
+        if not sync:
+            return SyncSpec("bsp") if num_workers > 1 else SyncSpec("asp")
+        try:
+            return SyncSpec.parse(sync)
+        except ValueError as e:
+            raise InvalidArgument(f"row table {label(name)}: {e}") from None
 
-    def _complete(self, t: RowTable, step: int, num_workers: int) -> Pushed | None:
-        """Apply bsp ``step`` if every worker not gone pushed it (the mean of the pushes held): its answer."""
-        if step not in self._ready(t, num_workers):
-            return None
-        pushes = t.held.pop(step)
-        got = [pushes[w] for w in sorted(pushes)]
-        skip = any(s for _, _, s in got)
-        keys = np.concatenate([k for k, _, _ in got])
-        grads = torch.cat([g for _, g, _ in got]) / len(got)
-        self._record_step(t.spec.name, keys, grads, worker=-1, step=step, bsp=True, skip=skip)
-        done = self._apply(t, keys, grads, step, skip)
-        t.bsp_done = step
-        self.lock.notify_all()
-        return done
+    def _expected(self, n: int) -> set[int]:
+        """The workers of a table pushed by ``n`` that are not gone: a round needs each of them."""
+        return set(range(n)) - self.gone()
 
-    def _record_step(self, name: str, keys: np.ndarray, grads: torch.Tensor, *, worker: int, step: int,
-                     bsp: bool, skip: bool) -> None:
-        if not self.recording():
+    def _slowest(self, t: RowTable, n: int) -> int:
+        """Under the lock: the least clock (steps taken in) of the table's workers not gone."""
+        clocks = [t.pushed.get(w, -1) + 1 for w in self._expected(n)]
+        return min(clocks) if clocks else 0
+
+    def _wait(self, t: RowTable, min_round: int, min_clock: int, timeout: float, n: int | None = None,
+              mode: str = "") -> None:
+        """Under the lock: until ``t`` applied ``min_round`` rounds and its slowest worker has ``min_clock``
+        (of ``n`` workers under ``mode``: the push's; a pull's, the table's)."""
+        workers = n if n is not None else t.mode[1]
+
+        def ready() -> bool:
+            return t.rounds >= min_round and (min_clock <= 0 or self._slowest(t, workers) >= min_clock)
+
+        def done() -> bool:  # or the shard awaits a rollback: its tables are its checkpoint's, nothing owed comes
+            return ready() or self.halted()
+
+        if ready():
             return
-        if skip:  # nothing of the gradients is applied: the backup needs the step alone
-            keys, grads = keys[:0], grads[:0]
-        self.record({"op": "step", "table": name, "worker": worker, "step": step, "bsp": bsp, "skip": skip},
-                    {"keys": torch.from_numpy(keys.view(np.int64).copy()), "grads": grads.clone()})
+        self.waiting += 1
+        self.lock.notify_all()  # whoever watches the waits (a test at an exact point) looks again
+        try:
+            ok = self.lock.wait_for(done, timeout)
+        finally:
+            self.waiting -= 1
+        if not ok:
+            name = label(t.spec.name)
+            if t.rounds < min_round:
+                waiting = t.policy.waiting_on() if t.policy is not None else ""
+                raise DeadlineExceeded(f"row table {name}: waited {timeout:.1f}s for round {min_round} (at "
+                                       f"{t.rounds}): {waiting}")
+            behind = {w: t.pushed.get(w, -1) + 1 for w in sorted(self._expected(workers))
+                      if t.pushed.get(w, -1) + 1 < min_clock}
+            raise DeadlineExceeded(f"row table {name}: waited {timeout:.1f}s for every worker to reach clock "
+                                   f"{min_clock} ({mode or t.mode[0]}); behind: {behind}")
+
+    @staticmethod
+    def _ready(t: RowTable, worker: int) -> int:
+        """The rounds ``t`` will have applied once ``worker``'s newest push is."""
+        return t.rounds + (1 if t.policy is not None and t.policy.holds(worker) else 0)
+
+    def _take(self, t: RowTable, spec: SyncSpec, n: int, worker: int, step: int, keys: np.ndarray,
+              grads: torch.Tensor, skip: bool) -> bool:
+        """Under the lock: offer a push to the table's policy (one of ``spec`` over ``n`` workers: another mode
+        or worker count applies what the old one held first) and apply what it hands over. Whether this push
+        was skipped (an inf/nan), when applied now."""
+        if t.mode != (str(spec), n) or t.policy is None:
+            if t.policy is not None:
+                self._apply_updates(t, t.policy.flush())
+            t.policy = make_policy(spec, n)
+            t.policy.track_live(self._expected(n))
+            t.mode = (str(spec), n)
+        t.pushed[worker] = step
+        grad = RowGrad([keys], [grads])
+        updates = t.policy.offer(Contribution(worker, step, 0, skip), cast(Received, {ROWS: grad}))
+        return self._apply_updates(t, updates) and skip
+
+    def _apply_updates(self, t: RowTable, updates: list[Update]) -> bool:
+        """Under the lock: each update an optimizer step of the table (a barrier's its round, the mean of its
+        pushes); True when one was applied. Wakes the waits."""
+        for u in updates:
+            grad = cast(RowGrad, u.grads[ROWS])
+            keys, grads = grad.joined()
+            skip = any(c.found_inf for c in u.contributions) or not bool(torch.isfinite(grads).all())
+            self._apply(t, keys, grads, max(c.step for c in u.contributions), skip)
+            if t.policy is not None and t.policy.spec.barrier:
+                t.rounds += 1
+        if updates:
+            self.lock.notify_all()
+        return bool(updates)
+
+    def live_changed(self) -> None:
+        """Under the lock: the job's membership changed (an eviction, a leave, a rejoin): each barrier's round
+        may be complete now, without the gone."""
+        for t in self.tables.values():
+            if t.policy is not None:
+                self._apply_updates(t, t.policy.live_changed(self._expected(t.mode[1])))
 
     def hold(self, name: str, dim: int, worker: int, step: int, index: int, keys: np.ndarray,
              grads: torch.Tensor, versions: np.ndarray | None = None) -> None:
@@ -240,12 +320,8 @@ class RowTables:
                 new = np.flatnonzero(t.find(keys) < 0)
                 t.create(keys[new], tensors["values"][torch.from_numpy(new)])
                 return
-            if args["bsp"]:
-                t.bsp_done = args["step"]
-                t.held.pop(args["step"], None)
-            else:
-                t.pushed[args["worker"]] = args["step"]
-            self._apply(t, keys, tensors["grads"], args["step"], bool(args.get("skip", False)))
+            self._take(t, SyncSpec.parse(args["sync"]), args["n"], args["worker"], args["step"], keys,
+                       tensors["grads"], bool(args["skip"]))
 
     @staticmethod
     def _apply(t: RowTable, keys: np.ndarray, grads: torch.Tensor, step: int, skip: bool) -> Pushed:
@@ -294,9 +370,18 @@ class RowTables:
         tensors: dict[str, torch.Tensor] = {}
         for name, t in self.tables.items():
             n = t.size
-            meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "bsp_done": t.bsp_done,
-                          "counts": dict(t.counts), "seen": [[k, c] for k, c in t.seen.items()],
+            meta[name] = {"spec": t.spec.to_json(), "steps": t.steps, "rounds": t.rounds,
+                          "mode": [t.mode[0], t.mode[1]], "counts": dict(t.counts),
+                          "seen": [[k, c] for k, c in t.seen.items()],
                           "pushed": [[w, st] for w, st in t.pushed.items()]}
+            held = t.policy.held_state() if t.policy is not None else None
+            if held is not None and held.contributions:  # a barrier's round in progress: its pushes so far
+                keys, grads = cast(RowGrad, held.sums[ROWS]).joined()
+                meta[name]["held"] = {"count": held.counts[ROWS], "rounds": held.rounds,
+                                      "contributions": [[c.worker_id, c.step, c.found_inf, c.late]
+                                                        for c in held.contributions]}
+                tensors[f"{HELD}/{name}/keys"] = torch.from_numpy(keys.view(np.int64).copy())
+                tensors[f"{HELD}/{name}/grads"] = grads.clone()
             tensors[f"rows/{name}/keys"] = torch.from_numpy(t.keys[:n].view(np.int64).copy())
             tensors[f"rows/{name}/last"] = t.last[:n].clone()
             tensors[f"rows/{name}/updates"] = t.updates[:n].clone()
@@ -310,10 +395,22 @@ class RowTables:
         tables: dict[str, RowTable] = {}
         for name, m in meta.items():
             spec = RowTableSpec.from_json(m["spec"])
+            # (a checkpoint of before the tables' sync policies: its bsp steps, numbered from 0, were its rounds)
+            rounds = m["rounds"] if "rounds" in m else m.get("bsp_done", -1) + 1
             t = RowTable(spec, make_row_optimizer(spec.optimizer), index=self.index(), steps=m["steps"],
-                         bsp_done=m["bsp_done"],
-                         seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]),
+                         rounds=rounds, seen={int(k): int(c) for k, c in m["seen"]}, counts=dict(m["counts"]),
                          pushed={int(w): int(st) for w, st in m["pushed"]})
+            mode, n = m.get("mode") or ["", 0]
+            if mode:
+                t.policy, t.mode = make_policy(SyncSpec.parse(mode), n), (mode, n)
+                held = m.get("held")
+                if held is not None:
+                    grad = RowGrad([tensors[f"{HELD}/{name}/keys"].numpy().view(np.uint64)],
+                                   [tensors[f"{HELD}/{name}/grads"]])
+                    t.policy.restore_held(HeldState(cast(Grads, {ROWS: grad}), {ROWS: held["count"]},
+                                                    [Contribution(w, st, 0, bool(f), bool(late))
+                                                     for w, st, f, late in held["contributions"]],
+                                                    held["rounds"]))
             keys = tensors[f"rows/{name}/keys"].numpy().view(np.uint64)
             t.create(keys, tensors[f"rows/{name}/weight"])
             t.last[: len(keys)] = tensors[f"rows/{name}/last"]
@@ -322,6 +419,9 @@ class RowTables:
                 t.state[k][: len(keys)] = tensors[f"rows/{name}/state/{k}"]
             tables[name] = t
         with self.lock:
+            for t in tables.values():
+                if t.policy is not None:
+                    t.policy.track_live(self._expected(t.mode[1]))
             self.tables = tables
             self.lock.notify_all()
 

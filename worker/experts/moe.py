@@ -127,7 +127,7 @@ class ExpertRows(_Rows):
         assert self.rows is not None
         return self.rows.transport.experts(shard) if self.hosts is None else self.hosts.endpoint(shard)
 
-    def push(self, step: int, now: bool = True) -> None:
+    def push(self, step: int, now: bool = True, sync: str = "") -> None:
         """Push this step's gradients, unless a send's backward pushed them on the shards already (with
         ``hold``: the shards push what the step's backwards held, now; under every:X too, ``now`` or not:
         they are on the shards)."""
@@ -139,7 +139,8 @@ class ExpertRows(_Rows):
             if self.hold:
                 expertsend.flush(self, step)
         else:
-            super().push(step, now)
+            super().push(step, now, sync)
+        self.job_sync = sync  # the mode the next step's "send" backward pushes under
         if self.on_pushed is not None:
             self.on_pushed(time.perf_counter())
 

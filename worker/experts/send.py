@@ -119,11 +119,24 @@ def _worker(experts: Any) -> int:
 def flush(experts: Any, step: int) -> None:
     """Have every shard push what this step's backwards held (``ExpertRows.hold``): a ``Backward`` without
     hold and without tokens, so a shard pushes the held sum, or an empty push (every shard counts the step)."""
-    t = experts.rows.transport
-    req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=experts.d_model,
-                                 worker_id=_worker(experts), step=step, num_workers=experts.num_workers)
-    t.each(lambda shard: _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
-        req, timeout=t.timeout)))
+    rows: RowClient = experts.rows
+    t, sync = rows.transport, _sync(experts)
+    waits = rows.waits(experts.table)
+
+    def call(shard: int) -> int:
+        req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=experts.d_model,
+                                     worker_id=_worker(experts), step=step, num_workers=experts.num_workers,
+                                     sync=sync, min_round=waits[shard][0])
+        return int(_with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
+            req, timeout=t.timeout)).ready)
+
+    rows.took(experts.table, t.each(call), waits, step, sync)
+
+
+def _sync(experts: Any) -> str:
+    """The mode the experts' pushes name: the layer's own, else the job's (docs/sync.md)."""
+    mode: str = experts.sync or experts.job_sync
+    return mode
 
 
 def _floats(data: bytes, d: int) -> torch.Tensor:
@@ -141,18 +154,21 @@ class Send(torch.autograd.Function):
         t, d = rows.transport, x.shape[1]
         xc = x.detach().float().cpu().contiguous()
         busy = [s for s, (e, _, _) in p.shards.items() if len(e)]
+        waits = rows.waits(experts.table)  # what this step must see first (a shard not called: its Backward waits)
 
         def call(shard: int) -> bytes:
             ex, counts, sl = p.shards[shard]
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
-                                         tokens=xc[sl].numpy().tobytes())
+                                         tokens=xc[sl].numpy().tobytes(), min_round=waits[shard][0],
+                                         min_clock=waits[shard][1])
             ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Forward(_fits(experts.table, req),
                                                                                         timeout=t.timeout))
             stats.bytes_sent += 2 * len(req.tokens)
             return bytes(ans.out)
 
         outs = dict(zip(busy, t.each(call, busy)))
+        rows.waited_for(experts.table, waits, busy)
         y = torch.cat([_floats(outs[s], d) for s in busy]) if busy else torch.zeros(0, d)
         if y.shape != xc.shape:
             raise ValueError(f"MoE {experts.table!r}: placement 'send' needs experts whose output is [n, d_model] "
@@ -170,20 +186,24 @@ class Send(torch.autograd.Function):
         step = experts.claim_step()
         index = experts.hold_index  # the same in every shard's call and in its retries
         dyc = dy.detach().float().cpu().contiguous()
+        sync = _sync(experts)
+        waits = rows.waits(experts.table)
 
-        def call(shard: int) -> bytes:
+        def call(shard: int) -> tuple[bytes, int]:
             ex, counts, sl = p.shards.get(shard, (np.zeros(0, np.uint64), np.zeros(0, np.int64), slice(0, 0)))
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), grad_out=dyc[sl].numpy().tobytes(),
                                          worker_id=_worker(experts), step=step, num_workers=experts.num_workers,
-                                         hold=experts.hold, hold_index=index,
+                                         hold=experts.hold, hold_index=index, sync=sync, min_round=waits[shard][0],
                                          epoch=rows.epoch() if rows.epoch is not None else None)
             ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Backward(
                 _fits(experts.table, req), timeout=t.timeout))
             stats.bytes_sent += len(req.tokens) * 3
-            return bytes(ans.out)
+            return bytes(ans.out), int(ans.ready)
 
-        outs = t.each(call)
-        dx = torch.cat([_floats(o, d) for o in outs])
+        answers = t.each(call)
+        if not experts.hold:  # pushed on every shard: what its next calls wait for
+            rows.took(experts.table, [r for _, r in answers], waits, step, sync)
+        dx = torch.cat([_floats(o, d) for o, _ in answers])
         return dx.to(dy.dtype).to(dy.device), None, None, None, None

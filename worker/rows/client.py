@@ -15,7 +15,7 @@ Thread-safety: as the PSClient, one thread at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -26,6 +26,7 @@ from shardps.protos import codec, framing
 from shardps.protos.optim import SGD, OptimizerSpec
 from shardps.protos.rows import RowTableSpec, as_u64, hash_key, label, rows_per_message, shard_of
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.syncspec import SyncSpec
 from shardps.worker.datapath.transport import Transport
 from shardps.worker.errors import ShardError, Unreachable
 
@@ -121,6 +122,11 @@ class RowClient:
         # Per table, the (distinct keys, their row versions) of the pulls since its last push (the newest
         # MAX_TRACKED): handed back with the push, so the shards count each row's staleness.
         self.pulled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # Per table, what its next call on each shard must see first (docs/sync.md): the rounds that apply this
+        # client's last push there (its ``ready``), and, under ssp, the clock every worker must have.
+        self.ready: dict[str, list[int]] = {}
+        self.waited: dict[str, list[int]] = {}  # the rounds a call on each shard has waited for already
+        self.min_clock: dict[str, list[int]] = {}  # per shard, the ssp clock still to wait for there (0: none)
 
     def register(self, name: str, dim: int, *, optimizer: OptimizerSpec | None = None, keys: str = "int64",
                  init: dict[str, float | str] | None = None, seed: int = 0, admit: int = 0,
@@ -167,13 +173,18 @@ class RowClient:
         versions = np.zeros(len(s.unique), dtype=np.int64)
         t = self.transport
 
+        waits = self.waits(name)
+
         def pull_shard(shard: int) -> int:
             idx = s.of(shard)
             got = 0
             call = t.pull_rows(shard)
-            for lo in range(0, len(idx), MAX_PULL_KEYS):
+            min_round, min_clock = waits[shard]
+            # a shard owed a wait is asked even with no keys of it (a pull that only waits)
+            for lo in range(0, max(1, len(idx)) if min_round or min_clock else len(idx), MAX_PULL_KEYS):
                 part = idx[lo:lo + MAX_PULL_KEYS]
-                req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim)
+                req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim,
+                                             min_round=min_round, min_clock=min_clock)
                 dest = s.where[part] if s.distinct else part
                 for buf in call(req, timeout=t.timeout):
                     first, data, vers = framing.read_pull_rows(buf)
@@ -189,11 +200,37 @@ class RowClient:
             return got
 
         self.wire_bytes += sum(naming(name, "PullRows", t, lambda: t.each(pull_shard)))
+        self.waited_for(name, waits)
         if track:
             self.pulled.setdefault(name, []).append((s.unique, versions))
             del self.pulled[name][:-MAX_TRACKED]
         out = rows if s.distinct else torch.from_numpy(np.take(into, s.inverse().numpy(), axis=0))
         return out.view(*keys.shape, dim)
+
+    def waits(self, name: str) -> list[tuple[int, int]]:
+        """Per shard, the (min_round, min_clock) a call on ``name`` must still wait for there: the rounds that
+        apply this client's last push not yet waited for, and the ssp clock (docs/sync.md)."""
+        n = self.transport.num_shards
+        ready = self.ready.get(name, [0] * n)
+        waited = self.waited.get(name, [0] * n)
+        clocks = self.min_clock.get(name, [0] * n)
+        return [(r if r > w else 0, c) for r, w, c in zip(ready, waited, clocks, strict=True)]
+
+    def forget_waits(self) -> None:
+        """The job rolled back (``PSClient.recover``): the tables' rounds are their checkpoint's, nothing this
+        client pushed since is owed."""
+        self.ready.clear()
+        self.waited.clear()
+        self.min_clock.clear()
+
+    def waited_for(self, name: str, waits: list[tuple[int, int]], shards: Iterable[int] | None = None) -> None:
+        """The calls on ``shards`` (default all) that carried ``waits`` were answered: they waited for those."""
+        n = self.transport.num_shards
+        waited = self.waited.setdefault(name, [0] * n)
+        clocks = self.min_clock.setdefault(name, [0] * n)
+        for shard in range(n) if shards is None else shards:
+            waited[shard] = max(waited[shard], waits[shard][0])
+            clocks[shard] = 0
 
     def _bases(self, name: str, keys: np.ndarray) -> np.ndarray:
         """The version each distinct uint64 key's row had when first pulled since the table's last push
@@ -211,12 +248,16 @@ class RowClient:
         return np.where(k[at] == keys, v[at], -1).astype(np.int64)
 
     def push(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
-             assign: bool = False, worker: int | None = None, found_inf: bool | None = None) -> int:
+             sync: str = "", assign: bool = False, worker: int | None = None, found_inf: bool | None = None) -> int:
         """One optimizer step of the table from the gradient rows ``grads`` (``[*keys.shape, dim]``) of
         ``keys``; repeated keys' rows are summed. Returns the distinct rows updated over all shards.
 
-        ``num_workers`` > 1: bsp, the step is applied once that many workers pushed ``step``, with the
-        mean of their gradients (this call returns then). ``assign``: ``grads`` are the rows' first
+        ``sync``: the job's sync mode (docs/sync.md), over ``num_workers`` workers (the table's pushers); "":
+        bsp when ``num_workers`` > 1, else asp. Under a barrier (bsp, every:X) the step is applied once every
+        worker pushed it, with the mean of their gradients; this call returns once the shards took it in,
+        and the next pull of the table (or, on a shard it does not pull from, the next push) waits for that
+        round. Under ssp:S the next pull waits until every worker pushed ``step + 1 - S`` steps, and a push
+        of step t until they pushed t - S. ``assign``: ``grads`` are the rows' first
         values (rows not held yet are created with them; no step). ``worker``: the worker id the push
         carries (default this client's; a pipeline stage pushes a table as its replica, one of
         ``num_workers``). ``found_inf``: the step is skipped on every shard (no row changes); None: when
@@ -235,6 +276,7 @@ class RowClient:
         per = rows_per_message(dim + 2, self.chunk_bytes)  # + the base version
         t = self.transport
         epoch = None if self.epoch is None else self.epoch()
+        waits = [(0, 0)] * t.num_shards if assign else self.waits(name)
 
         def messages(shard: int) -> Iterator[ps_pb2.PushRowsRequest]:
             idx = s.of(shard)
@@ -245,15 +287,26 @@ class RowClient:
                                              grads=grad_rows.numpy().tobytes(), dim=dim,
                                              worker_id=worker_id, step=step, num_workers=num_workers,
                                              assign=assign, base_versions=bases[part].tobytes(), found_inf=found_inf,
-                                             epoch=epoch)
+                                             epoch=epoch, sync=sync, min_round=waits[shard][0])
 
-        def push_shard(shard: int) -> int:
+        def push_shard(shard: int) -> tuple[int, int]:
             answer = t.rows(shard).PushRows(messages(shard), timeout=t.timeout)
-            return int(answer.rows)
+            return int(answer.rows), int(answer.ready)
 
-        updated = sum(naming(name, "PushRows", t, lambda: t.each(push_shard)))
+        answers = naming(name, "PushRows", t, lambda: t.each(push_shard))
         self.wire_bytes += len(s.unique) * (8 + 4 * dim + 8)
-        return updated
+        if not assign:
+            self.took(name, [r for _, r in answers], waits, step, sync)
+        return sum(rows for rows, _ in answers)
+
+    def took(self, name: str, ready: list[int], waits: list[tuple[int, int]], step: int, sync: str) -> None:
+        """The shards took this client's push of ``step`` of ``name`` in, each answering the rounds that apply
+        it (``ready``; a call that carried ``waits`` has waited for them): what the next calls wait for."""
+        self.waited_for(name, waits)
+        self.ready[name] = list(ready)
+        spec = SyncSpec.parse(sync) if sync else None
+        if spec is not None and spec.bounded:
+            self.min_clock[name] = [spec.min_clock(step + 1)] * len(ready)
 
 
 class RowCalls:
@@ -275,9 +328,10 @@ class RowCalls:
         return self.rows.pull(name, keys, track=track)
 
     def push_rows(self, name: str, keys: torch.Tensor, grads: torch.Tensor, step: int, *, num_workers: int = 1,
-                  assign: bool = False, found_inf: bool | None = None) -> int:
+                  sync: str = "", assign: bool = False, found_inf: bool | None = None) -> int:
         """One optimizer step of ``keys``' rows from ``grads`` (``[*keys.shape, dim]``; ``RowClient.push``)."""
-        return self.rows.push(name, keys, grads, step, num_workers=num_workers, assign=assign, found_inf=found_inf)
+        return self.rows.push(name, keys, grads, step, num_workers=num_workers, sync=sync, assign=assign,
+                              found_inf=found_inf)
 
     def row_keys(self, name: str, values: list[object]) -> torch.Tensor:
         """Keys of a ``keys="hash"`` table for any str, bytes or int values (``RowClient.keys_of``)."""

@@ -8,9 +8,11 @@ only those rows. ``RowModules.attach`` finds the row modules of a model,
 names their tables after their module path (unless named) and registers
 them; the dense part of the model is untouched and syncs as before.
 
-Sync per table: "bsp" (every worker's step t averaged, applied once: the
-same as one process on the union batch), or "asp" (each push applied on
-arrival); by default the optimizer's mode when it is bsp, else asp.
+Sync: a table follows the job's mode, as the dense part does (bsp,
+every:X, asp, ssp:S, and a live switch: each push names the mode the
+optimizer is in; docs/sync.md), unless its module names one of its own
+(``sync="bsp"`` or ``"asp"``: PERSIA's hybrid, a bsp dense part with asp
+embeddings).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class _Rows(nn.Module):
         self.table, self.optimizer, self.sync, self.init = name, optimizer or SGD(lr=0.01), sync, init
         self.pretrained: torch.Tensor | None = None  # from_pretrained: the rows' first values
         self.rows: RowClient | None = None
-        self.num_workers = 1  # > 1: bsp over that many workers
+        self.num_workers = 1  # the workers that push the table (the job's, or a pipeline stage's replicas)
+        self.job_sync = ""  # the job's mode as the optimizer last said (attach, then each step)
         self.worker: int | None = None  # the worker id its pushes carry (None: the client's)
         self.clock: Callable[[], int] | None = None  # the step the optimizer's next step() pushes
         self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their rows: a leaf)
@@ -66,11 +69,12 @@ class _Rows(nn.Module):
             self._pulled.append((uniq, rows))
         return inverse.to(ids.device), rows
 
-    def push(self, step: int, now: bool = True) -> None:
+    def push(self, step: int, now: bool = True, sync: str = "") -> None:
         """Push the gradients of the rows pulled since the last push (an empty push when none: every
         worker pushes at every step that pushes, so bsp steps and the optimizer's step count stay together).
         ``now`` False (every:X, a local step before the one that pushes): hold them instead; the push then
-        carries the mean over the steps held, as the dense gradients' (repeated ids' rows are summed)."""
+        carries the mean over the steps held, as the dense gradients' (repeated ids' rows are summed). ``sync``:
+        the job's mode now (the module's own ``sync`` wins)."""
         assert self.rows is not None and self.table is not None
         got = [(k, r.grad.detach()) for k, r in self._pulled if r.grad is not None]  # on their device until sent
         self._pulled.clear()
@@ -85,7 +89,7 @@ class _Rows(nn.Module):
         if steps > 1:
             grads = grads / steps
         self.rows.push(self.table, torch.cat([k for k, _ in got]) if got else torch.zeros(0, dtype=torch.int64),
-                       grads, step, num_workers=self.num_workers, worker=self.worker)
+                       grads, step, num_workers=self.num_workers, sync=self.sync or sync, worker=self.worker)
 
     def reset(self) -> None:
         """Forget the gradients held (pushed, or a rollback or rejoin made them stale)."""
@@ -161,8 +165,8 @@ class RowModules:
             m.rows = rows
             m.clock = clock
             m.worker = worker
-            table_sync = m.sync or ("bsp" if sync == "bsp" else "asp")
-            m.num_workers = num_workers if table_sync == "bsp" else 1
+            m.num_workers = num_workers
+            m.job_sync = sync
             rows.register(m.table, m.embedding_dim, optimizer=m.optimizer,
                           init={"kind": "zeros"} if m.pretrained is not None else m.init)
             if m.pretrained is not None and (provides_values or m.write_from_every_worker):
@@ -170,11 +174,11 @@ class RowModules:
                 rows.push(m.table, ids, m.pretrained, 0, assign=True)
         return cls(found)
 
-    def step(self, step: int, push: bool = True) -> None:
-        """Push every row module's gradients of this step (``push`` False: every:X, a local step before the
-        one that pushes; hold them)."""
+    def step(self, step: int, push: bool = True, sync: str = "") -> None:
+        """Push every row module's gradients of this step under the job's mode ``sync`` (``push`` False: every:X,
+        a local step before the one that pushes; hold them)."""
         for m in self.modules.values():
-            m.push(step, push)
+            m.push(step, push, sync)
 
     def reset(self) -> None:
         """Forget the gradients held for every:X (a rollback or a rejoin)."""

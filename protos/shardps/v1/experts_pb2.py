@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'shardps/protos/shardps/v1/experts.proto\x12\nshardps.v1\"7\n\x15RegisterExpertRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07program\x18\x02 \x01(\x0c\",\n\x16RegisterExpertResponse\x12\x12\n\nparameters\x18\x01 \x01(\x04\"\xf2\x01\n\nExpertCall\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0f\n\x07\x64_model\x18\x03 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x05 \x01(\x0c\x12\x0e\n\x06tokens\x18\x06 \x01(\x0c\x12\x10\n\x08grad_out\x18\x07 \x01(\x0c\x12\x11\n\tworker_id\x18\x08 \x01(\r\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x13\n\x0bnum_workers\x18\n \x01(\r\x12\x0c\n\x04hold\x18\x0b \x01(\x08\x12\x12\n\nhold_index\x18\x0c \x01(\r\x12\x12\n\x05\x65poch\x18\r \x01(\x04H\x00\x88\x01\x01\x42\x08\n\x06_epoch\")\n\x0c\x45xpertAnswer\x12\x0b\n\x03out\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x32\xdd\x01\n\x07\x45xperts\x12W\n\x0eRegisterExpert\x12!.shardps.v1.RegisterExpertRequest\x1a\".shardps.v1.RegisterExpertResponse\x12;\n\x07\x46orward\x12\x16.shardps.v1.ExpertCall\x1a\x18.shardps.v1.ExpertAnswer\x12<\n\x08\x42\x61\x63kward\x12\x16.shardps.v1.ExpertCall\x1a\x18.shardps.v1.ExpertAnswerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'shardps/protos/shardps/v1/experts.proto\x12\nshardps.v1\"7\n\x15RegisterExpertRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07program\x18\x02 \x01(\x0c\",\n\x16RegisterExpertResponse\x12\x12\n\nparameters\x18\x01 \x01(\x04\"\xa6\x02\n\nExpertCall\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0f\n\x07\x64_model\x18\x03 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x05 \x01(\x0c\x12\x0e\n\x06tokens\x18\x06 \x01(\x0c\x12\x10\n\x08grad_out\x18\x07 \x01(\x0c\x12\x11\n\tworker_id\x18\x08 \x01(\r\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x13\n\x0bnum_workers\x18\n \x01(\r\x12\x0c\n\x04hold\x18\x0b \x01(\x08\x12\x12\n\nhold_index\x18\x0c \x01(\r\x12\x12\n\x05\x65poch\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x11\n\tmin_round\x18\x0e \x01(\x04\x12\x11\n\tmin_clock\x18\x0f \x01(\x04\x12\x0c\n\x04sync\x18\x10 \x01(\tB\x08\n\x06_epoch\"8\n\x0c\x45xpertAnswer\x12\x0b\n\x03out\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\r\n\x05ready\x18\x03 \x01(\x04\x32\xdd\x01\n\x07\x45xperts\x12W\n\x0eRegisterExpert\x12!.shardps.v1.RegisterExpertRequest\x1a\".shardps.v1.RegisterExpertResponse\x12;\n\x07\x46orward\x12\x16.shardps.v1.ExpertCall\x1a\x18.shardps.v1.ExpertAnswer\x12<\n\x08\x42\x61\x63kward\x12\x16.shardps.v1.ExpertCall\x1a\x18.shardps.v1.ExpertAnswerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTEREXPERTRESPONSE']._serialized_start=112
   _globals['_REGISTEREXPERTRESPONSE']._serialized_end=156
   _globals['_EXPERTCALL']._serialized_start=159
-  _globals['_EXPERTCALL']._serialized_end=401
-  _globals['_EXPERTANSWER']._serialized_start=403
-  _globals['_EXPERTANSWER']._serialized_end=444
-  _globals['_EXPERTS']._serialized_start=447
-  _globals['_EXPERTS']._serialized_end=668
+  _globals['_EXPERTCALL']._serialized_end=453
+  _globals['_EXPERTANSWER']._serialized_start=455
+  _globals['_EXPERTANSWER']._serialized_end=511
+  _globals['_EXPERTS']._serialized_start=514
+  _globals['_EXPERTS']._serialized_end=735
 # @@protoc_insertion_point(module_scope)

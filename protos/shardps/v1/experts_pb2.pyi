@@ -19,7 +19,7 @@ class RegisterExpertResponse(_message.Message):
     def __init__(self, parameters: _Optional[int] = ...) -> None: ...
 
 class ExpertCall(_message.Message):
-    __slots__ = ("table", "dim", "d_model", "experts", "counts", "tokens", "grad_out", "worker_id", "step", "num_workers", "hold", "hold_index", "epoch")
+    __slots__ = ("table", "dim", "d_model", "experts", "counts", "tokens", "grad_out", "worker_id", "step", "num_workers", "hold", "hold_index", "epoch", "min_round", "min_clock", "sync")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     D_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,9 @@ class ExpertCall(_message.Message):
     HOLD_FIELD_NUMBER: _ClassVar[int]
     HOLD_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     table: str
     dim: int
     d_model: int
@@ -46,12 +49,17 @@ class ExpertCall(_message.Message):
     hold: bool
     hold_index: int
     epoch: int
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., d_model: _Optional[int] = ..., experts: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., grad_out: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    min_round: int
+    min_clock: int
+    sync: str
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., d_model: _Optional[int] = ..., experts: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., grad_out: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ..., epoch: _Optional[int] = ..., min_round: _Optional[int] = ..., min_clock: _Optional[int] = ..., sync: _Optional[str] = ...) -> None: ...
 
 class ExpertAnswer(_message.Message):
-    __slots__ = ("out", "rows")
+    __slots__ = ("out", "rows", "ready")
     OUT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     out: bytes
     rows: int
-    def __init__(self, out: _Optional[bytes] = ..., rows: _Optional[int] = ...) -> None: ...
+    ready: int
+    def __init__(self, out: _Optional[bytes] = ..., rows: _Optional[int] = ..., ready: _Optional[int] = ...) -> None: ...

@@ -598,16 +598,20 @@ class RegisterRowsResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., backup: _Optional[str] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "dim")
+    __slots__ = ("table", "key_dtype", "keys", "dim", "min_round", "min_clock")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
     dim: int
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+    min_round: int
+    min_clock: int
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., dim: _Optional[int] = ..., min_round: _Optional[int] = ..., min_clock: _Optional[int] = ...) -> None: ...
 
 class PullRowsResponse(_message.Message):
     __slots__ = ("first", "rows", "versions")
@@ -620,7 +624,7 @@ class PullRowsResponse(_message.Message):
     def __init__(self, first: _Optional[int] = ..., rows: _Optional[bytes] = ..., versions: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions", "found_inf", "hold", "hold_index", "epoch")
+    __slots__ = ("table", "key_dtype", "keys", "grads", "dim", "worker_id", "step", "num_workers", "assign", "base_versions", "found_inf", "hold", "hold_index", "epoch", "sync", "min_round")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +639,8 @@ class PushRowsRequest(_message.Message):
     HOLD_FIELD_NUMBER: _ClassVar[int]
     HOLD_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
@@ -649,17 +655,21 @@ class PushRowsRequest(_message.Message):
     hold: bool
     hold_index: int
     epoch: int
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ..., found_inf: _Optional[bool] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    sync: str
+    min_round: int
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., num_workers: _Optional[int] = ..., assign: _Optional[bool] = ..., base_versions: _Optional[bytes] = ..., found_inf: _Optional[bool] = ..., hold: _Optional[bool] = ..., hold_index: _Optional[int] = ..., epoch: _Optional[int] = ..., sync: _Optional[str] = ..., min_round: _Optional[int] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
-    __slots__ = ("rows", "steps", "skipped")
+    __slots__ = ("rows", "steps", "skipped", "ready")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     rows: int
     steps: int
     skipped: bool
-    def __init__(self, rows: _Optional[int] = ..., steps: _Optional[int] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    ready: int
+    def __init__(self, rows: _Optional[int] = ..., steps: _Optional[int] = ..., skipped: _Optional[bool] = ..., ready: _Optional[int] = ...) -> None: ...
 
 class RowTableStats(_message.Message):
     __slots__ = ("spec", "rows", "weight_bytes", "state_bytes", "steps", "admitted", "dropped", "expired", "duplicates", "pending_admission", "skipped", "index_bytes", "staleness_counts")
