@@ -277,6 +277,8 @@ def test_a_primary_partitioned_from_its_backup_and_the_workers_makes_two_primari
     replication connection to h4 carries again; worker 2 then fails over, is refused as evicted and registers again,
     going on from its newest clock (shard 0's; the new primary skips it there), and the job goes on."""
     hosts = ["h0", "h1", "h2", "h3", "h4", "h5"]
+    # Each RPC's deadline 60 s: a bsp step waits for the other side's workers, and on a loaded machine (the
+    # suite's last minutes, a Ray cluster starting beside it) a round was seen to take over 28 s.
     rounds = 3
     with NetCluster(hosts, "1gbit") as net:
         a = {h: f"{net.host(h)}:{PORT}" for h in hosts}
@@ -293,14 +295,14 @@ def test_a_primary_partitioned_from_its_backup_and_the_workers_makes_two_primari
         wait_for("both backups in sync",
                  lambda: all(s.get("replica_state") == "synced" for s in obs.stats(*addresses).values()))
         for k, w in enumerate(workers):
-            w.send("join", addresses=addresses, worker=k, workers=3, backups=backups)
+            w.send("join", addresses=addresses, worker=k, workers=3, backups=backups, timeout=60.0)
         for w in workers:
             w.ok()
         each(workers, "steps", n=2)
 
         net.partition({"h1", "h5"}, {"h2", "h3", "h4"})
         for k in (0, 1):  # restarted: they cannot connect to h1 and ask its backup to take over
-            workers[k].send("join", addresses=addresses, worker=k, workers=3, backups=backups)
+            workers[k].send("join", addresses=addresses, worker=k, workers=3, backups=backups, timeout=60.0)
         moved = [workers[k].ok() for k in (0, 1)]
         assert [(m["failovers"], m["addresses"][1]) for m in moved] == [(1, new)] * 2
         wait_for("the old primary evicted workers 0 and 1",
