@@ -100,11 +100,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Then the partition harness's group (one process, about two minutes of mostly waiting): long units first, so
     # that no process starts it last.
     harness = [i for i in items if i.path.name == "test_partition_harness.py"]
-    # and the Ray clusters of their own (about a minute, the machine's busiest): early, not in the last minutes
-    own = [i for i in items if i.path.name == "test_ray_own_cluster.py"]
-    items[:] = on_ray + harness + own + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())
-                                         and i.path.name not in ("test_partition_harness.py",
-                                                                 "test_ray_own_cluster.py")]
+    items[:] = on_ray + harness + [i for i in items if "ray_cluster" not in getattr(i, "fixturenames", ())
+                                   and i.path.name != "test_partition_harness.py"]
 
 
 class SessionRay:
