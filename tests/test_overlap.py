@@ -129,6 +129,30 @@ def test_a_forward_waits_for_the_weights_of_its_step(cluster2):
     assert torch.equal(finals[0]["0.weight"], finals[1]["0.weight"])
 
 
+def test_close_cancels_the_pull_started_for_a_step_that_never_comes(cluster2):
+    """bsp, worker 1 registered but never pushing: worker 0's step() starts the pull of a version that will
+    not come. close() cancels it (CANCELLED) instead of waiting for its deadline (then: DEADLINE_EXCEEDED)."""
+    other = shardps.connect(cluster2.addresses, worker_id=1, num_workers=2, timeout=120)
+    client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=2, timeout=120)
+    try:
+        model = make_model()
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.5), sync="bsp",
+                                           overlap=True)
+        x, y = data(0, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        pull = opt.overlap.pull
+        assert pull is not None and not pull.done()
+        client.close()
+        assert pull.done()
+        with pytest.raises(shardps.ShardError) as e:
+            pull.result()
+        assert e.value.code.name == "CANCELLED", e.value
+    finally:
+        client.close()
+        other.close()
+
+
 def test_found_inf_in_a_late_bucket_skips_the_step_everywhere(cluster2):
     """Loss scaling: an inf in the first layer's gradient (the last bucket to go up) still skips the step
     on every shard: the flag goes in the stream's last message."""

@@ -441,10 +441,13 @@ class Transport:
             return explain_unreachable(self.security, e.details) or e.details
 
     def close(self) -> None:
-        """Stop the threads (after the calls under way) and close every channel. Idempotent."""
-        self._pool.shutdown(wait=True)
+        """Close every channel, then stop the threads. Idempotent. Closing a channel cancels the calls under
+        way on it (CANCELLED in their threads): a Pull started ahead of a step that never comes (overlap's, or
+        one waiting for a worker that will not push) would otherwise hold this until its deadline."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._channels + self._retired + list(self._operator_channels.values()):
             c.close()
+        self._pool.shutdown(wait=True)
 
 
 class _Soon:
