@@ -127,7 +127,7 @@ class SessionRay:
             # driver's runtime_env: each actor's worker would start through Ray's setup_worker.py; the Ray
             # group took 396-501 CPU seconds that way, 342-347 this way: docs/history/performance-log.md.)
             with ray_start_lock():
-                rc = RayLocalCluster(num_cpus=4, node_env={"PYTHONPATH": str(ROOT)}).start()
+                rc = RayLocalCluster(num_cpus=4, node_env={"PYTHONPATH": str(ROOT)}, log_monitor=False).start()
             try:
                 with ray_start_lock():
                     rc.add_node(num_cpus=4, resources={"ps": 1, "offload": 1})

@@ -1,4 +1,8 @@
-"""shardps.ray.Pipeline on a real Ray cluster: stages as actors, transparent, through the servers."""
+"""shardps.ray.Pipeline on a real Ray cluster: stages as actors, transparent, through the servers.
+
+The servers are in this process (``LocalCluster``: real gRPC servers on loopback, which the stage actors of both
+nodes reach): a server actor would cost its process's start, about 3 CPU-s, where what is tested is the
+stages. Servers as actors are tested in tests/test_ray.py, and beside stages by the Shakespeare job below."""
 
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ def test_four_stages_through_the_servers_equal_one_process_with_the_same_optimiz
     model = mlp()
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    with sray.start_servers(2) as servers, \
+    with shardps.LocalCluster(2) as servers, \
             sray.Pipeline(model, balance=[2, 2, 2, 1], chunks=2, schedule="1f1b", servers=servers,
                           optimizer=shardps.optim.Adam(lr=1e-2), replicas=2, num_cpus=0.5) as pipe:
         for step in range(3):
@@ -104,7 +108,7 @@ def test_a_weight_tied_across_stages_is_one_tensor_on_the_servers(ray_cluster, s
     model = tied_lm()
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    with sray.start_servers(2) as servers, \
+    with shardps.LocalCluster(2) as servers, \
             sray.Pipeline(model, balance=[2, 2], chunks=2, schedule=schedule, servers=servers, replicas=replicas,
                           optimizer=shardps.optim.Adam(lr=1e-2), num_cpus=0.5) as pipe:
         for step in range(3):
@@ -129,7 +133,7 @@ def test_under_asp_each_backward_runs_on_its_forwards_weights(ray_cluster):
     """The pull of step t lands while step t+1 runs (its first micro-batch starts on the old weights):
     recorded per micro-batch, every backward used the weight version its forward did."""
     model = mlp()
-    with sray.start_servers(1) as servers, \
+    with shardps.LocalCluster(1) as servers, \
             sray.Pipeline(model, balance=[3, 4], chunks=4, schedule="gpipe", checkpoint="always", servers=servers,
                           optimizer=shardps.optim.SGD(lr=0.05), sync="asp", weight_delay=1) as pipe:
         for step in range(4):
@@ -170,7 +174,7 @@ def test_a_stage_that_dies_names_itself_and_the_pipeline_is_rebuilt_from_the_ser
     """Its neighbours notice at once (not at the step's deadline, 600 s here: the error would say so) and
     the driver names the dead stage and the micro-batch it had taken the input of."""
     model = mlp()
-    with sray.start_servers(2) as servers:
+    with shardps.LocalCluster(2) as servers:
         pipe = PipelineWithAFault(model, balance=[3, 2, 2], chunks=3, servers=servers,
                                   optimizer=shardps.optim.SGD(lr=0.1))
         try:
@@ -271,7 +275,7 @@ def deep(width: int = 32) -> nn.Sequential:
 
 
 def _train(stream, schedule: str, checkpoint: str, sync: str, steps: int):
-    with sray.start_servers(2) as servers, \
+    with shardps.LocalCluster(2) as servers, \
             sray.Pipeline(deep(), balance=[10, 9], chunks=3, schedule=schedule, checkpoint=checkpoint,
                           servers=servers, optimizer=shardps.optim.Adam(lr=1e-2), num_cpus=0.5, sync=sync,
                           stream=stream) as pipe:

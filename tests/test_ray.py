@@ -111,6 +111,22 @@ def test_import_shardps_does_not_import_ray_and_shardps_ray_says_how_to_install_
     assert p.returncode == 1 and "pip install 'shardps[ray]'" in p.stderr
 
 
+def test_an_actors_module_imports_its_own_part_of_the_package_and_every_public_name_resolves():
+    """Each actor's process imports its class's module; the package's names come on first use (PEP 562)."""
+    code = ("import sys, shardps.deploy.ray.stage_actor; "
+            "print(sorted(m for m in sys.modules if m.startswith('shardps.deploy.ray.')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "['shardps.deploy.ray.placement', 'shardps.deploy.ray.stage_actor']", p.stderr
+    import shardps.deploy.ray as package
+    import shardps.ray
+
+    assert len(package.__all__) == 16
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(shardps.ray, name), name
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        package.Nope  # noqa: B018
+
+
 # -- placement -----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """DP x PP x TP on a real Ray cluster: 2 pipeline replicas x 2 stages x TP 2 (8 stage actors, each stage's
 two TP ranks kept on one node), Adam on the servers; each step's loss and the weights after equal one
-process training the unsplit model with torch's Adam on the whole batch."""
+process training the unsplit model with torch's Adam on the whole batch. The servers are in this process
+(LocalCluster), as in tests/test_pipeline_ray.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_two_replicas_of_two_stages_of_tp2_equal_one_process(ray_cluster):
     ref = copy.deepcopy(model)
     # eps 1e-3: see tests/test_tp_servers.py (a gradient of zero but for rounding, the key bias's)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2, eps=1e-3)
-    with sray.start_servers(2) as servers, \
+    with shardps.LocalCluster(2) as servers, \
             sray.Pipeline(model, balance=[2, 2], chunks=2, servers=servers, replicas=2, num_cpus=0.5,
                           optimizer=shardps.optim.Adam(lr=1e-2, eps=1e-3), tensor_parallel=2,
                           tp_plan=gpt.tp_plan(LAYERS)) as pipe:

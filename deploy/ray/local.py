@@ -113,7 +113,7 @@ class RayLocalCluster:
     def __init__(self, num_cpus: int = 2, *, resources: dict[str, float] | None = None,
                  token: str | None = None, start_timeout: float = 120.0,
                  object_store_bytes: int = 500 * 2**20, python: str | None = None,
-                 node_env: dict[str, str] | None = None) -> None:
+                 node_env: dict[str, str] | None = None, log_monitor: bool = True) -> None:
         self.num_cpus = num_cpus
         self.resources = dict(resources or {})
         self.token = token or os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)
@@ -127,6 +127,9 @@ class RayLocalCluster:
         # adds nothing to a worker's start, where a driver's runtime_env={"env_vars": ...} starts each
         # worker through Ray's setup_worker.py: one more Python and Ray import a worker (docs/ray.md).
         self.node_env = dict(node_env or {})
+        # Each node's log monitor reads every worker's log files and sends their lines to the drivers that print
+        # them (``log_to_driver``); a cluster whose drivers print nothing of their workers can do without it.
+        self.log_monitor = log_monitor
         self.port = 0
         self.dashboard_port = 0
         self.nodes: list[_Node] = []
@@ -157,6 +160,9 @@ class RayLocalCluster:
         for flag, port in zip(flags, free_ports(len(flags))):
             out += [flag, str(port)]
         return out
+
+    def _monitor_flag(self) -> list[str]:
+        return [] if self.log_monitor else ["--include-log-monitor", "false"]
 
     def _ray_start(self, args: list[str]) -> _Node:
         env = {**os.environ, **self.node_env, **self.env}  # the cluster's own token wins
@@ -193,7 +199,7 @@ class RayLocalCluster:
                         "--dashboard-host", "127.0.0.1", "--num-cpus", str(self.num_cpus),
                         "--temp-dir", self.temp_dir, "--disable-usage-stats",
                         "--object-store-memory", str(self.object_store_bytes), "--include-dashboard", "true",
-                        "--ray-client-server-port", str(client_port), *self._node_ports()]
+                        "--ray-client-server-port", str(client_port), *self._node_ports(), *self._monitor_flag()]
                 if self.resources:
                     args += ["--resources", json.dumps(self.resources)]
                 try:
@@ -238,7 +244,8 @@ class RayLocalCluster:
         # unpacked job files, a running job's working_dir among them.
         node_dir = tempfile.mkdtemp(prefix="n", dir=self.temp_dir)
         args = ["--address", self.address, "--num-cpus", str(num_cpus), "--disable-usage-stats",
-                "--object-store-memory", str(self.object_store_bytes), "--temp-dir", node_dir, *self._node_ports()]
+                "--object-store-memory", str(self.object_store_bytes), "--temp-dir", node_dir, *self._node_ports(),
+                *self._monitor_flag()]
         if resources:
             args += ["--resources", json.dumps(resources)]
         self._ray_start(args)
