@@ -25,13 +25,14 @@ import numpy as np
 from shardps.protos.rows import MAX_PULL_KEYS
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.testing.fuzz.cases import INT32, UINT32, UINT64, Case, Source, Target, shifted, wild_int
-from shardps.testing.fuzz.draws import unknown_name
+from shardps.testing.fuzz.draws import bad_sync_string, unknown_name
 from shardps.testing.fuzz.job import ROW_TABLE
 from shardps.testing.fuzz.send import held_rows
 
 PULL_DEFECTS = ("unknown_table", "wrong_dim", "key_dtype", "ragged_keys", "repeated_keys", "oversize")
 PUSH_DEFECTS = ("unknown_table", "wrong_dim", "key_dtype", "ragged_keys", "short_grads", "long_grads",
-                "base_versions", "mixed_headers", "empty_stream", "bsp_worker", "assign_repeated", "assign_nan")
+                "base_versions", "mixed_headers", "empty_stream", "bsp_worker", "assign_repeated", "assign_nan",
+                "bad_sync")
 REGISTER_DEFECTS = ("other_spec", "bad_dim", "no_name", "key_kind", "init_json", "init_kind", "optimizer",
                     "unsupported_param")
 
@@ -99,7 +100,11 @@ def gen_push_rows(src: Source, t: Target, avoid: bool) -> Case:
             "worker_id": src.choice([0, 1, wild_int(src, 0, INT32[1])]),
             "step": src.choice([0, 1, 5, wild_int(src, 0, 2**64 - 1)]),
             "num_workers": src.choice([0, 1, 2]), "assign": "assign_repeated" in defects or "assign_nan" in defects,
-            "found_inf": src.boolean()}
+            "found_inf": src.boolean(),
+            # the mode a push names and the round it waits for first: a defect refuses it before any wait
+            "sync": ((bad_sync_string(src, avoid) or "BSP!") if "bad_sync" in defects
+                     else src.choice(["", "", "bsp", "asp", "ssp:1"])),
+            "min_round": src.choice([0, 0, 1, wild_int(src, 0, 2**64 - 1)])}
     if "bsp_worker" in defects:
         head["num_workers"] = src.integer(2, 4)
         head["worker_id"] = src.choice([head["num_workers"], wild_int(src, head["num_workers"], INT32[1])])
@@ -134,10 +139,12 @@ def gen_push_rows(src: Source, t: Target, avoid: bool) -> Case:
         if len(messages) == 1:
             messages.append(ps_pb2.PushRowsRequest(**head, key_dtype="uint64"))
         other = messages[-1]
-        field = src.choice(["table", "dim", "worker_id", "step", "num_workers", "assign"])
+        field = src.choice(["table", "dim", "worker_id", "step", "num_workers", "assign", "sync", "min_round"])
         new = {"table": head["table"] + "x", "dim": shifted(head["dim"], 1, *UINT32),
                "worker_id": shifted(head["worker_id"], 1, *UINT32), "step": shifted(head["step"], 1, *UINT64),
-               "num_workers": shifted(head["num_workers"], 1, *UINT32), "assign": not head["assign"]}[field]
+               "num_workers": shifted(head["num_workers"], 1, *UINT32), "assign": not head["assign"],
+               "sync": "asp" if head["sync"] != "asp" else "bsp",
+               "min_round": shifted(head["min_round"], 1, *UINT64)}[field]
         setattr(other, field, new)
         if field == "dim":
             other.keys, other.grads, other.base_versions = b"", b"", b""
@@ -196,6 +203,6 @@ def rows_detail_ok(case: Case, details: str) -> str:
     if name and repr(name)[:40] not in details:  # its start: gRPC may cut a long status message
         return f"the refusal does not name the table {name[:100]!r}: {details[:300]}"
     if not any(w in details for w in ("expected", "got", "must", "unknown", "not registered", "registered as",
-                                      "unsupported", "takes", "not valid", "does not step")):
+                                      "unsupported", "takes", "not valid", "does not step", "needs")):
         return f"the refusal does not say what was expected and what came: {details[:300]}"
     return ""
