@@ -59,7 +59,7 @@ class SyncSpec:
             except ValueError:
                 x = 0
             if x < 1:
-                raise ValueError(f"sync {text!r}: every:X needs a whole number X >= 1")
+                raise ValueError(f"sync {_shown(text)}: expected every:X with a whole number X >= 1")
             return cls("every", x)
         if t.startswith("ssp:"):
             try:
@@ -67,6 +67,12 @@ class SyncSpec:
             except ValueError:
                 s = -1
             if s < 0:
-                raise ValueError(f"sync {text!r}: ssp:S needs a whole number S >= 0")
+                raise ValueError(f"sync {_shown(text)}: expected ssp:S with a whole number S >= 0")
             return cls("ssp", staleness=s)
-        raise ValueError(f"unknown sync mode {text!r}; expected bsp, asp, every:X or ssp:S")
+        raise ValueError(f"unknown sync mode {_shown(text)}; expected bsp, asp, every:X or ssp:S")
+
+
+def _shown(text: str, most: int = 60) -> str:
+    """``text`` as an error message quotes it: its start only when it is long (a status message is cut at a few
+    KB, and what was expected comes after it)."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
