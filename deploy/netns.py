@@ -32,6 +32,35 @@ class NetsimError(RuntimeError):
     """A command that builds or changes the simulated network failed (the message names it)."""
 
 
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 1 << 18
+
+
+def enter_host(netns: str, shm_dir: str) -> None:
+    """Make this process one of a simulated host's: what ``NetCluster.command`` runs a program under (``ip netns
+    exec NETNS unshare --mount --propagation private`` and ``mount --bind SHM_DIR /dev/shm``), done in the
+    process itself: for a child forked from the fork server (deploy/spawn.py), which has one thread. Root only;
+    OSError naming the step that failed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, _CLONE_NEWNET), f"setns into network namespace {netns}")
+    finally:
+        os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private (mount --make-rprivate)")
+    check(libc.mount(shm_dir.encode(), str(SHM_ROOT).encode(), None, _MS_BIND, None),
+          f"mount --bind {shm_dir} {SHM_ROOT}")
+
+
 def sh(cmd: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
     """Run one command with a deadline; its stdout. NetsimError (the command and its first error line) on failure."""
     try:

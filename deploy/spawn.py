@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import IO, Any, Union
 
 from shardps.protos import env as env_names
 
@@ -69,6 +69,7 @@ class ForkedProcess:
                  stderr: io.TextIOWrapper | None) -> None:
         self.pid = pid
         self.args = args
+        self.stdin: io.TextIOWrapper | None = None  # /dev/null, as Popen(stdin=DEVNULL) has it
         self.stdout = stdout
         self.stderr = stderr
         self.returncode: int | None = None
@@ -217,27 +218,32 @@ class Spawner:
         for child in orphans:
             threading.Thread(target=_await_orphan, args=(child,), daemon=True).start()
 
-    def popen(self, args: Sequence[str], *, env: Mapping[str, str], stdout: int | None = subprocess.PIPE,
-              stderr: int | None = None, lifeline_fd: int | None = None, cwd: str | None = None,
-              timeout: float = 30.0) -> ForkedProcess:
-        """Fork ``python -m shardps ARGS``. ``stdout``, ``stderr``: ``subprocess.PIPE`` or None (this process's
-        own); ``lifeline_fd``: the read end of the Lifeline the child watches."""
+    def popen(self, args: Sequence[str], *, env: Mapping[str, str], stdout: int | IO[str] | None = subprocess.PIPE,
+              stderr: int | IO[str] | None = None, lifeline_fd: int | None = None, cwd: str | None = None,
+              timeout: float = 30.0, host: tuple[str, str] | None = None) -> ForkedProcess:
+        """Fork ``python -m shardps ARGS``. ``stdout``, ``stderr``: ``subprocess.PIPE``, None (this process's
+        own) or an open file; ``lifeline_fd``: the read end of the Lifeline the child watches; ``host``:
+        (network namespace, /dev/shm directory) of a simulated host the child runs in (``netns.enter_host``)."""
         if self._sock is None or self._closed:
             raise RuntimeError("the fork server is not running")
         ours: list[int] = []  # the read ends of the pipes asked for, in order
         theirs: list[int] = []  # what the child gets as fds 1 and 2
+        made: list[int] = []  # of those, the write ends made here (closed once sent)
         for own, choice in ((1, stdout), (2, stderr)):
             if choice == subprocess.PIPE:
                 r, w = os.pipe()
                 ours.append(r)
                 theirs.append(w)
+                made.append(w)
             elif choice is None:
                 theirs.append(own)
+            elif hasattr(choice, "fileno"):  # an open file of the caller's (a log): the child writes to it too
+                theirs.append(choice.fileno())
             else:
-                raise ValueError(f"stdout and stderr must be subprocess.PIPE or None, got {choice!r}")
+                raise ValueError(f"stdout and stderr must be subprocess.PIPE, None or a file, got {choice!r}")
         fds = theirs + ([lifeline_fd] if lifeline_fd is not None else [])
         req = {"op": "spawn", "args": list(args), "env": dict(env), "cwd": cwd or os.getcwd(),
-               "lifeline": lifeline_fd is not None}
+               "lifeline": lifeline_fd is not None, "host": list(host) if host else None}
         try:
             with self._lock:
                 self._next_id += 1
@@ -256,9 +262,8 @@ class Spawner:
                 os.close(fd)
             raise
         finally:
-            for fd in theirs:
-                if fd > 2:
-                    os.close(fd)
+            for fd in made:
+                os.close(fd)
         pipes = iter(open(fd, encoding="utf-8") for fd in ours)  # noqa: SIM115 - the caller closes them
         child = ForkedProcess(reply["pid"], reply["pidfd"], [sys.executable, "-m", "shardps", *args],
                               next(pipes) if stdout == subprocess.PIPE else None,

@@ -159,6 +159,10 @@ def _run_child(req: dict[str, Any], fds: list[int]) -> int:
     import importlib.util
 
     _become(req, fds)
+    if req.get("host"):  # a simulated host's process (deploy/netsim.py): its network namespace and /dev/shm
+        from shardps.deploy.netns import enter_host
+
+        enter_host(*req["host"])
     args = req["args"]
     _title(" ".join([sys.executable, "-m", "shardps", *args]))
     spec = importlib.util.find_spec("shardps.__main__")

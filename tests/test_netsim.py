@@ -269,6 +269,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 @needs_netns
 def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
     """A server on h0; worker 1 on h1 (its bytes cross the link: the data connection) and worker 0 on h0 itself (the
@@ -276,6 +281,14 @@ def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
     c, _ = net
     [server] = c.start_servers(["h0"])
     try:
+        # the server was forked from this process's fork server into h0 (deploy.netns.enter_host): h0's network
+        # namespace, a mount namespace of its own; the worker on h0 (started fresh) reaches its segments below
+        from shardps.deploy.spawn import spawner
+
+        sp = spawner()
+        assert sp is not None and _ppid(server.proc.pid) == sp.pid
+        assert os.stat(f"/proc/{server.proc.pid}/ns/net").st_ino == os.stat(f"/run/netns/{c.netns('h0')}").st_ino
+        assert os.stat(f"/proc/{server.proc.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
         tx0 = c.traffic("h1")[0]
         workers = [c.start(h, [sys.executable, "-c", WORKER, server.address, str(k)], stdout=subprocess.PIPE,
                            cwd=str(ROOT)) for k, h in enumerate(("h0", "h1"))]

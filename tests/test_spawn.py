@@ -60,6 +60,16 @@ def test_exit_codes_are_the_childs_a_usage_error_2_and_sigkill_minus_9(spawner):
     proc.kill()  # a second signal to an ended child goes nowhere (its pid may be another's by now)
 
 
+def test_a_childs_stderr_can_be_a_file_of_the_callers_which_stays_open(spawner, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        bad = spawner.popen(["server", "--port", "nope"], env=_env(), stderr=log)
+        assert bad.wait(timeout=60) == 2 and bad.stderr is None
+        assert not log.closed
+        log.write("after\n")
+    text = (tmp_path / "log").read_text()
+    assert "--port" in text and "invalid" in text and text.endswith("after\n")
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler of its own for ``sig`` (its SigCgt mask in /proc)."""
     with open(f"/proc/{pid}/status") as f:
