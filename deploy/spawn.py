@@ -48,8 +48,10 @@ log = logging.getLogger("shardps")
 #: not see a new value): a child whose environment differs from the fork server's in one is started fresh.
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA_", "NCCL_", "TORCH", "PYTORCH_",
                         "LD_", "PYTHON", "GRPC_", "MALLOC_", "GLIBC_")
-#: ... except these, which Python or shardps read at run time.
-RUN_TIME = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+#: ... except these, which Python or shardps read at run time. PYTHONBREAKPOINT is read by each breakpoint()
+#: call; ``ray.init`` sets it in its driver's environment (and leaves it): had it counted, every process a Ray
+#: driver spawned after it would have differed from a fork server started before it, and started fresh.
+RUN_TIME = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONBREAKPOINT")
 _START_TIMEOUT_S = 120.0
 MAX_MSG = 1 << 20
 #: The fork server's last argument, spaces: the room for its children's command lines (setproctitle writes

@@ -127,6 +127,13 @@ def test_spawn_falls_back_to_a_fresh_process_where_a_fork_would_differ(monkeypat
         stop_processes([proc])
 
 
+def test_what_python_reads_at_run_time_does_not_keep_a_child_from_being_forked():
+    base = _env()
+    for var in sp.RUN_TIME:  # PYTHONBREAKPOINT: set by ray.init in its driver's environment
+        assert sp.import_time_env({**base, var: "x"}) == sp.import_time_env(base), var
+    assert sp.import_time_env({**base, "PYTHONHASHSEED": "1"}) != sp.import_time_env(base)
+
+
 def test_the_fork_server_ends_with_its_caller_and_the_children_with_their_lifelines(tmp_path):
     """SIGKILL the caller: the fork server reads EOF and exits; its child sees the lifeline break."""
     script = tmp_path / "caller.py"
