@@ -98,9 +98,11 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str | None, str | None]:
         """The rest of stdout and stderr (where pipes; else None), once the child has ended; TimeoutExpired
-        at the deadline (call again to go on waiting, as with Popen)."""
+        at the deadline (call again to go on waiting, as with Popen). ``input``: none (stdin is /dev/null)."""
+        if input:
+            raise ValueError("a forked child's stdin is /dev/null: no input")
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._readers is None:
             self._readers = []

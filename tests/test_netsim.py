@@ -289,6 +289,9 @@ def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
         assert sp is not None and _ppid(server.proc.pid) == sp.pid
         assert os.stat(f"/proc/{server.proc.pid}/ns/net").st_ino == os.stat(f"/run/netns/{c.netns('h0')}").st_ino
         assert os.stat(f"/proc/{server.proc.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+        done = c.run("h1", [sys.executable, "-m", "shardps", "health", "--address", server.address],
+                   timeout=60)  # forked too
+        assert done.returncode == 0 and "SERVING" in done.stdout, done
         tx0 = c.traffic("h1")[0]
         workers = [c.start(h, [sys.executable, "-c", WORKER, server.address, str(k)], stdout=subprocess.PIPE,
                            cwd=str(ROOT)) for k, h in enumerate(("h0", "h1"))]
