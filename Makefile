@@ -81,14 +81,19 @@ tools:
 		fi; \
 	fi
 
-# Lint and types first (ruff, mypy --strict: the package ships py.typed), then the whole suite (its 30
+# Lint and types (ruff, mypy --strict: the package ships py.typed) and the whole suite (its 30
 # slowest tests listed at the end: where the wall time goes), in TEST_JOBS processes (with more than one,
 # the Ray tests run in two groups, each in one of them with its own Ray cluster: tests/conftest.py).
 # Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
 # those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
-test: venv tools lint bytecode
+# Lint and types run beside the suite's start (mypy holds one core for about 20 s; the suite takes both),
+# their output printed after it; either failing fails `make test`.
+test: venv tools bytecode
+	@mkdir -p build; $(MAKE) --no-print-directory lint > build/lint.log 2>&1 & lint=$$!; \
 	$(BIN)/python -m pytest --durations=30 $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup) \
-		$(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; exit $$rc
+		$(PYTEST_ARGS); rc=$$?; $(BIN)/python -m shardps.deploy.ray.stop_stale; \
+	wait $$lint; lrc=$$?; echo "--- make lint (ruff, mypy) ---"; cat build/lint.log; \
+	if [ $$lrc -ne 0 ]; then echo "make lint failed ($$lrc)"; exit $$lrc; fi; exit $$rc
 
 # Where the suite's CPU goes: the whole suite in one process, each test's CPU seconds (the whole machine's:
 # its servers, workers and Ray actors too) counted and the costliest listed at the end (tests/cpu.py); one
