@@ -68,6 +68,7 @@ from shardps.deploy.netns import (
     sweep_stale,
     write_record,
 )
+from shardps.deploy.spawn import import_time_env, spawner
 
 IFNAME = "eth0"  # every host's interface (GLOO_SOCKET_IFNAME=eth0)
 BRIDGE = "br0"
@@ -376,8 +377,6 @@ class NetCluster:
         if (list(argv[:3]) != [sys.executable, "-m", "shardps"] or stdin != subprocess.DEVNULL or cwd is not None
                 or any(o not in (subprocess.PIPE, None) and not hasattr(o, "fileno") for o in (stdout, stderr))):
             return None
-        from shardps.deploy.spawn import import_time_env, spawner
-
         sp = spawner()
         if sp is None or import_time_env(env) != import_time_env(sp.environ):
             return None
