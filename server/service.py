@@ -254,8 +254,12 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
     @unary_errors
     def TakeOver(self, request: ps_pb2.TakeOverRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
         shard_index, version, epoch = self.store.replica.take_over(request.reason)
-        return ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch,
-                                      fence_epoch=self._fence_epoch())
+        answer = ps_pb2.PromoteResponse(shard_index=shard_index, version=version, epoch=epoch,
+                                        fence_epoch=self._fence_epoch())
+        if request.offer_data and self.data is not None:  # the worker's Push and Pull go on as frames
+            port, answer.data_route = self.data
+            answer.data_port, answer.data_token = port.offer(request.worker_id)
+        return answer
 
 
 class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):

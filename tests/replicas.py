@@ -26,13 +26,14 @@ def big_model() -> nn.Module:
 
 
 def train(addresses, base, steps, *, sync="bsp", on_step=None, part_bytes=512, timeout=240, backups=None,
-           **opt_kw):
-    """W workers in threads; each returns (its final parameters, its client's failovers)."""
+          shm=None, **opt_kw):
+    """W workers in threads; each returns (its final parameters, its client's failovers). ``shm``: connect's
+    (None: its default)."""
 
     def worker(k):
         model = copy.deepcopy(base)
         with shardps.connect(addresses, worker_id=k, num_workers=W, part_bytes=part_bytes,
-                             recovery_timeout=60, backups=backups) as client:
+                             recovery_timeout=60, backups=backups, shm=shm) as client:
             opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.Adam(lr=1e-2), sync=sync,
                                                **opt_kw)
             for step in range(steps):

@@ -12,6 +12,7 @@ first.
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
 
@@ -415,3 +416,38 @@ def test_a_server_that_answers_its_pings_keeps_the_connection_and_the_call_ends_
     finally:
         conn.close()
         server.close()
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
+def test_a_shard_that_fails_over_goes_on_as_frames_on_its_backups_route(make_cluster, shm):
+    """shard 0's backup is promoted (ctl promote --force) after step 5: the workers fail over, and the shard's
+    calls go on as frames on the route the backup's TakeOver answer gave, not over gRPC: at once where the worker
+    has a connection to that process (frames), else once it was made in the background (shared memory before:
+    no connection yet); the weights equal a run without the fail-over, bit for bit."""
+    from shardps.admin import run_promote
+    from tests.replicas import model, train
+
+    base = model()
+    clean = train(make_cluster(2).addresses, base, 12, shm=False)
+    c = make_cluster(2, replicas=2)
+    seen: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
+
+    def on_step(k, step, client):
+        if k == 0 and step == 5:
+            assert run_promote([c.replica_addresses[1]], force=True, out=io.StringIO()) == 0
+        if step == 11 and client.paths._reviving is not None:  # a connection being made (shm before)
+            client.paths._reviving.join(30)
+        p = client.paths[0]
+        seen[k].append((type(p).__name__, getattr(p, "route", 0)))
+
+    got = train(c.addresses, base, 12, on_step=on_step, shm=shm)
+    for (exp, _), (res, failovers) in zip(clean, got):
+        assert failovers == 1
+        for n in exp:
+            assert torch.equal(res[n], exp[n]), n
+    assert c.backups[1].stats().role == "primary" and c.backups[1].job.version == 12
+    for k in (0, 1):
+        before, after = seen[k][0], seen[k][-1]
+        assert before[0] == ("ShmPath" if shm else "ConnPath")
+        assert after[0] == "ConnPath" and after[1] != before[1], seen[k]  # the backup's route, not the primary's

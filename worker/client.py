@@ -35,6 +35,7 @@ from shardps.worker.compress import Compressor
 from shardps.worker.datapath import push
 from shardps.worker.datapath.bucketedpush import BucketedPush
 from shardps.worker.datapath.buffers import HostBuffers
+from shardps.worker.datapath.dataconn import wanted as data_wanted
 from shardps.worker.datapath.pull import PullInFlight
 from shardps.worker.datapath.shardpaths import ShardPaths
 from shardps.worker.datapath.shm import ShmLink, shm_probe
@@ -100,7 +101,9 @@ class PSClient(RowCalls):
         self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
         self.paths = ShardPaths(worker_id, len(self.addresses))
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
-        self.transport.on_moved = self.paths.off  # failed over to a backup (another machine): gRPC
+        # failed over to a backup: its data connection where it offers one (frames), else gRPC
+        self.transport.on_moved = self.paths.moved
+        self.transport.offer_data = data_wanted(self.transport.security)
         self._registered = self._closed = False  # registered as a worker: close() says goodbye (Leave)
         # row tables (docs/sparse.md); their pushes carry the epoch once this client registered tensors (it
         # knows the job's epoch then: a client of row tables alone pushes unchecked, as before)

@@ -20,9 +20,9 @@ A push's messages and a pull's answers take one of three paths:
 ``ShardPaths`` (worker/datapath/shardpaths.py) holds one path per shard and is the one place the choice is
 made: ``open`` after Register (shared memory for each shard that read the
 probe and whose segments could be made, else TCP where the shard offers
-it), ``off`` when a shard fails over to
-its backup on another machine (``Transport.on_moved``) or the client
-closes. The data path (``push.py``, ``bucketedpush.py``, ``pull.py``) reads a
+it), ``moved`` when a shard fails over to its backup (``Transport.on_moved``:
+the backup process's data connection where it offers one, else gRPC),
+``off`` when the client closes. The data path (``push.py``, ``bucketedpush.py``, ``pull.py``) reads a
 shard's path as a call to it starts (a retry after a fail-over reads it
 anew), asks it, and hands it to the transport with the call (``via=``: a
 path with ``calls`` makes the call itself); it never asks which one it is. Every Push message is

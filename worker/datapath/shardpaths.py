@@ -11,10 +11,12 @@ thread of its own (the step never waits on a connect) as soon as the
 connection is lost, then after 1, 2, 4 ... up to 60 seconds while it fails
 (the process restarted: its port and token are gone until the worker
 registers again, which opens every connection anew). Meanwhile the shards'
-calls go through gRPC. A shard that failed over to its backup stays on gRPC
-(``off``). Thread-safety as worker/datapath/paths.py says; a revived shard's path
-is set under the transport's fail-over lock, so that a fail-over in between
-wins.
+calls go through gRPC. A shard that failed over to its backup takes the
+backup process's data connection, which the backup offers in its answer to
+TakeOver (``moved``: made the same way if this worker has none to that
+process yet); gRPC where it offers none. Thread-safety as
+worker/datapath/paths.py says; a revived shard's path is set under the
+transport's fail-over lock, so that a fail-over in between wins.
 """
 
 from __future__ import annotations
@@ -143,8 +145,12 @@ class ShardPaths(Sequence[ShardPath]):
         smap, layouts, transport = self._opened
         for key in keys:
             shards = [i for i, o in self._offers.items() if o[0] == key]
+            if not shards:  # every shard of it moved elsewhere (a fail-over): nothing to make again
+                with self._mu:
+                    self._lost.pop(key, None)
+                continue
             conn = None
-            if shards:
+            if shards:  # (always: see above)
                 _, token, _, _ = self._offers[shards[0]]
                 conn = dataconn.DataConn.open(key[0], key[1], token, self._worker_id, transport.timeout,
                                               functools.partial(self._ended, key), transport.security)
@@ -170,9 +176,29 @@ class ShardPaths(Sequence[ShardPath]):
         if isinstance(self._paths[shard], GrpcPath):
             self._paths[shard] = dataconn.ConnPath(conn, route, self._grpc[shard], smap, layouts)
 
+    def moved(self, shard: int, answer: ps_pb2.PromoteResponse) -> None:
+        """Shard ``shard`` failed over (``Transport.on_moved``, under its fail-over lock; the transport already
+        talks to the new primary): its segments or connection closed, and, where the new primary's process
+        gave a data port in ``answer``, its calls are frames there, on this worker's connection to that
+        process (made in a thread of its own if there is none yet, as a lost one is: ``revive``; gRPC
+        meanwhile); else gRPC."""
+        self.off(shard)
+        if not answer.data_port or self._opened is None:
+            return
+        smap, layouts, transport = self._opened
+        address = transport.addresses[shard]
+        key = (address.rsplit(":", 1)[0], answer.data_port)
+        self._offers[shard] = (key, answer.data_token, answer.data_route, address)
+        conn = self._conns.get(key)
+        if conn is not None and not conn.error:
+            self._restore(shard, conn, answer.data_route, smap, layouts)
+            return
+        with self._mu:
+            self._lost.setdefault(key, (0.0, 1.0))  # made at the next push (``revive``)
+
     def off(self, shard: int) -> None:
-        """Shard ``shard`` no longer shares this machine (it failed over to its backup): gRPC from now on, its
-        segments closed (a push writing them meanwhile sends its share over gRPC)."""
+        """Shard ``shard`` on gRPC from now on (the client closes, or ``moved`` begins), its segments or its
+        place on a connection closed (a push writing its segments meanwhile sends its share over gRPC)."""
         self._offers.pop(shard, None)
         path, self._paths[shard] = self._paths[shard], self._grpc[shard]
         path.close()

@@ -85,7 +85,9 @@ class Transport:
                              f"{len(backups)} backups")
         self.backups = list(backups) if backups is not None else [""] * len(self.addresses)
         self._failover_lock = threading.Lock()
-        self.on_moved: Callable[[int], None] | None = None  # called with a shard once it failed over
+        # called with a shard and its new primary's answer once it failed over (under the fail-over lock)
+        self.on_moved: Callable[[int, ps_pb2.PromoteResponse], None] | None = None
+        self.offer_data = False  # ask a backup that takes over for its data connection (ShardPaths.moved)
         self._retired: list[grpc.Channel] = []
         self._channels: list[grpc.Channel] = []
         self._stubs: list[ps_pb2_grpc.WorkersStub] = []
@@ -272,7 +274,8 @@ class Transport:
             channel = self._channel(backup)
             try:
                 r = ps_pb2_grpc.WorkersStub(channel).TakeOver(  # type: ignore[no-untyped-call]
-                    ps_pb2.TakeOverRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}"),
+                    ps_pb2.TakeOverRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}",
+                                           offer_data=self.offer_data, worker_id=self.worker_id),
                     timeout=min(10.0, self.timeout))
             except grpc.RpcError as e:
                 channel.close()
@@ -284,7 +287,7 @@ class Transport:
             self.backups[shard] = ""
             self.failovers_total += 1
             if self.on_moved is not None:
-                self.on_moved(shard)
+                self.on_moved(shard, r)
         log.warning("shard %d: %s is unavailable; failed over to its backup at %s (version %d)", shard, failed,
                     backup, r.version)
         return True

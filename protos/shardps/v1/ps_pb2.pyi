@@ -532,16 +532,22 @@ class PromoteRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class PromoteResponse(_message.Message):
-    __slots__ = ("shard_index", "version", "epoch", "fence_epoch")
+    __slots__ = ("shard_index", "version", "epoch", "fence_epoch", "data_port", "data_token", "data_route")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROUTE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     version: int
     epoch: int
     fence_epoch: int
-    def __init__(self, shard_index: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
+    data_port: int
+    data_token: bytes
+    data_route: int
+    def __init__(self, shard_index: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ..., fence_epoch: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_route: _Optional[int] = ...) -> None: ...
 
 class AttachReplicaRequest(_message.Message):
     __slots__ = ("address", "timeout_seconds")
@@ -558,10 +564,14 @@ class AttachReplicaResponse(_message.Message):
     def __init__(self, replica_state: _Optional[str] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "offer_data", "worker_id")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OFFER_DATA_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    offer_data: bool
+    worker_id: int
+    def __init__(self, reason: _Optional[str] = ..., offer_data: _Optional[bool] = ..., worker_id: _Optional[int] = ...) -> None: ...
 
 class RowTableSpec(_message.Message):
     __slots__ = ("name", "dim", "keys", "optimizer", "init_json", "seed", "admit", "expire")
