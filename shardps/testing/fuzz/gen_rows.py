@@ -79,6 +79,9 @@ def gen_pull_rows(src: Source, t: Target, avoid: bool) -> Case:
                                  if "wrong_dim" in defects else dim)
     if "wrong_dim" in defects and req.dim == dim:
         req.dim = shifted(dim, 1, *UINT32)
+    if defects:  # a round or clock to wait for: a defect refuses the pull before any wait
+        req.min_round = src.choice([0, 1, wild_int(src, 0, 2**64 - 1)])
+        req.min_clock = src.choice([0, 1, wild_int(src, 0, 2**64 - 1)])
     return Case("pull_rows", "PullRows", sh.index, messages=[req], may_succeed=not defects, defects=tuple(defects))
 
 
