@@ -12,7 +12,7 @@ import itertools
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -36,17 +36,27 @@ def run_tp(p: int, fn: Callable[[int, tp.TPGroup], Any], timeout: float = 30.0) 
     gloo's handshake then fails ("connectFullMesh failed ... Connection closed by peer": seen once in a
     fresh-clone run). That is the rendezvous, not the code under test: it is tried once more with a new group,
     and a second failure is raised."""
-    for attempt in (1, 2):
+    def once() -> list[Any]:
         store = torch.distributed.HashStore()
         name = f"tp/test{next(_names)}"
-        try:
-            return run_workers(lambda k, store=store, name=name: fn(k, tp.open_tp_group(store, name, k, p,
-                                                                                      timeout=timeout)), p, timeout)
-        except RuntimeError as e:
-            if attempt == 2 or "connectFullMesh failed" not in str(e):
-                raise
-            print(f"run_tp: gloo's rendezvous of {name} failed ({str(e)[:200]}): once more", file=sys.stderr)
-    raise AssertionError("unreachable")
+        return run_workers(lambda k: fn(k, tp.open_tp_group(store, name, k, p, timeout=timeout)), p, timeout)
+
+    return gloo_once_more(once, "run_tp")
+
+
+T = TypeVar("T")
+
+
+def gloo_once_more(once: Callable[[], T], what: str) -> T:
+    """``once()`` (which opens gloo groups afresh each call), made a second time when gloo's rendezvous failed
+    to connect (run_tp says why); any other failure, or a second one, is raised."""
+    try:
+        return once()
+    except RuntimeError as e:
+        if "connectFullMesh failed" not in str(e):
+            raise
+        print(f"{what}: gloo's rendezvous failed ({str(e)[:200]}): once more", file=sys.stderr)
+    return once()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
