@@ -144,16 +144,15 @@ class ShardPaths(Sequence[ShardPath]):
         assert self._opened is not None
         smap, layouts, transport = self._opened
         for key in keys:
-            shards = [i for i, o in self._offers.items() if o[0] == key]
+            offers = dict(self._offers)  # as it is now (``moved`` and ``off`` may change it meanwhile)
+            shards = [i for i, o in offers.items() if o[0] == key]
             if not shards:  # every shard of it moved elsewhere (a fail-over): nothing to make again
                 with self._mu:
                     self._lost.pop(key, None)
                 continue
-            conn = None
-            if shards:  # (always: see above)
-                _, token, _, _ = self._offers[shards[0]]
-                conn = dataconn.DataConn.open(key[0], key[1], token, self._worker_id, transport.timeout,
-                                              functools.partial(self._ended, key), transport.security)
+            _, token, _, _ = offers[shards[0]]
+            conn = dataconn.DataConn.open(key[0], key[1], token, self._worker_id, transport.timeout,
+                                          functools.partial(self._ended, key), transport.security)
             with self._mu:
                 if key not in self._lost:  # closed meanwhile (the client closes, or registers again)
                     if conn is not None:
@@ -167,8 +166,8 @@ class ShardPaths(Sequence[ShardPath]):
                 old, self._conns[key] = self._conns.get(key), conn
             if old is not None:
                 old.close()
-            back = [i for i in shards if transport.at(i, self._offers[i][3], functools.partial(
-                self._restore, i, conn, self._offers[i][2], smap, layouts))]
+            back = [i for i in shards if transport.at(i, offers[i][3], functools.partial(
+                self._restore, i, conn, offers[i][2], smap, layouts))]
             log.info("data connection to %s:%d made again: shards %s take it", *key, back)
 
     def _restore(self, shard: int, conn: dataconn.DataConn, route: int, smap: ShardMap,
