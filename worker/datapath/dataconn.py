@@ -528,7 +528,8 @@ class ConnPath:
 
     def _closed(self) -> FrameError:
         return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
-                                                       "(a fail-over): asked again over gRPC")
+                                                       "(a fail-over, a lost connection): asked again on the "
+                                                       "path it has now")
 
     # -- the calls (Transport.push / pull with via=this path) ---------------------
 
