@@ -81,13 +81,12 @@ tools:
 		fi; \
 	fi
 
-# Lint and types (ruff, mypy --strict: the package ships py.typed) and the whole suite (its 30
-# slowest tests listed at the end: where the wall time goes), in TEST_JOBS processes (with more than one,
-# the Ray tests run in two groups, each in one of them with its own Ray cluster: tests/conftest.py).
-# Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop exactly
-# those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
-# Lint and types run beside the suite's start (mypy holds one core for about 20 s; the suite takes both),
-# their output printed after it; either failing fails `make test`.
+# The whole suite (its 30 slowest tests listed at the end: where the wall time goes), in TEST_JOBS
+# processes (with more than one, the Ray tests run in two groups, each in one of them with its own Ray
+# cluster: tests/conftest.py), and beside its start lint and types (ruff, mypy --strict: the package ships
+# py.typed; mypy holds one core for about 20 s), their output printed after it; either failing fails
+# `make test`. Tests that need Ray start their own clusters (ray start on free ports, token auth) and stop
+# exactly those; whatever a killed run left behind is stopped after the suite, whatever its outcome.
 test: venv tools bytecode
 	@mkdir -p build; $(MAKE) --no-print-directory lint > build/lint.log 2>&1 & lint=$$!; \
 	$(BIN)/python -m pytest --durations=30 $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup) \

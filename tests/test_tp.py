@@ -32,7 +32,7 @@ def run_tp(p: int, fn: Callable[[int, tp.TPGroup], Any], timeout: float = 30.0) 
     """``fn(rank, group)`` on ``p`` threads, each a rank of one new gloo TP group.
 
     Gloo's ranks connect to each other's listening sockets on ephemeral loopback ports; a process of another test
-    beside this one (the suite runs in three) that connects to a port it believes free can land on one, and
+    beside this one (the suite runs in several) that connects to a port it believes free can land on one, and
     gloo's handshake then fails ("connectFullMesh failed ... Connection closed by peer": seen once in a
     fresh-clone run). That is the rendezvous, not the code under test: it is tried once more with a new group,
     and a second failure is raised."""

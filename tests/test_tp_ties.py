@@ -96,10 +96,8 @@ def test_a_tie_cut_two_ways_is_refused_naming_both_users_and_changes_nothing():
 def test_a_torch_process_group_is_a_tp_group():
     model = TiedLM()
     want_loss, want = _dense(model)
-    stores: list = []
-
-    def rank(k: int):
-        prefixed = dist.PrefixStore("pg", stores[-1])
+    def rank(k: int, store):
+        prefixed = dist.PrefixStore("pg", store)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=30)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -114,8 +112,8 @@ def test_a_torch_process_group_is_a_tp_group():
         return loss.item(), tp.gather_grads(m, pg), tp.TPGroup.from_process_group(backend).size
 
     def once():
-        stores.append(dist.HashStore())  # a new group each time
-        return run_workers(rank, 2, 30.0)
+        store = dist.HashStore()  # a new group each time
+        return run_workers(lambda k: rank(k, store), 2, 30.0)
 
     for loss, grads, size in gloo_once_more(once, "a torch process group"):
         assert loss == pytest.approx(want_loss, rel=1e-5) and size == 2
