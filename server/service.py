@@ -27,10 +27,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.protos import codec, env, framing
+from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
+from shardps.server.datapath.assembly import Landing, landing
 from shardps.server.datapath.dataconn import DataPort
 from shardps.server.datapath.reader import Item
 from shardps.server.datapath.shm import SegmentCache, Segments
@@ -140,12 +142,15 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
              context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         return self.push_frames(request_iterator, self.segments)
 
-    def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments) -> ps_pb2.PushResponse:
+    def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments,
+                    landed: Landing | None = None) -> ps_pb2.PushResponse:
         """A Push (its messages, their bytes where ``segments`` say): the gRPC handler's and the data
-        connection's; StoreError for a refused one (nothing applied)."""
+        connection's; StoreError for a refused one (nothing applied). ``landed``: the staging buffers some of
+        its chunks were read into (``landing``)."""
         store = self.store
         store.replica.check_serving()
-        g = decode_push(requests, store.table.spec, store.applier.pool.take, segments, store.path.takes_chunked)
+        alloc = landed.take if landed is not None else store.applier.pool.take
+        g = decode_push(requests, store.table.spec, alloc, segments, store.path.takes_chunked)
         store.replica.check_fence(g.fence_epoch, f"worker {g.worker_id}'s push of step {g.step}")
         res = store.path.submit(g.worker_id, g.step, g.base_version, g.grads, g.nbytes, found_inf=g.found_inf,
                            loss_scale=g.loss_scale, epoch=g.epoch, checked=True, weights=g.weights,
@@ -161,6 +166,17 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
             if answer.pulled and self.metrics is not None:  # a Pull that waited for nothing, as _pull counts
                 self.metrics.observe_wait(0.0, str(store.job.sync or ""))
         return answer
+
+    def landing(self, messages: Sequence[ps_pb2.PushRequest]) -> Landing | None:
+        """Where a framed Push's chunks may be read straight into their parts' staging buffers (server/datapath/
+        assembly.py), or None where its parts are not staged (slices, chunks kept as received: asp)."""
+        first = messages[0] if messages else None
+        store = self.store
+        if first is None or first.slices or store.path.takes_chunked(first.loss_scale):
+            return None
+        chunks = [(m.chunk.shm_offset, m.chunk.shm_bytes, m.chunk) for m in messages
+                  if m.shm == FRAME_SEGMENT and m.HasField("chunk") and m.chunk.shm_bytes > 0]
+        return landing(chunks, store.table.spec, store.applier.pool.take) if chunks else None
 
     def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         return self.pull_frames(request, self._timeout(context), self.segments)

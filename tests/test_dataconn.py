@@ -451,3 +451,64 @@ def test_a_shard_that_fails_over_goes_on_as_frames_on_its_backups_route(make_clu
         before, after = seen[k][0], seen[k][-1]
         assert before[0] == ("ShmPath" if shm else "ConnPath")
         assert after[0] == "ConnPath" and after[1] != before[1], seen[k]  # the backup's route, not the primary's
+
+
+def test_a_pushed_part_is_read_into_its_staging_buffer_and_checked_there(make_cluster, monkeypatch):
+    from shardps.server.service import WorkersServicer
+
+    seen = []
+    push_frames = WorkersServicer.push_frames
+
+    def spy(self, requests, segments, landed=None):
+        out = push_frames(self, requests, segments, landed)
+        seen.append((landed is not None and bool(landed.regions), dict(landed.buffers) if landed else {}))
+        return out
+
+    monkeypatch.setattr(WorkersServicer, "push_frames", spy)
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses, shm=False) as client:
+        w = torch.randn(50, 40)
+        client.register({"w": w, "b": torch.zeros(50)}, shardps.optim.SGD(lr=0.5), sync="bsp")
+        g = torch.randn(50, 40)
+        client.push({"w": g, "b": torch.ones(50)}, step=0)
+        assert torch.equal(client.pull(min_versions=1)["w"], w - 0.5 * g)
+        assert len(seen) == 2 and all(landed and not left for landed, left in seen)  # every buffer taken
+        bad = g.clone()
+        bad[7, 3] = float("nan")  # read where it is applied from, and checked there: the step is skipped
+        client.push({"w": bad, "b": torch.ones(50)}, step=1)
+        assert torch.equal(client.pull(min_versions=2)["w"], w - 0.5 * g)
+    assert sum(s.applier.skipped_steps_total for s in cluster.stores) == 2
+
+
+def test_landing_takes_the_fp32_chunks_one_part_holds_and_leaves_every_other_to_the_checks():
+    from types import SimpleNamespace
+
+    from shardps.server.datapath.assembly import landing
+    from shardps.server.errors import NotFound
+
+    specs = {"w": SimpleNamespace(push_dtype=ps_pb2.FLOAT32, parts=((0, 20), (40, 60))),
+             "h": SimpleNamespace(push_dtype=ps_pb2.BFLOAT16, parts=((0, 8),))}
+
+    def lookup(name):
+        if name not in specs:
+            raise NotFound(name)
+        return specs[name]
+
+    def chunk(name, offset, dtype=ps_pb2.FLOAT32, encoding=ps_pb2.DENSE):
+        return ps_pb2.Chunk(name=name, offset=offset, dtype=dtype, encoding=encoding)
+
+    taken = []
+    out = landing([(0, 40, chunk("w", 0)), (40, 40, chunk("w", 10)),  # one part, two chunks: both land
+                   (80, 40, chunk("w", 45)),  # the second part
+                   (120, 40, chunk("w", 15)),  # runs past its part
+                   (160, 16, chunk("h", 0, ps_pb2.BFLOAT16)),  # not fp32
+                   (176, 16, chunk("nope", 0)),  # no such tensor
+                   (192, 40, chunk("w", 50, encoding=ps_pb2.TOPK)),  # compressed
+                   (240, 40, chunk("w", 0)), (260, 40, chunk("w", 5))],  # bytes two chunks name
+                  lookup, lambda key, n: taken.append((key, n)) or torch.zeros(n))
+    assert sorted(out.regions) == [0, 40, 80]
+    assert taken == [(("w", 0), 20), (("w", 40), 20)]
+    first = out.take(("w", 0), 20)
+    out.regions[40][:4] = memoryview(torch.tensor([2.5]).numpy()).cast("B")
+    assert first[10].item() == 2.5  # the region is the part's own elements, at the chunk's offset
+    assert out.take(("w", 0), 20) is not first  # taken once; then the allocator's

@@ -10,12 +10,19 @@ after every field was checked), and a gradient chunk is checked for inf/nan in t
 copy while it is in cache. With ``keep_chunks``, fp32 gradient chunks are
 not copied at all: the part is handed on as its chunks (``Chunked``, views
 of the received messages), each checked as it arrives.
+
+A Push that comes as a frame on a data connection (server/datapath/dataconn.py) may have
+had its fp32 chunks read from the socket straight into their parts' staging
+buffers (``landing``): such a chunk's bytes already lie where the copy would
+put them, and are checked there as any other (every check of ``add`` runs,
+nothing is skipped but the copy).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -123,7 +130,8 @@ class ChunkAssembler:
             if packed:  # expanded into the staging buffer: what follows sees a dense gradient
                 checked = compressed.expand(chunk, spec.shape, staged)
             else:
-                staged.copy_(values)
+                if values.data_ptr() != staged.data_ptr():  # else read there from the socket (``landing``)
+                    staged.copy_(values)
                 checked = staged
             # Checked in the fp32 copy just written, while it is in cache: one more read, no second pass
             # over memory (and a float16 chunk's sum cannot overflow in fp32: no min/max to confirm it).
@@ -176,3 +184,56 @@ class ChunkAssembler:
 
 def _offset(piece: tuple[int, torch.Tensor]) -> int:
     return piece[0]
+
+
+class Landing:
+    """Where a framed Push's fp32 chunks may be read straight from the socket: ``regions`` (each chunk's offset
+    in its frame -> the bytes of its place in its part's staging buffer) and those buffers (``take``, as the
+    assembler's ``alloc``: a part with no landed chunk gets ``alloc``'s)."""
+
+    def __init__(self, alloc: Callable[[PartKey, int], torch.Tensor]) -> None:
+        self._alloc = alloc
+        self.regions: dict[int, memoryview] = {}
+        self.buffers: dict[PartKey, torch.Tensor] = {}
+
+    def take(self, key: PartKey, numel: int) -> torch.Tensor:
+        buf = self.buffers.pop(key, None)
+        return buf if buf is not None and buf.numel() == numel else self._alloc(key, numel)
+
+
+def landing(chunks: list[tuple[int, int, ps_pb2.Chunk]], lookup: Callable[[str], TensorSpec],
+            alloc: Callable[[PartKey, int], torch.Tensor]) -> Landing:
+    """The ``Landing`` of a framed Push's chunks (each chunk that names bytes of the frame: their offset,
+    their length, the chunk). A chunk lands in its part's staging buffer (``alloc``'s) when it is dense fp32,
+    the spec's push dtype, lies in one part of a tensor the shard holds, and no other chunk names any of its
+    bytes; any other (a wrong dtype, an unknown tensor, a range no part holds, bytes two chunks name) is read
+    into the frame's buffer as before, for ``ChunkAssembler.add`` to refuse or copy. Checks nothing it does
+    not need: refusing is the assembler's."""
+    out = Landing(alloc)
+    spans = sorted((at, at + nbytes) for at, nbytes, _ in chunks)
+    shared: set[int] = set()  # offsets of chunks whose bytes another chunk names too
+    reach = -1  # the furthest end of the spans before
+    for i, (a, b) in enumerate(spans):
+        if a < reach or (i + 1 < len(spans) and spans[i + 1][0] < b):
+            shared.add(a)
+        reach = max(reach, b)
+    for at, nbytes, c in chunks:
+        if at in shared or c.encoding != ps_pb2.DENSE or c.dtype != ps_pb2.FLOAT32 or nbytes <= 0 or nbytes % 4:
+            continue
+        try:
+            spec = lookup(c.name)
+        except Exception:  # noqa: BLE001 - an unknown tensor: the assembler refuses it, naming it
+            continue
+        if spec.push_dtype != ps_pb2.FLOAT32:
+            continue
+        a, n = c.offset, nbytes // 4
+        part = next(((start, stop) for start, stop in spec.parts if start <= a and a + n <= stop), None)
+        if part is None or part[1] - part[0] > MAX_PART_ELEMENTS:
+            continue
+        key = (c.name, part[0])
+        buf = out.buffers.get(key)
+        if buf is None:
+            buf = out.buffers[key] = alloc(key, part[1] - part[0])
+        raw: Any = buf[a - part[0] : a - part[0] + n].view(torch.uint8).numpy()
+        out.regions[at] = memoryview(raw)
+    return out

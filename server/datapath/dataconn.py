@@ -9,11 +9,13 @@ once per process and says hello with the token.
 
 Each connection (``Conn``) has one thread reading its frames:
 
-- a ``PUSH`` frame's extents are read straight into the route's push buffer
-  (one per route and connection, grown to what the worker's layout needs),
-  then the Push is decoded and applied in that same thread, as the gRPC
-  handler would (``WorkersServicer.push_frames``), and answered: no hand-off
-  between threads;
+- a ``PUSH`` frame's control is parsed first; each fp32 part's extent is
+  then read straight into that part's staging buffer (``WorkersServicer.landing``:
+  the buffer the assembler would copy it into), any other into the route's
+  push buffer (one per route and connection, grown to what the worker's
+  layout needs); then the Push is decoded, checked and applied in that same
+  thread, as the gRPC handler would (``WorkersServicer.push_frames``), and
+  answered: no hand-off between threads;
 - a streamed Push (``PUSH_PART`` ... ``PUSH_END``) runs in a thread of its
   own (its gradients come while the worker computes), fed message by
   message;
@@ -55,7 +57,7 @@ import secrets
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,6 +70,7 @@ from shardps.server.errors import DeadlineExceeded, InvalidArgument, StoreError,
 from shardps.server.rpc import details
 
 if TYPE_CHECKING:
+    from shardps.server.datapath.assembly import Landing
     from shardps.server.datapath.shm import SegmentCache, Segments
 
 log = logging.getLogger("shardps.server")
@@ -85,7 +88,10 @@ class WorkersServicer(Protocol):
     metrics: Any
     store: Any
 
-    def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments) -> ps_pb2.PushResponse: ...
+    def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments,
+                    landed: Landing | None = None) -> ps_pb2.PushResponse: ...
+
+    def landing(self, messages: Sequence[ps_pb2.PushRequest]) -> Landing | None: ...
 
     def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]: ...
 
@@ -142,8 +148,10 @@ class FrameSegments:
     shard's shared-memory segments for any other name (module docstring)."""
 
     def __init__(self, shared: SegmentCache, push: memoryview | None = None,
-                 extents: list[tuple[int, int]] | None = None, pull: PullBuffer | None = None) -> None:
+                 extents: list[tuple[int, int]] | None = None, pull: PullBuffer | None = None,
+                 landed: dict[int, memoryview] | None = None) -> None:
         self._shared, self._push, self.extents, self._pull = shared, push, extents if extents is not None else [], pull
+        self._landed = landed or {}  # extents read straight into staging buffers (their offset -> their bytes)
 
     def view(self, worker_id: int, name: str, offset: int, nbytes: int, tensor: str = "") -> memoryview:
         if name != wire.FRAME_SEGMENT:
@@ -153,6 +161,9 @@ class FrameSegments:
             sent = ", ".join(f"[{o}, {o + n})" for o, n in self.extents[:8]) or "none"
             raise InvalidArgument(f"tensor {tensor!r}: expected its bytes [{offset}, {offset + nbytes}) in the "
                                   f"call's frames, received {sent}{' ...' if len(self.extents) > 8 else ''}")
+        landed = self._landed.get(offset)
+        if landed is not None and landed.nbytes == nbytes:
+            return landed
         return self._push[offset : offset + nbytes] if self._push is not None else memoryview(b"")
 
     def get(self, worker_id: int, name: str) -> shm.Segment:
@@ -249,14 +260,31 @@ class Conn:
         extents = [wire.EXTENT.unpack_from(raw, i * wire.EXTENT.size) for i in range(next_)]
         wire.check_extents(extents, buffer_bytes)
         servicer = self.port.servicer(route)
+        messages: list[ps_pb2.PushRequest] | StoreError = []
+        regions: dict[int, memoryview] = {}
+        landed = None
+        if servicer is not None and kind == wire.PUSH:
+            try:
+                messages = self._messages(ctl)
+            except StoreError as e:  # answered below, once the frame's bytes are read
+                messages = e
+            else:
+                landed = self._landing(servicer, messages) if extents else None
+                regions = landed.regions if landed is not None else {}
         target = None
+        filled: dict[int, memoryview] = {}  # extents read straight into staging buffers
         if extents:
             target = self._push.setdefault(route, Buffer()).at_least(buffer_bytes) if servicer else None
             for offset, nbytes in extents:
-                if target is not None:
-                    wire.fill(self.sock, target[offset : offset + nbytes])
-                else:
+                if target is None:
                     wire.discard(self.sock, nbytes)
+                    continue
+                into = regions.get(offset)
+                if into is not None and into.nbytes == nbytes:
+                    wire.fill(self.sock, into)
+                    filled[offset] = into
+                else:
+                    wire.fill(self.sock, target[offset : offset + nbytes])
         if servicer is not None and kind != wire.PULL:  # what a Push counts on gRPC: the frame, header and all
             self.port.received(route, wire.REQUEST.size + nctl + len(raw) + sum(n for _, n in extents))
         timeout = min(timeout_ms / 1000.0, self.timeout) if timeout_ms else self.timeout
@@ -271,7 +299,7 @@ class Conn:
                 self.port.pool.submit(self._pull_call, servicer, call, route, bytes(ctl), buffer_bytes, timeout)
             return
         if kind == wire.PUSH:
-            self._push_call(servicer, call, ctl, target if extents else None, extents)
+            self._push_call(servicer, call, messages, target if extents else None, extents, landed, filled)
             return
         self._stream_frame(servicer, kind, call, route, ctl, extents, timeout)
 
@@ -295,11 +323,24 @@ class Conn:
             raise PermissionDenied(f"{rpc}: the data connection of worker {self.worker_id} carried a request of "
                                    f"worker {worker_id}")
 
-    def _push_call(self, servicer: WorkersServicer, call: int, ctl: bytearray, target: memoryview | None,
-                   extents: list[tuple[int, int]]) -> None:
+    def _landing(self, servicer: WorkersServicer, messages: list[ps_pb2.PushRequest]) -> Landing | None:
+        """Where this Push's chunks may be read straight from the socket (``WorkersServicer.landing``); None
+        where nothing may, or finding out failed (the frame's buffer then takes every byte, as before)."""
         try:
-            segments = FrameSegments(servicer.segments, target, extents)
-            answer = servicer.push_frames(iter(self._messages(ctl)), segments)
+            return servicer.landing(messages)
+        except Exception:  # noqa: BLE001 - an allocation that failed: the assembler says so, copying
+            return None
+
+    def _push_call(self, servicer: WorkersServicer, call: int, messages: list[ps_pb2.PushRequest] | StoreError,
+                   target: memoryview | None, extents: list[tuple[int, int]], landed: Landing | None,
+                   filled: dict[int, memoryview]) -> None:
+        """A whole Push: its messages (parsed as its frame was read, or why they did not parse), its bytes in
+        the route's buffer ``target`` or, ``filled``, in the staging buffers of ``landed``."""
+        try:
+            if isinstance(messages, StoreError):
+                raise messages
+            segments = FrameSegments(servicer.segments, target, extents, landed=filled)
+            answer = servicer.push_frames(iter(messages), segments, landed if filled else None)
             self.answer(wire.PUSH, call, wire.OK, [answer.SerializeToString()])
         except Exception as e:  # noqa: BLE001 - answered as its status
             self.answer(wire.PUSH, call, *self._failed(servicer, "Push", e))
