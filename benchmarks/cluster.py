@@ -2,14 +2,17 @@
 """The parameter server against ring all-reduce on a simulated cluster, where bandwidth decides.
 
     sudo .venv/bin/python benchmarks/cluster.py [--links 500mbit 200mbit] [--rounds 2] [--json]
-    sudo .venv/bin/python benchmarks/cluster.py --quick            # DDP and shardps bsp fp32, n = 4, k = 4
+    sudo .venv/bin/python benchmarks/cluster.py --quick            # DDP, raw PS, shardps bsp fp32, n = 4, k = 4
     sudo .venv/bin/python benchmarks/cluster.py --quick --links 50mbit   # where the link, not the CPU, is the bound
     sudo .venv/bin/python benchmarks/cluster.py --plot hosts.png --timeline step.png
 
 One ``shardps.netsim.NetCluster`` of 8 hosts (4 worker hosts h0-h3, 4 server
 hosts h4-h7), every link shaped to the same rate, and on it, in one run and
 in rotating order, the systems compared: DDP over gloo (ring
-all-reduce) on n = 2 and 4 worker hosts; shardps bsp with k = 0 (a server on
+all-reduce) on n = 2 and 4 worker hosts; a parameter server on raw
+sockets (``baselines/raw_ps.py``: the same placement and bytes as shardps's
+with 4 server hosts, one message a worker and server a step, nothing else:
+the CPU floor of a parameter server in Python); shardps bsp with k = 0 (a server on
 each worker host), 2 and 4 server hosts, fp32, bf16 both ways, and
 every:4. The workload (``baselines/common.py``): an MLP ``--dims``
 (default 1024-2048-1024-10, 4.2M parameters, M = 16.8 MB in fp32), batch 8
@@ -90,7 +93,7 @@ SERVER_HOSTS = ["h4", "h5", "h6", "h7"]
 
 @dataclass(frozen=True)
 class Config:
-    system: str  # "ddp", "shardps" or "ray-ps"
+    system: str  # "ddp", "shardps", "raw-ps" or "ray-ps"
     n: int
     k: int = 0  # server hosts (0: a server on each worker host)
     sync: str = "bsp"
@@ -106,6 +109,8 @@ class Config:
             return "DDP (gloo ring all-reduce)"
         if self.system == "ray-ps":
             return "Ray object-store PS (one actor, 1 server host)"
+        if self.system == "raw-ps":
+            return f"raw sockets PS, {self.k} server hosts, one message a worker and server (the CPU floor)"
         where = "servers on the worker hosts" if self.k == 0 else f"{self.k} server hosts"
         how = (f"{self.per} shards a host, window {self.window}" if self.window
                else f"{self.per} shard a host, all at once")
@@ -124,9 +129,9 @@ def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: boo
         return [Config("ddp", 4)] + [Config("shardps", 4, 4, per=p, window=w)
                                      for p in (1, 2, 4, 8) for w in (None, 1, 2, 3, 4) if not (w and w >= 4 * p)]
     if quick:
-        return [Config("ddp", 4), Config("shardps", 4, 4, per=per, window=window)] + (
+        return [Config("ddp", 4), Config("raw-ps", 4, 4), Config("shardps", 4, 4, per=per, window=window)] + (
             [Config("shardps", 4, 4, wire="bf16", per=per, window=window)] if bf16 else [])
-    return [Config("ddp", 2), Config("ddp", 4),
+    return [Config("ddp", 2), Config("ddp", 4), Config("raw-ps", 4, 4),
             Config("shardps", 4, 4),  # before the partitioned schedule
             Config("shardps", 4, 0, per=per, window=window),
             Config("shardps", 4, 2, per=per, window=window),
@@ -209,12 +214,26 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                 addresses += [parse_ready(line)[0] for line in read_ready_lines(proc, 120, c.per)]
         every = accumulation(c.sync)
         steps, warmup = -(-a.steps // every) * every, -(-a.warmup // every) * every  # whole sync rounds
+        if c.system == "raw-ps":  # one process a server host, each a contiguous 1/k of the flat model
+            total = numel(_dims(a.dims))
+            for j, h in enumerate(SERVER_HOSTS[:c.k]):
+                servers.append(net.start(h, [sys.executable, str(HERE / "baselines" / "raw_ps.py"), "--host",
+                                             net.host(h), "--world", str(c.n), "--lo", str(total * j // c.k),
+                                             "--hi", str(total * (j + 1) // c.k), "--steps", str(steps + warmup),
+                                             "--timeout", str(a.timeout)], env=env, stdout=subprocess.PIPE))
+            for proc in servers:
+                line = proc.stdout.readline() if proc.stdout else ""
+                if not line.startswith("READY "):
+                    raise RuntimeError(f"{c.label}: a server said {line!r} instead of READY")
+                addresses.append(line.split()[1])
         for r in range(c.n):
             argv = [sys.executable, str(HERE / "baselines" / "host_worker.py"), c.system, "--rank", str(r),
                     "--world", str(c.n), "--dims", a.dims, "--batch", str(a.batch), "--steps", str(steps),
                     "--warmup", str(warmup), "--timeout", str(a.timeout)]
             if c.system == "ddp":
                 argv += ["--master", f"{net.host(WORKER_HOSTS[0])}:29500"]
+            elif c.system == "raw-ps":
+                argv += ["--addresses", ",".join(addresses)]
             else:
                 argv += ["--addresses", ",".join(addresses), "--sync", c.sync, "--wire", c.wire]
                 argv += ["--window", str(c.window)] if c.window else []
@@ -299,7 +318,8 @@ def main() -> int:
                         "(default 16: the best at 200 Mbit/s, docs/history/performance-log.md)")
     p.add_argument("--window", type=int, default=4, help="pushes going at once (default 4)")
     p.add_argument("--timeout", type=float, default=600.0, help="per row, seconds")
-    p.add_argument("--quick", action="store_true", help="only DDP and shardps bsp fp32 at n = 4, k = 4 (200mbit)")
+    p.add_argument("--quick", action="store_true",
+                   help="only DDP, the raw sockets PS and shardps bsp fp32 at n = 4, k = 4 (200mbit)")
     p.add_argument("--bf16", action="store_true", help="with --quick: shardps bsp bf16 at n = 4, k = 4 too")
     p.add_argument("--sweep", action="store_true",
                    help="the schedule's settings instead: shards a host 1-8 x window 1-4 (n = 4, k = 4), and DDP")

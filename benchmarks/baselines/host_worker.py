@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""One worker of benchmarks/cluster.py, run as a process inside a simulated host: DDP or shardps.
+"""One worker of benchmarks/cluster.py, run as a process inside a simulated host: DDP, shardps or the raw PS.
 
     python benchmarks/baselines/host_worker.py ddp --rank R --world N --master HOST:PORT --ifname DEV ...
     python benchmarks/baselines/host_worker.py shardps --rank R --world N --addresses A,B,... ...
+    python benchmarks/baselines/host_worker.py raw-ps --rank R --world N --addresses A,B,... ...   (baselines/raw_ps.py)
 
 Trains ``baselines/common.py``'s MLP with SGD (lr 0.01) for ``--warmup`` +
 ``--steps`` steps. Prints ``{"phase": "timed"}`` when the timed steps begin
@@ -145,9 +146,20 @@ def run_shardps(a: argparse.Namespace) -> dict[str, object]:
         return train(a, model, opt)
 
 
+def run_raw_ps(a: argparse.Namespace) -> dict[str, object]:
+    from baselines.raw_ps import Client
+
+    model = mlp(a.dims)
+    client = Client(model, a.addresses.split(","), a.rank, a.timeout)
+    try:
+        return train(a, model, client)
+    finally:
+        client.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("system", choices=("ddp", "shardps"))
+    p.add_argument("system", choices=("ddp", "shardps", "raw-ps"))
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--dims", type=_dims, default=(1024, 2048, 1024, 10))
@@ -159,7 +171,7 @@ def main() -> int:
     p.add_argument("--master", help="ddp: HOST:PORT of rank 0's store")
     p.add_argument("--ifname", default="eth0", help="the host's network device (GLOO_SOCKET_IFNAME)")
     p.add_argument("--timeline", action="store_true", help="sample the link's counters in the last timed step")
-    p.add_argument("--addresses", help="shardps: the shards, in shard order")
+    p.add_argument("--addresses", help="shardps: the shards, in shard order; raw-ps: its servers, in order")
     p.add_argument("--sync", default="bsp")
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--window", type=int, default=None, help="shardps: push_window (default: every shard at once)")
@@ -168,7 +180,7 @@ def main() -> int:
                    help="shardps: connect(part_bytes=): the size the model is cut into (default: the library's)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    result = run_ddp(a) if a.system == "ddp" else run_shardps(a)
+    result = {"ddp": run_ddp, "shardps": run_shardps, "raw-ps": run_raw_ps}[a.system](a)
     print(json.dumps(result), flush=True)
     return 0
 
