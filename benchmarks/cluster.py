@@ -22,7 +22,8 @@ per worker, SGD, one torch thread per worker
 shardps runs the partitioned schedule: each server host serves
 ``--shards-per-host`` shards (``shardps server --shards``), and each worker
 pushes them ``--window`` at a time (``DistributedOptimizer(push_window=)``),
-each shard's pull beginning as soon as it answered; the row "bsp fp32,
+each shard's pull riding its push's frame, made by the server as soon as
+the push is taken in; the row "bsp fp32,
 1 shard a host, all at once" is the schedule before it.
 
 Beside each measured step (the median over workers of each worker's median

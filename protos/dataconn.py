@@ -24,7 +24,16 @@ Frames, worker to server (``REQUEST``, then ``ctl`` bytes, then
 - ``PUSH_PART``: one message of a streamed Push (its gradients come while
   the worker computes); ``PUSH_END`` its last, answered;
 - ``PULL``: a Pull, answered once the weights it waits for are there
-  (by the server thread that made them so: server/parked.py).
+  (by the server thread that made them so: server/parked.py);
+- ``PUSH_PULL``: a whole Push and its shard's Pull in one frame (the
+  PullRequest first in the control, then the PushRequests): the Push is
+  answered as ``PUSH``'s (an answer of kind ``PUSH``), and once it is taken
+  in, the Pull, from the version that answer names (its
+  ``ready_version``), is answered as ``PULL``'s (an answer of kind
+  ``PUSH_PULL``, the same call). A refused Push's Pull is answered with
+  the status ``NOT_MADE`` (no gRPC code): nothing was pulled, the worker
+  pulls once its Push is taken in. A step's pull then costs no frame and
+  no parse of its own.
 
 Server to worker (``ANSWER``, then ``ctl``, then ``payload`` bytes): the
 call's status (``OK`` or a gRPC status code's value, the control then the
@@ -63,11 +72,13 @@ ANSWER = struct.Struct("!4sB3xQIIQ")  # magic, kind, call, status, ctl bytes, pa
 LEN = struct.Struct("!I")
 HELLO_MAGIC, ACK_MAGIC, REQUEST_MAGIC, ANSWER_MAGIC = b"SPC1", b"SPK1", b"SPQ1", b"SPW1"
 
-PUSH, PUSH_PART, PUSH_END, PULL, PING = 1, 2, 3, 4, 5
-KINDS = {PUSH: "push", PUSH_PART: "push part", PUSH_END: "push end", PULL: "pull", PING: "ping"}
+PUSH, PUSH_PART, PUSH_END, PULL, PING, PUSH_PULL = 1, 2, 3, 4, 5, 6
+KINDS = {PUSH: "push", PUSH_PART: "push part", PUSH_END: "push end", PULL: "pull", PING: "ping",
+         PUSH_PULL: "push and pull"}
 # PING (call 0, nothing after the head): answered at once by the server's reading thread, so a worker whose calls
 # wait learns that the server process still runs (worker/datapath/dataconn.py, DataConn._watch)
 OK = 0
+NOT_MADE = 255  # an answer's status: a PUSH_PULL's Pull that was not made (its Push was refused)
 
 FRAME_SEGMENT = "frame"  # what a chunk whose bytes travel in its frame names as its segment
 MAX_CTL = 256 << 20  # control bytes of one frame (compressed chunks carry their bytes in it)

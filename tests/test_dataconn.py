@@ -512,3 +512,33 @@ def test_landing_takes_the_fp32_chunks_one_part_holds_and_leaves_every_other_to_
     out.regions[40][:4] = memoryview(torch.tensor([2.5]).numpy()).cast("B")
     assert first[10].item() == 2.5  # the region is the part's own elements, at the chunk's offset
     assert out.take(("w", 0), 20) is not first  # taken once; then the allocator's
+
+
+def test_a_steps_pull_rides_its_push_frame_and_a_refused_push_pulls_nothing(make_cluster, monkeypatch):
+    from shardps.server.datapath.dataconn import Conn
+
+    kinds: list[int] = []
+    frame = Conn._frame
+    monkeypatch.setattr(Conn, "_frame", lambda self, magic, kind, *a: kinds.append(kind) or frame(self, magic, kind,
+                                                                                                   *a))
+    cluster = make_cluster(3)
+    with shardps.connect(cluster.addresses, shm=False, part_bytes=1024) as client:
+        w = torch.randn(3000)
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        kinds.clear()
+        for step in range(2):
+            pull = client.pull_async(later=True)
+            client.push({"w": torch.ones(3000)}, step=step, window=2, then=pull)
+            w = w - 1
+            assert torch.equal(pull.result()["w"], w)
+        assert kinds == [wire.PUSH_PULL] * 6  # no pull frame: each shard's pull came with its push
+        # A push every shard refuses (a step that skips one): its carried pulls are not made, nothing is
+        # pulled, and the next good step pulls as before.
+        pull = client.pull_async(later=True)
+        with pytest.raises(shardps.ShardError, match="steps go up by one"):
+            client.push({"w": torch.ones(3000)}, step=5, window=2, then=pull)
+        with pytest.raises(RuntimeError, match="the step's push failed"):
+            pull.result()
+        pull = client.pull_async(later=True)
+        client.push({"w": torch.ones(3000)}, step=2, window=2, then=pull)
+        assert torch.equal(pull.result()["w"], w - 1)

@@ -19,6 +19,10 @@ Each connection (``Conn``) has one thread reading its frames:
 - a streamed Push (``PUSH_PART`` ... ``PUSH_END``) runs in a thread of its
   own (its gradients come while the worker computes), fed message by
   message;
+- a ``PUSH_PULL`` (a Push carrying its shard's Pull) is a ``PUSH``, answered
+  so; once the Push is taken in, its Pull, from the version the answer
+  names, is made as a ``PULL`` frame's (below; a refused Push's Pull is
+  answered ``NOT_MADE``);
 - a ``PULL`` whose weights are there is answered by that same thread; one
   that must wait parks on the shard's state without a thread
   (server/parked.py, ``WorkersServicer.pull_soon``) and is answered by the
@@ -261,11 +265,15 @@ class Conn:
         wire.check_extents(extents, buffer_bytes)
         servicer = self.port.servicer(route)
         messages: list[ps_pb2.PushRequest] | StoreError = []
+        carried: ps_pb2.PullRequest | None = None  # PUSH_PULL: the Pull its frame carries
         regions: dict[int, memoryview] = {}
         landed = None
-        if servicer is not None and kind == wire.PUSH:
+        if servicer is not None and kind in (wire.PUSH, wire.PUSH_PULL):
             try:
-                messages = self._messages(ctl)
+                if kind == wire.PUSH_PULL:
+                    carried, messages = self._carried(ctl)
+                else:
+                    messages = self._messages(ctl)
             except StoreError as e:  # answered below, once the frame's bytes are read
                 messages = e
             else:
@@ -291,25 +299,53 @@ class Conn:
         if servicer is None:
             self._streams.pop(call, None)
             if kind != wire.PUSH_PART:
-                self.answer(kind, call, _CODES["UNAVAILABLE"],
+                self.answer(wire.PUSH if kind == wire.PUSH_PULL else kind, call, _CODES["UNAVAILABLE"],
                             [f"no shard serves route {route} on this data port (stopped?)".encode()])
+            if kind == wire.PUSH_PULL:
+                self.answer(wire.PUSH_PULL, call, wire.NOT_MADE, [b"Pull: not made, no shard serves its route"])
             return
         if kind == wire.PULL:
-            if not self._pull_soon(servicer, call, route, ctl, buffer_bytes, timeout):
-                self.port.pool.submit(self._pull_call, servicer, call, route, bytes(ctl), buffer_bytes, timeout)
+            self._pull_frame(servicer, call, route, bytes(ctl), buffer_bytes, timeout, wire.PULL)
             return
-        if kind == wire.PUSH:
-            self._push_call(servicer, call, messages, target if extents else None, extents, landed, filled)
+        if kind in (wire.PUSH, wire.PUSH_PULL):
+            if self._push_call(servicer, call, messages, target if extents else None, extents, landed, filled,
+                               kind == wire.PUSH_PULL, carried):
+                if carried is not None:  # from the version the Push's answer named (``_push_call``)
+                    self._pull_frame(servicer, call, route, carried, carried.frame_bytes, timeout, wire.PUSH_PULL)
             return
         self._stream_frame(servicer, kind, call, route, ctl, extents, timeout)
 
     def _messages(self, ctl: bytes | bytearray) -> list[ps_pb2.PushRequest]:
-        out = []
         try:
             messages = wire.split(ctl)
         except wire.ProtocolError as e:  # the frame's length held: only its control is malformed
             raise InvalidArgument(f"Push: the frame's control does not split into messages: {e}") from None
-        for i, m in enumerate(messages, start=1):
+        return self._pushes(messages, 1)
+
+    def _carried(self, ctl: bytes | bytearray) -> tuple[ps_pb2.PullRequest, list[ps_pb2.PushRequest]]:
+        """A ``PUSH_PULL`` frame's control: its PullRequest (first), then its PushRequests."""
+        try:
+            messages = wire.split(ctl)
+        except wire.ProtocolError as e:
+            raise InvalidArgument(f"Push and pull: the frame's control does not split into messages: {e}") from None
+        if len(messages) < 2:
+            raise InvalidArgument(f"Push and pull: expected a PullRequest and at least one PushRequest in the "
+                                  f"frame's control, received {len(messages)} message(s)")
+        pull = self._pull_request(messages[0])
+        if pull.shm != wire.FRAME_SEGMENT or pull.slices:
+            raise InvalidArgument(f"Push and pull: the carried Pull must name the frame's bytes "
+                                  f"(shm {wire.FRAME_SEGMENT!r}) and no slices; received shm {pull.shm!r} and "
+                                  f"{len(pull.slices)} slice(s)")
+        if not 0 <= pull.frame_bytes <= wire.MAX_BUFFER:
+            raise InvalidArgument(f"Push and pull: the carried Pull's frame_bytes must be in [0, "
+                                  f"{wire.MAX_BUFFER}], received {pull.frame_bytes}")
+        return pull, self._pushes(messages[1:], 2)
+
+    def _pushes(self, messages: list[bytes], first: int) -> list[ps_pb2.PushRequest]:
+        """Each message parsed as a PushRequest of this connection's worker (``first``: the first one's number
+        in the frame, for the error)."""
+        out = []
+        for i, m in enumerate(messages, start=first):
             try:
                 req = ps_pb2.PushRequest.FromString(m)
             except Exception as e:  # noqa: BLE001 - a message that does not parse is the caller's error
@@ -333,17 +369,27 @@ class Conn:
 
     def _push_call(self, servicer: WorkersServicer, call: int, messages: list[ps_pb2.PushRequest] | StoreError,
                    target: memoryview | None, extents: list[tuple[int, int]], landed: Landing | None,
-                   filled: dict[int, memoryview]) -> None:
+                   filled: dict[int, memoryview], carries: bool = False,
+                   carried: ps_pb2.PullRequest | None = None) -> bool:
         """A whole Push: its messages (parsed as its frame was read, or why they did not parse), its bytes in
-        the route's buffer ``target`` or, ``filled``, in the staging buffers of ``landed``."""
+        the route's buffer ``target`` or, ``filled``, in the staging buffers of ``landed``. Whether it was
+        taken in; ``carries`` (a ``PUSH_PULL``): a refused one's Pull is answered NOT_MADE, and ``carried``,
+        the Pull, takes the answer's ready version as its ``min_version``."""
         try:
             if isinstance(messages, StoreError):
                 raise messages
             segments = FrameSegments(servicer.segments, target, extents, landed=filled)
             answer = servicer.push_frames(iter(messages), segments, landed if filled else None)
-            self.answer(wire.PUSH, call, wire.OK, [answer.SerializeToString()])
         except Exception as e:  # noqa: BLE001 - answered as its status
             self.answer(wire.PUSH, call, *self._failed(servicer, "Push", e))
+            if carries:
+                self.answer(wire.PUSH_PULL, call, wire.NOT_MADE,
+                            [b"Pull: not made, the push that carried it was refused"])
+            return False
+        if carried is not None:
+            carried.min_version = answer.ready_version
+        self.answer(wire.PUSH, call, wire.OK, [answer.SerializeToString()])
+        return True
 
     def _stream_frame(self, servicer: WorkersServicer, kind: int, call: int, route: int, ctl: bytearray,
                       extents: list[tuple[int, int]], timeout: float) -> None:
@@ -390,7 +436,7 @@ class Conn:
         finally:
             self._stream_extents.pop(call, None)
 
-    def _pull_request(self, ctl: bytes | bytearray) -> ps_pb2.PullRequest:
+    def _pull_request(self, ctl: bytes | bytearray | memoryview) -> ps_pb2.PullRequest:
         try:
             req = ps_pb2.PullRequest.FromString(bytes(ctl))
         except Exception as e:  # noqa: BLE001 - a message that does not parse is the caller's error
@@ -398,33 +444,40 @@ class Conn:
         self._own(req.worker_id, "Pull")
         return req
 
-    def _pull_soon(self, servicer: WorkersServicer, call: int, route: int, ctl: bytearray, buffer_bytes: int,
-                   timeout: float) -> bool:
+    def _pull_frame(self, servicer: WorkersServicer, call: int, route: int, request: bytes | ps_pb2.PullRequest,
+              buffer_bytes: int, timeout: float, kind: int) -> None:
+        """A Pull (its control, or a ``PUSH_PULL``'s parsed Pull), answered as ``kind``: without a thread
+        where the shard can (``_pull_soon``), else in the pool's."""
+        if not self._pull_soon(servicer, call, route, request, buffer_bytes, timeout, kind):
+            self.port.pool.submit(self._pull_call, servicer, call, route, request, buffer_bytes, timeout, kind)
+
+    def _pull_soon(self, servicer: WorkersServicer, call: int, route: int, request: bytes | ps_pb2.PullRequest,
+                   buffer_bytes: int, timeout: float, kind: int) -> bool:
         """A Pull answered without a thread of its own where the shard can (server/parked.py): at once in
         this thread when its weights are there, else by the thread that makes them so; False when it needs
         the pool's thread (``WorkersServicer.pull_soon``)."""
         def answered(messages: list[bytes] | None, payload: memoryview | None, error: BaseException | None) -> None:
             if messages is None:
                 assert error is not None
-                self.answer(wire.PULL, call, *self._failed(servicer, "Pull", error))
+                self.answer(kind, call, *self._failed(servicer, "Pull", error))
                 return
-            self.answer(wire.PULL, call, wire.OK, wire.joined(messages), payload if payload else None)
+            self.answer(kind, call, wire.OK, wire.joined(messages), payload if payload else None)
 
         try:
-            req = self._pull_request(ctl)
+            req = self._pull_request(request) if isinstance(request, bytes) else request
             if req.shm != wire.FRAME_SEGMENT:
                 return False
             pull = PullBuffer(self._pull.setdefault(route, Buffer()), buffer_bytes)
             return servicer.pull_soon(req, servicer.wait_limit(timeout), FrameSegments(servicer.segments, pull=pull),
                                       self.port.deadlines, answered)
         except Exception as e:  # noqa: BLE001 - answered as its status
-            self.answer(wire.PULL, call, *self._failed(servicer, "Pull", e))
+            self.answer(kind, call, *self._failed(servicer, "Pull", e))
             return True
 
-    def _pull_call(self, servicer: WorkersServicer, call: int, route: int, ctl: bytes, buffer_bytes: int,
-                   timeout: float) -> None:
+    def _pull_call(self, servicer: WorkersServicer, call: int, route: int, request: bytes | ps_pb2.PullRequest,
+                   buffer_bytes: int, timeout: float, kind: int) -> None:
         try:
-            req = self._pull_request(ctl)
+            req = self._pull_request(request) if isinstance(request, bytes) else request
             pull = PullBuffer(self._pull.setdefault(route, Buffer()), buffer_bytes) \
                 if req.shm == wire.FRAME_SEGMENT else None
             # The wait ends a little before the worker's deadline, so that it reads this server's account of
@@ -432,9 +485,9 @@ class Conn:
             messages = servicer.pull_frames(req, servicer.wait_limit(timeout), FrameSegments(servicer.segments,
                                                                                               pull=pull))
             payload = pull.view(0, pull.used) if pull is not None and pull.used else None
-            self.answer(wire.PULL, call, wire.OK, wire.joined(messages), payload)
+            self.answer(kind, call, wire.OK, wire.joined(messages), payload)
         except Exception as e:  # noqa: BLE001 - answered as its status
-            self.answer(wire.PULL, call, *self._failed(servicer, "Pull", e))
+            self.answer(kind, call, *self._failed(servicer, "Pull", e))
 
     def _failed(self, servicer: WorkersServicer, rpc: str, e: BaseException) -> tuple[int, list[bytes]]:
         status, text = error_answer(e)

@@ -13,7 +13,11 @@ calls (``Transport.push``/``pull`` with ``via=`` the path) become frames:
   per message, the last one ``PUSH_END``;
 - a pull's answer brings the weights after its control, read by the
   connection's thread straight into the shard's pull buffer; ``read`` gives
-  views of it.
+  views of it;
+- a step's pull may ride its push's frame (``push_soon(carry=)``,
+  ``PUSH_PULL``): two answers on one call number, the push's and, once the
+  server took the push in and the weights of the version it named are
+  there, the pull's (``NotMade`` where the push was refused).
 
 One thread per connection reads the answers. A call made by the
 transport (``ConnPath.push``/``pull``: a retry, a streamed push) waits for
@@ -67,6 +71,11 @@ def wanted(security: Security) -> bool:
 
 
 FrameError = StatusError  # a failed call on a data connection, as the transport reads a gRPC error
+
+
+class NotMade(StatusError):
+    """A Pull carried by its Push's frame (``ConnPath.push_soon(carry=)``) that the server did not make: the
+    Push was refused. Nothing was pulled; the Pull is made once the Push is taken in."""
 
 
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
@@ -210,9 +219,10 @@ class DataConn:
                     raise wire.ProtocolError(f"not an answer frame (starts {bytes(magic)!r}, {nctl} control "
                                              f"bytes, {nbytes} payload bytes)")
                 ctl = wire.read_exact(self.sock, nctl)
+                key = -call if kind == wire.PUSH_PULL else call  # a Push's carried Pull (``submit(carry=)``)
                 with self._reading:
                     with self._mu:
-                        c = self._calls.pop(call, None)
+                        c = self._calls.pop(key, None)
                     current = c
                     into = c.into if c is not None else None
                     if nbytes and (into is None or nbytes > len(into)):
@@ -299,6 +309,7 @@ class DataConn:
         except OSError as e:
             with self._mu:
                 self._calls.pop(call, None)
+                self._calls.pop(-call, None)
             self.close_after_failure(f"send failed: {e}")
             raise self._unavailable() from None
 
@@ -316,19 +327,27 @@ class DataConn:
 
     def submit(self, kind: int, route: int, ctl: Sequence[bytes], extents: Sequence[tuple[int, Any]],
                buffer_bytes: int, timeout: float, then: Callable[[_Call], None], *, into: memoryview | None = None,
-               place: Place | None = None) -> int:
+               place: Place | None = None, carry: _Call | None = None) -> int:
         """A call that waits for nothing: ``then(call)`` runs in the reading thread once its answer is in
         (``result``: its control and payload bytes, or the FrameError) or the connection ended; the call's
-        number (``cancel``). FrameError (UNAVAILABLE) when it cannot be sent, ``then`` not run. The
-        caller bounds the wait: ``cancel`` once its deadline passed."""
+        number (``cancel``). FrameError (UNAVAILABLE) when it cannot be sent, ``then`` not run. Each call
+        ends by its deadline at the latest (``timeout``: the connection's ``Deadlines``). ``carry``: a
+        ``PUSH_PULL``'s Pull, a second call answered on the same number (``-call`` for ``cancel``), ended
+        as this one is."""
         call, c = self._begin(into, place, then)
         c.deadline = time.monotonic() + timeout
         c.expire = functools.partial(self._expire, call)
+        if carry is not None:
+            carry.deadline, carry.expire = c.deadline, functools.partial(self._expire, -call)
+            with self._mu:
+                self._calls[-call] = carry
         with self._mu:
             if self._deadlines is None:
                 self._deadlines = Deadlines(f"shardps-data-deadlines-{self.where}")
             deadlines = self._deadlines
         deadlines.add(c)
+        if carry is not None:
+            deadlines.add(carry)
         self._send(kind, call, route, ctl, extents, buffer_bytes, timeout)
         return call
 
@@ -368,7 +387,10 @@ class DataConn:
         return self.result(c)
 
     def result(self, c: _Call) -> tuple[bytes, int]:
-        """An ended call's answer: its control and payload bytes; FrameError for a failed one."""
+        """An ended call's answer: its control and payload bytes; FrameError for a failed one (``NotMade``
+        for a carried Pull its server did not make)."""
+        if c.status == wire.NOT_MADE:
+            raise NotMade(grpc.StatusCode.ABORTED, f"{self.where}: {c.ctl.decode(errors='replace')}")
         if c.status == EXPIRED:
             raise FrameError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.where}: no answer within the call's "
                                                                 f"deadline")
@@ -557,9 +579,14 @@ class ConnPath:
         return iter(messages)
 
     def push_soon(self, requests: Iterator[bytes], timeout: float,
-                  then: Callable[[ps_pb2.PushResponse | None, FrameError | None], None]) -> int:
+                  then: Callable[[ps_pb2.PushResponse | None, FrameError | None], None],
+                  carry: tuple[ps_pb2.PullRequest, Place, Callable[[list[Any] | None, FrameError | None], None]]
+                  | None = None) -> int:
         """A whole push that waits for nothing (``DataConn.submit``): ``then(answer, None)`` or ``then(None,
-        error)`` in the connection's reading thread; the call's number (``DataConn.cancel``)."""
+        error)`` in the connection's reading thread; the call's number (``DataConn.cancel``). ``carry``:
+        the shard's Pull (its request, where its parts land, its ``then`` as ``pull_soon``'s) in the same
+        frame (``PUSH_PULL``), made by the server from the version the push's answer names; ``-number``
+        cancels it. Its ``then`` gets ``NotMade`` when the push was refused."""
         if self.closed:
             raise self._closed()
 
@@ -572,8 +599,24 @@ class ConnPath:
             then(ps_pb2.PushResponse.FromString(ctl), None)
 
         messages = list(requests)
-        return self.conn.submit(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
-                                timeout, done)
+        if carry is None:
+            return self.conn.submit(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
+                                    timeout, done)
+        request, place, pulled = carry
+        request.frame_bytes = self.pull_bytes
+        carried = _Call(memoryview(self._pull_buf), place, functools.partial(self._pulled_soon, pulled))
+        return self.conn.submit(wire.PUSH_PULL, self.route, wire.joined([request.SerializeToString(), *messages]),
+                                self._taken(), self.push_bytes, timeout, done, carry=carried)
+
+    def _pulled_soon(self, then: Callable[[list[Any] | None, FrameError | None], None], c: _Call) -> None:
+        """A framed Pull's answer (``pull_soon``, a carried one): ``read`` reads it from now on."""
+        try:
+            _, nbytes = self.conn.result(c)
+        except FrameError as e:
+            then(None, e)
+            return
+        self._landed, self._pulled = c.landed, nbytes
+        then(c.parsed or [], None)
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, place: Place,
                   then: Callable[[list[Any] | None, FrameError | None], None]) -> int:
@@ -582,18 +625,9 @@ class ConnPath:
         the call's number (``DataConn.cancel``)."""
         if self.closed:
             raise self._closed()
-
-        def done(c: _Call) -> None:
-            try:
-                _, nbytes = self.conn.result(c)
-            except FrameError as e:
-                then(None, e)
-                return
-            self._landed, self._pulled = c.landed, nbytes
-            then(c.parsed or [], None)
-
         return self.conn.submit(wire.PULL, self.route, (request.SerializeToString(),), (), self.pull_bytes, timeout,
-                                done, into=memoryview(self._pull_buf), place=place)
+                                functools.partial(self._pulled_soon, then), into=memoryview(self._pull_buf),
+                                place=place)
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         if not chunk.shm_bytes:

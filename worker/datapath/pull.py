@@ -15,7 +15,12 @@ that waits for nothing (``ConnPath.pull_soon``): the connection's reading
 thread reads its answer straight into the destinations and ends the shard
 here, with no thread of the transport's and no hand-over between threads.
 Should that frame fail UNAVAILABLE (the connection ended), the shard is
-asked again through the transport (its retries, a fail-over). The other
+asked again through the transport (its retries, a fail-over). A pull
+begun with ``start_later`` may instead ride each shard's push frame
+(``carry``, worker/datapath/push.py): the server makes it as the push is
+taken in; one it did not make (the push refused), or that failed before
+the push answered, begins as the push answers (``begin``), by whichever
+path the push took. The other
 shards' RPCs run on the transport's threads (one per shard; the shards whose
 Push answered with their weights are copied, and with ``start(inline=True)``
 the first shard's RPC made, in the caller's thread). No wait is without a
@@ -40,6 +45,7 @@ import torch
 from shardps.protos import codec, framing
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
+from shardps.worker.datapath.dataconn import NotMade
 from shardps.worker.datapath.paths import ShardPath
 from shardps.worker.datapath.route import Route
 from shardps.worker.job.jobview import JobView
@@ -130,6 +136,9 @@ class PullInFlight:
         self._broken = False
         self._said: tuple[str, float, int] | None = None  # (sync, loss scale, slowest clock) last answered
         self._later: set[int] = set()  # start_later: the shards not begun yet
+        # Shards whose Pull rides their Push's frame (``carry``): "out" until the Push answered, then "pushed".
+        self._carried: dict[int, str] = {}
+        self._abandoned = False  # ``abandon``: nothing begins any more
         self._ended: dict[int, int | BaseException] = {}  # each shard's version, or why it failed
         self._calls: dict[int, tuple[Any, int]] = {}  # shard -> (its connection, call) while a frame is out
         self._versions: tuple[tuple[int, int], ...] = ()  # (shard, version) once every shard answered
@@ -164,8 +173,13 @@ class PullInFlight:
 
     def begin(self, shard: int, min_version: int, answered: Sequence[bytes] = ()) -> None:
         """Start ``shard``'s Pull (``start_later``) from ``min_version`` on; ``answered``: the
-        PullResponses its push answered with, copied in this thread instead of a call."""
+        PullResponses its push answered with, copied in this thread instead of a call. A Pull its Push
+        carries (``carry``) is on its way already: only its version is noted."""
         with self._lock:
+            if self._carried.get(shard) == "out":
+                self._carried[shard] = "pushed"
+                self._mins[shard] = min_version
+                return
             if shard not in self._later:  # owns none of the tensors, or begun already
                 return
             self._later.discard(shard)
@@ -175,6 +189,59 @@ class PullInFlight:
             self._inline(shard)
         elif not self._soon(shard):
             self._threaded([shard])
+
+    def carry(self, shard: int, path: Any) -> tuple[ps_pb2.PullRequest, Any, Callable[..., None]] | None:
+        """``shard``'s Pull to ride its Push's frame (``ConnPath.push_soon(carry=)``: the server makes it from
+        the version the Push's answer names, no frame of its own): its request, where its parts land, what
+        ends it; None where it cannot (not begun with ``start_later``, a path without frames, slices).
+        ``carried`` once the frame is out, ``uncarry`` if it could not be sent."""
+        if self._slices or not hasattr(path, "pull_soon"):
+            return None
+        with self._lock:
+            if shard not in self._later:
+                return None
+            self._later.discard(shard)
+            self._carried[shard] = "out"
+        return self._request(shard, path), self._place, functools.partial(self._answered_carried, shard, path)
+
+    def carried(self, shard: int, conn: Any, key: int) -> None:
+        """``shard``'s carried Pull is out on ``conn`` as call ``key`` (``abandon`` cancels it)."""
+        with self._lock:
+            if shard not in self._ended and shard in self._carried:
+                self._calls[shard] = (conn, key)
+
+    def uncarry(self, shard: int) -> None:
+        """``shard``'s Push frame did not go out: its Pull begins as the Push answers (``begin``)."""
+        with self._lock:
+            if self._carried.pop(shard, None) is None:
+                return
+            self._calls.pop(shard, None)
+        self._again_later(shard, RuntimeError("the step's push failed before this shard's pull began"))
+
+    def _again_later(self, shard: int, error: BaseException) -> None:
+        """``shard``'s Pull is to begin as its Push answers (``begin``), or, once the pull was abandoned,
+        ends with ``error``."""
+        with self._lock:
+            if not self._abandoned:
+                self._later.add(shard)
+                return
+        self._end(shard, error)
+
+    def _answered_carried(self, shard: int, path: Any, responses: list[Any] | None, error: Exception | None
+                          ) -> None:
+        """The connection's reading thread: ``shard``'s carried Pull answered (or failed). One its server did
+        not make, or that failed before its Push answered, begins anew as the Push answers (``begin``)."""
+        with self._lock:
+            self._calls.pop(shard, None)
+            state = self._carried.pop(shard, None)
+        if error is not None and state != "pushed":
+            self._again_later(shard, error)
+            return
+        if isinstance(error, NotMade):  # its Push was refused, and taken in since (a retry): pulled anew
+            if not self._soon(shard):
+                self._threaded([shard])
+            return
+        self._answered_soon(shard, path, responses, error)
 
     def _inline(self, shard: int) -> None:
         """``shard``'s Pull made in this thread (retried as ``Transport.call``)."""
@@ -238,6 +305,7 @@ class PullInFlight:
         """The step's push failed: begin no more shards, and wait (within the deadline) for those begun,
         so that nothing writes into the destinations afterwards."""
         with self._lock:
+            self._abandoned = True
             later, self._later = self._later, set()
             calls, self._calls = dict(self._calls), {}
         for s in later:

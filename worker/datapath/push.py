@@ -101,17 +101,18 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
         return path, path.push_messages(frames, staged[shard] if path is paths[shard] else None, flats, direct,
                                         route)
 
-    return send(route, requests, window, then)
+    return send(route, requests, window, then, carry=pull_after is None)
 
 
 def send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterator[bytes]]], window: int | None,
-         then: PullInFlight | None) -> list[PushResult]:
+         then: PullInFlight | None, *, carry: bool = False) -> list[PushResult]:
     """Each shard's Push (``requests(shard)``: the path that made its messages, and them): all at once, or
     ``window`` at a time in ``push_order``; ``then``'s pull of a shard begun as that shard answers, and
     abandoned if any push fails (nothing may write into its destinations once the caller handles the
-    failure)."""
+    failure). ``carry``: a shard on a data connection gets its pull in its push's frame
+    (``PullInFlight.carry``), made by the server as the push is taken in: no frame of its own."""
     try:
-        return _send(route, requests, window, then)
+        return _send(route, requests, window, then, carry)
     except BaseException:
         if then is not None:
             then.abandon()
@@ -119,7 +120,7 @@ def send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterato
 
 
 def _send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterator[bytes]]], window: int | None,
-          then: PullInFlight | None) -> list[PushResult]:
+          then: PullInFlight | None, carry: bool) -> list[PushResult]:
     t = route.transport
 
     def answered(shard: int, result: PushResult) -> None:
@@ -143,7 +144,17 @@ def _send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterat
         def pushed(answer: ps_pb2.PushResponse | None, error: Exception | None) -> None:
             done(PushResult.from_proto(answer) if answer is not None else None, error)
 
-        push_soon(messages, t.timeout, pushed)
+        carried = then.carry(shard, via) if carry and then is not None else None
+        if carried is None:
+            push_soon(messages, t.timeout, pushed)
+            return True
+        assert then is not None
+        try:
+            call = push_soon(messages, t.timeout, pushed, carry=carried)
+        except BaseException:
+            then.uncarry(shard)  # begun as the push answers, by whichever path makes it
+            raise
+        then.carried(shard, getattr(via, "conn"), -call)  # noqa: B009 - a ConnPath (push_soon)
         return True
 
     def one(shard: int) -> PushResult:

@@ -272,7 +272,7 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., sync: _Optional[str] = ..., loss_scale: _Optional[float] = ..., ready_version: _Optional[int] = ..., pulled: _Optional[_Iterable[bytes]] = ..., sync_switch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm", "slices", "fence_epoch")
+    __slots__ = ("worker_id", "names", "min_version", "dtype", "chunk_bytes", "min_clock", "epoch", "shm", "slices", "fence_epoch", "frame_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class PullRequest(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     min_version: int
@@ -293,7 +294,8 @@ class PullRequest(_message.Message):
     shm: str
     slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
     fence_epoch: int
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., fence_epoch: _Optional[int] = ...) -> None: ...
+    frame_bytes: int
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunk_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ..., shm: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., fence_epoch: _Optional[int] = ..., frame_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorSlice(_message.Message):
     __slots__ = ("name", "dim", "parts", "index", "blocks")

@@ -4,10 +4,14 @@ A case (``FrameCase``) is the bytes one connection sends after a valid hello:
 raw bytes, frames torn at any point, extents reordered, past their buffer
 or short of their part, lengths that disagree with what follows, unknown
 kinds and routes, another worker's requests, streams that end early or go
-on after their end, control that does not parse. Every case carries at
+on after their end, control that does not parse; a Push frame that carries
+its Pull (``PUSH_PULL``) in half the cases that are answered, and carried
+Pulls that are wrong themselves (another segment, slices, a buffer out of
+range, another worker's, garbage, none of a Push beside). Every case carries at
 least one defect that must keep the shard's state as it was: a torn or
 protocol-breaking frame ends the connection unapplied; a frame that keeps
-the protocol is answered with a refusal. ``send_case`` sends one on a
+the protocol is answered with a refusal (a ``PUSH_PULL``'s twice: its
+Push refused, its Pull ``NOT_MADE``). ``send_case`` sends one on a
 connection of its own and ends its writing side, so the server reads
 everything there is and then end-of-stream: what it does never depends on
 timing. The judge (``judge_answers``): every answer is a refusal with a
@@ -26,9 +30,10 @@ from shardps.protos.shardps.v1 import ps_pb2
 DEFECTS = ("random_bytes", "bad_magic", "bad_kind", "torn_header", "torn_control", "torn_extent",
            "control_longer", "control_shorter", "extent_past_buffer", "reordered_extents_unknown_tensor",
            "part_missing", "part_short", "unknown_route", "other_worker", "stream_cut", "after_end",
-           "over_limits", "control_garbage", "pull_with_extents", "closed_mid_frame", "whole_unknown_tensor")
+           "over_limits", "control_garbage", "pull_with_extents", "closed_mid_frame", "whole_unknown_tensor",
+           "carried_pull_bad")
 REFUSALS = {3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 7: "PERMISSION_DENIED", 9: "FAILED_PRECONDITION",
-            14: "UNAVAILABLE", 4: "DEADLINE_EXCEEDED", 10: "ABORTED"}
+            14: "UNAVAILABLE", 4: "DEADLINE_EXCEEDED", 10: "ABORTED", wire.NOT_MADE: "NOT_MADE"}
 
 
 @dataclass
@@ -73,13 +78,23 @@ def frame(kind: int, call: int, route: int, messages: list[bytes], extents: list
     return head + ctl + b"".join(wire.EXTENT.pack(o, len(b)) for o, b in extents) + b"".join(b for _, b in extents)
 
 
+def _pull(worker_id: int, sh: Shard, **kw: object) -> bytes:
+    """A Pull as a ``PUSH_PULL`` frame carries it (``kw``: fields to change)."""
+    fields: dict[str, object] = dict(worker_id=worker_id, names=[sh.tensor], shm=wire.FRAME_SEGMENT,
+                                     frame_bytes=sh.nbytes)
+    fields.update(kw)
+    return ps_pb2.PullRequest(**fields).SerializeToString()  # type: ignore[arg-type]
+
+
 def make_case(rng: random.Random, sh: Shard, worker_id: int, defect: str | None = None) -> FrameCase:
     """One case (``defect``: that one, else drawn)."""
     d = defect or rng.choice(DEFECTS)
     call = rng.randrange(1, 2**40)
     n = sh.nbytes
     values = bytes(rng.getrandbits(8) for _ in range(min(n, 64))) + bytes(max(0, n - 64))
-    whole = frame(wire.PUSH, call, sh.route, [_message(worker_id, sh, name="no-such-tensor")], [(0, values)], n)
+    carries = rng.random() < 0.5  # an answered Push case as a PUSH_PULL: its Pull first in the control
+    kind, carried, answers = (wire.PUSH_PULL, [_pull(worker_id, sh)], 2) if carries else (wire.PUSH, [], 1)
+    whole = frame(kind, call, sh.route, carried + [_message(worker_id, sh, name="no-such-tensor")], [(0, values)], n)
     if d == "random_bytes":
         return FrameCase(d, bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 300))))
     if d == "bad_magic":
@@ -97,30 +112,38 @@ def make_case(rng: random.Random, sh: Shard, worker_id: int, defect: str | None 
                "closed_mid_frame": rng.randrange(1, len(good))}[d]
         return FrameCase(d, good[:cut])
     if d in ("control_longer", "control_shorter"):
-        msg = [_message(worker_id, sh)]
+        msg = carried + [_message(worker_id, sh)]
         real = len(b"".join(wire.joined(msg)))
         nctl = real + rng.randrange(1, 64) if d == "control_longer" else rng.randrange(0, real)
-        return FrameCase(d, frame(wire.PUSH, call, sh.route, msg, [(0, values)], n, nctl=nctl), calls=1)
+        return FrameCase(d, frame(kind, call, sh.route, msg, [(0, values)], n, nctl=nctl), calls=answers)
     if d == "extent_past_buffer":
         return FrameCase(d, frame(wire.PUSH, call, sh.route, [_message(worker_id, sh)],
                                   [(rng.randrange(1, 64), values)], n))
     if d == "reordered_extents_unknown_tensor":
         half = (n // 2) // 64 * 64 or 4
         ext = [(half, values[half:]), (0, values[:half])]
-        return FrameCase(d, frame(wire.PUSH, call, sh.route, [_message(worker_id, sh, name="nope")], ext, n),
-                         calls=1)
+        return FrameCase(d, frame(kind, call, sh.route, carried + [_message(worker_id, sh, name="nope")], ext, n),
+                         calls=answers)
     if d == "part_missing":
-        return FrameCase(d, frame(wire.PUSH, call, sh.route, [_message(worker_id, sh)], [], n), calls=1)
+        return FrameCase(d, frame(kind, call, sh.route, carried + [_message(worker_id, sh)], [], n), calls=answers)
     if d == "part_short":
         k = rng.randrange(0, n)
-        return FrameCase(d, frame(wire.PUSH, call, sh.route, [_message(worker_id, sh)], [(0, values[:k])], n),
-                         calls=1)
+        return FrameCase(d, frame(kind, call, sh.route, carried + [_message(worker_id, sh)], [(0, values[:k])], n),
+                         calls=answers)
     if d == "unknown_route":
-        return FrameCase(d, frame(wire.PUSH, call, sh.route + rng.randrange(1000, 2**31),
-                                  [_message(worker_id, sh)], [(0, values)], n), calls=1)
+        return FrameCase(d, frame(kind, call, sh.route + rng.randrange(1000, 2**31),
+                                  carried + [_message(worker_id, sh)], [(0, values)], n), calls=answers)
     if d == "other_worker":
-        return FrameCase(d, frame(wire.PUSH, call, sh.route, [_message(worker_id + rng.randrange(1, 1000), sh)],
-                                  [(0, values)], n), calls=1)
+        other = worker_id + rng.randrange(1, 1000)
+        msgs = ([_pull(other, sh)] if carries and rng.random() < 0.5 else carried) + [_message(other, sh)]
+        return FrameCase(d, frame(kind, call, sh.route, msgs, [(0, values)], n), calls=answers)
+    if d == "carried_pull_bad":  # a valid Push (a duplicate of step 0: answered OK alone) whose Pull is wrong
+        bad = rng.choice([_pull(worker_id, sh, shm=""), _pull(worker_id, sh, shm="seg-1"),
+                          _pull(worker_id, sh, slices=[ps_pb2.TensorSlice(name=sh.tensor, dim=0, parts=2)]),
+                          _pull(worker_id, sh, frame_bytes=-1), _pull(worker_id, sh, frame_bytes=wire.MAX_BUFFER + 1),
+                          _pull(worker_id + rng.randrange(1, 1000), sh), b"\x07" + bytes(rng.randrange(0, 40)), None])
+        msgs = [_message(worker_id, sh)] if bad is None else [bad, _message(worker_id, sh)]
+        return FrameCase(d, frame(wire.PUSH_PULL, call, sh.route, msgs, [(0, values)], n), calls=2)
     if d == "stream_cut":  # a stream that ends before its last message: nothing of it applies
         part = frame(wire.PUSH_PART, call, sh.route, [_message(worker_id, sh, last=False, ends_with_last=True)],
                      [(0, values)], n)
@@ -153,7 +176,7 @@ def make_case(rng: random.Random, sh: Shard, worker_id: int, defect: str | None 
         return FrameCase(d, wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PULL, call, sh.route, 5000, len(req), 1, n)
                          + req + wire.EXTENT.pack(0, len(values)) + values)
     assert d == "whole_unknown_tensor"
-    return FrameCase(d, whole, calls=1)
+    return FrameCase(d, whole, calls=answers)
 
 
 def send_case(host: str, port: int, token: bytes, worker_id: int, case: FrameCase,
