@@ -61,6 +61,7 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -259,6 +260,7 @@ class Conn:
                 raise wire.ProtocolError(f"a ping frame with {nctl} control bytes and {next_} extents")
             self.answer(wire.PING, call, wire.OK, [])
             return
+        started = time.monotonic()  # a carried Pull's deadline counts from here, as the worker's does
         ctl = wire.read_exact(self.sock, nctl)
         raw = wire.read_exact(self.sock, next_ * wire.EXTENT.size)
         extents = [wire.EXTENT.unpack_from(raw, i * wire.EXTENT.size) for i in range(next_)]
@@ -311,7 +313,8 @@ class Conn:
             if self._push_call(servicer, call, messages, target if extents else None, extents, landed, filled,
                                kind == wire.PUSH_PULL, carried):
                 if carried is not None:  # from the version the Push's answer named (``_push_call``)
-                    self._pull_frame(servicer, call, route, carried, carried.frame_bytes, timeout, wire.PUSH_PULL)
+                    left = max(0.0, timeout - (time.monotonic() - started))
+                    self._pull_frame(servicer, call, route, carried, carried.frame_bytes, left, wire.PUSH_PULL)
             return
         self._stream_frame(servicer, kind, call, route, ctl, extents, timeout)
 
@@ -445,7 +448,7 @@ class Conn:
         return req
 
     def _pull_frame(self, servicer: WorkersServicer, call: int, route: int, request: bytes | ps_pb2.PullRequest,
-              buffer_bytes: int, timeout: float, kind: int) -> None:
+                    buffer_bytes: int, timeout: float, kind: int) -> None:
         """A Pull (its control, or a ``PUSH_PULL``'s parsed Pull), answered as ``kind``: without a thread
         where the shard can (``_pull_soon``), else in the pool's."""
         if not self._pull_soon(servicer, call, route, request, buffer_bytes, timeout, kind):
