@@ -542,3 +542,29 @@ def test_a_steps_pull_rides_its_push_frame_and_a_refused_push_pulls_nothing(make
         pull = client.pull_async(later=True)
         client.push({"w": torch.ones(3000)}, step=2, window=2, then=pull)
         assert torch.equal(pull.result()["w"], w - 1)
+
+
+@pytest.mark.parametrize("order", ["not-made-first", "push-first"])
+def test_a_carried_pull_not_made_is_pulled_once_its_push_is_taken_in_whichever_is_heard_first(make_cluster, order):
+    from shardps.worker.datapath.dataconn import NotMade
+
+    cluster = make_cluster(1)
+    with shardps.connect(cluster.addresses, shm=False) as client:
+        w = torch.randn(100)
+        client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        pull = client.pull_async(later=True)
+        carried = pull.carry(0, client.paths[0])
+        assert carried is not None and pull.carry(0, client.paths[0]) is None  # once
+        not_made = NotMade(grpc.StatusCode.ABORTED, "not made: its push was refused")
+        if order == "not-made-first":  # the refusal's NOT_MADE read before the retried push answered
+            carried[2](None, not_made)
+            pull.begin(0, 0)
+        else:  # the retried push answered (through another path) before the NOT_MADE was read
+            pull.begin(0, 0)
+            carried[2](None, not_made)
+        assert torch.equal(pull.result()["w"], w)
+        pull = client.pull_async(later=True)  # a push that failed for good: the pull ends with it
+        pull.carry(0, client.paths[0])[2](None, not_made)
+        pull.abandon()
+        with pytest.raises(RuntimeError, match="the step's push failed"):
+            pull.result()
