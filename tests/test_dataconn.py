@@ -531,7 +531,8 @@ def test_a_steps_pull_rides_its_push_frame_and_a_refused_push_pulls_nothing(make
             client.push({"w": torch.ones(3000)}, step=step, window=2, then=pull)
             w = w - 1
             assert torch.equal(pull.result()["w"], w)
-        assert kinds == [wire.PUSH_PULL] * 6  # no pull frame: each shard's pull came with its push
+        # no pull frame: each shard's pull came with its push (a keepalive ping, on a stalled machine, aside)
+        assert [k for k in kinds if k != wire.PING] == [wire.PUSH_PULL] * 6
         # A push every shard refuses (a step that skips one): its carried pulls are not made, nothing is
         # pulled, and the next good step pulls as before.
         pull = client.pull_async(later=True)
