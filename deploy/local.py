@@ -34,7 +34,7 @@ from shardps.server import coordinator as coord
 from shardps.server.app import READY_PREFIX
 from shardps.server.checks import check_coordinator, check_replicas
 from shardps.server.metrics import ServerMetrics
-from shardps.server.service import create_server, stop_server
+from shardps.server.service import create_server, served, stop_server
 from shardps.server.store import DEFAULT_LEASE_S, ShardStore
 from shardps.worker.operator import attach_replica
 
@@ -293,6 +293,18 @@ class LocalCluster:
             if proc.poll() is not None and self.replica_addresses:
                 out[i] = self.backup_addresses[i]
         return out
+
+    def stop_server(self, index: int) -> None:
+        """Stop server ``index`` (in-process; the order of ``start``: with replicas=2 each shard's backup
+        endpoint comes before its primary) as a process that stops would: its gRPC port and its shard's
+        route on the process's data port, its calls ended at once. For failover drills and tests."""
+        if self.processes:
+            raise RuntimeError("stop_server() is for in-process servers: kill() a process")
+        server = self._servers[index]
+        server.stop(None)  # its handlers still waiting end with the stores (``stop``), as before
+        data = served(server).data
+        if data is not None:  # its frames are answered UNAVAILABLE from now on
+            data[0].detach(data[1])
 
     def kill(self, index: int) -> None:
         """SIGKILL server ``index`` (processes=True): a crash, for failover drills and tests."""

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import ssl
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -418,6 +419,8 @@ class Served:
     health: health.HealthServicer  # grpc.health.v1, SERVING under "" and each service's name once started
     segments: SegmentCache  # the workers' same-host segments: unmapped by stop_server
     data: tuple[DataPort, int] | None = None  # the process's data port and the shard's route on it
+    # set by the first stop_server: the route detached and the port released once, however often it is called
+    released: threading.Event = field(default_factory=threading.Event, compare=False)
 
     def not_serving(self, services: Iterable[str] = ("", *SERVICES)) -> None:
         """Answer NOT_SERVING for ``services`` from now on (a shutdown begins; safe in a signal handler)."""
@@ -527,11 +530,13 @@ def stop_server(server: grpc.Server, grace: float | None = None, timeout: float 
     beside = _SERVED.get(server)
     if beside is None:
         return
-    if beside.data is not None:  # frames for this shard are answered UNAVAILABLE from now on
+    first = not beside.released.is_set()
+    beside.released.set()
+    if beside.data is not None and first:  # frames for this shard are answered UNAVAILABLE from now on
         beside.data[0].detach(beside.data[1])
     # A handler still running after a stop that timed out is not waited for, nor its segments unmapped.
     beside.executor.shutdown(wait=stopped, cancel_futures=True)
     if stopped:
         beside.segments.close()
-    if beside.data is not None:
+    if beside.data is not None and first:
         beside.data[0].release()

@@ -195,7 +195,7 @@ def test_replication_and_fail_over_with_the_peer_and_worker_tokens(make_cluster)
             assert backup_of[0].replica.role == "backup"
         finally:
             ch.close()
-        cluster._servers[1].stop(None)  # shard 0's primary goes away: the worker's TakeOver succeeds
+        cluster.stop_server(1)  # shard 0's primary goes away: the worker's TakeOver succeeds
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
         assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
         assert client.failovers_total == 1 and backup_of[0].replica.role == "primary"

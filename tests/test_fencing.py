@@ -113,7 +113,7 @@ def test_a_primary_whose_backup_is_lost_goes_on_alone_only_as_etcd_records_it(ma
             client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=1.0), sync="asp")
             push_one(client, 0)
             assert not ShardLease(etcd, job, 0, "observer:0").read().alone
-            c._servers[2].stop(None)  # server 1's backup endpoint (shard 0's backup) goes away
+            c.stop_server(2)  # server 1's backup endpoint (shard 0's backup) goes away
             push_one(client, 1)  # acknowledged only once etcd recorded that the primary goes alone
             assert c.stores[0].stats().replica_state == "degraded" and weight(c.stores[0]) == 2.0
         record = ShardLease(etcd, job, 0, "observer:0").read()
@@ -137,7 +137,7 @@ def test_a_primary_alone_whose_new_backup_is_in_sync_is_recorded_with_it_and_tha
         with shardps.connect(c.addresses) as client:
             client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=1.0), sync="asp")
             push_one(client, 0)
-            c._servers[2].stop(None)  # shard 0's backup goes away: the primary goes on alone
+            c.stop_server(2)  # shard 0's backup goes away: the primary goes on alone
             push_one(client, 1)
             assert ShardLease(etcd, job, 0, "observer:0").read().alone
             assert run_attach_replica(c.addresses, 0, f"127.0.0.1:{port}", out=io.StringIO()) == 0

@@ -33,7 +33,7 @@ def test_held_expert_gradients_survive_their_primary(make_cluster):
             before = client.pull_rows("kept", torch.arange(E), track=False)
             for i, x in enumerate(xs):
                 if stop and i == 1:
-                    cluster._servers[1].stop(None)  # shard 0's primary goes away between the two backwards
+                    cluster.stop_server(1)  # shard 0's primary goes away between the two backwards
                 out, aux, _ = moe(x)
                 (out.sum() + aux).backward()
             opt.step()
@@ -62,7 +62,7 @@ def test_a_backup_that_joins_mid_step_gets_the_held_gradients(make_cluster):
         for join in (False, True):
             cluster = make_cluster(2, replicas=2)
             if join:
-                cluster._servers[2].stop(None)  # shard 0's backup goes away before the job starts
+                cluster.stop_server(2)  # shard 0's backup goes away before the job starts
             torch.manual_seed(0)
             moe = shardps.nn.MoE(D, E, expert, name="joined", placement="send", drop_tokens=False,
                                  optimizer=SGD(lr=0.1))
@@ -81,7 +81,7 @@ def test_a_backup_that_joins_mid_step_gets_the_held_gradients(make_cluster):
                         assert fresh.rows.held.holds("joined", e.rows.worker_id, e.sent_step)
                         t = client.transport  # what the worker's heartbeat learns: the shard's backup now
                         t.set_backup(0, t.stub(0).Describe(ps_pb2.StatsRequest(), timeout=30).backup, t.stub(0))
-                        cluster._servers[1].stop(None)  # shard 0's primary goes away
+                        cluster.stop_server(1)  # shard 0's primary goes away
                     out, aux, _ = moe(x)
                     (out.sum() + aux).backward()
                 opt.step()

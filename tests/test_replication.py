@@ -189,7 +189,7 @@ def test_losing_the_backup_degrades_and_attach_replica_resyncs(make_cluster, cap
     caplog.set_level(logging.WARNING, logger="shardps.server")
     c = make_cluster(2, replicas=2)
     base = model()
-    c._servers[2].stop(None)  # server 1's backup endpoint (shard 0's backup) goes away
+    c.stop_server(2)  # server 1's backup endpoint (shard 0's backup) goes away
     train(c.addresses, base, 4)
     assert c.stores[0].stats().replica_state == "degraded"
     assert "going on without a copy" in caplog.text

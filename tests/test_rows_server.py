@@ -247,7 +247,7 @@ def test_a_row_table_survives_its_primary_and_rows_reshard(make_cluster, tmp_pat
         assert client.backups == cluster.backup_addresses
         for step in range(6):
             if step == 3:
-                cluster._servers[1].stop(None)  # shard 0's primary goes away
+                cluster.stop_server(1)  # shard 0's primary goes away
             client.rows.push("emb", keys[step], grads[step], step)
             ref.push("emb", 8, keys[step].numpy().view(np.uint64), grads[step], step=step)
         every = torch.arange(-45, 45)  # 10 never pushed: their init, on the backup too
@@ -287,7 +287,7 @@ def test_a_row_call_to_a_shard_that_is_down_fails_naming_its_table(make_cluster)
         client.rows.register("emb", 4, optimizer=SGD(lr=0.1))
         with pytest.raises(shardps.ShardError, match=r"^shard \d \(.*\): FAILED_PRECONDITION: row table 'emb': reg"):
             client.rows.register("emb", 5)  # another spec under the name
-        cluster._servers[1].stop(None)
+        cluster.stop_server(1)
         calls = {"PullRows": lambda: client.rows.pull("emb", torch.arange(6)),
                  "PushRows": lambda: client.rows.push("emb", torch.arange(6), torch.ones(6, 4), 0),
                  "RegisterRows": lambda: client.rows.register("other", 4)}

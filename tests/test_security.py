@@ -193,7 +193,7 @@ def test_replication_over_mutual_tls_with_a_token(make_cluster, pki):
         # The backup reads the live primary's Stats (authenticated) and refuses to take over.
         with pytest.raises(shardps.ShardError, match="still answers SERVING"):
             run_promote([client.backups[0]], security=server, out=io.StringIO())
-        cluster._servers[1].stop(None)  # shard 0's primary goes away: the client fails over, over mTLS
+        cluster.stop_server(1)  # shard 0's primary goes away: the client fails over, over mTLS
         client.push({"w": torch.ones(6), "v": torch.ones(3)}, step=1)
         assert torch.equal(client.pull()["w"], torch.arange(6.0) - 2)
         assert client.failovers_total == 1 and backup_of[0].replica.role == "primary"
