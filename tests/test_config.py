@@ -260,10 +260,18 @@ def test_the_shared_memory_path_follows_the_argument_then_the_variable(clean_env
 
 @pytest.mark.cluster
 def test_server_processes_are_forked_unless_the_variable_says_0(clean_env):
+    from shardps.deploy import spawn
     from shardps.deploy.spawn import ForkedProcess
 
-    with shardps.LocalCluster(1, processes=True) as cluster:
-        assert [type(p) for p in cluster._procs] == [ForkedProcess]  # on by default (deploy/spawn.py)
+    # A fork server this test process started earlier may hold another environment (a test's variable, set
+    # then): its children would start fresh, rightly. This one starts its own, with this environment.
+    clean_env.setattr(spawn, "_shared", None)
+    try:
+        with shardps.LocalCluster(1, processes=True) as cluster:
+            assert [type(p) for p in cluster._procs] == [ForkedProcess]  # on by default (deploy/spawn.py)
+    finally:
+        if spawn._shared is not None:
+            spawn._shared.close()
     clean_env.setenv(env.FORK, "0")
     with shardps.LocalCluster(1, processes=True) as cluster:
         assert [type(p) for p in cluster._procs] == [subprocess.Popen]
