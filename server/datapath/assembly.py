@@ -210,6 +210,7 @@ def landing(chunks: list[tuple[int, int, ps_pb2.Chunk]], lookup: Callable[[str],
     into the frame's buffer as before, for ``ChunkAssembler.add`` to refuse or copy. Checks nothing it does
     not need: refusing is the assembler's."""
     out = Landing(alloc)
+    views: dict[PartKey, memoryview] = {}
     spans = sorted((at, at + nbytes) for at, nbytes, _ in chunks)
     shared: set[int] = set()  # offsets of chunks whose bytes another chunk names too
     reach = -1  # the furthest end of the spans before
@@ -234,6 +235,8 @@ def landing(chunks: list[tuple[int, int, ps_pb2.Chunk]], lookup: Callable[[str],
         buf = out.buffers.get(key)
         if buf is None:
             buf = out.buffers[key] = alloc(key, part[1] - part[0])
-        raw: Any = buf[a - part[0] : a - part[0] + n].view(torch.uint8).numpy()
-        out.regions[at] = memoryview(raw)
+            whole: Any = buf.numpy()
+            views[key] = memoryview(whole).cast("B")  # the whole buffer's bytes: a slice costs no torch call
+        at_byte = (a - part[0]) * 4
+        out.regions[at] = views[key][at_byte : at_byte + nbytes]
     return out
