@@ -1,11 +1,12 @@
-"""Shared-memory segments for the same-host fast path: tensor bytes beside gRPC, not in it.
+"""Shared-memory segments for the same-host fast path: tensor bytes beside the calls, not in them.
 
 A worker that shares a machine with a shard makes one segment per shard
 and direction (``create``): it writes its gradients into the push segment
 and sends a Push whose chunks say where they lie (``Chunk.shm_offset``,
 ``shm_bytes``) instead of carrying them; the shard writes the weights of a
-Pull into the worker's pull segment and answers with such chunks. gRPC
-carries the control messages only. Whether the two share ``/dev/shm`` is
+Pull into the worker's pull segment and answers with such chunks. The
+calls (frames on the worker's data connection to the shard's process, or
+gRPC calls without one) carry the control messages only. Whether the two share ``/dev/shm`` is
 not guessed from addresses: at Register the worker names a probe segment
 holding a random token, and the shard says whether it read it
 (``RegisterResponse.shm``). Otherwise everything goes through gRPC.

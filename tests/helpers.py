@@ -97,7 +97,7 @@ def train_over_paths(addresses: list[str], *, shm: bool, steps: int = 3,
                      **opt_kw: Any) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
     """Two workers in threads train ``path_model()`` (Adam, parts of 1 KiB) for ``steps`` steps on their own
     seeded batches. Each returns (the kind of its data path to each shard, by class: "GrpcPath",
-    "ShmPath", "ConnPath"; its final parameters). The path is the client's choice: ``shm`` and the
+    "ShmPath", "ShmConnPath", "ConnPath"; its final parameters). The path is the client's choice: ``shm`` and the
     SHARDPS_TCP variable ("0": no data connection, so ``shm=False`` is gRPC)."""
     base = path_model()
 

@@ -424,7 +424,7 @@ def test_a_shard_that_fails_over_goes_on_as_frames_on_its_backups_route(make_clu
     """shard 0's backup is promoted (ctl promote --force) after step 5: the workers fail over, and the shard's
     calls go on as frames on the route the backup's TakeOver answer gave, not over gRPC: at once where the worker
     has a connection to that process (frames), else once it was made in the background (shared memory before:
-    no connection yet); the weights equal a run without the fail-over, bit for bit."""
+    no connection to the backup's process yet); the weights equal a run without the fail-over, bit for bit."""
     from shardps.admin import run_promote
     from tests.replicas import model, train
 
@@ -449,7 +449,7 @@ def test_a_shard_that_fails_over_goes_on_as_frames_on_its_backups_route(make_clu
     assert c.backups[1].stats().role == "primary" and c.backups[1].job.version == 12
     for k in (0, 1):
         before, after = seen[k][0], seen[k][-1]
-        assert before[0] == ("ShmPath" if shm else "ConnPath")
+        assert before[0] == ("ShmConnPath" if shm else "ConnPath")
         assert after[0] == "ConnPath" and after[1] != before[1], seen[k]  # the backup's route, not the primary's
 
 
@@ -569,3 +569,52 @@ def test_a_carried_pull_not_made_is_pulled_once_its_push_is_taken_in_whichever_i
         pull.abandon()
         with pytest.raises(RuntimeError, match="the step's push failed"):
             pull.result()
+
+
+@pytest.mark.fault
+def test_a_shard_with_shared_memory_calls_on_the_connection_parks_its_pull_and_goes_to_grpc_and_back(make_cluster):
+    """On this machine (shm): the shard's Push and Pull are frames with no bytes after them (``ShmConnPath``); a
+    Pull that must wait parks without a thread and gets the weights written into its pull segment; the
+    connection lost, the segments stay and the calls go over gRPC (``ShmPath``), then back on the connection
+    made again; the weights exact throughout."""
+    from shardps.worker.datapath.dataconn import ShmConnPath
+    from shardps.worker.datapath.paths import ShmPath
+
+    cluster = make_cluster(1)
+    store = cluster.stores[0]
+    a = shardps.connect(cluster.addresses, worker_id=0, num_workers=2, timeout=20.0)
+    b = shardps.connect(cluster.addresses, worker_id=1, num_workers=2, timeout=20.0)
+    try:
+        w = torch.randn(300)
+        for c in (a, b):
+            c.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert [type(p) for p in a.paths] == [ShmConnPath]
+        link = a.paths[0].link
+        a.push({"w": torch.ones(300)}, step=0)
+        before = _server_threads()
+        pull = a.pull_async(min_versions=[1])  # the round waits for worker 1
+        with store._cond:  # parked: counted as a waiting Pull, held by no thread
+            assert store._cond.wait_for(lambda: store.job.waiting == 1, 10)
+            assert len(store.path.parked) == 1
+        assert _server_threads() == before and not pull.done()
+        b.push({"w": 3 * torch.ones(300)}, step=0)  # the round's last push answers the parked Pull
+        assert torch.equal(pull.result()["w"], w - 2) and len(store.path.parked) == 0
+
+        conn = a.paths[0].conn
+        conn.sock.shutdown(socket.SHUT_RD)  # the link drops under the reader; the server process stays
+        conn._thread.join(10)
+        assert type(a.paths[0]) is ShmPath and a.paths[0].link is link  # the same segments, calls over gRPC
+        for k, c in enumerate((a, b)):
+            c.push({"w": torch.ones(300) * (2 * k + 1)}, step=1)  # bsp: the mean of the two
+        assert torch.equal(a.pull(min_versions=[2])["w"], w - 2 - 2)
+        reviving = a.paths._reviving  # the push started making it again, in the background
+        assert reviving is not None
+        reviving.join(30)
+        assert type(a.paths[0]) is ShmConnPath and a.paths[0].link is link and a.paths[0].conn is not conn
+        for c in (a, b):
+            c.push({"w": torch.ones(300)}, step=2)
+        assert torch.equal(a.pull(min_versions=[3])["w"], w - 2 - 2 - 1)
+        assert torch.equal(b.pull(min_versions=[3])["w"], w - 2 - 2 - 1)
+    finally:
+        a.close()
+        b.close()

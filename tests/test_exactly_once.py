@@ -1,4 +1,4 @@
-"""A retried Push after a lost reply is acknowledged, not applied again."""
+"""A retried Push after a lost reply is acknowledged, not applied again: over gRPC and as frames."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import shardps
+from shardps.protos import env
 from tests.helpers import run_workers
 
 
@@ -43,6 +44,31 @@ class DropPushReplies(grpc.ServerInterceptor):
                                                     response_serializer=handler.response_serializer)
 
 
+class DropPushAnswers:
+    """The same fault on the data connection (server/datapath/dataconn.py): every ``every``-th Push that was taken
+    in is answered UNAVAILABLE instead of with its answer."""
+
+    def __init__(self, monkeypatch, every: int = 3) -> None:
+        from shardps.protos import dataconn as wire
+        from shardps.server.datapath.dataconn import Conn
+
+        self.every, self.count, self.dropped = every, 0, 0
+        self._lock = threading.Lock()
+        answer = Conn.answer
+
+        def lossy(conn, kind, call, status, ctl, payload=None):
+            if kind == wire.PUSH and status == wire.OK:
+                with self._lock:
+                    self.count += 1
+                    drop = self.count % self.every == 0
+                    self.dropped += drop
+                if drop:
+                    status, ctl = grpc.StatusCode.UNAVAILABLE.value[0], [b"injected fault: reply lost"]
+            return answer(conn, kind, call, status, ctl, payload)
+
+        monkeypatch.setattr(Conn, "answer", lossy)
+
+
 STEPS, WORKERS = 15, 2
 
 
@@ -61,16 +87,23 @@ def _train(addresses, base, sync):
 
 
 @pytest.mark.fault
-def test_lost_replies_are_retried_and_applied_once(make_cluster):
+@pytest.mark.parametrize("path", ["grpc", "frames"])
+def test_lost_replies_are_retried_and_applied_once(make_cluster, monkeypatch, path):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
     clean = make_cluster(2)
     expected = _train(clean.addresses, base, "bsp")
-    faults = [DropPushReplies(3)]
-    faulty = make_cluster(2, interceptors=faults)
+    if path == "grpc":
+        monkeypatch.setenv(env.TCP, "0")  # every call a gRPC call, the fault an interceptor's
+        faults: list = [DropPushReplies(3)]
+        faulty = make_cluster(2, interceptors=faults)
+    else:  # the workers' calls are frames on their data connections (shared memory's too)
+        faults = [DropPushAnswers(monkeypatch, 3)]
+        faulty = make_cluster(2)
     got = _train(faulty.addresses, base, "bsp")
     assert faults[0].dropped >= STEPS  # a third of all pushes lost their reply
     assert sum(r for _, r in got) >= faults[0].dropped  # ... and were retried
+    assert sum(s.job.duplicate_pushes_total for s in faulty.stores) == faults[0].dropped  # each once
     for (w_exp, _), (w_got, _) in zip(expected, got):
         for n in w_exp:
             assert torch.equal(w_got[n], w_exp[n]), n  # bitwise: every gradient applied exactly once

@@ -302,7 +302,7 @@ def test_shardps_across_hosts_takes_tcp_and_on_one_host_shared_memory(net):
             out.append(json.loads(stdout.strip().splitlines()[-1]))
         on_h0, on_h1 = out
         assert on_h1["shm"] == [False] and on_h0["shm"] == [True]
-        assert on_h1["paths"] == ["ConnPath"] and on_h0["paths"] == ["ShmPath"]  # across the link: frames
+        assert on_h1["paths"] == ["ConnPath"] and on_h0["paths"] == ["ShmConnPath"]  # frames; on h0 with shm
         assert on_h1["steps"] == on_h0["steps"] == 3
         assert c.traffic("h1")[0] - tx0 > 3 * on_h1["weights"]  # its three pushes crossed h1's link
     finally:

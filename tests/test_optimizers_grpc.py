@@ -28,8 +28,8 @@ def _data(shapes, steps, gscale=1.0, seed=0):
     return w0, grads
 
 
-def on_servers(addresses, spec, w0, grads, *, sync="bsp", max_whole_bytes=256 << 20, part_bytes=None):
-    with shardps.connect(addresses, part_bytes=part_bytes) as client:
+def on_servers(addresses, spec, w0, grads, *, sync="bsp", max_whole_bytes=256 << 20, part_bytes=None, shm=True):
+    with shardps.connect(addresses, part_bytes=part_bytes, shm=shm) as client:
         client.register(w0, spec, sync=sync, max_whole_bytes=max_whole_bytes)
         for step, g in enumerate(grads):
             res = client.push(g, step=step)
@@ -111,12 +111,16 @@ SPLIT_SPECS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SPLIT_SPECS))
+@pytest.mark.parametrize("name", [*SPLIT_SPECS, "sm3-frames"])
 def test_tensor_split_across_2_servers_equals_1_server(make_cluster, name):
-    spec = SPLIT_SPECS[name]
+    """The two shards serve in this process, behind one data port: a worker's Pushes to both are frames on one
+    connection (shared memory's calls, or ``-frames``: the bytes in them), and one shard's step waits for
+    its peer's statistics, which need the Push behind it on that connection."""
+    spec = SPLIT_SPECS[name.removesuffix("-frames")]
+    shm = not name.endswith("-frames")
     w0, grads = _data([(65, 48), (6, 10, 12)], 40, seed=3)
-    one, _ = on_servers(make_cluster(1).addresses, spec, w0, grads)
-    two, smap = on_servers(make_cluster(2).addresses, spec, w0, grads, max_whole_bytes=0)
+    one, _ = on_servers(make_cluster(1).addresses, spec, w0, grads, shm=shm)
+    two, smap = on_servers(make_cluster(2).addresses, spec, w0, grads, max_whole_bytes=0, shm=shm)
     for n in w0:
         assert smap.holders(n) == [0, 1]  # really split: one row block on each server
         torch.testing.assert_close(two[n], one[n], rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import shardps
+from shardps.protos import env
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from tests.helpers import run_workers
 
@@ -34,19 +35,24 @@ def data(step: int, k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PullCounter:
-    """Counts the Pull RPCs a client makes (wraps its transport's pull)."""
+    """Counts the Pulls a client makes: its transport's (gRPC, or a call a path makes) and the frames its paths
+    send that wait for nothing (``pull_soon``: a data connection's, shared memory's calls on it)."""
 
     def __init__(self, client: shardps.PSClient) -> None:
         self.calls = 0
         self._lock = threading.Lock()
-        real = client.transport.pull
 
-        def pull(*args, **kw):
-            with self._lock:
-                self.calls += 1
-            return real(*args, **kw)
+        def counted(real):
+            def pull(*args, **kw):
+                with self._lock:
+                    self.calls += 1
+                return real(*args, **kw)
+            return pull
 
-        client.transport.pull = pull  # type: ignore[method-assign]
+        client.transport.pull = counted(client.transport.pull)  # type: ignore[method-assign]
+        for path in client.paths:
+            if hasattr(path, "pull_soon"):
+                path.pull_soon = counted(path.pull_soon)
 
 
 def test_one_asp_worker_steps_in_one_call_each_and_trains_as_torch(cluster2):
@@ -105,8 +111,13 @@ def test_under_bsp_only_the_push_that_completes_the_barrier_is_answered(cluster2
         assert torch.equal(w, results[1][2][name]), name  # both workers hold the same weights
 
 
-def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_returns(cluster2):
-    """No shard to call: nothing is handed to the client's threads, and the pull is complete at once."""
+@pytest.mark.parametrize("tcp", [True, False], ids=["frames", "grpc"])
+def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_returns(cluster2, monkeypatch, tcp):
+    """No shard to call: nothing is handed to the client's threads, and the pull is complete at once. A pull not
+    answered goes as frames that wait for nothing (the data connection: no thread of the client's either), or,
+    over gRPC, to the client's threads (inline: the first in the caller's)."""
+    if not tcp:
+        monkeypatch.setenv(env.TCP, "0")
     client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1, part_bytes=16)
     try:
         client.register({"a": torch.zeros(8), "b": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="asp")
@@ -131,7 +142,7 @@ def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_re
         res = client.push({"a": torch.ones(8), "b": torch.ones(8)}, step=1)
         client.pull_async(out=out, min_versions=[r.ready_version for r in res], answered=res).result()
         client.pull_async(out=out, min_versions=[r.ready_version for r in res], inline=True).result()
-        assert handed == [[], [0, 1], [1]]
+        assert handed == ([[], [], []] if tcp else [[], [0, 1], [1]])
         assert torch.equal(out["a"], torch.full((8,), -2.0))
     finally:
         client.close()

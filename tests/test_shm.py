@@ -1,4 +1,5 @@
-"""The same-host fast path: tensor bytes through shared memory, gRPC carrying where they lie.
+"""The same-host fast path: tensor bytes through shared memory, frames on the data connection (gRPC with it
+off) carrying where they lie.
 
 Exact against gRPC (the same bytes, another road), refused cleanly when a
 request names a bad segment, off where the probe fails, and the segments
@@ -38,11 +39,23 @@ def test_shared_memory_gives_the_weights_grpc_gives(make_cluster, monkeypatch, o
     monkeypatch.delenv(env.TCP)
     over_shm = train_over_paths(make_cluster(2).addresses, shm=True, **opt_kw)
     for k in range(2):
-        assert over_grpc[k][0] == ["GrpcPath"] * 2 and over_shm[k][0] == ["ShmPath"] * 2
+        assert over_grpc[k][0] == ["GrpcPath"] * 2 and over_shm[k][0] == ["ShmConnPath"] * 2
         if opt_kw["sync"] == "asp":
             continue  # two asp workers' gradients apply in arrival order: compared single-worker below
         for n, w in over_grpc[k][1].items():
             assert torch.equal(over_shm[k][1][n], w), f"worker {k}, {n}"
+
+
+def test_shared_memory_control_on_the_connection_or_grpc_gives_the_same_weights(make_cluster, monkeypatch):
+    """The segments' calls as frames on the data connection (the default) or, with it off, over gRPC:
+    the same weights, bit for bit."""
+    over_conn = train_over_paths(make_cluster(2).addresses, shm=True, sync="bsp", overlap=True, bucket_bytes=3000)
+    monkeypatch.setenv(env.TCP, "0")
+    over_grpc = train_over_paths(make_cluster(2).addresses, shm=True, sync="bsp", overlap=True, bucket_bytes=3000)
+    for k in range(2):
+        assert over_conn[k][0] == ["ShmConnPath"] * 2 and over_grpc[k][0] == ["ShmPath"] * 2
+        for n, w in over_grpc[k][1].items():
+            assert torch.equal(over_conn[k][1][n], w), f"worker {k}, {n}"
 
 
 def test_asp_one_worker_exact(make_cluster, monkeypatch):

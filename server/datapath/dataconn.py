@@ -15,7 +15,9 @@ Each connection (``Conn``) has one thread reading its frames:
   push buffer (one per route and connection, grown to what the worker's
   layout needs); then the Push is decoded, checked and applied in that same
   thread, as the gRPC handler would (``WorkersServicer.push_frames``), and
-  answered: no hand-off between threads;
+  answered: no hand-off between threads (but for a shard holding split
+  tensors, whose step waits for its peers: a peer in this process may need
+  a frame behind this one, so its Push runs in a pool thread);
 - a streamed Push (``PUSH_PART`` ... ``PUSH_END``) runs in a thread of its
   own (its gradients come while the worker computes), fed message by
   message;
@@ -32,7 +34,11 @@ Each connection (``Conn``) has one thread reading its frames:
   under bsp, each worker's of a round) and sent from it. A shard with a
   backup, or a Pull naming slices, waits in a pool thread instead
   (``WorkersServicer.pull_frames``), its weights written into the route's
-  pull buffer.
+  pull buffer;
+- a worker on this machine sends the same frames with no extents: its
+  Push's messages name its shared-memory segment (written before the frame
+  went), its Pull asks the weights written into its pull segment
+  (``Reader.read_into``), the answer saying where (no bytes after it).
 
 Every answer goes through the connection's ``Sender`` (protos/dataconn.py):
 written by the answering thread as far as the socket takes it, the rest by
@@ -310,13 +316,27 @@ class Conn:
             self._pull_frame(servicer, call, route, bytes(ctl), buffer_bytes, timeout, wire.PULL)
             return
         if kind in (wire.PUSH, wire.PUSH_PULL):
-            if self._push_call(servicer, call, messages, target if extents else None, extents, landed, filled,
-                               kind == wire.PUSH_PULL, carried):
-                if carried is not None:  # from the version the Push's answer named (``_push_call``)
-                    left = max(0.0, timeout - (time.monotonic() - started))
-                    self._pull_frame(servicer, call, route, carried, carried.frame_bytes, left, wire.PUSH_PULL)
+            args = (servicer, call, route, messages, target if extents else None, extents, landed, filled,
+                    kind == wire.PUSH_PULL, carried, started, timeout)
+            if servicer.store.table.has_split():
+                # Its step waits for its peers' statistics; a peer in this process needs this worker's Push,
+                # which may be a frame behind this one: the reading thread must not wait on it.
+                self.port.pool.submit(self._push_then_pull, *args)
+            else:
+                self._push_then_pull(*args)
             return
         self._stream_frame(servicer, kind, call, route, ctl, extents, timeout)
+
+    def _push_then_pull(self, servicer: WorkersServicer, call: int, route: int,
+                        messages: list[ps_pb2.PushRequest] | StoreError, target: memoryview | None,
+                        extents: list[tuple[int, int]], landed: Landing | None, filled: dict[int, memoryview],
+                        carries: bool, carried: ps_pb2.PullRequest | None, started: float, timeout: float) -> None:
+        """A ``PUSH`` or ``PUSH_PULL`` frame's calls: the Push, then, once it was taken in, its carried Pull from
+        the version the Push's answer named (``_push_call``), its deadline counted from the frame's arrival."""
+        if self._push_call(servicer, call, messages, target, extents, landed, filled, carries, carried) \
+                and carried is not None:
+            left = max(0.0, timeout - (time.monotonic() - started))
+            self._pull_frame(servicer, call, route, carried, carried.frame_bytes, left, wire.PUSH_PULL)
 
     def _messages(self, ctl: bytes | bytearray) -> list[ps_pb2.PushRequest]:
         try:
@@ -468,11 +488,12 @@ class Conn:
 
         try:
             req = self._pull_request(request) if isinstance(request, bytes) else request
-            if req.shm != wire.FRAME_SEGMENT:
-                return False
-            pull = PullBuffer(self._pull.setdefault(route, Buffer()), buffer_bytes)
-            return servicer.pull_soon(req, servicer.wait_limit(timeout), FrameSegments(servicer.segments, pull=pull),
-                                      self.port.deadlines, answered)
+            if req.shm == wire.FRAME_SEGMENT:
+                segments = FrameSegments(servicer.segments, pull=PullBuffer(self._pull.setdefault(route, Buffer()),
+                                                                              buffer_bytes))
+            else:  # the worker's shared-memory segment (same host): the weights are written there
+                segments = FrameSegments(servicer.segments)
+            return servicer.pull_soon(req, servicer.wait_limit(timeout), segments, self.port.deadlines, answered)
         except Exception as e:  # noqa: BLE001 - answered as its status
             self.answer(kind, call, *self._failed(servicer, "Pull", e))
             return True

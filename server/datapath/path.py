@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from shardps.protos import codec
+from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
@@ -347,9 +348,11 @@ class DataPath:
         thread when the weights are there, else parked and answered by the thread whose change makes them
         so, or ``timeout`` from now with DEADLINE_EXCEEDED, as ``pull``'s wait would. The weights are
         framed once per version for every such Pull (``Reader.read_shared``; ``segment``: the worker's pull
-        buffer, whose size they must fit). ``answer(seconds waited, messages, their bytes, None)`` or
-        ``answer(seconds waited, None, None, error)``: called once, outside the lock (a failure before any
-        wait is raised instead). Only where ``parks()``."""
+        buffer, whose size they must fit); a ``segment`` of shared memory (the same-host path) gets them
+        written into it (``Reader.read_into``), the messages only saying where (no bytes to send).
+        ``answer(seconds waited, messages, their bytes, None)`` or ``answer(seconds waited, None, None,
+        error)``: called once, outside the lock (a failure before any wait is raised instead). Only where
+        ``parks()``."""
         job = self.job
         t0 = time.monotonic()
         with self._cond:
@@ -379,10 +382,15 @@ class DataPath:
                             raise Unavailable(f"shard {self.shard_index}: a backup was attached while this Pull "
                                               f"waited: ask again")
                     waited = time.monotonic() - t0
-                    # One copy and one framing of this version's weights for every worker's Pull (bsp: each
-                    # worker of the round), not one each: the answers send the same buffer.
-                    _, messages, payload = self.reader.read_shared(names, wire_dtype, segment.size,
-                                                                   slowest_clock=slowest, worker_id=worker_id)
+                    payload: memoryview | None = None
+                    if segment.name != FRAME_SEGMENT:  # the worker's own shared-memory segment
+                        _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
+                                                            worker_id=worker_id)
+                    else:
+                        # One copy and one framing of this version's weights for every worker's Pull (bsp: each
+                        # worker of the round), not one each: the answers send the same buffer.
+                        _, messages, payload = self.reader.read_shared(names, wire_dtype, segment.size,
+                                                                       slowest_clock=slowest, worker_id=worker_id)
                 except Exception as e:  # noqa: BLE001 - the Pull's answer
                     answer(time.monotonic() - t0, None, None, e)
                     return

@@ -146,6 +146,8 @@ def test_each_shards_pull_begins_as_it_answers_before_the_next_push_goes(make_cl
     monkeypatch.setattr(PullInFlight, "begin", logged_begin)
     model = _model()
     client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, part_bytes=512)
+    opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp",
+                                       push_window=1)
     push = client.transport.push
 
     def logged_push(shard, requests, **kw):
@@ -153,8 +155,12 @@ def test_each_shards_pull_begins_as_it_answers_before_the_next_push_goes(make_cl
         return push(shard, requests, **kw)
 
     monkeypatch.setattr(client.transport, "push", logged_push)
-    opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp",
-                                       push_window=1)
+    for s, path in enumerate(client.paths):  # a frame that waits for nothing (the data connection's)
+        if hasattr(path, "push_soon"):
+            def logged_soon(*args, real=path.push_soon, s=s, **kw):
+                log.append(("push", s))
+                return real(*args, **kw)
+            path.push_soon = logged_soon
     x, y = _data(0, 0)
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()

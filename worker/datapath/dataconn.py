@@ -19,6 +19,12 @@ calls (``Transport.push``/``pull`` with ``via=`` the path) become frames:
   server took the push in and the weights of the version it named are
   there, the pull's (``NotMade`` where the push was refused).
 
+``ShmConnPath`` is a shard on this machine: its bytes in shared memory
+(``ShmPath``), its calls the same frames with no extents (a push's messages
+name its push segment, written before the frame goes; a pull's answer says
+where in its pull segment the shard wrote the weights). Its pull does not
+ride its push (the server makes a carried pull only into the frame's bytes).
+
 One thread per connection reads the answers. A call made by the
 transport (``ConnPath.push``/``pull``: a retry, a streamed push) waits for
 its answer with its deadline; a call that waits for nothing
@@ -56,9 +62,10 @@ from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import Security, keepalive_seconds
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker.datapath.paths import ClientRoute, Frames, GrpcPath, Staged
+from shardps.worker.datapath.paths import ClientRoute, Frames, GrpcPath, ShmPath, Staged
 from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.reach import StatusError
+from shardps.worker.datapath.shm import ShmLink
 from shardps.worker.layout import Layout
 
 log = logging.getLogger("shardps.worker")
@@ -460,10 +467,14 @@ class DataConn:
 
 def _bytes(values: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy (bf16 too: numpy has no such dtype)."""
-    flat = values.reshape(-1)
+    flat = values if values.dim() == 1 else values.reshape(-1)
     if not flat.numel():
         return memoryview(b"")
-    raw: Any = flat.view(torch.uint8).numpy()
+    raw: Any
+    if flat.dtype == torch.float32:  # numpy's own dtype: no view to make first
+        raw = flat.numpy()
+        return memoryview(raw).cast("B")
+    raw = flat.view(torch.uint8).numpy()
     return memoryview(raw)
 
 
@@ -471,6 +482,7 @@ class ConnPath:
     """One shard's calls as frames on its process's ``conn`` (module docstring)."""
 
     writes_ahead = False
+    carries = True  # a step's Pull may ride its Push's frame (``push_soon(carry=)``)
 
     def __init__(self, conn: DataConn, route: int, grpc_path: GrpcPath, smap: ShardMap,
                  layouts: Mapping[str, Layout]) -> None:
@@ -645,3 +657,85 @@ class ConnPath:
     def close(self) -> None:
         """This shard's calls go elsewhere from now on; the connection stays (ShardPaths closes it)."""
         self.closed = True
+
+
+class ShmConnPath(ShmPath):
+    """A shard on this machine: its bytes in shared memory (``ShmPath``: written ahead into the push segment,
+    the weights written by the shard into the pull segment), its Push and Pull calls as frames on this
+    worker's connection to the shard's process (no extents: the messages name the segments). No gRPC call
+    in a step. Should the connection end, ``ShardPaths`` puts a plain ``ShmPath`` (control over gRPC) in
+    its place until the connection is made again."""
+
+    def __init__(self, link: ShmLink, grpc_path: GrpcPath, conn: DataConn, route: int) -> None:
+        super().__init__(link, grpc_path)
+        self.conn, self.route = conn, route
+        self.calls = self
+        self.closed = False
+
+    carries = False  # the server makes a carried Pull only into the frame's bytes
+
+    def _closed(self) -> FrameError:
+        return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
+                                                       "(a fail-over, a lost connection): asked again on the "
+                                                       "path it has now")
+
+    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse:
+        if self.closed:
+            raise self._closed()
+        if stream:
+            return ps_pb2.PushResponse.FromString(self.conn.stream(self.route, ((m, []) for m in requests), 0,
+                                                                   timeout))
+        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(list(requests)), (), 0, timeout)
+        return ps_pb2.PushResponse.FromString(ctl)
+
+    def pull(self, request: ps_pb2.PullRequest, timeout: float, place: Place | None = None) -> Iterator[Any]:
+        if self.closed:
+            raise self._closed()
+        ctl, _ = self.conn.call(wire.PULL, self.route, (request.SerializeToString(),), (), 0, timeout)
+        return iter([framing.read_pull_response(m) for m in wire.split(ctl)])
+
+    def push_soon(self, requests: Iterator[bytes], timeout: float,
+                  then: Callable[[ps_pb2.PushResponse | None, FrameError | None], None],
+                  carry: Any = None) -> int:
+        """``ConnPath.push_soon`` for the segment's bytes; its Pull does not ride it (``carries`` is False)."""
+        if self.closed:
+            raise self._closed()
+        if carry is not None:
+            raise ValueError("a Pull through shared memory does not ride its Push's frame")
+
+        def done(c: _Call) -> None:
+            try:
+                ctl, _ = self.conn.result(c)
+            except FrameError as e:
+                then(None, e)
+                return
+            then(ps_pb2.PushResponse.FromString(ctl), None)
+
+        return self.conn.submit(wire.PUSH, self.route, wire.joined(list(requests)), (), 0, timeout, done)
+
+    def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, place: Place,
+                  then: Callable[[list[Any] | None, FrameError | None], None]) -> int:
+        """``ConnPath.pull_soon`` for the pull segment: the answer's messages say where the shard wrote the
+        weights (``read`` reads them there); ``place`` is not used (the bytes are in the segment already)."""
+        if self.closed:
+            raise self._closed()
+
+        def done(c: _Call) -> None:
+            try:
+                ctl, _ = self.conn.result(c)
+                responses = [framing.read_pull_response(m) for m in wire.split(ctl)]
+            except (FrameError, wire.ProtocolError) as e:
+                then(None, e if isinstance(e, FrameError) else FrameError(grpc.StatusCode.INTERNAL, str(e)))
+                return
+            then(responses, None)
+
+        return self.conn.submit(wire.PULL, self.route, (request.SerializeToString(),), (), 0, timeout, done)
+
+    def detach(self) -> None:
+        """The connection ended: this path's calls fail UNAVAILABLE from now on; the segments stay open (the
+        plain ``ShmPath`` that takes its place uses them)."""
+        self.closed = True
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()

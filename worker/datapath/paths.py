@@ -7,7 +7,9 @@ A push's messages and a pull's answers take one of three paths:
   ``chunk.data``).
 - ``ShmPath``: the shard shares this machine (it read the worker's probe at
   Register): the bytes lie in the shard's segments (``worker/datapath/shm.py``
-  ``ShmLink``) and the messages only say where. A push first writes them
+  ``ShmLink``) and the messages only say where; they go as gRPC calls, or,
+  ``ShmConnPath`` (worker/datapath/dataconn.py), as frames on this worker's
+  data connection to the shard's process (the default where it offers one). A push first writes them
   there (``stage``: cast to the push dtype as they are copied, so a CPU
   gradient needs no cast of its own); should the segment close meanwhile (a
   fail-over in another thread), that push's share goes over gRPC, cast the
@@ -19,8 +21,8 @@ A push's messages and a pull's answers take one of three paths:
 
 ``ShardPaths`` (worker/datapath/shardpaths.py) holds one path per shard and is the one place the choice is
 made: ``open`` after Register (shared memory for each shard that read the
-probe and whose segments could be made, else TCP where the shard offers
-it), ``moved`` when a shard fails over to its backup (``Transport.on_moved``:
+probe and whose segments could be made, else TCP; the calls on the data
+connection where the shard offers one), ``moved`` when a shard fails over to its backup (``Transport.on_moved``:
 the backup process's data connection where it offers one, else gRPC),
 ``off`` when the client closes. The data path (``push.py``, ``bucketedpush.py``, ``pull.py``) reads a
 shard's path as a call to it starts (a retry after a fail-over reads it
@@ -222,7 +224,7 @@ class ShmPath:
     """The bytes in the shard's segments (``link``), the messages saying where; ``grpc`` when a segment closed."""
 
     writes_ahead = True
-    calls = None
+    calls: Calls | None = None  # a data connection's (worker/datapath/dataconn.py ``ShmConnPath``), else gRPC
 
     def __init__(self, link: ShmLink, grpc: GrpcPath) -> None:
         self.link = link

@@ -195,7 +195,7 @@ class PullInFlight:
         the version the Push's answer names, no frame of its own): its request, where its parts land, what
         ends it; None where it cannot (not begun with ``start_later``, a path without frames, slices).
         ``carried`` once the frame is out, ``uncarry`` if it could not be sent."""
-        if self._slices or not hasattr(path, "pull_soon"):
+        if self._slices or not getattr(path, "carries", False):
             return None
         with self._lock:
             if shard not in self._later:

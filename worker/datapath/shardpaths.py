@@ -1,7 +1,7 @@
 """Each shard's data path, chosen once per shard (``ShardPaths``): shared memory, a data connection or gRPC.
 
 The paths themselves are in worker/datapath/paths.py (``GrpcPath``, ``ShmPath``) and
-worker/datapath/dataconn.py (``ConnPath``, on one ``DataConn`` per server process);
+worker/datapath/dataconn.py (``ConnPath`` and ``ShmConnPath``, on one ``DataConn`` per server process);
 this module is the one place the choice is made, and undone when a shard
 fails over or a connection ends.
 
@@ -11,7 +11,8 @@ thread of its own (the step never waits on a connect) as soon as the
 connection is lost, then after 1, 2, 4 ... up to 60 seconds while it fails
 (the process restarted: its port and token are gone until the worker
 registers again, which opens every connection anew). Meanwhile the shards'
-calls go through gRPC. A shard that failed over to its backup takes the
+calls go through gRPC (a shard with shared memory keeps its segments:
+``ShmPath``, its calls over gRPC, until ``ShmConnPath`` again). A shard that failed over to its backup takes the
 backup process's data connection, which the backup offers in its answer to
 TakeOver (``moved``: made the same way if this worker has none to that
 process yet); gRPC where it offers none. Thread-safety as
@@ -79,25 +80,30 @@ class ShardPaths(Sequence[ShardPath]):
     def open(self, smap: ShardMap, layouts: dict[str, Layout], readable: Sequence[bool],
              answers: Sequence[ps_pb2.RegisterResponse] = (), transport: Transport | None = None) -> None:
         """After Register: shared memory for every shard that read the probe (``readable``) and whose segments
-        can be made (``ShmLink.open`` logs why not); else, given the shards' ``answers`` and the
-        ``transport``, a data connection (worker/datapath/dataconn.py) to the process of each that gave a data
-        port, one per process, unless ``SHARDPS_TCP`` is 0 or the transport has TLS; gRPC for the others."""
+        can be made (``ShmLink.open`` logs why not); given the shards' ``answers`` and the ``transport``, a
+        data connection (worker/datapath/dataconn.py) to the process of each that gave a data port, one per
+        process, unless ``SHARDPS_TCP`` is 0: its calls as frames there (with shared memory: ``ShmConnPath``,
+        the frames saying where the bytes lie); gRPC for the others."""
         tcp = transport is not None and dataconn.wanted(transport.security)
         self.close()
         self._opened = (smap, layouts, transport) if transport is not None else None
         for i in range(len(self._paths)):
-            if readable[i]:
-                link = ShmLink.open(self._worker_id, i, smap, layouts)
-                if link is not None:
-                    self._paths[i] = ShmPath(link, self._grpc[i])
-            elif tcp and answers and answers[i].data_port:
+            link = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None
+            if readable[i] and link is None:
+                continue  # gRPC (ShmLink.open said why)
+            if tcp and answers and answers[i].data_port:
                 assert transport is not None
                 host = transport.addresses[i].rsplit(":", 1)[0]
                 conn = self._conn(host, answers[i], transport)
                 if conn is not None:
-                    self._paths[i] = dataconn.ConnPath(conn, answers[i].data_route, self._grpc[i], smap, layouts)
+                    self._paths[i] = (dataconn.ShmConnPath(link, self._grpc[i], conn, answers[i].data_route)
+                                      if link is not None else
+                                      dataconn.ConnPath(conn, answers[i].data_route, self._grpc[i], smap, layouts))
                     self._offers[i] = ((host, answers[i].data_port), answers[i].data_token, answers[i].data_route,
                                        transport.addresses[i])
+                    continue
+            if link is not None:
+                self._paths[i] = ShmPath(link, self._grpc[i])
 
     def _conn(self, host: str, answer: ps_pb2.RegisterResponse, transport: Transport) -> dataconn.DataConn | None:
         """This worker's connection to the process at ``host`` whose data port ``answer`` gave (made once)."""
@@ -121,6 +127,9 @@ class ShardPaths(Sequence[ShardPath]):
             if isinstance(p, dataconn.ConnPath) and p.conn is conn:
                 self._paths[i] = self._grpc[i]
                 p.close()
+            elif isinstance(p, dataconn.ShmConnPath) and p.conn is conn:  # the segments stay; control by gRPC
+                self._paths[i] = ShmPath(p.link, self._grpc[i])
+                p.detach()
         with self._mu:
             if key in self._conns:  # not closed meanwhile: made again (``revive``)
                 self._lost.setdefault(key, (0.0, 1.0))
@@ -172,8 +181,11 @@ class ShardPaths(Sequence[ShardPath]):
 
     def _restore(self, shard: int, conn: dataconn.DataConn, route: int, smap: ShardMap,
                  layouts: dict[str, Layout]) -> None:
-        if isinstance(self._paths[shard], GrpcPath):
+        path = self._paths[shard]
+        if isinstance(path, GrpcPath):
             self._paths[shard] = dataconn.ConnPath(conn, route, self._grpc[shard], smap, layouts)
+        elif type(path) is ShmPath:  # its segments, its calls on the connection again
+            self._paths[shard] = dataconn.ShmConnPath(path.link, self._grpc[shard], conn, route)
 
     def moved(self, shard: int, answer: ps_pb2.PromoteResponse) -> None:
         """Shard ``shard`` failed over (``Transport.on_moved``, under its fail-over lock; the transport already

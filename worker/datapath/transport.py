@@ -101,6 +101,7 @@ class Transport:
         # Per shard: a push stream and a pull in flight can each hold a thread for a whole backward or
         # forward (overlap), and a heartbeat must still get through meanwhile.
         self._pool = ThreadPoolExecutor(max_workers=3 * len(self.addresses), thread_name_prefix="psclient")
+        self.closed = False  # ``close`` began: a call that fails now is not made again
 
     @property
     def num_shards(self) -> int:
@@ -305,10 +306,14 @@ class Transport:
 
     def failed_once(self, shard: int, e: Exception) -> ShardError | None:
         """A call to ``shard`` made outside ``call`` (a frame that waited for nothing) failed with ``e``: None
-        when it is to be made again through ``call`` (UNAVAILABLE: its retries, a fail-over), else the
-        ShardError to raise, as ``call`` would."""
+        when it is to be made again through ``call`` (UNAVAILABLE: its retries, a fail-over; counted in
+        ``retries_total``), else the ShardError to raise, as ``call`` would."""
         code, details = status_of(e)
+        if self.closed:  # its connection closed with the client: CANCELLED, as a gRPC call under way would be
+            return shard_error(self.addresses[shard], shard, grpc.StatusCode.CANCELLED,
+                               f"the client closed while the call was under way ({details})")
         if code == grpc.StatusCode.UNAVAILABLE:
+            self.retries_total += 1  # made again: a retry, as ``call``'s are counted
             return None
         return shard_error(self.addresses[shard], shard, code, details)
 
@@ -446,7 +451,10 @@ class Transport:
     def close(self) -> None:
         """Close every channel, then stop the threads. Idempotent. Closing a channel cancels the calls under
         way on it (CANCELLED in their threads): a Pull started ahead of a step that never comes (overlap's, or
-        one waiting for a worker that will not push) would otherwise hold this until its deadline."""
+        one waiting for a worker that will not push) would otherwise hold this until its deadline. A frame
+        under way on a data connection (closed after this by ``ShardPaths.close``) ends CANCELLED too
+        (``failed_once``)."""
+        self.closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._channels + self._retired + list(self._operator_channels.values()):
             c.close()
