@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """The CPU of a bsp step's calls on loopback, in the cluster benchmark's layout, and the servers' thread switches.
 
-    .venv/bin/python benchmarks/call_cpu.py [--shards-per-host 1 4 16] [--steps 20] [--rounds 2]
+    .venv/bin/python benchmarks/call_cpu.py [--shards-per-host 1 4 16] [--steps 20] [--rounds 2] [--shm]
 
 benchmarks/cluster.py's workload and schedule without its links: 4 server
 processes (``shardps server --shards S``), 4 workers
 (``baselines/host_worker.py``: the MLP 1024-2048-1024-10, batch 8, SGD,
 bsp, a window of 4, the model cut into parts of a shard's size), every
 process on this machine's loopback, ``SHARDPS_SHM=0`` so that the bytes
-take the data connection as between hosts. Each worker pushes and pulls
+take the data connection as between hosts (``--shm``: through shared memory,
+as on one machine, the calls still frames on the connection). Each worker pushes and pulls
 every shard once a step: 2 x 4 S x 4 calls a step. Printed per S (medians
 over ``--rounds``, rounds rotating): the step (on loopback every process
 shares the machine's cores, so the step is the CPU's bound), the CPU
@@ -55,9 +56,9 @@ def switches(pid: int) -> int:
     return total
 
 
-def one(per: int, steps: int, timeout: float) -> dict[str, float]:
+def one(per: int, steps: int, timeout: float, shm: bool = False) -> dict[str, float]:
     """One run at ``per`` shards a server process: start, time ``steps`` steps after 2, stop."""
-    env = dict(os.environ, SHARDPS_LOG_LEVEL="ERROR", SHARDPS_SHM="0")
+    env = dict(os.environ, SHARDPS_LOG_LEVEL="ERROR", SHARDPS_SHM="1" if shm else "0")
     total = HOSTS * per
     servers: list[subprocess.Popen[str]] = []
     workers: list[subprocess.Popen[str]] = []
@@ -109,14 +110,16 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--shm", action="store_true", help="the bytes through shared memory (one machine's path)")
     a = p.parse_args()
     print(f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {HOSTS} server processes, {WORKERS} workers, "
-          f"{a.steps} timed steps after 2", file=sys.stderr)
+          f"{a.steps} timed steps after 2; bytes through {'shared memory' if a.shm else 'the data connection'}",
+          file=sys.stderr)
     runs: dict[int, list[dict[str, float]]] = {per: [] for per in a.shards_per_host}
     for r in range(a.rounds):
         order = a.shards_per_host[r % len(a.shards_per_host):] + a.shards_per_host[:r % len(a.shards_per_host)]
         for per in order:
-            row = one(per, a.steps, a.timeout)
+            row = one(per, a.steps, a.timeout, a.shm)
             print(f"  [round {r + 1}/{a.rounds}] {per} shards a process: {row['step_s'] * 1e3:.0f} ms a step, "
                   f"{row['cpu_ms_per_call']:.2f} CPU-ms a call", file=sys.stderr)
             runs[per].append(row)
