@@ -158,9 +158,13 @@ def test_a_pull_through_shared_memory_says_where_each_part_lies(one_shard):
     assert torch.equal(got, store.reader.weights("w")[0].reshape(-1))
 
 
-def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
+@pytest.mark.parametrize("tcp", [True, False], ids=["frames", "grpc"])
+def test_no_room_in_dev_shm_falls_back_to_the_calls(cluster2, monkeypatch, caplog, tcp):
     """A /dev/shm too small for the segments (a container's 64 MB) is an OSError when they are made, not a
-    SIGBUS later: the worker says so and trains over gRPC."""
+    SIGBUS later: the worker says so and trains with the bytes in its calls, frames on the data connection
+    (gRPC with it off)."""
+    if not tcp:
+        monkeypatch.setenv(env.TCP, "0")
     import errno
 
     from shardps.worker.datapath import shm as worker_shm
@@ -173,9 +177,10 @@ def test_no_room_in_dev_shm_falls_back_to_grpc(cluster2, monkeypatch, caplog):
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1))
         assert client.shm_links == [None, None]
+        assert [type(p).__name__ for p in client.paths] == (["ConnPath"] * 2 if tcp else ["GrpcPath"] * 2)
         model(torch.randn(4, 10)).sum().backward()
         opt.step()
-    assert "go through gRPC" in caplog.text
+    assert "no shared memory here" in caplog.text and "tensor bytes go in the calls" in caplog.text
 
 
 def test_segments_of_a_dead_worker_are_removed_by_the_next(tmp_path):

@@ -83,14 +83,13 @@ class ShardPaths(Sequence[ShardPath]):
         can be made (``ShmLink.open`` logs why not); given the shards' ``answers`` and the ``transport``, a
         data connection (worker/datapath/dataconn.py) to the process of each that gave a data port, one per
         process, unless ``SHARDPS_TCP`` is 0: its calls as frames there (with shared memory: ``ShmConnPath``,
-        the frames saying where the bytes lie); gRPC for the others."""
+        the frames saying where the bytes lie; without: ``ConnPath``, the bytes in them); gRPC for the
+        others."""
         tcp = transport is not None and dataconn.wanted(transport.security)
         self.close()
         self._opened = (smap, layouts, transport) if transport is not None else None
         for i in range(len(self._paths)):
-            link = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None
-            if readable[i] and link is None:
-                continue  # gRPC (ShmLink.open said why)
+            link = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None  # None: it said why
             if tcp and answers and answers[i].data_port:
                 assert transport is not None
                 host = transport.addresses[i].rsplit(":", 1)[0]
@@ -121,7 +120,7 @@ class ShardPaths(Sequence[ShardPath]):
         """The connection to ``key`` ended by itself: its shards take gRPC from now on."""
         quiet = why.startswith("connection closed")  # the process closed it (a stop)
         log.log(logging.INFO if quiet else logging.WARNING,
-                "data connection to %s:%d ended (%s): its shards' bytes go through gRPC", *key, why)
+                "data connection to %s:%d ended (%s): its shards' calls go through gRPC", *key, why)
         conn = self._conns.get(key)
         for i, p in enumerate(self._paths):
             if isinstance(p, dataconn.ConnPath) and p.conn is conn:

@@ -26,14 +26,15 @@ log = logging.getLogger("shardps.worker")
 
 def shm_probe(worker_id: int) -> tuple[shm.Segment, bytes] | None:
     """A probe segment and its token for Register (a shard on this machine reads it back), after removing
-    the segments of dead workers; None when this machine has no shared memory (gRPC carries the bytes)."""
+    the segments of dead workers; None when this machine has no shared memory (the calls carry the bytes)."""
     try:
         gone = shm.remove_stale()
         if gone:
             log.info("worker %d: removed %d shared-memory segments of dead workers", worker_id, len(gone))
         return shm.probe()
     except OSError as e:
-        log.warning("worker %d: no shared memory here (%s): tensor bytes go through gRPC", worker_id, e)
+        log.warning("worker %d: no shared memory here (%s): tensor bytes go in the calls (the data connection's "
+                    "frames, else gRPC)", worker_id, e)
         return None
 
 
@@ -61,11 +62,12 @@ class ShmLink:
     @staticmethod
     def open(worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> ShmLink | None:
         """The link to ``shard`` (which read this worker's probe), or None (logged) when its segments cannot
-        be made: its bytes then go through gRPC."""
+        be made: its bytes then go in its calls (frames on the data connection, or gRPC without one)."""
         try:
             return ShmLink(worker_id, shard, smap, layouts)
         except OSError as e:
-            log.warning("worker %d: no shared memory for shard %d (%s): its bytes go through gRPC", worker_id, shard, e)
+            log.warning("worker %d: no shared memory for shard %d (%s): its bytes go in its calls (the data "
+                        "connection's frames, else gRPC)", worker_id, shard, e)
             return None
 
     def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int
