@@ -270,6 +270,18 @@ def _server_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
 
 
+def _parked_pull(client, store):
+    """``client``'s pull of version 1, which must wait for the round: parked on ``store`` (counted as a waiting
+    Pull), held by no thread."""
+    before = _server_threads()
+    pull = client.pull_async(min_versions=[1])
+    with store._cond:
+        assert store._cond.wait_for(lambda: store.job.waiting == 1, 10)
+        assert len(store.path.parked) == 1
+    assert _server_threads() == before and not pull.done()
+    return pull
+
+
 @pytest.mark.fault
 def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_round_answers_it(make_cluster):
     cluster = make_cluster(1)
@@ -282,12 +294,7 @@ def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_r
             c.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
         assert isinstance(a.paths[0], ConnPath)
         a.push({"w": torch.ones(300)}, step=0)
-        before = _server_threads()
-        pull = a.pull_async(min_versions=[1])  # the round waits for worker 1
-        with store._cond:  # parked: counted as a waiting Pull, held by no thread
-            assert store._cond.wait_for(lambda: store.job.waiting == 1, 10)
-            assert len(store.path.parked) == 1
-        assert _server_threads() == before and not pull.done()
+        pull = _parked_pull(a, store)  # the round waits for worker 1
         b.push({"w": 3 * torch.ones(300)}, step=0)  # the round's last push: its thread answers the parked Pull
         got = pull.result()["w"]
         assert torch.equal(got, w - 2 * torch.ones(300)) and store.job.waiting == 0
@@ -591,12 +598,7 @@ def test_a_shard_with_shared_memory_calls_on_the_connection_parks_its_pull_and_g
         assert [type(p) for p in a.paths] == [ShmConnPath]
         link = a.paths[0].link
         a.push({"w": torch.ones(300)}, step=0)
-        before = _server_threads()
-        pull = a.pull_async(min_versions=[1])  # the round waits for worker 1
-        with store._cond:  # parked: counted as a waiting Pull, held by no thread
-            assert store._cond.wait_for(lambda: store.job.waiting == 1, 10)
-            assert len(store.path.parked) == 1
-        assert _server_threads() == before and not pull.done()
+        pull = _parked_pull(a, store)  # the round waits for worker 1
         b.push({"w": 3 * torch.ones(300)}, step=0)  # the round's last push answers the parked Pull
         assert torch.equal(pull.result()["w"], w - 2) and len(store.path.parked) == 0
 

@@ -478,7 +478,52 @@ def _bytes(values: torch.Tensor) -> memoryview:
     return memoryview(raw)
 
 
-class ConnPath:
+class FrameCalls:
+    """A shard's Push calls as frames on its process's ``conn`` (``route``: the shard's number there), shared by
+    ``ConnPath`` (the bytes in the frames, as ``_taken`` extents in a push buffer of ``push_bytes``) and
+    ``ShmConnPath`` (the bytes in shared memory: no extents)."""
+
+    conn: DataConn
+    route: int
+    shard: int
+    closed: bool
+    push_bytes = 0
+
+    def _taken(self) -> list[tuple[int, memoryview]]:
+        """The extents of the push being framed (none: its bytes are elsewhere)."""
+        return []
+
+    def _closed(self) -> FrameError:
+        return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
+                                                       "(a fail-over, a lost connection): asked again on the "
+                                                       "path it has now")
+
+    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse:
+        if self.closed:
+            raise self._closed()
+        if stream:
+            parts = ((m, self._taken()) for m in requests)
+            return ps_pb2.PushResponse.FromString(self.conn.stream(self.route, parts, self.push_bytes, timeout))
+        messages = list(requests)
+        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
+                                timeout)
+        return ps_pb2.PushResponse.FromString(ctl)
+
+    def _pushed(self, then: Callable[[ps_pb2.PushResponse | None, FrameError | None], None]
+                ) -> Callable[[_Call], None]:
+        """A ``push_soon``'s completion: its answer, or its failure, handed to ``then``."""
+        def done(c: _Call) -> None:
+            try:
+                ctl, _ = self.conn.result(c)
+            except FrameError as e:
+                then(None, e)
+                return
+            then(ps_pb2.PushResponse.FromString(ctl), None)
+
+        return done
+
+
+class ConnPath(FrameCalls):
     """One shard's calls as frames on its process's ``conn`` (module docstring)."""
 
     writes_ahead = False
@@ -560,23 +605,7 @@ class ConnPath:
         out, self._extents = self._extents, []
         return out
 
-    def _closed(self) -> FrameError:
-        return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
-                                                       "(a fail-over, a lost connection): asked again on the "
-                                                       "path it has now")
-
-    # -- the calls (Transport.push / pull with via=this path) ---------------------
-
-    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse:
-        if self.closed:
-            raise self._closed()
-        if stream:
-            parts = ((m, self._taken()) for m in requests)
-            return ps_pb2.PushResponse.FromString(self.conn.stream(self.route, parts, self.push_bytes, timeout))
-        messages = list(requests)
-        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
-                                timeout)
-        return ps_pb2.PushResponse.FromString(ctl)
+    # -- the calls (Transport.push / pull with via=this path; push: FrameCalls.push) ---------------------
 
     def pull(self, request: ps_pb2.PullRequest, timeout: float, place: Place | None = None) -> Iterator[Any]:
         if self.closed:
@@ -601,15 +630,7 @@ class ConnPath:
         cancels it. Its ``then`` gets ``NotMade`` when the push was refused."""
         if self.closed:
             raise self._closed()
-
-        def done(c: _Call) -> None:
-            try:
-                ctl, _ = self.conn.result(c)
-            except FrameError as e:
-                then(None, e)
-                return
-            then(ps_pb2.PushResponse.FromString(ctl), None)
-
+        done = self._pushed(then)
         messages = list(requests)
         if carry is None:
             return self.conn.submit(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
@@ -659,7 +680,7 @@ class ConnPath:
         self.closed = True
 
 
-class ShmConnPath(ShmPath):
+class ShmConnPath(FrameCalls, ShmPath):
     """A shard on this machine: its bytes in shared memory (``ShmPath``: written ahead into the push segment,
     the weights written by the shard into the pull segment), its Push and Pull calls as frames on this
     worker's connection to the shard's process (no extents: the messages name the segments). No gRPC call
@@ -673,20 +694,6 @@ class ShmConnPath(ShmPath):
         self.closed = False
 
     carries = False  # the server makes a carried Pull only into the frame's bytes
-
-    def _closed(self) -> FrameError:
-        return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
-                                                       "(a fail-over, a lost connection): asked again on the "
-                                                       "path it has now")
-
-    def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse:
-        if self.closed:
-            raise self._closed()
-        if stream:
-            return ps_pb2.PushResponse.FromString(self.conn.stream(self.route, ((m, []) for m in requests), 0,
-                                                                   timeout))
-        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(list(requests)), (), 0, timeout)
-        return ps_pb2.PushResponse.FromString(ctl)
 
     def pull(self, request: ps_pb2.PullRequest, timeout: float, place: Place | None = None) -> Iterator[Any]:
         if self.closed:
@@ -702,16 +709,8 @@ class ShmConnPath(ShmPath):
             raise self._closed()
         if carry is not None:
             raise ValueError("a Pull through shared memory does not ride its Push's frame")
-
-        def done(c: _Call) -> None:
-            try:
-                ctl, _ = self.conn.result(c)
-            except FrameError as e:
-                then(None, e)
-                return
-            then(ps_pb2.PushResponse.FromString(ctl), None)
-
-        return self.conn.submit(wire.PUSH, self.route, wire.joined(list(requests)), (), 0, timeout, done)
+        return self.conn.submit(wire.PUSH, self.route, wire.joined(list(requests)), (), 0, timeout,
+                                self._pushed(then))
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, place: Place,
                   then: Callable[[list[Any] | None, FrameError | None], None]) -> int:
