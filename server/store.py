@@ -229,8 +229,10 @@ class ShardStore:
             row_tensors.update(held)
         return version, meta, {**tensors, **row_tensors}
 
-    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Replace this shard's whole state with a snapshot (see ``snapshot``), part by part."""
+    def restore(self, version: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *,
+                epoch: int | None = None) -> None:
+        """Replace this shard's whole state with a snapshot (see ``snapshot``), part by part. ``epoch``: a
+        rollback's, entered under the same hold of the lock as the state (``rollback``)."""
         if meta["num_shards"] != self.num_shards:
             raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
                                      f"{self.shard_index} of {self.num_shards}")
@@ -257,6 +259,9 @@ class ShardStore:
             ap.staleness_counts = s.staleness_counts
             job.version = version
             job.epoch = max(job.epoch, s.epoch)
+            if epoch is not None:
+                job.epoch = max(epoch, job.epoch + 1)
+                job.recovering = False
             ap.stale_weights = s.stale_weights
             ap.add_peers(s.entries.values())
             self._cond.notify_all()
@@ -275,17 +280,17 @@ class ShardStore:
     def rollback(self, version: int, epoch: int) -> tuple[int, int]:
         """Restore the checkpoint at ``version`` and enter ``epoch`` (no-op if already there).
 
-        Waits in progress end with ABORTED, so their workers resync too.
+        Waits in progress end with ABORTED, so their workers resync too. The state and the epoch change
+        under one hold of the lock: a request of the epoch before never meets the restored state (a push
+        taken in there would outlive the rollback, into the new epoch).
         """
         ck, job = self.checkpointer, self.job
         with ck.lock:
             if epoch <= job.epoch and not job.recovering:
                 return job.version, job.epoch
             c = ck.load(version)
-            self.restore(c.version, c.meta, c.tensors())
+            self.restore(c.version, c.meta, c.tensors(), epoch=epoch)
             with self._cond:
-                job.epoch = max(epoch, job.epoch + 1)
-                job.recovering = False
                 ck.last_version = c.version
                 self.replica.record_snapshot()
                 self._cond.notify_all()

@@ -255,3 +255,25 @@ def test_a_second_rollback_while_a_worker_resyncs_is_followed(make_cluster, tmp_
         model(torch.ones(1, 4)).sum().backward()
         opt.step()  # and training goes on
         assert [s["version"] for s in client.stats()] == [5, 5]
+
+
+def test_a_rollback_restores_the_state_and_enters_its_epoch_at_once(make_cluster, tmp_path):
+    """A live shard rolled back used to restore the checkpoint and then, in a second hold of its lock,
+    enter the new epoch: in between, a request of the old epoch passed its epoch check against the
+    restored state (a push taken in there outlived the rollback). Every change the shard's waiters are
+    told of now shows the restored version only with the new epoch."""
+    cluster = make_cluster(1, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    params = {"w": torch.zeros(4)}
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1, part_bytes=16) as c:
+        c.register(params, shardps.optim.SGD(lr=1.0), sync="bsp")
+        for step in range(3):
+            c.push({"w": torch.ones(4)}, step=step)
+        store = cluster.stores[0]
+        assert store.job.version == 3 and store.job.epoch == 0
+        seen: list[tuple[int, int]] = []
+        store._cond.hooks.append(lambda: seen.append((store.job.version, store.job.epoch)))
+        assert store.rollback(2, 1) == (2, 1)
+        assert seen and all(epoch == 1 for version, epoch in seen if version == 2), seen
+        assert c.recover() == 2  # the worker follows, and the shard takes the step again
+        c.push({"w": torch.ones(4)}, step=2)
+        assert torch.equal(c.pull()["w"], torch.full((4,), -3.0))
