@@ -243,7 +243,9 @@ class ShardStore:
         with self._cond:
             ap, job = self.applier, self.job
             ap.settle()
-            self.reader.cache.clear()
+            # As before a step: no Pull copying the weights outside the lock, none framed or shared from them
+            # (a Pull's shared buffer is of "this version": a rollback's version was one before, other weights).
+            self.reader.before_write()
             self.table.replace(s.entries)
             self.leases.membership.restore(s.workers, s.evicted, s.left, s.num_workers, s.skips)
             job.worker_clocks, job.sync = s.worker_clocks, s.sync

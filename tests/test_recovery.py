@@ -277,3 +277,20 @@ def test_a_rollback_restores_the_state_and_enters_its_epoch_at_once(make_cluster
         assert c.recover() == 2  # the worker follows, and the shard takes the step again
         c.push({"w": torch.ones(4)}, step=2)
         assert torch.equal(c.pull()["w"], torch.full((4,), -3.0))
+
+
+def test_after_a_rollback_a_pull_on_the_data_connection_gets_the_restored_weights(make_cluster, tmp_path):
+    """Pulls on the data connection share one copy of a version's weights (``Reader.read_shared``), kept
+    until a step changes them. A rollback changes them too: the copy of the version before it used to
+    answer the next Pull (the weights of version 3, saying version 3, after a rollback to 2)."""
+    cluster = make_cluster(1, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    params = {"w": torch.zeros(4)}
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=1, part_bytes=16, shm=False) as c:
+        c.register(params, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert {type(p).__name__ for p in c.paths} == {"ConnPath"}
+        for step in range(3):
+            c.push({"w": torch.ones(4)}, step=step)
+        assert torch.equal(c.pull()["w"], torch.full((4,), -3.0)) and c.versions == [3]
+        assert cluster.stores[0].rollback(2, 1) == (2, 1)
+        assert c.recover() == 2
+        assert torch.equal(c.pull()["w"], torch.full((4,), -2.0)) and c.versions == [2]
