@@ -116,7 +116,7 @@ class ShardStore:
                                       on_read=lambda worker, names: path.on_read(worker, names))
         self.rows = RowTables(cond, lambda args, tensors: replica.record(OpKind.ROWS, args, tensors),  # rows/tables.py
                               lambda: replica.recording, gone=lambda: membership.evicted | membership.left,
-                              halted=lambda: job.recovering or job.closing)
+                              halted=lambda: job.recovering or job.closing, check_epoch=job.check_same_epoch)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
                                     checkpoint=self.checkpoint_now, clock=clock)
@@ -237,7 +237,7 @@ class ShardStore:
             raise FailedPrecondition(f"checkpoint is of a {meta['num_shards']}-shard job; this is shard "
                                      f"{self.shard_index} of {self.num_shards}")
         s = decode(version, meta, tensors)
-        self.rows.restore(meta.get("rows") or {}, tensors)
+        row_tables = self.rows.built(meta.get("rows") or {}, tensors)
         if "row_holds" in meta:  # a backup's sync (``snapshot_locked(holds=True)``)
             self.rows.held.load(meta["row_holds"], tensors)
         with self._cond:
@@ -248,6 +248,7 @@ class ShardStore:
             self.reader.before_write()
             self.table.replace(s.entries)
             self.leases.membership.restore(s.workers, s.evicted, s.left, s.num_workers, s.skips)
+            self.rows.install_locked(row_tables)  # its barriers track the workers restored just above
             job.worker_clocks, job.sync = s.worker_clocks, s.sync
             ap.remedy, ap.scaler, ap.scaling_configured = s.remedy, s.scaler, scaling_config(s.scaler)
             job.policy = (make_policy(job.sync, s.num_workers, ap.pool.recycle)

@@ -341,3 +341,34 @@ def test_a_row_push_from_before_a_rollback_is_refused_and_changes_nothing(make_c
         alone.rows.register("emb", 4, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
         alone.rows.push("emb", keys, torch.ones(6, 4), 5)
         assert torch.equal(client.rows.pull("emb", keys), saved - 2.0)
+
+
+def test_a_row_push_met_by_a_rollback_after_its_epoch_check_changes_nothing(make_cluster, tmp_path):
+    """The epoch of a row push was checked when it came in, and the rows changed later under the shard's
+    lock: a rollback in between (at this exact point: after the check, before the change) let a push of
+    the epoch before reach the restored table. It is checked again where the rows change now."""
+    cluster = make_cluster(1, checkpoint_dir=str(tmp_path))
+    keys = torch.arange(6)
+    store = cluster.stores[0]
+    with shardps.connect(cluster.addresses) as client:
+        client.register({"w": torch.zeros(2)}, SGD(lr=1.0), sync="asp")
+        client.rows.register("emb", 4, optimizer=SGD(lr=1.0), init={"kind": "zeros"})
+        client.rows.push("emb", keys, torch.ones(6, 4), 0)
+        client.checkpoint()
+        saved = client.rows.pull("emb", keys)
+        held, rolled = store.rows.held.holds, []
+
+        def holds(*args):  # asked between the servicer's epoch check and the push's change of the rows
+            if not rolled:
+                rolled.append(store.rollback(store.job.version, client.epoch + 1))
+            return held(*args)
+
+        store.rows.held.holds = holds
+        with pytest.raises(shardps.ShardError) as e:
+            client.rows.push("emb", keys, torch.ones(6, 4), 1)
+        assert rolled == [(store.job.version, 1)]
+        assert e.value.code == grpc.StatusCode.ABORTED and "is in epoch 1, the request in 0" in str(e.value)
+        assert torch.equal(client.rows.pull("emb", keys), saved)
+        client.recover()
+        client.rows.push("emb", keys, torch.ones(6, 4), 1)
+        assert torch.equal(client.rows.pull("emb", keys), saved - 1.0)

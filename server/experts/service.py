@@ -30,7 +30,7 @@ import torch
 
 from shardps.protos.rows import ROW_ITEMSIZE
 from shardps.protos.shardps.v1 import experts_pb2, experts_pb2_grpc
-from shardps.server.errors import FailedPrecondition, InvalidArgument
+from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument
 from shardps.server.metrics import ServerMetrics
 from shardps.server.rows.tables import RowTables
 from shardps.server.rpc import unary_errors
@@ -199,20 +199,27 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         if len(experts):
             rows, _ = self.rows.pull(request.table, request.dim, experts)
             dx, g = run_backward(program, rows, x, dy, counts, request.dim)
-        if request.HasField("epoch") and request.epoch != self.epoch():  # computed before a rollback: its
+        epoch = request.epoch if request.HasField("epoch") else None
+        if epoch is not None and epoch != self.epoch():  # computed before a rollback: its
             return experts_pb2.ExpertAnswer(out=dx)  # worker's dense push is refused, and it replays the step
         if request.hold:  # on the backup too before it is answered: the worker goes on (server/experts/heldgrads.py)
-            self.rows.hold(request.table, request.dim, request.worker_id, request.step, request.hold_index,
-                           experts, g)
+            try:  # the epoch checked again where the rows change: a rollback may have come since
+                self.rows.hold(request.table, request.dim, request.worker_id, request.step, request.hold_index,
+                               experts, g, epoch=epoch)
+            except Aborted:
+                return experts_pb2.ExpertAnswer(out=dx)
             self.replicated()
             return experts_pb2.ExpertAnswer(out=dx)
         none = np.zeros(len(experts), dtype=np.int64)
         keys, g, _ = self.rows.held.with_held(request.table, request.worker_id, request.step, experts, g, none)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
-        done = self.rows.push(request.table, request.dim, keys, g, worker=request.worker_id, step=request.step,
-                              num_workers=request.num_workers, sync=request.sync, min_round=request.min_round,
-                              timeout=timeout)
+        try:
+            done = self.rows.push(request.table, request.dim, keys, g, worker=request.worker_id, step=request.step,
+                                  num_workers=request.num_workers, sync=request.sync, min_round=request.min_round,
+                                  timeout=timeout, epoch=epoch)
+        except Aborted:
+            return experts_pb2.ExpertAnswer(out=dx)
         self.rows.held.drop(request.table, request.worker_id, request.step)  # kept until the push went through
         self.replicated()
         return experts_pb2.ExpertAnswer(out=dx, rows=done.rows, ready=done.ready)

@@ -143,14 +143,16 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
                  context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         self.check_serving()
         head, keys, grads, base, found_inf = decode_push_rows(request_iterator)
-        if head.HasField("epoch"):
-            self.check_epoch(head.epoch)
+        epoch = head.epoch if head.HasField("epoch") else None
+        if epoch is not None:
+            self.check_epoch(epoch)  # refused before any wait; checked again where the rows change (tables.py)
         if head.assign:
-            created = self.rows.assign(head.table, head.dim, keys, grads)
+            created = self.rows.assign(head.table, head.dim, keys, grads, epoch=epoch)
             self.replicated()
             return ps_pb2.PushRowsResponse(rows=created)
         if head.hold:  # kept for the step's push (an expert actor's held Backward: server/experts/heldgrads.py)
-            self.rows.hold(head.table, head.dim, head.worker_id, head.step, head.hold_index, keys, grads, base)
+            self.rows.hold(head.table, head.dim, head.worker_id, head.step, head.hold_index, keys, grads, base,
+                           epoch=epoch)
             self.replicated()  # the actor's worker goes on once answered: the backup must hold it too
             return ps_pb2.PushRowsResponse()
         held = self.rows.held
@@ -160,7 +162,7 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         done = self.rows.push(head.table, head.dim, keys, grads, worker=head.worker_id, step=head.step,
                               num_workers=head.num_workers, sync=head.sync, min_round=head.min_round,
-                              timeout=timeout, base=base, found_inf=found_inf)
+                              timeout=timeout, base=base, found_inf=found_inf, epoch=epoch)
         held.drop(head.table, head.worker_id, head.step)  # kept until the push went through
         self.replicated()  # acknowledged only once the backup holds it
         return ps_pb2.PushRowsResponse(rows=done.rows, steps=done.steps, skipped=done.skipped, ready=done.ready)

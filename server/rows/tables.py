@@ -93,9 +93,13 @@ class RowTables:
     def __init__(self, lock: threading.Condition | None = None, record: Record = _no_record,
                  recording: Callable[[], bool] = lambda: False, gone: Callable[[], set[int]] = set,
                  index: Callable[[], KeyIndex | DictIndex] = KeyIndex,
-                 halted: Callable[[], bool] = lambda: False) -> None:
+                 halted: Callable[[], bool] = lambda: False,
+                 check_epoch: Callable[[int], None] = lambda epoch: None) -> None:
         """``gone``: the workers evicted or gone from the job (the store's membership; called under the lock):
-        bsp steps complete without them. ``index``: each table's key -> slot index (server/rows/index.py)."""
+        bsp steps complete without them. ``index``: each table's key -> slot index (server/rows/index.py).
+        ``check_epoch(epoch)``: ABORTED unless the job is in the rollback epoch a change was computed in; a
+        change that names its epoch is checked under the lock, where a rollback's restore and its new epoch
+        happen together (the store's ``restore``), so none of an epoch before reaches a table after it."""
         self.index = index
         self.lock = lock if lock is not None else threading.Condition(threading.Lock())
         self.gone = gone
@@ -104,6 +108,7 @@ class RowTables:
         # Whether the shard awaits a rollback (restarted from its checkpoint) or is closing: a wait for a round or
         # the ssp clock ends at once (the worker's next dense call is refused and it rolls back).
         self.halted = halted
+        self.check_epoch = check_epoch
         self.tables: dict[str, RowTable] = {}
         self.waiting = 0  # pulls and pushes waiting now for a round or the ssp clock
         self.held = Held()  # expert gradients of a step's backwards, held for its last (server/experts/heldgrads.py)
@@ -153,13 +158,14 @@ class RowTables:
 
     def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
              num_workers: int = 1, sync: str = "", min_round: int = 0, timeout: float = 60.0,
-             base: np.ndarray | None = None, found_inf: bool = False) -> Pushed:
+             base: np.ndarray | None = None, found_inf: bool = False, epoch: int | None = None) -> Pushed:
         """Take in worker ``worker``'s push of ``step`` (repeated keys' gradients summed when applied) under the
         sync mode ``sync`` over ``num_workers`` workers (see the module); its answer says the rounds that apply
         it (``ready``). Waits first (at most ``timeout``) for the worker's previous round (``min_round``) and,
         under ssp:S, until every worker pushed ``step - S``. Every push counts, an empty one too. A step whose
         gradients hold an inf/nan (``found_inf``: on any shard, as the worker says) is skipped: no row changes,
-        no optimizer step, counted (``skipped``), as a dense step with found_inf is."""
+        no optimizer step, counted (``skipped``), as a dense step with found_inf is. ``epoch``: the rollback
+        epoch it was computed in (``check_epoch``, before and after any wait)."""
         if grads.shape != (len(keys), dim):
             raise InvalidArgument(f"row table {label(name)}: expected gradients of shape [{len(keys)}, {dim}] for "
                                   f"{len(keys)} keys, got {list(grads.shape)}")
@@ -172,6 +178,8 @@ class RowTables:
                                   f"workers, got {worker}")
         skip = found_inf or not bool(torch.isfinite(grads).all())
         with self.lock:
+            if epoch is not None:
+                self.check_epoch(epoch)
             t = self.table(name, dim)
             if step > t.pushed.get(worker, -1):
                 if spec.barrier and n > 1 and worker in self.gone():
@@ -179,6 +187,8 @@ class RowTables:
                                              f"(evicted or left; barrier rounds go on without it): register again "
                                              f"to rejoin")
                 self._wait(t, min_round, spec.min_clock(step) if spec.bounded else 0, timeout, n, str(spec))
+                if epoch is not None:  # the lock was let go while it waited: a rollback may have come
+                    self.check_epoch(epoch)
             if step <= t.pushed.get(worker, -1):  # a retry of a push taken in already: taken in once, answered again
                 t.counts["duplicates"] += 1
                 return Pushed(0, t.steps, step in t.skipped_steps, self._ready(t, worker))
@@ -284,12 +294,14 @@ class RowTables:
                 self._apply_updates(t, t.policy.live_changed(self._expected(t.mode[1])))
 
     def hold(self, name: str, dim: int, worker: int, step: int, index: int, keys: np.ndarray,
-             grads: torch.Tensor, versions: np.ndarray | None = None) -> None:
+             grads: torch.Tensor, versions: np.ndarray | None = None, epoch: int | None = None) -> None:
         """Hold expert gradients (rows of uint64 ``keys``, pulled at ``versions``: -1 not known) as hold
         ``index`` of ``worker``'s ``step`` for the step's last Backward or push (server/experts/heldgrads.py), recorded
-        for the backup; a hold held already is not."""
+        for the backup; a hold held already is not. ``epoch``: as ``push``'s."""
         versions = np.full(len(keys), -1, dtype=np.int64) if versions is None else versions
         with self.lock:
+            if epoch is not None:
+                self.check_epoch(epoch)
             self.table(name, dim)
             if grads.shape != (len(keys), dim):
                 raise InvalidArgument(f"row table {label(name)}: expected gradients of shape [{len(keys)}, {dim}] for "
@@ -340,9 +352,9 @@ class RowTables:
         t.expire()
         return Pushed(len(uniq), t.steps, False)
 
-    def assign(self, name: str, dim: int, keys: np.ndarray, values: torch.Tensor) -> int:
+    def assign(self, name: str, dim: int, keys: np.ndarray, values: torch.Tensor, epoch: int | None = None) -> int:
         """Create the rows of distinct ``keys`` not held yet with ``values`` (their first values; rows held
-        keep theirs): the rows created."""
+        keep theirs): the rows created. ``epoch``: as ``push``'s."""
         if values.shape != (len(keys), dim) or not bool(torch.isfinite(values).all()):
             raise InvalidArgument(f"row table {label(name)}: expected {len(keys)} finite rows of dim {dim}, got "
                                   f"{list(values.shape)}")
@@ -350,6 +362,8 @@ class RowTables:
             raise InvalidArgument(f"row table {label(name)}: expected distinct keys to assign, got "
                                   f"{len(keys) - len(np.unique(keys))} repeated")
         with self.lock:
+            if epoch is not None:
+                self.check_epoch(epoch)
             t = self.table(name, dim)
             new = np.flatnonzero(t.find(keys) < 0)
             if self.recording():
@@ -392,6 +406,12 @@ class RowTables:
 
     def restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Replace every table with a snapshot's (``snapshot``); a snapshot of no tables empties them."""
+        tables = self.built(meta, tensors)
+        with self.lock:
+            self.install_locked(tables)
+
+    def built(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, RowTable]:
+        """The tables of a snapshot (``snapshot``), made outside the lock, for ``install_locked``."""
         tables: dict[str, RowTable] = {}
         for name, m in meta.items():
             spec = RowTableSpec.from_json(m["spec"])
@@ -418,12 +438,16 @@ class RowTables:
             for k in t.state:
                 t.state[k][: len(keys)] = tensors[f"rows/{name}/state/{k}"]
             tables[name] = t
-        with self.lock:
-            for t in tables.values():
-                if t.policy is not None:
-                    t.policy.track_live(self._expected(t.mode[1]))
-            self.tables = tables
-            self.lock.notify_all()
+        return tables
+
+    def install_locked(self, tables: dict[str, RowTable]) -> None:
+        """Under the lock: ``built``'s tables replace every table (the store's restore, in the same hold of
+        the lock as the dense state and the rollback's epoch)."""
+        for t in tables.values():
+            if t.policy is not None:
+                t.policy.track_live(self._expected(t.mode[1]))
+        self.tables = tables
+        self.lock.notify_all()
 
     def restore_resharded(self, directory: str, shard_index: int, num_shards: int) -> None:
         """Replace every table with the rows shard ``shard_index`` of ``num_shards`` holds of the tables
