@@ -620,3 +620,48 @@ def test_a_shard_with_shared_memory_calls_on_the_connection_parks_its_pull_and_g
     finally:
         a.close()
         b.close()
+
+
+def test_two_pushes_framed_on_one_path_at_once_each_carry_their_own_bytes(make_cluster, monkeypatch):
+    """A whole push's extents are its own (``_Framed``): they used to be the path's, reset as a push's
+    messages were made and taken as it was sent, so a second push framed on the same path before the
+    first was sent (a retry beside a push the window started) took the first one's bytes, and the other
+    went with none (INVALID_ARGUMENT: "expected its bytes ... received none")."""
+    from shardps.worker.datapath.pushframes import PushFramer
+
+    cluster = make_cluster(1)
+    with shardps.connect(cluster.addresses, shm=False, part_bytes=32) as c:
+        c.register({"a": torch.zeros(8), "b": torch.zeros(12)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        [path] = c.paths
+        assert isinstance(path, ConnPath)
+        flats = {"a": torch.ones(8), "b": torch.full((12,), 2.0)}
+
+        def framed(step):
+            return path.push_messages(
+                lambda seg: PushFramer(worker_id=0, step=step, base_version=0, loss_scale=0.0, epoch=c.epoch,
+                                       sync=c.sync_said, shm=seg), None, flats, set(), c)
+
+        made: list = []
+        joined = wire.joined
+
+        def joined_then_another(messages):  # the first push's messages are made, its frame not yet sent:
+            if not made:  # the second is framed on the same path at this exact point
+                made.append(framed(1))
+            return joined(messages)
+
+        monkeypatch.setattr(wire, "joined", joined_then_another)
+        assert path.push(framed(0), 10.0).applied and len(made) == 1
+        assert path.push(made[0], 10.0).applied
+        got = c.pull()
+    assert torch.equal(got["a"], torch.full((8,), -2.0)) and torch.equal(got["b"], torch.full((12,), -4.0))
+
+
+def test_a_segment_closed_under_a_call_is_answered_unavailable_not_internal():
+    """Found in a fail-over test: a Pull writing into a worker's segment that closed meanwhile (the worker
+    registered again) was answered INTERNAL and logged as a failure of the server; the worker asks again."""
+    from shardps.protos.shm import SegmentClosed
+    from shardps.server.datapath.dataconn import error_answer
+
+    status, text = error_answer(SegmentClosed("shared-memory segment shardps-1-w1-s0-pull-x was closed"))
+    assert status == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert text.decode() == "shared-memory segment shardps-1-w1-s0-pull-x was closed while the call used it: ask again"

@@ -186,9 +186,13 @@ class FrameSegments:
 
 
 def error_answer(e: BaseException) -> tuple[int, bytes]:
-    """A failed call's status and message: a StoreError's own, anything else INTERNAL (logged)."""
+    """A failed call's status and message: a StoreError's own; UNAVAILABLE for a worker's segment closed while
+    the call used it (the worker registered again, or left: it asks again on the path it has now); anything
+    else INTERNAL (logged)."""
     if isinstance(e, StoreError):
         return _CODES.get(e.code, _CODES["INTERNAL"]), details(e).encode()
+    if isinstance(e, shm.SegmentClosed):
+        return _CODES["UNAVAILABLE"], f"{e} while the call used it: ask again".encode()
     log.exception("data connection call failed")
     return _CODES["INTERNAL"], f"{type(e).__name__}: {e}".encode()[:2000]
 

@@ -478,6 +478,22 @@ def _bytes(values: torch.Tensor) -> memoryview:
     return memoryview(raw)
 
 
+class _Framed:
+    """A whole push's messages (``ConnPath.push_messages``) with the extents their chunks name, gathered as
+    they are made: one call's own, never another's (two calls framed on one path at once, a retry beside a
+    push the window started, would otherwise take each other's bytes)."""
+
+    def __init__(self, make: Callable[[list[tuple[int, memoryview]]], Iterator[bytes]]) -> None:
+        self.extents: list[tuple[int, memoryview]] = []
+        self._it = make(self.extents)
+
+    def __iter__(self) -> _Framed:
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._it)
+
+
 class FrameCalls:
     """A shard's Push calls as frames on its process's ``conn`` (``route``: the shard's number there), shared by
     ``ConnPath`` (the bytes in the frames, as ``_taken`` extents in a push buffer of ``push_bytes``) and
@@ -493,6 +509,11 @@ class FrameCalls:
         """The extents of the push being framed (none: its bytes are elsewhere)."""
         return []
 
+    def _extents_of(self, requests: Iterator[bytes]) -> list[tuple[int, memoryview]]:
+        """Once ``requests`` are all made: the extents they name (a whole push's own, ``_Framed``), else those
+        framed on this path since its call began (``_taken``)."""
+        return requests.extents if isinstance(requests, _Framed) else self._taken()
+
     def _closed(self) -> FrameError:
         return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
                                                        "(a fail-over, a lost connection): asked again on the "
@@ -505,8 +526,8 @@ class FrameCalls:
             parts = ((m, self._taken()) for m in requests)
             return ps_pb2.PushResponse.FromString(self.conn.stream(self.route, parts, self.push_bytes, timeout))
         messages = list(requests)
-        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
-                                timeout)
+        ctl, _ = self.conn.call(wire.PUSH, self.route, wire.joined(messages), self._extents_of(requests),
+                                self.push_bytes, timeout)
         return ps_pb2.PushResponse.FromString(ctl)
 
     def _pushed(self, then: Callable[[ps_pb2.PushResponse | None, FrameError | None], None]
@@ -565,30 +586,31 @@ class ConnPath(FrameCalls):
         return self.grpc.read_values(None, flats, cast, route)
 
     def _part(self, name: str, flat: torch.Tensor, start: int, stop: int, route: ClientRoute,
-              cast: bool) -> ps_pb2.Chunk:
-        """One part as an extent of the call's frame; the chunk that names it."""
+              cast: bool, extents: list[tuple[int, memoryview]] | None = None) -> ps_pb2.Chunk:
+        """One part as an extent of the call's frame (added to ``extents``, the call's own, else to this path's
+        streamed push); the chunk that names it."""
         lay = route.layouts[name]
         values = flat[start:stop]
         if cast:  # meant for shared memory (a fail-over): cast here
             values = values.to(codec.to_torch_dtype(lay.push_dtype))
         off = self.offsets[(name, start)]
         if values.numel():  # an empty part has no bytes (the shard reads none for it)
-            self._extents.append((off, _bytes(values.contiguous())))
+            (self._extents if extents is None else extents).append((off, _bytes(values.contiguous())))
         return ps_pb2.Chunk(name=name, offset=start, dtype=lay.push_dtype, shape=lay.shape,  # type: ignore[arg-type]
                             shm_offset=off, shm_bytes=values.numel() * values.element_size())
 
     def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
                       cast: set[str], route: ClientRoute) -> Iterator[bytes]:
-        framer = frames(self.push_segment)
+        framer = frames(wire.FRAME_SEGMENT)
         assert route.shard_map is not None
         parts = route.shard_map.parts_for(self.shard)
 
-        def messages() -> Iterator[bytes]:
-            chunks = [self._part(p.name, flats[p.name], p.start, p.stop, route, p.name in cast)
+        def messages(extents: list[tuple[int, memoryview]]) -> Iterator[bytes]:
+            chunks = [self._part(p.name, flats[p.name], p.start, p.stop, route, p.name in cast, extents)
                       for p in parts if p.name in flats]
             yield from framer.shm_chunks(chunks, last=True)
 
-        return messages()
+        return _Framed(messages)
 
     def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
@@ -633,13 +655,13 @@ class ConnPath(FrameCalls):
         done = self._pushed(then)
         messages = list(requests)
         if carry is None:
-            return self.conn.submit(wire.PUSH, self.route, wire.joined(messages), self._taken(), self.push_bytes,
-                                    timeout, done)
+            return self.conn.submit(wire.PUSH, self.route, wire.joined(messages), self._extents_of(requests),
+                                    self.push_bytes, timeout, done)
         request, place, pulled = carry
         request.frame_bytes = self.pull_bytes
         carried = _Call(memoryview(self._pull_buf), place, functools.partial(self._pulled_soon, pulled))
         return self.conn.submit(wire.PUSH_PULL, self.route, wire.joined([request.SerializeToString(), *messages]),
-                                self._taken(), self.push_bytes, timeout, done, carry=carried)
+                                self._extents_of(requests), self.push_bytes, timeout, done, carry=carried)
 
     def _pulled_soon(self, then: Callable[[list[Any] | None, FrameError | None], None], c: _Call) -> None:
         """A framed Pull's answer (``pull_soon``, a carried one): ``read`` reads it from now on."""
