@@ -51,10 +51,11 @@ class Registered:
     backup: str  # the backup's address, "" without one
     sync_switch: int = 0  # the job's sync switch ``sync`` came from (0: its first mode)
     skips: bool = False  # the worker was evicted here: its next push may skip its clock ahead
+    ready_version: int = 0  # from which version the worker's last gradient is in (version + 1 while held)
 
     def to_proto(self) -> ps_pb2.RegisterResponse:
         return ps_pb2.RegisterResponse(
             version=self.version, shard_index=self.shard_index, num_shards=self.num_shards, sync=self.sync,
             created=self.created, loss_scale=self.loss_scale, worker_clock=self.worker_clock,
             lease_seconds=self.lease_seconds, epoch=self.epoch, backup=self.backup, sync_switch=self.sync_switch,
-            skips=self.skips)
+            skips=self.skips, ready_version=self.ready_version)

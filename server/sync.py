@@ -170,6 +170,10 @@ class SyncPolicy:
         a barrier takes: server/datapath/slicepush.py)."""
         raise NotImplementedError
 
+    def check_offer(self, c: Contribution) -> None:
+        """Raise what ``offer`` would refuse ``c`` with, changing nothing: the store asks before it records the
+        push for its backup, which must never be sent a push the primary refused."""
+
     def flush(self) -> list[Update]:
         """Whatever is held, as updates (the job is leaving this mode)."""
         return []
@@ -269,13 +273,16 @@ class BarrierPolicy(SyncPolicy):
             return self.flush()
         return []
 
-    def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
+    def check_offer(self, c: Contribution) -> None:
         held = next((p for p in self._pending if p.worker_id == c.worker_id and not p.late), None)
         if held is not None and not c.late:  # (a late one comes before the worker's own, never after)
             raise FailedPrecondition(
                 f"worker {c.worker_id} pushed step {c.step} while its step {held.step} still waits for "
                 f"the barrier ({self.waiting_on()}): pull the next version before pushing again"
             )
+
+    def offer(self, c: Contribution, grads: Received, weights: Mapping[PartKey, int] | None = None) -> list[Update]:
+        self.check_offer(c)
         for key, g in grads.items():
             assert isinstance(g, (torch.Tensor, RowGrad)), "a barrier is given fp32 tensors (passes_through is False)"
             acc = self._sum.get(key)

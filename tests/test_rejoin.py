@@ -5,6 +5,8 @@ Evictions are made at an exact point (``ShardStore.evict``, what the lease reape
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 import torch
@@ -66,3 +68,63 @@ def test_a_shard_that_skips_a_worker_keeps_it_across_a_snapshot(make_cluster):
         assert store.leases.membership.skips == {0}
         client.push({"a": torch.ones(1000)}, 3)  # skipped ahead from step 0
         assert store.clocks()[0] == 4 and store.leases.membership.skips == set()
+
+
+def test_a_worker_that_rejoins_while_a_barrier_holds_its_last_push_pulls_that_round_before_pushing_again(
+        make_cluster):
+    """bsp, 2 workers, 2 shards. Shard 1 evicts worker 0 (at an exact point); worker 0's step 0 is taken in by shard
+    0, where the barrier holds it (worker 1 has not pushed), and refused by shard 1. At its next step worker 0
+    rejoins at its newest clock, 1 (shard 0's): its pull waits for shard 0's round 0
+    (RegisterResponse.ready_version), so its step 1 is taken in. It used to pull at once and push step 1 while its
+    step 0 still waited: refused (FAILED_PRECONDITION), and the worker stopped."""
+    c = make_cluster(2, lease_s=60.0)
+    params = {"a": torch.zeros(1000, requires_grad=True), "b": torch.zeros(1000, requires_grad=True)}
+    failed: list[BaseException] = []
+
+    def step() -> threading.Thread:
+        for p in params.values():
+            p.grad = torch.ones(1000)
+
+        def run() -> None:
+            try:
+                opt.step()
+            except BaseException as e:  # handed to the test's thread
+                failed.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    with shardps.connect(c.addresses, worker_id=0, num_workers=2, recovery_timeout=1.0) as c0, \
+            shardps.connect(c.addresses, worker_id=1, num_workers=2) as c1:
+        opt = shardps.DistributedOptimizer(list(params.items()), c0, optimizer=shardps.optim.SGD(lr=1.0), sync="bsp")
+        c1.register({n: torch.zeros(1000) for n in params}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        assert {len(c0.shard_map.parts_for(i)) > 0 for i in range(2)} == {True}  # a tensor on each shard
+        c.stores[1].leases.evict([0])
+        with pytest.raises(shardps.ShardError, match="evicted"):
+            c0.push({n: torch.ones(1000) for n in params}, 0)  # held on shard 0, refused by shard 1
+        joins: list[object] = []
+        joining = threading.Event()
+        pull = c0.pull
+
+        def pull_of_the_join(*args, **kw):  # the rejoin's pull, told apart from the step's by its caller
+            joins.append(kw.get("min_versions"))
+            joining.set()
+            return pull(*args, **kw)
+        c0.pull = pull_of_the_join
+        first = step()  # step 0 again: a duplicate on shard 0, refused by shard 1; rejoins and pulls
+        assert joining.wait(30)
+        assert (opt.rejoins, c0.clock, c0.ready_versions, joins) == (1, 1, [1, 0], [[1, 0]])
+        c1.push({n: torch.ones(1000) for n in params}, 0)
+        first.join(30)
+        assert not first.is_alive() and not failed, failed
+        assert c0.versions == [1, 0]
+        second = step()  # step 1: a new round on shard 0; on shard 1 it skips ahead and completes round 0
+        s1 = c.stores[1]
+        with s1._cond:
+            assert s1._cond.wait_for(lambda: s1.job.version == 1, 30)
+        c1.push({n: torch.ones(1000) for n in params}, 1)
+        second.join(30)
+        assert not second.is_alive() and not failed, failed
+        assert [st.clocks() for st in c.stores] == [{0: 2, 1: 2}] * 2
+        assert [st.job.version for st in c.stores] == [2, 1]  # shard 1 took worker 0's steps 0 and 1 as one
+        assert c0.versions == [2, 1]

@@ -89,6 +89,31 @@ def test_an_acknowledged_push_is_already_on_the_backup(make_cluster):
             assert torch.equal(got["w"], torch.full((300,), -0.5 * (step + 1)))
 
 
+def test_a_push_the_barrier_refuses_is_not_sent_to_the_backup(make_cluster, caplog):
+    """bsp, 2 workers: worker 0 pushes step 1 while its step 0 still waits for the round. The primary refuses it
+    (FAILED_PRECONDITION, nothing changed) and records nothing: the backup, which used to be sent the push and
+    failed to replay it the same way, asking for the whole state again, stays in step without a resync."""
+    c = make_cluster(2, replicas=2)
+    backup_of = {b.shard_index: b for b in c.backups}
+    ones = {"w": torch.ones(300), "b": torch.ones(7)}
+    with shardps.connect(c.addresses, worker_id=0, num_workers=2, part_bytes=512) as c0, \
+            shardps.connect(c.addresses, worker_id=1, num_workers=2, part_bytes=512) as c1:
+        c0.register({"w": torch.zeros(300), "b": torch.zeros(7)}, shardps.optim.SGD(lr=0.5), sync="bsp")
+        c1.register({"w": torch.zeros(300), "b": torch.zeros(7)}, shardps.optim.SGD(lr=0.5), sync="bsp")
+        c0.push(ones, 0)  # held: worker 1 has not pushed
+        recorded = [st.replica.replicator.seq for st in c.stores]
+        with pytest.raises(shardps.ShardError) as e:
+            c0.push(ones, 1)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "still waits for the barrier" in e.value.details
+        assert [st.replica.replicator.seq for st in c.stores] == recorded
+        c1.push(ones, 0)  # the round completes on the primary and, replayed, on the backup
+        for st in c.stores:
+            st.replica.replicated()
+            assert st.stats().replica_state == "synced" and st.job.version == 1
+            same_state(st, backup_of[st.shard_index])
+    assert "asks for a resync" not in caplog.text
+
+
 def test_dc_asgd_and_evictions_are_replicated(make_cluster):
     c = make_cluster(2, replicas=2, lease_s=60.0)
     backup_of = {b.shard_index: b for b in c.backups}

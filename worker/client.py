@@ -92,6 +92,7 @@ class PSClient(RowCalls):
         self.loss_scale = 0.0  # the scale the shards want next (0: loss scaling is off)
         self.slowest_clock = 0  # the lowest worker clock seen by the last pull (ssp)
         self.clock = 0  # steps this worker had pushed when it registered
+        self.ready_versions = [0] * len(self.addresses)  # each shard's, from which its last push is in (Register)
         self.lease_s = 0.0  # the job's worker lease (0: none)
         self.epoch = 0  # the job's rollback epoch this client is in
         self.heartbeats = Heartbeats(self.transport, worker_id)
@@ -258,6 +259,11 @@ class PSClient(RowCalls):
         newest = max(clocks)
         behind = [r for r, c in zip(responses, clocks, strict=True) if c < newest]
         self.clock = newest if behind and all(r.skips for r in behind) else min(clocks)
+        # The versions to pull from before the next push: where a barrier still holds this worker's last push
+        # and the next one is a new step there (a rejoin at the newest clock), one past the shard's version, or
+        # that push would be refused (its last one still waits); elsewhere the shard's version.
+        self.ready_versions = [max(r.ready_version, r.version) if self.clock >= r.worker_clock else r.version
+                               for r in responses]
         self.lease_s = max(r.lease_seconds for r in responses)
         self.epoch = max(r.epoch for r in responses)
         for i, r in enumerate(responses):  # the shards' fencing epochs (--coordinator), carried by every request

@@ -200,7 +200,7 @@ class DistributedOptimizer:
         self._register()
         self.round = self.client.clock  # a worker (re)joining a running job goes on from its clock
         try:
-            self._pull_all()
+            self._pull_all(self.client.ready_versions)  # with its last push in, where a barrier still holds it
         except ShardError as e:
             if decide(e, During.JOIN) is not Action.RESYNC:
                 raise
@@ -228,13 +228,15 @@ class DistributedOptimizer:
         raise RuntimeError(f"worker {self.client.worker_id}: the job kept rolling back ({attempts} times) "
                            f"while this worker resynced")
 
-    def _pull_all(self) -> None:
-        """Every weight from the shards; streamed: none, the next forward pulls each module's (from the
-        versions the client has now)."""
+    def _pull_all(self, min_versions: list[int] | None = None) -> None:
+        """Every weight from the shards (each at ``min_versions`` at least); streamed: none, the next forward
+        pulls each module's (from the versions the client has now, or ``min_versions``)."""
         if self.stream is not None:
             self.stream.reset()
+            if min_versions is not None:
+                self.stream.weights_from(min_versions, 0)
             return
-        self.client.pull(out=self.params, dtype=self.pull_dtype)
+        self.client.pull(out=self.params, dtype=self.pull_dtype, min_versions=min_versions)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """This step's gradients to push, by name (the TP stepper's are its slices: worker/tp/stepper.py)."""

@@ -136,7 +136,8 @@ class DataPath:
             return Registered(job.version, self.shard_index, self.num_shards, str(mode), created,
                               self.applier.loss_scale, job.worker_clocks.get(worker_id, -1) + 1, self.leases.lease_s,
                               job.epoch, rep.address if rep else "", job.sync_switches_total,
-                              worker_id in self.leases.membership.skips)
+                              worker_id in self.leases.membership.skips,
+                              job.version + (1 if job.policy is not None and job.policy.holds(worker_id) else 0))
 
     def register_tensors(self, specs: Sequence[TensorSpec], values: dict[PartKey, torch.Tensor] | None) -> list[str]:
         """Create the tensors not yet held, from ``values`` (fp32, one per part).
@@ -268,7 +269,10 @@ class DataPath:
                     f"worker {worker_id} pushed step {step}, but its last step on shard {self.shard_index} "
                     f"was {last}: steps go up by one"
                 )
-            if adopt is not None:
+            contribution = Contribution(worker_id, step, base_version, found_inf, late)
+            if adopt is None:  # refused here, before it is recorded: a backup never replays what was refused
+                policy.check_offer(contribution)
+            else:  # (a switch starts a policy that holds nothing)
                 self._switch_locked(adopt, sync_switch)
                 policy = job.policy
                 assert policy is not None
@@ -283,7 +287,7 @@ class DataPath:
                                            "weights": [[n, a, w] for (n, a), w in (weights or {}).items()],
                                            "sync": sync, "sync_switch": sync_switch},
                            packed=packed)
-            updates = policy.offer(Contribution(worker_id, step, base_version, found_inf, late), grads, weights)
+            updates = policy.offer(contribution, grads, weights)
             job.pushes_total += 1
             job.push_bytes_total += nbytes
             job.worker_clocks[worker_id] = step

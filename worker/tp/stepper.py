@@ -63,10 +63,10 @@ class TPStepper(DistributedOptimizer):
                              max_whole_bytes=o.get("max_whole_bytes", DEFAULT_MAX_WHOLE_BYTES),
                              staleness_remedy=o.get("staleness_remedy", "none"), provides_values=False)
 
-    def _pull_all(self) -> None:
+    def _pull_all(self, min_versions: list[int] | None = None) -> None:
         if any(n not in self.client.layouts for n in self.local):  # joining: only the owned ones registered
             self._register_whole()
-        self.pull_weights(inline=True).result()
+        self.pull_weights(min_versions=min_versions, inline=True).result()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """This rank's slice of every split gradient (zeros for one without: every slice must come), and the

@@ -130,7 +130,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., sync: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., provides_values: _Optional[bool] = ..., loss_scaling: _Optional[_Union[LossScaling, _Mapping]] = ..., staleness_remedy: _Optional[str] = ..., shm_probe: _Optional[str] = ..., shm_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm", "sync_switch", "data_port", "data_token", "data_route", "fence_epoch", "skips")
+    __slots__ = ("version", "shard_index", "num_shards", "sync", "created", "loss_scale", "worker_clock", "lease_seconds", "epoch", "backup", "shm", "sync_switch", "data_port", "data_token", "data_route", "fence_epoch", "skips", "ready_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class RegisterResponse(_message.Message):
     DATA_ROUTE_FIELD_NUMBER: _ClassVar[int]
     FENCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SKIPS_FIELD_NUMBER: _ClassVar[int]
+    READY_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard_index: int
     num_shards: int
@@ -165,7 +166,8 @@ class RegisterResponse(_message.Message):
     data_route: int
     fence_epoch: int
     skips: bool
-    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ..., sync_switch: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_route: _Optional[int] = ..., fence_epoch: _Optional[int] = ..., skips: _Optional[bool] = ...) -> None: ...
+    ready_version: int
+    def __init__(self, version: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., sync: _Optional[str] = ..., created: _Optional[_Iterable[str]] = ..., loss_scale: _Optional[float] = ..., worker_clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., shm: _Optional[bool] = ..., sync_switch: _Optional[int] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_route: _Optional[int] = ..., fence_epoch: _Optional[int] = ..., skips: _Optional[bool] = ..., ready_version: _Optional[int] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("version", "epoch")
