@@ -128,3 +128,40 @@ def test_a_worker_that_rejoins_while_a_barrier_holds_its_last_push_pulls_that_ro
         assert [st.clocks() for st in c.stores] == [{0: 2, 1: 2}] * 2
         assert [st.job.version for st in c.stores] == [2, 1]  # shard 1 took worker 0's steps 0 and 1 as one
         assert c0.versions == [2, 1]
+
+
+def test_a_streamed_worker_that_rejoins_while_a_barrier_holds_its_last_push_pulls_that_round_first(make_cluster):
+    """The same with streamed weights (``Stream``): the rejoin pulls nothing, the next forward's pulls ask for
+    shard 0's round 0 (``weights_from``) and wait for it; the step that follows is taken in by both shards."""
+    c = make_cluster(2, lease_s=60.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    ones = {n: torch.ones(s) for n, s in shapes.items()}
+    with shardps.connect(c.addresses, worker_id=0, num_workers=2, recovery_timeout=1.0) as c0, \
+            shardps.connect(c.addresses, worker_id=1, num_workers=2) as c1:
+        opt = shardps.DistributedOptimizer(model, c0, optimizer=shardps.optim.SGD(lr=0.1), sync="bsp",
+                                           stream=shardps.Stream(1 << 20))
+        c1.register({n: torch.zeros(s) for n, s in shapes.items()}, shardps.optim.SGD(lr=0.1), sync="bsp")
+        assert {len(c0.shard_map.parts_for(i)) > 0 for i in range(2)} == {True}  # a tensor on each shard
+        c.stores[1].leases.evict([0])
+        with pytest.raises(shardps.ShardError, match="evicted"):
+            c0.push(ones, 0)  # held on shard 0, refused by shard 1
+        x = torch.randn(8, 16)
+        model(x).sum().backward()
+        opt.step()  # step 0 again: a duplicate on shard 0, refused by shard 1; rejoins
+        assert (opt.rejoins, c0.clock, opt.stream.mins) == (1, 1, [1, 0])
+        failed: list[BaseException] = []
+
+        def next_step() -> None:
+            try:
+                model(x).sum().backward()  # its pulls wait for shard 0's round 0
+                opt.step()
+            except BaseException as e:  # handed to the test's thread
+                failed.append(e)
+        t = threading.Thread(target=next_step)
+        t.start()
+        c1.push(ones, 0)
+        t.join(30)
+        assert not t.is_alive() and not failed, failed
+        assert [st.clocks()[0] for st in c.stores] == [2, 2]  # step 1 taken in by both (shard 1 skipped step 0)
