@@ -655,7 +655,7 @@ class DataPort:
                 log.warning("a data connection said no valid hello: closed")
                 sock.close()
                 return
-            sock.settimeout(timeout)
+            wire.deadlines_in_kernel(sock, timeout)
             wire.keep_alive(sock, keepalive_seconds())  # a worker gone silent: its streamed Pushes end
             conn = Conn(self, worker_id, sock, timeout)
         except (OSError, wire.Torn) as e:  # ssl.SSLError is an OSError: a refused handshake

@@ -1,6 +1,7 @@
-"""The data connection's sending side (protos/dataconn.py ``Sender``) and the deadlines thread
-(protos/deadlines.py): frames whole and in order whether the socket takes them at once or not, a caller
-that never waits for the peer, a failure that ends the connection, deadlines that cost nothing when met."""
+"""The data connection's sending side (protos/dataconn.py ``Sender``), its reads (``fill``) and the deadlines
+thread (protos/deadlines.py): frames whole and in order whether the socket takes them at once or not, under
+Python's deadline or the kernel's, a caller that never waits for the peer, a failure that ends the connection,
+a whole part read in one call, deadlines that cost nothing when met."""
 
 from __future__ import annotations
 
@@ -14,13 +15,63 @@ from shardps.protos import dataconn as wire
 from shardps.protos.deadlines import Deadlines
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=["python", "kernel"])
+def pair(request):
+    """A connected pair with a 10 s deadline: Python's (``settimeout``: a non-blocking descriptor) or the
+    kernel's (``deadlines_in_kernel``: a blocking one), as a data connection has after its hello."""
     a, b = socket.socketpair()
-    a.settimeout(10.0)
-    b.settimeout(10.0)
+    for s in (a, b):
+        if request.param == "kernel":
+            wire.deadlines_in_kernel(s, 10.0)
+        else:
+            s.settimeout(10.0)
     yield a, b
     a.close()
+    b.close()
+
+
+class Counting(socket.socket):
+    """A socket that counts its ``recv_into`` calls."""
+
+    calls = 0
+
+    def recv_into(self, *args, **kw):  # type: ignore[override]
+        self.calls += 1
+        return super().recv_into(*args, **kw)
+
+
+def test_with_the_kernels_deadline_a_read_takes_a_whole_part_in_one_call_however_it_comes():
+    a, b = socket.socketpair()
+    reader = Counting(fileno=b.detach())
+    wire.deadlines_in_kernel(reader, 10.0)
+    view = memoryview(bytearray(300_000))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (wire.fill(reader, view), done.set()))
+    t.start()
+    for i in range(3):  # three writes, whenever the reader looks
+        a.sendall(bytes([i + 1]) * 100_000)
+    t.join(10)
+    assert done.is_set() and reader.calls == 1
+    assert bytes(view[::100_000]) == b"\x01\x02\x03"
+    a.close()
+    reader.close()
+
+
+def test_the_kernels_deadline_ends_a_stalled_read_and_asks_an_idle_connection_first():
+    a, b = socket.socketpair()
+    wire.deadlines_in_kernel(b, 0.2)
+    asked: list[int] = []
+    with pytest.raises(wire.Torn) as idle:  # nothing came: asked twice, told to go on once
+        wire.fill(b, memoryview(bytearray(10)), idle=lambda: asked.append(1) or len(asked) < 2)
+    assert (idle.value.got, idle.value.why, len(asked)) == (0, "stalled past the deadline", 2)
+    a.sendall(b"abc")
+    with pytest.raises(wire.Torn) as part:  # some came, then nothing: not an idle connection
+        wire.fill(b, memoryview(bytearray(10)), idle=lambda: True)
+    assert (part.value.got, part.value.why) == (3, "stalled past the deadline")
+    a.close()
+    with pytest.raises(wire.Torn) as closed:
+        wire.fill(b, memoryview(bytearray(10)))
+    assert (closed.value.got, closed.value.why) == (0, "connection closed")
     b.close()
 
 

@@ -138,9 +138,9 @@ def _nothing() -> None:
 class DataConn:
     """One connection to a server process's data port (module docstring)."""
 
-    def __init__(self, sock: socket.socket, where: str, on_end: Callable[[str], None]) -> None:
+    def __init__(self, sock: socket.socket, where: str, on_end: Callable[[str], None], timeout: float = 60.0) -> None:
         self.sock, self.where, self._on_end = sock, where, on_end
-        self.timeout = sock.gettimeout() or 60.0
+        self.timeout = timeout
         self.sender = wire.Sender(sock, f"shardps-data-{where}", self.close_after_failure)
         self._mu = threading.Lock()
         self._reading = threading.Lock()  # held while an answer is read into its call's destinations
@@ -179,11 +179,12 @@ class DataConn:
             ack = wire.read_exact(sock, wire.ACK.size)
             if wire.ACK.unpack(ack) != (wire.ACK_MAGIC, 0):
                 raise OSError("the server did not acknowledge")
+            wire.deadlines_in_kernel(sock, timeout)
         except (OSError, wire.Torn) as e:
             log.warning("data connection to %s refused (%s): its shards' bytes go through gRPC", where, e)
             sock.close()
             return None
-        conn = DataConn(sock, where, on_end)
+        conn = DataConn(sock, where, on_end, timeout)
         conn.token, conn.worker_id = token, worker_id  # what a second connection of this worker would say
         conn._thread.start()
         if conn.keepalive > 0:
