@@ -138,7 +138,7 @@ def _nothing() -> None:
 class DataConn:
     """One connection to a server process's data port (module docstring)."""
 
-    def __init__(self, sock: socket.socket, where: str, on_end: Callable[[str], None], timeout: float = 60.0) -> None:
+    def __init__(self, sock: socket.socket, where: str, on_end: Callable[[str], None], timeout: float) -> None:
         self.sock, self.where, self._on_end = sock, where, on_end
         self.timeout = timeout
         self.sender = wire.Sender(sock, f"shardps-data-{where}", self.close_after_failure)
