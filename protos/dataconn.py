@@ -189,7 +189,7 @@ def read_exact(sock: socket.socket, nbytes: int) -> bytearray:
 def send(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
     """``parts`` in one ``sendmsg`` where the kernel takes them all (straight from their memory: no copy,
     the interpreter's lock released); what it did not take, sent after."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    views = _views(parts)
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg under TLS: each part encrypted from its memory
         for v in views:
             sock.sendall(v)
@@ -200,7 +200,19 @@ def send(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
             n -= len(views[0])
             views.pop(0)
         if n:
-            views[0] = views[0][n:]
+            views[0] = memoryview(views[0])[n:]
+
+
+JOIN_CONTROL = 64 << 10  # a frame's head and control up to this many bytes go out as one buffer
+
+
+def head_and_control(head: bytes, ctl: Sequence[bytes], nctl: int) -> list[bytes | memoryview]:
+    """A frame's head and its control pieces (``nctl`` bytes in all) as the start of its parts: one buffer
+    where they are small (a copy of a few hundred bytes costs less than a buffer each to every write),
+    else as they are (a compressed push's control carries its values)."""
+    if nctl <= JOIN_CONTROL:
+        return [b"".join((head, *ctl))]
+    return [head, *ctl]
 
 
 IOV_MAX = 1024  # the most buffers one writev takes (Linux's UIO_MAXIOV)
@@ -237,7 +249,7 @@ class Sender:
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._blocking = sock.gettimeout() is None
         self._cv = threading.Condition(threading.Lock())
-        self._queue: collections.deque[list[memoryview]] = collections.deque()  # head: being written
+        self._queue: collections.deque[list[memoryview | bytes]] = collections.deque()  # head: being written
         self._writer: threading.Thread | None = None
         self.error = ""
         self.closed = False
@@ -246,7 +258,7 @@ class Sender:
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
         """One frame (OSError once the connection failed: nothing of it was sent)."""
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        views = _views(parts)
         with self._cv:
             if self.error or self.closed:
                 raise OSError(self.error or "connection closed")
@@ -302,11 +314,37 @@ class Sender:
             writer.join()
 
 
-def _write_some(sock: socket.socket, views: list[memoryview], blocking: bool) -> list[memoryview]:
-    """Write ``views`` to ``sock`` until done or the socket is full, never waiting; what is left.
-    ``blocking``: its descriptor blocks (``deadlines_in_kernel``), each write is told not to."""
+def _views(parts: Sequence[bytes | memoryview]) -> list[memoryview | bytes]:
+    """A frame's non-empty parts as flat byte buffers: ``bytes`` as they are, other buffers as byte views
+    (``len`` is then their size in bytes, and a slice cuts bytes)."""
+    out: list[memoryview | bytes] = []
+    for p in parts:
+        if type(p) is not bytes:
+            v = memoryview(p)
+            p = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+        if len(p):
+            out.append(p)
+    return out
+
+
+def _write_some(sock: socket.socket, views: list[memoryview | bytes], blocking: bool) -> list[memoryview | bytes]:
+    """Write ``views`` to ``sock`` until done or the socket is full, never waiting; what is left (a part
+    written in part left as a view of its rest). ``blocking``: its descriptor blocks
+    (``deadlines_in_kernel``), each write is told not to."""
     at = 0
     fd = sock.fileno()
+    if len(views) <= IOV_MAX:  # usually one write takes the whole frame
+        try:
+            n = sock.sendmsg(views, (), socket.MSG_DONTWAIT) if blocking else os.writev(fd, views)
+        except BlockingIOError:
+            return views
+        if n == sum(map(len, views)):
+            return []
+        while n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if n:
+            views[at] = memoryview(views[at])[n:]
     while at < len(views):
         try:
             if blocking:
@@ -319,7 +357,7 @@ def _write_some(sock: socket.socket, views: list[memoryview], blocking: bool) ->
             n -= len(views[at])
             at += 1
         if n:
-            views[at] = views[at][n:]
+            views[at] = memoryview(views[at])[n:]
     return views[at:]
 
 

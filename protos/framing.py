@@ -220,12 +220,16 @@ class ChunkView:
     The fields every receiver reads per chunk are plain attributes (a delegated read costs ~10x more).
     """
 
-    __slots__ = ("_chunk", "data", "name", "offset", "dtype", "shape")
+    __slots__ = ("_chunk", "data", "name", "offset", "dtype", "shape", "encoding", "numel", "indices", "rank",
+                 "factor")
 
     def __init__(self, chunk: Any, data: memoryview) -> None:
         self._chunk = chunk
         self.data = data
         self.name, self.offset, self.dtype, self.shape = chunk.name, chunk.offset, chunk.dtype, chunk.shape
+        # what every chunk's check reads (protos/compressed.py ``check``)
+        self.encoding, self.numel, self.indices = chunk.encoding, chunk.numel, chunk.indices
+        self.rank, self.factor = chunk.rank, chunk.factor
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._chunk, name)

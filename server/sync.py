@@ -294,7 +294,7 @@ class BarrierPolicy(SyncPolicy):
                     self._release(key, g)
             self._counts[key] = self._counts.get(key, 0) + (weights.get(key, 1) if weights else 1)
         self._pending.append(c)
-        if not self.expected <= set(self.pending_workers):
+        if not self.expected <= {p.worker_id for p in self._pending if not p.late}:
             return []
         return self.flush()
 

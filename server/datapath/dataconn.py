@@ -218,11 +218,14 @@ class Conn:
 
     def answer(self, kind: int, call: int, status: int, ctl: list[bytes], payload: memoryview | None = None
                ) -> None:
-        nctl = sum(len(c) for c in ctl)
+        nctl = sum(map(len, ctl))
         nbytes = payload.nbytes if payload is not None else 0
-        head = wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, status, nctl, nbytes)
+        frame = wire.head_and_control(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, status, nctl, nbytes), ctl,
+                                      nctl)
+        if payload is not None:
+            frame.append(payload)
         try:
-            self.sender.send([head, *ctl, *((payload,) if payload is not None else ())])
+            self.sender.send(frame)
         except OSError as e:
             log.info("data connection of worker %d: answer to call %d not sent (%s)", self.worker_id, call, e)
             self.close()
@@ -271,9 +274,10 @@ class Conn:
             self.answer(wire.PING, call, wire.OK, [])
             return
         started = time.monotonic()  # a carried Pull's deadline counts from here, as the worker's does
-        ctl = wire.read_exact(self.sock, nctl)
-        raw = wire.read_exact(self.sock, next_ * wire.EXTENT.size)
-        extents = [wire.EXTENT.unpack_from(raw, i * wire.EXTENT.size) for i in range(next_)]
+        nraw = next_ * wire.EXTENT.size
+        both = wire.read_exact(self.sock, nctl + nraw)  # the control and the extents' table: one read
+        ctl = both if not nraw else memoryview(both)[:nctl]
+        extents = [wire.EXTENT.unpack_from(both, nctl + i * wire.EXTENT.size) for i in range(next_)]
         wire.check_extents(extents, buffer_bytes)
         servicer = self.port.servicer(route)
         messages: list[ps_pb2.PushRequest] | StoreError = []
@@ -306,7 +310,7 @@ class Conn:
                 else:
                     wire.fill(self.sock, target[offset : offset + nbytes])
         if servicer is not None and kind != wire.PULL:  # what a Push counts on gRPC: the frame, header and all
-            self.port.received(route, wire.REQUEST.size + nctl + len(raw) + sum(n for _, n in extents))
+            self.port.received(route, wire.REQUEST.size + nctl + nraw + sum(n for _, n in extents))
         timeout = min(timeout_ms / 1000.0, self.timeout) if timeout_ms else self.timeout
         if servicer is None:
             self._streams.pop(call, None)
@@ -342,14 +346,14 @@ class Conn:
             left = max(0.0, timeout - (time.monotonic() - started))
             self._pull_frame(servicer, call, route, carried, carried.frame_bytes, left, wire.PUSH_PULL)
 
-    def _messages(self, ctl: bytes | bytearray) -> list[ps_pb2.PushRequest]:
+    def _messages(self, ctl: bytes | bytearray | memoryview) -> list[ps_pb2.PushRequest]:
         try:
             messages = wire.split(ctl)
         except wire.ProtocolError as e:  # the frame's length held: only its control is malformed
             raise InvalidArgument(f"Push: the frame's control does not split into messages: {e}") from None
         return self._pushes(messages, 1)
 
-    def _carried(self, ctl: bytes | bytearray) -> tuple[ps_pb2.PullRequest, list[ps_pb2.PushRequest]]:
+    def _carried(self, ctl: bytes | bytearray | memoryview) -> tuple[ps_pb2.PullRequest, list[ps_pb2.PushRequest]]:
         """A ``PUSH_PULL`` frame's control: its PullRequest (first), then its PushRequests."""
         try:
             messages = wire.split(ctl)
@@ -418,7 +422,7 @@ class Conn:
         self.answer(wire.PUSH, call, wire.OK, [answer.SerializeToString()])
         return True
 
-    def _stream_frame(self, servicer: WorkersServicer, kind: int, call: int, route: int, ctl: bytearray,
+    def _stream_frame(self, servicer: WorkersServicer, kind: int, call: int, route: int, ctl: bytearray | memoryview,
                       extents: list[tuple[int, int]], timeout: float) -> None:
         q = self._streams.get(call)
         if q is None:

@@ -215,12 +215,18 @@ class DataConn:
                     return  # the connection ended: the reading thread says why
 
     def _run(self) -> None:
+        torch.set_grad_enabled(False)  # this thread only copies answers into tensors (the mode is per thread)
         head = bytearray(wire.ANSWER.size)
+        head_view = memoryview(head)
         why = ""
         current: _Call | None = None  # the call whose answer is being read (its waiter waits for it)
+
+        def idle() -> bool:
+            return not self.closed
+
         try:
             while True:
-                wire.fill(self.sock, memoryview(head), idle=lambda: not self.closed)
+                wire.fill(self.sock, head_view, idle=idle)
                 self._heard_at, self._ping_at = time.monotonic(), 0.0
                 magic, kind, call, status, nctl, nbytes = wire.ANSWER.unpack(head)
                 if magic != wire.ANSWER_MAGIC or nctl > wire.MAX_CTL or nbytes > wire.MAX_BUFFER:
@@ -306,14 +312,16 @@ class DataConn:
               buffer_bytes: int, timeout: float) -> None:
         """The request frame (``wire.Sender``: written by this thread as far as the socket takes it, the rest by
         the connection's writer thread; never waits for the server)."""
-        nctl = sum(len(c) for c in ctl)
+        nctl = sum(map(len, ctl))
         head = wire.REQUEST.pack(wire.REQUEST_MAGIC, kind, call, route, max(1, int(timeout * 1000)), nctl,
                                  len(extents), buffer_bytes)
-        ext = b"".join(wire.EXTENT.pack(o, len(v)) for o, v in extents)
+        frame = wire.head_and_control(head, [*ctl, *(wire.EXTENT.pack(o, len(v)) for o, v in extents)],
+                                      nctl + wire.EXTENT.size * len(extents))
+        frame.extend(v for _, v in extents)
         try:
             if self.error:
                 raise OSError(self.error)
-            self.sender.send([head, *ctl, ext, *(v for _, v in extents)])
+            self.sender.send(frame)
         except OSError as e:
             with self._mu:
                 self._calls.pop(call, None)

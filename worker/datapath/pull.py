@@ -371,35 +371,36 @@ class PullInFlight:
 
     def _take(self, shard: int, path: ShardPath, responses: Iterable[Any], given: Sequence[bytes] | None) -> int:
         """``shard``'s answers into their destinations; its version (-1: none came)."""
+        if torch.is_grad_enabled():  # (a data connection's reading thread has it off for good)
+            with torch.no_grad():
+                return self._take(shard, path, responses, given)
         client = self._client
         version = -1
         received = self._received[shard]
         done: list[str] = []
-        with torch.no_grad():
-            # The path reads a view (of the received message, or of our pull segment): decode copies nothing,
-            # copy_ is the one copy.
-            for resp in responses:
-                c = resp.chunk
-                values = path.read(c)
-                dst = self._staging.get(c.name)
-                if dst is None and given is not None and c.name not in client.layouts:
-                    continue  # a Push is answered with every tensor of its shard: others' (pipeline stages')
-                if dst is None or c.offset < 0 or c.offset + values.numel() > dst.numel():
-                    size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"
-                    raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{values.numel()}) "
-                                     f"outside {size}")
-                part = dst[c.offset : c.offset + values.numel()]
-                if values.numel() and values.data_ptr() != part.data_ptr():  # else it landed there already
-                    part.copy_(values)
-                version = resp.version
-                self._said = (resp.sync, resp.loss_scale, resp.slowest_clock)  # one store: the latest answer wins
-                with self._lock:
-                    received[c.name] = received.get(c.name, 0) + values.numel()
-                    self._missing[c.name] -= values.numel()
-                    if self._missing[c.name] == 0 and c.name not in self._done:
-                        done.append(c.name)
-        for n in done:
-            self._complete(n)
+        # The path reads a view (of the received message, or of our pull segment): decode copies nothing,
+        # copy_ is the one copy.
+        for resp in responses:
+            c = resp.chunk
+            values = path.read(c)
+            dst = self._staging.get(c.name)
+            if dst is None and given is not None and c.name not in client.layouts:
+                continue  # a Push is answered with every tensor of its shard: others' (pipeline stages')
+            n = values.numel()
+            if dst is None or c.offset < 0 or c.offset + n > dst.numel():
+                size = "a tensor not asked for" if dst is None else f"its {dst.numel()} elements"
+                raise ValueError(f"shard {shard} sent {c.name!r} [{c.offset}, +{n}) outside {size}")
+            if n and values.data_ptr() != dst.data_ptr() + c.offset * dst.element_size():
+                dst[c.offset : c.offset + n].copy_(values)  # else it landed there already
+            version = resp.version
+            self._said = (resp.sync, resp.loss_scale, resp.slowest_clock)  # one store: the latest answer wins
+            with self._lock:
+                received[c.name] = received.get(c.name, 0) + n
+                self._missing[c.name] -= n
+                if self._missing[c.name] == 0 and c.name not in self._done:
+                    done.append(c.name)
+        for name in done:
+            self._complete(name)
         return version
 
     def _place(self, name: str, offset: int, wire_dtype: int, nbytes: int) -> torch.Tensor | None:
