@@ -12,13 +12,25 @@ and sending from it (the kernel's copies, nothing else). After
 ``--warmup`` untimed rounds, ``--repeats`` rounds of push then pull per
 worker and one raw round trip, the order rotated each round so that
 background load hits all alike. Per round: wall time, and the CPU time of
-this process plus the other end's processes (``/proc/<pid>/stat``), both
+this process plus the other end's processes (to the nanosecond: ``proccpu.precise_cpu``), both
 sides of the transport. Reported: medians of CPU-s per MB moved (push +
 pull: 2 x model bytes) and MB/s, and the ratios frames / gRPC and frames /
 raw; the load average beside them (the machine is shared). ``--tls``: the
 servers and both workers under TLS (a CA and a server certificate made
 with ``openssl`` in a temporary folder): gRPC's channel and the data
 connection both encrypted; the raw pair stays plain, the floor.
+
+A second reference (``raw+work``) adds to the raw pair the work the path
+must do with the bytes, in torch, as the product does it, and nothing
+else: this end checks the gradient for inf/nan before sending it (the
+worker's ``found_inf``, which every shard must agree on), the other end
+(a spawned process, torch's threads as a server's) receives it into a buffer, checks it (a shard refuses
+a gradient with an inf/nan), takes the SGD step on its own weights (at
+``lr = 0``, as the servers here), copies the weights into a send buffer
+(an answer's bytes must not change while they are sent) and sends them,
+and this end receives them into the parameter's storage. What the frames
+cost above ``raw+work`` is the path's own overhead per byte: parsing,
+checks per part, versions, locks, threads.
 
     .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--json]
 """
@@ -40,9 +52,10 @@ from pathlib import Path
 from typing import Any
 
 from guard import run_guarded
-from proccpu import cpu_seconds
+from proccpu import precise_cpu
 
 MB = 1_000_000
+PATHS = ("grpc", "frames", "raw", "raw+work")
 _CHILDREN: list[Any] = []
 
 
@@ -52,6 +65,31 @@ def _echo(sock: socket.socket, nbytes: int, rounds: int) -> None:
     for _ in range(rounds):
         _fill(sock, buf)
         sock.sendall(buf)
+
+
+def _echo_work(address: tuple[str, int], nbytes: int, rounds: int, pieces: int) -> None:
+    """``raw+work``'s other end (a spawned process): per round, receive the gradient, check it for inf/nan,
+    step SGD on its weights, copy them into the send buffer, send that (the module docstring)."""
+    import torch
+
+    from shardps.protos.codec import all_finite
+    from shardps.server.app import default_torch_threads
+
+    torch.set_num_threads(default_torch_threads())  # as a ``shardps server`` process
+    sock = socket.create_connection(address)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    grad = torch.empty(nbytes // 4)
+    weights = torch.zeros(nbytes // 4)
+    out = torch.empty(nbytes // 4)
+    gview, oview = memoryview(grad.numpy()).cast("B"), memoryview(out.numpy()).cast("B")
+    for _ in range(rounds):
+        _fill(sock, gview)
+        if not all(all_finite(g) for g in grad.chunk(pieces)):  # as a shard checks each tensor's part
+            raise ValueError("raw+work: a gradient with an inf/nan")
+        weights.add_(grad, alpha=-0.0)
+        out.copy_(weights)
+        sock.sendall(oview)
+    sock.close()
 
 
 def _fill(sock: socket.socket, view: memoryview) -> None:
@@ -85,7 +123,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     theirs.close()
     _CHILDREN.append(echo)
     raw_buf = memoryview(bytearray(nbytes))
-    raw_src = memoryview(torch.cat([g.reshape(-1) for g in grads.values()]).numpy()).cast("B")
+    flat_grad = torch.cat([g.reshape(-1) for g in grads.values()])
+    raw_src = memoryview(flat_grad.numpy()).cast("B")
+    flat_out = torch.empty(nbytes // 4)
+    work_dst = memoryview(flat_out.numpy()).cast("B")
+    with socket.socket() as listener:  # raw+work's other end: a spawned process (no torch across a fork)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.settimeout(args.rpc_timeout)
+        worker = multiprocessing.get_context("spawn").Process(
+            target=_echo_work, args=(listener.getsockname(), nbytes, args.warmup + args.repeats, len(grads)),
+            daemon=True)
+        worker.start()
+        _CHILDREN.append(worker)
+        work, _ = listener.accept()
+    work.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    work.settimeout(args.rpc_timeout)
+    from shardps.protos.codec import all_finite
     from shardps.protos.security import Security
 
     tmp = tempfile.TemporaryDirectory(prefix="shardps-tcppath-")
@@ -97,10 +151,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _CHILDREN.extend(getattr(cluster, "_procs", []))
         pids = [p.pid for p in getattr(cluster, "_procs", [])]
         clients = {}
-        for wid, (name, tcp) in enumerate((("grpc", "0"), ("frames", "1"))):
+        wanted = [(name, tcp) for name, tcp in (("grpc", "0"), ("frames", "1")) if name in args.paths]
+        for wid, (name, tcp) in enumerate(wanted):
             os.environ[env.TCP] = tcp  # read when the worker registers
-            c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=2, shm=False, timeout=args.rpc_timeout,
-                                security=client_sec or Security())
+            c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=len(wanted), shm=False,
+                                timeout=args.rpc_timeout, security=client_sec or Security())
             c.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
             kinds = {type(p).__name__ for p in c.paths}
             if kinds != {"GrpcPath" if name == "grpc" else "ConnPath"}:
@@ -108,38 +163,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients[name] = c
         os.environ.pop(env.TCP, None)
         steps = dict.fromkeys(clients, 0)
-        names = [*clients, "raw"]
+        names = [n for n in PATHS if n in args.paths]
         rows: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in names}
         for r in range(args.warmup + args.repeats):
-            order = names[r % 3:] + names[: r % 3]
+            order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
-                ends = [echo.pid] if name == "raw" else pids
+                ends = [echo.pid] if name == "raw" else [worker.pid] if name == "raw+work" else pids
                 assert ends[0] is not None
-                cpu0, t0 = cpu_seconds(ends), time.perf_counter()  # type: ignore[arg-type]
+                cpu0, t0 = precise_cpu(ends), time.perf_counter()  # type: ignore[arg-type]
                 if name == "raw":
                     ours.sendall(raw_src)
                     _fill(ours, raw_buf)
+                elif name == "raw+work":
+                    if not all(all_finite(g) for g in grads.values()):  # as the worker checks each gradient
+                        raise ValueError("raw+work: a gradient with an inf/nan")
+                    work.sendall(raw_src)
+                    _fill(work, work_dst)
                 else:
                     c = clients[name]
                     c.push(grads, step=steps[name])
                     c.pull(out=outs)
                     steps[name] += 1
-                cpu, wall = cpu_seconds(ends) - cpu0, time.perf_counter() - t0  # type: ignore[arg-type]
+                cpu, wall = precise_cpu(ends) - cpu0, time.perf_counter() - t0  # type: ignore[arg-type]
                 if r >= args.warmup:
                     rows[name]["cpu"].append(cpu)
                     rows[name]["wall"].append(wall)
         for c in clients.values():
             c.close()
     echo.join(30)
+    worker.join(30)
     ours.close()
+    work.close()
     moved = 2 * nbytes / MB
     res: dict[str, Any] = {"mb": nbytes / MB, "repeats": args.repeats, "load": os.getloadavg(), "tls": args.tls}
     for name, row in rows.items():
         res[name] = {"cpu_s_per_mb": statistics.median(row["cpu"]) / moved,
                      "mb_per_s": moved / statistics.median(row["wall"])}
-    res["cpu_ratio_frames_over_grpc"] = res["frames"]["cpu_s_per_mb"] / res["grpc"]["cpu_s_per_mb"]
-    res["speed_ratio_frames_over_grpc"] = res["frames"]["mb_per_s"] / res["grpc"]["mb_per_s"]
-    res["cpu_ratio_frames_over_raw"] = res["frames"]["cpu_s_per_mb"] / res["raw"]["cpu_s_per_mb"]
+    for a, b, key in (("frames", "grpc", "frames_over_grpc"), ("frames", "raw", "frames_over_raw"),
+                      ("frames", "raw+work", "frames_over_raw_work"), ("raw+work", "raw", "raw_work_over_raw")):
+        if a in res and b in res:
+            res[f"cpu_ratio_{key}"] = res[a]["cpu_s_per_mb"] / res[b]["cpu_s_per_mb"]
+    if "frames" in res and "grpc" in res:
+        res["speed_ratio_frames_over_grpc"] = res["frames"]["mb_per_s"] / res["grpc"]["mb_per_s"]
     return res
 
 
@@ -176,12 +241,19 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"{res['mb']:.1f} MB model, push + pull, {res['repeats']} rounds each, alternating"
              f"{', TLS' if res['tls'] else ''}; "
              f"load {' '.join(f'{x:.1f}' for x in res['load'])}",
-             f"{'path':6} {'CPU ms/MB (both ends)':>22} {'MB/s':>8}"]
-    for name in ("grpc", "frames", "raw"):
-        lines.append(f"{name:6} {1000 * res[name]['cpu_s_per_mb']:>22.2f} {res[name]['mb_per_s']:>8.1f}")
-    lines.append(f"frames / gRPC: CPU per MB x{res['cpu_ratio_frames_over_grpc']:.2f}, "
-                 f"MB/s x{res['speed_ratio_frames_over_grpc']:.2f}; frames / raw socket pair: CPU per MB "
-                 f"x{res['cpu_ratio_frames_over_raw']:.2f}")
+             f"{'path':8} {'CPU ms/MB (both ends)':>22} {'MB/s':>8}"]
+    for name in PATHS:
+        if name in res:
+            lines.append(f"{name:8} {1000 * res[name]['cpu_s_per_mb']:>22.2f} {res[name]['mb_per_s']:>8.1f}")
+    said = []
+    if "speed_ratio_frames_over_grpc" in res:
+        said.append(f"frames / gRPC: CPU per MB x{res['cpu_ratio_frames_over_grpc']:.2f}, "
+                    f"MB/s x{res['speed_ratio_frames_over_grpc']:.2f}")
+    for key, what in (("frames_over_raw", "frames / raw socket pair"), ("frames_over_raw_work", "frames / raw+work"),
+                      ("raw_work_over_raw", "raw+work / raw")):
+        if f"cpu_ratio_{key}" in res:
+            said.append(f"{what}: CPU per MB x{res[f'cpu_ratio_{key}']:.2f}")
+    lines.append("; ".join(said))
     return "\n".join(lines)
 
 
@@ -194,8 +266,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=600.0, help="watchdog for the whole run (default 600)")
     p.add_argument("--tls", action="store_true", help="servers and workers under TLS (openssl makes the certificates)")
     p.add_argument("--unix", action="store_true", help="the raw reference on a Unix socket pair (default: TCP)")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help=f"which of {', '.join(PATHS)} to run (default all). Without grpc no second worker shares "
+                        "this process: torch's pool of threads then behaves as in a worker of its own (with two, "
+                        "libgomp throttles its threads' spinning)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = p.parse_args(argv)
+    args.paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    unknown = [x for x in args.paths if x not in PATHS]
+    if unknown or not args.paths:
+        p.error(f"--paths: expected some of {', '.join(PATHS)}, got {', '.join(unknown) or 'none'}")
     res = run_guarded("tcppath", args.max_seconds, lambda: run(args), lambda: _CHILDREN)
     if res is None:
         return 1

@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from shardps.protos.shardps.v1 import ps_pb2
@@ -101,6 +102,15 @@ def itemsize(wire_dtype: int) -> int:
     return to_torch_dtype(wire_dtype).itemsize
 
 
+_NUMPY_SUMS = (torch.float32, torch.float64)
+ONE_THREAD_SUM_BYTES = 16 << 20
+"""``all_finite`` sums a CPU fp32/fp64 tensor up to this size in the calling thread (numpy), not in torch's
+pool of threads: after each parallel region those threads spin, waiting for the next, and a data path's
+checks come one by one between socket calls (a third of the data connection's CPU per byte in
+``benchmarks/tcppath.py`` was a worker's pool spinning after its checks; docs/performance.md). A larger one
+is summed in parallel: its work outweighs the spin, and its wall time counts."""
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """True when ``t`` holds no inf and no nan. Exact.
 
@@ -110,11 +120,18 @@ def all_finite(t: torch.Tensor) -> bool:
     65504): a non-finite sum is confirmed with min/max (nan propagates
     through both, an inf is one of them). The sum is about 4x faster than
     min/max on CPU, which is itself much faster than ``isfinite(t).all()``.
+    Up to ``ONE_THREAD_SUM_BYTES`` of CPU fp32/fp64 the sum is numpy's, in this thread.
     """
     if t.numel() == 0:
         return True
     flat = t if t.dim() == 1 else t.reshape(-1)
-    if math.isfinite(flat.sum().item()):
+    if (flat.dtype in _NUMPY_SUMS and flat.device.type == "cpu" and flat.is_contiguous()
+            and flat.numel() * flat.element_size() <= ONE_THREAD_SUM_BYTES):
+        values = (flat.detach() if flat.requires_grad else flat).numpy()
+        with np.errstate(over="ignore", invalid="ignore"):  # an inf or nan is the answer, not a warning
+            if math.isfinite(values.sum()):
+                return True
+    elif math.isfinite(flat.sum().item()):
         return True
     lo, hi = torch.aminmax(flat)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())

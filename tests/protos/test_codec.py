@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -43,8 +45,20 @@ def test_bad_payloads_and_dtypes():
         codec.check_chunk_bytes(64 << 20)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_all_finite(dtype):
+ALL_FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["one thread", "torch's pool"])
+def sums(request, monkeypatch):
+    """Every all_finite test on both sums: numpy's in the calling thread (CPU fp32/fp64 up to
+    ONE_THREAD_SUM_BYTES) and torch's (larger ones, other dtypes)."""
+    if request.param == "torch's pool":
+        monkeypatch.setattr(codec, "ONE_THREAD_SUM_BYTES", -1)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ALL_FLOATS)
+def test_all_finite(dtype, sums):
     x = torch.randn(1000).to(dtype)
     assert codec.all_finite(x) and codec.all_finite(torch.empty(0, dtype=dtype))
     for bad in (float("inf"), float("-inf"), float("nan")):
@@ -53,9 +67,9 @@ def test_all_finite(dtype):
         assert not codec.all_finite(y), bad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ALL_FLOATS)
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 255, 4097, 262_144])
-def test_all_finite_finds_one_bad_value_anywhere(dtype, n):
+def test_all_finite_finds_one_bad_value_anywhere(dtype, n, sums):
     """The sum-first check: one inf, -inf or nan in the first, middle or last element (vector tails too)."""
     x = torch.randn(n).to(dtype)
     assert codec.all_finite(x)
@@ -67,15 +81,15 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype, n):
             assert not codec.all_finite(y[at:])  # a view starting at the bad value
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_all_finite_inf_and_minus_inf_together(dtype):
+@pytest.mark.parametrize("dtype", ALL_FLOATS)
+def test_all_finite_inf_and_minus_inf_together(dtype, sums):
     x = torch.zeros(100, dtype=dtype)
     x[3], x[70] = float("inf"), float("-inf")  # their sum is nan, not finite either
     assert not codec.all_finite(x)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_all_finite_huge_finite_values_are_finite(dtype):
+@pytest.mark.parametrize("dtype", ALL_FLOATS)
+def test_all_finite_huge_finite_values_are_finite(dtype, sums):
     """Finite values whose sum overflows to inf (or to -inf) are not flagged."""
     big = torch.finfo(dtype).max
     for sign in (1.0, -1.0):
@@ -88,8 +102,33 @@ def test_all_finite_huge_finite_values_are_finite(dtype):
     assert codec.all_finite(y)
 
 
-def test_all_finite_non_contiguous():
+def test_all_finite_non_contiguous(sums):
     x = torch.randn(64, 64).t()
     assert codec.all_finite(x)
     x[5, 60] = float("nan")
     assert not codec.all_finite(x)
+
+
+def test_all_finite_in_one_thread_warns_of_nothing_and_takes_a_tensor_that_requires_grad():
+    """numpy's sum of an inf, a nan or an overflow is the answer, not a RuntimeWarning; a tensor that requires
+    grad is read through a detached view."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype in (torch.float32, torch.float64):
+            x = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)
+            assert codec.all_finite(x)  # the sum overflows: confirmed finite by min/max
+            x[3], x[9] = float("inf"), float("-inf")
+            assert not codec.all_finite(x)
+    w = torch.randn(32, requires_grad=True)
+    assert codec.all_finite(w)
+    assert not codec.all_finite(w.detach() / 0.0)
+
+
+def test_all_finite_sums_a_large_tensor_in_torchs_pool(monkeypatch):
+    """Past ONE_THREAD_SUM_BYTES the sum is torch's (its wall time counts more than its pool's spinning)."""
+    called = []
+    monkeypatch.setattr(codec, "ONE_THREAD_SUM_BYTES", 4 * 1000 - 1)
+    real = torch.Tensor.numpy
+    monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: called.append(self.numel()) or real(self, *a, **k))
+    assert codec.all_finite(torch.ones(999)) and called == [999]
+    assert codec.all_finite(torch.ones(1000)) and called == [999]

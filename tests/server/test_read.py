@@ -231,3 +231,27 @@ def test_a_framing_thread_that_cannot_start_fails_its_pull_and_the_next_one_fram
     monkeypatch.undo()
     versions, values = _all_values(msg for *_, msg in st.reader.read(["w"], None, 1024, messages=True)[1])
     assert versions == {0} and torch.equal(values, torch.zeros(4096))
+
+
+def test_a_shared_answers_buffer_is_reused_only_once_nothing_holds_it():
+    """Reader.read_shared: each version's weights get a buffer of their own, which an answer may still be sending
+    while the next version is stepped; once no answer and no cache entry holds it, the next version's copy goes
+    there (no fresh pages each version), never while a view of it lives."""
+    st = _store()
+    _, items, first = st.reader.read_shared(["w"], None, 1024)
+    held = first[0:24]  # an answer still being sent: a slice of the payload, as the Sender keeps it
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)})  # version 1 (asp): the version's entry is cleared
+    assert not st.reader.shared
+    _, _, second = st.reader.read_shared(["w"], None, 1024)
+    addr = lambda v: torch.frombuffer(v, dtype=torch.uint8).data_ptr()  # noqa: E731
+    assert addr(second) != addr(held)  # version 0's bytes are still being sent: not written over
+    assert torch.equal(torch.frombuffer(bytearray(held), dtype=torch.float32), torch.zeros(6))
+    spares = {addr(held), addr(second)}
+    del first, held, items  # version 0's answer is sent: its buffer is a spare now
+    st.path.submit(0, 1, 1, {("w", 0): torch.ones(6)})  # version 2
+    del second  # version 1's too, its entry cleared by the step
+    assert len(st.reader._spare) == 2
+    _, _, third = st.reader.read_shared(["w"], None, 1024)
+    assert addr(third) in spares and len(st.reader._spare) == 1  # a spare, not new pages
+    v = torch.frombuffer(bytearray(third[:24]), dtype=torch.float32)
+    assert torch.equal(v, torch.full((6,), -2.0))  # version 2's weights, written into the spare
