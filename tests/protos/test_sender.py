@@ -88,6 +88,27 @@ def test_a_frame_the_socket_takes_is_written_by_the_caller_without_a_thread(pair
     s.close()
 
 
+def test_a_frame_of_any_buffers_goes_as_their_bytes(pair):
+    """Parts of other formats (a float tensor's memoryview, a 2-D view) go as their bytes; a small head and
+    control are one buffer (``head_and_control``), a large control keeps its pieces (no copy)."""
+    import array
+
+    a, b = pair
+    s = wire.Sender(a, "t", lambda why: None)
+    floats = array.array("f", [1.5, -2.0, 3.25])
+    grid = memoryview(bytes(range(12))).cast("B", (3, 4))
+    small = wire.head_and_control(b"HEAD", [b"c1", b"c2"], 4)
+    assert small == [b"HEADc1c2"]
+    big_ctl = bytes(wire.JOIN_CONTROL + 1)
+    big = wire.head_and_control(b"HEAD", [big_ctl], len(big_ctl))
+    assert big == [b"HEAD", big_ctl] and big[1] is big_ctl
+    s.send([*small, memoryview(floats), grid])
+    assert _read(b, 8 + 12 + 12) == b"HEADc1c2" + floats.tobytes() + bytes(range(12))
+    s.send(big)
+    assert _read(b, 4 + len(big_ctl)) == b"HEAD" + big_ctl
+    s.close()
+
+
 def test_frames_larger_than_the_socket_go_whole_and_in_order_while_the_caller_goes_on(pair):
     a, b = pair
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
