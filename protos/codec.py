@@ -106,7 +106,7 @@ _NUMPY_SUMS = (torch.float32, torch.float64)
 ONE_THREAD_SUM_BYTES = 16 << 20
 """``all_finite`` sums a CPU fp32/fp64 tensor up to this size in the calling thread (numpy), not in torch's
 pool of threads: after each parallel region those threads spin, waiting for the next, and a data path's
-checks come one by one between socket calls (a third of the data connection's CPU per byte in
+checks come one by one between socket calls (a quarter to a third of the data connection's CPU per byte in
 ``benchmarks/tcppath.py`` was a worker's pool spinning after its checks; docs/performance.md). A larger one
 is summed in parallel: its work outweighs the spin, and its wall time counts."""
 
