@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -56,25 +57,42 @@ def switches(pid: int) -> int:
     return total
 
 
-def one(per: int, steps: int, timeout: float, shm: bool = False) -> dict[str, float]:
-    """One run at ``per`` shards a server process: start, time ``steps`` steps after 2, stop."""
+def one(per: int, steps: int, timeout: float, shm: bool = False, system: str = "shardps") -> dict[str, Any]:
+    """One run at ``per`` shards (``raw-parts``: parts) a server process: start, time ``steps`` steps after 2,
+    stop."""
     env = dict(os.environ, SHARDPS_LOG_LEVEL="ERROR", SHARDPS_SHM="1" if shm else "0")
     total = HOSTS * per
     servers: list[subprocess.Popen[str]] = []
     workers: list[subprocess.Popen[str]] = []
     try:
-        for j in range(HOSTS):
-            servers.append(subprocess.Popen(
-                [sys.executable, "-m", "shardps", "server", "--host", "127.0.0.1", "--port", "0", "--shard-index",
-                 str(j * per), "--shards", str(per), "--num-shards", str(total)],
-                env=env, stdout=subprocess.PIPE, text=True))
-        addresses = [parse_ready(line)[0] for s in servers for line in read_ready_lines(s, 120, per)]
+        if system == "raw-parts":  # baselines/raw_ps.py --parts: the same schedule, nothing but the work
+            flat = numel(DIMS)
+            for j in range(HOSTS):
+                servers.append(subprocess.Popen(
+                    [sys.executable, str(HERE / "baselines" / "raw_ps.py"), "--host", "127.0.0.1", "--world",
+                     str(WORKERS), "--lo", str(flat * j // HOSTS), "--hi", str(flat * (j + 1) // HOSTS),
+                     "--steps", str(steps + 2), "--timeout", str(timeout), "--parts", str(per)],
+                    env=env, stdout=subprocess.PIPE, text=True))
+            addresses = []
+            for proc in servers:
+                line = proc.stdout.readline() if proc.stdout else ""
+                if not line.startswith("READY "):
+                    raise RuntimeError(f"raw-parts: a server said {line!r} instead of READY")
+                addresses.append(line.split()[1])
+            argv = ["raw-ps", "--parts", str(per)]
+        else:
+            for j in range(HOSTS):
+                servers.append(subprocess.Popen(
+                    [sys.executable, "-m", "shardps", "server", "--host", "127.0.0.1", "--port", "0",
+                     "--shard-index", str(j * per), "--shards", str(per), "--num-shards", str(total)],
+                    env=env, stdout=subprocess.PIPE, text=True))
+            addresses = [parse_ready(line)[0] for s in servers for line in read_ready_lines(s, 120, per)]
+            argv = ["shardps", "--part-bytes", str(4 * numel(DIMS) // total)]
         for r in range(WORKERS):
             workers.append(subprocess.Popen(
-                [sys.executable, str(HERE / "baselines" / "host_worker.py"), "shardps", "--rank", str(r),
+                [sys.executable, str(HERE / "baselines" / "host_worker.py"), *argv, "--rank", str(r),
                  "--world", str(WORKERS), "--steps", str(steps), "--warmup", "2", "--timeout", str(timeout),
-                 "--addresses", ",".join(addresses), "--window", "4",
-                 "--part-bytes", str(4 * numel(DIMS) // total)],
+                 "--addresses", ",".join(addresses), "--window", "4"],
                 env=env, stdout=subprocess.PIPE, text=True))
         first = workers[0].stdout.readline() if workers[0].stdout else ""
         if '"timed"' not in first:
@@ -90,7 +108,8 @@ def one(per: int, steps: int, timeout: float, shm: bool = False) -> dict[str, fl
                 raise RuntimeError(f"a worker exited with {w.returncode}: {out[-500:]!r}")
             results.append(json.loads(lines[-1]))
         server_cpu = (sum(process_cpu(s.pid) for s in servers) - cpu0) / steps
-        server_sw = (sum(switches(s.pid) for s in servers) - sw0) / steps
+        # (raw-parts: its serving threads end with the last step and take their counts with them)
+        server_sw = (sum(switches(s.pid) for s in servers) - sw0) / steps if system == "shardps" else None
     finally:
         for p in workers + servers:
             if p.poll() is None:
@@ -98,9 +117,10 @@ def one(per: int, steps: int, timeout: float, shm: bool = False) -> dict[str, fl
             p.communicate(timeout=30)
     calls = 2 * total * WORKERS
     worker_cpu = sum(r["cpu_s"] for r in results) / steps
-    return {"per": per, "calls_per_step": calls, "step_s": statistics.median(results[0]["times"]),
+    return {"system": system, "per": per, "calls_per_step": calls, "step_s": statistics.median(results[0]["times"]),
             "worker_cpu_s": worker_cpu, "server_cpu_s": server_cpu,
-            "cpu_ms_per_call": (worker_cpu + server_cpu) / calls * 1e3, "server_switches_per_call": server_sw / calls}
+            "cpu_ms_per_call": (worker_cpu + server_cpu) / calls * 1e3,
+            "server_switches_per_call": server_sw / calls if server_sw is not None else None}
 
 
 def main() -> int:
@@ -111,30 +131,38 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--shm", action="store_true", help="the bytes through shared memory (one machine's path)")
+    p.add_argument("--systems", default="shardps",
+                   help="comma-separated: shardps, raw-parts (baselines/raw_ps.py --parts: the same schedule of "
+                        "parts in Python with nothing but the work, a floor to set shardps beside)")
     a = p.parse_args()
+    systems = [x.strip() for x in a.systems.split(",") if x.strip()]
+    if not systems or any(x not in ("shardps", "raw-parts") for x in systems):
+        p.error(f"--systems: expected shardps and/or raw-parts, got {a.systems!r}")
     print(f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {HOSTS} server processes, {WORKERS} workers, "
           f"{a.steps} timed steps after 2; bytes through {'shared memory' if a.shm else 'the data connection'}",
           file=sys.stderr)
-    runs: dict[int, list[dict[str, float]]] = {per: [] for per in a.shards_per_host}
+    cases = [(system, per) for per in a.shards_per_host for system in systems]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in cases}
     for r in range(a.rounds):
-        order = a.shards_per_host[r % len(a.shards_per_host):] + a.shards_per_host[:r % len(a.shards_per_host)]
-        for per in order:
-            row = one(per, a.steps, a.timeout, a.shm)
-            print(f"  [round {r + 1}/{a.rounds}] {per} shards a process: {row['step_s'] * 1e3:.0f} ms a step, "
-                  f"{row['cpu_ms_per_call']:.2f} CPU-ms a call", file=sys.stderr)
-            runs[per].append(row)
-    rows = [{k: round(statistics.median(x[k] for x in rs), 4) for k in rs[0]} for rs in runs.values()]
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        for system, per in order:
+            row = one(per, a.steps, a.timeout, a.shm, system)
+            print(f"  [round {r + 1}/{a.rounds}] {system}, {per} shards a process: {row['step_s'] * 1e3:.0f} ms "
+                  f"a step, {row['cpu_ms_per_call']:.2f} CPU-ms a call", file=sys.stderr)
+            runs[(system, per)].append(row)
+    rows = [{k: (rs[0][k] if k == "system" or rs[0][k] is None else round(statistics.median(x[k] for x in rs), 4))
+             for k in rs[0]} for rs in runs.values()]
     if a.json:
         for row in rows:
             print(json.dumps(row))
         return 0
-    print("| shards a server process | calls a step | step ms | workers' CPU s/step | servers' CPU s/step | "
+    print("| system | shards a server process | calls a step | step ms | workers' CPU s/step | servers' CPU s/step | "
           "CPU ms a call | servers' switches a call |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['per']:.0f} | {row['calls_per_step']:.0f} | {row['step_s'] * 1e3:.0f} | "
+        print(f"| {row['system']} | {row['per']:.0f} | {row['calls_per_step']:.0f} | {row['step_s'] * 1e3:.0f} | "
               f"{row['worker_cpu_s']:.3f} | {row['server_cpu_s']:.3f} | {row['cpu_ms_per_call']:.2f} | "
-              f"{row['server_switches_per_call']:.0f} |")
+              f"{'-' if row['server_switches_per_call'] is None else format(row['server_switches_per_call'], '.0f')} |")
     return 0
 
 

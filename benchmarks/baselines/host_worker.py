@@ -150,7 +150,7 @@ def run_raw_ps(a: argparse.Namespace) -> dict[str, object]:
     from baselines.raw_ps import Client
 
     model = mlp(a.dims)
-    client = Client(model, a.addresses.split(","), a.rank, a.timeout)
+    client = Client(model, a.addresses.split(","), a.rank, a.timeout, parts=a.parts, window=a.window)
     try:
         return train(a, model, client)
     finally:
@@ -174,8 +174,10 @@ def main() -> int:
     p.add_argument("--addresses", help="shardps: the shards, in shard order; raw-ps: its servers, in order")
     p.add_argument("--sync", default="bsp")
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--window", type=int, default=None, help="shardps: push_window (default: every shard at once)")
+    p.add_argument("--window", type=int, default=None,
+                   help="shardps: push_window; raw-ps --parts: parts unanswered at once (default: every one)")
     p.add_argument("--compress", default="none", help="shardps: none, topk:RATIO or powersgd:RANK")
+    p.add_argument("--parts", type=int, default=1, help="raw-ps: parts a server, each a message (raw_ps.py --parts)")
     p.add_argument("--part-bytes", type=int, default=None,
                    help="shardps: connect(part_bytes=): the size the model is cut into (default: the library's)")
     a = p.parse_args()

@@ -20,11 +20,26 @@ What is left of such a step's CPU is the kernel's copies, torch's sum and
 step, and the interpreter's few calls: the floor a parameter server written
 in Python pays on this machine, measured the same way as the rows beside it.
 Every wait is bounded by ``--timeout``.
+
+``--parts P`` (both ends): the same server cut as shardps cuts it, each
+server's range in P parts, each part a message of its own: a worker sends
+its parts in shardps's push order (round-robin over the servers, starting
+at its rank) at most ``window`` unanswered at once, each as a 4-byte part
+number and the part's bytes, checked for inf/nan (numpy's sum) before it
+goes; a server reads each into that worker's buffer, checks it, and once
+every worker's copy of the part is in (the thread of the last one), sums
+them, steps, copies the part's weights into an answer buffer and sends
+them to every worker (number and bytes); the worker's reading thread reads
+them into the parameters. What shardps does a part beyond this (protobuf
+control, versions and clocks, leases, the push's own answer, the objects and
+threads of a general path) is its overhead above a Python floor for the
+same schedule (benchmarks/call_cpu.py ``--systems``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import socket
 import struct
@@ -35,6 +50,29 @@ from typing import Any
 import torch
 
 HELLO = struct.Struct("!I")  # the worker's rank
+PART = struct.Struct("!I")  # --parts: a part's number before its bytes, both ways
+
+
+def cuts(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) in ``parts`` contiguous pieces."""
+    n = hi - lo
+    return [(lo + n * i // parts, lo + n * (i + 1) // parts) for i in range(parts)]
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No inf/nan in a CPU fp32 tensor: numpy's sum in this thread (as shardps's check, protos/codec.py)."""
+    raw: Any = t.numpy()
+    return math.isfinite(float(raw.sum()))
+
+
+def send_frame(sock: socket.socket, head: bytes, body: memoryview) -> None:
+    """A part's number and bytes, in one ``sendmsg`` where the socket takes them."""
+    n = sock.sendmsg([head, body])
+    if n < len(head):
+        sock.sendall(head[n:])
+        n = len(head)
+    if n - len(head) < len(body):
+        sock.sendall(body[n - len(head):])
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -78,6 +116,8 @@ def serve(a: argparse.Namespace) -> int:
     grads = {r: torch.empty(n, dtype=torch.float32) for r in conns}
     total = torch.empty(n, dtype=torch.float32)
     lr = 0.01 / a.world
+    if a.parts > 1:
+        return _serve_parts(a, conns, weights, grads, total, lr)
 
     def apply() -> None:  # the barrier's action: the step, in the last thread to arrive
         assert weights is not None
@@ -102,28 +142,85 @@ def serve(a: argparse.Namespace) -> int:
             failures.append(e)
             pushed.abort()
 
+    return _run(a, conns, serve_worker, failures)
+
+
+def _run(a: argparse.Namespace, conns: dict[int, socket.socket], serve_worker: Any,
+         failures: list[BaseException]) -> int:
     threads = [threading.Thread(target=serve_worker, args=(r,), daemon=True) for r in conns]
     for t in threads:
         t.start()
     for t in threads:
         t.join(a.timeout * (a.steps + 1))
-    for s in conns.values():
-        s.close()
     if failures:
+        for s in conns.values():
+            s.close()
         print(f"raw_ps server: {failures[0]!r}", file=sys.stderr)
         return 1
     # Stay until the driver stops us (SIGTERM, its default action: no interpreter teardown), so that the
-    # driver's last reading of this process's CPU holds the steps and not the exit.
+    # driver's last reading of this process's CPU holds the steps and not the exit. The connections stay
+    # open until then: closed here, the last answers of --parts were sometimes lost to the workers.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     print("DONE", flush=True)
     signal.sigtimedwait({signal.SIGTERM}, a.timeout)
+    for s in conns.values():
+        s.close()
     return 0
+
+
+def _serve_parts(a: argparse.Namespace, conns: dict[int, socket.socket], weights: torch.Tensor,
+                 grads: dict[int, torch.Tensor], total: torch.Tensor, lr: float) -> int:
+    """``--parts``: each part a message of its own, stepped once every worker's copy is in (module docstring)."""
+    pieces = cuts(0, weights.numel(), a.parts)
+    answer = weights.clone()
+    counts = [0] * a.parts
+    lock = threading.Lock()
+    sending = {r: threading.Lock() for r in conns}
+    failures: list[BaseException] = []
+
+    def arrived(part: int) -> None:
+        lo, hi = pieces[part]
+        with lock:
+            counts[part] += 1
+            if counts[part] < a.world:
+                return
+            counts[part] = 0
+        t = total[lo:hi]
+        t.copy_(grads[0][lo:hi])
+        for r in range(1, a.world):
+            t.add_(grads[r][lo:hi])
+        weights[lo:hi].add_(t, alpha=-lr)
+        answer[lo:hi].copy_(weights[lo:hi])
+        head, body = PART.pack(part), _bytes(answer[lo:hi])
+        for r, sock in conns.items():
+            with sending[r]:
+                send_frame(sock, head, body)
+
+    def serve_worker(rank: int) -> None:
+        sock, mine = conns[rank], grads[rank]
+        head = bytearray(PART.size)
+        try:
+            with sending[rank]:
+                sock.sendall(_bytes(weights))  # the starting weights
+            for _ in range(a.steps * a.parts):
+                fill(sock, memoryview(head))
+                (part,) = PART.unpack(head)
+                lo, hi = pieces[part]
+                fill(sock, _bytes(mine[lo:hi]))
+                if not finite(mine[lo:hi]):
+                    raise ValueError(f"worker {rank}: part {part} holds an inf or nan")
+                arrived(part)
+        except BaseException as e:  # noqa: BLE001 - reported by _run
+            failures.append(e)
+
+    return _run(a, conns, serve_worker, failures)
 
 
 class Client:
     """A worker's side (``host_worker.py raw-ps``): flat parameters and gradients, one thread per server."""
 
-    def __init__(self, model: torch.nn.Module, addresses: list[str], rank: int, timeout: float) -> None:
+    def __init__(self, model: torch.nn.Module, addresses: list[str], rank: int, timeout: float, parts: int = 1,
+                 window: int | None = None) -> None:
         params = [p for p in model.parameters()]
         total = sum(p.numel() for p in params)
         self.flat = torch.empty(total, dtype=torch.float32)
@@ -154,9 +251,55 @@ class Client:
         self._done = threading.Barrier(k + 1, timeout=timeout)
         self._failures: list[BaseException] = []
         self._stop = False
-        self._threads = [threading.Thread(target=self._serve, args=(j,), daemon=True) for j in range(k)]
+        self.parts, self.timeout = parts, timeout
+        if parts > 1:  # (module docstring) a reading thread per server; the caller's thread sends the parts
+            self.pieces = [cuts(lo, hi, parts) for lo, hi in self.ranges]
+            start = rank % k
+            self.order = [(j, i) for i in range(parts) for j in [*range(start, k), *range(start)]]
+            self._window = threading.BoundedSemaphore(window or len(self.order))
+            self._left = 0
+            self._cv = threading.Condition()
+            self._threads = [threading.Thread(target=self._answers, args=(j,), daemon=True) for j in range(k)]
+        else:
+            self._threads = [threading.Thread(target=self._serve, args=(j,), daemon=True) for j in range(k)]
         for t in self._threads:
             t.start()
+
+    def _answers(self, j: int) -> None:
+        """--parts: server ``j``'s answers, each part's weights read into the parameters."""
+        sock, head = self.socks[j], bytearray(PART.size)
+        try:
+            while True:
+                fill(sock, memoryview(head))
+                (part,) = PART.unpack(head)
+                lo, hi = self.pieces[j][part]
+                fill(sock, _bytes(self.flat[lo:hi]))
+                self._window.release()
+                with self._cv:
+                    self._left -= 1
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised by step(); a closed socket ends the thread
+            if not self._stop:
+                self._failures.append(e)
+            with self._cv:
+                self._cv.notify_all()
+
+    def _step_parts(self) -> None:
+        if not finite(self.grad):  # the worker's check of its gradient, as shardps's before it pushes
+            raise ValueError("raw parameter server: the gradient holds an inf or nan")
+        with self._cv:
+            self._left = len(self.order)
+        for j, i in self.order:
+            if not self._window.acquire(timeout=self.timeout):
+                raise TimeoutError(f"raw parameter server: no answer within {self.timeout}s")
+            lo, hi = self.pieces[j][i]
+            send_frame(self.socks[j], PART.pack(i), _bytes(self.grad[lo:hi]))
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._left == 0 or bool(self._failures), self.timeout):
+                raise TimeoutError(f"raw parameter server: {self._left} parts unanswered after {self.timeout}s")
+            if self._left:  # (a server that closes after the last step's answers is no failure)
+                raise RuntimeError(f"raw parameter server: {self._left} of {len(self.order)} parts unanswered: "
+                                   f"{self._failures[0]!r}")
 
     def _serve(self, j: int) -> None:
         sock, (lo, hi) = self.socks[j], self.ranges[j]
@@ -175,6 +318,9 @@ class Client:
 
     def step(self) -> None:
         """Push the gradient, pull the weights (into the parameters' own storage)."""
+        if self.parts > 1:
+            self._step_parts()
+            return
         self._go.wait()
         self._done.wait()
         if self._failures:
@@ -185,10 +331,14 @@ class Client:
 
     def close(self) -> None:
         self._stop = True
-        try:
-            self._go.wait()
-        except threading.BrokenBarrierError:
-            pass
+        if self.parts > 1:
+            for s in self.socks:
+                s.shutdown(socket.SHUT_RDWR)  # the reading threads end
+        else:
+            try:
+                self._go.wait()
+            except threading.BrokenBarrierError:
+                pass
         for t in self._threads:
             t.join(5.0)
         for s in self.socks:
@@ -203,6 +353,7 @@ def main() -> int:
     p.add_argument("--hi", type=int, required=True, help="one past its last")
     p.add_argument("--steps", type=int, required=True, help="steps to serve (warm-up and timed)")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--parts", type=int, default=1, help="parts of this server's range, each a message (default 1)")
     return serve(p.parse_args())
 
 
