@@ -12,27 +12,34 @@ and sending from it (the kernel's copies, nothing else). After
 ``--warmup`` untimed rounds, ``--repeats`` rounds of push then pull per
 worker and one raw round trip, the order rotated each round so that
 background load hits all alike. Per round: wall time, and the CPU time of
-this process plus the other end's processes (to the nanosecond: ``proccpu.precise_cpu``), both
-sides of the transport. Reported: medians of CPU-s per MB moved (push +
-pull: 2 x model bytes) and MB/s, and the ratios frames / gRPC and frames /
-raw; the load average beside them (the machine is shared). ``--tls``: the
-servers and both workers under TLS (a CA and a server certificate made
-with ``openssl`` in a temporary folder): gRPC's channel and the data
-connection both encrypted; the raw pair stays plain, the floor.
+this process plus the other end's processes, to the nanosecond
+(``proccpu.precise_cpu``: /proc's ticks of 10 ms are too coarse for a
+round), both sides of the transport. Reported: medians of CPU-s per MB
+moved (push + pull: 2 x model bytes) and MB/s, and the ratios; the load
+average beside them (the machine is shared). ``--tls``: the servers and
+both workers under TLS (a CA and a server certificate made with
+``openssl`` in a temporary folder): gRPC's channel and the data connection
+both encrypted; the raw pairs stay plain.
 
 A second reference (``raw+work``) adds to the raw pair the work the path
 must do with the bytes, in torch, as the product does it, and nothing
-else: this end checks the gradient for inf/nan before sending it (the
-worker's ``found_inf``, which every shard must agree on), the other end
-(a spawned process, torch's threads as a server's) receives it into a buffer, checks it (a shard refuses
-a gradient with an inf/nan), takes the SGD step on its own weights (at
-``lr = 0``, as the servers here), copies the weights into a send buffer
-(an answer's bytes must not change while they are sent) and sends them,
-and this end receives them into the parameter's storage. What the frames
-cost above ``raw+work`` is the path's own overhead per byte: parsing,
-checks per part, versions, locks, threads.
+else: this end checks each gradient for inf/nan before sending it (the
+worker's ``found_inf``, which every shard must agree on); the other end (a
+spawned process, torch's threads as a server's) receives it into a buffer,
+checks each part of it (a shard's own check), takes the SGD step on its
+weights (at ``lr = 0``, as the servers here), copies the weights into a
+send buffer (an answer's bytes must not change while they are sent) and
+sends them; this end receives them into the parameters' storage. What the
+frames cost above ``raw+work`` is the path's own: parsing, checks a part,
+versions, locks, threads.
 
-    .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--json]
+``--paths`` picks which of grpc, frames, raw, raw+work run. Without grpc
+the frames worker is alone in its process, as a training worker is: two
+workers' checks in one process use two of torch's thread pools, and
+libgomp then throttles its threads' spinning, which a worker of its own
+pays (docs/performance.md, "The data connection").
+
+    .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--paths frames,raw,raw+work] [--json]
 """
 
 from __future__ import annotations
@@ -131,11 +138,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         listener.settimeout(args.rpc_timeout)
-        worker = multiprocessing.get_context("spawn").Process(
+        shard_end = multiprocessing.get_context("spawn").Process(
             target=_echo_work, args=(listener.getsockname(), nbytes, args.warmup + args.repeats, len(grads)),
             daemon=True)
-        worker.start()
-        _CHILDREN.append(worker)
+        shard_end.start()
+        _CHILDREN.append(shard_end)
         work, _ = listener.accept()
     work.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     work.settimeout(args.rpc_timeout)
@@ -168,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.warmup + args.repeats):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
-                ends = [echo.pid] if name == "raw" else [worker.pid] if name == "raw+work" else pids
+                ends = [echo.pid] if name == "raw" else [shard_end.pid] if name == "raw+work" else pids
                 assert ends[0] is not None
                 cpu0, t0 = precise_cpu(ends), time.perf_counter()  # type: ignore[arg-type]
                 if name == "raw":
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for c in clients.values():
             c.close()
     echo.join(30)
-    worker.join(30)
+    shard_end.join(30)
     ours.close()
     work.close()
     moved = 2 * nbytes / MB
