@@ -189,10 +189,28 @@ class Checkpointer:
         if not self.directory:
             raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory (--checkpoint-dir)")
         with self.lock:
-            version, meta, tensors = snapshot()
-            path = write(self.directory, self.shard_index, version, meta, tensors, keep=self.keep)
-            self.last_version, self.last_time = version, time.monotonic()
-            self.checkpoints_total += 1
+            return self._write_locked(snapshot())
+
+    def write_taken(self, taken: Snapshot, current: Callable[[], bool]) -> str | None:
+        """Write a snapshot taken before (in the hold of the shard's lock that made a step-based checkpoint
+        due, so that it is of that version: every shard of a bsp job then holds the same versions), unless
+        ``current()`` says, under ``lock``, that the shard has left its timeline since (a rollback: its
+        state must not come back); the path of its metadata, or None."""
+        if not self.directory:
+            raise FailedPrecondition(f"shard {self.shard_index} has no checkpoint directory (--checkpoint-dir)")
+        with self.lock:
+            if not current():
+                log.info("shard %d: checkpoint at version %d not written: the shard rolled back since",
+                         self.shard_index, taken[0])
+                return None
+            return self._write_locked(taken)
+
+    def _write_locked(self, snap: Snapshot) -> str:
+        assert self.directory  # (checked by the callers, with the error they raise)
+        version, meta, tensors = snap
+        path = write(self.directory, self.shard_index, version, meta, tensors, keep=self.keep)
+        self.last_version, self.last_time = version, time.monotonic()
+        self.checkpoints_total += 1
         log.info("shard %d: checkpoint at version %d: %s", self.shard_index, version, path)
         return str(path)
 

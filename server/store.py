@@ -54,14 +54,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from shardps.protos.results import PushResult
 from shardps.protos.stats import ShardStats, TensorStats
-from shardps.server.checkpoint import Checkpointer
+from shardps.server.checkpoint import Checkpointer, Snapshot
 from shardps.server.datapath.apply import Applier
 from shardps.server.datapath.path import DataPath
 from shardps.server.datapath.reader import Reader
@@ -119,7 +119,7 @@ class ShardStore:
                               halted=lambda: job.recovering or job.closing, check_epoch=job.check_same_epoch)
         self.path = path = DataPath(shard_index, num_shards, cond, table=table, job=job, leases=leases,
                                     applier=applier, reader=reader, replica=replica, checkpointer=ck,
-                                    checkpoint=self.checkpoint_now, clock=clock)
+                                    checkpoint=self._checkpoint_taken, clock=clock)
         if sync is not None or num_workers is not None:
             if sync is None or num_workers is None:
                 raise ValueError("give both sync and num_workers, or neither")
@@ -279,6 +279,13 @@ class ShardStore:
     def checkpoint_now(self) -> str:
         """Write a checkpoint of the current state; return the path of its metadata."""
         return self.checkpointer.write(self.snapshot)
+
+    def _checkpoint_taken(self) -> tuple[Snapshot, Callable[[], str | None]]:
+        """Under the lock (a step made a checkpoint due): the snapshot, and what writes it once the lock is
+        released (unless the shard rolled back in between: ``Checkpointer.write_taken``)."""
+        taken, epoch = self.snapshot_locked(), self.job.epoch
+        return taken, lambda: self.checkpointer.write_taken(
+            taken, lambda: self.job.epoch == epoch and not self.job.recovering)
 
     def rollback(self, version: int, epoch: int) -> tuple[int, int]:
         """Restore the checkpoint at ``version`` and enter ``epoch`` (no-op if already there).

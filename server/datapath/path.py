@@ -34,7 +34,7 @@ from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
 from shardps.protos.slices import TensorSlice
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.checkpoint import Checkpointer
+from shardps.server.checkpoint import Checkpointer, Snapshot
 from shardps.server.datapath.apply import Applier
 from shardps.server.datapath.reader import Framing, Item, Reader, payload_bytes
 from shardps.server.datapath.slicepull import check_slices, read_slices
@@ -62,7 +62,8 @@ class DataPath:
 
     def __init__(self, shard_index: int, num_shards: int, cond: Signal, *, table: TensorTable,
                  job: Job, leases: Leases, applier: Applier, reader: Reader, replica: ReplicaSide,
-                 checkpointer: Checkpointer, checkpoint: Callable[[], str], clock: Clock) -> None:
+                 checkpointer: Checkpointer, checkpoint: Callable[[], tuple[Snapshot, Callable[[], str | None]]],
+                 clock: Clock) -> None:
         self.shard_index, self.num_shards = shard_index, num_shards
         self._cond = cond
         self.parked = Parked(cond, halted=job.halted_since, count=job.count_waiting)
@@ -304,8 +305,11 @@ class DataPath:
                                 sync_switch=job.sync_switches_total)
             due = (applied and rep.role is Role.PRIMARY and self.checkpointer.due(job.version)
                    and policy.quiescent())
-        if due:
-            self._checkpoint()
+            # The checkpoint's state is taken now, in this hold of the lock: taken once the lock is released,
+            # a step landing in between would make it a later version's, on this shard only.
+            write = self._checkpoint()[1] if due else None
+        if write is not None:
+            write()
         return result
 
     def step(self, update: Update) -> bool:

@@ -42,3 +42,57 @@ def test_no_temporary_files_are_left(tmp_path):
     ck.write(tmp_path, 2, 1, {}, {"a": torch.ones(2)})
     assert sorted(p.name for p in ck.shard_dir(tmp_path, 2).iterdir()) == [
         "step-0000000001.json", "step-0000000001.safetensors"]
+
+
+def _stepping_store(tmp_path, every: int):
+    import shardps
+    from shardps.server.store import ShardStore, TensorSpec
+
+    st = ShardStore(0, 1, sync="bsp", num_workers=1)
+    st.path.register_tensors([TensorSpec("w", (6,), 1, shardps.optim.SGD(lr=1.0), ((0, 6),))],
+                             {("w", 0): torch.zeros(6)})
+    st.leases.register(0)
+    st.checkpointer.enable(str(tmp_path), every_steps=every)
+    return st
+
+
+def _between_the_lock_and_the_write(st, monkeypatch, what):
+    """Run ``what()`` in another thread (joined) once the step that made a checkpoint due has released the
+    shard's lock, before the checkpoint is written: the exact point where a thread can lose the processor."""
+    import threading
+
+    real = st.checkpointer.write_taken
+
+    def late(taken, current):
+        t = threading.Thread(target=what)
+        t.start()
+        t.join(30)
+        return real(taken, current)
+
+    monkeypatch.setattr(st.checkpointer, "write_taken", late)
+
+
+def test_a_step_based_checkpoint_is_of_the_version_that_made_it_due(tmp_path, monkeypatch):
+    """Version 2 makes a checkpoint due (every 2); the next step lands before it is written: the file is still
+    version 2's state, so every shard of a bsp job holds the same versions (a shard that wrote version 3 here
+    would leave the job no common version to roll back to but older ones)."""
+    st = _stepping_store(tmp_path, every=2)
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)})
+    _between_the_lock_and_the_write(st, monkeypatch,
+                                    lambda: st.path.submit(0, 2, 2, {("w", 0): torch.ones(6)}))
+    st.path.submit(0, 1, 1, {("w", 0): torch.ones(6)})  # version 2: due; version 3 lands in between
+    assert st.job.version == 3 and st.checkpointer.versions() == [2]
+    c = st.checkpointer.load(2)
+    assert c.version == 2 and any(torch.equal(t, torch.full((6,), -2.0)) for t in c.tensors().values())
+
+
+def test_a_checkpoint_taken_before_a_rollback_is_not_written_after_it(tmp_path, monkeypatch):
+    """The snapshot of version 4 was taken; a rollback to 2 comes before it is written: version 4's state
+    belongs to the timeline the job left, and is not written."""
+    st = _stepping_store(tmp_path, every=2)
+    for step in range(3):
+        st.path.submit(0, step, step, {("w", 0): torch.ones(6)})
+    assert st.checkpointer.versions() == [2]
+    _between_the_lock_and_the_write(st, monkeypatch, lambda: st.rollback(2, epoch=1))
+    st.path.submit(0, 3, 3, {("w", 0): torch.ones(6)})  # version 4: due; the rollback comes in between
+    assert st.job.version == 2 and st.job.epoch == 1 and st.checkpointer.versions() == [2]
