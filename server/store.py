@@ -61,7 +61,7 @@ import torch
 
 from shardps.protos.results import PushResult
 from shardps.protos.stats import ShardStats, TensorStats
-from shardps.server.checkpoint import Checkpointer, Snapshot
+from shardps.server.checkpoint import Checkpointer
 from shardps.server.datapath.apply import Applier
 from shardps.server.datapath.path import DataPath
 from shardps.server.datapath.reader import Reader
@@ -280,12 +280,11 @@ class ShardStore:
         """Write a checkpoint of the current state; return the path of its metadata."""
         return self.checkpointer.write(self.snapshot)
 
-    def _checkpoint_taken(self) -> tuple[Snapshot, Callable[[], str | None]]:
-        """Under the lock (a step made a checkpoint due): the snapshot, and what writes it once the lock is
-        released (unless the shard rolled back in between: ``Checkpointer.write_taken``)."""
+    def _checkpoint_taken(self) -> Callable[[], str | None]:
+        """Under the lock (a step made a checkpoint due): take the snapshot now; what writes it once the lock
+        is released (unless the shard rolled back in between: ``Checkpointer.write_taken``)."""
         taken, epoch = self.snapshot_locked(), self.job.epoch
-        return taken, lambda: self.checkpointer.write_taken(
-            taken, lambda: self.job.epoch == epoch and not self.job.recovering)
+        return lambda: self.checkpointer.write_taken(taken, lambda: self.job.epoch == epoch and not self.job.recovering)
 
     def rollback(self, version: int, epoch: int) -> tuple[int, int]:
         """Restore the checkpoint at ``version`` and enter ``epoch`` (no-op if already there).

@@ -34,7 +34,7 @@ from shardps.protos.results import PushResult, Registered
 from shardps.protos.shm import Segment
 from shardps.protos.slices import TensorSlice
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.checkpoint import Checkpointer, Snapshot
+from shardps.server.checkpoint import Checkpointer
 from shardps.server.datapath.apply import Applier
 from shardps.server.datapath.reader import Framing, Item, Reader, payload_bytes
 from shardps.server.datapath.slicepull import check_slices, read_slices
@@ -62,7 +62,7 @@ class DataPath:
 
     def __init__(self, shard_index: int, num_shards: int, cond: Signal, *, table: TensorTable,
                  job: Job, leases: Leases, applier: Applier, reader: Reader, replica: ReplicaSide,
-                 checkpointer: Checkpointer, checkpoint: Callable[[], tuple[Snapshot, Callable[[], str | None]]],
+                 checkpointer: Checkpointer, checkpoint: Callable[[], Callable[[], str | None]],
                  clock: Clock) -> None:
         self.shard_index, self.num_shards = shard_index, num_shards
         self._cond = cond
@@ -307,7 +307,7 @@ class DataPath:
                    and policy.quiescent())
             # The checkpoint's state is taken now, in this hold of the lock: taken once the lock is released,
             # a step landing in between would make it a later version's, on this shard only.
-            write = self._checkpoint()[1] if due else None
+            write = self._checkpoint() if due else None
         if write is not None:
             write()
         return result
