@@ -27,9 +27,10 @@ else: this end checks each gradient for inf/nan before sending it (the
 worker's ``found_inf``, which every shard must agree on); the other end (a
 spawned process, torch's threads as a server's) receives it into a buffer,
 checks each part of it (a shard's own check), takes the SGD step on its
-weights (at ``lr = 0``, as the servers here), copies the weights into a
-send buffer (an answer's bytes must not change while they are sent) and
-sends them; this end receives them into the parameters' storage. What the
+weights (at ``lr = 0``, as the servers here) and sends them from their own
+memory (as a shard's answer goes: server/datapath/reader.py ``read_lent``;
+nothing steps them while they are sent); this end receives them into the
+parameters' storage. What the
 frames cost above ``raw+work`` is the path's own: parsing, checks a part,
 versions, locks, threads.
 
@@ -76,7 +77,7 @@ def _echo(sock: socket.socket, nbytes: int, rounds: int) -> None:
 
 def _echo_work(address: tuple[str, int], nbytes: int, rounds: int, pieces: int) -> None:
     """``raw+work``'s other end (a spawned process): per round, receive the gradient, check it for inf/nan,
-    step SGD on its weights, copy them into the send buffer, send that (the module docstring)."""
+    step SGD on its weights, send them from their own memory (the module docstring)."""
     import torch
 
     from shardps.protos.codec import all_finite
@@ -87,15 +88,13 @@ def _echo_work(address: tuple[str, int], nbytes: int, rounds: int, pieces: int) 
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     grad = torch.empty(nbytes // 4)
     weights = torch.zeros(nbytes // 4)
-    out = torch.empty(nbytes // 4)
-    gview, oview = memoryview(grad.numpy()).cast("B"), memoryview(out.numpy()).cast("B")
+    gview, wview = memoryview(grad.numpy()).cast("B"), memoryview(weights.numpy()).cast("B")
     for _ in range(rounds):
         _fill(sock, gview)
         if not all(all_finite(g) for g in grad.chunk(pieces)):  # as a shard checks each tensor's part
             raise ValueError("raw+work: a gradient with an inf/nan")
         weights.add_(grad, alpha=-0.0)
-        out.copy_(weights)
-        sock.sendall(oview)
+        sock.sendall(wview)
     sock.close()
 
 

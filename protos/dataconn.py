@@ -57,12 +57,16 @@ its status, and nothing is applied.
 from __future__ import annotations
 
 import collections
+import functools
 import os
+import select
 import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 HELLO = struct.Struct("!4s16sqd")  # b"SPC1", token, worker id, deadline (s) of every read and write
 ACK = struct.Struct("!4sI")  # b"SPK1", 0
@@ -218,6 +222,28 @@ def head_and_control(head: bytes, ctl: Sequence[bytes], nctl: int) -> list[bytes
 IOV_MAX = 1024  # the most buffers one writev takes (Linux's UIO_MAXIOV)
 
 
+class Lender(Protocol):
+    """Memory a frame's parts are lent from (``Sender.send(lent=)``): read by the writes until the sender says
+    ``sent``. Both are called under the sender's lock."""
+
+    def queued(self, detach: Callable[[], None]) -> None:
+        """The frame was not written whole: its rest waits for the writer thread, reading the lent memory
+        until ``sent``; ``detach()`` (any thread) copies what is left of it, after which nothing reads it."""
+
+    def sent(self) -> None:
+        """The frame's writes no longer read the lent memory (written whole, detached, or dropped)."""
+
+
+class _Queued:
+    """A frame in the writer's queue: what is left of it, and the lender of its parts (None once it is not
+    read any more)."""
+
+    __slots__ = ("views", "lent")
+
+    def __init__(self, views: list[memoryview | bytes], lent: Lender | None) -> None:
+        self.views, self.lent = views, lent
+
+
 class Sender:
     """Frames onto one connection, whole and in order, without the caller ever waiting for the peer.
 
@@ -233,13 +259,22 @@ class Sender:
     waited on a full socket would wait for each other. On a quiet link the
     writer thread is never started: no hand-off between threads.
 
+    The writer thread too writes only what the socket takes at once, under
+    the sender's lock, and waits for room (``poll``) outside it: so a frame
+    whose parts are *lent* (``send(lent=)``: a Pull's answer sent from the
+    weights themselves, no copy) can be *detached* between two writes, its
+    rest copied, before the lender changes that memory (a step on the
+    weights: server/datapath/reader.py ``Lent``).
+
     Under TLS every frame goes through the writer thread (the SSL object
-    cannot write part of a record without blocking).
+    cannot write part of a record without blocking), written outside the
+    lock: a lent frame's parts are copied before it is queued.
 
     The parts must stay unchanged until the call they belong to is answered
-    (the peer has then read them all). A failed write ends the connection
-    (``on_error``: the reading thread then ends every call in flight).
-    Thread-safety: ``send`` may be called from any thread.
+    (the peer has then read them all), or, lent, until ``sent``. A failed
+    write ends the connection (``on_error``: the reading thread then ends
+    every call in flight). Thread-safety: ``send`` may be called from any
+    thread.
     """
 
     def __init__(self, sock: socket.socket, name: str, on_error: Callable[[str], None]) -> None:
@@ -249,15 +284,18 @@ class Sender:
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._blocking = sock.gettimeout() is None
         self._cv = threading.Condition(threading.Lock())
-        self._queue: collections.deque[list[memoryview | bytes]] = collections.deque()  # head: being written
+        self._queue: collections.deque[_Queued] = collections.deque()  # head: being written
         self._writer: threading.Thread | None = None
         self.error = ""
         self.closed = False
         self.inline_frames = 0  # written whole by the caller
         self.queued_frames = 0  # handed (in part) to the writer thread
+        self.detached_frames = 0  # lent frames whose rest was copied before the lender changed its memory
 
-    def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        """One frame (OSError once the connection failed: nothing of it was sent)."""
+    def send(self, parts: Sequence[bytes | memoryview], lent: Lender | None = None) -> None:
+        """One frame (OSError once the connection failed: nothing of it was sent). ``lent``: its parts are
+        lent (``Lender``), read until ``lent.sent()``, which comes before this returns where the socket took
+        the frame whole."""
         views = _views(parts)
         with self._cv:
             if self.error or self.closed:
@@ -270,29 +308,108 @@ class Sender:
                     raise OSError(self.error) from None
                 if not views:
                     self.inline_frames += 1
+                    if lent is not None:
+                        lent.sent()
                     return
-            self._queue.append(views)
+            if lent is not None and self._tls:  # the TLS writer writes outside the lock: nothing lent reaches it
+                views = _copied(views)
+                lent.sent()
+                lent = None
+            frame = _Queued(views, lent)
+            self._queue.append(frame)
             self.queued_frames += 1
+            if lent is not None:
+                lent.queued(functools.partial(self._detach, frame))
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write, name=f"{self._name}-writer", daemon=True)
                 self._writer.start()
             self._cv.notify()
 
+    def _detach(self, frame: _Queued) -> None:
+        """Copy what is left of a lent ``frame`` (unless it was sent already): its lender may change the memory
+        once this returns. Waits at most for one write that cannot block."""
+        with self._cv:
+            lent, frame.lent = frame.lent, None
+            if lent is None:
+                return
+            frame.views = _copied(frame.views)
+            self.detached_frames += 1
+            lent.sent()
+
     def _failed(self, why: str) -> None:
         """Under the lock: the connection failed; what is queued is dropped."""
         if not self.error:
             self.error = why
-        self._queue.clear()
+        self._drop()
         self._cv.notify_all()
 
+    def _drop(self) -> None:
+        """Under the lock: the queue emptied, its lenders told."""
+        for frame in self._queue:
+            lent, frame.lent = frame.lent, None
+            if lent is not None:
+                lent.sent()
+        self._queue.clear()
+
     def _write(self) -> None:
+        if self._tls:
+            self._write_tls()
+            return
+        deadline = _send_deadline(self._sock)
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLOUT)
         while True:
             with self._cv:
                 while not self._queue and not self.closed and not self.error:
                     self._cv.wait()
                 if self.closed or self.error:
                     return
-                views = self._queue[0]
+                frame = self._queue[0]
+                try:
+                    frame.views = _write_some(self._sock, frame.views, self._blocking)
+                except OSError as e:
+                    self._failed(f"send failed: {e.strerror or e}")
+                    failed = self.error
+                else:
+                    failed = ""
+                    if not frame.views:
+                        self._queue.popleft()
+                        lent, frame.lent = frame.lent, None
+                        if lent is not None:
+                            lent.sent()
+                        continue
+            if failed:
+                self._on_error(failed)
+                return
+            # The socket is full: wait for room outside the lock (a detach may copy the frame's rest meanwhile),
+            # looking every half second whether the connection closed.
+            if not self._room(poller, deadline):
+                return
+
+    def _room(self, poller: select.poll, deadline: float | None) -> bool:
+        """The writer thread, outside the lock: wait until the socket takes more; False when the connection
+        closed meanwhile, or failed (no room within ``deadline`` seconds: said to ``on_error``)."""
+        until = None if deadline is None else time.monotonic() + deadline
+        while not poller.poll(500):
+            with self._cv:
+                if self.closed or self.error:
+                    return False
+                if until is None or time.monotonic() < until:
+                    continue
+                self._failed("send failed: stalled past the deadline")
+                failed = self.error
+            self._on_error(failed)
+            return False
+        return True
+
+    def _write_tls(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self.closed and not self.error:
+                    self._cv.wait()
+                if self.closed or self.error:
+                    return
+                views = self._queue[0].views
             try:
                 send(self._sock, views)
             except OSError as e:
@@ -312,6 +429,23 @@ class Sender:
             writer = self._writer
         if writer is not None and writer is not threading.current_thread():
             writer.join()
+        with self._cv:
+            self._drop()
+
+
+def _copied(views: list[memoryview | bytes]) -> list[memoryview | bytes]:
+    """``views`` as bytes of their own (the lent memory may change once this returns)."""
+    return [v if type(v) is bytes else bytes(v) for v in views]
+
+
+def _send_deadline(sock: socket.socket) -> float | None:
+    """How long a write may wait for room: Python's deadline, or the kernel's (``SO_SNDTIMEO``); None: no
+    deadline."""
+    timeout = sock.gettimeout()
+    if timeout is not None:
+        return timeout
+    secs, usecs = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.calcsize("ll")))
+    return secs + usecs / 1e6 or None
 
 
 def _views(parts: Sequence[bytes | memoryview]) -> list[memoryview | bytes]:
@@ -330,34 +464,26 @@ def _views(parts: Sequence[bytes | memoryview]) -> list[memoryview | bytes]:
 def _write_some(sock: socket.socket, views: list[memoryview | bytes], blocking: bool) -> list[memoryview | bytes]:
     """Write ``views`` to ``sock`` until done or the socket is full, never waiting; what is left (a part
     written in part left as a view of its rest). ``blocking``: its descriptor blocks
-    (``deadlines_in_kernel``), each write is told not to."""
+    (``deadlines_in_kernel``), each write is told not to. A write that takes less than it was given found
+    the socket full: the next would only fail, so none is tried."""
     at = 0
     fd = sock.fileno()
-    if len(views) <= IOV_MAX:  # usually one write takes the whole frame
-        try:
-            n = sock.sendmsg(views, (), socket.MSG_DONTWAIT) if blocking else os.writev(fd, views)
-        except BlockingIOError:
-            return views
-        if n == sum(map(len, views)):
-            return []
-        while n >= len(views[at]):
-            n -= len(views[at])
-            at += 1
-        if n:
-            views[at] = memoryview(views[at])[n:]
     while at < len(views):
+        batch = views[at : at + IOV_MAX] if at or len(views) > IOV_MAX else views  # usually one write, whole
         try:
-            if blocking:
-                n = sock.sendmsg(views[at : at + IOV_MAX], (), socket.MSG_DONTWAIT)
-            else:
-                n = os.writev(fd, views[at : at + IOV_MAX])
+            n = sock.sendmsg(batch, (), socket.MSG_DONTWAIT) if blocking else os.writev(fd, batch)
         except BlockingIOError:
             break
+        full = n < sum(map(len, batch))
+        if not full and batch is views:
+            return []
         while at < len(views) and n >= len(views[at]):
             n -= len(views[at])
             at += 1
         if n:
             views[at] = memoryview(views[at])[n:]
+        if full:
+            break
     return views[at:]
 
 

@@ -35,7 +35,7 @@ from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.server.auth import TokenAuthInterceptor
 from shardps.server.datapath.assembly import Landing, landing
 from shardps.server.datapath.dataconn import DataPort
-from shardps.server.datapath.reader import Item
+from shardps.server.datapath.reader import Item, Lent
 from shardps.server.datapath.shm import SegmentCache, Segments
 from shardps.server.datapath.slicepull import decode_slices
 from shardps.server.datapath.wire import (
@@ -206,7 +206,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         return iter(messages)
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
-                  answer: Callable[[list[bytes] | None, memoryview | None, BaseException | None], None]) -> bool:
+                  answer: Callable[[list[bytes] | None, memoryview | Lent | None, BaseException | None], None]) -> bool:
         """``pull_frames`` without a thread that waits (server/parked.py): the messages and the bytes they
         point into, or the failure, given to ``answer`` once (in this thread, or in the one whose change
         made the weights ready, or at the deadline); False, with nothing done, where the Pull needs a
@@ -221,7 +221,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         assert q.segment is not None
         metrics, waits = self.metrics, bool(q.min_version or q.min_clock)
 
-        def done(waited: float, items: list[Item] | None, payload: memoryview | None,
+        def done(waited: float, items: list[Item] | None, payload: memoryview | Lent | None,
                  error: BaseException | None) -> None:
             if error is None and metrics is not None and waits:
                 metrics.observe_wait(waited, str(store.job.sync or ""))

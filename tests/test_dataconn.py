@@ -266,6 +266,39 @@ def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(mak
         assert torch.equal(half, w.to(torch.bfloat16)) and not any(p._landed for p in client.paths)
 
 
+@pytest.mark.fault
+def test_an_answer_sent_from_the_weights_keeps_its_version_when_a_step_comes_before_the_worker_read_it(make_cluster):
+    """A Pull's answer goes from the weights themselves (Reader.read_lent); what the sockets did not take waits
+    in the server's sender. A step that comes first has that rest copied before it changes the weights: the
+    worker reads the version it asked for, bit for bit."""
+    from shardps.server.datapath.dataconn import DataPort
+
+    cluster = make_cluster(1)
+    store, reader = cluster.stores[0], cluster.stores[0].reader
+    a = shardps.connect(cluster.addresses, worker_id=0, num_workers=2, shm=False, timeout=20.0)
+    b = shardps.connect(cluster.addresses, worker_id=1, num_workers=2, shm=False, timeout=20.0)
+    try:
+        w = torch.randn(8 << 20)  # 32 MB: more than both sockets' buffers hold
+        for c in (a, b):
+            c.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp")
+        sender = next(p._conns[0] for p in DataPort._ports.values() if 0 in p._conns).sender
+        lent = reader.lent_answers_total
+        with a.paths[0].conn._reading:  # worker 0's connection reads the answer's head, then waits here
+            pull = a.pull_async()
+            with store._cond:  # answered (as far as the socket took it) and the answering thread done
+                assert store._cond.wait_for(lambda: reader.lent_answers_total == lent + 1 and not reader.reading,
+                                            10)
+            assert len(reader._lent) == 1 and sender.detached_frames == 0  # its rest waits in the sender
+            b.push({"w": torch.ones(8 << 20)}, step=0)  # asp: a step at once, which detaches the answer first
+            assert not reader._lent and sender.detached_frames == 1 and reader.shared_copies_total == 0
+            parts = store.reader.weights("w")
+            assert torch.equal(torch.cat([parts[k] for k in sorted(parts)]), w - 1)
+        assert torch.equal(pull.result()["w"], w)  # version 0's weights, as the pull asked
+    finally:
+        a.close()
+        b.close()
+
+
 def _server_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
 
@@ -301,8 +334,10 @@ def test_a_pull_that_must_wait_parks_without_a_thread_and_the_last_push_of_its_r
         assert len(store.path.parked) == 0
         pulls = store.reader.pulls_total
         assert torch.equal(b.pull(min_versions=[1])["w"], got)
-        # Both workers' Pulls of version 1 were answered from one copy of its weights (Reader.read_shared).
-        assert store.reader.pulls_total == pulls + 1 and len(store.reader.shared) == 1
+        # Both workers' Pulls of version 1 were answered from one framing of its weights, sent from the weights
+        # themselves (Reader.read_lent): no copy.
+        r = store.reader
+        assert r.pulls_total == pulls + 1 and len(r.lent) == 1 and not r.shared and r.shared_copies_total == 0
     finally:
         a.close()
         b.close()

@@ -29,9 +29,12 @@ Each connection (``Conn``) has one thread reading its frames:
   that must wait parks on the shard's state without a thread
   (server/parked.py, ``WorkersServicer.pull_soon``) and is answered by the
   thread whose change releases it (the round's last Push), or at its
-  deadline (``DataPort.deadlines``); the weights are copied once per
-  version into a buffer every such Pull shares (``Reader.read_shared``:
-  under bsp, each worker's of a round) and sent from it. A shard with a
+  deadline (``DataPort.deadlines``); the answer is framed once per
+  version for every such Pull (under bsp, each worker's of a round) and
+  sent from the weights themselves (``Reader.read_lent``: no copy; a rest
+  the socket did not take is copied by the connection's ``Sender`` before
+  the next step changes them), or, where they are cast (a bf16 wire) or
+  under TLS, from a copy every such Pull shares (``Reader.read_shared``). A shard with a
   backup, or a Pull naming slices, waits in a pool thread instead
   (``WorkersServicer.pull_frames``), its weights written into the route's
   pull buffer;
@@ -77,6 +80,7 @@ from shardps.protos import shm
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import keepalive_seconds
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.server.datapath.reader import Lent
 from shardps.server.errors import DeadlineExceeded, InvalidArgument, StoreError, Unavailable
 from shardps.server.rpc import details
 
@@ -107,7 +111,7 @@ class WorkersServicer(Protocol):
     def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]: ...
 
     def pull_soon(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments, deadlines: Deadlines,
-                  answer: Callable[[list[bytes] | None, memoryview | None, BaseException | None], None]
+                  answer: Callable[[list[bytes] | None, memoryview | Lent | None, BaseException | None], None]
                   ) -> bool: ...
 
     def wait_limit(self, remaining: float | None) -> float: ...
@@ -141,12 +145,14 @@ class Buffer:
 
 
 class PullBuffer(shm.Segment):
-    """A Pull's view of its route's pull buffer: remembers how far the weights were written."""
+    """A Pull's view of its route's pull buffer: remembers how far the weights were written. ``lends``: its
+    answer may be sent from the weights themselves (``Reader.read_lent``; not under TLS, whose writes copy)."""
 
-    def __init__(self, buf: Buffer, nbytes: int) -> None:
+    def __init__(self, buf: Buffer, nbytes: int, lends: bool = False) -> None:
         view = buf.at_least(nbytes)
         super().__init__(wire.FRAME_SEGMENT, nbytes, view.obj, owner=False)  # type: ignore[arg-type]
         self.used = 0
+        self.lends = lends
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         out = super().view(offset, nbytes)
@@ -203,6 +209,7 @@ class Conn:
     def __init__(self, port: DataPort, worker_id: int, sock: socket.socket, timeout: float) -> None:
         self.port, self.worker_id, self.sock, self.timeout = port, worker_id, sock, timeout
         self.sender = wire.Sender(sock, f"shardps-data-w{worker_id}", self._send_failed)
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self._push: dict[int, Buffer] = {}
         self._pull: dict[int, Buffer] = {}
         self._bufs_lock = threading.Lock()  # ``forget`` and ``close`` against each other (any thread)
@@ -216,16 +223,22 @@ class Conn:
     def start(self) -> None:
         self._thread.start()
 
-    def answer(self, kind: int, call: int, status: int, ctl: list[bytes], payload: memoryview | None = None
+    def answer(self, kind: int, call: int, status: int, ctl: list[bytes], payload: memoryview | Lent | None = None
                ) -> None:
+        """An answer frame; ``payload``: its bytes, or the weights themselves lent (``Reader.read_lent``: the
+        sender copies a rest the socket did not take before the next step changes them)."""
         nctl = sum(map(len, ctl))
         nbytes = payload.nbytes if payload is not None else 0
         frame = wire.head_and_control(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, status, nctl, nbytes), ctl,
                                       nctl)
-        if payload is not None:
+        lent = None
+        if isinstance(payload, Lent):
+            frame.extend(payload.views)
+            lent = payload
+        elif payload is not None:
             frame.append(payload)
         try:
-            self.sender.send(frame)
+            self.sender.send(frame, lent)
         except OSError as e:
             log.info("data connection of worker %d: answer to call %d not sent (%s)", self.worker_id, call, e)
             self.close()
@@ -487,7 +500,8 @@ class Conn:
         """A Pull answered without a thread of its own where the shard can (server/parked.py): at once in
         this thread when its weights are there, else by the thread that makes them so; False when it needs
         the pool's thread (``WorkersServicer.pull_soon``)."""
-        def answered(messages: list[bytes] | None, payload: memoryview | None, error: BaseException | None) -> None:
+        def answered(messages: list[bytes] | None, payload: memoryview | Lent | None, error: BaseException | None
+                     ) -> None:
             if messages is None:
                 assert error is not None
                 self.answer(kind, call, *self._failed(servicer, "Pull", error))
@@ -498,7 +512,7 @@ class Conn:
             req = self._pull_request(request) if isinstance(request, bytes) else request
             if req.shm == wire.FRAME_SEGMENT:
                 segments = FrameSegments(servicer.segments, pull=PullBuffer(self._pull.setdefault(route, Buffer()),
-                                                                              buffer_bytes))
+                                                                              buffer_bytes, lends=not self.tls))
             else:  # the worker's shared-memory segment (same host): the weights are written there
                 segments = FrameSegments(servicer.segments)
             return servicer.pull_soon(req, servicer.wait_limit(timeout), segments, self.port.deadlines, answered)

@@ -36,7 +36,7 @@ from shardps.protos.slices import TensorSlice
 from shardps.protos.syncspec import SyncSpec
 from shardps.server.checkpoint import Checkpointer
 from shardps.server.datapath.apply import Applier
-from shardps.server.datapath.reader import Framing, Item, Reader, payload_bytes
+from shardps.server.datapath.reader import Framing, Item, Lent, Reader, payload_bytes
 from shardps.server.datapath.slicepull import check_slices, read_slices
 from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, StoreError, Unavailable
 from shardps.server.job import Job
@@ -350,13 +350,15 @@ class DataPath:
 
     def pull_soon(self, worker_id: int, names: list[str], wire_dtype: int | None, *, min_version: int,
                   min_clock: int, epoch: int, timeout: float, segment: Segment, deadlines: Deadlines,
-                  answer: Callable[[float, list[Item] | None, memoryview | None, BaseException | None], None]
+                  answer: Callable[[float, list[Item] | None, memoryview | Lent | None, BaseException | None], None]
                   ) -> None:
         """``pull`` for a data connection, without a thread that waits (server/parked.py): answered in this
         thread when the weights are there, else parked and answered by the thread whose change makes them
         so, or ``timeout`` from now with DEADLINE_EXCEEDED, as ``pull``'s wait would. The weights are
-        framed once per version for every such Pull (``Reader.read_shared``; ``segment``: the worker's pull
-        buffer, whose size they must fit); a ``segment`` of shared memory (the same-host path) gets them
+        framed once per version for every such Pull and sent from themselves (``Reader.read_lent``, where the
+        segment ``lends``: the answer's payload a ``Lent``, closed here once ``answer`` returned) or from
+        one copy (``Reader.read_shared``; ``segment``: the worker's pull buffer, whose size they must fit);
+        a ``segment`` of shared memory (the same-host path) gets them
         written into it (``Reader.read_into``), the messages only saying where (no bytes to send).
         ``answer(seconds waited, messages, their bytes, None)`` or ``answer(seconds waited, None, None,
         error)``: called once, outside the lock (a failure before any wait is raised instead). Only where
@@ -390,10 +392,15 @@ class DataPath:
                             raise Unavailable(f"shard {self.shard_index}: a backup was attached while this Pull "
                                               f"waited: ask again")
                     waited = time.monotonic() - t0
-                    payload: memoryview | None = None
+                    payload: memoryview | Lent | None = None
                     if segment.name != FRAME_SEGMENT:  # the worker's own shared-memory segment
                         _, messages = self.reader.read_into(names, wire_dtype, segment, slowest_clock=slowest,
                                                             worker_id=worker_id)
+                    elif getattr(segment, "lends", False):
+                        # Sent from the weights themselves where their dtype is the wire's (one framing a version
+                        # for every worker's Pull; a rest the socket did not take copied before the next step).
+                        _, messages, payload = self.reader.read_lent(names, wire_dtype, segment.size,
+                                                                     slowest_clock=slowest, worker_id=worker_id)
                     else:
                         # One copy and one framing of this version's weights for every worker's Pull (bsp: each
                         # worker of the round), not one each: the answers send the same buffer.
@@ -402,7 +409,11 @@ class DataPath:
                 except Exception as e:  # noqa: BLE001 - the Pull's answer
                     answer(time.monotonic() - t0, None, None, e)
                     return
-                answer(waited, messages, payload, None)
+                try:
+                    answer(waited, messages, payload, None)
+                finally:
+                    if isinstance(payload, Lent):
+                        payload.close()  # sent (or queued, lent until the next step) once ``answer`` returned
 
             if not ready():
                 job.check_halted()  # a shard stopping or taken over parks nothing (as ``Job._park`` ends at once)

@@ -27,6 +27,19 @@ its own, older tensors). Every other request (pushes being taken in, stats,
 heartbeats, another version's Pull) goes on meanwhile. The same-host path
 (``read_into``) copies into the worker's segment the same way, outside the
 lock, in the Pull's own thread.
+
+Answers lent from the weights. A data connection's Pull (``read_lent``) is
+sent from the weights themselves where they go as they are (fp32 on the
+wire): no copy, one framing a version for every worker's Pull. Its
+``Sender`` (protos/dataconn.py) writes what the socket takes at once, then
+the rest as the worker reads; that rest is the one part read outside both
+the lock and ``reading``, so a step first *detaches* every answer still
+sending (``before_write``: the sender copies its rest, between two writes
+that cannot block), then changes the weights. Under bsp a worker's next
+push of a part needs its answer read first, so a step finds none to
+detach; a worker that reads slowly (asp, ssp, a stalled one) costs that
+one copy, no wait. A cast answer (bf16 on the wire) or one under TLS is a
+copy a version that every Pull of it shares (``read_shared``).
 """
 
 from __future__ import annotations
@@ -218,6 +231,14 @@ class Reader:
         # them, no entry in ``shared``): the next version's is taken from here. A fresh one each version cost
         # the kernel its pages again (zeroed, faulted in, unmapped: ~5 % of the data connection's CPU per byte).
         self._spare: list[torch.Tensor] = []
+        # ``read_lent``'s answers of this version: key as ``shared`` -> (PullResponses, the weights' own bytes in
+        # the answer's layout); emptied as the weights change. Answers still sending them: ``_lent`` (each
+        # detached, its rest copied, before a step changes the weights).
+        self.lent: dict[tuple[Any, ...], tuple[list[Item], list[memoryview | bytes], int]] = {}
+        self._lent: set[Lent] = set()
+        self._lent_mu = threading.Lock()  # ``_lent``: taken by senders' locks, never held while taking one
+        self.lent_answers_total = 0  # answers sent from the weights themselves
+        self.shared_copies_total = 0  # versions' weights copied into a shared answer buffer
         self.reading = 0  # Pulls framing or copying weights outside the lock; steps wait for 0
         self.writers_waiting = 0  # steps waiting for those Pulls
         self.frame_inline_bytes = frame_inline_bytes  # larger Pulls are framed outside the lock
@@ -252,8 +273,21 @@ class Reader:
     def before_write(self) -> None:
         """Under the lock, before a step changes the weights: no Pull reads them, none is framed from them."""
         self.await_reads()
+        self._detach_lent()
         self.cache.clear()
         self.shared.clear()
+        self.lent.clear()
+
+    def _detach_lent(self) -> None:
+        """Under the lock, no Pull reading (``await_reads``): every answer still sending the weights themselves
+        (``read_lent``) has its rest copied; nothing reads the weights once this returns."""
+        if not self._lent:
+            return
+        with self._lent_mu:
+            pending = [lent._detach for lent in self._lent]
+        for detach in pending:
+            if detach is not None:
+                detach()  # (the sender's lock, then ``_lent_mu`` in ``Lent.sent``: not held here)
 
     def _done_reading(self) -> None:
         with self._cond:
@@ -356,21 +390,38 @@ class Reader:
         ``room`` bytes (the worker's pull buffer)."""
         with self._cond:
             entries = self._entries_read(names, worker_id)
-            version, loss_scale, sync = self._job.version, self._loss_scale(), self._job.sync_text
-            key = (tuple(names), wire_dtype, slowest_clock, loss_scale, sync)
-            hit = self.shared.get(key)
-            if hit is not None:
-                self.pull_bytes_total += hit[2]
-                self.pulls_total += 1
-                return version, hit[0], hit[1]
-            layout, end = _shm_layout(entries, wire_dtype)
-            if end > room:
-                raise InvalidArgument(f"Pull: the worker's pull buffer holds {room} bytes; the weights asked "
-                                      f"need {end}")
-            payload = sum(size for *_, size in layout)
-            self.pull_bytes_total += payload
+            said = self._job.version, self._loss_scale(), self._job.sync_text
+            key = (tuple(names), wire_dtype, slowest_clock, said[1], said[2])
+            copy = self._shared_begin(key, entries, wire_dtype, room)
+        return self._shared_copy(key, copy, said, slowest_clock)
+
+    def _shared_begin(self, key: tuple[Any, ...], entries: list[TensorEntry], wire_dtype: int | None,
+                      room: int) -> tuple[list[Placed], int, int] | tuple[list[Item], memoryview]:
+        """Under the lock: ``key``'s shared answer of this version, (messages, payload), where one was copied;
+        else what to copy (layout, end, payload bytes), counted in ``reading`` (``_shared_copy`` ends it)."""
+        hit = self.shared.get(key)
+        if hit is not None:
+            _check_room(len(hit[1]), room)
             self.pulls_total += 1
-            self.reading += 1
+            self.pull_bytes_total += hit[2]
+            return hit[0], hit[1]
+        layout, end = _shm_layout(entries, wire_dtype)
+        _check_room(end, room)
+        self.pulls_total += 1
+        payload = sum(size for *_, size in layout)
+        self.pull_bytes_total += payload
+        self.shared_copies_total += 1
+        self.reading += 1
+        return layout, end, payload
+
+    def _shared_copy(self, key: tuple[Any, ...], copy: tuple[list[Placed], int, int] | tuple[list[Item], memoryview],
+                     said: tuple[int, float, str], slowest_clock: int) -> tuple[int, list[Item], memoryview]:
+        """Outside the lock, after ``_shared_begin``: the weights copied into a buffer of their own, kept for
+        the Pulls of the same (``shared``); (version, messages, payload)."""
+        version, loss_scale, sync = said
+        if len(copy) == 2:
+            return version, copy[0], copy[1]
+        layout, end, payload = copy
         try:
             buf = self._shared_buffer(max(1, end))
             out: list[Item] = []
@@ -388,6 +439,58 @@ class Reader:
         finally:
             self._done_reading()
         return version, out, view
+
+    def read_lent(self, names: Sequence[str], wire_dtype: int | None, room: int, *, slowest_clock: int = 0,
+                  worker_id: int | None = None) -> tuple[int, list[Item], Lent | memoryview]:
+        """As ``read_shared``, with no copy where the wire dtype is the weights' own (fp32) and they are
+        contiguous: the answer's payload is then a ``Lent``, the weights' own bytes in the answer's layout
+        (zeros between parts), for a ``Sender`` to write straight from them. The caller sends it, then calls
+        ``Lent.close``: until then no step runs (counted in ``reading``, as a copy would be); a rest the socket
+        did not take is copied by the sender before the next step changes the weights (``before_write``).
+        Where a cast is needed, or another answer of this version copied the weights already, as
+        ``read_shared``."""
+        with self._cond:
+            entries = self._entries_read(names, worker_id)
+            said = version, loss_scale, sync = self._job.version, self._loss_scale(), self._job.sync_text
+            key = (tuple(names), wire_dtype, slowest_clock, loss_scale, sync)
+            hit = self.lent.get(key)
+            if hit is None and (key in self.shared or not _lendable(entries, wire_dtype)):
+                copy = self._shared_begin(key, entries, wire_dtype, room)
+            elif hit is None:
+                copy = None
+                layout, end = _shm_layout(entries, wire_dtype)
+                _check_room(end, room)
+                payload = sum(size for *_, size in layout)
+            else:
+                copy = None
+                end, payload = sum(map(len, hit[1])), hit[2]
+                _check_room(end, room)
+            if copy is None:
+                self.pull_bytes_total += payload
+                self.pulls_total += 1
+                self.lent_answers_total += 1
+                self.reading += 1
+        if copy is not None:
+            return self._shared_copy(key, copy, said, slowest_clock)
+        try:
+            if hit is None:
+                out: list[Item] = []
+                views: list[memoryview | bytes] = []
+                at = 0
+                for e, start, dt, off, size in layout:
+                    if off > at:
+                        views.append(_ZEROS[: off - at])
+                    if size:
+                        raw: Any = e.parts[start].weight.reshape(-1).numpy()
+                        views.append(memoryview(raw).cast("B"))
+                    at = off + size
+                    out.append(_placed(e, start, dt, off, size, version, loss_scale, sync, slowest_clock))
+                with self._cond:
+                    self.lent[key] = hit = (out, views, payload)  # of this version: no step runs while ``reading``
+        except BaseException:
+            self._done_reading()
+            raise
+        return version, hit[0], Lent(self, hit[1], end)
 
     def _shared_buffer(self, nbytes: int) -> torch.Tensor:
         """A buffer of ``nbytes`` for a shared answer: a spare of that size, else a new one (spares of other
@@ -440,6 +543,52 @@ class Reader:
 
 
 Placed = tuple[TensorEntry, int, int, int, int]  # (entry, part start, wire dtype, offset, bytes)
+
+_ZEROS = bytes(shm.aligned(1))  # the bytes between two parts of an answer (each part on a 64-byte boundary)
+
+
+def _check_room(end: int, room: int) -> None:
+    """INVALID_ARGUMENT when an answer of ``end`` bytes does not fit the worker's pull buffer of ``room``."""
+    if end > room:
+        raise InvalidArgument(f"Pull: the worker's pull buffer holds {room} bytes; the weights asked need {end}")
+
+
+def _lendable(entries: Sequence[TensorEntry], wire_dtype: int | None) -> bool:
+    """Whether an answer of ``entries`` may be sent from their weights themselves: fp32 on the wire (their own
+    dtype), each part contiguous."""
+    if wire_dtype not in (None, ps_pb2.FLOAT32):
+        return False
+    return all(e.spec.dtype == ps_pb2.FLOAT32 and p.weight.is_contiguous() for e in entries for p in e.parts.values())
+
+
+class Lent:
+    """A Pull's answer lent from the weights (``Reader.read_lent``): ``views``, the payload's pieces (the parts'
+    own bytes, zeros between), ``nbytes`` in all. A ``protos.dataconn.Lender`` for the ``Sender`` that writes
+    it: queued (not written whole at once), the answer is in its reader's ``_lent`` until sent or detached.
+    ``close``: the answering thread is done with it (the reader's ``reading`` count ends)."""
+
+    __slots__ = ("views", "nbytes", "_reader", "_open", "_detach")
+
+    def __init__(self, reader: Reader, views: list[memoryview | bytes], nbytes: int) -> None:
+        self.views, self.nbytes, self._reader = views, nbytes, reader
+        self._open = True
+        self._detach: Callable[[], None] | None = None
+
+    def queued(self, detach: Callable[[], None]) -> None:
+        with self._reader._lent_mu:
+            self._detach = detach
+            self._reader._lent.add(self)
+
+    def sent(self) -> None:
+        with self._reader._lent_mu:
+            self._detach = None
+            self._reader._lent.discard(self)
+
+    def close(self) -> None:
+        """Once the answer was handed to its sender (or failed before): idempotent."""
+        if self._open:
+            self._open = False
+            self._reader._done_reading()
 
 
 def _shm_layout(entries: Sequence[TensorEntry], wire_dtype: int | None) -> tuple[list[Placed], int]:

@@ -5,6 +5,7 @@ a whole part read in one call, deadlines that cost nothing when met."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -159,6 +160,100 @@ def test_a_peer_gone_fails_the_next_send_and_tells_the_connection(pair):
     with pytest.raises(OSError, match="send failed"):
         s.send([b"x"])
     s.close()
+
+
+class Lending:
+    """A ``protos.dataconn.Lender`` that records what the sender told it."""
+
+    def __init__(self) -> None:
+        self.detach = None
+        self.sent_times = 0
+        self.done = threading.Event()
+
+    def queued(self, detach) -> None:
+        self.detach = detach
+
+    def sent(self) -> None:
+        self.sent_times += 1
+        self.done.set()
+
+
+def test_a_lent_frame_the_socket_takes_is_done_with_before_send_returns(pair):
+    a, b = pair
+    s = wire.Sender(a, "t", lambda why: None)
+    lent, data = Lending(), bytearray(b"x" * 100)
+    s.send([b"HEAD", memoryview(data)], lent)
+    assert lent.sent_times == 1 and lent.detach is None and s.inline_frames == 1
+    data[:] = b"y" * 100  # the lender may change its memory now
+    assert _read(b, 104) == b"HEAD" + b"x" * 100
+    s.close()
+
+
+def test_a_lent_frame_left_to_the_writer_is_copied_when_detached_and_arrives_as_lent(pair):
+    """The rest of a lent frame the socket did not take is copied by ``detach`` (a step about to change the
+    weights); the lender then changes its memory, and the peer still reads what was lent, in order."""
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    s = wire.Sender(a, "t", lambda why: None)
+    data = bytearray(os.urandom(2_000_000))
+    original = bytes(data)
+    lent = Lending()
+    s.send([b"HEAD", memoryview(data)], lent)  # nobody reads yet: the rest waits for the writer
+    assert lent.detach is not None and lent.sent_times == 0
+    s.send([b"NEXT"])  # queued behind it
+    lent.detach()
+    assert lent.sent_times == 1 and s.detached_frames == 1
+    data[:] = bytes(len(data))  # the lender changes its memory
+    assert _read(b, 4 + len(original)) == b"HEAD" + original and _read(b, 4) == b"NEXT"
+    lent.detach()  # again, or after the frame went: nothing
+    assert lent.sent_times == 1 and s.detached_frames == 1
+    s.close()
+
+
+def test_a_lent_frame_the_writer_sends_whole_is_done_with_then_uncopied(pair):
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    s = wire.Sender(a, "t", lambda why: None)
+    data = os.urandom(1_000_000)
+    lent = Lending()
+    s.send([memoryview(data)], lent)
+    assert lent.detach is not None and lent.sent_times == 0
+    assert _read(b, len(data)) == data
+    assert lent.done.wait(10) and lent.sent_times == 1 and s.detached_frames == 0
+    s.close()
+
+
+def test_a_lent_frame_dropped_with_its_connection_is_done_with(pair):
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    told: list[str] = []
+    s = wire.Sender(a, "t", told.append)
+    lent = Lending()
+    s.send([memoryview(bytes(1_000_000))], lent)
+    b.close()  # the peer goes: the writer fails, drops the frame and tells its lender
+    assert lent.done.wait(10) and lent.sent_times == 1
+    s._writer.join(10)
+    assert told and "send failed" in told[0]
+    closed = Lending()
+    s.close()
+    with pytest.raises(OSError):
+        s.send([b"x"], closed)
+    assert closed.sent_times == 0  # refused before anything was lent
+
+
+def test_the_writer_ends_a_write_stalled_past_the_deadline():
+    a, b = socket.socketpair()
+    wire.deadlines_in_kernel(a, 0.5)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    told: list[str] = []
+    s = wire.Sender(a, "t", told.append)
+    lent = Lending()
+    s.send([memoryview(bytes(1_000_000))], lent)  # the peer never reads
+    s._writer.join(10)
+    assert told == ["send failed: stalled past the deadline"] and lent.sent_times == 1
+    s.close()
+    a.close()
+    b.close()
 
 
 def test_deadlines_expire_what_is_not_done_and_skip_what_is():

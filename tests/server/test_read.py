@@ -255,3 +255,51 @@ def test_a_shared_answers_buffer_is_reused_only_once_nothing_holds_it():
     assert addr(third) in spares and len(st.reader._spare) == 1  # a spare, not new pages
     v = torch.frombuffer(bytearray(third[:24]), dtype=torch.float32)
     assert torch.equal(v, torch.full((6,), -2.0))  # version 2's weights, written into the spare
+
+
+class _Queued:
+    """What a ``Sender`` does with a lent answer it could not write whole: keeps it, and copies its rest when
+    detached (the bytes it would still have sent: here, all of them)."""
+
+    def __init__(self, lent) -> None:
+        self.lent, self.copied = lent, None
+        lent.queued(self.detach)
+
+    def detach(self) -> None:
+        self.copied = b"".join(bytes(v) for v in self.lent.views)
+        self.lent.sent()
+
+
+def test_an_answer_lent_from_the_weights_is_copied_before_a_step_changes_them():
+    """Reader.read_lent: fp32 weights go as themselves (no copy, one framing a version); an answer still
+    queued when a step comes is detached first, so it carries the version it was read at."""
+    st = _store()
+    st.path.submit(0, 0, 0, {("w", 0): torch.ones(6)})  # version 1: weights -1
+    version, items, lent = st.reader.read_lent(["w"], None, 1024)
+    _, again, other = st.reader.read_lent(["w"], None, 1024)  # a second worker's: the same framing
+    assert version == 1 and again is items and other.views is lent.views and st.reader.reading == 2
+    weight = st.table["w"].parts[0].weight
+    assert lent.views[0].obj is not None and torch.frombuffer(lent.views[0], dtype=torch.float32).data_ptr() \
+        == weight.data_ptr()  # the weights themselves
+    queued = _Queued(lent)  # the socket took none of it
+    other.sent()  # the other answer went whole
+    lent.close()
+    other.close()
+    assert st.reader.reading == 0 and st.reader.shared_copies_total == 0 and len(st.reader._lent) == 1
+    st.path.submit(1, 0, 0, {("w", 0): torch.ones(6)})  # version 2: detaches the queued answer first
+    assert torch.equal(torch.frombuffer(bytearray(queued.copied), dtype=torch.float32), torch.full((6,), -1.0))
+    assert not st.reader._lent and not st.reader.lent
+    assert torch.equal(st.reader.weights("w")[0], torch.full((6,), -2.0))
+
+
+def test_an_answer_in_another_dtype_than_the_weights_is_a_shared_copy():
+    st = _store()
+    _, _, payload = st.reader.read_lent(["w"], shardps.protos.shardps.v1.ps_pb2.BFLOAT16, 1024)
+    assert isinstance(payload, memoryview) and st.reader.shared_copies_total == 1 and st.reader.reading == 0
+    _, _, lent = st.reader.read_lent(["w"], None, 1024)
+    assert not isinstance(lent, memoryview)
+    lent.close()
+    for dtype in (None, shardps.protos.shardps.v1.ps_pb2.BFLOAT16):  # framed already, or copied already
+        with pytest.raises(shardps.server.errors.InvalidArgument, match="pull buffer holds 8 bytes"):
+            st.reader.read_lent(["w"], dtype, 8)
+    assert st.reader.reading == 0
