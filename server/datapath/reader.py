@@ -290,9 +290,14 @@ class Reader:
                 detach()  # (the sender's lock, then ``_lent_mu`` in ``Lent.sent``: not held here)
 
     def _done_reading(self) -> None:
+        """A read outside the lock ended: a step waiting for none (``await_reads``) is woken, and whoever else
+        waits on the lock's condition (a test watching ``reading``); nobody, when nobody waits (the change is
+        nothing a parked Pull waits for: no notice to them, which every answer would otherwise cost)."""
         with self._cond:
             self.reading -= 1
-            self._cond.notify_all()
+            watched = getattr(self._cond, "watched", None)
+            if self.writers_waiting or watched is None or watched():
+                self._cond.notify_all()
 
     def _frame_out(self, out: Framing, entries: list[TensorEntry], wire_dtype: int | None, chunk_bytes: int,
                    header: tuple[bytes, bytes]) -> None:
