@@ -360,11 +360,9 @@ class Sender:
         poller.register(self._sock.fileno(), select.POLLOUT)
         while True:
             with self._cv:
-                while not self._queue and not self.closed and not self.error:
-                    self._cv.wait()
-                if self.closed or self.error:
+                frame = self._next_locked()
+                if frame is None:
                     return
-                frame = self._queue[0]
                 try:
                     frame.views = _write_some(self._sock, frame.views, self._blocking)
                 except OSError as e:
@@ -402,16 +400,21 @@ class Sender:
             return False
         return True
 
+    def _next_locked(self) -> _Queued | None:
+        """The writer thread, under the lock: the frame to write next, once there is one; None once the
+        connection closed or failed."""
+        while not self._queue and not self.closed and not self.error:
+            self._cv.wait()
+        return None if self.closed or self.error else self._queue[0]
+
     def _write_tls(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self.closed and not self.error:
-                    self._cv.wait()
-                if self.closed or self.error:
+                frame = self._next_locked()
+                if frame is None:
                     return
-                views = self._queue[0].views
             try:
-                send(self._sock, views)
+                send(self._sock, frame.views)
             except OSError as e:
                 with self._cv:
                     self._failed(f"send failed: {e.strerror or e}")
