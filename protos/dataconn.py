@@ -243,6 +243,12 @@ class _Queued:
     def __init__(self, views: list[memoryview | bytes], lent: Lender | None) -> None:
         self.views, self.lent = views, lent
 
+    def release(self) -> None:
+        """Under the sender's lock: nothing reads the lent memory any more; its lender is told (once)."""
+        lent, self.lent = self.lent, None
+        if lent is not None:
+            lent.sent()
+
 
 class Sender:
     """Frames onto one connection, whole and in order, without the caller ever waiting for the peer.
@@ -329,12 +335,11 @@ class Sender:
         """Copy what is left of a lent ``frame`` (unless it was sent already): its lender may change the memory
         once this returns. Waits at most for one write that cannot block."""
         with self._cv:
-            lent, frame.lent = frame.lent, None
-            if lent is None:
+            if frame.lent is None:
                 return
             frame.views = _copied(frame.views)
             self.detached_frames += 1
-            lent.sent()
+            frame.release()
 
     def _failed(self, why: str) -> None:
         """Under the lock: the connection failed; what is queued is dropped."""
@@ -346,9 +351,7 @@ class Sender:
     def _drop(self) -> None:
         """Under the lock: the queue emptied, its lenders told."""
         for frame in self._queue:
-            lent, frame.lent = frame.lent, None
-            if lent is not None:
-                lent.sent()
+            frame.release()
         self._queue.clear()
 
     def _write(self) -> None:
@@ -372,9 +375,7 @@ class Sender:
                     failed = ""
                     if not frame.views:
                         self._queue.popleft()
-                        lent, frame.lent = frame.lent, None
-                        if lent is not None:
-                            lent.sent()
+                        frame.release()
                         continue
             if failed:
                 self._on_error(failed)

@@ -288,9 +288,9 @@ def test_an_answer_sent_from_the_weights_keeps_its_version_when_a_step_comes_bef
             with store._cond:  # answered (as far as the socket took it) and the answering thread done
                 assert store._cond.wait_for(lambda: reader.lent_answers_total == lent + 1 and not reader.reading,
                                             10)
-            assert len(reader._lent) == 1 and sender.detached_frames == 0  # its rest waits in the sender
+            assert len(reader._sending) == 1 and sender.detached_frames == 0  # its rest waits in the sender
             b.push({"w": torch.ones(8 << 20)}, step=0)  # asp: a step at once, which detaches the answer first
-            assert not reader._lent and sender.detached_frames == 1 and reader.shared_copies_total == 0
+            assert not reader._sending and sender.detached_frames == 1 and reader.shared_copies_total == 0
             parts = store.reader.weights("w")
             assert torch.equal(torch.cat([parts[k] for k in sorted(parts)]), w - 1)
         assert torch.equal(pull.result()["w"], w)  # version 0's weights, as the pull asked

@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -232,11 +232,11 @@ class Reader:
         # the kernel its pages again (zeroed, faulted in, unmapped: ~5 % of the data connection's CPU per byte).
         self._spare: list[torch.Tensor] = []
         # ``read_lent``'s answers of this version: key as ``shared`` -> (PullResponses, the weights' own bytes in
-        # the answer's layout); emptied as the weights change. Answers still sending them: ``_lent`` (each
+        # the answer's layout); emptied as the weights change. Answers still sending them: ``_sending`` (each
         # detached, its rest copied, before a step changes the weights).
         self.lent: dict[tuple[Any, ...], tuple[list[Item], list[memoryview | bytes], int]] = {}
-        self._lent: set[Lent] = set()
-        self._lent_mu = threading.Lock()  # ``_lent``: taken by senders' locks, never held while taking one
+        self._sending: set[Lent] = set()
+        self._sending_mu = threading.Lock()  # ``_sending``: taken under senders' locks, held around nothing
         self.lent_answers_total = 0  # answers sent from the weights themselves
         self.shared_copies_total = 0  # versions' weights copied into a shared answer buffer
         self.reading = 0  # Pulls framing or copying weights outside the lock; steps wait for 0
@@ -281,13 +281,13 @@ class Reader:
     def _detach_lent(self) -> None:
         """Under the lock, no Pull reading (``await_reads``): every answer still sending the weights themselves
         (``read_lent``) has its rest copied; nothing reads the weights once this returns."""
-        if not self._lent:
+        if not self._sending:
             return
-        with self._lent_mu:
-            pending = [lent._detach for lent in self._lent]
+        with self._sending_mu:
+            pending = [lent._detach for lent in self._sending]
         for detach in pending:
             if detach is not None:
-                detach()  # (the sender's lock, then ``_lent_mu`` in ``Lent.sent``: not held here)
+                detach()  # (the sender's lock, then ``_sending_mu`` in ``Lent.sent``: not held here)
 
     def _done_reading(self) -> None:
         """A read outside the lock ended: a step waiting for none (``await_reads``) is woken, and whoever else
@@ -397,36 +397,35 @@ class Reader:
             entries = self._entries_read(names, worker_id)
             said = self._job.version, self._loss_scale(), self._job.sync_text
             key = (tuple(names), wire_dtype, slowest_clock, said[1], said[2])
-            copy = self._shared_begin(key, entries, wire_dtype, room)
-        return self._shared_copy(key, copy, said, slowest_clock)
+            begun = self._shared_begin(key, entries, wire_dtype, room)
+        return self._shared_copy(key, begun, said, slowest_clock)
 
     def _shared_begin(self, key: tuple[Any, ...], entries: list[TensorEntry], wire_dtype: int | None,
-                      room: int) -> tuple[list[Placed], int, int] | tuple[list[Item], memoryview]:
-        """Under the lock: ``key``'s shared answer of this version, (messages, payload), where one was copied;
-        else what to copy (layout, end, payload bytes), counted in ``reading`` (``_shared_copy`` ends it)."""
+                      room: int) -> _Shared:
+        """Under the lock: ``key``'s shared answer of this version where one was copied (``_Shared.copied``);
+        else what to begun, counted in ``reading`` (``_shared_copy`` ends it)."""
         hit = self.shared.get(key)
+        self.pulls_total += 1
         if hit is not None:
             _check_room(len(hit[1]), room)
-            self.pulls_total += 1
             self.pull_bytes_total += hit[2]
-            return hit[0], hit[1]
+            return _Shared(copied=(hit[0], hit[1]))
         layout, end = _shm_layout(entries, wire_dtype)
         _check_room(end, room)
-        self.pulls_total += 1
         payload = sum(size for *_, size in layout)
         self.pull_bytes_total += payload
         self.shared_copies_total += 1
         self.reading += 1
-        return layout, end, payload
+        return _Shared(layout=layout, end=end, payload=payload)
 
-    def _shared_copy(self, key: tuple[Any, ...], copy: tuple[list[Placed], int, int] | tuple[list[Item], memoryview],
-                     said: tuple[int, float, str], slowest_clock: int) -> tuple[int, list[Item], memoryview]:
+    def _shared_copy(self, key: tuple[Any, ...], shared: _Shared, said: tuple[int, float, str],
+                     slowest_clock: int) -> tuple[int, list[Item], memoryview]:
         """Outside the lock, after ``_shared_begin``: the weights copied into a buffer of their own, kept for
         the Pulls of the same (``shared``); (version, messages, payload)."""
         version, loss_scale, sync = said
-        if len(copy) == 2:
-            return version, copy[0], copy[1]
-        layout, end, payload = copy
+        if shared.copied is not None:
+            return version, *shared.copied
+        layout, end, payload = shared.layout, shared.end, shared.payload
         try:
             buf = self._shared_buffer(max(1, end))
             out: list[Item] = []
@@ -447,10 +446,10 @@ class Reader:
 
     def read_lent(self, names: Sequence[str], wire_dtype: int | None, room: int, *, slowest_clock: int = 0,
                   worker_id: int | None = None) -> tuple[int, list[Item], Lent | memoryview]:
-        """As ``read_shared``, with no copy where the wire dtype is the weights' own (fp32) and they are
+        """As ``read_shared``, with no begun where the wire dtype is the weights' own (fp32) and they are
         contiguous: the answer's payload is then a ``Lent``, the weights' own bytes in the answer's layout
         (zeros between parts), for a ``Sender`` to write straight from them. The caller sends it, then calls
-        ``Lent.close``: until then no step runs (counted in ``reading``, as a copy would be); a rest the socket
+        ``Lent.close``: until then no step runs (counted in ``reading``, as a begun would be); a rest the socket
         did not take is copied by the sender before the next step changes the weights (``before_write``).
         Where a cast is needed, or another answer of this version copied the weights already, as
         ``read_shared``."""
@@ -460,23 +459,23 @@ class Reader:
             key = (tuple(names), wire_dtype, slowest_clock, loss_scale, sync)
             hit = self.lent.get(key)
             if hit is None and (key in self.shared or not _lendable(entries, wire_dtype)):
-                copy = self._shared_begin(key, entries, wire_dtype, room)
+                begun = self._shared_begin(key, entries, wire_dtype, room)
             elif hit is None:
-                copy = None
+                begun = None
                 layout, end = _shm_layout(entries, wire_dtype)
                 _check_room(end, room)
                 payload = sum(size for *_, size in layout)
             else:
-                copy = None
+                begun = None
                 end, payload = sum(map(len, hit[1])), hit[2]
                 _check_room(end, room)
-            if copy is None:
+            if begun is None:
                 self.pull_bytes_total += payload
                 self.pulls_total += 1
                 self.lent_answers_total += 1
                 self.reading += 1
-        if copy is not None:
-            return self._shared_copy(key, copy, said, slowest_clock)
+        if begun is not None:
+            return self._shared_copy(key, begun, said, slowest_clock)
         try:
             if hit is None:
                 out: list[Item] = []
@@ -549,6 +548,16 @@ class Reader:
 
 Placed = tuple[TensorEntry, int, int, int, int]  # (entry, part start, wire dtype, offset, bytes)
 
+
+class _Shared(NamedTuple):
+    """``Reader._shared_begin``'s answer: the version's shared answer (messages, payload) where one was copied
+    already, else what to copy (``layout``, its ``end`` and ``payload`` bytes)."""
+
+    copied: tuple[list[Item], memoryview] | None = None
+    layout: Sequence[Placed] = ()
+    end: int = 0
+    payload: int = 0
+
 _ZEROS = bytes(shm.aligned(1))  # the bytes between two parts of an answer (each part on a 64-byte boundary)
 
 
@@ -569,7 +578,7 @@ def _lendable(entries: Sequence[TensorEntry], wire_dtype: int | None) -> bool:
 class Lent:
     """A Pull's answer lent from the weights (``Reader.read_lent``): ``views``, the payload's pieces (the parts'
     own bytes, zeros between), ``nbytes`` in all. A ``protos.dataconn.Lender`` for the ``Sender`` that writes
-    it: queued (not written whole at once), the answer is in its reader's ``_lent`` until sent or detached.
+    it: queued (not written whole at once), the answer is in its reader's ``_sending`` until sent or detached.
     ``close``: the answering thread is done with it (the reader's ``reading`` count ends)."""
 
     __slots__ = ("views", "nbytes", "_reader", "_open", "_detach")
@@ -580,14 +589,14 @@ class Lent:
         self._detach: Callable[[], None] | None = None
 
     def queued(self, detach: Callable[[], None]) -> None:
-        with self._reader._lent_mu:
+        with self._reader._sending_mu:
             self._detach = detach
-            self._reader._lent.add(self)
+            self._reader._sending.add(self)
 
     def sent(self) -> None:
-        with self._reader._lent_mu:
+        with self._reader._sending_mu:
             self._detach = None
-            self._reader._lent.discard(self)
+            self._reader._sending.discard(self)
 
     def close(self) -> None:
         """Once the answer was handed to its sender (or failed before): idempotent."""

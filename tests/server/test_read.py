@@ -285,10 +285,10 @@ def test_an_answer_lent_from_the_weights_is_copied_before_a_step_changes_them():
     other.sent()  # the other answer went whole
     lent.close()
     other.close()
-    assert st.reader.reading == 0 and st.reader.shared_copies_total == 0 and len(st.reader._lent) == 1
+    assert st.reader.reading == 0 and st.reader.shared_copies_total == 0 and len(st.reader._sending) == 1
     st.path.submit(1, 0, 0, {("w", 0): torch.ones(6)})  # version 2: detaches the queued answer first
     assert torch.equal(torch.frombuffer(bytearray(queued.copied), dtype=torch.float32), torch.full((6,), -1.0))
-    assert not st.reader._lent and not st.reader.lent
+    assert not st.reader._sending and not st.reader.lent
     assert torch.equal(st.reader.weights("w")[0], torch.full((6,), -2.0))
 
 
