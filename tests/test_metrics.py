@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 
 import grpc
@@ -26,13 +27,17 @@ def test_staleness_buckets_are_cumulative():
     assert as_dict["55.0"] == 8 and as_dict["+Inf"] == 9 and total == 2 + 4 + 60
 
 
-def _train(addresses, k, workers, sync, steps, registry=None):
+def _train(addresses, k, workers, sync, steps, registry=None, joined=None):
+    """``joined``: a barrier every worker meets once it registered and pulled, before its first push (a worker
+    that joins after another's push pulls from that version: one more Pull that waited for a version)."""
     torch.manual_seed(0)
     model = nn.Linear(16, 4)
     metrics = WorkerMetrics(registry, k) if registry is not None else None
     with shardps.connect(addresses, worker_id=k, num_workers=workers, part_bytes=64) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01), sync=sync,
                                            metrics=metrics)
+        if joined is not None:
+            joined.wait(timeout=60)
         for step in range(steps):
             g = torch.Generator().manual_seed(step * 10 + k)
             loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
@@ -47,7 +52,9 @@ def test_server_metrics_after_asp_training(make_cluster):
     cluster = make_cluster(2, metrics=True)
     steps, workers = 6, 2
     worker_regs = [CollectorRegistry() for _ in range(workers)]
-    results = run_workers(lambda k: _train(cluster.addresses, k, workers, "asp", steps, worker_regs[k]), workers)
+    joined = threading.Barrier(workers)  # both join at version 0: only the steps' Pulls wait for a version
+    results = run_workers(lambda k: _train(cluster.addresses, k, workers, "asp", steps, worker_regs[k], joined),
+                          workers)
     for shard, reg in enumerate(cluster.registries):
         lab = {"shard": str(shard)}
         v = reg.get_sample_value
