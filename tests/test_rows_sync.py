@@ -25,6 +25,7 @@ def _model() -> nn.Module:
 def test_under_ssp_the_rows_of_a_fast_worker_stay_within_the_bound_of_a_held_straggler(make_cluster, overlap):
     cluster = make_cluster(2)
     release = threading.Event()
+    first = threading.Event()  # the straggler pushed its step 0: the fast worker goes past its own only then
     errors: list[BaseException] = []
 
     def train(k: int) -> None:
@@ -36,10 +37,14 @@ def test_under_ssp_the_rows_of_a_fast_worker_stay_within_the_bound_of_a_held_str
                 for step in range(STEPS):
                     if k == 1 and step == 1:
                         release.wait(60)  # the straggler, held after its step 0
+                    if k == 0 and step == 1:  # else it may wait for a straggler still joining (no clock yet)
+                        assert first.wait(60)
                     ids = torch.tensor([step % 20, (step + 7) % 20, 3])
                     model(ids).sum().backward()
                     opt.step()
                     opt.zero_grad()
+                    if k == 1 and step == 0:
+                        first.set()
         except BaseException as e:  # noqa: BLE001 - re-raised by the test
             errors.append(e)
 

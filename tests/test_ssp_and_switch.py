@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ def _step(model, opt, k, step):
 def test_ssp_fast_worker_never_gets_more_than_s_clocks_ahead(cluster2, staleness):
     steps = 12
     records: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    ahead = threading.Event()  # the fast worker is S clocks ahead of the slow one, held after its step 0
 
     def worker(k: int) -> None:
         model = _model()
@@ -37,11 +37,13 @@ def test_ssp_fast_worker_never_gets_more_than_s_clocks_ahead(cluster2, staleness
             opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.01),
                                                sync=f"ssp:{staleness}")
             for step in range(steps):
-                if k == 1:
-                    time.sleep(0.05)  # a slow worker: its compute takes longer (the asserts are on clocks)
+                if k == 1 and step == 1:  # the slow worker: held after its step 0 until the other is S ahead
+                    assert ahead.wait(60)
                 _step(model, opt, k, step)
                 # Our clock (steps pushed) and the slowest clock the shards saw when they let us go on.
                 records[k].append((opt.round, client.slowest_clock))
+                if k == 0 and step == staleness:
+                    ahead.set()
 
     run_workers(worker, 2)
     assert [c for c, _ in records[0]] == list(range(1, steps + 1))
