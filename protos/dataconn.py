@@ -358,9 +358,16 @@ class Sender:
         if self._tls:
             self._write_tls()
             return
-        deadline = _send_deadline(self._sock)
-        poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLOUT)
+        try:
+            deadline = _send_deadline(self._sock)
+            poller = select.poll()
+            poller.register(self._sock.fileno(), select.POLLOUT)
+        except (OSError, ValueError) as e:  # the socket closed before this thread began (fileno -1: ValueError)
+            with self._cv:
+                self._failed(f"send failed: {e}")
+                failed = self.error
+            self._on_error(failed)
+            return
         while True:
             with self._cv:
                 frame = self._next_locked()

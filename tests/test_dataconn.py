@@ -299,6 +299,49 @@ def test_an_answer_sent_from_the_weights_keeps_its_version_when_a_step_comes_bef
         b.close()
 
 
+def test_an_answer_that_cannot_be_sent_never_waits_for_the_connections_reading_thread(make_cluster, monkeypatch):
+    """An answer sent by another connection's thread (a parked Pull its push released) that finds the worker gone
+    shuts the connection and returns: it does not join the connection's reading thread, which may be in a step
+    waiting for that very answer's read of the weights to end (the lent payload is closed once ``answer``
+    returns). The reading thread, held here inside a push, ends at the shut socket once it goes on."""
+    from shardps.server.datapath.dataconn import DataPort
+    from shardps.server.service import WorkersServicer
+
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False, timeout=20.0)
+    inside, release = threading.Event(), threading.Event()
+    push_frames = WorkersServicer.push_frames
+
+    def held(self, *args, **kw):
+        inside.set()
+        assert release.wait(30)
+        return push_frames(self, *args, **kw)
+
+    try:
+        client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        conn = next(p._conns[0] for p in DataPort._ports.values() if 0 in p._conns)
+        monkeypatch.setattr(WorkersServicer, "push_frames", held)
+        pushing = threading.Thread(target=lambda: client.push({"w": torch.ones(64)}, step=0))
+        pushing.start()
+        assert inside.wait(20)  # the connection's reading thread is inside the push, held
+
+        def broken(frame, lent=None):
+            raise OSError(32, "Broken pipe")
+
+        monkeypatch.setattr(conn.sender, "send", broken)
+        answering = threading.Thread(target=conn.answer, args=(wire.PULL, 99, wire.OK, [b""]))
+        answering.start()
+        answering.join(20)
+        assert not answering.is_alive()  # returned with the reading thread still held
+        assert conn._thread.is_alive()
+    finally:
+        release.set()
+        pushing.join(30)
+        client.close()
+    conn._thread.join(20)
+    assert not conn._thread.is_alive() and conn.closed  # it ended at the shut socket and closed the connection
+
+
 def _server_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
 

@@ -241,7 +241,10 @@ class Conn:
             self.sender.send(frame, lent)
         except OSError as e:
             log.info("data connection of worker %d: answer to call %d not sent (%s)", self.worker_id, call, e)
-            self.close()
+            # Shut, not closed here: closing joins the reading thread, which may be in a step that waits for
+            # this very answer's read of the weights to end (the lent payload, closed once this returns). The
+            # reading thread ends at the shut socket and closes the connection itself.
+            self._shut()
 
     def _send_failed(self, why: str) -> None:
         """The writer thread could not send (the worker went): the connection ends."""

@@ -38,7 +38,8 @@ sending (``before_write``: the sender copies its rest, between two writes
 that cannot block), then changes the weights. Under bsp a worker's next
 push of a part needs its answer read first, so a step finds none to
 detach; a worker that reads slowly (asp, ssp, a stalled one) costs that
-one copy, no wait. A cast answer (bf16 on the wire) or one under TLS is a
+one copy of its answer's unsent rest, made by the step under the shard's
+lock, never a wait for that worker. A cast answer (bf16 on the wire) or one under TLS is a
 copy a version that every Pull of it shares (``read_shared``).
 """
 

@@ -256,6 +256,28 @@ def test_the_writer_ends_a_write_stalled_past_the_deadline():
     b.close()
 
 
+def test_a_writer_that_cannot_begin_fails_the_sender_and_tells_the_connection(pair, monkeypatch):
+    """The writer thread's first look at its socket failing (a descriptor closed under it) ends the sender as a
+    failed write would: the connection told, what was queued done with, the next send refused."""
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    def gone(sock):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(wire, "_send_deadline", gone)
+    told: list[str] = []
+    s = wire.Sender(a, "t", told.append)
+    lent = Lending()
+    s.send([memoryview(bytes(1_000_000))], lent)  # left to the writer, which fails as it begins
+    s._writer.join(10)
+    assert not s._writer.is_alive() and lent.sent_times == 1
+    assert told == ["send failed: [Errno 9] Bad file descriptor"]
+    with pytest.raises(OSError, match="send failed"):
+        s.send([b"x"])
+    s.close()
+
+
 def test_deadlines_expire_what_is_not_done_and_skip_what_is():
     class Item:
         def __init__(self, when: float) -> None:
