@@ -51,6 +51,12 @@ settings. The model is cut into parts of a shard's size (``connect(part_bytes=)`
 a tensor, so a call moves one piece); ``/library`` (``--library-parts`` for every row): the library's cut, up
 to 16 pieces a shard of at least 256 KiB, each a frame, a message and a step of its own on the shard.
 
+``--raw-parts`` (with ``--quick``, ``--grid``, ...): beside each shardps row of 4 server hosts and a window,
+the raw parameter server cut into the same parts (``baselines/raw_ps.py --parts``: each part a 4-byte number
+and its bytes, the same window of parts unanswered, the checks, the sum and the step; no control messages,
+versions or answers to pushes): what that granularity costs a parameter server in Python with nothing but the
+work, in the same run.
+
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
 ``k``, ``whole``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``compute_s`` (shardps rows;
 DDP's backward holds its all-reduce): a worker's forward and backward (the median of every worker's timed
@@ -110,6 +116,9 @@ class Config:
             return "DDP (gloo ring all-reduce)"
         if self.system == "ray-ps":
             return "Ray object-store PS (one actor, 1 server host)"
+        if self.system == "raw-ps" and self.per > 1:
+            return (f"raw sockets PS, {self.k} server hosts, {self.per} parts a host, window {self.window} "
+                    f"(shardps's parts: their floor in Python)")
         if self.system == "raw-ps":
             return f"raw sockets PS, {self.k} server hosts, one message a worker and server (the CPU floor)"
         where = "servers on the worker hosts" if self.k == 0 else f"{self.k} server hosts"
@@ -120,7 +129,17 @@ class Config:
 
 
 def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: bool = False,
-            bf16: bool = False, grid: list[tuple[int, int, bool]] | None = None) -> list[Config]:
+            bf16: bool = False, grid: list[tuple[int, int, bool]] | None = None,
+            raw_parts: bool = False) -> list[Config]:
+    out = _configs(quick, per, window, sweep, ray_ps, bf16, grid)
+    if raw_parts:  # the raw server with shardps's parts: at each shards-a-host/window setting of a shardps row
+        settings = dict.fromkeys((c.per, c.window) for c in out if c.system == "shardps" and c.k == 4 and c.window)
+        out[1:1] = [Config("raw-ps", 4, 4, per=p, window=w) for p, w in settings if p > 1]
+    return out
+
+
+def _configs(quick: bool, per: int, window: int, sweep: bool, ray_ps: bool, bf16: bool,
+             grid: list[tuple[int, int, bool]] | None) -> list[Config]:
     if grid:  # chosen settings of the schedule beside DDP
         return [Config("ddp", 4)] + [Config("shardps", 4, 4, per=p, window=w, whole=h) for p, w, h in grid]
     if ray_ps:  # Ray's documented parameter server beside DDP and shardps at n = 4
@@ -221,7 +240,8 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                 servers.append(net.start(h, [sys.executable, str(HERE / "baselines" / "raw_ps.py"), "--host",
                                              net.host(h), "--world", str(c.n), "--lo", str(total * j // c.k),
                                              "--hi", str(total * (j + 1) // c.k), "--steps", str(steps + warmup),
-                                             "--timeout", str(a.timeout)], env=env, stdout=subprocess.PIPE))
+                                             "--timeout", str(a.timeout), "--parts", str(c.per)], env=env,
+                                         stdout=subprocess.PIPE))
             for proc in servers:
                 line = proc.stdout.readline() if proc.stdout else ""
                 if not line.startswith("READY "):
@@ -234,7 +254,8 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
             if c.system == "ddp":
                 argv += ["--master", f"{net.host(WORKER_HOSTS[0])}:29500"]
             elif c.system == "raw-ps":
-                argv += ["--addresses", ",".join(addresses)]
+                argv += ["--addresses", ",".join(addresses), "--parts", str(c.per)]
+                argv += ["--window", str(c.window)] if c.window and c.per > 1 else []
             else:
                 argv += ["--addresses", ",".join(addresses), "--sync", c.sync, "--wire", c.wire]
                 argv += ["--window", str(c.window)] if c.window else []
@@ -331,6 +352,10 @@ def main() -> int:
                    help="shardps bsp fp32 (n = 4, k = 4) at each shards-a-host/window setting, beside DDP")
     p.add_argument("--ray-ps", action="store_true",
                    help="Ray's object-store parameter server (a Ray node in every host) beside DDP and shardps, n = 4")
+    p.add_argument("--raw-parts", action="store_true",
+                   help="beside each shardps row with 4 server hosts and a window, the raw sockets PS cut into the "
+                        "same parts, pushed the same window at a time (baselines/raw_ps.py --parts): the "
+                        "per-part CPU floor of a parameter server in Python, in the same run")
     p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
     p.add_argument("--plot", metavar="PNG", help="step time against server hosts, with the formula's line")
     p.add_argument("--timeline", metavar="PNG", help="worker 0's link in one shardps step (n = 4, k = 4)")
@@ -343,7 +368,7 @@ def main() -> int:
     dims = _dims(a.dims)
     model_bytes = 4.0 * numel(dims)
     rows_ = [replace(c, whole=False) if a.library_parts else c
-             for c in configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16, a.grid)]
+             for c in configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16, a.grid, a.raw_parts)]
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
     say(f"model {model_bytes / 1e6:.1f} MB ({a.dims}), batch {a.batch}, {a.steps} timed steps after {a.warmup}; "
         f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
