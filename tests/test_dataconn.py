@@ -342,6 +342,56 @@ def test_an_answer_that_cannot_be_sent_never_waits_for_the_connections_reading_t
     assert not conn._thread.is_alive() and conn.closed  # it ended at the shut socket and closed the connection
 
 
+@pytest.mark.parametrize("carry", [False, True])
+def test_a_call_the_connections_end_failed_during_its_send_ends_once_and_is_not_raised_again(make_cluster,
+                                                                                         monkeypatch, carry):
+    """The connection ends between a call's registration and its send: the reading thread ends the call (its
+    ``then``: UNAVAILABLE, which retries it) and the send then fails. ``submit`` must not raise as well, or the
+    caller makes the call a second time beside the retry ``then`` began (two pulls writing one shard)."""
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False, timeout=20.0)
+    try:
+        client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        conn = client.paths[0].conn
+        ended: list[tuple[str, int]] = []
+
+        def send_after_the_end(frame, lent=None):
+            conn.sock.shutdown(socket.SHUT_RDWR)  # the server goes: the reading thread ends every call it holds
+            conn._thread.join(20)
+            assert not conn._thread.is_alive() and ended
+            raise OSError(32, "Broken pipe")
+
+        monkeypatch.setattr(conn.sender, "send", send_after_the_end)
+        carried = dataconn._Call(None, then=lambda c: ended.append(("pull", c.status))) if carry else None
+        conn.submit(wire.PUSH_PULL if carry else wire.PULL, 0, (b"",), (), 0, 20.0,
+                    lambda c: ended.append(("call", c.status)), carry=carried)
+        assert sorted(ended) == ([("call", -1), ("pull", -1)] if carry else [("call", -1)])
+        with pytest.raises(FrameError) as err:  # a call made after the end is refused at once, as before
+            conn.submit(wire.PULL, 0, (b"",), (), 0, 20.0, lambda c: ended.append(("late", c.status)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and ("late", -1) not in ended
+    finally:
+        client.close()
+
+
+def test_an_answer_that_does_not_parse_fails_its_call_internal_and_ends_the_connection(make_cluster):
+    """A Push's answer whose control does not parse ends the call INTERNAL (as a gRPC answer that does not
+    deserialize) through its ``then``, and the connection, instead of leaving the call's owner waiting."""
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False, timeout=20.0)
+    try:
+        client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        path = client.paths[0]
+        got: list[tuple[object, FrameError | None]] = []
+        c = dataconn._Call(None, then=path._pushed(lambda answer, error: got.append((answer, error))))
+        c.status, c.ctl = wire.OK, b"\x0a\xff"  # field 1, 255 bytes long, and no bytes
+        c.end()
+        assert len(got) == 1 and got[0][0] is None and got[0][1] is not None
+        assert got[0][1].code() == grpc.StatusCode.INTERNAL and "does not parse" in got[0][1].details()
+        assert "protocol error" in path.conn.error
+    finally:
+        client.close()
+
+
 def _server_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
 

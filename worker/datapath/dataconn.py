@@ -324,9 +324,17 @@ class DataConn:
             self.sender.send(frame)
         except OSError as e:
             with self._mu:
-                self._calls.pop(call, None)
-                self._calls.pop(-call, None)
+                mine = self._calls.pop(call, None)
+                carried = self._calls.pop(-call, None)
             self.close_after_failure(f"send failed: {e}")
+            if mine is None and call:
+                # Ended meanwhile by the connection's end (its reading thread ends every call it holds, running
+                # ``then``: UNAVAILABLE) or by its deadline: its ``then`` says so. Raising too would have the
+                # caller make the call again beside the retry that ``then`` began.
+                if carried is not None:
+                    carried.status = -1
+                    carried.end()
+                return
             raise self._unavailable() from None
 
     def _begin(self, into: memoryview | None, place: Place | None = None,
@@ -452,6 +460,12 @@ class DataConn:
             raise
         return self._wait(call, c, timeout, "push")[0]
 
+    def malformed(self, why: str) -> FrameError:
+        """An answer that does not parse: the connection ends (nothing more read on it is to be trusted) and the
+        call fails INTERNAL, as a gRPC answer that does not deserialize does."""
+        self.close_after_failure(f"protocol error: {why}")
+        return FrameError(grpc.StatusCode.INTERNAL, f"data connection to {self.where}: {why}")
+
     def close_after_failure(self, why: str) -> None:
         if not self.error:
             self.error = why
@@ -545,10 +559,14 @@ class FrameCalls:
         def done(c: _Call) -> None:
             try:
                 ctl, _ = self.conn.result(c)
+                answer = ps_pb2.PushResponse.FromString(ctl)
             except FrameError as e:
                 then(None, e)
                 return
-            then(ps_pb2.PushResponse.FromString(ctl), None)
+            except Exception as e:  # noqa: BLE001 - an answer that does not parse: the connection is not to be trusted
+                then(None, self.conn.malformed(f"a Push's answer does not parse: {e}"))
+                return
+            then(answer, None)
 
         return done
 
@@ -754,8 +772,11 @@ class ShmConnPath(FrameCalls, ShmPath):
             try:
                 ctl, _ = self.conn.result(c)
                 responses = [framing.read_pull_response(m) for m in wire.split(ctl)]
-            except (FrameError, wire.ProtocolError) as e:
-                then(None, e if isinstance(e, FrameError) else FrameError(grpc.StatusCode.INTERNAL, str(e)))
+            except FrameError as e:
+                then(None, e)
+                return
+            except Exception as e:  # noqa: BLE001 - an answer that does not parse: the connection is not to be trusted
+                then(None, self.conn.malformed(f"a Pull's answer does not parse: {e}"))
                 return
             then(responses, None)
 
