@@ -392,6 +392,55 @@ def test_an_answer_that_does_not_parse_fails_its_call_internal_and_ends_the_conn
         client.close()
 
 
+def test_a_connection_that_ended_before_its_shard_was_put_back_on_it_leaves_the_shard_where_it_was(make_cluster):
+    """A connection made again (``revive``) or found after a fail-over (``moved``) that ends before its shards
+    are put on it: its end found no path on it to put back, so the shard must not be put there after (it would
+    stay on a dead connection, every call UNAVAILABLE, and the next connection would pass it by)."""
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False, timeout=20.0)
+    try:
+        client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        paths = client.paths
+        conn, route = paths[0].conn, paths[0].route
+        smap, layouts, _ = paths._opened
+        paths.off(0)  # the shard on gRPC, its connection open
+        assert isinstance(paths[0], GrpcPath) and not conn.error
+        conn.close_after_failure("the server went")  # ended: the shard is not put on it
+        paths._restore(0, conn, route, smap, layouts)
+        assert isinstance(paths[0], GrpcPath)
+    finally:
+        client.close()
+
+
+def test_a_pull_abandoned_is_not_asked_again_after_a_frame_of_it_fails(make_cluster, monkeypatch):
+    """Once the step's push failed and its pull was abandoned, a shard's frame that fails UNAVAILABLE (or whose
+    carried Pull was not made) ends that shard with the failure; no retry begins (``abandon`` waits only for the
+    calls it knows of: a retry could write into the weights after it returned)."""
+    from shardps.worker.datapath.dataconn import NotMade
+    from shardps.worker.datapath.pull import PullInFlight
+
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False, timeout=20.0)
+    try:
+        client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        retried: list[list[int]] = []
+        for error in (FrameError(grpc.StatusCode.UNAVAILABLE, "the connection ended"),
+                      NotMade(grpc.StatusCode.ABORTED, "not made")):
+            pull = PullInFlight(client, ["w"]).start_later()
+            monkeypatch.setattr(pull, "_threaded", retried.append)
+            monkeypatch.setattr(pull, "_soon", lambda shard: retried.append([shard]) or True)
+            pull.abandon()  # the shard not begun: ended at once
+            del pull._ended[0]  # as if its frame were out when the push failed
+            if isinstance(error, NotMade):
+                pull._carried[0] = "pushed"
+                pull._answered_carried(0, client.paths[0], None, error)
+            else:
+                pull._answered_soon(0, client.paths[0], None, error)
+            assert pull._ended[0] is error and retried == []
+    finally:
+        client.close()
+
+
 def _server_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("shardps-data-pull")}
 

@@ -238,10 +238,21 @@ class PullInFlight:
             self._again_later(shard, error)
             return
         if isinstance(error, NotMade):  # its Push was refused, and taken in since (a retry): pulled anew
+            if self._given_up(shard, error):
+                return
             if not self._soon(shard):
                 self._threaded([shard])
             return
         self._answered_soon(shard, path, responses, error)
+
+    def _given_up(self, shard: int, error: BaseException) -> bool:
+        """Whether the pull was abandoned (the step's push failed): ``shard`` then ends with ``error`` instead of
+        being asked again (``abandon`` waits only for the calls it knows of)."""
+        with self._lock:
+            abandoned = self._abandoned
+        if abandoned:
+            self._end(shard, error)
+        return abandoned
 
     def _inline(self, shard: int) -> None:
         """``shard``'s Pull made in this thread (retried as ``Transport.call``)."""
@@ -289,7 +300,8 @@ class PullInFlight:
         if error is not None:
             failure = t.failed_once(shard, error)
             if failure is None:  # UNAVAILABLE: asked again through the transport (its retries, a fail-over)
-                self._threaded([shard])
+                if not self._given_up(shard, error):
+                    self._threaded([shard])
             else:
                 self._end(shard, failure)
             return

@@ -180,11 +180,24 @@ class ShardPaths(Sequence[ShardPath]):
 
     def _restore(self, shard: int, conn: dataconn.DataConn, route: int, smap: ShardMap,
                  layouts: dict[str, Layout]) -> None:
+        """Shard ``shard``'s calls on ``conn`` again, unless that connection ended meanwhile. Its end (``_ended``)
+        puts back every path on it that it finds, and marks it lost; a path put on it after its end looked is
+        taken back here (the connection says it ended before it looks: a path put first is found there)."""
         path = self._paths[shard]
+        new: dataconn.ConnPath | dataconn.ShmConnPath
         if isinstance(path, GrpcPath):
-            self._paths[shard] = dataconn.ConnPath(conn, route, self._grpc[shard], smap, layouts)
+            new = dataconn.ConnPath(conn, route, self._grpc[shard], smap, layouts)
         elif type(path) is ShmPath:  # its segments, its calls on the connection again
-            self._paths[shard] = dataconn.ShmConnPath(path.link, self._grpc[shard], conn, route)
+            new = dataconn.ShmConnPath(path.link, self._grpc[shard], conn, route)
+        else:
+            return
+        self._paths[shard] = new
+        if conn.error and self._paths[shard] is new:  # ended meanwhile: the shard stays where it was
+            self._paths[shard] = path
+            if isinstance(new, dataconn.ShmConnPath):
+                new.detach()  # (its segments are the plain path's)
+            else:
+                new.close()
 
     def moved(self, shard: int, answer: ps_pb2.PromoteResponse) -> None:
         """Shard ``shard`` failed over (``Transport.on_moved``, under its fail-over lock; the transport already
