@@ -404,15 +404,16 @@ class Reader:
     def _shared_begin(self, key: tuple[Any, ...], entries: list[TensorEntry], wire_dtype: int | None,
                       room: int) -> _Shared:
         """Under the lock: ``key``'s shared answer of this version where one was copied (``_Shared.copied``);
-        else what to begun, counted in ``reading`` (``_shared_copy`` ends it)."""
+        else what to copy, counted in ``reading`` (``_shared_copy`` ends it)."""
         hit = self.shared.get(key)
-        self.pulls_total += 1
         if hit is not None:
             _check_room(len(hit[1]), room)
+            self.pulls_total += 1
             self.pull_bytes_total += hit[2]
             return _Shared(copied=(hit[0], hit[1]))
         layout, end = _shm_layout(entries, wire_dtype)
         _check_room(end, room)
+        self.pulls_total += 1
         payload = sum(size for *_, size in layout)
         self.pull_bytes_total += payload
         self.shared_copies_total += 1
@@ -447,10 +448,10 @@ class Reader:
 
     def read_lent(self, names: Sequence[str], wire_dtype: int | None, room: int, *, slowest_clock: int = 0,
                   worker_id: int | None = None) -> tuple[int, list[Item], Lent | memoryview]:
-        """As ``read_shared``, with no begun where the wire dtype is the weights' own (fp32) and they are
+        """As ``read_shared``, with no copy where the wire dtype is the weights' own (fp32) and they are
         contiguous: the answer's payload is then a ``Lent``, the weights' own bytes in the answer's layout
         (zeros between parts), for a ``Sender`` to write straight from them. The caller sends it, then calls
-        ``Lent.close``: until then no step runs (counted in ``reading``, as a begun would be); a rest the socket
+        ``Lent.close``: until then no step runs (counted in ``reading``, as a copy would be); a rest the socket
         did not take is copied by the sender before the next step changes the weights (``before_write``).
         Where a cast is needed, or another answer of this version copied the weights already, as
         ``read_shared``."""
@@ -558,6 +559,7 @@ class _Shared(NamedTuple):
     layout: Sequence[Placed] = ()
     end: int = 0
     payload: int = 0
+
 
 _ZEROS = bytes(shm.aligned(1))  # the bytes between two parts of an answer (each part on a 64-byte boundary)
 

@@ -299,7 +299,8 @@ def test_an_answer_in_another_dtype_than_the_weights_is_a_shared_copy():
     _, _, lent = st.reader.read_lent(["w"], None, 1024)
     assert not isinstance(lent, memoryview)
     lent.close()
+    counted = st.reader.pulls_total, st.reader.pull_bytes_total
     for dtype in (None, shardps.protos.shardps.v1.ps_pb2.BFLOAT16):  # framed already, or copied already
         with pytest.raises(shardps.server.errors.InvalidArgument, match="pull buffer holds 8 bytes"):
             st.reader.read_lent(["w"], dtype, 8)
-    assert st.reader.reading == 0
+    assert st.reader.reading == 0 and (st.reader.pulls_total, st.reader.pull_bytes_total) == counted  # refused

@@ -327,7 +327,7 @@ class DataConn:
                 mine = self._calls.pop(call, None)
                 carried = self._calls.pop(-call, None)
             self.close_after_failure(f"send failed: {e}")
-            if mine is None and call:
+            if mine is None:
                 # Ended meanwhile by the connection's end (its reading thread ends every call it holds, running
                 # ``then``: UNAVAILABLE) or by its deadline: its ``then`` says so. Raising too would have the
                 # caller make the call again beside the retry that ``then`` began.
