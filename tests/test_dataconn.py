@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -600,6 +601,122 @@ def test_a_server_that_answers_its_pings_keeps_the_connection_and_the_call_ends_
             conn.call(wire.PUSH, 0, [b"x"], [], 0, 7.0)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert server.pinged >= 1 and not conn.error  # the connection serves on
+    finally:
+        conn.close()
+        server.close()
+
+
+def until(probe, timeout: float = 30.0) -> bool:
+    """Whether ``probe()`` came true within ``timeout`` (looked at each millisecond: a count in the kernel, or
+    a field another thread sets, that nothing signals)."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+class TricklingServer:
+    """A data port that takes two calls and answers the first with a long, slow frame: its ``nbytes`` a piece
+    at a time, one each time the test says (``go``); then it reads on (the worker's pings, queued behind that
+    frame, answered only now) and answers the second call once it answered a ping: a long frame on a slow link,
+    with the frames behind it waiting."""
+
+    def __init__(self, nbytes: int, pieces: int) -> None:
+        self.nbytes, self.pieces, self.pinged = nbytes, pieces, 0
+        self.go, self.first = threading.Semaphore(0), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _request(sock: socket.socket) -> tuple[int, int]:
+        _, kind, call, _, _, nctl, next_, _ = wire.REQUEST.unpack(wire.read_exact(sock, wire.REQUEST.size))
+        wire.read_exact(sock, nctl + next_ * wire.EXTENT.size)
+        return kind, call
+
+    def _serve(self) -> None:
+        sock, _ = self.listener.accept()
+        with sock:
+            wire.read_exact(sock, wire.HELLO.size)
+            sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
+            try:
+                calls = [self._request(sock)]
+                self.first.set()
+                calls.append(self._request(sock))
+                (kind, call), piece = calls[0], self.nbytes // self.pieces
+                sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, wire.OK, 0, self.nbytes))
+                for _ in range(self.pieces):
+                    if not self.go.acquire(timeout=30):
+                        return
+                    sock.sendall(b"w" * piece)
+                while True:
+                    kind, call = self._request(sock)
+                    if kind == wire.PING:
+                        self.pinged += 1
+                        sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, wire.PING, call, wire.OK, 0, 0))
+                        if self.pinged == 1:
+                            kind, call = calls[1]
+                            sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, wire.OK, 0, 0))
+            except (wire.Torn, OSError):
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(10)
+
+
+@pytest.mark.fault
+def test_a_long_answer_whose_bytes_keep_coming_is_not_taken_for_a_stopped_server(monkeypatch):
+    """Two calls wait; the first one's answer is slow to come (a long frame on a slow link), the worker's pings
+    and the second one's answer queued behind it. It starts once the worker pinged, and its bytes come a piece
+    per look of the worker's watcher, for three keepalives. Bytes moved, so the connection is not ended for a
+    stopped server (it was, half a keepalive after the frame's head), and both calls get their answers. The
+    pieces follow the watcher's looks, not the clock: each look finds one more in the kernel's count, and
+    after the last one the watcher looks again only once both calls are answered, whatever the machine's
+    speed."""
+    monkeypatch.setenv(env.KEEPALIVE_S, "0.4")
+    pieces = 12  # one a look, a look each 0.1 s: 1.2 s, three keepalives
+    server = TricklingServer(pieces * 1000, pieces)
+    conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, lambda why: None)
+    assert conn is not None
+    real = dataconn.moved
+    sent = [0]
+
+    def received(sock):
+        counts = real(sock)
+        return (1 << 62) if counts is None else counts[0]  # None: closed (the test ended first)
+
+    def moved(sock):  # the watcher's look: once it pinged, one more piece each time, in the count before it looks
+        if sock is conn.sock and (conn._ping_at or sent[0]):
+            if sent[0] < pieces:
+                before = received(sock)
+                sent[0] += 1
+                server.go.release()
+                assert until(lambda: received(sock) >= before + 1000)
+            else:  # the frame is in: the ping's answer, and the second call's, come before the watcher looks again
+                assert until(lambda: not conn._calls)
+        return real(sock)
+
+    monkeypatch.setattr(dataconn, "moved", moved)
+    long, short = bytearray(pieces * 1000), bytearray(8)
+    got: list[tuple[bytes, int]] = []
+    second = threading.Thread(target=lambda: got.append(conn.call(wire.PULL, 0, [b"y"], [], 0, 60.0,
+                                                                  into=memoryview(short))), daemon=True)
+    try:
+        results: list[tuple[bytes, int]] = []
+        one = threading.Thread(target=lambda: results.append(conn.call(wire.PULL, 0, [b"x"], [], 0, 60.0,
+                                                                       into=memoryview(long))), daemon=True)
+        one.start()
+        assert server.first.wait(30)  # the second call goes once the server has the first: it is answered second
+        second.start()
+        one.join(60)
+        second.join(60)
+        assert results == [(b"", pieces * 1000)] and bytes(long) == b"w" * (pieces * 1000) and sent[0] == pieces
+        assert got == [(b"", 0)] and server.pinged >= 1
+        assert not conn.error and not conn.closed
     finally:
         conn.close()
         server.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 import torch
 
@@ -96,3 +97,37 @@ def test_asp_workers_pulling_and_pushing_at_once_see_whole_versions(cluster2):
     with shardps.connect(cluster2.addresses, shm=False) as client:
         client.attach()
         assert _constant(client.pull(), -2.0 * STEPS)
+
+
+@pytest.mark.fault
+def test_a_pull_that_fails_mid_answer_is_asked_again_whole_never_a_mix_of_versions(make_cluster, monkeypatch):
+    """A Pull's answer fails after tensor "a" came whole (UNAVAILABLE, as a connection lost mid-answer), and
+    before the retry the other worker's push makes version 2. No tensor of a shard is complete (``wait``)
+    before its whole answer is in, so the retry asks for all three again and all three are version 2's: not
+    "a" at version 1 beside "b" and "c" at 2, under a shard version that names one of them."""
+    from shardps.worker.datapath.reach import StatusError
+
+    monkeypatch.setenv("SHARDPS_TCP", "0")  # gRPC's answers: read a response at a time
+    cluster = make_cluster(1)
+    kw = dict(chunk_bytes=64 << 10, shm=False)
+    with shardps.connect(cluster.addresses, 0, 2, **kw) as c0, shardps.connect(cluster.addresses, 1, 2, **kw) as c1:
+        zeros = {n: torch.zeros(s) for n, s in SHAPES.items()}
+        c0.register(zeros, shardps.optim.SGD(lr=1.0), sync="asp")
+        c1.register(zeros, shardps.optim.SGD(lr=1.0), sync="asp")
+        c0.push(_ones(), step=0)
+        real, asked = c0.transport.pull, []
+
+        def pull(shard, req, **kw):
+            asked.append(list(req.names))
+            answer = list(real(shard, req, **kw))  # the whole answer read: the server is done with it
+            if len(asked) > 1:
+                yield from answer
+                return
+            yield from (r for r in answer if r.chunk.name == "a")
+            c1.push(_ones(), step=0)  # version 2, before the retry
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the answer broke off after 'a'")
+
+        monkeypatch.setattr(c0.transport, "pull", pull)
+        pulled = c0.pull()
+        assert asked == [["a", "b", "c"], ["a", "b", "c"]]
+        assert _constant(pulled, -2.0) and c0.versions == [2]

@@ -48,6 +48,7 @@ import functools
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -135,6 +136,27 @@ def _nothing() -> None:
     pass
 
 
+PING_BYTES = 256  # what one ping frame may add to the bytes acknowledged, in a TLS record too: not progress
+
+
+def moved(sock: socket.socket) -> tuple[int, int] | None:
+    """The bytes a connection received, and the bytes of it the peer acknowledged, so far (the kernel's
+    ``TCP_INFO``: ``tcpi_bytes_received``, ``tcpi_bytes_acked``); None where the kernel does not say (not
+    Linux, before 4.1, a closed socket)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, _TCP_INFO_BYTES)
+    except (OSError, ValueError):
+        return None
+    if len(info) < _TCP_INFO_BYTES:
+        return None
+    acked, received = struct.unpack_from("=QQ", info, 120)
+    return received, acked
+
+
+TCP_INFO = getattr(socket, "TCP_INFO", 11)
+_TCP_INFO_BYTES = 136  # struct tcp_info up to tcpi_bytes_received (offsets 120: bytes_acked, 128: received)
+
+
 class DataConn:
     """One connection to a server process's data port (module docstring)."""
 
@@ -193,21 +215,30 @@ class DataConn:
         return conn
 
     def _watch(self) -> None:
-        """While calls wait: a PING once ``keepalive`` seconds passed without an answer frame; none back within
-        half of that and the connection ends (its calls fail UNAVAILABLE: retried, and failed over, as gRPC's
-        would be). A server process that stopped (SIGSTOP, a long pause) answers nothing though its kernel
-        keeps the TCP connection, and the kernel's keepalive sees nothing wrong: this does."""
+        """While calls wait: a PING once ``keepalive`` seconds passed without an answer frame and without bytes
+        moving either way; none back within half of that, and no bytes moved meanwhile, and the connection ends
+        (its calls fail UNAVAILABLE: retried, and failed over, as gRPC's would be). A server process that
+        stopped (SIGSTOP, a long pause) answers nothing though its kernel keeps the TCP connection, and the
+        kernel's keepalive sees nothing wrong: this does. A long frame on a slow link is not silence: its
+        bytes move (the kernel's counts, ``moved``), and a ping queued behind it, or its answer behind the
+        server's, is not taken for a stopped server."""
         k = self.keepalive
+        counts = moved(self.sock)
+        moved_at = 0.0
         while not self._stop.wait(k / 4):
+            seen = moved(self.sock)
             now = time.monotonic()
+            if seen is not None and counts is not None and (seen[0] > counts[0] or seen[1] > counts[1] + PING_BYTES):
+                moved_at = now  # bytes came in, or the server read more of what was sent than a ping
+            counts = seen
             if self._ping_at:
-                if now - self._ping_at >= k / 2:
+                if now - max(self._ping_at, moved_at) >= k / 2:
                     self.close_after_failure(f"the server answered no ping within {k / 2:g}s (stopped?)")
                     return
                 continue
             with self._mu:
                 waiting = bool(self._calls)
-            if waiting and now - self._heard_at >= k:
+            if waiting and now - max(self._heard_at, moved_at) >= k:
                 self._ping_at = now
                 try:
                     self.sender.send([wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PING, 0, 0, 1, 0, 0, 0)])
