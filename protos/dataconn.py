@@ -331,6 +331,12 @@ class Sender:
                 self._writer.start()
             self._cv.notify()
 
+    @property
+    def backlogged(self) -> bool:
+        """Whether frames wait for the socket to take them (the writer thread's queue is not empty): the peer's
+        window, or the link, holds them back. Read without the lock (a snapshot)."""
+        return bool(self._queue)
+
     def _detach(self, frame: _Queued) -> None:
         """Copy what is left of a lent ``frame`` (unless it was sent already): its lender may change the memory
         once this returns. Waits at most for one write that cannot block."""

@@ -12,6 +12,7 @@ first.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
 import threading
@@ -617,25 +618,43 @@ def until(probe, timeout: float = 30.0) -> bool:
     return True
 
 
-class TricklingServer:
-    """A data port that takes two calls and answers the first with a long, slow frame: its ``nbytes`` a piece
-    at a time, one each time the test says (``go``); then it reads on (the worker's pings, queued behind that
-    frame, answered only now) and answers the second call once it answered a ping: a long frame on a slow link,
-    with the frames behind it waiting."""
+class SlowServer:
+    """A data port that is slow one way: ``trickle`` answers the first of two calls with a long frame whose
+    bytes go a piece each time the test says (``go``); ``slow_read`` reads the first call's long request a
+    piece each time instead. Then it reads on (the worker's pings, queued behind that frame or seen on the
+    way to the calls, answered only now) and answers the calls once it answered a ping: a long frame on a slow
+    link, with the frames behind it waiting."""
 
-    def __init__(self, nbytes: int, pieces: int) -> None:
-        self.nbytes, self.pieces, self.pinged = nbytes, pieces, 0
+    def __init__(self, pieces: int, piece_bytes: int, *, slow_read: bool = False) -> None:
+        self.pieces, self.piece_bytes, self.slow_read = pieces, piece_bytes, slow_read
+        self.pinged = 0
         self.go, self.first = threading.Semaphore(0), threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
-    @staticmethod
-    def _request(sock: socket.socket) -> tuple[int, int]:
+    def _request(self, sock: socket.socket, calls: list[tuple[int, int]]) -> None:
+        """One request frame: a ping is owed an answer, a call is noted (its extents read slowly, or not)."""
         _, kind, call, _, _, nctl, next_, _ = wire.REQUEST.unpack(wire.read_exact(sock, wire.REQUEST.size))
-        wire.read_exact(sock, nctl + next_ * wire.EXTENT.size)
-        return kind, call
+        wire.read_exact(sock, nctl)
+        sizes = [wire.EXTENT.unpack(wire.read_exact(sock, wire.EXTENT.size))[1] for _ in range(next_)]
+        if kind == wire.PING:
+            self.pinged += 1
+            return
+        calls.append((kind, call))
+        self.first.set()
+        scratch = memoryview(bytearray(self.piece_bytes))
+        slow = self.pieces if self.slow_read else 0
+        for nbytes in sizes:
+            while nbytes:
+                if slow:  # the first pieces one a go, the rest at once
+                    slow -= 1
+                    if not self.go.acquire(timeout=60):
+                        raise OSError("no go")
+                k = min(nbytes, len(scratch))
+                wire.fill(sock, scratch[:k])
+                nbytes -= k
 
     def _serve(self) -> None:
         sock, _ = self.listener.accept()
@@ -643,23 +662,29 @@ class TricklingServer:
             wire.read_exact(sock, wire.HELLO.size)
             sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
             try:
-                calls = [self._request(sock)]
-                self.first.set()
-                calls.append(self._request(sock))
-                (kind, call), piece = calls[0], self.nbytes // self.pieces
-                sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, wire.OK, 0, self.nbytes))
-                for _ in range(self.pieces):
-                    if not self.go.acquire(timeout=30):
-                        return
-                    sock.sendall(b"w" * piece)
+                calls: list[tuple[int, int]] = []
+                while len(calls) < (1 if self.slow_read else 2):
+                    self._request(sock, calls)
+                if not self.slow_read:
+                    kind, call = calls[0]
+                    sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, wire.OK, 0,
+                                                  self.pieces * self.piece_bytes))
+                    for _ in range(self.pieces):
+                        if not self.go.acquire(timeout=60):
+                            return
+                        sock.sendall(b"w" * self.piece_bytes)
+                    calls = calls[1:]
+                while not self.pinged:
+                    self._request(sock, calls)
+                for _ in range(self.pinged):
+                    sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, wire.PING, 0, wire.OK, 0, 0))
+                for kind, call in calls:
+                    sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, wire.OK, 0, 0))
                 while True:
-                    kind, call = self._request(sock)
-                    if kind == wire.PING:
-                        self.pinged += 1
-                        sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, wire.PING, call, wire.OK, 0, 0))
-                        if self.pinged == 1:
-                            kind, call = calls[1]
-                            sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, kind, call, wire.OK, 0, 0))
+                    self._request(sock, calls)
+                    if self.pinged:
+                        sock.sendall(wire.ANSWER.pack(wire.ANSWER_MAGIC, wire.PING, 0, wire.OK, 0, 0))
+                        self.pinged = 0
             except (wire.Torn, OSError):
                 pass
 
@@ -668,54 +693,133 @@ class TricklingServer:
         self.thread.join(10)
 
 
-@pytest.mark.fault
-def test_a_long_answer_whose_bytes_keep_coming_is_not_taken_for_a_stopped_server(monkeypatch):
-    """Two calls wait; the first one's answer is slow to come (a long frame on a slow link), the worker's pings
-    and the second one's answer queued behind it. It starts once the worker pinged, and its bytes come a piece
-    per look of the worker's watcher, for three keepalives. Bytes moved, so the connection is not ended for a
-    stopped server (it was, half a keepalive after the frame's head), and both calls get their answers. The
-    pieces follow the watcher's looks, not the clock: each look finds one more in the kernel's count, and
-    after the last one the watcher looks again only once both calls are answered, whatever the machine's
-    speed."""
-    monkeypatch.setenv(env.KEEPALIVE_S, "0.4")
-    pieces = 12  # one a look, a look each 0.1 s: 1.2 s, three keepalives
-    server = TricklingServer(pieces * 1000, pieces)
-    conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, lambda why: None)
-    assert conn is not None
+def driven_by_the_watcher(monkeypatch, conn: dataconn.DataConn, server: SlowServer, moving: int) -> list[int]:
+    """Each look of ``conn``'s watcher, once it pinged, lets ``server`` send or read one more piece, and waits
+    until the kernel's count ``moving`` (0: received, 1: acknowledged by the server) says it moved, before
+    the look reads it; after the last piece, until the calls are answered. So each look finds one more piece
+    moved, whatever the machine's speed. The pieces let go so far (a list of one)."""
     real = dataconn.moved
     sent = [0]
 
-    def received(sock):
+    def count(sock) -> int:
         counts = real(sock)
-        return (1 << 62) if counts is None else counts[0]  # None: closed (the test ended first)
+        return (1 << 62) if counts is None else counts[moving]  # None: closed (the test ended first)
 
-    def moved(sock):  # the watcher's look: once it pinged, one more piece each time, in the count before it looks
+    def moved(sock):
         if sock is conn.sock and (conn._ping_at or sent[0]):
-            if sent[0] < pieces:
-                before = received(sock)
+            if sent[0] < server.pieces:
+                before = count(sock)
                 sent[0] += 1
                 server.go.release()
-                assert until(lambda: received(sock) >= before + 1000)
-            else:  # the frame is in: the ping's answer, and the second call's, come before the watcher looks again
+                assert until(lambda: count(sock) > before)
+            else:  # the frame is through: the pings' answers, and the calls', come before the watcher looks again
                 assert until(lambda: not conn._calls)
         return real(sock)
 
     monkeypatch.setattr(dataconn, "moved", moved)
+    return sent
+
+
+@pytest.mark.fault
+def test_a_stopped_server_whose_kernel_takes_frames_sent_one_by_one_ends_the_connection(monkeypatch):
+    """The server process reads nothing after the hello (stopped: its kernel still acknowledges what comes,
+    until its receive buffer is full). Before each look of the watcher another small frame goes and is
+    acknowledged: bytes acknowledged without a backlog at this end are not the server's life, so the ping
+    goes unanswered and the connection ends, as with nothing sent, not at the call's deadline."""
+    monkeypatch.setenv(env.KEEPALIVE_S, "0.4")
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def stopped() -> None:
+        sock, _ = listener.accept()
+        wire.read_exact(sock, wire.HELLO.size)
+        sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
+        accepted.append(sock)  # read no more: a stopped process
+
+    t = threading.Thread(target=stopped, daemon=True)
+    t.start()
+    conn = dataconn.DataConn.open("127.0.0.1", listener.getsockname()[1], b"t" * 16, 0, 60.0, lambda why: None)
+    assert conn is not None
+    real, looks = dataconn.moved, [0]
+
+    def moved(sock):  # another small frame before each look, in the count the look reads
+        if sock is conn.sock and not conn.error:
+            looks[0] += 1
+            before = (real(sock) or (0, 0, 0))[1]
+            with contextlib.suppress(OSError):
+                conn.sender.send([wire.REQUEST.pack(wire.REQUEST_MAGIC, wire.PUSH, 1 << 40, 0, 1, 400, 0, 0),
+                                  b"c" * 400])
+                assert until(lambda: conn.error or (real(sock) or (1 << 62, 1 << 62, 0))[1] > before)
+        return real(sock)
+
+    monkeypatch.setattr(dataconn, "moved", moved)
+    try:
+        with pytest.raises(FrameError) as e:  # its deadline is a minute away: the unanswered ping ends it
+            conn.call(wire.PUSH, 0, [b"x"], [], 0, 60.0)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "answered no ping within 0.2s" in e.value.details()
+        assert looks[0] <= 12  # a ping after a keepalive (4 looks), its answer given up half of one later (2)
+    finally:
+        conn.close()
+        t.join(10)
+        for sock in accepted:
+            sock.close()
+        listener.close()
+
+
+@pytest.mark.fault
+def test_a_long_answer_whose_bytes_keep_coming_is_not_taken_for_a_stopped_server(monkeypatch):
+    """Two calls wait; the first one's answer is slow to come (a long frame on a slow link), the worker's pings
+    and the second one's answer queued behind it. Its bytes start once the worker pinged, and come a piece per
+    look of the worker's watcher, for three keepalives. Bytes moved, so the connection is not ended for a
+    stopped server (it was, half a keepalive after the frame's head), and both calls get their answers."""
+    monkeypatch.setenv(env.KEEPALIVE_S, "0.4")
+    pieces = 12  # one a look, a look each 0.1 s: 1.2 s, three keepalives
+    server = SlowServer(pieces, 1000)
+    conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, lambda why: None)
+    assert conn is not None
+    sent = driven_by_the_watcher(monkeypatch, conn, server, 0)
     long, short = bytearray(pieces * 1000), bytearray(8)
+    results: list[tuple[bytes, int]] = []
     got: list[tuple[bytes, int]] = []
+    one = threading.Thread(target=lambda: results.append(conn.call(wire.PULL, 0, [b"x"], [], 0, 60.0,
+                                                                   into=memoryview(long))), daemon=True)
     second = threading.Thread(target=lambda: got.append(conn.call(wire.PULL, 0, [b"y"], [], 0, 60.0,
                                                                   into=memoryview(short))), daemon=True)
     try:
-        results: list[tuple[bytes, int]] = []
-        one = threading.Thread(target=lambda: results.append(conn.call(wire.PULL, 0, [b"x"], [], 0, 60.0,
-                                                                       into=memoryview(long))), daemon=True)
         one.start()
         assert server.first.wait(30)  # the second call goes once the server has the first: it is answered second
         second.start()
-        one.join(60)
-        second.join(60)
+        one.join(90)
+        second.join(90)
         assert results == [(b"", pieces * 1000)] and bytes(long) == b"w" * (pieces * 1000) and sent[0] == pieces
-        assert got == [(b"", 0)] and server.pinged >= 1
+        assert got == [(b"", 0)]
+        assert not conn.error and not conn.closed
+    finally:
+        conn.close()
+        server.close()
+
+
+@pytest.mark.fault
+def test_a_long_push_the_server_reads_slowly_is_not_taken_for_a_stopped_server(monkeypatch):
+    """The worker's push is a long frame the server reads slowly (a slow link): more than the sockets' buffers
+    hold, so the rest waits in the worker's sender and the ping queues behind it. Once the worker pinged, the
+    server reads a piece per look of the watcher, for three keepalives, each letting more of the frame go (the
+    frame is longer than the pieces by what the kernel's buffers may hold): the bytes it acknowledges move while
+    this end has a backlog, so the connection is not ended for a stopped server, and the push gets its
+    answer."""
+    monkeypatch.setenv(env.KEEPALIVE_S, "0.4")
+    pieces, piece = 12, 4 << 20  # read one a look; then the rest at once
+    # After the last slow piece as much again as the server's receive buffer and this end's send buffer may hold
+    # (the kernel's limits): each piece read lets more of the frame be sent and acknowledged.
+    rest = sum(int(open(f"/proc/sys/net/ipv4/tcp_{b}mem").read().split()[2]) for b in "rw") + piece
+    server = SlowServer(pieces, piece, slow_read=True)
+    conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, lambda why: None)
+    assert conn is not None
+    sent = driven_by_the_watcher(monkeypatch, conn, server, 1)
+    payload = memoryview(bytearray(pieces * piece + rest))
+    try:
+        assert conn.call(wire.PUSH, 0, [b"x"], [(0, payload)], len(payload), 90.0) == (b"", 0)
+        assert sent[0] == pieces and server.pinged >= 1  # answered before the push was (SlowServer)
         assert not conn.error and not conn.closed
     finally:
         conn.close()

@@ -44,11 +44,14 @@ error: it retries), and the shards on it go back to gRPC
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import itertools
 import logging
 import socket
 import struct
+import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -136,25 +139,26 @@ def _nothing() -> None:
     pass
 
 
-PING_BYTES = 256  # what one ping frame may add to the bytes acknowledged, in a TLS record too: not progress
-
-
-def moved(sock: socket.socket) -> tuple[int, int] | None:
-    """The bytes a connection received, and the bytes of it the peer acknowledged, so far (the kernel's
-    ``TCP_INFO``: ``tcpi_bytes_received``, ``tcpi_bytes_acked``); None where the kernel does not say (not
-    Linux, before 4.1, a closed socket)."""
+def moved(sock: socket.socket) -> tuple[int, int, int] | None:
+    """What the kernel says of a connection's bytes so far: received, acknowledged by the peer, and queued
+    to send (sent but not acknowledged, or not sent yet); None where it does not say (not Linux, a kernel
+    before 4.1, a closed socket). ``TCP_INFO``'s ``tcpi_bytes_received`` and ``tcpi_bytes_acked``, and
+    ``SIOCOUTQ``."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, _TCP_INFO_BYTES)
-    except (OSError, ValueError):
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError, AttributeError):
         return None
     if len(info) < _TCP_INFO_BYTES:
         return None
     acked, received = struct.unpack_from("=QQ", info, 120)
-    return received, acked
+    return received, acked, queued
 
 
-TCP_INFO = getattr(socket, "TCP_INFO", 11)
-_TCP_INFO_BYTES = 136  # struct tcp_info up to tcpi_bytes_received (offsets 120: bytes_acked, 128: received)
+_TCP_INFO_BYTES = 136  # Linux's struct tcp_info up to tcpi_bytes_received (offsets 120: bytes_acked, 128: received)
+BACKLOG_BYTES = 64 << 10  # bytes waiting in the kernel to be acknowledged that make a backlog (a ping is 40)
 
 
 class DataConn:
@@ -216,23 +220,31 @@ class DataConn:
 
     def _watch(self) -> None:
         """While calls wait: a PING once ``keepalive`` seconds passed without an answer frame and without bytes
-        moving either way; none back within half of that, and no bytes moved meanwhile, and the connection ends
-        (its calls fail UNAVAILABLE: retried, and failed over, as gRPC's would be). A server process that
-        stopped (SIGSTOP, a long pause) answers nothing though its kernel keeps the TCP connection, and the
-        kernel's keepalive sees nothing wrong: this does. A long frame on a slow link is not silence: its
-        bytes move (the kernel's counts, ``moved``), and a ping queued behind it, or its answer behind the
-        server's, is not taken for a stopped server."""
+        moving; none back within half of that, and no bytes moved meanwhile, and the connection ends (its
+        calls fail UNAVAILABLE: retried, and failed over, as gRPC's would be). A server process that stopped
+        (SIGSTOP, a long pause) answers nothing though its kernel keeps the TCP connection, and the kernel's
+        keepalive sees nothing wrong: this does.
+
+        A long frame on a slow link is not silence, though its answer, or the ping's, waits behind it: bytes
+        moving are the kernel's counts (``moved``). Bytes received move (a stopped server's kernel sends what
+        it holds, a few MB, and nothing after). Bytes the server acknowledged move only while this end has a
+        backlog (frames waiting in the sender, or ``BACKLOG_BYTES`` in the kernel): a stopped server's kernel
+        takes data only until its receive buffer is full, and a backlog fills it at the link's rate, where
+        frames sent one by one would keep a stopped server's connection open for as long as they come."""
         k = self.keepalive
         counts = moved(self.sock)
+        backlog = False
         moved_at = 0.0
         while not self._stop.wait(k / 4):
             seen = moved(self.sock)
             now = time.monotonic()
-            if seen is not None and counts is not None and (seen[0] > counts[0] or seen[1] > counts[1] + PING_BYTES):
-                moved_at = now  # bytes came in, or the server read more of what was sent than a ping
+            if seen is not None and counts is not None and (seen[0] > counts[0] or backlog and seen[1] > counts[1]):
+                moved_at = now
             counts = seen
-            if self._ping_at:
-                if now - max(self._ping_at, moved_at) >= k / 2:
+            backlog = self.sender.backlogged or (seen is not None and seen[2] >= BACKLOG_BYTES)
+            ping_at = self._ping_at  # (read once: the reading thread clears it as the answer comes)
+            if ping_at:
+                if now - max(ping_at, moved_at) >= k / 2:
                     self.close_after_failure(f"the server answered no ping within {k / 2:g}s (stopped?)")
                     return
                 continue
