@@ -625,11 +625,13 @@ class SlowServer:
     way to the calls, answered only now) and answers the calls once it answered a ping: a long frame on a slow
     link, with the frames behind it waiting."""
 
-    def __init__(self, pieces: int, piece_bytes: int, *, slow_read: bool = False) -> None:
+    def __init__(self, pieces: int, piece_bytes: int, *, slow_read: bool = False, buffers: int = 0) -> None:
         self.pieces, self.piece_bytes, self.slow_read = pieces, piece_bytes, slow_read
         self.pinged = 0
         self.go, self.first = threading.Semaphore(0), threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
+        if buffers:  # the accepted connection's receive buffer, of a fixed size
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
         self.port = self.listener.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -809,14 +811,17 @@ def test_a_long_push_the_server_reads_slowly_is_not_taken_for_a_stopped_server(m
     answer."""
     monkeypatch.setenv(env.KEEPALIVE_S, "0.4")
     pieces, piece = 12, 4 << 20  # read one a look; then the rest at once
-    # After the last slow piece as much again as the server's receive buffer and this end's send buffer may hold
-    # (the kernel's limits): each piece read lets more of the frame be sent and acknowledged.
-    rest = sum(int(open(f"/proc/sys/net/ipv4/tcp_{b}mem").read().split()[2]) for b in "rw") + piece
-    server = SlowServer(pieces, piece, slow_read=True)
+    server = SlowServer(pieces, piece, slow_read=True, buffers=1 << 20)
     conn = dataconn.DataConn.open("127.0.0.1", server.port, b"t" * 16, 0, 60.0, lambda why: None)
     assert conn is not None
+    # Buffers of a fixed size (the kernel doubles them): after the last slow piece the frame holds more than
+    # they take, so each piece read lets more of it be sent and acknowledged. And no user timeout: the server's
+    # window stays shut until its first piece, longer than 1.5 keepalives on a loaded machine, which the kernel
+    # would end the connection for (TCP_USER_TIMEOUT, protos/dataconn.py ``keep_alive``): the watcher is tested.
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 0)
     sent = driven_by_the_watcher(monkeypatch, conn, server, 1)
-    payload = memoryview(bytearray(pieces * piece + rest))
+    payload = memoryview(bytearray(pieces * piece + (8 << 20)))
     try:
         assert conn.call(wire.PUSH, 0, [b"x"], [(0, payload)], len(payload), 90.0) == (b"", 0)
         assert sent[0] == pieces and server.pinged >= 1  # answered before the push was (SlowServer)

@@ -310,3 +310,24 @@ def test_deadlines_drop_what_was_done_early_when_the_heap_grows():
         d.add(Item())
     assert len(d) < 4200  # compacted as it reached 4096
     d.close()
+
+
+def test_a_sender_is_backlogged_while_a_frame_waits_on_the_socket_and_not_after(pair):
+    """``backlogged`` (what the data connection's watcher reads: worker/datapath/dataconn.py ``_watch``): a frame
+    the socket cannot take at once waits in the sender until the peer reads; once it did, no backlog."""
+    a, b = pair
+    sender = wire.Sender(a, "test", lambda why: None)
+    try:
+        sender.send([b"s" * 100])
+        assert not sender.backlogged  # taken at once
+        big = bytes(32 << 20)  # more than both buffers hold
+        sender.send([big])
+        assert sender.backlogged
+        got = wire.read_exact(b, 100 + len(big))
+        assert bytes(got[:100]) == b"s" * 100 and not any(got[100:])
+        deadline = time.monotonic() + 30
+        while sender.backlogged and time.monotonic() < deadline:  # the writer thread ends the frame as it can
+            time.sleep(0.001)
+        assert not sender.backlogged
+    finally:
+        sender.close()

@@ -227,10 +227,11 @@ class DataConn:
 
         A long frame on a slow link is not silence, though its answer, or the ping's, waits behind it: bytes
         moving are the kernel's counts (``moved``). Bytes received move (a stopped server's kernel sends what
-        it holds, a few MB, and nothing after). Bytes the server acknowledged move only while this end has a
-        backlog (frames waiting in the sender, or ``BACKLOG_BYTES`` in the kernel): a stopped server's kernel
-        takes data only until its receive buffer is full, and a backlog fills it at the link's rate, where
-        frames sent one by one would keep a stopped server's connection open for as long as they come."""
+        it holds, a few MB, and nothing after). Bytes the server acknowledged move only while this end had a
+        backlog at both looks (frames waiting in the sender, or ``BACKLOG_BYTES`` in the kernel): a stopped
+        server's kernel takes data only until its receive buffer is full, and a backlog fills it at the link's
+        rate, where frames sent one by one would keep a stopped server's connection open for as long as they
+        came (under TLS each frame waits in the sender a moment: a look may find one, two in a row rarely)."""
         k = self.keepalive
         counts = moved(self.sock)
         backlog = False
@@ -238,10 +239,11 @@ class DataConn:
         while not self._stop.wait(k / 4):
             seen = moved(self.sock)
             now = time.monotonic()
-            if seen is not None and counts is not None and (seen[0] > counts[0] or backlog and seen[1] > counts[1]):
+            was, backlog = backlog, self.sender.backlogged or (seen is not None and seen[2] >= BACKLOG_BYTES)
+            if seen is not None and counts is not None and (
+                    seen[0] > counts[0] or was and backlog and seen[1] > counts[1]):
                 moved_at = now
             counts = seen
-            backlog = self.sender.backlogged or (seen is not None and seen[2] >= BACKLOG_BYTES)
             ping_at = self._ping_at  # (read once: the reading thread clears it as the answer comes)
             if ping_at:
                 if now - max(ping_at, moved_at) >= k / 2:
