@@ -542,6 +542,14 @@ def test_a_window_of_pushes_and_their_pulls_run_on_the_connections_threads(make_
         assert handed == []  # no push and no pull needed a transport thread
 
 
+def hello(listener: socket.socket) -> socket.socket:
+    """A fake data port's side of a connection's start: accept it, read the hello, acknowledge it."""
+    sock, _ = listener.accept()
+    wire.read_exact(sock, wire.HELLO.size)
+    sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
+    return sock
+
+
 class SilentServer:
     """A data port that takes the hello and then answers nothing but, if ``pings``, PING frames: a server process
     stopped (SIGSTOP) after its kernel accepted the connection, or one whose calls are only slow."""
@@ -554,10 +562,7 @@ class SilentServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        sock, _ = self.listener.accept()
-        with sock:
-            wire.read_exact(sock, wire.HELLO.size)
-            sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
+        with hello(self.listener) as sock:
             try:
                 while True:
                     _, kind, call, _, _, nctl, next_, _ = wire.REQUEST.unpack(wire.read_exact(sock, wire.REQUEST.size))
@@ -659,10 +664,7 @@ class SlowServer:
                 nbytes -= k
 
     def _serve(self) -> None:
-        sock, _ = self.listener.accept()
-        with sock:
-            wire.read_exact(sock, wire.HELLO.size)
-            sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
+        with hello(self.listener) as sock:
             try:
                 calls: list[tuple[int, int]] = []
                 while len(calls) < (1 if self.slow_read else 2):
@@ -733,10 +735,7 @@ def test_a_stopped_server_whose_kernel_takes_frames_sent_one_by_one_ends_the_con
     accepted: list[socket.socket] = []
 
     def stopped() -> None:
-        sock, _ = listener.accept()
-        wire.read_exact(sock, wire.HELLO.size)
-        sock.sendall(wire.ACK.pack(wire.ACK_MAGIC, 0))
-        accepted.append(sock)  # read no more: a stopped process
+        accepted.append(hello(listener))  # read no more: a stopped process
 
     t = threading.Thread(target=stopped, daemon=True)
     t.start()
