@@ -1,11 +1,9 @@
 #!/usr/bin/env python
-"""The data connection against gRPC and a raw socket pair: CPU seconds per MB and MB/s, alternating rounds.
+"""The data connection against a raw socket pair: CPU seconds per MB and MB/s, alternating rounds.
 
-Two ``shardps server`` processes (``LocalCluster(2, processes=True)``), two
-workers of one asp job in this process: one that declines the servers' data
-ports (``SHARDPS_TCP=0`` when it registers: every byte in gRPC messages)
-and one that takes them (worker/datapath/dataconn.py: its calls as frames on one
-connection per server process), both with ``shm=False``. The reference
+Two ``shardps server`` processes (``LocalCluster(2, processes=True)``), one
+worker in this process (worker/datapath/dataconn.py: its calls as frames on one
+connection per server process, ``shm=False``). The reference
 (``raw``): the same bytes over a plain socket pair between this process and
 a child, each end receiving with ``recv_into`` into a buffer of its own
 and sending from it (the kernel's copies, nothing else). After
@@ -18,7 +16,7 @@ round), both sides of the transport. Reported: medians of CPU-s per MB
 moved (push + pull: 2 x model bytes) and MB/s, and the ratios; the load
 average beside them (the machine is shared). ``--tls``: the servers and
 both workers under TLS (a CA and a server certificate made with
-``openssl`` in a temporary folder): gRPC's channel and the data connection
+``openssl`` in a temporary folder): the gRPC channel and the data connection
 both encrypted; the raw pairs stay plain.
 
 A second reference (``raw+work``) adds to the raw pair the work the path
@@ -34,11 +32,7 @@ parameters' storage. What the
 frames cost above ``raw+work`` is the path's own: parsing, checks a part,
 versions, locks, threads.
 
-``--paths`` picks which of grpc, frames, raw, raw+work run. Without grpc
-the frames worker is alone in its process, as a training worker is: two
-workers' checks in one process use two of torch's thread pools, and
-libgomp then throttles its threads' spinning, which a worker of its own
-pays (docs/performance.md, "The data connection").
+``--paths`` picks which of frames, raw, raw+work run.
 
     .venv/bin/python benchmarks/tcppath.py [--mb 50] [--repeats 5] [--paths frames,raw,raw+work] [--json]
 """
@@ -63,7 +57,7 @@ from guard import run_guarded
 from proccpu import precise_cpu
 
 MB = 1_000_000
-PATHS = ("grpc", "frames", "raw", "raw+work")
+PATHS = ("frames", "raw", "raw+work")
 _CHILDREN: list[Any] = []
 
 
@@ -111,7 +105,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import shardps
-    from shardps.protos import env
 
     gen = torch.Generator().manual_seed(0)
     n = int(args.mb * MB / 4 / 1024)
@@ -157,17 +150,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _CHILDREN.extend(getattr(cluster, "_procs", []))
         pids = [p.pid for p in getattr(cluster, "_procs", [])]
         clients = {}
-        wanted = [(name, tcp) for name, tcp in (("grpc", "0"), ("frames", "1")) if name in args.paths]
-        for wid, (name, tcp) in enumerate(wanted):
-            os.environ[env.TCP] = tcp  # read when the worker registers
-            c = shardps.connect(cluster.addresses, worker_id=wid, num_workers=len(wanted), shm=False,
+        if "frames" in args.paths:
+            c = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False,
                                 timeout=args.rpc_timeout, security=client_sec or Security())
             c.register(weights, shardps.optim.SGD(lr=0.0), sync="asp")
             kinds = {type(p).__name__ for p in c.paths}
-            if kinds != {"GrpcPath" if name == "grpc" else "ConnPath"}:
-                raise RuntimeError(f"{name}: the worker took {kinds}")
-            clients[name] = c
-        os.environ.pop(env.TCP, None)
+            if kinds != {"ConnPath"}:
+                raise RuntimeError(f"frames: the worker took {kinds}")
+            clients["frames"] = c
         steps = dict.fromkeys(clients, 0)
         names = [n for n in PATHS if n in args.paths]
         rows: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in names}
@@ -205,12 +195,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, row in rows.items():
         res[name] = {"cpu_s_per_mb": statistics.median(row["cpu"]) / moved,
                      "mb_per_s": moved / statistics.median(row["wall"])}
-    for a, b, key in (("frames", "grpc", "frames_over_grpc"), ("frames", "raw", "frames_over_raw"),
+    for a, b, key in (("frames", "raw", "frames_over_raw"),
                       ("frames", "raw+work", "frames_over_raw_work"), ("raw+work", "raw", "raw_work_over_raw")):
         if a in res and b in res:
             res[f"cpu_ratio_{key}"] = res[a]["cpu_s_per_mb"] / res[b]["cpu_s_per_mb"]
-    if "frames" in res and "grpc" in res:
-        res["speed_ratio_frames_over_grpc"] = res["frames"]["mb_per_s"] / res["grpc"]["mb_per_s"]
     return res
 
 
@@ -252,9 +240,6 @@ def report(res: dict[str, Any]) -> str:
         if name in res:
             lines.append(f"{name:8} {1000 * res[name]['cpu_s_per_mb']:>22.2f} {res[name]['mb_per_s']:>8.1f}")
     said = []
-    if "speed_ratio_frames_over_grpc" in res:
-        said.append(f"frames / gRPC: CPU per MB x{res['cpu_ratio_frames_over_grpc']:.2f}, "
-                    f"MB/s x{res['speed_ratio_frames_over_grpc']:.2f}")
     for key, what in (("frames_over_raw", "frames / raw socket pair"), ("frames_over_raw_work", "frames / raw+work"),
                       ("raw_work_over_raw", "raw+work / raw")):
         if f"cpu_ratio_{key}" in res:
@@ -273,9 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tls", action="store_true", help="servers and workers under TLS (openssl makes the certificates)")
     p.add_argument("--unix", action="store_true", help="the raw reference on a Unix socket pair (default: TCP)")
     p.add_argument("--paths", default=",".join(PATHS),
-                   help=f"which of {', '.join(PATHS)} to run (default all). Without grpc no second worker shares "
-                        "this process: torch's pool of threads then behaves as in a worker of its own (with two, "
-                        "libgomp throttles its threads' spinning)")
+                   help=f"which of {', '.join(PATHS)} to run (default all)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = p.parse_args(argv)
     args.paths = [x.strip() for x in args.paths.split(",") if x.strip()]

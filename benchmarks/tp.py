@@ -17,9 +17,8 @@ and head, attention by heads, MLP by columns then rows):
   storage once), against TP = 1's;
 - the median step time (forward, backward, no servers) and its ratio to TP = 1's, same process;
 - with ``--servers N`` (default 2; 0: none), the parameter-server bytes of one ``TPOptimizer`` step per rank,
-  counted on the wire (``tests/helpers.py``'s ``count_wire``; gRPC only: no shared memory, no data
-connection
-  path): the gradient bytes of the Push messages it sent and the weight bytes of the Pull responses it
+  counted on the wire (``shardps.testing.wire.count_wire``: the data connection's frames, no shared memory):
+  the gradient bytes of the Push messages it sent and the weight bytes of the Pull responses it
   received (its slices of the split tensors; the replicated tensors it owns, pushed, and all of them,
   pulled, whole), largest and smallest over the ranks.
 """
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import threading
 import time
@@ -143,7 +141,6 @@ def measure_ps(p: int, args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(VOCAB, (args.batch, args.context), generator=g)
     y = torch.randint(VOCAB, (args.batch, args.context), generator=g)
-    os.environ["SHARDPS_TCP"] = "0"  # every byte in the gRPC messages (shm=False below): what count_wire sees
     with shardps.LocalCluster(args.servers) as cluster:
         def rank(k: int, group: tp.TPGroup) -> tuple[int, int]:
             with RNG:

@@ -10,8 +10,8 @@ and compares with the best that plain gRPC Python does with the same bytes
 on the same topology, in the same run:
 
 * shardps: ``LocalCluster(2, processes=True)`` (two ``shardps server``
-  processes, ``SHARDPS_TCP=0`` unless set: gRPC carries the bytes;
-  benchmarks/tcppath.py measures the data connection against it),
+  processes, the bytes as frames on the data connection, shm off unless
+  asked; benchmarks/tcppath.py measures it against a raw socket pair),
   ``client.register(..., SGD(lr=0.0), sync="asp")``, then timed
   ``client.push(grads, step=i)`` and ``client.pull(out=...)``.
 * raw: two server processes (this script with ``--serve-raw``) exposing a
@@ -242,9 +242,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import shardps
 
-    # shardps over gRPC, as these figures always were (the servers open no data port): benchmarks/tcppath.py
-    # sets the data connection against it.
-    os.environ.setdefault("SHARDPS_TCP", "0")
     if args.client_threads > 0:
         torch.set_num_threads(args.client_threads)
     nbytes_target = int(args.mb * MB)

@@ -48,14 +48,13 @@ JOB = "SHARDPS_JOB"  # `shardps server --job`: the job's keys in the coordinator
 SHM = "SHARDPS_SHM"  # 0: no same-host shared-memory fast path (workers)
 FRAME_INLINE_BYTES = "SHARDPS_FRAME_INLINE_BYTES"  # `shardps server`: larger Pulls are framed outside the lock
 KEEPALIVE_S = "SHARDPS_KEEPALIVE_S"  # seconds of silence before a channel pings its server (0: never)
-TCP = "SHARDPS_TCP"  # 0: no data connection (servers open no data port; workers use none)
 FORK = "SHARDPS_FORK"  # 0: LocalCluster and the demo start each process fresh, not from the fork server
 
 ALL = (ADDRESSES, WORKER_ID, NUM_WORKERS, BACKUPS, TLS_CERT, TLS_KEY, TLS_CA, TLS_SERVER_NAME, AUTH_TOKEN,
        AUTH_TOKEN_FILE, WORKER_TOKEN, WORKER_TOKEN_FILE, OPERATOR_TOKEN, OPERATOR_TOKEN_FILE, PEER_TOKEN,
        PEER_TOKEN_FILE, METRICS_PORT, METRICS_HOST, CHECKPOINT_DIR, CHECKPOINT_EVERY, LOG_LEVEL, HOST, PORT,
        SHARD_INDEX, NUM_SHARDS, LEASE_SECONDS, REPLICAS, REPLICA_PORT, REPLICA_TARGET, ADVERTISE_ADDRESS,
-       SHM, FRAME_INLINE_BYTES, KEEPALIVE_S, TCP, FORK, COORDINATOR, JOB)
+       SHM, FRAME_INLINE_BYTES, KEEPALIVE_S, FORK, COORDINATOR, JOB)
 
 
 def get(name: str) -> str | None:

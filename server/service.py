@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardps.protos import codec, env, framing
+from shardps.protos import codec, framing
 from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
@@ -278,6 +278,17 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
             answer.data_port, answer.data_token = port.offer(request.worker_id)
         return answer
 
+    @unary_errors
+    def Connect(self, request: ps_pb2.ConnectRequest, context: grpc.ServicerContext) -> ps_pb2.ConnectResponse:
+        """Where the worker's data connection to this shard goes now (its connection was lost, or the process
+        restarted: a new port and token): refused where the shard does not serve."""
+        self.store.replica.check_serving()
+        assert self.data is not None  # create_server always opens the data port
+        port, route = self.data
+        answer = ps_pb2.ConnectResponse(data_route=route)
+        answer.data_port, answer.data_token = port.offer(request.worker_id)
+        return answer
+
 
 class OperatorServicer(_Servicer, ps_pb2_grpc.OperatorServicer):
     """Operating the job (``service Operator``): the operator token."""
@@ -464,16 +475,15 @@ def shared_tls(security: Security) -> ssl.SSLContext | None:
 def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_workers: int = 32,
                   max_wait_s: float = DEFAULT_MAX_WAIT_S, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
                   metrics: ServerMetrics | None = None, security: Security | None = None,
-                  interceptors: Sequence[grpc.ServerInterceptor] = (), tcp: bool | None = None
-                  ) -> tuple[grpc.Server, int]:
+                  interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
     """Start a server for ``store`` on ``address``; return it and the bound port.
 
     Binding port 0 picks a free port. Raises RuntimeError if the address
     cannot be bound. ``security`` adds TLS (mutual with a CA) and token
     auth; ``interceptors`` run before auth (tests inject faults there: they see
-    gRPC calls only). ``tcp`` (``SHARDPS_TCP``, on): the shard serves the
-    process's data port on its host too (server/datapath/dataconn.py), which workers
-    on other machines take for their Pushes and Pulls (with TLS, TLS too).
+    gRPC calls only). The shard serves the process's data port on its host
+    too (server/datapath/dataconn.py): the workers' Pushes and Pulls come there as
+    frames (with TLS, TLS too).
     """
     security = security or Security()
     chain = list(interceptors)
@@ -493,13 +503,12 @@ def create_server(store: ShardStore, address: str = "127.0.0.1:0", *, max_worker
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"shard{store.shard_index}")
     server = grpc.server(executor, options=options, interceptors=chain)
     host = address.rsplit(":", 1)[0]
-    port_ = DataPort.shared(host, shared_tls(security)) if env.pick_bool(tcp, env.TCP, True) else None
+    port_ = DataPort.shared(host, shared_tls(security))
     try:
         segments, data = add_servicers(store, server, max_wait_s=max_wait_s, chunk_bytes=chunk_bytes,
                                        metrics=metrics, data=port_)
     except BaseException:
-        if port_ is not None:
-            port_.release()
+        port_.release()
         raise
     health_servicer = health.HealthServicer()
     _SERVED[server] = Served(executor, health_servicer, segments, data)

@@ -96,9 +96,8 @@ def path_model() -> nn.Module:
 def train_over_paths(addresses: list[str], *, shm: bool, steps: int = 3,
                      **opt_kw: Any) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
     """Two workers in threads train ``path_model()`` (Adam, parts of 1 KiB) for ``steps`` steps on their own
-    seeded batches. Each returns (the kind of its data path to each shard, by class: "GrpcPath",
-    "ShmPath", "ShmConnPath", "ConnPath"; its final parameters). The path is the client's choice: ``shm`` and the
-    SHARDPS_TCP variable ("0": no data connection, so ``shm=False`` is gRPC)."""
+    seeded batches. Each returns (the kind of its data path to each shard, by class: "ShmConnPath" with
+    ``shm``, else "ConnPath"; its final parameters)."""
     base = path_model()
 
     def worker(k: int) -> tuple[list[str], dict[str, torch.Tensor]]:

@@ -53,7 +53,7 @@ def test_the_services_have_one_audience_each():
     services = {s.name: [m.name for m in s.methods] for s in ps_pb2.DESCRIPTOR.services_by_name.values()}
     assert services == {
         "Workers": ["Register", "Push", "Pull", "PushOne", "PullOne", "Heartbeat", "Leave", "Describe", "Recover",
-                    "TakeOver"],
+                    "TakeOver", "Connect"],
         "Operator": ["Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"],
         "Peers": ["Exchange", "Replicate", "Describe"],
         "Rows": ["RegisterRows", "PullRows", "PushRows"],

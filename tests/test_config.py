@@ -223,26 +223,6 @@ def test_every_variable_is_tested_here():
 
 
 @pytest.mark.cluster
-def test_the_tcp_path_follows_the_variable_on_the_server_and_on_the_worker(clean_env):
-    def kinds(cluster):
-        with shardps.connect(cluster.addresses, shm=False) as c:  # not the same-host path: frames or gRPC
-            c.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=0.1))
-            return [type(p).__name__ for p in c.paths]
-
-    with shardps.LocalCluster(1) as cluster:
-        assert kinds(cluster) == ["ConnPath"]  # on by default
-        clean_env.setenv(env.TCP, "0")
-        assert kinds(cluster) == ["GrpcPath"]  # a worker with it off takes none
-        clean_env.setenv(env.TCP, "maybe")
-        with pytest.raises(ValueError, match="SHARDPS_TCP='maybe'"):
-            kinds(cluster)
-    clean_env.setenv(env.TCP, "0")
-    with shardps.LocalCluster(1) as cluster:
-        clean_env.delenv(env.TCP)
-        assert kinds(cluster) == ["GrpcPath"]  # a server with it off offers no data port
-
-
-@pytest.mark.cluster
 def test_the_shared_memory_path_follows_the_argument_then_the_variable(clean_env, cluster2):
     def links(**kw):
         with shardps.connect(cluster2.addresses, **kw) as c:

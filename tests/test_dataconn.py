@@ -1,11 +1,10 @@
 """The data connection (worker/datapath/dataconn.py, server/datapath/dataconn.py): one per (worker, server process),
 calls as frames.
 
-Exact against gRPC (the same bytes, another road), one connection for all
-the shards of a process, every bad frame refused with a status naming what
-was expected and received (nothing changes), the shards back on gRPC when
-their connection ends, and no thread left once the client and the servers
-closed. In-process servers on loopback ports (one process: one data port
+One connection for all the shards of a process, every bad frame refused
+with a status naming what was expected and received (nothing changes), a
+lost connection made again (the calls wait for it), and no thread left once
+the client and the servers closed. In-process servers on loopback ports (one process: one data port
 for all of them); ``shm=False`` so that the same-host path does not come
 first.
 """
@@ -29,23 +28,6 @@ from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.datapath import dataconn
 from shardps.worker.datapath.dataconn import ConnPath, FrameError
-from shardps.worker.datapath.paths import GrpcPath
-from tests.helpers import train_over_paths
-
-
-@pytest.mark.parametrize("opt_kw", [dict(sync="bsp"), dict(sync="bsp", overlap=True, bucket_bytes=3000),
-                                    dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16),
-                                    dict(sync="bsp", push_window=1)],
-                         ids=["bsp", "bsp-overlap", "every2-bf16", "bsp-window1"])
-def test_frames_give_the_weights_grpc_gives(make_cluster, monkeypatch, opt_kw):
-    monkeypatch.setenv(env.TCP, "0")  # the workers decline the data port the shards offer
-    over_grpc = train_over_paths(make_cluster(3).addresses, shm=False, **opt_kw)
-    monkeypatch.delenv(env.TCP)
-    over_frames = train_over_paths(make_cluster(3).addresses, shm=False, **opt_kw)
-    for k in range(2):
-        assert over_grpc[k][0] == ["GrpcPath"] * 3 and over_frames[k][0] == ["ConnPath"] * 3
-        for n, w in over_grpc[k][1].items():
-            assert torch.equal(over_frames[k][1][n], w), f"worker {k}, {n}"
 
 
 def test_one_connection_serves_every_shard_of_a_process(make_cluster):
@@ -58,24 +40,6 @@ def test_one_connection_serves_every_shard_of_a_process(make_cluster):
         client.push({"w": torch.ones(4000)}, step=0)
         assert torch.equal(client.pull(min_versions=1)["w"], -torch.ones(4000))
     assert sum(s.job.pushes_total for s in cluster.stores) == 4
-
-
-def test_a_server_with_tcp_off_offers_no_data_port(make_cluster, monkeypatch):
-    monkeypatch.setenv(env.TCP, "0")
-    cluster = make_cluster(1)
-    monkeypatch.delenv(env.TCP)  # the worker would take one
-    with shardps.connect(cluster.addresses, shm=False) as client:
-        client.register({"w": torch.zeros(3)}, shardps.optim.SGD(lr=1.0), sync="bsp")
-        assert [type(p) for p in client.paths] == [GrpcPath]
-
-
-def test_the_connection_is_taken_with_a_token_and_with_tls_unless_turned_off(monkeypatch):
-    monkeypatch.delenv(env.TCP, raising=False)
-    assert dataconn.wanted(Security())
-    assert dataconn.wanted(Security(token="secret"))  # the connection's token came from an authorized Register
-    assert dataconn.wanted(Security(tls_cert="c.pem", tls_key="k.pem"))  # TLS itself (tests/test_security.py)
-    monkeypatch.setenv(env.TCP, "0")
-    assert not dataconn.wanted(Security())
 
 
 def test_a_token_cluster_takes_the_connection(make_cluster):
@@ -165,7 +129,7 @@ def test_a_frame_after_its_stream_ended_is_refused(one_shard):
 
 
 @pytest.mark.parametrize("how", ["torn", "past-the-buffer", "bad-magic", "huge-control"])
-def test_a_frame_that_breaks_the_protocol_ends_the_connection_and_the_shard_goes_to_grpc(one_shard, how):
+def test_a_frame_that_breaks_the_protocol_ends_the_connection_and_the_next_call_waits_for_a_new_one(one_shard, how):
     store, path, client = one_shard
     conn = path.conn
     before = store.state_hash()
@@ -181,14 +145,15 @@ def test_a_frame_that_breaks_the_protocol_ends_the_connection_and_the_shard_goes
         conn.sock.shutdown(socket.SHUT_WR)  # the worker's end stops mid-frame
     conn._thread.join(10)
     assert not conn._thread.is_alive() and conn.error  # the server closed it
-    assert isinstance(client.paths[0], GrpcPath)
+    assert not client.paths.usable(0)
     assert store.state_hash() == before and store.job.pushes_total == 0
     w = store.reader.weights("w")[0]
-    client.push({"w": torch.ones(4, 5)}, step=0)  # over gRPC now
+    client.push({"w": torch.ones(4, 5)}, step=0)  # waits for the connection made again
+    assert isinstance(client.paths[0], ConnPath) and client.paths[0].conn is not conn
     assert torch.equal(client.pull(min_versions=1)["w"], w - 0.5)
 
 
-def test_a_lost_connection_sends_the_next_calls_over_grpc_with_the_same_result(make_cluster):
+def test_a_lost_connection_is_made_again_and_the_calls_give_the_same_result(make_cluster):
     w, grad = torch.randn(600), torch.randn(600)
     got = []
     for lose in (False, True):
@@ -200,14 +165,15 @@ def test_a_lost_connection_sends_the_next_calls_over_grpc_with_the_same_result(m
             if lose:
                 conn.sock.shutdown(socket.SHUT_RD)  # the connection ends under the reader (the shards stay)
                 conn._thread.join(10)
-                assert [type(p) for p in client.paths] == [GrpcPath, GrpcPath]
+                assert not client.paths.usable(0) and not client.paths.usable(1)
             client.push({"w": grad}, step=1)
             got.append(client.pull(min_versions=2)["w"])
+            assert (client.paths[0].conn is conn) == (not lose) and client.paths[0].conn is client.paths[1].conn
     assert torch.equal(got[0], got[1])
     assert torch.equal(got[0], w - grad - grad)
 
 
-def test_a_lost_connection_is_made_again_at_the_next_push_and_its_shards_take_it(make_cluster):
+def test_a_lost_connection_is_made_again_where_the_shards_say_and_they_take_it(make_cluster):
     cluster = make_cluster(2)
     w, grad = torch.randn(600), torch.randn(600)
     with shardps.connect(cluster.addresses, part_bytes=1024, shm=False) as client:
@@ -215,29 +181,38 @@ def test_a_lost_connection_is_made_again_at_the_next_push_and_its_shards_take_it
         conn = client.paths[0].conn
         conn.sock.shutdown(socket.SHUT_RD)  # the link drops under the reader; the server process stays
         conn._thread.join(10)
-        assert [type(p) for p in client.paths] == [GrpcPath, GrpcPath]
-        reviving = client.paths.revive()  # what the next push starts (in the background)
-        assert reviving is not None
-        reviving.join(30)
-        assert [type(p) for p in client.paths] == [ConnPath, ConnPath]
-        assert client.paths[0].conn is not conn and client.paths[0].conn is client.paths[1].conn
+        made = [client.paths.ready(i, 30.0) for i in range(2)]  # each shard asked (Connect), one connection made
+        assert [type(p) for p in made] == [ConnPath, ConnPath] and list(client.paths) == made
+        assert made[0].conn is not conn and made[0].conn is made[1].conn
         client.push({"w": grad}, step=0)
         assert torch.equal(client.pull(min_versions=1)["w"], w - grad)
         assert client.paths.revive() is None  # nothing lost
 
 
-def test_a_connection_that_cannot_be_made_again_leaves_its_shards_on_grpc_and_backs_off(make_cluster):
+def test_a_connection_that_cannot_be_made_fails_the_call_that_waited_for_it_and_is_tried_again(
+        make_cluster, monkeypatch):
     cluster = make_cluster(1)
     with shardps.connect(cluster.addresses, shm=False) as client:
         client.register({"w": torch.zeros(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
         conn = client.paths[0].conn
-        client.paths._offers[0] = (client.paths._offers[0][0], b"x" * 16, *client.paths._offers[0][2:])
+        tries = []
+
+        def refused(*args, **kwargs):
+            tries.append(args[:2])
+            raise dataconn.ConnectFailed("no data connection: refused (a test)")
+
+        real = dataconn.DataConn.open
+        monkeypatch.setattr(dataconn.DataConn, "open", refused)
         conn.sock.shutdown(socket.SHUT_RD)
         conn._thread.join(10)
-        client.paths.revive().join(30)  # the server refuses the hello of a wrong token
-        assert isinstance(client.paths[0], GrpcPath)
-        assert client.paths.revive() is None  # not again before its back-off
-        client.push({"w": torch.ones(6)}, step=0)  # over gRPC, as before
+        with pytest.raises(FrameError) as err:
+            client.paths.ready(0, 0.5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shard 0: no data connection (" in err.value.details() and "refused (a test)" in err.value.details()
+        assert len(tries) == 1 and client.paths.revive() is None  # not again before its back-off (1 s)
+        monkeypatch.setattr(dataconn.DataConn, "open", real)
+        client.push({"w": torch.ones(6)}, step=0)  # waits for the next attempt, which makes it
+        assert client.paths.usable(0)
         assert torch.equal(client.pull(min_versions=1)["w"], -torch.ones(6))
 
 
@@ -283,7 +258,7 @@ def test_an_answer_sent_from_the_weights_keeps_its_version_when_a_step_comes_bef
         w = torch.randn(8 << 20)  # 32 MB: more than both sockets' buffers hold
         for c in (a, b):
             c.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp")
-        sender = next(p._conns[0] for p in DataPort._ports.values() if 0 in p._conns).sender
+        sender = next(p._conns[0][-1] for p in DataPort._ports.values() if p._conns.get(0)).sender
         lent = reader.lent_answers_total
         with a.paths[0].conn._reading:  # worker 0's connection reads the answer's head, then waits here
             pull = a.pull_async()
@@ -321,7 +296,7 @@ def test_an_answer_that_cannot_be_sent_never_waits_for_the_connections_reading_t
 
     try:
         client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
-        conn = next(p._conns[0] for p in DataPort._ports.values() if 0 in p._conns)
+        conn = next(p._conns[0][-1] for p in DataPort._ports.values() if p._conns.get(0))
         monkeypatch.setattr(WorkersServicer, "push_frames", held)
         pushing = threading.Thread(target=lambda: client.push({"w": torch.ones(64)}, step=0))
         pushing.start()
@@ -394,22 +369,30 @@ def test_an_answer_that_does_not_parse_fails_its_call_internal_and_ends_the_conn
         client.close()
 
 
-def test_a_connection_that_ended_before_its_shard_was_put_back_on_it_leaves_the_shard_where_it_was(make_cluster):
-    """A connection made again (``revive``) or found after a fail-over (``moved``) that ends before its shards
-    are put on it: its end found no path on it to put back, so the shard must not be put there after (it would
-    stay on a dead connection, every call UNAVAILABLE, and the next connection would pass it by)."""
+def test_a_connection_that_ends_as_its_shard_is_put_on_it_is_made_again(make_cluster, monkeypatch):
+    """A connection made again (``revive``) or found after a fail-over (``moved``) that ends as its shard is put
+    on it: its end may have found no path on it, so the shard is marked lost there (made again), not left on a
+    dead connection with every call UNAVAILABLE."""
     cluster = make_cluster(1)
     client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False, timeout=20.0)
     try:
         client.register({"w": torch.zeros(64)}, shardps.optim.SGD(lr=1.0), sync="asp")
         paths = client.paths
-        conn, route = paths[0].conn, paths[0].route
-        smap, layouts, _ = paths._opened
-        paths.off(0)  # the shard on gRPC, its connection open
-        assert isinstance(paths[0], GrpcPath) and not conn.error
-        conn.close_after_failure("the server went")  # ended: the shard is not put on it
-        paths._restore(0, conn, route, smap, layouts)
-        assert isinstance(paths[0], GrpcPath)
+        conn = paths[0].conn
+        made = dataconn.ConnPath
+
+        def ends_meanwhile(c, *args):
+            path = made(c, *args)
+            c.close_after_failure("the server went")  # after the path was made, before it is listed
+            return path
+
+        monkeypatch.setattr(dataconn, "ConnPath", ends_meanwhile)
+        key = (cluster.addresses[0].rsplit(":", 1)[0], int(conn.where.rsplit(":", 1)[1]))
+        assert not paths._place(0, key, conn.token, paths[0].route)
+        assert 0 in paths._lost and not paths.usable(0)
+        monkeypatch.setattr(dataconn, "ConnPath", made)
+        again = paths.ready(0, 30.0)
+        assert isinstance(again, made) and again.conn is not conn and not again.conn.error
     finally:
         client.close()
 
@@ -834,9 +817,9 @@ def test_a_long_push_the_server_reads_slowly_is_not_taken_for_a_stopped_server(m
 @pytest.mark.parametrize("shm", [False, True], ids=["frames", "shm"])
 def test_a_shard_that_fails_over_goes_on_as_frames_on_its_backups_route(make_cluster, shm):
     """shard 0's backup is promoted (ctl promote --force) after step 5: the workers fail over, and the shard's
-    calls go on as frames on the route the backup's TakeOver answer gave, not over gRPC: at once where the worker
-    has a connection to that process (frames), else once it was made in the background (shared memory before:
-    no connection to the backup's process yet); the weights equal a run without the fail-over, bit for bit."""
+    calls go on as frames on the route the backup's TakeOver answer gave: on the worker's connection to that
+    process where it has one (frames), else on one made as it fails over (shared memory before: no connection
+    to the backup's process yet); the weights equal a run without the fail-over, bit for bit."""
     from shardps.admin import run_promote
     from tests.replicas import model, train
 
@@ -848,8 +831,6 @@ def test_a_shard_that_fails_over_goes_on_as_frames_on_its_backups_route(make_clu
     def on_step(k, step, client):
         if k == 0 and step == 5:
             assert run_promote([c.replica_addresses[1]], force=True, out=io.StringIO()) == 0
-        if step == 11 and client.paths._reviving is not None:  # a connection being made (shm before)
-            client.paths._reviving.join(30)
         p = client.paths[0]
         seen[k].append((type(p).__name__, getattr(p, "route", 0)))
 
@@ -984,13 +965,13 @@ def test_a_carried_pull_not_made_is_pulled_once_its_push_is_taken_in_whichever_i
 
 
 @pytest.mark.fault
-def test_a_shard_with_shared_memory_calls_on_the_connection_parks_its_pull_and_goes_to_grpc_and_back(make_cluster):
+def test_a_shard_with_shared_memory_calls_on_the_connection_parks_its_pull_and_keeps_its_segments_when_lost(
+        make_cluster):
     """On this machine (shm): the shard's Push and Pull are frames with no bytes after them (``ShmConnPath``); a
     Pull that must wait parks without a thread and gets the weights written into its pull segment; the
-    connection lost, the segments stay and the calls go over gRPC (``ShmPath``), then back on the connection
-    made again; the weights exact throughout."""
+    connection lost, the next calls wait for it to be made again and go on it with the same segments; the
+    weights exact throughout."""
     from shardps.worker.datapath.dataconn import ShmConnPath
-    from shardps.worker.datapath.paths import ShmPath
 
     cluster = make_cluster(1)
     store = cluster.stores[0]
@@ -1010,13 +991,10 @@ def test_a_shard_with_shared_memory_calls_on_the_connection_parks_its_pull_and_g
         conn = a.paths[0].conn
         conn.sock.shutdown(socket.SHUT_RD)  # the link drops under the reader; the server process stays
         conn._thread.join(10)
-        assert type(a.paths[0]) is ShmPath and a.paths[0].link is link  # the same segments, calls over gRPC
+        assert not a.paths.usable(0)
         for k, c in enumerate((a, b)):
             c.push({"w": torch.ones(300) * (2 * k + 1)}, step=1)  # bsp: the mean of the two
         assert torch.equal(a.pull(min_versions=[2])["w"], w - 2 - 2)
-        reviving = a.paths._reviving  # the push started making it again, in the background
-        assert reviving is not None
-        reviving.join(30)
         assert type(a.paths[0]) is ShmConnPath and a.paths[0].link is link and a.paths[0].conn is not conn
         for c in (a, b):
             c.push({"w": torch.ones(300)}, step=2)

@@ -1,4 +1,4 @@
-"""A retried Push after a lost reply is acknowledged, not applied again: over gRPC and as frames."""
+"""A retried Push after a lost reply is acknowledged, not applied again."""
 
 from __future__ import annotations
 
@@ -11,42 +11,12 @@ import torch
 from torch import nn
 
 import shardps
-from shardps.protos import env
 from tests.helpers import run_workers
 
 
-class DropPushReplies(grpc.ServerInterceptor):
-    """Fault injection: runs every Push, then loses the reply of every ``every``-th one."""
-
-    def __init__(self, every: int = 3) -> None:
-        self.every = every
-        self.count = 0
-        self.dropped = 0
-        self._lock = threading.Lock()
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or not details.method.endswith("/Push"):
-            return handler
-        inner = handler.stream_unary
-
-        def push(request_iterator, context):
-            response = inner(request_iterator, context)  # applied (or held) on the shard
-            with self._lock:
-                self.count += 1
-                drop = self.count % self.every == 0
-                self.dropped += drop
-            if drop:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: reply lost")
-            return response
-
-        return grpc.stream_unary_rpc_method_handler(push, request_deserializer=handler.request_deserializer,
-                                                    response_serializer=handler.response_serializer)
-
-
 class DropPushAnswers:
-    """The same fault on the data connection (server/datapath/dataconn.py): every ``every``-th Push that was taken
-    in is answered UNAVAILABLE instead of with its answer."""
+    """Fault injection on the data connection (server/datapath/dataconn.py): every ``every``-th Push that was
+    taken in is answered UNAVAILABLE instead of with its answer."""
 
     def __init__(self, monkeypatch, every: int = 3) -> None:
         from shardps.protos import dataconn as wire
@@ -87,19 +57,13 @@ def _train(addresses, base, sync):
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("path", ["grpc", "frames"])
-def test_lost_replies_are_retried_and_applied_once(make_cluster, monkeypatch, path):
+def test_lost_replies_are_retried_and_applied_once(make_cluster, monkeypatch):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
     clean = make_cluster(2)
     expected = _train(clean.addresses, base, "bsp")
-    if path == "grpc":
-        monkeypatch.setenv(env.TCP, "0")  # every call a gRPC call, the fault an interceptor's
-        faults: list = [DropPushReplies(3)]
-        faulty = make_cluster(2, interceptors=faults)
-    else:  # the workers' calls are frames on their data connections (shared memory's too)
-        faults = [DropPushAnswers(monkeypatch, 3)]
-        faulty = make_cluster(2)
+    faults = [DropPushAnswers(monkeypatch, 3)]  # the workers' calls are frames on their data connections
+    faulty = make_cluster(2)
     got = _train(faulty.addresses, base, "bsp")
     assert faults[0].dropped >= STEPS  # a third of all pushes lost their reply
     assert sum(r for _, r in got) >= faults[0].dropped  # ... and were retried

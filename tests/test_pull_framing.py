@@ -33,7 +33,11 @@ def _constant(weights: dict[str, torch.Tensor], value: float) -> bool:
 def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
     """The framing thread stops after its first response until the other worker's push has reached the
     shard (waiting for the framing, or, were it not to wait, applied): the Pull is still all version 1."""
-    monkeypatch.setenv("SHARDPS_TCP", "0")  # the bytes in gRPC's answers, framed by frame_items (no TCP path)
+    from shardps.worker.datapath.dataconn import ConnPath
+
+    # The Pull names no segment: its bytes in its answer's messages, framed by frame_items (a tensor-parallel
+    # rank's Pull is answered so).
+    monkeypatch.setattr(ConnPath, "pull_segment", property(lambda self: ""))
     cluster = make_cluster(1)
     st = cluster.stores[0]
     st.reader.frame_inline_bytes = 0
@@ -107,7 +111,6 @@ def test_a_pull_that_fails_mid_answer_is_asked_again_whole_never_a_mix_of_versio
     "a" at version 1 beside "b" and "c" at 2, under a shard version that names one of them."""
     from shardps.worker.datapath.reach import StatusError
 
-    monkeypatch.setenv("SHARDPS_TCP", "0")  # gRPC's answers: read a response at a time
     cluster = make_cluster(1)
     kw = dict(chunk_bytes=64 << 10, shm=False)
     with shardps.connect(cluster.addresses, 0, 2, **kw) as c0, shardps.connect(cluster.addresses, 1, 2, **kw) as c1:
@@ -116,6 +119,7 @@ def test_a_pull_that_fails_mid_answer_is_asked_again_whole_never_a_mix_of_versio
         c1.register(zeros, shardps.optim.SGD(lr=1.0), sync="asp")
         c0.push(_ones(), step=0)
         real, asked = c0.transport.pull, []
+        monkeypatch.setattr(c0.paths, "usable", lambda shard: False)  # every Pull a call through the transport
 
         def pull(shard, req, **kw):
             asked.append(list(req.names))

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import shardps
-from shardps.protos import env
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from tests.helpers import run_workers
 
@@ -111,13 +110,9 @@ def test_under_bsp_only_the_push_that_completes_the_barrier_is_answered(cluster2
         assert torch.equal(w, results[1][2][name]), name  # both workers hold the same weights
 
 
-@pytest.mark.parametrize("tcp", [True, False], ids=["frames", "grpc"])
-def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_returns(cluster2, monkeypatch, tcp):
+def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_returns(cluster2):
     """No shard to call: nothing is handed to the client's threads, and the pull is complete at once. A pull not
-    answered goes as frames that wait for nothing (the data connection: no thread of the client's either), or,
-    over gRPC, to the client's threads (inline: the first in the caller's)."""
-    if not tcp:
-        monkeypatch.setenv(env.TCP, "0")
+    answered goes as frames that wait for nothing (the data connection: no thread of the client's either)."""
     client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1, part_bytes=16)
     try:
         client.register({"a": torch.zeros(8), "b": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="asp")
@@ -138,11 +133,11 @@ def test_answered_weights_are_written_in_the_callers_thread_before_pull_async_re
         assert torch.equal(out["a"], torch.full((8,), -1.0)) and torch.equal(out["b"], torch.full((8,), -1.0))
         pull.result()
         assert client.versions == [1, 1]
-        # Not answered (no pull_after): the calls go to the client's threads; inline, the first in the caller's.
+        # Not answered (no pull_after): frames that wait for nothing, inline or not.
         res = client.push({"a": torch.ones(8), "b": torch.ones(8)}, step=1)
         client.pull_async(out=out, min_versions=[r.ready_version for r in res], answered=res).result()
         client.pull_async(out=out, min_versions=[r.ready_version for r in res], inline=True).result()
-        assert handed == ([[], [], []] if tcp else [[], [0, 1], [1]])
+        assert handed == [[], [], []]
         assert torch.equal(out["a"], torch.full((8,), -2.0))
     finally:
         client.close()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shardps
-from shardps.protos import env, shm
+from shardps.protos import shm
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from tests.helpers import path_model, train_over_paths
 
@@ -31,36 +31,20 @@ STEPS = 3
                                     dict(sync="bsp", overlap=True, bucket_bytes=3000),
                                     dict(sync="every:2", grad_dtype=torch.bfloat16, pull_dtype=torch.bfloat16),
                                     dict(sync="bsp", overlap=True, bucket_bytes=3000, grad_dtype=torch.bfloat16,
-                                         pull_dtype=torch.bfloat16)],
-                         ids=["bsp", "asp", "bsp-overlap", "every2-bf16", "bsp-overlap-bf16"])
-def test_shared_memory_gives_the_weights_grpc_gives(make_cluster, monkeypatch, opt_kw):
-    monkeypatch.setenv(env.TCP, "0")  # without shared memory the workers would take the TCP path, not gRPC
-    over_grpc = train_over_paths(make_cluster(2).addresses, shm=False, **opt_kw)
-    monkeypatch.delenv(env.TCP)
+                                         pull_dtype=torch.bfloat16), dict(sync="bsp", push_window=1)],
+                         ids=["bsp", "asp", "bsp-overlap", "every2-bf16", "bsp-overlap-bf16", "bsp-window1"])
+def test_shared_memory_gives_the_weights_the_bytes_in_the_frames_give(make_cluster, opt_kw):
+    over_frames = train_over_paths(make_cluster(2).addresses, shm=False, **opt_kw)
     over_shm = train_over_paths(make_cluster(2).addresses, shm=True, **opt_kw)
     for k in range(2):
-        assert over_grpc[k][0] == ["GrpcPath"] * 2 and over_shm[k][0] == ["ShmConnPath"] * 2
+        assert over_frames[k][0] == ["ConnPath"] * 2 and over_shm[k][0] == ["ShmConnPath"] * 2
         if opt_kw["sync"] == "asp":
             continue  # two asp workers' gradients apply in arrival order: compared single-worker below
-        for n, w in over_grpc[k][1].items():
+        for n, w in over_frames[k][1].items():
             assert torch.equal(over_shm[k][1][n], w), f"worker {k}, {n}"
 
 
-def test_shared_memory_control_on_the_connection_or_grpc_gives_the_same_weights(make_cluster, monkeypatch):
-    """The segments' calls as frames on the data connection (the default) or, with it off, over gRPC:
-    the same weights, bit for bit."""
-    over_conn = train_over_paths(make_cluster(2).addresses, shm=True, sync="bsp", overlap=True, bucket_bytes=3000)
-    monkeypatch.setenv(env.TCP, "0")
-    over_grpc = train_over_paths(make_cluster(2).addresses, shm=True, sync="bsp", overlap=True, bucket_bytes=3000)
-    for k in range(2):
-        assert over_conn[k][0] == ["ShmConnPath"] * 2 and over_grpc[k][0] == ["ShmPath"] * 2
-        for n, w in over_grpc[k][1].items():
-            assert torch.equal(over_conn[k][1][n], w), f"worker {k}, {n}"
-
-
-def test_asp_one_worker_exact(make_cluster, monkeypatch):
-    monkeypatch.setenv(env.TCP, "0")  # shm=False: gRPC (the shm run takes shared memory first)
-
+def test_asp_one_worker_exact(make_cluster):
     def run(use_shm):
         model = path_model()
         with shardps.connect(make_cluster(2).addresses, part_bytes=1024, shm=use_shm) as client:
@@ -158,13 +142,9 @@ def test_a_pull_through_shared_memory_says_where_each_part_lies(one_shard):
     assert torch.equal(got, store.reader.weights("w")[0].reshape(-1))
 
 
-@pytest.mark.parametrize("tcp", [True, False], ids=["frames", "grpc"])
-def test_no_room_in_dev_shm_falls_back_to_the_calls(cluster2, monkeypatch, caplog, tcp):
+def test_no_room_in_dev_shm_falls_back_to_the_calls(cluster2, monkeypatch, caplog):
     """A /dev/shm too small for the segments (a container's 64 MB) is an OSError when they are made, not a
-    SIGBUS later: the worker says so and trains with the bytes in its calls, frames on the data connection
-    (gRPC with it off)."""
-    if not tcp:
-        monkeypatch.setenv(env.TCP, "0")
+    SIGBUS later: the worker says so and trains with the bytes in its calls' frames on the data connection."""
     import errno
 
     from shardps.worker.datapath import shm as worker_shm
@@ -177,7 +157,7 @@ def test_no_room_in_dev_shm_falls_back_to_the_calls(cluster2, monkeypatch, caplo
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1))
         assert client.shm_links == [None, None]
-        assert [type(p).__name__ for p in client.paths] == (["ConnPath"] * 2 if tcp else ["GrpcPath"] * 2)
+        assert [type(p).__name__ for p in client.paths] == ["ConnPath"] * 2
         model(torch.randn(4, 10)).sum().backward()
         opt.step()
     assert "no shared memory here" in caplog.text and "tensor bytes go in the calls" in caplog.text

@@ -28,7 +28,6 @@ pytestmark = pytest.mark.cluster
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_each_rank_receives_its_slices_and_the_replicated_tensors_whole(make_cluster, monkeypatch, p: int) -> None:
-    monkeypatch.setenv("SHARDPS_TCP", "0")  # every byte in the gRPC messages (and shm=False): what is counted
     cluster = make_cluster(2)
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as probe:
         served_before = sum(s["pull_bytes_total"] for s in probe.stats())

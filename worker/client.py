@@ -35,7 +35,6 @@ from shardps.worker.compress import Compressor
 from shardps.worker.datapath import push
 from shardps.worker.datapath.bucketedpush import BucketedPush
 from shardps.worker.datapath.buffers import HostBuffers
-from shardps.worker.datapath.dataconn import wanted as data_wanted
 from shardps.worker.datapath.pull import PullInFlight
 from shardps.worker.datapath.shardpaths import ShardPaths
 from shardps.worker.datapath.shm import ShmLink, shm_probe
@@ -104,7 +103,7 @@ class PSClient(RowCalls):
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
         # failed over to a backup: its data connection where it offers one (frames), else gRPC
         self.transport.on_moved = self.paths.moved
-        self.transport.offer_data = data_wanted(self.transport.security)
+        self.transport.offer_data = True  # a backup that takes over offers its data connection (ShardPaths.moved)
         self._registered = self._closed = False  # registered as a worker: close() says goodbye (Leave)
         # row tables (docs/sparse.md); their pushes carry the epoch once this client registered tensors (it
         # knows the job's epoch then: a client of row tables alone pushes unchecked, as before)
@@ -291,6 +290,9 @@ class PSClient(RowCalls):
             self.backups[i] = s.backup
         self.apply(JobView.of_stats(stats))
         self.epoch = max(s.epoch for s in stats)
+        offers = t.each(lambda i: t.stub(i).Connect(ps_pb2.ConnectRequest(worker_id=self.worker_id),
+                                                    timeout=self.timeout))
+        self.paths.open(self.shard_map, dict(self.layouts), [False] * t.num_shards, offers, t)
 
     # -- data path ----------------------------------------------------------
 

@@ -595,7 +595,7 @@ class DataPort:
         self._routes: dict[int, WorkersServicer] = {}
         self._next_route = 1
         self._tokens: dict[int, bytes] = {}  # worker -> its token on this port
-        self._conns: dict[int, Conn] = {}
+        self._conns: dict[int, list[Conn]] = {}  # each worker's connections (a worker, and readers under its id)
         self._threads: set[threading.Thread] = set()
         self._closed = False
         self.pool = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="shardps-data-pull")
@@ -642,8 +642,8 @@ class DataPort:
     def forget(self, worker_id: int, route: int) -> None:
         """``worker_id`` left the shard of ``route``: that route's buffers on its connection go."""
         with self._mu:
-            conn = self._conns.get(worker_id)
-        if conn is not None:
+            conns = list(self._conns.get(worker_id, ()))
+        for conn in conns:
             conn.forget(route)
 
     def _accept(self) -> None:
@@ -683,12 +683,9 @@ class DataPort:
             log.warning("a data connection failed before its hello (%s): closed", e)
             sock.close()
             return
-        with self._mu:
-            old = self._conns.get(worker_id)
-            self._conns[worker_id] = conn
+        with self._mu:  # beside the worker's others (a client that only pulls, under the same id), the ended gone
+            self._conns[worker_id] = [c for c in self._conns.get(worker_id, ()) if not c.closed] + [conn]
             closed = self._closed
-        if old is not None:
-            old.close()
         if closed:
             conn.close()
             return
@@ -703,7 +700,7 @@ class DataPort:
         """The shard of ``route`` stopped: frames naming it are answered UNAVAILABLE."""
         with self._mu:
             self._routes.pop(route, None)
-            conns = list(self._conns.values())
+            conns = [c for cs in self._conns.values() for c in cs]
         for c in conns:
             c.forget(route)
 
@@ -721,7 +718,7 @@ class DataPort:
         """Stop listening, close every connection, join every thread. Idempotent."""
         with self._mu:
             self._closed = True
-            conns, self._conns = list(self._conns.values()), {}
+            conns, self._conns = [c for cs in self._conns.values() for c in cs], {}
             threads = list(self._threads)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)

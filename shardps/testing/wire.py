@@ -7,31 +7,34 @@ from collections.abc import Iterator
 from typing import Any
 
 import shardps
+from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.shardps.v1 import ps_pb2
 
 
 def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
-    """From now on, count the tensor bytes ``client`` receives and sends on the wire, by tensor: the payload of
-    every Pull response's chunk, and of every Push message's chunk (bytes in the messages: gRPC's path, or a
-    data connection's calls that carry them so, as a tensor-parallel rank's slices)."""
+    """From now on, count the tensor bytes ``client`` receives and sends on its data connections, by tensor:
+    the payload of every Pull response's chunk, and of every Push message's chunk (in the message, or after
+    it in the frame; not what lies in shared memory). While it counts, every Push and Pull is a call made
+    through the transport (none waits for nothing, none rides another's frame): what it counts."""
     pulled: Counter[str] = Counter()
     pushed: Counter[str] = Counter()
     t = client.transport
     pull, push = t.pull, t.push
 
-    def counted_pull(shard: int, request: Any, *, one: bool = False, via: Any = None,
-                     place: Any = None) -> Iterator[Any]:
-        for resp in pull(shard, request, one=one, via=via, place=place):
-            pulled[resp.chunk.name] += len(resp.chunk.data)
+    def counted_pull(shard: int, request: Any, *, via: Any, place: Any = None) -> Iterator[Any]:
+        framed = request.shm == FRAME_SEGMENT
+        for resp in pull(shard, request, via=via, place=place):
+            pulled[resp.chunk.name] += len(resp.chunk.data) + (resp.chunk.shm_bytes if framed else 0)
             yield resp
 
-    def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False, via: Any = None) -> Any:
+    def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False, via: Any) -> Any:
         def each() -> Iterator[bytes]:
             for msg in requests:
-                chunk = ps_pb2.PushRequest.FromString(msg).chunk
-                pushed[chunk.name] += len(chunk.data)
+                m = ps_pb2.PushRequest.FromString(msg)
+                pushed[m.chunk.name] += len(m.chunk.data) + (m.chunk.shm_bytes if m.shm == FRAME_SEGMENT else 0)
                 yield msg
         return push(shard, each(), stream=stream, via=via)
 
     t.pull, t.push = counted_pull, counted_push  # type: ignore[method-assign]
+    client.paths.usable = lambda shard: False  # type: ignore[method-assign]  # every call through the two above
     return pulled, pushed

@@ -1,7 +1,7 @@
-"""The shard paths (worker/datapath/paths.py): which path each shard gets, and the fall-back to gRPC when a segment
-closes.
+"""A shard's bytes in shared memory (worker/datapath/paths.py ``ShmPath``): written ahead, named by the messages,
+and in the messages themselves when its segments closed (a fail-over).
 
-No server: real segments in /dev/shm, the messages compared byte for byte with gRPC's.
+No server: real segments in /dev/shm, the messages compared byte for byte.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from shardps.protos.optim import SGD
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.datapath import shm as worker_shm
-from shardps.worker.datapath.paths import GrpcPath, ShmPath
+from shardps.worker.datapath.paths import ShmPath, inline_messages
 from shardps.worker.datapath.pushframes import PushFramer
-from shardps.worker.datapath.shardpaths import ShardPaths
+from shardps.worker.datapath.shm import ShmLink
 from shardps.worker.layout import Layout, plan
 
 pytestmark = pytest.mark.skipif(
     not shm.available(),
-    reason="no writable /dev/shm on this machine: the same-host path is off, every shard is reached over gRPC")
+    reason="no writable /dev/shm on this machine: the same-host path is off")
 
 
 @dataclass
@@ -46,50 +46,40 @@ def route() -> Plan:
 
 @pytest.fixture
 def paths(route: Plan):
-    paths = ShardPaths(7, 2)
-    paths.open(route.shard_map, route.layouts, [True, True])
-    yield paths
-    paths.close()
+    links = [ShmLink.open(7, i, route.shard_map, route.layouts) for i in range(2)]
+    assert all(links)
+    yield [ShmPath(link, i) for i, link in enumerate(links)]
+    for link in links:
+        link.close()
 
 
 def frames(segment: str) -> PushFramer:
     return PushFramer(worker_id=7, step=3, base_version=2, loss_scale=0.0, epoch=1, sync=("bsp", 0), shm=segment)
 
 
-def test_a_shard_gets_shared_memory_when_it_read_the_probe_and_grpc_otherwise(route):
-    paths = ShardPaths(7, 2)
-    assert [type(p) for p in paths] == [GrpcPath, GrpcPath]
-    paths.open(route.shard_map, route.layouts, [True, False])
-    try:
-        shared, remote = paths
-        assert isinstance(shared, ShmPath) and isinstance(remote, GrpcPath)
-        assert shared.writes_ahead and not remote.writes_ahead
-        assert shared.push_segment == shared.link.push.name and shared.pull_segment == shared.link.pull.name
-        assert remote.push_segment == remote.pull_segment == ""
-        assert paths.links == [shared.link, None]
-        names = [shared.push_segment, shared.pull_segment]
-        assert all((Path("/dev/shm") / n).exists() for n in names)
-    finally:
-        paths.close()
-    assert [type(p) for p in paths] == [GrpcPath, GrpcPath]
+def test_a_shards_segments_are_made_and_removed(route):
+    link = ShmLink.open(7, 0, route.shard_map, route.layouts)
+    assert link is not None
+    path = ShmPath(link, 0)
+    assert path.writes_ahead
+    assert path.push_segment == link.push.name and path.pull_segment == link.pull.name
+    names = [path.push_segment, path.pull_segment]
+    assert all((Path("/dev/shm") / n).exists() for n in names)
+    path.close()
     assert not any((Path("/dev/shm") / n).exists() for n in names)
 
 
-def test_a_shard_whose_segments_cannot_be_made_gets_grpc(route, monkeypatch):
+def test_segments_that_cannot_be_made_are_none(route, monkeypatch):
     def full(tag, size):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(worker_shm.shm, "create", full)
-    paths = ShardPaths(7, 2)
-    paths.open(route.shard_map, route.layouts, [True, True])
-    assert [type(p) for p in paths] == [GrpcPath, GrpcPath]
+    assert ShmLink.open(7, 0, route.shard_map, route.layouts) is None
 
 
-def test_a_fail_over_turns_the_shard_to_grpc_and_closes_its_segments(paths, route):
+def test_closed_segments_take_nothing(paths, route):
     old = paths[1]
-    assert isinstance(old, ShmPath)
-    paths.off(1)  # Transport.on_moved
-    assert isinstance(paths[0], ShmPath) and paths[1] is old.grpc and paths.links[1] is None
+    old.link.close()  # ShardPaths.off, as Transport.on_moved calls it
     assert old.stage({"w": torch.ones(600)}) is None  # its segment is closed: nothing written
 
 
@@ -109,18 +99,30 @@ def test_a_staged_push_names_the_segment_and_carries_no_bytes(paths, route):
                                                             for k in range(len(msgs))]
 
 
-def test_a_segment_closed_before_the_copy_sends_the_share_over_grpc_cast_and_checked_as_grpc_would(paths, route):
-    """The same bytes as a shard that was on gRPC all along, given the gradient already cast."""
+def test_a_push_staged_on_another_path_is_written_into_the_segments_as_its_messages_are_made(paths, route):
+    grad = torch.randn(600)
+    path = paths[0]
+    msgs = [ps_pb2.PushRequest.FromString(m) for m in path.push_messages(frames, None, {"w": grad}, {"w"}, route)]
+    assert msgs and all(m.shm == path.push_segment and not m.chunk.data for m in msgs)
+    for m in msgs:
+        c = m.chunk
+        got = codec.decode(path.link.push.view(c.shm_offset, c.shm_bytes), c.dtype)
+        assert torch.equal(got, grad[c.offset : c.offset + got.numel()].bfloat16())
+
+
+def test_a_segment_closed_before_the_copy_sends_the_share_in_the_messages_cast_and_checked(paths, route):
+    """The bytes in the messages, as a shard without shared memory's would be, given the gradient already
+    cast; the check sees the cast values."""
     grad = torch.randn(600)
     grad[next(p.start for p in route.shard_map.parts_for(1) if p.name == "w")] = torch.finfo(torch.float32).max
     assert not grad.bfloat16().isfinite().all()  # finite in fp32, inf in bf16: the check must see the cast
     path = paths[1]
-    assert isinstance(path, ShmPath)
     path.link.push.close()  # a fail-over in another thread, between the push's look at the path and its copy
     staged = path.stage({"w": grad})
     assert staged is None
     got = list(path.push_messages(frames, staged, {"w": grad}, {"w"}, route))
-    want = list(GrpcPath(1).push_messages(frames, None, {"w": grad.bfloat16()}, set(), route))
+    f = frames("")
+    want = list(f.ending(inline_messages(1, f, {"w": grad.bfloat16()}, set(), route)))
     assert got == want and len(want) > 1
     assert not any(ps_pb2.PushRequest.FromString(m).shm for m in got)
     checked = path.read_values(staged, {"w": grad}, {"w"}, route)
@@ -128,28 +130,20 @@ def test_a_segment_closed_before_the_copy_sends_the_share_over_grpc_cast_and_che
     assert not all(codec.all_finite(v) for v in checked)
 
 
-def test_a_streamed_bucket_goes_as_its_path_has_it(paths, route):
+def test_a_streamed_bucket_names_the_segment(paths, route):
     grad = torch.randn(600).bfloat16()  # already in its push dtype
     ranges = {"w": [(p.start, p.stop) for p in route.shard_map.parts_for(0) if p.name == "w"]}
     f = frames(paths[0].push_segment)
     shared = [ps_pb2.PushRequest.FromString(m) for m in paths[0].bucket_messages(f, [("w", grad)], {}, ranges, route)]
     assert shared and all(m.shm == paths[0].push_segment and m.chunk.shm_bytes and not m.last for m in shared)
-    g = frames("")
-    over_grpc = list(paths[0].grpc.bucket_messages(g, [("w", grad)], {}, ranges, route))
-    want = [m for a, b in ranges["w"] for m in g.chunks("w", ps_pb2.BFLOAT16, (600,), grad, a, b, route.chunk_bytes)]
-    assert over_grpc == want
 
 
 def test_a_pull_is_read_from_the_segment_or_the_message(paths):
     path = paths[0]
-    assert isinstance(path, ShmPath)
     values = torch.arange(8, dtype=torch.float32)
     path.link.pull.view(0, 32)[:] = values.numpy().tobytes()
     c = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, shm_offset=0, shm_bytes=32)
     assert torch.equal(path.read(c), values)
     inline = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, data=values.numpy().tobytes())
-    assert torch.equal(path.read(inline), values) and torch.equal(path.grpc.read(inline), values)
-    with pytest.raises(ValueError, match="shard 0 answered with shared memory this client did not offer"):
-        path.grpc.read(c)
+    assert torch.equal(path.read(inline), values)
     assert path.pull_messages(600, 4, 256) == 1  # one per part
-    assert path.grpc.pull_messages(600, 4, 256) == 10 and path.grpc.pull_messages(600, 4, 2) == 600

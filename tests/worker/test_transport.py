@@ -197,24 +197,6 @@ def test_fan_out_runs_the_first_shard_in_the_callers_thread_and_the_others_in_th
         t.close()
 
 
-def test_a_push_of_one_message_is_one_unary_call_and_a_longer_one_a_stream():
-    seen: list[tuple[str, Any]] = []
-
-    def server(address: str, method: str, request: Any) -> Any:
-        seen.append((method, request if isinstance(request, bytes) else list(request)))
-        return ps_pb2.PushResponse(version=len(seen))
-
-    t = fake_transport(server, addresses=("a:1",))
-    try:
-        assert t.push(0, iter([b"one"])).version == 1
-        assert t.push(0, iter([b"one", b"two", b"three"])).version == 2
-        assert t.push(0, iter([b""])).version == 3  # a PushRequest of default fields is zero bytes
-        assert t.push(0, iter([])).version == 4  # nothing: the stream, and the server's own answer
-    finally:
-        t.close()
-    assert seen == [("PushOne", b"one"), ("Push", [b"one", b"two", b"three"]), ("PushOne", b""), ("Push", [])]
-
-
 def test_backups_need_one_entry_per_shard():
     with pytest.raises(ValueError, match="one address \\(or ''\\) per shard: 2 shards, 1 backups"):
         fake_transport(lambda a, m, r: None, backups=["x:1"])

@@ -190,7 +190,7 @@ class BucketedPush:
 
     def _push(self, shard: int) -> ps_pb2.PushResponse:
         """Shard ``shard``'s streamed Push (one try: ``submit_each`` retries it)."""
-        path = self._client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
+        path = self._client.paths.ready(shard, self._client.transport.timeout)  # a retry takes it anew
         return self._client.transport.push(shard, self._requests(shard, path), stream=True, via=path)
 
     def _requests(self, shard: int, path: ShardPath) -> Iterator[bytes]:

@@ -20,7 +20,7 @@ calls (``Transport.push``/``pull`` with ``via=`` the path) become frames:
   there, the pull's (``NotMade`` where the push was refused).
 
 ``ShmConnPath`` is a shard on this machine: its bytes in shared memory
-(``ShmPath``), its calls the same frames with no extents (a push's messages
+(worker/datapath/paths.py ``ShmPath``), its calls the same frames with no extents (a push's messages
 name its push segment, written before the frame goes; a pull's answer says
 where in its pull segment the shard wrote the weights). Its pull does not
 ride its push (the server makes a carried pull only into the frame's bytes).
@@ -38,8 +38,8 @@ as the socket takes them, so that a completion that sends (the next push of
 a window) never waits on the server. Should the connection
 end (the process went, a broken frame), every call in flight on it fails
 UNAVAILABLE (``FrameError``, which the transport reads as it reads a gRPC
-error: it retries), and the shards on it go back to gRPC
-(``ShardPaths.lost``). ``close`` ends the connection and joins its thread.
+error: it retries), and the shards' calls wait for it to be made again
+(``ShardPaths.ready``). ``close`` ends the connection and joins its thread.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ from typing import Any
 import grpc
 import torch
 
-from shardps.protos import codec, env, framing, shm
+from shardps.protos import codec, framing, shm
 from shardps.protos import dataconn as wire
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import Security, keepalive_seconds
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker.datapath.paths import ClientRoute, Frames, GrpcPath, ShmPath, Staged
+from shardps.worker.datapath.paths import ClientRoute, Frames, ShmPath, Staged, cast_values
 from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.reach import StatusError
 from shardps.worker.datapath.shm import ShmLink
@@ -75,13 +75,11 @@ from shardps.worker.layout import Layout
 log = logging.getLogger("shardps.worker")
 
 
-def wanted(security: Security) -> bool:
-    """Whether this worker takes a data connection where a shard offers one: ``SHARDPS_TCP`` (on by
-    default). With TLS the connection is TLS too (``Security.client_ssl_context``)."""
-    return env.pick_bool(None, env.TCP, True)
-
-
 FrameError = StatusError  # a failed call on a data connection, as the transport reads a gRPC error
+
+
+class ConnectFailed(OSError):
+    """A data connection could not be made (refused, no answer, a hello not acknowledged): why."""
 
 
 class NotMade(StatusError):
@@ -185,15 +183,14 @@ class DataConn:
 
     @staticmethod
     def open(host: str, port: int, token: bytes, worker_id: int, timeout: float,
-             on_end: Callable[[str], None], security: Security | None = None) -> DataConn | None:
+             on_end: Callable[[str], None], security: Security | None = None) -> DataConn:
         """Connect (with ``security``'s TLS, if any), say hello, wait for the ACK (all within ``timeout``);
-        None (logged) when that fails: the shards of that process then take gRPC."""
+        ``ConnectFailed`` saying why when that fails."""
         where = f"{host}:{port}"
         try:
             sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
         except OSError as e:
-            log.warning("no data connection to %s (%s): its shards' bytes go through gRPC", where, e)
-            return None
+            raise ConnectFailed(f"no data connection to {where}: {e}") from None
         try:
             wire.tune(sock, timeout)
             wire.keep_alive(sock, keepalive_seconds())
@@ -207,9 +204,8 @@ class DataConn:
                 raise OSError("the server did not acknowledge")
             wire.deadlines_in_kernel(sock, timeout)
         except (OSError, wire.Torn) as e:
-            log.warning("data connection to %s refused (%s): its shards' bytes go through gRPC", where, e)
             sock.close()
-            return None
+            raise ConnectFailed(f"data connection to {where} refused: {e}") from None
         conn = DataConn(sock, where, on_end, timeout)
         conn.token, conn.worker_id = token, worker_id  # what a second connection of this worker would say
         conn._thread.start()
@@ -622,9 +618,9 @@ class ConnPath(FrameCalls):
     writes_ahead = False
     carries = True  # a step's Pull may ride its Push's frame (``push_soon(carry=)``)
 
-    def __init__(self, conn: DataConn, route: int, grpc_path: GrpcPath, smap: ShardMap,
+    def __init__(self, conn: DataConn, route: int, shard: int, smap: ShardMap,
                  layouts: Mapping[str, Layout]) -> None:
-        self.conn, self.route, self.grpc, self.shard = conn, route, grpc_path, grpc_path.shard
+        self.conn, self.route, self.shard = conn, route, shard
         self.calls: ConnPath | None = self
         self.offsets: dict[tuple[str, int], int] = {}
         at = pull = 0
@@ -655,7 +651,7 @@ class ConnPath(FrameCalls):
 
     def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
                     route: ClientRoute) -> list[torch.Tensor]:
-        return self.grpc.read_values(None, flats, cast, route)
+        return cast_values(self.shard, flats, cast, route)
 
     def _part(self, name: str, flat: torch.Tensor, start: int, stop: int, route: ClientRoute,
               cast: bool, extents: list[tuple[int, memoryview]] | None = None) -> ps_pb2.Chunk:
@@ -778,11 +774,11 @@ class ShmConnPath(FrameCalls, ShmPath):
     """A shard on this machine: its bytes in shared memory (``ShmPath``: written ahead into the push segment,
     the weights written by the shard into the pull segment), its Push and Pull calls as frames on this
     worker's connection to the shard's process (no extents: the messages name the segments). No gRPC call
-    in a step. Should the connection end, ``ShardPaths`` puts a plain ``ShmPath`` (control over gRPC) in
-    its place until the connection is made again."""
+    in a step. Should the connection end, its calls wait for it to be made again (``ShardPaths.ready``),
+    when a new path on the same segments takes this one's place."""
 
-    def __init__(self, link: ShmLink, grpc_path: GrpcPath, conn: DataConn, route: int) -> None:
-        super().__init__(link, grpc_path)
+    def __init__(self, link: ShmLink, shard: int, conn: DataConn, route: int) -> None:
+        super().__init__(link, shard)
         self.conn, self.route = conn, route
         self.calls = self
         self.closed = False
@@ -827,11 +823,6 @@ class ShmConnPath(FrameCalls, ShmPath):
 
         return self.conn.submit(wire.PULL, self.route, (request.SerializeToString(),), (), 0, timeout, done)
 
-    def detach(self) -> None:
-        """The connection ended: this path's calls fail UNAVAILABLE from now on; the segments stay open (the
-        plain ``ShmPath`` that takes its place uses them)."""
-        self.closed = True
-
     def close(self) -> None:
+        """This shard's calls go elsewhere from now on; its segments stay (``ShardPaths`` closes them)."""
         self.closed = True
-        super().close()

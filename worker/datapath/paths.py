@@ -1,34 +1,27 @@
-"""How one shard's tensor bytes travel: a ``ShardPath``, over gRPC or through shared memory, chosen once per shard.
+"""How one shard's tensor bytes travel: a ``ShardPath``, on a data connection, with or without shared memory.
 
-A push's messages and a pull's answers take one of three paths:
+Every shard's Push and Pull calls are frames on this worker's one data
+connection to the shard's server process (worker/datapath/dataconn.py,
+``DataConn``). Where the bytes lie is the path's choice:
 
-- ``GrpcPath``: the bytes travel in the messages (a push's copied once from
-  the gradient into them by ``PushFramer``, a pull's read from each answer's
-  ``chunk.data``).
-- ``ShmPath``: the shard shares this machine (it read the worker's probe at
-  Register): the bytes lie in the shard's segments (``worker/datapath/shm.py``
-  ``ShmLink``) and the messages only say where; they go as gRPC calls, or,
-  ``ShmConnPath`` (worker/datapath/dataconn.py), as frames on this worker's
-  data connection to the shard's process (the default where it offers one). A push first writes them
-  there (``stage``: cast to the push dtype as they are copied, so a CPU
-  gradient needs no cast of its own); should the segment close meanwhile (a
-  fail-over in another thread), that push's share goes over gRPC, cast the
-  same way (the shard's ``GrpcPath``).
-- ``ConnPath`` (worker/datapath/dataconn.py): the shard's process gave a data port
-  at Register (and shared memory is not to be had): its Push and Pull calls
-  are frames on this worker's one connection to that process, the bytes
-  after the messages in the same frame.
+- ``ShmConnPath``: the shard shares this machine (it read the worker's probe
+  at Register): the bytes lie in the shard's segments (``ShmPath``,
+  ``worker/datapath/shm.py`` ``ShmLink``) and the messages only say where. A
+  push first writes them there (``stage``: cast to the push dtype as they
+  are copied, so a CPU gradient needs no cast of its own); should the
+  segment close meanwhile (a fail-over in another thread), the call is made
+  again on the shard's new path.
+- ``ConnPath``: the bytes follow the messages in the same frame, sent from
+  the gradient's memory, a pull's read straight into its destination.
+- ``Pending``: the shard's connection is not made yet (a fail-over, a lost
+  connection); its calls wait for it (``ShardPaths.ready``).
 
 ``ShardPaths`` (worker/datapath/shardpaths.py) holds one path per shard and is the one place the choice is
-made: ``open`` after Register (shared memory for each shard that read the
-probe and whose segments could be made, else TCP; the calls on the data
-connection where the shard offers one), ``moved`` when a shard fails over to its backup (``Transport.on_moved``:
-the backup process's data connection where it offers one, else gRPC),
-``off`` when the client closes. The data path (``push.py``, ``bucketedpush.py``, ``pull.py``) reads a
-shard's path as a call to it starts (a retry after a fail-over reads it
-anew), asks it, and hands it to the transport with the call (``via=``: a
-path with ``calls`` makes the call itself); it never asks which one it is. Every Push message is
-``PushFramer``'s, byte for byte as before the paths existed.
+made: ``open`` after Register, ``moved`` when a shard fails over to its backup (``Transport.on_moved``),
+``off`` when the client closes. The data path (``push.py``, ``bucketedpush.py``, ``pull.py``) takes a
+shard's path as a call to it starts (``ShardPaths.ready``: a retry after a fail-over takes it anew), asks
+it, and hands it to the transport with the call (``via=``: the path's ``calls`` make it); it never asks
+which one it is. Every Push message is ``PushFramer``'s.
 
 Thread-safety: a path's methods are called from the transport's threads, one
 call per shard at a time; ``ShardPaths.off`` may run in any thread (a
@@ -40,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import grpc
 import torch
 
 from shardps.protos import codec
@@ -47,6 +41,7 @@ from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.shm import SegmentClosed
 from shardps.worker.datapath.pushframes import PushFramer
+from shardps.worker.datapath.reach import StatusError
 from shardps.worker.datapath.shm import ShmLink
 from shardps.worker.layout import Layout
 
@@ -57,7 +52,7 @@ Staged = list[tuple[ps_pb2.Chunk, torch.Tensor]]
 """A shard's parts written ahead where it reads them: per part the chunk that says where, and the values."""
 
 Frames = Callable[[str], PushFramer]
-"""A plain push's framer for one shard, given the push segment its messages name ('' for gRPC)."""
+"""A plain push's framer for one shard, given the push segment its messages name."""
 
 
 class ClientRoute(Protocol):
@@ -76,7 +71,7 @@ class ClientRoute(Protocol):
 
 
 class Calls(Protocol):
-    """A shard's Push and Pull made other than by gRPC's channel (worker/datapath/dataconn.py ``ConnPath``); failures
+    """A shard's Push and Pull as frames on its data connection (worker/datapath/dataconn.py ``ConnPath``); failures
     raise ``grpc.RpcError``s, read by the transport as gRPC's own."""
 
     def push(self, requests: Iterator[bytes], timeout: float, *, stream: bool = False) -> ps_pb2.PushResponse: ...
@@ -101,7 +96,7 @@ class ShardPath(Protocol):
 
     @property
     def calls(self) -> Calls | None:
-        """Who makes this shard's Push and Pull calls when not gRPC's channel (a data connection)."""
+        """Who makes this shard's Push and Pull calls: its data connection (None: not made yet)."""
         ...
 
     @property
@@ -112,18 +107,18 @@ class ShardPath(Protocol):
 
     @property
     def push_segment(self) -> str:
-        """The push segment a streamed push's messages name ('' for gRPC)."""
+        """The push segment a streamed push's messages name."""
         ...
 
     @property
     def pull_segment(self) -> str:
-        """The segment a PullRequest asks the shard to write into ('' for gRPC: the bytes in the answers)."""
+        """The segment a PullRequest asks the shard to write into (the frame's own for a ``ConnPath``)."""
         ...
 
     def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
               ) -> Staged | None:
         """Write the shard's ``parts`` of ``flats`` (default: all of its parts) ahead, cast as they are copied;
-        None when nothing was (gRPC, or a segment closed meanwhile: the messages then carry the bytes)."""
+        None when nothing was (no segments, or they closed meanwhile)."""
         ...
 
     def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
@@ -159,8 +154,34 @@ class ShardPath(Protocol):
         ...
 
 
-class GrpcPath:
-    """The bytes in the messages: ``PushFramer.chunks`` copies them once from the gradient into each one."""
+def cast_values(shard: int, flats: Mapping[str, torch.Tensor], cast: set[str], route: ClientRoute
+                ) -> list[torch.Tensor]:
+    """Shard ``shard``'s parts of the ``cast`` tensors of ``flats``, cast to their push dtype as the frame will
+    carry them (for the inf/nan check: a cast can overflow)."""
+    assert route.shard_map is not None
+    return [flats[p.name][p.start : p.stop].to(codec.to_torch_dtype(route.layouts[p.name].push_dtype))
+            for p in route.shard_map.parts_for(shard) if p.name in cast]
+
+
+def inline_messages(shard: int, frames: PushFramer, flats: Mapping[str, torch.Tensor], cast: set[str],
+                    route: ClientRoute) -> Iterator[bytes]:
+    """Shard ``shard``'s parts of ``flats`` as messages that carry their bytes (``PushFramer.chunks``: one copy),
+    the ``cast`` ones cast to their push dtype first: a push meant for shared memory whose segments closed."""
+    assert route.shard_map is not None
+    for p in route.shard_map.parts_for(shard):
+        flat = flats.get(p.name)
+        if flat is None:
+            continue
+        lay = route.layouts[p.name]
+        if p.name in cast:
+            flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
+        yield from frames.chunks(p.name, lay.push_dtype, lay.shape, flat, p.start, p.stop, route.chunk_bytes)
+
+
+class Pending:
+    """A shard whose data connection is not made yet (before Register; after a fail-over or a lost
+    connection, until it is made again): its calls wait for one (``ShardPaths.ready``), nothing is
+    written ahead."""
 
     writes_ahead = False
     push_segment = ""
@@ -176,60 +197,40 @@ class GrpcPath:
 
     def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
                     route: ClientRoute) -> list[torch.Tensor]:
-        assert route.shard_map is not None
-        return [flats[p.name][p.start : p.stop].to(codec.to_torch_dtype(route.layouts[p.name].push_dtype))
-                for p in route.shard_map.parts_for(self.shard) if p.name in cast]
+        return cast_values(self.shard, flats, cast, route)
 
     def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
                       cast: set[str], route: ClientRoute) -> Iterator[bytes]:
-        framer = frames("")
-        return framer.ending(self._chunks(framer, flats, cast, route))
-
-    def _chunks(self, frames: PushFramer, flats: Mapping[str, torch.Tensor], cast: set[str],
-                route: ClientRoute) -> Iterator[bytes]:
-        assert route.shard_map is not None
-        for p in route.shard_map.parts_for(self.shard):
-            flat = flats.get(p.name)
-            if flat is None:
-                continue
-            lay = route.layouts[p.name]
-            if p.name in cast:  # meant for shared memory, but this shard's went off (a fail-over)
-                flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
-            yield from frames.chunks(p.name, lay.push_dtype, lay.shape, flat, p.start, p.stop, route.chunk_bytes)
+        raise self.unconnected()
 
     def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
                         ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
-        for name, flat in batch:
-            lay = route.layouts[name]
-            if name in written and name in ranges:  # meant for shared memory, now off (a fail-over)
-                flat = flat.to(codec.to_torch_dtype(lay.push_dtype))
-            for start, stop in ranges.get(name, ()):
-                yield from frames.chunks(name, lay.push_dtype, lay.shape, flat, start, stop, route.chunk_bytes)
+        raise self.unconnected()
 
     def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
-        per = max(1, chunk_bytes // itemsize)  # one per chunk, as the shard frames them
-        return -(-numel // per)
+        return 1  # one per part, as on a connection
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
-        if chunk.shm_bytes:
-            raise ValueError(f"shard {self.shard} answered with shared memory this client did not offer")
-        return codec.decode(chunk.data, chunk.dtype)
+        raise self.unconnected()
+
+    def unconnected(self) -> StatusError:
+        return StatusError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: no data connection yet: asked again "
+                                                        "once it is made")
 
     def close(self) -> None:
         pass
 
 
 class ShmPath:
-    """The bytes in the shard's segments (``link``), the messages saying where; ``grpc`` when a segment closed."""
+    """The bytes in the shard's segments (``link``), the messages saying where: what a shard on this machine's
+    path (worker/datapath/dataconn.py ``ShmConnPath``, its calls as frames) does with them."""
 
     writes_ahead = True
-    calls: Calls | None = None  # a data connection's (worker/datapath/dataconn.py ``ShmConnPath``), else gRPC
 
-    def __init__(self, link: ShmLink, grpc: GrpcPath) -> None:
+    def __init__(self, link: ShmLink, shard: int) -> None:
         self.link = link
-        self.grpc = grpc
-        self.shard = grpc.shard
+        self.shard = shard
 
     @property
     def push_segment(self) -> str:
@@ -243,19 +244,24 @@ class ShmPath:
               ) -> Staged | None:
         try:
             return self.link.write(flats, parts)
-        except SegmentClosed:  # the shard failed over meanwhile: its share goes over gRPC
+        except SegmentClosed:  # the shard failed over meanwhile: the call is made again on its new path
             return None
 
     def read_values(self, staged: Staged | None, flats: Mapping[str, torch.Tensor], cast: set[str],
                     route: ClientRoute) -> list[torch.Tensor]:
         if staged is None:
-            return self.grpc.read_values(None, flats, cast, route)
+            return cast_values(self.shard, flats, cast, route)
         return [v for c, v in staged if c.name in cast]
 
     def push_messages(self, frames: Frames, staged: Staged | None, flats: Mapping[str, torch.Tensor],
                       cast: set[str], route: ClientRoute) -> Iterator[bytes]:
-        if staged is None:
-            return self.grpc.push_messages(frames, None, flats, cast, route)
+        if staged is None:  # written ahead on another path (a lost connection made again): written here now
+            assert route.shard_map is not None
+            staged = self.stage(flats, [(p.name, p.start, p.stop) for p in route.shard_map.parts_for(self.shard)
+                                        if p.name in flats])
+        if staged is None:  # the segments closed (a fail-over in another thread): the bytes in the messages
+            framer = frames("")
+            return framer.ending(inline_messages(self.shard, framer, flats, cast, route))
         return frames(self.link.push.name).shm_chunks([c for c, _ in staged], last=True)
 
     def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],

@@ -279,7 +279,7 @@ class PullInFlight:
         thread. False where it cannot be sent so (nothing done)."""
         path = self._client.paths[shard]
         soon = getattr(path, "pull_soon", None)
-        if soon is None or self._slices or shard in self._answered:
+        if soon is None or not self._client.paths.usable(shard) or self._slices or shard in self._answered:
             return False
         req = self._request(shard, path)
         t = self._client.transport
@@ -373,12 +373,11 @@ class PullInFlight:
 
     def _fetch(self, shard: int) -> int:
         client = self._client
-        path = client.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
+        path = client.paths.ready(shard, client.transport.timeout)  # as the call starts: a retry takes it anew
         req = self._request(shard, path)
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
         responses = (map(framing.read_pull_response, given) if given is not None
-                     else client.transport.pull(shard, req, one=self._messages.get(shard) == 1, via=path,
-                                                place=self._place))
+                     else client.transport.pull(shard, req, via=path, place=self._place))
         return self._take(shard, path, responses, given)
 
     def _take(self, shard: int, path: ShardPath, responses: Iterable[Any], given: Sequence[bytes] | None) -> int:

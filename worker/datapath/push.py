@@ -91,7 +91,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
     more = pull_after_fields(pull_after)
 
     def requests(shard: int) -> tuple[ShardPath, Iterator[bytes]]:
-        path = route.paths[shard]  # read as the call starts: a retry after a fail-over finds gRPC here
+        path = route.paths.ready(shard, route.transport.timeout)  # as the call starts: a retry takes it anew
 
         def frames(segment: str) -> PushFramer:
             return PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
@@ -104,7 +104,7 @@ def push(route: Route, grads: Mapping[str, torch.Tensor], step: int, bases: Sequ
     return send(route, requests, window, then, carry=pull_after is None)
 
 
-def send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterator[bytes]]], window: int | None,
+def send(route: Route, requests: Callable[[int], tuple[ShardPath, Iterator[bytes]]], window: int | None,
          then: PullInFlight | None, *, carry: bool = False) -> list[PushResult]:
     """Each shard's Push (``requests(shard)``: the path that made its messages, and them): all at once, or
     ``window`` at a time in ``push_order``; ``then``'s pull of a shard begun as that shard answers, and
@@ -119,7 +119,7 @@ def send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterato
         raise
 
 
-def _send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterator[bytes]]], window: int | None,
+def _send(route: Route, requests: Callable[[int], tuple[ShardPath, Iterator[bytes]]], window: int | None,
           then: PullInFlight | None, carry: bool) -> list[PushResult]:
     t = route.transport
 
@@ -134,7 +134,7 @@ def _send(route: Route, requests: Callable[[int], tuple[ShardPath | None, Iterat
     def soon(shard: int, done: Callable[[PushResult | None, Exception | None], None]) -> bool:
         """The shard's Push as a frame that waits for nothing, where its path is a data connection: its
         answer (and so the shard's pull, and the window's next push) handled by the connection's thread."""
-        if not hasattr(route.paths[shard], "push_soon"):
+        if not route.paths.usable(shard):  # its connection is being made: through ``call``, which waits for it
             return False
         via, messages = requests(shard)
         push_soon = getattr(via, "push_soon", None)

@@ -1,23 +1,29 @@
-"""Each shard's data path, chosen once per shard (``ShardPaths``): shared memory, a data connection or gRPC.
+"""Each shard's data path (``ShardPaths``): its calls as frames on this worker's data connection to its process.
 
-The paths themselves are in worker/datapath/paths.py (``GrpcPath``, ``ShmPath``) and
+The paths themselves are in worker/datapath/paths.py (``Pending``, ``ShmPath``) and
 worker/datapath/dataconn.py (``ConnPath`` and ``ShmConnPath``, on one ``DataConn`` per server process);
-this module is the one place the choice is made, and undone when a shard
-fails over or a connection ends.
+this module is the one place they are made, and made again when a shard
+fails over or a connection ends. Every Push and Pull goes on a connection:
+there is no other way for them.
 
-A connection that ended by itself (the link dropped, a broken frame) is
-made again: ``revive``, called as each push begins, starts one attempt in a
-thread of its own (the step never waits on a connect) as soon as the
-connection is lost, then after 1, 2, 4 ... up to 60 seconds while it fails
-(the process restarted: its port and token are gone until the worker
-registers again, which opens every connection anew). Meanwhile the shards'
-calls go through gRPC (a shard with shared memory keeps its segments:
-``ShmPath``, its calls over gRPC, until ``ShmConnPath`` again). A shard that failed over to its backup takes the
-backup process's data connection, which the backup offers in its answer to
-TakeOver (``moved``: made the same way if this worker has none to that
-process yet); gRPC where it offers none. Thread-safety as
-worker/datapath/paths.py says; a revived shard's path is set under the
-transport's fail-over lock, so that a fail-over in between wins.
+A call takes its shard's path as it starts (``ready``): where the shard's
+connection is lost, it waits for an attempt to make it again, within its
+deadline; a failed attempt is UNAVAILABLE at once, as a call to an
+unreachable server is (the transport retries the call, with its own
+back-off, and fails the shard over to its backup where it has one).
+
+A connection that ended by itself (the link dropped, a broken frame, the
+process went) is made again in a thread of its own (``revive``: started at
+once, then after 1, 2, 4 ... up to 60 seconds while it fails, or as soon
+as a call waits for it). Each of its
+shards is asked first where its connection goes now (``Workers.Connect``
+over gRPC: a process that restarted has a new data port and token), and
+the connection is made there. A shard that failed over to its backup takes
+the backup process's data connection, which the backup offers in its answer
+to TakeOver (``moved``: made the same way if this worker has none to that
+process yet). Thread-safety as worker/datapath/paths.py says; a made-again
+shard's path is set under the transport's fail-over lock, so that a
+fail-over in between wins.
 """
 
 from __future__ import annotations
@@ -29,10 +35,13 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, overload
 
+import grpc
+
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.datapath import dataconn
-from shardps.worker.datapath.paths import GrpcPath, ShardPath, ShmPath
+from shardps.worker.datapath.paths import Pending, ShardPath
+from shardps.worker.datapath.reach import StatusError, status_of
 from shardps.worker.datapath.shm import ShmLink
 from shardps.worker.layout import Layout
 
@@ -41,25 +50,34 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardps.worker")
 
+Key = tuple[str, int]  # (host, data port): one connection each
+MAX_BACKOFF_S = 60.0
+
+
+def _usable(path: ShardPath) -> bool:
+    """Whether a call can go on ``path`` now: its connection serves."""
+    conn = getattr(path, "conn", None)
+    return conn is not None and not getattr(path, "closed", True) and not conn.error
+
 
 class ShardPaths(Sequence[ShardPath]):
-    """Each shard's path, in shard order: gRPC until ``open`` finds a shard on this machine (module docstring).
+    """Each shard's path, in shard order: ``Pending`` until ``open`` (module docstring).
 
-    Read by the data path (``paths[shard]``, ``list(paths)``); changed only by
-    ``open`` (the thread that drives the client), ``off`` and ``close``.
+    Read by the data path (``ready(shard, timeout)`` as a call starts, ``paths[shard]`` to plan); changed by
+    ``open`` (the thread that drives the client), ``moved``, ``off``, ``close`` and the thread that makes a
+    lost connection again.
     """
 
     def __init__(self, worker_id: int, num_shards: int) -> None:
         self._worker_id = worker_id
-        self._grpc = [GrpcPath(i) for i in range(num_shards)]
-        self._paths: list[ShardPath] = list(self._grpc)
-        self._conns: dict[tuple[str, int], dataconn.DataConn] = {}  # (host, data port) -> the connection
-        # Each shard on a data connection: its connection's key, token, route, and the address it was
-        # registered at (a revived connection serves it only while the transport still talks there).
-        self._offers: dict[int, tuple[tuple[str, int], bytes, int, str]] = {}
-        self._lost: dict[tuple[str, int], tuple[float, float]] = {}  # key -> (next attempt, back-off s)
+        self._paths: list[ShardPath] = [Pending(i) for i in range(num_shards)]
+        self._conns: dict[Key, dataconn.DataConn] = {}
+        self._links: list[ShmLink | None] = [None] * num_shards  # each shard's segments, kept across connections
+        self._lost: dict[int, tuple[float, float]] = {}  # shard -> (next attempt, back-off s)
+        self._why: dict[int, str] = {}  # shard -> why its connection is not made (for the error that waits end with)
+        self._tried: dict[int, int] = {}  # shard -> attempts to make its connection ended (``ready`` waits for one)
         self._reviving: threading.Thread | None = None
-        self._mu = threading.Lock()  # _lost, _reviving
+        self._cv = threading.Condition()  # _lost, _why, _reviving, path changes (``ready`` waits on it)
         self._opened: tuple[ShardMap, dict[str, Layout], Transport] | None = None
 
     @overload
@@ -78,169 +96,223 @@ class ShardPaths(Sequence[ShardPath]):
         return iter(self._paths)
 
     def open(self, smap: ShardMap, layouts: dict[str, Layout], readable: Sequence[bool],
-             answers: Sequence[ps_pb2.RegisterResponse] = (), transport: Transport | None = None) -> None:
-        """After Register: shared memory for every shard that read the probe (``readable``) and whose segments
-        can be made (``ShmLink.open`` logs why not); given the shards' ``answers`` and the ``transport``, a
-        data connection (worker/datapath/dataconn.py) to the process of each that gave a data port, one per
-        process, unless ``SHARDPS_TCP`` is 0: its calls as frames there (with shared memory: ``ShmConnPath``,
-        the frames saying where the bytes lie; without: ``ConnPath``, the bytes in them); gRPC for the
-        others."""
-        tcp = transport is not None and dataconn.wanted(transport.security)
+             answers: Sequence[ps_pb2.RegisterResponse | ps_pb2.ConnectResponse], transport: Transport) -> None:
+        """After Register (or a pull-only client's Connect: ``PSClient.attach``): per shard, shared memory where
+        it read the probe (``readable``) and its segments can be made (``ShmLink.open`` logs why not), and the
+        data connection its answer (``answers``) offers, one per process: ``ShmConnPath`` (the frames say where
+        the bytes lie) or ``ConnPath`` (the bytes in them). A connection that cannot be made now is made again
+        as a lost one is (``revive``)."""
         self.close()
-        self._opened = (smap, layouts, transport) if transport is not None else None
+        self._opened = (smap, layouts, transport)
         for i in range(len(self._paths)):
-            link = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None  # None: it said why
-            if tcp and answers and answers[i].data_port:
-                assert transport is not None
-                host = transport.addresses[i].rsplit(":", 1)[0]
-                conn = self._conn(host, answers[i], transport)
-                if conn is not None:
-                    self._paths[i] = (dataconn.ShmConnPath(link, self._grpc[i], conn, answers[i].data_route)
-                                      if link is not None else
-                                      dataconn.ConnPath(conn, answers[i].data_route, self._grpc[i], smap, layouts))
-                    self._offers[i] = ((host, answers[i].data_port), answers[i].data_token, answers[i].data_route,
-                                       transport.addresses[i])
-                    continue
-            if link is not None:
-                self._paths[i] = ShmPath(link, self._grpc[i])
+            answer = answers[i]
+            if not answer.data_port:
+                raise RuntimeError(f"shard {i} at {transport.addresses[i]} offered no data port: a server of "
+                                   "another shardps version?")
+            self._links[i] = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None
+            host = transport.addresses[i].rsplit(":", 1)[0]
+            self._place(i, (host, answer.data_port), answer.data_token, answer.data_route)
 
-    def _conn(self, host: str, answer: ps_pb2.RegisterResponse, transport: Transport) -> dataconn.DataConn | None:
-        """This worker's connection to the process at ``host`` whose data port ``answer`` gave (made once)."""
-        key = (host, answer.data_port)
+    def _place(self, shard: int, key: Key, token: bytes, route: int) -> bool:
+        """Shard ``shard``'s calls on this worker's connection at ``key`` (made now if there is none); when it
+        cannot be made, the shard is lost (``revive`` makes it again). Whether it is placed."""
+        assert self._opened is not None
+        smap, layouts, transport = self._opened
         conn = self._conns.get(key)
         if conn is None or conn.error:
-            conn = dataconn.DataConn.open(host, answer.data_port, answer.data_token, self._worker_id,
-                                          transport.timeout, lambda why: self._ended(key, why), transport.security)
-            if conn is None:
-                return None
-            self._conns[key] = conn
-        return conn
+            try:
+                conn = dataconn.DataConn.open(key[0], key[1], token, self._worker_id, transport.timeout,
+                                              lambda why: self._ended(key, why), transport.security)
+            except dataconn.ConnectFailed as e:
+                log.warning("shard %d: %s: made again in the background; its calls wait for it", shard, e)
+                self._lose(shard, str(e))
+                return False
+            old, self._conns[key] = self._conns.get(key), conn
+            if old is not None:
+                old.close()
+        link = self._links[shard]
+        new: ShardPath = (dataconn.ShmConnPath(link, shard, conn, route) if link is not None
+                          else dataconn.ConnPath(conn, route, shard, smap, layouts))
+        with self._cv:
+            old_path, self._paths[shard] = self._paths[shard], new
+            self._lost.pop(shard, None)
+            self._why.pop(shard, None)
+            self._cv.notify_all()
+        old_path.close()  # (its segments are the new path's too: ``off`` closes them)
+        if conn.error:  # ended meanwhile (its end may not have seen this shard): made again
+            self._lose(shard, conn.error)
+            return False
+        return True
 
-    def _ended(self, key: tuple[str, int], why: str) -> None:
-        """The connection to ``key`` ended by itself: its shards take gRPC from now on."""
+    def _place_into(self, placed: list[bool], shard: int, key: Key, answer: ps_pb2.ConnectResponse) -> None:
+        placed.append(self._place(shard, key, answer.data_token, answer.data_route))
+
+    def _lose(self, shard: int, why: str) -> None:
+        """Shard ``shard``'s connection is to be made again (``revive``), its calls waiting for it."""
+        with self._cv:
+            if self._opened is None:
+                return
+            self._lost.setdefault(shard, (0.0, 1.0))
+            self._why[shard] = why
+        self.revive()
+
+    def _ended(self, key: Key, why: str) -> None:
+        """The connection to ``key`` ended by itself: its shards' connection is made again."""
         quiet = why.startswith("connection closed")  # the process closed it (a stop)
         log.log(logging.INFO if quiet else logging.WARNING,
-                "data connection to %s:%d ended (%s): its shards' calls go through gRPC", *key, why)
-        conn = self._conns.get(key)
-        for i, p in enumerate(self._paths):
-            if isinstance(p, dataconn.ConnPath) and p.conn is conn:
-                self._paths[i] = self._grpc[i]
-                p.close()
-            elif isinstance(p, dataconn.ShmConnPath) and p.conn is conn:  # the segments stay; control by gRPC
-                self._paths[i] = ShmPath(p.link, self._grpc[i])
-                p.detach()
-        with self._mu:
-            if key in self._conns:  # not closed meanwhile: made again (``revive``)
-                self._lost.setdefault(key, (0.0, 1.0))
+                "data connection to %s:%d ended (%s): made again; its shards' calls wait for it", *key, why)
+        for i, p in enumerate(self._paths):  # every shard on a connection that ended (this one, or one before)
+            conn = getattr(p, "conn", None)
+            if conn is not None and conn.error:
+                self._lose(i, f"data connection to {conn.where} ended ({conn.error})")
 
-    def revive(self) -> threading.Thread | None:
-        """Start making a lost connection again, if one is due (module docstring): the thread doing it (the
-        caller need not wait for it), or None."""
-        with self._mu:
-            if not self._lost or (self._reviving is not None and self._reviving.is_alive()):
+    def ready(self, shard: int, timeout: float) -> ShardPath:
+        """Shard ``shard``'s path for a call that starts now, once its connection serves: where it is lost, an
+        attempt to make it again (``revive``: started now, whatever its back-off) is waited for, for at most
+        ``timeout`` seconds. A failed attempt, or none done in time, is UNAVAILABLE saying why, at once (as
+        the shard's gRPC call would have been): the transport retries the call, or fails the shard over."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            tried = self._tried.get(shard, 0)
+            while True:
+                path = self._paths[shard]
+                if _usable(path):
+                    return path
+                if self._opened is None:
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE, f"shard {shard}: the client is not registered "
+                                                                   "or was closed: no data connection")
+                if shard not in self._lost:  # (a connection that ended but whose end was not heard yet)
+                    self._lost[shard] = (0.0, 1.0)
+                    self._why.setdefault(shard, "its data connection ended")
+                why = self._why.get(shard, "being made")
+                if self._tried.get(shard, 0) > tried:  # an attempt since the call began failed
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE, f"shard {shard}: no data connection ({why})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                      f"shard {shard}: no data connection within {timeout:g}s ({why})")
+                if self._reviving is None or not self._reviving.is_alive():
+                    self._cv.release()
+                    try:
+                        self.revive(now=True)
+                    finally:
+                        self._cv.acquire()
+                    continue
+                self._cv.wait(left)
+
+    def usable(self, shard: int) -> bool:
+        """Whether ``shard``'s calls can go now without waiting (its connection serves)."""
+        return _usable(self._paths[shard])
+
+    def revive(self, *, now: bool = False) -> threading.Thread | None:
+        """Start making lost connections again, where one is due (``now``: every lost one, a call waits for it;
+        module docstring): the thread doing it (the caller need not wait for it), or None."""
+        with self._cv:
+            if not self._lost or self._opened is None or (self._reviving is not None and self._reviving.is_alive()):
                 return None
-            now = time.monotonic()
-            due = [k for k, (when, _) in self._lost.items() if when <= now]
-            if not due or self._opened is None:
+            at = time.monotonic()
+            due = sorted(i for i, (when, _) in self._lost.items() if now or when <= at)
+            if not due:
                 return None
             t = self._reviving = threading.Thread(target=self._revive, args=(due,), daemon=True,
                                                   name=f"shardps-data-revive-w{self._worker_id}")
         t.start()
         return t
 
-    def _revive(self, keys: list[tuple[str, int]]) -> None:
-        assert self._opened is not None
-        smap, layouts, transport = self._opened
-        for key in keys:
-            offers = dict(self._offers)  # as it is now (``moved`` and ``off`` may change it meanwhile)
-            shards = [i for i, o in offers.items() if o[0] == key]
-            if not shards:  # every shard of it moved elsewhere (a fail-over): nothing to make again
-                with self._mu:
-                    self._lost.pop(key, None)
-                continue
-            _, token, _, _ = offers[shards[0]]
-            conn = dataconn.DataConn.open(key[0], key[1], token, self._worker_id, transport.timeout,
-                                          functools.partial(self._ended, key), transport.security)
-            with self._mu:
-                if key not in self._lost:  # closed meanwhile (the client closes, or registers again)
-                    if conn is not None:
-                        conn.close()
-                    continue
-                if conn is None:
-                    _, backoff = self._lost[key]
-                    self._lost[key] = (time.monotonic() + backoff, min(60.0, 2 * backoff))
-                    continue
-                del self._lost[key]
-                old, self._conns[key] = self._conns.get(key), conn
-            if old is not None:
-                old.close()
-            back = [i for i in shards if transport.at(i, offers[i][3], functools.partial(
-                self._restore, i, conn, offers[i][2], smap, layouts))]
-            log.info("data connection to %s:%d made again: shards %s take it", *key, back)
+    def _revive(self, shards: list[int]) -> None:
+        try:
+            self._revive_each(shards)
+        finally:
+            with self._cv:
+                self._cv.notify_all()  # waiters look at what changed, and start the next attempt when due
 
-    def _restore(self, shard: int, conn: dataconn.DataConn, route: int, smap: ShardMap,
-                 layouts: dict[str, Layout]) -> None:
-        """Shard ``shard``'s calls on ``conn`` again, unless that connection ended meanwhile. Its end (``_ended``)
-        puts back every path on it that it finds, and marks it lost; a path put on it after its end looked is
-        taken back here (the connection says it ended before it looks: a path put first is found there)."""
-        path = self._paths[shard]
-        new: dataconn.ConnPath | dataconn.ShmConnPath
-        if isinstance(path, GrpcPath):
-            new = dataconn.ConnPath(conn, route, self._grpc[shard], smap, layouts)
-        elif type(path) is ShmPath:  # its segments, its calls on the connection again
-            new = dataconn.ShmConnPath(path.link, self._grpc[shard], conn, route)
-        else:
+    def _revive_each(self, shards: list[int]) -> None:
+        opened = self._opened
+        if opened is None:
             return
-        self._paths[shard] = new
-        if conn.error and self._paths[shard] is new:  # ended meanwhile: the shard stays where it was
-            self._paths[shard] = path
-            if isinstance(new, dataconn.ShmConnPath):
-                new.detach()  # (its segments are the plain path's)
+        _, _, transport = opened
+        for shard in shards:
+            address = transport.addresses[shard]
+            try:
+                answer = transport.stub(shard).Connect(ps_pb2.ConnectRequest(worker_id=self._worker_id),
+                                                       timeout=min(10.0, transport.timeout))
+            except grpc.RpcError as e:
+                code, details = status_of(e)
+                self._failed(shard, f"Connect at {address}: {code.name}: {details}")
+                continue
+            key = (address.rsplit(":", 1)[0], answer.data_port)
+            placed: list[bool] = []
+            if not transport.at(shard, address, functools.partial(self._place_into, placed, shard, key, answer)):
+                self._done(shard)  # failed over meanwhile: ``moved`` placed it
+                continue
+            if placed[0]:
+                log.info("shard %d: data connection to %s:%d made again", shard, *key)
+                self._done(shard)
             else:
-                new.close()
+                self._failed(shard, self._why.get(shard, "the connection could not be made"))
+
+    def _done(self, shard: int) -> None:
+        """An attempt for shard ``shard`` ended (``ready`` waits for one)."""
+        with self._cv:
+            self._tried[shard] = self._tried.get(shard, 0) + 1
+            self._cv.notify_all()
+
+    def _failed(self, shard: int, why: str) -> None:
+        """An attempt to make shard ``shard``'s connection failed: the next one after a longer back-off."""
+        with self._cv:
+            self._tried[shard] = self._tried.get(shard, 0) + 1
+            self._cv.notify_all()
+            if shard not in self._lost:
+                return
+            _, backoff = self._lost[shard]
+            self._lost[shard] = (time.monotonic() + backoff, min(MAX_BACKOFF_S, 2 * backoff))
+            self._why[shard] = why
+        log.warning("shard %d: %s; tried again in %.0fs", shard, why, backoff)
 
     def moved(self, shard: int, answer: ps_pb2.PromoteResponse) -> None:
         """Shard ``shard`` failed over (``Transport.on_moved``, under its fail-over lock; the transport already
-        talks to the new primary): its segments or connection closed, and, where the new primary's process
-        gave a data port in ``answer``, its calls are frames there, on this worker's connection to that
-        process (made in a thread of its own if there is none yet, as a lost one is: ``revive``; gRPC
-        meanwhile); else gRPC."""
+        talks to the new primary): its segments and place on a connection closed, and its calls frames on
+        this worker's connection to the new primary's process, at the data port ``answer`` gives (the
+        connection made now if there is none yet; where that fails, made again as a lost one is)."""
         self.off(shard)
-        if not answer.data_port or self._opened is None:
+        if self._opened is None:
             return
-        smap, layouts, transport = self._opened
-        address = transport.addresses[shard]
-        key = (address.rsplit(":", 1)[0], answer.data_port)
-        self._offers[shard] = (key, answer.data_token, answer.data_route, address)
-        conn = self._conns.get(key)
-        if conn is not None and not conn.error:
-            self._restore(shard, conn, answer.data_route, smap, layouts)
+        if not answer.data_port:
+            self._lose(shard, f"the new primary at {self._opened[2].addresses[shard]} offered no data port")
             return
-        with self._mu:
-            self._lost.setdefault(key, (0.0, 1.0))  # made at the next push (``revive``)
+        host = self._opened[2].addresses[shard].rsplit(":", 1)[0]
+        self._place(shard, (host, answer.data_port), answer.data_token, answer.data_route)
 
     def off(self, shard: int) -> None:
-        """Shard ``shard`` on gRPC from now on (the client closes, or ``moved`` begins), its segments or its
-        place on a connection closed (a push writing its segments meanwhile sends its share over gRPC)."""
-        self._offers.pop(shard, None)
-        path, self._paths[shard] = self._paths[shard], self._grpc[shard]
+        """Shard ``shard`` without a path from now on (the client closes, or ``moved`` begins): its segments
+        and its place on a connection closed (a push writing its segments meanwhile is made again)."""
+        with self._cv:
+            path, self._paths[shard] = self._paths[shard], Pending(shard)
+            link, self._links[shard] = self._links[shard], None
+            self._lost.pop(shard, None)
+            self._why.pop(shard, None)
         path.close()
+        if link is not None:
+            link.close()
 
     def close(self) -> None:
-        """Every shard back to gRPC, every segment and data connection closed (the client closes). Idempotent."""
-        with self._mu:
+        """Every shard without a path, every segment and data connection closed (the client closes, or
+        registers again). Idempotent."""
+        with self._cv:
+            self._opened = None
             self._lost.clear()
             reviving, self._reviving = self._reviving, None
+            self._cv.notify_all()
         if reviving is not None:
             reviving.join()
         for i in range(len(self._paths)):
             self.off(i)
-        with self._mu:
-            conns, self._conns = list(self._conns.values()), {}
+        conns, self._conns = list(self._conns.values()), {}
         for c in conns:
             c.close()
 
     @property
     def links(self) -> list[ShmLink | None]:
-        """Each shard's shared-memory link, None for gRPC (a snapshot, for tests and diagnostics)."""
-        return [p.link if isinstance(p, ShmPath) else None for p in self._paths]
+        """Each shard's shared-memory link while its calls use it, None otherwise (a snapshot, for tests and
+        diagnostics)."""
+        return [getattr(p, "link", None) if _usable(p) else None for p in self._paths]

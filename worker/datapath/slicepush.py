@@ -4,9 +4,9 @@ A tensor-parallel rank holds ``torch.chunk(g, p, dim)[rank]`` of a whole gradien
 (docs/tensor-parallel.md): each shard gets the slice's elements its parts hold (``TensorSlice.pieces``: flat
 runs along dim 0, one run of the slice's rows along a later dim), chunk offsets and shape the slice's, and
 puts them in place (server/datapath/slicepush.py); the other ranks' slices of the step fill the rest. Gradients not in
-``slices`` go whole, as in any push. The bytes travel in the messages (``PushFramer.chunks``), whatever the
-shard's path (no shared memory, no data connection), and every shard gets a Push, an empty one if it holds
-none of the slices, so barriers see every worker.
+``slices`` go whole, as in any push. The bytes travel in the messages (``PushFramer.chunks``), the messages
+in a frame on the shard's data connection (no shared memory), and every shard gets a Push, an empty one if
+it holds none of the slices, so barriers see every worker.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from shardps.protos import codec
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
+from shardps.worker.datapath.paths import ShardPath
 from shardps.worker.datapath.pull import PullInFlight
 from shardps.worker.datapath.push import send
 from shardps.worker.datapath.pushframes import PushFramer
@@ -45,8 +46,9 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
     header = [ps_pb2.TensorSlice(name=n, dim=sl.dim, parts=sl.parts, index=sl.index, blocks=sl.blocks)
               for n, sl in slices.items() if n in flats]
 
-    def requests(shard: int) -> tuple[None, Iterator[bytes]]:  # over gRPC, bytes in the messages
+    def requests(shard: int) -> tuple[ShardPath, Iterator[bytes]]:  # the bytes in the messages
         assert route.shard_map is not None
+        path = route.paths.ready(shard, route.transport.timeout)  # as the call starts: a retry takes it anew
         framer = PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
                             epoch=route.epoch, sync=route.sync_said, found_inf=found_inf,
                             fields={"slices": header}, fence_epoch=route.transport.fence_epochs[shard])
@@ -62,6 +64,6 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
                 for at, n in runs:
                     yield from framer.chunks(p.name, dtype, shapes[p.name], flat, at, at + n, route.chunk_bytes)
 
-        return None, framer.ending(chunks())
+        return path, framer.ending(chunks())
 
     return send(route, requests, window, then)

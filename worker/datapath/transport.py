@@ -13,7 +13,6 @@ The health check and the diagnosis of a failed connection are in
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -25,12 +24,11 @@ import grpc
 import grpc.experimental
 import torch
 
-from shardps.protos import framing
 from shardps.protos.security import Security
 from shardps.protos.shardps.v1 import experts_pb2_grpc, ps_pb2, ps_pb2_grpc
 from shardps.worker.datapath import pushorder
-from shardps.worker.datapath.paths import ShardPath
-from shardps.worker.datapath.reach import explain_unreachable, health_status, status_of
+from shardps.worker.datapath.paths import Calls, ShardPath
+from shardps.worker.datapath.reach import StatusError, explain_unreachable, health_status, status_of
 from shardps.worker.errors import ShardError, shard_error
 
 log = logging.getLogger("shardps.worker")
@@ -39,7 +37,6 @@ ROWS = "shardps.v1.Rows"  # row tables (worker/rows/client.py)
 WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
 SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 T = TypeVar("T")
-_NONE: Any = object()  # no message
 
 
 def gather(futures: Sequence[Future[Any]], timeout: float) -> list[Any]:
@@ -92,10 +89,6 @@ class Transport:
         self._channels: list[grpc.Channel] = []
         self._stubs: list[ps_pb2_grpc.WorkersStub] = []
         self._operator_channels: dict[str, grpc.Channel] = {}
-        self._push_raw: list[Any] = []
-        self._push_one: list[Any] = []
-        self._pull_raw: list[Any] = []
-        self._pull_one: list[Any] = []
         for i, a in enumerate(self.addresses):
             self._install(i, a, self._channel(a))
         # Per shard: a push stream and a pull in flight can each hold a thread for a whole backward or
@@ -110,9 +103,9 @@ class Transport:
     # -- the shards' endpoints (Workers, Operator, Rows) --------------------
 
     def _channel(self, address: str) -> grpc.Channel:
-        # Pull's responses are read in the caller's thread: without this option gRPC starts a thread
-        # to drive the channel for every call made while no other call is under way (each Pull of one
-        # worker), and every response crosses from that thread to the caller's.
+        # A stream's responses (PullRows) are read in the caller's thread: without this option gRPC starts a
+        # thread to drive the channel for every call made while no other call is under way, and every
+        # response crosses from that thread to the caller's.
         return self.security.channel(address, role="worker", options=[SINGLE_THREADED_UNARY_STREAM])
 
     def stub(self, shard: int) -> ps_pb2_grpc.WorkersStub:
@@ -150,53 +143,17 @@ class Transport:
         return list(self._stubs)
 
     def push(self, shard: int, requests: Iterator[bytes], *, stream: bool = False,
-             via: ShardPath | None = None) -> ps_pb2.PushResponse:
-        """A Push of serialized PushRequests (``framing``) to ``shard``: made by ``via``'s ``calls`` when the
-        path that made the messages has them (a data connection), else over gRPC.
+             via: ShardPath) -> ps_pb2.PushResponse:
+        """A Push of serialized PushRequests (``framing``) to ``shard``, made by ``via``'s ``calls`` (the shard's
+        data connection, worker/datapath/dataconn.py). ``stream``: its messages come while the caller computes
+        (each goes as it comes)."""
+        return _calls(shard, via).push(requests, self.timeout, stream=stream)
 
-        A Push of one message (a small model's whole gradient) goes as the unary PushOne: a unary call
-        runs in the caller's thread, where gRPC reads a request stream in a thread it starts for every
-        call.
-        ``stream``: a stream whatever its length (its messages come while the caller computes: nothing
-        is read ahead of the call).
-        """
-        if via is not None and via.calls is not None:
-            return via.calls.push(requests, self.timeout, stream=stream)
-        if stream:
-            streamed: ps_pb2.PushResponse = self._push_raw[shard](requests, timeout=self.timeout)
-            return streamed
-        first = next(requests, _NONE)
-        second = next(requests, _NONE) if first is not _NONE else _NONE
-        if second is _NONE and first is not _NONE:
-            one: ps_pb2.PushResponse = self._push_one[shard](first, timeout=self.timeout)
-            return one
-        messages = requests if first is _NONE else itertools.chain((first, second), requests)
-        response: ps_pb2.PushResponse = self._push_raw[shard](messages, timeout=self.timeout)
-        return response
-
-    def pull(self, shard: int, request: ps_pb2.PullRequest, *, one: bool = False,
-             via: ShardPath | None = None,
+    def pull(self, shard: int, request: ps_pb2.PullRequest, *, via: ShardPath,
              place: Callable[[str, int, int, int], torch.Tensor | None] | None = None) -> Iterator[Any]:
-        """A Pull from ``shard``: its responses (``framing.read_pull_response``); made by ``via``'s ``calls``
-        when the path that made the request has them, its parts landing where ``place`` says
-        (``Calls.pull``).
-
-        ``one``: the caller knows the answer is one message, which is then asked as the unary PullOne
-        (the shard sends the message and its status at once). Should the shard answer that it has more
-        (OUT_OF_RANGE), the Pull is asked again as a stream.
-        """
-        if via is not None and via.calls is not None:
-            return via.calls.pull(request, self.timeout, place)
-        if one:
-            try:
-                return iter((self._pull_one[shard](request, timeout=self.timeout),))
-            except grpc.RpcError as e:
-                code, details = status_of(e)
-                if code != grpc.StatusCode.OUT_OF_RANGE:
-                    raise
-                log.warning("shard %d: %s", shard, details)
-        responses: Iterator[Any] = self._pull_raw[shard](request, timeout=self.timeout)
-        return responses
+        """A Pull from ``shard``: its responses (``framing.read_pull_response``), made by ``via``'s ``calls``,
+        its parts landing where ``place`` says (``Calls.pull``)."""
+        return _calls(shard, via).pull(request, self.timeout, place)
 
     def set_backup(self, shard: int, backup: str, stub: ps_pb2_grpc.WorkersStub | None = None) -> None:
         """``shard``'s backup is ``backup`` (learnt from ``stub``'s answer: kept only while it serves the shard)."""
@@ -207,33 +164,12 @@ class Transport:
     def _install(self, shard: int, address: str, channel: grpc.Channel) -> None:
         """Talk to ``shard`` at ``address`` over ``channel`` from now on."""
         stub = ps_pb2_grpc.WorkersStub(channel)  # type: ignore[no-untyped-call]
-        # Push and Pull with chunk.data framed by hand (protos/framing.py): the
-        # same wire format, one copy of the data on each side.
-        # (_registered_method: grpc's own stubs pass it too; the typeshed stubs do not know it.)
-        push: Any = channel.stream_unary(  # type: ignore[call-arg]
-            f"/{WORKERS}/Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
-            _registered_method=True)
-        push_one: Any = channel.unary_unary(  # type: ignore[call-arg]
-            f"/{WORKERS}/PushOne", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString,
-            _registered_method=True)
-        pull: Any = channel.unary_stream(  # type: ignore[call-arg]
-            f"/{WORKERS}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=framing.read_pull_response, _registered_method=True)
-        pull_one: Any = channel.unary_unary(  # type: ignore[call-arg]
-            f"/{WORKERS}/PullOne", request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=framing.read_pull_response, _registered_method=True)
         if shard == len(self._channels):
             self._channels.append(channel)
             self._stubs.append(stub)
-            self._push_raw.append(push)
-            self._push_one.append(push_one)
-            self._pull_raw.append(pull)
-            self._pull_one.append(pull_one)
         else:
             self._retired.append(self._channels[shard])  # closed with the client: a heartbeat may use it now
             self._channels[shard], self._stubs[shard] = channel, stub
-            self._push_raw[shard], self._push_one[shard] = push, push_one
-            self._pull_raw[shard], self._pull_one[shard] = pull, pull_one
         self.addresses[shard] = address
 
     # -- fail-over ------------------------------------------------------------
@@ -459,6 +395,14 @@ class Transport:
         for c in self._channels + self._retired + list(self._operator_channels.values()):
             c.close()
         self._pool.shutdown(wait=True)
+
+
+def _calls(shard: int, via: ShardPath) -> Calls:
+    """Who makes ``shard``'s call on ``via``: its data connection (UNAVAILABLE while it has none: retried)."""
+    if via.calls is None:
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, f"shard {shard}: no data connection yet: asked again once "
+                                                       "it is made")
+    return via.calls
 
 
 class _Soon:

@@ -577,6 +577,22 @@ class TakeOverRequest(_message.Message):
     worker_id: int
     def __init__(self, reason: _Optional[str] = ..., offer_data: _Optional[bool] = ..., worker_id: _Optional[int] = ...) -> None: ...
 
+class ConnectRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("data_port", "data_token", "data_route")
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROUTE_FIELD_NUMBER: _ClassVar[int]
+    data_port: int
+    data_token: bytes
+    data_route: int
+    def __init__(self, data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ..., data_route: _Optional[int] = ...) -> None: ...
+
 class RowTableSpec(_message.Message):
     __slots__ = ("name", "dim", "keys", "optimizer", "init_json", "seed", "admit", "expire")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -88,6 +88,11 @@ class WorkersStub:
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.TakeOverRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
                 _registered_method=True)
+        self.Connect = channel.unary_unary(
+                '/shardps.v1.Workers/Connect',
+                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ConnectResponse.FromString,
+                _registered_method=True)
 
 
 class WorkersServicer:
@@ -166,6 +171,14 @@ class WorkersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request, context):
+        """Where the worker's data connection to the shard goes now: asked when
+        the connection is to be made again (it was lost, the process restarted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +231,11 @@ def add_WorkersServicer_to_server(servicer, server):
                     servicer.TakeOver,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.TakeOverRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.SerializeToString,
+            ),
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ConnectRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ConnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -494,6 +512,33 @@ class Workers:
             '/shardps.v1.Workers/TakeOver',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.TakeOverRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Workers/Connect',
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ConnectRequest.SerializeToString,
+            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,

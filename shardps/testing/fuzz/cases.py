@@ -20,7 +20,7 @@ PACKAGE = "shardps.v1"
 # The services of ps.proto, one per audience, and their methods (every method a case may call).
 SERVICES: dict[str, tuple[str, ...]] = {
     "Workers": ("Register", "Push", "Pull", "PushOne", "PullOne", "Heartbeat", "Leave", "Describe", "Recover",
-                "TakeOver"),
+                "TakeOver", "Connect"),
     "Operator": ("Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"),
     "Peers": ("Exchange", "Replicate"),  # and Describe, which the workers' service has too
     "Rows": ("RegisterRows", "PullRows", "PushRows"),  # row tables (docs/sparse.md)
@@ -269,7 +269,7 @@ REQUEST_TYPES: dict[str, Any] = {
     "Rollback": ps_pb2.RollbackRequest,
     "Checkpoint": ps_pb2.CheckpointRequest, "Replicate": ps_pb2.ReplicateRequest, "Promote": ps_pb2.PromoteRequest,
     "AttachReplica": ps_pb2.AttachReplicaRequest, "RegisterRows": ps_pb2.RegisterRowsRequest,
-    "PullRows": ps_pb2.PullRowsRequest, "PushRows": ps_pb2.PushRowsRequest,
+    "PullRows": ps_pb2.PullRowsRequest, "PushRows": ps_pb2.PushRowsRequest, "Connect": ps_pb2.ConnectRequest,
 }
 RESPONSE_TYPES: dict[str, Any] = {
     "Push": ps_pb2.PushResponse, "Register": ps_pb2.RegisterResponse, "Pull": ps_pb2.PullResponse,
@@ -279,7 +279,7 @@ RESPONSE_TYPES: dict[str, Any] = {
     "Checkpoint": ps_pb2.CheckpointResponse, "Replicate": ps_pb2.ReplicateResponse,
     "Promote": ps_pb2.PromoteResponse, "AttachReplica": ps_pb2.AttachReplicaResponse,
     "RegisterRows": ps_pb2.RegisterRowsResponse, "PullRows": ps_pb2.PullRowsResponse,
-    "PushRows": ps_pb2.PushRowsResponse,
+    "PushRows": ps_pb2.PushRowsResponse, "Connect": ps_pb2.ConnectResponse,
 }
 
 

@@ -123,6 +123,14 @@ def gen_heartbeat(src: Source, t: Target, avoid: bool) -> Case:
                 may_succeed=True)
 
 
+def gen_connect(src: Source, t: Target, avoid: bool) -> Case:
+    """Where a worker's data connection goes (no state the fingerprint sees: a token on the data port); any
+    worker id is answered by a serving shard."""
+    sh = src.choice(t.shards)
+    w = src.choice([*sh.registered, wild_int(src, *INT32)])
+    return Case("connect", "Connect", sh.index, messages=[ps_pb2.ConnectRequest(worker_id=w)], may_succeed=True)
+
+
 def gen_leave(src: Source, t: Target, avoid: bool) -> Case:
     """A worker id outside the job leaves: refused. (A real Leave changes membership, so the fuzzer,
     which asserts that nothing changes, sends only these; tests/test_leave.py covers the rest.)"""
@@ -229,7 +237,8 @@ GENERATORS: dict[str, Callable[[Source, Target, bool], Case]] = {
     "Push": gen_push, "Register": gen_register, "Pull": gen_pull, "PullState": gen_pull_state,
     "Exchange": gen_exchange, "SetSync": gen_set_sync, "Stats": gen_stats, "Heartbeat": gen_heartbeat,
     "Rollback": gen_rollback, "Checkpoint": gen_checkpoint, "Replicate": gen_replicate, "Promote": gen_promote,
-    "Leave": gen_leave, "RegisterRows": gen_register_rows, "PullRows": gen_pull_rows, "PushRows": gen_push_rows,
+    "Leave": gen_leave, "Connect": gen_connect,
+    "RegisterRows": gen_register_rows, "PullRows": gen_pull_rows, "PushRows": gen_push_rows,
 }
 
 _WORKER_ID_MINUS_ONE = b"\x08" + b"\xff" * 9 + b"\x01"  # field 1 (worker_id) = -1, as protobuf writes it
