@@ -46,7 +46,7 @@ from shardps.server.datapath.wire import (
     encode_state,
     state_chunk_bytes,
 )
-from shardps.server.errors import OutOfRange
+from shardps.server.errors import OutOfRange, Unavailable
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.experts.service import ExpertsServicer
 from shardps.server.metrics import ServerMetrics
@@ -283,7 +283,8 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         """Where the worker's data connection to this shard goes now (its connection was lost, or the process
         restarted: a new port and token): refused where the shard does not serve."""
         self.store.replica.check_serving()
-        assert self.data is not None  # create_server always opens the data port
+        if self.data is None:
+            raise Unavailable(f"shard {self.store.shard_index} serves no data port")
         port, route = self.data
         answer = ps_pb2.ConnectResponse(data_route=route)
         answer.data_port, answer.data_token = port.offer(request.worker_id)

@@ -30,14 +30,21 @@ def test_push_pull_stats_by_hand(cluster2):
             client.push({"w": torch.ones(30, 20)}, step=1)
 
 
-def test_attach_learns_the_layout(cluster2):
+def test_attach_learns_the_layout_and_connects_beside_a_worker_of_the_same_id(cluster2):
+    """A pull-only client asks each shard where its data connection goes (Workers.Connect); under the worker's
+    own id (0 for both here) its connection stands beside the worker's, which goes on serving."""
     w = torch.randn(64, 16)
-    with shardps.connect(cluster2.addresses, part_bytes=1024) as owner:
-        owner.register({"w": w}, shardps.optim.Adam(), sync="asp")
-        with shardps.connect(cluster2.addresses) as reader:
+    with shardps.connect(cluster2.addresses, part_bytes=1024, shm=False) as owner:
+        owner.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp")
+        conns = [p.conn for p in owner.paths]
+        with shardps.connect(cluster2.addresses, shm=False) as reader:
             reader.attach()
             assert reader.shard_map.parts == owner.shard_map.parts
             assert torch.equal(reader.pull()["w"], w)
+            assert reader.worker_id == owner.worker_id and {p.conn for p in reader.paths}.isdisjoint(conns)
+            owner.push({"w": torch.ones(64, 16)}, step=0)
+            assert torch.equal(reader.pull(min_versions=1)["w"], w - 1)
+            assert [p.conn for p in owner.paths] == conns and not any(c.error for c in conns)
 
 
 @pytest.mark.cluster

@@ -25,7 +25,7 @@ import shardps
 from shardps.protos import dataconn as wire
 from shardps.protos import env
 from shardps.protos.security import Security
-from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.worker.datapath import dataconn
 from shardps.worker.datapath.dataconn import ConnPath, FrameError
 
@@ -811,6 +811,22 @@ def test_a_long_push_the_server_reads_slowly_is_not_taken_for_a_stopped_server(m
     finally:
         conn.close()
         server.close()
+
+
+def test_connect_answers_what_register_offered_and_a_backup_refuses_it(make_cluster):
+    """Workers.Connect: the shard's primary answers the data port, the worker's token and the shard's route its
+    Register answer gave; a backup (it does not serve the shard) refuses, UNAVAILABLE saying so."""
+    c = make_cluster(2, replicas=2)
+    with shardps.connect(c.addresses, shm=False) as client:
+        client.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        path = client.paths[0]
+        a = client.transport.stub(0).Connect(ps_pb2.ConnectRequest(worker_id=client.worker_id), timeout=10)
+        assert (a.data_port, a.data_token, a.data_route) == (
+            int(path.conn.where.rsplit(":", 1)[1]), path.conn.token, path.route)
+    with grpc.insecure_channel(c.backup_addresses[0]) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.WorkersStub(ch).Connect(ps_pb2.ConnectRequest(worker_id=0), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "backup of shard 0" in err.value.details()
 
 
 @pytest.mark.fault

@@ -101,9 +101,8 @@ class PSClient(RowCalls):
         self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
         self.paths = ShardPaths(worker_id, len(self.addresses))
         self._tensor_shards: tuple[ShardMap | None, dict[str, set[int]]] = (None, {})  # per shard map
-        # failed over to a backup: its data connection where it offers one (frames), else gRPC
+        # failed over to a backup: the shard's calls on this worker's connection to the backup's process
         self.transport.on_moved = self.paths.moved
-        self.transport.offer_data = True  # a backup that takes over offers its data connection (ShardPaths.moved)
         self._registered = self._closed = False  # registered as a worker: close() says goodbye (Leave)
         # row tables (docs/sparse.md); their pushes carry the epoch once this client registered tensors (it
         # knows the job's epoch then: a client of row tables alone pushes unchecked, as before)

@@ -116,8 +116,10 @@ class ShardPaths(Sequence[ShardPath]):
     def _place(self, shard: int, key: Key, token: bytes, route: int) -> bool:
         """Shard ``shard``'s calls on this worker's connection at ``key`` (made now if there is none); when it
         cannot be made, the shard is lost (``revive`` makes it again). Whether it is placed."""
-        assert self._opened is not None
-        smap, layouts, transport = self._opened
+        opened = self._opened
+        if opened is None:  # closed meanwhile (a made-again connection's thread; ``close`` joins it)
+            return False
+        smap, layouts, transport = opened
         conn = self._conns.get(key)
         if conn is None or conn.error:
             try:
@@ -216,7 +218,7 @@ class ShardPaths(Sequence[ShardPath]):
                 return None
             t = self._reviving = threading.Thread(target=self._revive, args=(due,), daemon=True,
                                                   name=f"shardps-data-revive-w{self._worker_id}")
-        t.start()
+            t.start()  # under the lock: ``close`` and ``ready`` never find it listed and not started
         return t
 
     def _revive(self, shards: list[int]) -> None:
@@ -260,13 +262,11 @@ class ShardPaths(Sequence[ShardPath]):
     def _failed(self, shard: int, why: str) -> None:
         """An attempt to make shard ``shard``'s connection failed: the next one after a longer back-off."""
         with self._cv:
-            self._tried[shard] = self._tried.get(shard, 0) + 1
-            self._cv.notify_all()
-            if shard not in self._lost:
-                return
-            _, backoff = self._lost[shard]
-            self._lost[shard] = (time.monotonic() + backoff, min(MAX_BACKOFF_S, 2 * backoff))
-            self._why[shard] = why
+            backoff = self._lost.get(shard, (0.0, 0.0))[1]
+            if shard in self._lost:
+                self._lost[shard] = (time.monotonic() + backoff, min(MAX_BACKOFF_S, 2 * backoff))
+                self._why[shard] = why
+        self._done(shard)  # after the why: the call that waited for it says it
         log.warning("shard %d: %s; tried again in %.0fs", shard, why, backoff)
 
     def moved(self, shard: int, answer: ps_pb2.PromoteResponse) -> None:

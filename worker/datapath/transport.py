@@ -84,7 +84,6 @@ class Transport:
         self._failover_lock = threading.Lock()
         # called with a shard and its new primary's answer once it failed over (under the fail-over lock)
         self.on_moved: Callable[[int, ps_pb2.PromoteResponse], None] | None = None
-        self.offer_data = False  # ask a backup that takes over for its data connection (ShardPaths.moved)
         self._retired: list[grpc.Channel] = []
         self._channels: list[grpc.Channel] = []
         self._stubs: list[ps_pb2_grpc.WorkersStub] = []
@@ -212,7 +211,7 @@ class Transport:
             try:
                 r = ps_pb2_grpc.WorkersStub(channel).TakeOver(  # type: ignore[no-untyped-call]
                     ps_pb2.TakeOverRequest(reason=f"worker {self.worker_id}: {failed} unavailable: {details[:200]}",
-                                           offer_data=self.offer_data, worker_id=self.worker_id),
+                                           offer_data=True, worker_id=self.worker_id),
                     timeout=min(10.0, self.timeout))
             except grpc.RpcError as e:
                 channel.close()
