@@ -397,6 +397,19 @@ def test_a_connection_that_ends_as_its_shard_is_put_on_it_is_made_again(make_clu
         client.close()
 
 
+def test_a_connection_made_again_as_the_client_closes_stops_quietly(make_cluster):
+    """The thread that makes a lost connection again may ask a shard (``Workers.Connect``) after the client
+    closed its channels (it closes them, then joins that thread): it stops, and raises nothing."""
+    cluster = make_cluster(1)
+    client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1, shm=False)
+    try:
+        client.register({"w": torch.zeros(8)}, shardps.optim.SGD(lr=1.0), sync="asp")
+        client.transport.close()
+        client.paths._revive_each([0])  # what that thread does next
+    finally:
+        client.close(leave=False)  # (its channels are closed: no goodbye)
+
+
 def test_a_pull_abandoned_is_not_asked_again_after_a_frame_of_it_fails(make_cluster, monkeypatch):
     """Once the step's push failed and its pull was abandoned, a shard's frame that fails UNAVAILABLE (or whose
     carried Pull was not made) ends that shard with the failure; no retry begins (``abandon`` waits only for the

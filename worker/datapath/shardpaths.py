@@ -238,6 +238,8 @@ class ShardPaths(Sequence[ShardPath]):
             try:
                 answer = transport.stub(shard).Connect(ps_pb2.ConnectRequest(worker_id=self._worker_id),
                                                        timeout=min(10.0, transport.timeout))
+            except ValueError:  # the client closes: its channels are closed (``close`` joins this thread next)
+                return
             except grpc.RpcError as e:
                 code, details = status_of(e)
                 self._failed(shard, f"Connect at {address}: {code.name}: {details}")
