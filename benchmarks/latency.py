@@ -32,15 +32,8 @@ RPC has a deadline (``--rpc-timeout``), the whole run a watchdog
 on error too. The run fails if the pulled data differs from what was sent
 (lr = 0 keeps the weights; the raw server echoes what it got).
 
-``--breakdown`` measures instead where a round's time goes, with the server
-in this process: the round as above (``full``); the same client against a
-shard whose Push and Pull handlers answer fixed bytes (a server
-interceptor: ``canned server``, the client's work and the RPCs); the same
-RPCs sent as pre-framed bytes from a plain channel to that shard
-(``canned both``: gRPC and the RPCs' shapes alone); and the raw server.
 
     .venv/bin/python benchmarks/latency.py [--rounds 2000] [--server both] [--json]
-    .venv/bin/python benchmarks/latency.py --breakdown [--rounds 2000]
 """
 
 from __future__ import annotations
@@ -154,33 +147,6 @@ class RawClient:
         self.channel.close()
 
 
-class CannedData(grpc.ServerInterceptor):
-    """A shard's Push and Pull answered with fixed bytes, whatever they ask: what the RPCs cost without
-    the server's work (``--breakdown``). Every other call goes through."""
-
-    def __init__(self) -> None:
-        self.push = b""
-        self.pull = b""
-
-    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
-        if handler is None or not details.method.endswith(("/Push", "/Pull")):
-            return handler
-
-        def drain(requests: Any, context: grpc.ServicerContext) -> bytes:
-            for _ in requests:
-                pass
-            return self.push
-
-        if details.method.endswith("/Push"):  # no (de)serializers: bytes as they are
-            if handler.request_streaming:
-                return grpc.stream_unary_rpc_method_handler(drain)
-            return grpc.unary_unary_rpc_method_handler(lambda request, context: self.push)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(lambda request, context: iter((self.pull,)))
-        return grpc.unary_unary_rpc_method_handler(lambda request, context: self.pull)
-
-
 # -- measuring -------------------------------------------------------------------
 
 
@@ -289,68 +255,18 @@ class Bench:
             self.checks.append(lambda: (f"{form} {system}", torch.equal(model.w.detach(), weight)))
         self.rounds[(form, system)] = round_
 
-    def add_canned(self) -> None:
-        """``--breakdown``: the client, then plain pre-framed RPCs, against a shard answering fixed bytes."""
-        import torch
-
-        import shardps
-        from shardps.protos import framing
-        from shardps.protos.shardps.v1 import ps_pb2
-
-        a = self.args
-        canned = CannedData()
-        cluster = shardps.LocalCluster(1, interceptors=[canned], startup_timeout=a.startup_timeout,
-                                       max_wait_s=a.rpc_timeout)
-        self.stack.append(cluster.stop)
-        cluster.start()
-        client = shardps.connect(cluster.addresses, timeout=a.rpc_timeout, ready_timeout=a.startup_timeout)
-        self.stack.append(client.close)
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(a.elements, generator=gen)
-        grads = {"w": torch.randn(a.elements, generator=gen)}
-        client.register({"w": weight}, shardps.optim.SGD(lr=0.0), sync="asp")
-        chunk = client.chunk_bytes  # the model is one message each way (checked in main)
-        prefix, suffix = framing.pull_header(1, 0.0, "asp", 0)
-        [pull_msg] = [m for *_, m in framing.chunk_messages(prefix, framing.PULL_CHUNK_FIELD, suffix, "w",
-                                                            ps_pb2.FLOAT32, (a.elements,), weight, 0, a.elements,
-                                                            chunk)]
-        canned.push, canned.pull = ps_pb2.PushResponse(version=1, sync="asp").SerializeToString(), pull_msg
-        out = {"w": torch.empty_like(weight)}
-        client_round = push_pull_rounds(client, grads, out)
-
-        prefix, suffix = framing.header(ps_pb2.PushRequest, worker_id=0, step=1)
-        [push_msg] = [m for *_, m in framing.chunk_messages(prefix, framing.PUSH_CHUNK_FIELD, suffix, "w",
-                                                            ps_pb2.FLOAT32, (a.elements,), grads["w"], 0,
-                                                            a.elements, chunk)]
-        pull_request = ps_pb2.PullRequest(names=["w"], chunk_bytes=chunk).SerializeToString()
-        channel = grpc.insecure_channel(cluster.addresses[0])
-        self.stack.append(channel.close)
-        push = channel.unary_unary("/shardps.v1.Workers/PushOne")
-        pull = channel.unary_unary("/shardps.v1.Workers/PullOne")
-
-        def rpc_round() -> float:  # the two calls the client makes, as it makes them for one message each
-            t = time.perf_counter()
-            push(push_msg, timeout=a.rpc_timeout)
-            pull(pull_request, timeout=a.rpc_timeout)
-            return time.perf_counter() - t
-
-        self.rounds[("inprocess", "canned server")] = client_round
-        self.rounds[("inprocess", "canned both")] = rpc_round
-
     def run(self) -> dict[str, Any]:
         import torch
 
         a = self.args
-        forms = ("inprocess",) if a.breakdown else FORMS if a.server == "both" else (a.server,)
+        forms = FORMS if a.server == "both" else (a.server,)
         t0 = time.perf_counter()
         self.add_raw("inprocess")
         for form in forms:
             if form == "process":
                 self.add_raw("process")
-            for system in ("push+pull",) if a.breakdown else SYSTEMS[1:]:
+            for system in SYSTEMS[1:]:
                 self.add_shardps(form, system)
-        if a.breakdown:
-            self.add_canned()
         self.log(f"servers up in {time.perf_counter() - t0:.1f}s: {len(self.rounds)} systems")
         keys = list(self.rounds)
         times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
@@ -389,7 +305,7 @@ class Bench:
                         "loadavg": list(os.getloadavg())},
             "model": {"elements": a.elements, "bytes": a.elements * 4, "dtype": "float32"},
             "rounds": a.rounds, "warmup": a.warmup, "block": a.block, "servers": list(forms),
-            "breakdown": a.breakdown, "results": results,
+            "results": results,
         }
 
 
@@ -414,11 +330,6 @@ def report(res: dict[str, Any]) -> str:
                      f"{r['max']:9.3f}{r['ratio_p50']:9.2f}{r['ratio_p99']:9.2f}")
     lines.append("(a round: push then pull; raw: unary gRPC with bytes, the same server form; "
                  "ratio: system / raw)")
-    if res["breakdown"]:
-        p50 = {r["system"]: r["p50"] for r in res["results"]}
-        lines.append(f"p50 shares (ms): server's work {p50['push+pull'] - p50['canned server']:.3f}, "
-                     f"client's work {p50['canned server'] - p50['canned both']:.3f}, "
-                     f"the RPCs' shapes beyond raw {p50['canned both'] - p50['raw']:.3f}, raw {p50['raw']:.3f}")
     return "\n".join(lines)
 
 
@@ -430,9 +341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="fp32 elements of the model's one tensor (default 1024: 4 KB)")
     p.add_argument("--server", choices=("process", "inprocess", "both"), default="both",
                    help="shardps server as a process, in this process, or both in one run (default both)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="where a round's time goes: the server's work, the client's, the RPCs (server in process; "
-                        "a model of one message each way)")
     p.add_argument("--block", type=int, default=100,
                    help="rounds a system runs before the next takes its turn (default 100)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -447,8 +355,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_raw("127.0.0.1")
     if args.rounds < 1 or args.warmup < 0 or args.elements < 1 or args.block < 1:
         p.error("need --rounds >= 1, --warmup >= 0, --elements >= 1, --block >= 1")
-    if args.breakdown and args.elements * 4 > 1 << 20:
-        p.error("--breakdown: the model must fit one message each way (--elements up to 262144)")
 
     res = run_guarded("latency.py", args.max_seconds, lambda: run(args), lambda: _CHILDREN)
     if res is None:

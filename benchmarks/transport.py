@@ -267,8 +267,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw = RawServers(args.shards, "127.0.0.1", args.startup_timeout)
         log(f"servers up in {time.perf_counter() - t0:.1f}s: shardps {cluster.addresses}, raw {raw.addresses}")
 
-        # Three shardps workers of one asp job (the same servers): over gRPC, through shared memory (the
-        # same-host fast path), and through DistributedOptimizer.step() (what training loops call).
+        # Three shardps workers of one asp job (the same servers): the bytes in the data connection's frames,
+        # through shared memory (the same-host fast path), and through DistributedOptimizer.step() (what
+        # training loops call).
         def connect(worker_id: int, shm: bool) -> Any:
             return shardps.connect(cluster.addresses, timeout=args.rpc_timeout, chunk_bytes=args.chunk_bytes,
                                    ready_timeout=args.startup_timeout, worker_id=worker_id, num_workers=3, shm=shm)
@@ -425,7 +426,7 @@ def report(res: dict[str, Any]) -> str:
         "   (one copy each way: this machine's limit)",
         f"{'shm/raw':10}{qs['push']:12.2f}{qs['pull']:12.2f}{qs['round']:12.2f}",
         f"{'shm/memcpy':10}{qm['push']:12.2f}{qm['pull']:12.2f}{qm['round']:12.2f}",
-        f"DistributedOptimizer.step() ({'shm' if res['optimizer_shm'] else 'gRPC'}): round "
+        f"DistributedOptimizer.step() ({'shm' if res['optimizer_shm'] else 'frames'}): round "
         f"{res['optimizer']['round_MBps']:.1f} MB/s, {res['ratio_optimizer']:.2f} of PSClient push+pull on the "
         f"same path, {res['ratio_optimizer_raw']:.2f} of raw gRPC",
         "(round: push then pull, 2 x model bytes over the round's time; ratio: shardps / raw)",
@@ -443,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--client-threads", type=int, default=0,
                    help="torch intra-op threads in this (client) process (default 0: torch's default)")
     p.add_argument("--optimizer-shm", action="store_true",
-                   help="DistributedOptimizer.step() through shared memory (default: over gRPC, as PSClient's row)")
+                   help="DistributedOptimizer.step() through shared memory (default: frames, as PSClient's row)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of every RPC, seconds (default 60)")

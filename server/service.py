@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardps.protos import codec, framing
+from shardps.protos import codec
 from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import KEEPALIVE_SERVER_OPTIONS, Security
@@ -39,14 +39,13 @@ from shardps.server.datapath.reader import Item, Lent
 from shardps.server.datapath.shm import SegmentCache, Segments
 from shardps.server.datapath.slicepull import decode_slices
 from shardps.server.datapath.wire import (
-    counted,
     decode_pull,
     decode_push,
     decode_register,
     encode_state,
     state_chunk_bytes,
 )
-from shardps.server.errors import OutOfRange, Unavailable
+from shardps.server.errors import Unavailable
 from shardps.server.exchange import PeerChannels, encode_partial
 from shardps.server.experts.service import ExpertsServicer
 from shardps.server.metrics import ServerMetrics
@@ -138,11 +137,6 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
             answer.data_port, answer.data_token = port.offer(j.worker_id)
         return answer
 
-    @unary_errors
-    def Push(self, request_iterator: Iterator[ps_pb2.PushRequest],
-             context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        return self.push_frames(request_iterator, self.segments)
-
     def push_frames(self, requests: Iterator[ps_pb2.PushRequest], segments: Segments,
                     landed: Landing | None = None) -> ps_pb2.PushResponse:
         """A Push (its messages, their bytes where ``segments`` say): the gRPC handler's and the data
@@ -178,9 +172,6 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         chunks = [(m.chunk.shm_offset, m.chunk.shm_bytes, m.chunk) for m in messages
                   if m.shm == FRAME_SEGMENT and m.HasField("chunk") and m.chunk.shm_bytes > 0]
         return landing(chunks, store.table.spec, store.applier.pool.take) if chunks else None
-
-    def _pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        return self.pull_frames(request, self._timeout(context), self.segments)
 
     def pull_frames(self, request: ps_pb2.PullRequest, timeout: float, segments: Segments) -> Iterator[bytes]:
         """Whole PullResponse messages, framed once per version (see datapath/reader.py): they go out as they
@@ -230,27 +221,6 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         store.path.pull_soon(q.worker_id, q.names, q.wire_dtype, min_version=q.min_version, min_clock=q.min_clock,
                              epoch=q.epoch, timeout=timeout, segment=q.segment, deadlines=deadlines, answer=done)
         return True
-
-    @stream_errors
-    def Pull(self, request: ps_pb2.PullRequest,
-             context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from self._pull(request, context)
-
-    def _pull_one(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> bytes:
-        """Workers.PullOne: the one message, sent with the status; OUT_OF_RANGE when it would be more."""
-        messages = list(self._pull(request, context))
-        if len(messages) != 1:
-            raise OutOfRange(f"PullOne: the answer is {len(messages)} messages, not one: ask with Pull")
-        return messages[0]
-
-    PullOne = unary_errors(_pull_one, "Pull")
-
-    def _push_one(self, request: ps_pb2.PushRequest, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        """Workers.PushOne: a Push of one message, read whole before the handler runs (no hand-over per
-        message and per end of stream between gRPC's threads)."""
-        return self.push_frames(iter((request,)), self.segments)
-
-    PushOne = unary_errors(_push_one, "Push")
 
     @unary_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
@@ -373,12 +343,6 @@ def _register(service: str, add: Callable[[Any, Any], None], servicer: _Servicer
     recorder = _HandlerRecorder()
     add(servicer, recorder)
     handlers = recorder.handlers
-    if service == WORKERS and isinstance(servicer, _Servicer):
-        for name in ("Push", "PushOne"):
-            handlers[name] = handlers[name]._replace(
-                request_deserializer=counted(framing.read_push_request, servicer.store.job.received.add))
-        for name in ("Pull", "PullOne"):
-            handlers[name] = handlers[name]._replace(response_serializer=_pull_response_bytes)
     if service == ROWS:  # PullRows yields its messages framed (framing.pull_rows_message)
         handlers["PullRows"] = handlers["PullRows"]._replace(response_serializer=_pull_response_bytes)
     for name, h in list(handlers.items()):
@@ -394,11 +358,9 @@ def add_servicers(store: ShardStore, server: grpc.Server, *, max_wait_s: float =
     """The three services of ``store`` on ``server``, as the generated ``add_*Servicer_to_server`` with the
     data path's copies cut.
 
-    Every RPC keeps the generated handler; only Push's request deserializer
-    (framing.read_push_request: chunk.data stays a view of the received
-    bytes, but for small messages) and Pull's and PullRows' response serializers (the servicers yield
-    finished PullResponse and PullRowsResponse bytes) are replaced (PushOne's and PullOne's too), and
-    every request deserializer hands over bytes that do not parse as a ``Malformed``. Returns the workers'
+    Every RPC keeps the generated handler; only PullRows' response serializer (the servicer yields
+    finished PullRowsResponse bytes) is replaced, and every request deserializer hands over bytes that do
+    not parse as a ``Malformed``. Push and Pull are not RPCs: they come as frames on the data port. Returns the workers'
     shared-memory segments the services map (``segments``, or a new cache), which the caller unmaps, and
     ``data``: the process's data port, which the Workers servicer attaches to, with its route
     (``WorkersServicer.data``).

@@ -44,7 +44,7 @@ def _code(fn) -> tuple[grpc.StatusCode, str]:
 
 
 def test_the_services_have_one_audience_each():
-    assert audience_of("/shardps.v1.Workers/Push") == "worker"
+    assert audience_of("/shardps.v1.Workers/Heartbeat") == "worker"
     assert audience_of("/shardps.v1.Operator/Rollback") == "operator"
     assert audience_of("/shardps.v1.Peers/Replicate") == "peer"
     assert audience_of("/shardps.v1.Rows/PushRows") == "worker"  # row tables: the workers' too
@@ -52,8 +52,7 @@ def test_the_services_have_one_audience_each():
     assert audience_of("/grpc.health.v1.Health/Check") is None
     services = {s.name: [m.name for m in s.methods] for s in ps_pb2.DESCRIPTOR.services_by_name.values()}
     assert services == {
-        "Workers": ["Register", "Push", "Pull", "PushOne", "PullOne", "Heartbeat", "Leave", "Describe", "Recover",
-                    "TakeOver", "Connect"],
+        "Workers": ["Register", "Heartbeat", "Leave", "Describe", "Recover", "TakeOver", "Connect"],
         "Operator": ["Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"],
         "Peers": ["Exchange", "Replicate", "Describe"],
         "Rows": ["RegisterRows", "PullRows", "PushRows"],

@@ -9,6 +9,7 @@ import torch
 import shardps
 import shardps.server.errors
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.testing.frames import FrameStub
 
 
 @pytest.fixture
@@ -16,10 +17,9 @@ def setup(make_cluster):
     cluster = make_cluster(1)
     client = shardps.connect(cluster.addresses, worker_id=0, num_workers=2)
     client.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.Adam(), sync="bsp")
-    channel = grpc.insecure_channel(cluster.addresses[0])
-    stub = ps_pb2_grpc.WorkersStub(channel)
+    stub = FrameStub(cluster.addresses[0])  # Push as a data connection's frames, the rest over gRPC
     yield cluster.stores[0], stub, client
-    channel.close()
+    stub.close()
     client.close()
 
 
@@ -155,9 +155,8 @@ def test_non_finite_gradient_not_flagged_by_the_worker_is_caught_and_the_step_sk
     bad = torch.ones(6)
     bad[3] = float("nan")
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client, \
-            grpc.insecure_channel(cluster.addresses[0]) as ch:
+            FrameStub(cluster.addresses[0]) as stub:
         client.register({"w": torch.ones(6)}, shardps.optim.SGD(lr=1.0), sync="bsp")
-        stub = ps_pb2_grpc.WorkersStub(ch)
         r = push(stub, chunk(n=6, shape=(6,), data=bad.numpy().tobytes()))  # found_inf not set
     assert r.version == 1 and not r.applied
     assert store.applier.skipped_steps_total == 1 and torch.equal(store.reader.weights("w")[0], torch.ones(6))

@@ -14,7 +14,8 @@ from torch import nn
 import shardps
 from shardps.compress import Dense, PowerSGD, Rules, TopK
 from shardps.protos import compressed
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.testing.frames import FrameStub
 from tests.helpers import run_workers
 
 PATHS = [pytest.param(False, id="grpc"), pytest.param(True, id="shm")]
@@ -147,9 +148,9 @@ def one_shard(make_cluster):
     cluster = make_cluster(1)
     client = shardps.connect(cluster.addresses, worker_id=0, num_workers=1)
     client.register({"w": torch.randn(4, 5), "b": torch.randn(5)}, shardps.optim.SGD(lr=1.0), sync="bsp")
-    channel = grpc.insecure_channel(cluster.addresses[0])
-    yield cluster.stores[0], ps_pb2_grpc.WorkersStub(channel), client
-    channel.close()
+    stub = FrameStub(cluster.addresses[0])  # Push as a data connection's frames
+    yield cluster.stores[0], stub, client
+    stub.close()
     client.close()
 
 

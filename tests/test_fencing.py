@@ -23,6 +23,7 @@ from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.coordinator import Etcd, LocalEtcd, ShardLease
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore
+from shardps.testing.frames import FrameStub
 from tests.helpers import ETCD_MISSING
 
 pytestmark = [pytest.mark.cluster,
@@ -201,16 +202,17 @@ def test_requests_carry_the_fencing_epoch_and_one_not_the_primarys_is_refused_na
         assert client.transport.fence_epochs[0] == 2  # learnt from the takeover's answer
         new = c.backups[1]
         version = new.job.version
-        stub = ps_pb2_grpc.WorkersStub(grpc.insecure_channel(c.backup_addresses[0]))
+        stub = FrameStub(c.backup_addresses[0])  # Push and Pull as a data connection's frames
         with pytest.raises(grpc.RpcError) as e:
-            stub.Push(iter([_push_request(0, 2, 1)]), timeout=10)
+            stub.Push([_push_request(0, 2, 1)], timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "worker 0's push of step 2 of fencing epoch 1, older than this primary's 2" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Pull(ps_pb2.PullRequest(worker_id=0, fence_epoch=3), timeout=10))
+            stub.Pull(ps_pb2.PullRequest(worker_id=0, fence_epoch=3), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "worker 0's pull of fencing epoch 3, newer than this server's 2" in e.value.details()
         assert new.job.version == version  # nothing applied
+        stub.close()
         push_one(client, 2)  # the worker's own requests carry 2: accepted
         assert new.job.version == version + 1
 

@@ -12,9 +12,10 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import shardps
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import ps_pb2
 from shardps.server.metrics import STALENESS_BUCKETS, ServerMetrics, staleness_buckets
 from shardps.server.store import ShardStore
+from shardps.testing.frames import FrameStub
 from shardps.worker.metrics import WorkerMetrics
 from tests.helpers import run_workers
 
@@ -95,11 +96,10 @@ def test_rpc_errors_are_counted_by_code(make_cluster):
     cluster = make_cluster(1, metrics=True)
     with shardps.connect(cluster.addresses) as client:
         client.register({"w": torch.zeros(4)}, shardps.optim.SGD(), sync="bsp")
-    with grpc.insecure_channel(cluster.addresses[0]) as ch:
-        stub = ps_pb2_grpc.WorkersStub(ch)
+    with FrameStub(cluster.addresses[0]) as stub:  # Pull as a data connection's frame
         for _ in range(2):
             with pytest.raises(grpc.RpcError):
-                list(stub.Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5))
+                stub.Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5)
     v = cluster.registries[0].get_sample_value
     assert v("shardps_rpc_errors_total", {"shard": "0", "method": "Pull", "code": "NOT_FOUND"}) == 2
 

@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,7 @@ from torch import nn
 import shardps
 from shardps.exposition import serve_metrics
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.testing.frames import FrameStub
 from shardps.worker.metrics import WorkerMetrics
 from tests.helpers import chosen_port, run_workers, start_prometheus, stop_prometheus
 
@@ -60,11 +62,9 @@ def scraped(tmp_path_factory):
     proc = None
     try:
         endpoints = run_workers(lambda k: _train(cluster.addresses, k, 40), 2)
-        with shardps.connect(cluster.addresses) as client:  # one refused request: shardps_rpc_errors_total
-            client.attach()
-            with pytest.raises(shardps.ShardError):
-                t = client.transport
-                t.each(lambda i: list(t.stub(i).Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5)), [0])
+        with FrameStub(cluster.addresses[0]) as stub:  # one refused request: shardps_rpc_errors_total
+            with pytest.raises(grpc.RpcError):
+                stub.Pull(ps_pb2.PullRequest(names=["ghost"]), timeout=5)
         targets = cluster.metrics_addresses + [e.address for e in endpoints]
         (tmp / "prometheus.yml").write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"

@@ -3,10 +3,11 @@
 Regression tests for 2026-12-01 (the fuzzer, seeds the suite had never
 run): a Push whose later message said found_inf where its first did not was
 applied as one step, and a state change it made was blamed on the malformed
-stream before it. Every path that reads a Push (the stream, the one-message
-unary call, the same-host path through shared memory), a Register stream,
-and an op replicated to a backup share one check (server/datapath/headers.py); each
-path is tried here over gRPC. The checks themselves: tests/server/test_wire.py
+stream before it. Every path that reads a Push (a frame of many messages or
+of one, the same-host path through shared memory), a Register stream, and
+an op replicated to a backup share one check (server/datapath/headers.py); each
+path is tried here as the shard receives it (Push as a data connection's
+frames, the others over gRPC). The checks themselves: tests/server/test_wire.py
 and tests/server/test_replica.py.
 """
 
@@ -19,6 +20,7 @@ import torch
 import shardps
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.testing import fuzz
+from shardps.testing.frames import FrameStub
 
 W = torch.arange(20, dtype=torch.float32).reshape(4, 5)
 
@@ -52,7 +54,7 @@ def refused(call, stores, fragments) -> None:
 
 def test_a_streamed_push_whose_found_inf_disagrees_is_refused(one_shard):
     cluster, channel, _ = one_shard
-    stub = ps_pb2_grpc.WorkersStub(channel)
+    stub = FrameStub(cluster.addresses[0])
     head = dict(worker_id=0, step=0, base_version=0)
     msgs = [ps_pb2.PushRequest(**head, chunk=chunk(0, 10)), ps_pb2.PushRequest(**head, chunk=chunk(10, 10)),
             ps_pb2.PushRequest(**head, found_inf=True)]
@@ -68,23 +70,23 @@ def test_a_streamed_push_whose_found_inf_disagrees_is_refused(one_shard):
     assert torch.equal(fuzz.pull_all(cluster.addresses)["w"], W)
 
 
-def test_the_one_message_push_path_refuses_what_the_stream_refuses(one_shard):
-    """A one-message Push (Workers.PushOne, a unary handler): the same check."""
-    cluster, channel, _ = one_shard
-    one = channel.unary_unary(fuzz.method_path("PushOne"))
+def test_a_push_of_one_message_is_refused_as_a_stream_is(one_shard):
+    """A Push frame of one message: the same check."""
+    cluster, _, _ = one_shard
+    stub = FrameStub(cluster.addresses[0])
     cut = ps_pb2.PushRequest(worker_id=0, step=0, chunk=chunk(0, 20), ends_with_last=True)  # no last: cut
-    refused(lambda: one(cut.SerializeToString(), timeout=10), cluster.stores,
-            ["ended before its last message"])
-    refused(lambda: one(b"\xff", timeout=10), cluster.stores, ["does not parse"])
+    refused(lambda: stub.Push([cut], timeout=10), cluster.stores, ["ended before its last message"])
+    refused(lambda: stub.Push([b"\xff"], timeout=10), cluster.stores, ["does not parse"])
     whole = ps_pb2.PushRequest(worker_id=0, step=0, chunk=chunk(0, 20), ends_with_last=True, last=True)
-    assert ps_pb2.PushResponse.FromString(one(whole.SerializeToString(), timeout=10)).applied
+    assert stub.Push([whole], timeout=10).applied
+    stub.close()
 
 
 def test_a_push_through_shared_memory_whose_messages_disagree_is_refused(one_shard):
     cluster, channel, client = one_shard
     link = client.shm_links[0]
     assert link is not None, "the worker shares this host with its shard: the fast path is on"
-    stub = ps_pb2_grpc.WorkersStub(channel)
+    stub = FrameStub(cluster.addresses[0])
 
     def msg(offset: int, **kw) -> ps_pb2.PushRequest:
         c = ps_pb2.Chunk(name="w", offset=offset, dtype=ps_pb2.FLOAT32, shape=[4, 5], shm_offset=offset * 4,

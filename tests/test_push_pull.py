@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import shardps
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.testing.frames import FrameStub
 from tests.helpers import run_workers
 
 STEPS = 6
@@ -195,8 +196,8 @@ def test_a_bad_pull_dtype_is_refused_and_changes_nothing(make_cluster):
         data_ = torch.ones(4).view(torch.uint8).numpy().tobytes()
         req = ps_pb2.PushRequest(worker_id=0, step=0, base_version=0, pull_after=True, pull_dtype=77,
                                  chunk=ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, data=data_, shape=[4]))
-        with pytest.raises(grpc.RpcError) as e:
-            ps_pb2_grpc.WorkersStub(channel).Push(iter([req]), timeout=10)
+        with pytest.raises(grpc.RpcError) as e, FrameStub(cluster.addresses[0]) as stub:
+            stub.Push([req], timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Push" in e.value.details()
         assert "77" in e.value.details()
         st = cluster.stores[0]

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import threading
 
-import grpc
 import pytest
 import torch
 from torch import nn
@@ -199,7 +198,8 @@ def test_a_worker_goes_on_from_the_lowest_step_any_shard_expects(make_cluster):
     checkpoint taken just after a fast worker's next push came in): the worker must send that step
     again, not skip it. It used to go on from the highest step any shard had, which left the other
     shard waiting for a step that never came. Duplicates are acknowledged, not applied twice."""
-    from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+    from shardps.protos.shardps.v1 import ps_pb2
+    from shardps.testing.frames import FrameStub
 
     cluster = make_cluster(2)
     params = {"a": torch.zeros(4), "b": torch.zeros(4)}
@@ -207,11 +207,9 @@ def test_a_worker_goes_on_from_the_lowest_step_any_shard_expects(make_cluster):
         c.register(params, shardps.optim.SGD(lr=1.0), sync="bsp")
         c.push({n: torch.ones(4) for n in params}, step=0)  # both shards: version 1
         [shard0_name] = [p.name for p in c.shard_map.parts if p.server == 0]
-        channel = grpc.insecure_channel(cluster.addresses[0])
         chunk = ps_pb2.Chunk(name=shard0_name, offset=0, dtype=ps_pb2.FLOAT32, data=torch.ones(4).numpy().tobytes())
-        ps_pb2_grpc.WorkersStub(channel).Push(  # step 1 reaches shard 0 only
-            iter([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)]), timeout=10)
-        channel.close()
+        with FrameStub(cluster.addresses[0]) as stub:  # step 1 reaches shard 0 only
+            stub.Push([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)], timeout=10)
         assert c.recover() == 1  # not 2
     with shardps.connect(cluster.addresses, worker_id=0, num_workers=1, part_bytes=16) as c:
         c.register(params, shardps.optim.SGD(lr=1.0), sync="bsp")

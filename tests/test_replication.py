@@ -20,6 +20,7 @@ from shardps.admin import run_attach_replica, run_promote
 from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
 from shardps.server.service import create_server, stop_server
 from shardps.server.store import ShardStore
+from shardps.testing.frames import FrameStub
 from tests.replicas import model, same_state, train
 
 
@@ -148,11 +149,10 @@ def test_promotion_is_refused_while_the_primary_serves(make_cluster):
         run_promote([backup], out=out)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert f"the primary of shard 0 at {c.addresses[0]} still answers SERVING" in e.value.details
-    # A backup does not serve the data path before it is promoted; the error names the primary.
-    channel = grpc.insecure_channel(backup)
-    stub = ps_pb2_grpc.WorkersStub(channel)
-    with pytest.raises(grpc.RpcError) as rpc:
-        list(stub.Pull(ps_pb2.PullRequest(worker_id=0), timeout=10))
+    # A backup does not serve the data path before it is promoted (no data connection is given: Connect is
+    # refused); the error names the primary.
+    with pytest.raises(grpc.RpcError) as rpc, FrameStub(backup) as stub:
+        stub.Pull(ps_pb2.PullRequest(worker_id=0), timeout=10)
     assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"this is a backup of shard 0 (its primary: {c.addresses[0]})" in rpc.value.details()
     # An endpoint that never received a copy has nothing to take over with.
@@ -163,7 +163,6 @@ def test_promotion_is_refused_while_the_primary_serves(make_cluster):
             run_promote([f"127.0.0.1:{port}"], force=True, out=out)
     finally:
         stop_server(server)
-        channel.close()
 
 
 @pytest.mark.cluster

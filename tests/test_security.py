@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import shardps
 from shardps.admin import run_promote
 from shardps.protos.security import Security
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.testing.frames import FrameStub
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certs")
 
@@ -124,12 +125,11 @@ def test_token_auth(make_cluster, pki, tls):
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
             assert ("missing" if token is None else "wrong") in err.value.details
             c.layouts, c.shard_map = {"w": None}, None
-        # A push without the token changes nothing.
+        # A push without the token changes nothing: its data connection is not given (Connect is refused).
         channel = sec.channel(cluster.addresses[0])
-        stub = ps_pb2_grpc.WorkersStub(channel)
         chunk = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, data=torch.ones(6).numpy().tobytes())
-        with pytest.raises(grpc.RpcError) as rpc_err:
-            stub.Push(iter([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)]), timeout=10)
+        with pytest.raises(grpc.RpcError) as rpc_err, FrameStub(cluster.addresses[0], security=sec) as stub:
+            stub.Push([ps_pb2.PushRequest(worker_id=0, step=1, base_version=1, chunk=chunk)], timeout=10)
         assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Health checks need no token (load balancers and orchestrators probe them).
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -137,7 +137,7 @@ def test_token_auth(make_cluster, pki, tls):
         channel.close()
     assert store.state_hash() == before
     assert cluster.registries[0].get_sample_value(
-        "shardps_rpc_errors_total", {"shard": "0", "method": "Push", "code": "UNAUTHENTICATED"}) == 2
+        "shardps_rpc_errors_total", {"shard": "0", "method": "Connect", "code": "UNAUTHENTICATED"}) == 2
 
 
 def test_security_settings_are_checked(tmp_path, monkeypatch):

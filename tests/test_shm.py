@@ -1,7 +1,7 @@
-"""The same-host fast path: tensor bytes through shared memory, frames on the data connection (gRPC with it
-off) carrying where they lie.
+"""The same-host fast path: tensor bytes through shared memory, frames on the data connection carrying where
+they lie.
 
-Exact against gRPC (the same bytes, another road), refused cleanly when a
+Exact against the bytes in the frames (the same bytes, another road), refused cleanly when a
 request names a bad segment, off where the probe fails, and the segments
 gone when the client closes.
 """
@@ -17,12 +17,13 @@ import torch
 
 import shardps
 from shardps.protos import shm
-from shardps.protos.shardps.v1 import ps_pb2, ps_pb2_grpc
+from shardps.protos.shardps.v1 import ps_pb2
+from shardps.testing.frames import FrameStub
 from tests.helpers import path_model, train_over_paths
 
 pytestmark = pytest.mark.skipif(
     not shm.available(),
-    reason="no writable /dev/shm on this machine: the same-host path is off, every shard is reached over gRPC")
+    reason="no writable /dev/shm on this machine: the same-host path is off")
 
 STEPS = 3
 
@@ -89,9 +90,9 @@ def one_shard(make_cluster):
     cluster = make_cluster(1)
     client = shardps.connect(cluster.addresses)
     client.register({"w": torch.randn(4, 5)}, shardps.optim.SGD(lr=0.5), sync="bsp")
-    channel = grpc.insecure_channel(cluster.addresses[0])
-    yield cluster.stores[0], ps_pb2_grpc.WorkersStub(channel), client
-    channel.close()
+    stub = FrameStub(cluster.addresses[0])  # Push and Pull as a data connection's frames
+    yield cluster.stores[0], stub, client
+    stub.close()
     client.close()
 
 
@@ -215,9 +216,9 @@ def test_a_half_gradient_that_overflows_in_the_cast_skips_the_step_on_every_shar
         assert [st.applier.skipped_steps_total for st in cluster2.stores] == [1, 1]
 
 
-def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradient_over_grpc(make_cluster,
+def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradient_in_its_frames(make_cluster,
                                                                                               monkeypatch):
-    """A fail-over turns a shard's segments off: a gradient meant to be cast into them goes over gRPC,
+    """A fail-over turns a shard's segments off: a gradient meant to be cast into them goes in the frames,
     cast the same way."""
     from shardps.worker.datapath.shm import ShmLink
 
@@ -248,7 +249,7 @@ def test_a_shard_whose_shared_memory_goes_off_after_the_copy_gets_the_cast_gradi
 @pytest.mark.timeout(300)
 def test_a_streamed_push_cast_into_shared_memory_survives_a_fail_over(tmp_path):
     """Overlap's push stream casts a gradient into each shard's segment as it is handed in. The primary of
-    shard 1 is killed after that, before the stream ends: the stream is retried on the backup over gRPC
+    shard 1 is killed after that, before the stream ends: the stream is retried on the backup, in the frames
     (segments are for the shard's first address), cast the same way, and applied once."""
     w, grad = torch.randn(600), torch.randn(600)
     with shardps.LocalCluster(2, processes=True, replicas=2) as c:
@@ -274,9 +275,9 @@ def test_an_empty_tensor_beside_a_cast_one(cluster2):
     assert torch.equal(got["w"], torch.full((600,), -1.0)) and got["e"].numel() == 0
 
 
-def test_a_segment_closed_before_the_copy_sends_that_shards_share_over_grpc_checked_as_cast(cluster2):
+def test_a_segment_closed_before_the_copy_sends_that_shards_share_in_its_messages_checked_as_cast(cluster2):
     """A fail-over in another thread may close a shard's segments between the push's look at its links
-    and its copy: that shard's share goes over gRPC, and what goes there is what is checked."""
+    and its copy: that shard's share goes in its messages, and what goes there is what is checked."""
     w = torch.randn(600)
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp", grad_dtype=torch.float16)

@@ -15,6 +15,7 @@ import torch
 import shardps
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
+from shardps.testing.frames import FrameStub
 from shardps.worker.datapath.pull import PullInFlight
 
 pytestmark = pytest.mark.cluster
@@ -125,8 +126,8 @@ BAD = [
 
 
 def _raw_pull(client: shardps.PSClient, shard: int, req: ps_pb2.PullRequest) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        list(client.transport.stub(shard).Pull(req, timeout=10))
+    with pytest.raises(grpc.RpcError) as info, FrameStub(client.transport.addresses[shard]) as stub:
+        stub.Pull(req, timeout=10)
     return info.value
 
 

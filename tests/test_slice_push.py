@@ -17,6 +17,7 @@ import shardps
 from shardps.protos import codec
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
+from shardps.testing.frames import FrameStub
 from shardps.worker.datapath.slicepush import push_slices
 from tests.helpers import run_workers
 from tests.replicas import same_state
@@ -84,8 +85,8 @@ def _raw_push(client: shardps.PSClient, shard: int, sl: ps_pb2.TensorSlice, valu
     req = ps_pb2.PushRequest(worker_id=0, step=0, base_version=0, epoch=client.epoch, last=True, slices=[sl],
                              chunk=ps_pb2.Chunk(name=sl.name, offset=offset, dtype=codec.to_wire_dtype(torch.float32),
                                                 data=values.numpy().tobytes(), shape=shape))
-    with pytest.raises(grpc.RpcError) as info:
-        client.transport.stub(shard).Push(iter([req]), timeout=10)
+    with pytest.raises(grpc.RpcError) as info, FrameStub(client.transport.addresses[shard]) as stub:
+        stub.Push([req], timeout=10)
     return info.value
 
 
@@ -150,8 +151,8 @@ def test_every_message_of_a_push_names_the_same_slices(job) -> None:
                          data=torch.ones(4).numpy().tobytes(), shape=[4])
     msgs = [ps_pb2.PushRequest(**head, slices=[sl], chunk=chunk),
             ps_pb2.PushRequest(**head, slices=[ps_pb2.TensorSlice(name="v", dim=0, parts=2, index=1)], last=True)]
-    with pytest.raises(grpc.RpcError) as info:
-        job.transport.stub(shard).Push(iter(msgs), timeout=10)
+    with pytest.raises(grpc.RpcError) as info, FrameStub(job.transport.addresses[shard]) as stub:
+        stub.Push(msgs, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Push stream mixes headers: message 2 has slices" in info.value.details(), info.value.details()
     assert job.stats()[shard]["version"] == 0

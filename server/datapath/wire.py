@@ -33,18 +33,6 @@ PUSH_HEADER = ("worker_id", "step", "base_version", "loss_scale", "epoch", "shm"
                "pull_dtype", "pull_min_clock", "slices", "sync", "sync_switch", "fence_epoch")
 
 
-def counted(parse: Callable[[bytes], Any], add: Callable[[int], None]) -> Callable[[bytes], Any]:
-    """A request deserializer that hands ``add`` the size of every buffer before ``parse`` reads it: the bytes
-    as they came off the wire (a Push's, ``Job.received``)."""
-
-    def read(buf: bytes) -> Any:
-        add(len(buf))
-        return parse(buf)
-
-    read.__qualname__ = read.__name__ = f"counted_{getattr(parse, '__name__', 'parse')}"
-    return read
-
-
 def scaler_from_wire(msg: ps_pb2.LossScaling) -> LossScaler | None:
     if not msg.enabled:
         return None

@@ -208,20 +208,19 @@ def test_malformed_buffers_fail_as_fromstring_does(bad):
         framing.parse_push_request(bad)
 
 
-def test_generated_stubs_still_talk_to_the_server(make_cluster):
-    """Push and Pull with plain protobuf messages through the generated stub, next to PSClient's framed path."""
-    import grpc
+def test_plain_protobuf_messages_still_talk_to_the_server(make_cluster):
+    """Push and Pull with plain protobuf messages (as frames on a data connection), next to PSClient's framed
+    path."""
 
     import shardps
-    from shardps.protos.shardps.v1 import ps_pb2_grpc
+    from shardps.testing.frames import FrameStub
 
     cluster = make_cluster(1)
     w = torch.randn(300, 7)
     b = torch.randn(5).to(torch.bfloat16)
     with shardps.connect(cluster.addresses, chunk_bytes=1024) as client:
         client.register({"w": w, "b": b}, shardps.optim.SGD(lr=1.0), sync="asp")
-        with grpc.insecure_channel(cluster.addresses[0]) as channel:
-            stub = ps_pb2_grpc.WorkersStub(channel)
+        with FrameStub(cluster.addresses[0]) as stub:  # the hand-framed messages as a data connection's frames
             gw = torch.randn(300, 7)
             data = gw.reshape(-1).numpy().tobytes()
             reqs = [ps_pb2.PushRequest(worker_id=0, step=0, loss_scale=2.0, chunk=ps_pb2.Chunk(
@@ -236,7 +235,7 @@ def test_generated_stubs_still_talk_to_the_server(make_cluster):
             got = client.pull()
             assert torch.allclose(got["w"], expected_w)
             assert torch.equal(got["b"], b - 1)
-            resps = list(stub.Pull(ps_pb2.PullRequest(names=["w", "b"], chunk_bytes=1024), timeout=10))
+            resps = stub.Pull(ps_pb2.PullRequest(names=["w", "b"], chunk_bytes=1024), timeout=10)
         assert all(isinstance(m, ps_pb2.PullResponse) for m in resps)
         assert {(m.version, m.loss_scale, m.sync, m.slowest_clock) for m in resps} == {(2, 0.0, "asp", 0)}
         flat_w = torch.empty(2100)

@@ -29,7 +29,9 @@ class WorkersStub:
     """Errors are status codes whose message names the tensor, what was expected
     and what came; a refused request changes nothing.
 
-    The worker data path (the worker token).
+    The workers' control (the worker token). Their Push and Pull are not
+    RPCs: they are frames on the data connection (protos/dataconn.py) whose
+    port, token and route Register and Connect answer.
     """
 
     def __init__(self, channel):
@@ -42,26 +44,6 @@ class WorkersStub:
                 '/shardps.v1.Workers/Register',
                 request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterResponse.FromString,
-                _registered_method=True)
-        self.Push = channel.stream_unary(
-                '/shardps.v1.Workers/Push',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
-                _registered_method=True)
-        self.Pull = channel.unary_stream(
-                '/shardps.v1.Workers/Pull',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
-                _registered_method=True)
-        self.PushOne = channel.unary_unary(
-                '/shardps.v1.Workers/PushOne',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
-                _registered_method=True)
-        self.PullOne = channel.unary_unary(
-                '/shardps.v1.Workers/PullOne',
-                request_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
-                response_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/shardps.v1.Workers/Heartbeat',
@@ -99,40 +81,13 @@ class WorkersServicer:
     """Errors are status codes whose message names the tensor, what was expected
     and what came; a refused request changes nothing.
 
-    The worker data path (the worker token).
+    The workers' control (the worker token). Their Push and Pull are not
+    RPCs: they are frames on the data connection (protos/dataconn.py) whose
+    port, token and route Register and Connect answer.
     """
 
     def Register(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Push(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Pull(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PushOne(self, request, context):
-        """Push of one message, as a unary call: the shard reads it whole before
-        its handler runs (a small model's step; no hand-over per message).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PullOne(self, request, context):
-        """Pull whose answer is one message, as a unary call (the message and the
-        status at once). OUT_OF_RANGE when the answer is more than one message:
-        ask again with Pull.
-        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -187,26 +142,6 @@ def add_WorkersServicer_to_server(servicer, server):
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterResponse.SerializeToString,
             ),
-            'Push': grpc.stream_unary_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
-            ),
-            'Pull': grpc.unary_stream_rpc_method_handler(
-                    servicer.Pull,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
-            ),
-            'PushOne': grpc.unary_unary_rpc_method_handler(
-                    servicer.PushOne,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
-            ),
-            'PullOne': grpc.unary_unary_rpc_method_handler(
-                    servicer.PullOne,
-                    request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.FromString,
-                    response_serializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
-            ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
@@ -249,7 +184,9 @@ class Workers:
     """Errors are status codes whose message names the tensor, what was expected
     and what came; a refused request changes nothing.
 
-    The worker data path (the worker token).
+    The workers' control (the worker token). Their Push and Pull are not
+    RPCs: they are frames on the data connection (protos/dataconn.py) whose
+    port, token and route Register and Connect answer.
     """
 
     @staticmethod
@@ -269,114 +206,6 @@ class Workers:
             '/shardps.v1.Workers/Register',
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
             shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.RegisterResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Push(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/shardps.v1.Workers/Push',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Pull(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/shardps.v1.Workers/Pull',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PushOne(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardps.v1.Workers/PushOne',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PushResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PullOne(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/shardps.v1.Workers/PullOne',
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
-            shardps_dot_protos_dot_shardps_dot_v1_dot_ps__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,8 +19,7 @@ T = TypeVar("T")
 PACKAGE = "shardps.v1"
 # The services of ps.proto, one per audience, and their methods (every method a case may call).
 SERVICES: dict[str, tuple[str, ...]] = {
-    "Workers": ("Register", "Push", "Pull", "PushOne", "PullOne", "Heartbeat", "Leave", "Describe", "Recover",
-                "TakeOver", "Connect"),
+    "Workers": ("Register", "Heartbeat", "Leave", "Describe", "Recover", "TakeOver", "Connect"),
     "Operator": ("Stats", "SetSync", "Checkpoint", "Rollback", "Promote", "AttachReplica", "PullState"),
     "Peers": ("Exchange", "Replicate"),  # and Describe, which the workers' service has too
     "Rows": ("RegisterRows", "PullRows", "PushRows"),  # row tables (docs/sparse.md)
@@ -58,9 +57,10 @@ VOLATILE_STATS = ("pull_bytes_total", "pulls_total", "waiting_pulls", "push_rece
 # Status codes a refused request may get. Anything else (UNKNOWN, INTERNAL,
 # UNAVAILABLE, CANCELLED...) is a violation unless it matches KNOWN_BUGS.
 # ABORTED is the designed answer to a request of another rollback epoch,
-# RESOURCE_EXHAUSTED to one asking for more than a shard takes.
+# RESOURCE_EXHAUSTED to one asking for more than a shard takes, PERMISSION_DENIED to a Push or
+# Pull frame naming another worker than its data connection's.
 REFUSALS = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE",
-                      "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED"})
+                      "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED", "PERMISSION_DENIED"})
 
 
 # -- where the choices come from ---------------------------------------------
@@ -297,13 +297,11 @@ class Case:
     may_block: bool = False  # may legitimately wait until its deadline
     malformed: bool = False  # some raw message is not a valid request message
     defects: tuple[str, ...] = ()  # deliberate faults, each enough for a refusal
-    one_message: bool = False  # a Push of one message, sent as the unary Workers.PushOne
     to_backup: bool = False  # sent to the backup of shard ``shard`` (--replicas 2), not to its primary
 
     def __repr__(self) -> str:
-        path = " as one message" if self.one_message else ""
         where = f"the backup of shard {self.shard}" if self.to_backup else f"shard {self.shard}"
-        head = (f"Case({self.kind}: {self.method}{path} to {where}, timeout={self.timeout}, "
+        head = (f"Case({self.kind}: {self.method} to {where}, timeout={self.timeout}, "
                 f"defects={list(self.defects)}, may_succeed={self.may_succeed}, malformed={self.malformed})")
         lines = [head]
         if self.messages is not None:

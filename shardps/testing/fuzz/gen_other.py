@@ -310,8 +310,7 @@ def gen_raw(src: Source, t: Target, avoid: bool) -> Case:
     if method == "Exchange":
         timeout = EXCHANGE_TIMEOUT
     return Case("raw", method, base.shard, raw=out, may_succeed=method not in CLIENT_STREAM, malformed=malformed,
-                may_block=timeout < TIMEOUT, timeout=timeout,
-                one_message=method == "Push" and len(out) == 1 and src.boolean())
+                may_block=timeout < TIMEOUT, timeout=timeout)
 
 
 KINDS: tuple[tuple[str, Callable[[Source, Target, bool], Case]], ...] = (

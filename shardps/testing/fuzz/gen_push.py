@@ -297,5 +297,4 @@ def gen_push(src: Source, t: Target, avoid: bool) -> Case:
             messages.insert(src.integer(1, len(messages)), extra)
     if "empty_stream" in defects:
         messages = []
-    return Case("push", "Push", sh.index, messages=messages, defects=tuple(defects),
-                one_message=len(messages) == 1 and src.boolean())
+    return Case("push", "Push", sh.index, messages=messages, defects=tuple(defects))

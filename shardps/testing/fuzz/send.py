@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardps.protos.rows import shard_of
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.testing.frames import FrameStub
 from shardps.testing.fuzz.cases import (
     CLIENT_STREAM,
     PACKAGE,
@@ -28,6 +29,9 @@ from shardps.testing.fuzz.cases import (
     method_path,
 )
 from shardps.testing.fuzz.job import ROW_DIM, ROW_KEYS, ROW_TABLE
+from shardps.worker.datapath.dataconn import ConnectFailed
+
+FRAMED = {"Push", "Pull"}  # not RPCs: frames on a data connection (shardps.testing.frames)
 
 # -- sending ----------------------------------------------------------------------
 
@@ -55,6 +59,7 @@ class Fuzzer:
         self.addresses = list(addresses)
         self.channels = [grpc.insecure_channel(a) for a in self.addresses]
         self.backup_channels = {i: grpc.insecure_channel(a) for i, a in enumerate(backups)}
+        self._frames: dict[int, FrameStub] = {}
         self.stubs = [Stubs(c) for c in self.channels]
         self._raw: dict[tuple[int, str, bool], Any] = {}
 
@@ -75,6 +80,8 @@ class Fuzzer:
         return fn
 
     def close(self) -> None:
+        for stub in self._frames.values():
+            stub.close()
         for c in [*self.channels, *self.backup_channels.values()]:
             c.close()
 
@@ -84,13 +91,38 @@ class Fuzzer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _frame_stub(self, shard: int) -> FrameStub:
+        """The shard's Push and Pull as a data connection's frames, made on first use."""
+        stub = self._frames.get(shard)
+        if stub is None:
+            stub = self._frames[shard] = FrameStub(self.addresses[shard])
+        return stub
+
+    def _send_frames(self, case: Case, t0: float) -> Outcome:
+        """A Push or Pull case as a frame on a data connection (the only way they are made)."""
+        msgs = case.request_bytes()
+        try:
+            stub = self._frame_stub(case.shard)
+            if case.method == "Push":
+                res: list[Any] = [stub.Push(msgs, timeout=case.timeout)]
+            else:
+                res = stub.Pull(msgs[0] if msgs else b"", timeout=case.timeout)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            details = e.details() if hasattr(e, "details") else str(e)
+            return Outcome(code.name if code is not None else "UNKNOWN", details or "", time.monotonic() - t0)
+        except ConnectFailed as e:  # the shard's data port refused the connection: as a server not there
+            return Outcome("UNAVAILABLE", str(e), time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - an answer that does not parse
+            return Outcome("OK", seconds=time.monotonic() - t0, bad_response=f"answer does not parse: {e}")
+        return Outcome("OK", seconds=time.monotonic() - t0, responses=res)
+
     def send(self, case: Case) -> Outcome:
         t0 = time.monotonic()
+        if case.method in FRAMED:
+            return self._send_frames(case, t0)
         try:
-            if case.one_message:  # the unary handler of a one-message Push (what PSClient uses for small models)
-                fn: Any = self.channels[case.shard].unary_unary(method_path("PushOne"))
-                res = [RESPONSE_TYPES["Push"].FromString(fn(case.request_bytes()[0], timeout=case.timeout))]
-            elif case.raw is not None or case.to_backup:
+            if case.raw is not None or case.to_backup:
                 fn = self._raw_callable(case)
                 case_raw = case.request_bytes()
                 if case.method in CLIENT_STREAM:
