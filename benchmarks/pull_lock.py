@@ -1,6 +1,6 @@
 """What a large Pull costs the other requests of its shard: framing under the lock vs by a thread outside it.
 
-    .venv/bin/python benchmarks/pull_lock.py [--mb 50] [--repeats 7] [--grpc-repeats 10]
+    .venv/bin/python benchmarks/pull_lock.py [--mb 50] [--repeats 7] [--e2e-repeats 10]
 
 One ShardStore (no network) holding --mb MB of fp32 weights. Before each
 Pull a step moves the version (SGD, lr=0: the weights stay) and one Pull of all of
@@ -18,7 +18,7 @@ then, with the stats() requests coming every millisecond, the time to its
 last response and the longest a request waited; and the ratios outside /
 under the lock (lower is better).
 
-Then over gRPC, end to end: four ``shardps server`` processes, one shard
+Then end to end, on the data connection: four ``shardps server`` processes, one shard
 each: one as it comes (default), one framing every Pull under the lock
 (``SHARDPS_FRAME_INLINE_BYTES`` above any Pull), one keeping glibc's
 per-thread malloc arenas (``MALLOC_ARENA_MAX`` set: see keep_freed_memory in
@@ -49,8 +49,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=50.0, help="weights on the shard, MB (default 50)")
     ap.add_argument("--repeats", type=int, default=7, help="Pulls of each way (default 7; the median counts)")
-    ap.add_argument("--grpc-repeats", type=int, default=10,
-                    help="timed Pulls of each way over gRPC (default 10, after 2 untimed; 0: skip that part)")
+    ap.add_argument("--e2e-repeats", type=int, default=10,
+                    help="timed Pulls of each way end to end (default 10, after 2 untimed; 0: skip that part)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a `shardps server` on 2 cores
     keep_freed_memory()  # as a `shardps server` does (server/app.py)
@@ -118,12 +118,12 @@ def main() -> int:
 
     print(f"{'ratio':16}" + "".join(ratio(p, i, w) for p, i, w in ((False, 0, 16), (False, 1, 15), (True, 1, 21),
                                                                     (True, 2, 22))))
-    if args.grpc_repeats > 0:
-        over_grpc(args.mb, args.grpc_repeats)
+    if args.e2e_repeats > 0:
+        end_to_end(args.mb, args.e2e_repeats)
     return 0
 
 
-# The servers of the gRPC part: (label, environment they start with). MALLOC_ARENA_MAX set keeps glibc's
+# The servers of the end-to-end part: (label, environment they start with). MALLOC_ARENA_MAX set keeps glibc's
 # per-thread malloc arenas (server/app.py keep_freed_memory otherwise asks for one).
 SERVERS = (("default", {}),
            ("framed under the lock", {"SHARDPS_FRAME_INLINE_BYTES": str(1 << 62)}),
@@ -131,7 +131,7 @@ SERVERS = (("default", {}),
            ("both (as before)", {"SHARDPS_FRAME_INLINE_BYTES": str(1 << 62), "MALLOC_ARENA_MAX": "8"}))
 
 
-def over_grpc(mb: float, repeats: int) -> None:
+def end_to_end(mb: float, repeats: int) -> None:
     import shardps
     from shardps.deploy.local import LocalCluster
 
@@ -163,9 +163,9 @@ def over_grpc(mb: float, repeats: int) -> None:
                 c.pull(out=out)
                 if r >= 2:
                     times[label].append((time.perf_counter() - t) * 1e3)
-            print(f"over gRPC: round {r + 1}/{repeats + 2}", file=sys.stderr)
+            print(f"end to end: round {r + 1}/{repeats + 2}", file=sys.stderr)
         base = statistics.median(times["default"])
-        print(f"over gRPC: {mb:g} MB pulled from one shard process, median of {repeats} Pulls each")
+        print(f"end to end (data connection): {mb:g} MB pulled from one shard process, median of {repeats} Pulls each")
         for label, _ in SERVERS:
             m = statistics.median(times[label])
             print(f"  {label:24}{m:8.1f} ms   x{m / base:.2f} of default")
