@@ -90,6 +90,19 @@ def test_generator_builds_a_case_for_every_seed(kind: str) -> None:
     assert not failures, f"{len(failures)} generator defect(s) in {kind}:\n" + "\n".join(failures[:20])
 
 
+def test_a_row_push_built_with_wrong_grads_never_has_grads_that_fit_its_keys() -> None:
+    """``short_grads`` and ``long_grads`` drawn together may cancel out (a cut of 4 x dim bytes, then as many
+    added): a valid push, applied, that the fuzzer expected refused (seed 3251861101, 2 shards with backups)."""
+    gen = GENERATORS["push_rows"]
+    seen = 0
+    for seed in range(20 * SEEDS):  # the two drawn together, and cancelling, are rare
+        case = gen(fuzz.RandomSource(random.Random(seed)), TARGETS[seed % len(TARGETS)], bool(seed % 2))
+        if set(case.defects) & {"short_grads", "long_grads"} and set(case.defects) <= {"short_grads", "long_grads"}:
+            seen += 1
+            assert any(len(m.grads) != len(m.keys) // 8 * m.dim * 4 for m in case.messages or ()), (seed, case)
+    assert seen
+
+
 class _RunsOut(fuzz.RandomSource):
     """A RandomSource whose integer choices fail after ``n`` of them: any generator raises partway through."""
 
