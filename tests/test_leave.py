@@ -145,3 +145,63 @@ def test_a_client_driven_by_hand_keeps_its_lease_while_it_waits(make_cluster):
         client.stop_heartbeats()  # now it falls silent: once its lease has run out it is evicted
         assert store.leases.evict_expired(now=time.monotonic() + 1.2) == [0]
         assert store.stats().evicted_workers == [0]
+
+
+class _HoldFirstRegister(grpc.ServerInterceptor):
+    """Once armed, holds the first Register it sees (on one of the servers) until released, and counts the
+    Heartbeats every server gets."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.armed = self.holding = False
+        self.released = threading.Event()
+        self.beats: list[float] = []
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method = handler_call_details.method
+        hold = False
+        with self.cond:
+            if method.endswith("/Heartbeat"):
+                self.beats.append(time.monotonic())
+            elif method.endswith("/Register") and self.armed and not self.holding:
+                self.holding = hold = True
+            self.cond.notify_all()
+        if hold:
+            assert self.released.wait(120)
+        return continuation(handler_call_details)
+
+
+@pytest.mark.fault
+@pytest.mark.cluster
+def test_a_register_slow_on_one_shard_keeps_the_lease_on_the_shards_that_answered(make_cluster):
+    """One shard slow to answer a Register (here held; a fail-over, in a partition) must not let the worker's
+    lease run out on the shards that answered at once: its first push there would be refused as evicted and
+    its step lost. Those shards are beaten as they answer. Leases are checked at explicit moments (the reapers
+    stopped), so the outcome does not depend on how promptly a loaded machine runs the heartbeat thread."""
+    hold = _HoldFirstRegister()
+    cluster = make_cluster(2, lease_s=0.6, interceptors=[hold])
+    for store in cluster.stores:
+        store.leases.stop_reaper()
+    tensors = {"a": torch.zeros(64), "b": torch.zeros(64), "c": torch.zeros(64)}
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=2) as first:
+        first.register(tensors, shardps.optim.SGD(lr=0.1), sync="bsp")  # every shard holds its tensors
+        first.stop_heartbeats()  # the beats counted below are the registering worker's
+        with shardps.connect(cluster.addresses, worker_id=1, num_workers=2) as client:
+            hold.armed = True
+            registering = threading.Thread(target=client.register, args=(tensors, shardps.optim.SGD(lr=0.1)),
+                                           kwargs={"sync": "bsp"})
+            registering.start()
+            try:
+                with hold.cond:  # one shard holds the Register; the other answered, and is beaten meanwhile
+                    assert hold.cond.wait_for(lambda: hold.holding and len(hold.beats) >= 3, timeout=120)
+                    last = hold.beats[-1]
+                answered = [s for s in cluster.stores if 1 in s.leases.membership.workers]
+                assert len(answered) == 1
+                # half a lease after the last beat, the worker is still live there
+                assert 1 not in answered[0].leases.membership.expired(now=last + 0.3)
+            finally:
+                hold.released.set()
+                registering.join(60)
+            assert not registering.is_alive()
+            assert all(1 in s.leases.membership.workers for s in cluster.stores)
+            assert all(s.stats().evictions_total == 0 for s in cluster.stores)

@@ -234,9 +234,14 @@ class PSClient(RowCalls):
                                             shm_token=probe[1] if probe else b"")
 
         t = self.transport
+
+        def register_on(i: int) -> ps_pb2.RegisterResponse:
+            r: ps_pb2.RegisterResponse = t.stub(i).Register(requests(i), timeout=self.timeout, wait_for_ready=True)
+            self.heartbeats.joined(i, r.lease_seconds)  # kept while another shard is slow to answer
+            return r
+
         try:
-            responses = t.each(lambda i: t.stub(i).Register(requests(i), timeout=self.timeout,
-                                                            wait_for_ready=True))
+            responses = t.each(register_on)
         finally:
             if probe is not None:
                 probe[0].close()
@@ -443,7 +448,7 @@ class PSClient(RowCalls):
     def start_heartbeats(self, interval: float | None = None) -> None:
         """Renew this worker's lease on every shard in the background (every lease / 3 by default): Push
         and Pull renew it too; heartbeats keep a worker that computes longer than its lease in the job."""
-        if self.heartbeats.running or not self.lease_s:
+        if not self.lease_s:
             return
         self.heartbeats.start(interval or self.lease_s / 3)
 

@@ -53,3 +53,36 @@ def test_a_stop_before_start_leaves_no_beating_thread():
     hb._thread.join(5)
     assert not hb._thread.is_alive()
     t.close()
+
+
+def test_a_register_under_way_keeps_the_lease_of_the_shards_that_answered_it_and_only_theirs():
+    """One shard slow to answer a Register (a fail-over) must not let the lease run out on the others: each shard
+    is beaten from its answer on (at a third of the shortest lease answered), the rest once the Register is done."""
+    beats: list[str] = []
+    second, first = threading.Event(), threading.Event()
+
+    def server(address: str, method: str, request: Any) -> Any:
+        beats.append(address)
+        if beats.count("b:1") >= 2:
+            second.set()
+        if address == "a:1":
+            first.set()
+        return ps_pb2.HeartbeatResponse()
+
+    t = fake_transport(server, addresses=("a:1", "b:1", "c:1"))
+    hb = Heartbeats(t, worker_id=1)
+    try:
+        hb.joined(1, 0.03)  # shard 1 answered; shards 0 and 2 not yet
+        assert hb._round() == (0.01, [1])
+        assert second.wait(10)
+        assert set(beats) == {"b:1"}
+        hb.joined(2, 0.6)
+        assert hb._round() == (0.01, [1, 2])  # the shortest lease sets the pace
+        hb.start(0.02)  # the Register done: every shard, at the lease the client took
+        assert hb._round() == (0.02, None)
+        hb.joined(0, 0.3)  # too late to change anything
+        assert hb._round() == (0.02, None)
+        assert first.wait(10)  # shard 0 beaten at last
+    finally:
+        hb.stop()
+        t.close()
