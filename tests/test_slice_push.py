@@ -15,9 +15,12 @@ import torch
 
 import shardps
 from shardps.protos import codec
+from shardps.protos import dataconn as wire
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
 from shardps.testing.frames import FrameStub
+from shardps.worker.datapath.dataconn import DataConn
+from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.slicepush import push_slices
 from tests.helpers import run_workers
 from tests.replicas import same_state
@@ -35,16 +38,17 @@ def _grad(name: str, shape: torch.Size, replica: int, step: int) -> torch.Tensor
     return torch.randn(shape, generator=g)
 
 
-def _train(addresses: list[str], sliced: bool) -> list[dict[str, torch.Tensor]]:
+def _train(addresses: list[str], sliced: bool, shm: bool = True) -> list[dict[str, torch.Tensor]]:
     """The servers' weights after each step: REPLICAS workers pushing whole gradients, or REPLICAS x P
-    workers (worker r * P + t) pushing rank t's slice of replica r's (the 0-d one whole, by rank 0)."""
+    workers (worker r * P + t) pushing rank t's slice of replica r's (the 0-d one whole, by rank 0).
+    ``shm``: the same-host path on (the bytes in the shards' segments), or off (in the frames)."""
     values = _tensors()
     n = REPLICAS * P if sliced else REPLICAS
 
     def worker(k: int) -> list[dict[str, torch.Tensor]]:
         r, t = divmod(k, P) if sliced else (k, 0)
         seen = []
-        with shardps.connect(addresses, worker_id=k, num_workers=n, part_bytes=64) as client:
+        with shardps.connect(addresses, worker_id=k, num_workers=n, part_bytes=64, shm=shm) as client:
             client.register(values, ADAM)
             for step in range(STEPS):
                 grads = {name: _grad(name, v.shape, r, step) for name, v in values.items()}
@@ -62,9 +66,32 @@ def _train(addresses: list[str], sliced: bool) -> list[dict[str, torch.Tensor]]:
     return run_workers(worker, n, timeout=120)[0]
 
 
-def test_slices_of_two_replicas_step_as_their_whole_gradients_do_bit_for_bit(make_cluster) -> None:
-    whole = _train(make_cluster(2).addresses, sliced=False)
-    sliced = _train(make_cluster(2).addresses, sliced=True)
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "frames"])
+def test_slices_of_two_replicas_step_as_their_whole_gradients_do_bit_for_bit(make_cluster, monkeypatch,
+                                                                            shm: bool) -> None:
+    """The slices' bytes go where a push's go: the shards' segments, or the frames' extents, sent from the
+    slices' memory; never in the messages."""
+    whole = _train(make_cluster(2).addresses, sliced=False, shm=shm)
+    inline, extents = [], []
+    chunks, send = PushFramer.chunks, DataConn._send
+
+    def counted_chunks(self, *args, **kw):  # type: ignore[no-untyped-def]
+        inline.append(args[0])
+        return chunks(self, *args, **kw)
+
+    def counted_send(self, kind, call, route, ctl, ext, *args, **kw):  # type: ignore[no-untyped-def]
+        if kind in (wire.PUSH, wire.PUSH_PULL):
+            extents.append(sum(memoryview(b).nbytes for _, b in ext))
+        return send(self, kind, call, route, ctl, ext, *args, **kw)
+
+    monkeypatch.setattr(PushFramer, "chunks", counted_chunks)
+    monkeypatch.setattr(DataConn, "_send", counted_send)
+    sliced = _train(make_cluster(2).addresses, sliced=True, shm=shm)
+    monkeypatch.undo()
+    assert inline == []
+    # every element of every gradient once a step and replica, in fp32 (the 0-d one too)
+    total = REPLICAS * STEPS * 4 * sum(v.numel() for v in _tensors().values())
+    assert sum(extents) == (0 if shm else total), extents
     first = _tensors()
     for step, (a, b) in enumerate(zip(whole, sliced)):
         for name in a:

@@ -28,13 +28,26 @@ def count_wire(client: shardps.PSClient) -> tuple[Counter[str], Counter[str]]:
             yield resp
 
     def counted_push(shard: int, requests: Iterator[bytes], *, stream: bool = False, via: Any) -> Any:
-        def each() -> Iterator[bytes]:
-            for msg in requests:
-                m = ps_pb2.PushRequest.FromString(msg)
-                pushed[m.chunk.name] += len(m.chunk.data) + (m.chunk.shm_bytes if m.shm == FRAME_SEGMENT else 0)
-                yield msg
-        return push(shard, each(), stream=stream, via=via)
+        return push(shard, _Counted(requests, pushed), stream=stream, via=via)
 
     t.pull, t.push = counted_pull, counted_push  # type: ignore[method-assign]
     client.paths.usable = lambda shard: False  # type: ignore[method-assign]  # every call through the two above
     return pulled, pushed
+
+
+class _Counted:
+    """A Push's messages, each counted as it goes; the extents their chunks name passed on (a whole push's on a
+    data connection: worker/datapath/dataconn.py ``_Framed``)."""
+
+    def __init__(self, requests: Iterator[bytes], pushed: Counter[str]) -> None:
+        self._it, self._pushed = requests, pushed
+        self.extents = getattr(requests, "extents", None)
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> bytes:
+        msg = next(self._it)
+        m = ps_pb2.PushRequest.FromString(msg)
+        self._pushed[m.chunk.name] += len(m.chunk.data) + (m.chunk.shm_bytes if m.shm == FRAME_SEGMENT else 0)
+        return msg

@@ -16,8 +16,9 @@ from shardps.protos import codec, shm
 from shardps.protos.optim import SGD
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.slices import TensorSlice
 from shardps.worker.datapath import shm as worker_shm
-from shardps.worker.datapath.paths import ShmPath, inline_messages
+from shardps.worker.datapath.paths import ShmPath, SliceRun, inline_messages
 from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.shm import ShmLink
 from shardps.worker.layout import Layout, plan
@@ -147,3 +148,42 @@ def test_a_pull_is_read_from_the_segment_or_the_message(paths):
     inline = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, data=values.numpy().tobytes())
     assert torch.equal(path.read(inline), values)
     assert path.pull_messages(600, 4, 256) == 1  # one per part
+
+
+def _slice_runs(route: Plan, shard: int, values: torch.Tensor) -> list[SliceRun]:
+    """Shard ``shard``'s runs of the slice ``TensorSlice(0, 2, 1)`` of "w" (600 elements: the second half)."""
+    sl = TensorSlice(0, 2, 1)
+    lay = route.layouts["w"]
+    return [SliceRun("w", p.start, at, n, values, lay.push_dtype, sl.shape(lay.shape))
+            for p in route.shard_map.parts_for(shard) if p.name == "w"
+            for at, n, _ in sl.pieces(lay.shape, p.start, p.stop)]
+
+
+def test_a_sliced_push_writes_its_runs_into_their_parts_places_and_names_them(paths, route):
+    values = torch.randn(300).bfloat16()  # the slice, in the push dtype
+    runs = _slice_runs(route, 1, values)
+    assert runs and sum(r.n for r in runs) <= 300
+    path = paths[1]
+    msgs = [ps_pb2.PushRequest.FromString(m) for m in path.slice_messages(frames, runs, 256)]
+    assert [(m.shm, m.last, m.chunk.data) for m in msgs] == [(path.push_segment, k == len(msgs) - 1, b"")
+                                                            for k in range(len(msgs))]
+    stops = {p.start: p.stop for p in route.shard_map.parts_for(1) if p.name == "w"}
+    for m, r in zip(msgs, runs, strict=True):
+        c = m.chunk
+        assert (c.name, c.offset, tuple(c.shape)) == ("w", r.at, (300,))  # the slice's offset and shape
+        place = path.link.offsets[("w", r.part)]  # its part's place in the segment (bf16: 2 bytes an element)
+        assert place <= c.shm_offset and c.shm_offset + c.shm_bytes <= place + 2 * (stops[r.part] - r.part)
+        got = codec.decode(path.link.push.view(c.shm_offset, c.shm_bytes), c.dtype)
+        assert torch.equal(got, values[r.at : r.at + r.n])
+
+
+def test_a_sliced_push_whose_segment_closed_carries_its_runs_in_the_messages(paths, route):
+    values = torch.randn(300).bfloat16()
+    runs = _slice_runs(route, 1, values)
+    path = paths[1]
+    path.link.push.close()  # a fail-over in another thread
+    got = list(path.slice_messages(frames, runs, 64))
+    f = frames("")
+    want = list(f.ending(m for r in runs for m in f.chunks("w", r.dtype, r.shape, values, r.at, r.at + r.n, 64)))
+    assert got == want and len(want) > 1
+    assert not any(ps_pb2.PushRequest.FromString(m).shm for m in got)

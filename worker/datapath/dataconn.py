@@ -66,7 +66,16 @@ from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import Security, keepalive_seconds
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker.datapath.paths import ClientRoute, Frames, ShmPath, Staged, cast_values
+from shardps.worker.datapath.paths import (
+    ClientRoute,
+    Frames,
+    ShmPath,
+    SliceRun,
+    Staged,
+    cast_values,
+    slice_chunk,
+    slice_places,
+)
 from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.reach import StatusError
 from shardps.worker.datapath.shm import ShmLink
@@ -574,9 +583,11 @@ class FrameCalls:
         return []
 
     def _extents_of(self, requests: Iterator[bytes]) -> list[tuple[int, memoryview]]:
-        """Once ``requests`` are all made: the extents they name (a whole push's own, ``_Framed``), else those
-        framed on this path since its call began (``_taken``)."""
-        return requests.extents if isinstance(requests, _Framed) else self._taken()
+        """Once ``requests`` are all made: the extents they name (a whole push's own, ``_Framed``'s, or those of
+        an iterator that passes a ``_Framed``'s on: its ``extents``), else those framed on this path since its
+        call began (``_taken``)."""
+        extents: list[tuple[int, memoryview]] | None = getattr(requests, "extents", None)
+        return extents if extents is not None else self._taken()
 
     def _closed(self) -> FrameError:
         return FrameError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its data path was closed "
@@ -687,6 +698,20 @@ class ConnPath(FrameCalls):
                   for name, flat in batch for start, stop in ranges.get(name, ())]
         if chunks:
             yield from frames.shm_chunks(chunks, last=False)
+
+    def slice_messages(self, frames: Frames, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
+        framer = frames(wire.FRAME_SEGMENT)
+
+        def messages(extents: list[tuple[int, memoryview]]) -> Iterator[bytes]:
+            chunks = []
+            for r, off in zip(runs, slice_places(runs, self.offsets), strict=True):
+                c = slice_chunk(r, off)
+                if c.shm_bytes:  # sent from the slice's own memory
+                    extents.append((off, _bytes(r.flat[r.at : r.at + r.n])))
+                chunks.append(c)
+            yield from framer.shm_chunks(chunks, last=True)
+
+        return _Framed(messages)
 
     def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
         return 1  # one per part

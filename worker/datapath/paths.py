@@ -31,7 +31,7 @@ fail-over): it swaps the list entry, then closes the old path.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import grpc
 import torch
@@ -53,6 +53,48 @@ Staged = list[tuple[ps_pb2.Chunk, torch.Tensor]]
 
 Frames = Callable[[str], PushFramer]
 """A plain push's framer for one shard, given the push segment its messages name."""
+
+
+class SliceRun(NamedTuple):
+    """One run of a tensor-parallel rank's slice in one of a shard's parts (``push_slices``): the part
+    (``name``, ``part``: its first element in the whole tensor), the run's first element in the slice and its
+    length, the slice's flat values (contiguous, in ``dtype``, the tensor's push dtype) and its shape."""
+
+    name: str
+    part: int
+    at: int
+    n: int
+    flat: torch.Tensor
+    dtype: int
+    shape: Sequence[int]
+
+
+def slice_places(runs: Sequence[SliceRun], offsets: Mapping[tuple[str, int], int]) -> list[int]:
+    """Where each run's bytes lie in the shard's push buffer or segment (``offsets``: each part's place, as
+    ``ShmLink`` lays them out): one after another in its part's place, which holds them all (a slice has no
+    more of a part's elements than the part, in the same dtype)."""
+    used: dict[tuple[str, int], int] = {}
+    out = []
+    for r in runs:
+        key = (r.name, r.part)
+        at = used.get(key, 0)
+        out.append(offsets[key] + at)
+        used[key] = at + r.n * codec.itemsize(r.dtype)
+    return out
+
+
+def slice_chunk(run: SliceRun, offset: int) -> ps_pb2.Chunk:
+    """The chunk naming ``run``'s bytes at ``offset`` of the push buffer or segment (offset and shape: the
+    slice's)."""
+    return ps_pb2.Chunk(name=run.name, offset=run.at, dtype=run.dtype, shape=run.shape,  # type: ignore[arg-type]
+                        shm_offset=offset, shm_bytes=run.n * codec.itemsize(run.dtype))
+
+
+def inline_slices(frames: PushFramer, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
+    """``runs`` as messages that carry their bytes (one copy), the last one marked last: a sliced push meant for
+    shared memory whose segments closed."""
+    return frames.ending(m for r in runs
+                         for m in frames.chunks(r.name, r.dtype, r.shape, r.flat, r.at, r.at + r.n, chunk_bytes))
 
 
 class ClientRoute(Protocol):
@@ -141,6 +183,11 @@ class ShardPath(Protocol):
         ``ranges``: this shard's (start, stop) of each tensor."""
         ...
 
+    def slice_messages(self, frames: Frames, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
+        """A sliced push's messages to this shard (``push_slices``), its last one marked last: each run's bytes
+        where this path puts a push's (in the part's place: ``slice_places``), the chunks saying where."""
+        ...
+
     def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
         """How many PullResponses the shard answers with for a part of ``numel`` elements of ``itemsize``."""
         ...
@@ -206,6 +253,9 @@ class Pending:
     def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
                         ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
+        raise self.unconnected()
+
+    def slice_messages(self, frames: Frames, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
         raise self.unconnected()
 
     def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
@@ -274,6 +324,19 @@ class ShmPath:
         if flats:  # copied into it here
             staged = self.link.write(flats, [(n, a, b) for n in flats for a, b in ranges[n]])
             yield from frames.shm_chunks([c for c, _ in staged], last=False)
+
+    def slice_messages(self, frames: Frames, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
+        chunks = []
+        try:
+            for r, off in zip(runs, slice_places(runs, self.link.offsets), strict=True):
+                c = slice_chunk(r, off)
+                if c.shm_bytes:
+                    dst = torch.frombuffer(self.link.push.view(off, c.shm_bytes), dtype=r.flat.dtype)
+                    dst.copy_(r.flat[r.at : r.at + r.n])
+                chunks.append(c)
+        except SegmentClosed:  # the shard failed over meanwhile: the bytes in the messages
+            return inline_slices(frames(""), runs, chunk_bytes)
+        return frames(self.link.push.name).shm_chunks(chunks, last=True)
 
     def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
         return 1  # one per part

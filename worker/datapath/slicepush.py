@@ -4,9 +4,10 @@ A tensor-parallel rank holds ``torch.chunk(g, p, dim)[rank]`` of a whole gradien
 (docs/tensor-parallel.md): each shard gets the slice's elements its parts hold (``TensorSlice.pieces``: flat
 runs along dim 0, one run of the slice's rows along a later dim), chunk offsets and shape the slice's, and
 puts them in place (server/datapath/slicepush.py); the other ranks' slices of the step fill the rest. Gradients not in
-``slices`` go whole, as in any push. The bytes travel in the messages (``PushFramer.chunks``), the messages
-in a frame on the shard's data connection (no shared memory), and every shard gets a Push, an empty one if
-it holds none of the slices, so barriers see every worker.
+``slices`` go whole, as in any push. The bytes go where the shard's path puts a push's
+(``ShardPath.slice_messages``): in its part's place of the frame's push buffer, sent from the slice's memory
+(a connection), or of the shard's push segment (same host); the messages only say where. Every shard gets
+a Push, an empty one if it holds none of the slices, so barriers see every worker.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shardps.protos import codec
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
-from shardps.worker.datapath.paths import ShardPath
+from shardps.worker.datapath.paths import ShardPath, SliceRun
 from shardps.worker.datapath.pull import PullInFlight
 from shardps.worker.datapath.push import send
 from shardps.worker.datapath.pushframes import PushFramer
@@ -46,24 +47,24 @@ def push_slices(route: Route, grads: Mapping[str, torch.Tensor], slices: Mapping
     header = [ps_pb2.TensorSlice(name=n, dim=sl.dim, parts=sl.parts, index=sl.index, blocks=sl.blocks)
               for n, sl in slices.items() if n in flats]
 
-    def requests(shard: int) -> tuple[ShardPath, Iterator[bytes]]:  # the bytes in the messages
+    def requests(shard: int) -> tuple[ShardPath, Iterator[bytes]]:
         assert route.shard_map is not None
         path = route.paths.ready(shard, route.transport.timeout)  # as the call starts: a retry takes it anew
-        framer = PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
-                            epoch=route.epoch, sync=route.sync_said, found_inf=found_inf,
-                            fields={"slices": header}, fence_epoch=route.transport.fence_epochs[shard])
 
-        def chunks() -> Iterator[bytes]:
-            for p in route.shard_map.parts_for(shard):  # type: ignore[union-attr]
-                flat = flats.get(p.name)
-                if flat is None:
-                    continue
-                dtype, sl = route.layouts[p.name].push_dtype, slices.get(p.name)
-                runs = [(p.start, p.stop - p.start)] if sl is None else [
-                    (at, n) for at, n, _ in sl.pieces(route.layouts[p.name].shape, p.start, p.stop)]
-                for at, n in runs:
-                    yield from framer.chunks(p.name, dtype, shapes[p.name], flat, at, at + n, route.chunk_bytes)
+        def frames(segment: str) -> PushFramer:
+            return PushFramer(worker_id=route.worker_id, step=step, base_version=bases[shard], loss_scale=loss_scale,
+                              epoch=route.epoch, sync=route.sync_said, found_inf=found_inf,
+                              fields={"slices": header}, fence_epoch=route.transport.fence_epochs[shard], shm=segment)
 
-        return path, framer.ending(chunks())
+        runs = []
+        for p in route.shard_map.parts_for(shard):
+            flat = flats.get(p.name)
+            if flat is None:
+                continue
+            lay, sl = route.layouts[p.name], slices.get(p.name)
+            pieces = [(p.start, p.stop - p.start)] if sl is None else [
+                (at, n) for at, n, _ in sl.pieces(lay.shape, p.start, p.stop)]
+            runs += [SliceRun(p.name, p.start, at, n, flat, lay.push_dtype, shapes[p.name]) for at, n in pieces]
+        return path, path.slice_messages(frames, runs, route.chunk_bytes)
 
     return send(route, requests, window, then)
