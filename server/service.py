@@ -186,7 +186,7 @@ class WorkersServicer(_Servicer, ps_pb2_grpc.WorkersServicer):
         if slices:
             waited, messages = self.store.path.pull_slices(q.worker_id, q.names, slices, q.wire_dtype, q.chunk_bytes,
                                                       min_version=q.min_version, min_clock=q.min_clock,
-                                                      epoch=q.epoch, timeout=timeout)
+                                                      epoch=q.epoch, timeout=timeout, segment=q.segment)
         else:
             waited, framed = self.store.path.pull(q.worker_id, q.names, q.wire_dtype, q.chunk_bytes,
                                              min_version=q.min_version, min_clock=q.min_clock, epoch=q.epoch,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import shardps
+from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
 from shardps.testing.frames import FrameStub
@@ -82,8 +83,8 @@ def test_a_slice_is_torch_chunk_and_only_its_bytes_are_served(registered, name: 
 
 @pytest.mark.parametrize("shm", [True, False])
 def test_slices_and_whole_tensors_in_one_pull_in_bf16(cluster2: shardps.LocalCluster, shm: bool) -> None:
-    """A shard asked for no slice answers the path's way (in its shared memory when it has some), the
-    other in the sliced Pull's messages."""
+    """Both shards answer the path's way, the sliced Pull too: their bytes in the worker's shared memory when
+    it has some, else in the frames' payload; none in the messages."""
     client = shardps.connect(cluster2.addresses, worker_id=0, num_workers=1, part_bytes=64, shm=shm)
     values = _tensors()
     values["z"] = torch.randn(5, 3, generator=torch.Generator().manual_seed(8))
@@ -93,9 +94,20 @@ def test_slices_and_whole_tensors_in_one_pull_in_bf16(cluster2: shardps.LocalClu
     shards = {n: {p.server for p in client.shard_map.parts_of(n)} for n in ("z", "s", "v")}
     assert not shards["z"] & (shards["s"] | shards["v"])  # one shard sliced, the other not
     before = _pulled_bytes(client)
+    answers: list[ps_pb2.PullResponse] = []
+    pull = client.transport.pull
+
+    def seen(*args, **kw):  # type: ignore[no-untyped-def]
+        for r in pull(*args, **kw):
+            answers.append(r)
+            yield r
+
+    client.transport.pull = seen  # type: ignore[method-assign]
     got = _pull(client, slices, names=["s", "v"], dtype=torch.bfloat16)
     served = _pulled_bytes(client) - before
     client.close()
+    assert {r.chunk.name for r in answers} == {"z", "s", "v"}
+    assert all(not r.chunk.data and r.chunk.shm_bytes for r in answers)
     assert torch.equal(got["z"], values["z"][:, 2:].to(torch.bfloat16))
     for n in ("s", "v"):
         assert torch.equal(got[n], values[n].to(torch.bfloat16)), n
@@ -144,7 +156,7 @@ def test_bad_slices_are_invalid_argument_and_change_nothing(registered, bad: ps_
     assert torch.equal(client.pull(["w"])["w"], values["w"])
 
 
-def test_a_tensor_named_twice_a_segment_and_an_unknown_tensor_are_refused(registered) -> None:
+def test_a_tensor_named_twice_a_bad_segment_and_an_unknown_tensor_are_refused(registered) -> None:
     client, _ = registered
     w = ps_pb2.TensorSlice(name="w", dim=0, parts=2, index=0)
     err = _raw_pull(client, 0, ps_pb2.PullRequest(worker_id=0, names=["w"], slices=[w]))
@@ -152,6 +164,13 @@ def test_a_tensor_named_twice_a_segment_and_an_unknown_tensor_are_refused(regist
     err = _raw_pull(client, 0, ps_pb2.PullRequest(worker_id=0, slices=[w, w]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "'w' is asked for more than once" in err.details()
     err = _raw_pull(client, 0, ps_pb2.PullRequest(worker_id=0, slices=[w], shm="seg"))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "got segment 'seg'" in err.details()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "segment name 'seg'" in err.details()
+    before = client.stats()[0]
+    # the frame's pull buffer (none here: 0 bytes) too small for the slice: refused before anything is counted
+    err = _raw_pull(client, 0, ps_pb2.PullRequest(worker_id=0, slices=[w], shm=FRAME_SEGMENT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert f"segment {FRAME_SEGMENT} holds 0 bytes; the slices asked need" in err.details(), err.details()
+    after = client.stats()[0]
+    assert after["pull_bytes_total"] == before["pull_bytes_total"]
     err = _raw_pull(client, 0, ps_pb2.PullRequest(worker_id=0, slices=[ps_pb2.TensorSlice(name="nope", parts=1)]))
     assert err.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in err.details()

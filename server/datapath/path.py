@@ -440,15 +440,15 @@ class DataPath:
 
     def pull_slices(self, worker_id: int, names: list[str], slices: Mapping[str, TensorSlice],
                     wire_dtype: int | None, chunk_bytes: int, *, min_version: int, min_clock: int, epoch: int,
-                    timeout: float) -> tuple[float, list[bytes]]:
+                    timeout: float, segment: Segment | None = None) -> tuple[float, list[bytes]]:
         """A Pull naming slices (server/datapath/slicepull.py): as ``pull`` (``names`` whole, none when empty), each
-        tensor of ``slices`` as that slice only; INVALID_ARGUMENT for a slice that does not fit its tensor,
-        before any wait."""
+        tensor of ``slices`` as that slice only, its bytes in ``segment`` when one is named; INVALID_ARGUMENT
+        for a slice that does not fit its tensor, before any wait."""
         with self._cond:
             check_slices(self.table, names, slices)
         waited, slowest = self._wait(worker_id, [*names, *slices], min_version, min_clock, epoch, timeout)
         messages = read_slices(self.reader, self.table, names, slices, wire_dtype, chunk_bytes, slowest_clock=slowest,
-                               worker_id=worker_id)
+                               worker_id=worker_id, segment=segment)
         self.replica.replicated()
         return waited, messages
 

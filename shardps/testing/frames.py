@@ -56,10 +56,13 @@ class FrameStub:
         ctl, _ = conn.call(wire.PUSH, route, wire.joined(msgs), (), 0, timeout)
         return ps_pb2.PushResponse.FromString(ctl)
 
-    def Pull(self, request: ps_pb2.PullRequest | bytes, timeout: float) -> list[Any]:
+    def Pull(self, request: ps_pb2.PullRequest | bytes, timeout: float, buffer_bytes: int = 0) -> list[Any]:
+        """``buffer_bytes``: the frame's pull buffer (where a Pull naming the frame's segment is answered); the
+        answer's payload is read into one of that size, and not looked at."""
         data = request if isinstance(request, bytes) else request.SerializeToString()
         conn, route = self._conn(_worker_of(data, ps_pb2.PullRequest), timeout)
-        ctl, _ = conn.call(wire.PULL, route, (data,), (), 0, timeout)
+        into = memoryview(bytearray(buffer_bytes)) if buffer_bytes else None
+        ctl, _ = conn.call(wire.PULL, route, (data,), (), buffer_bytes, timeout, into=into)
         return [framing.read_pull_response(m) for m in wire.split(ctl)]
 
     def __getattr__(self, method: str) -> Any:

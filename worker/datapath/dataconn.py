@@ -713,9 +713,6 @@ class ConnPath(FrameCalls):
 
         return _Framed(messages)
 
-    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
-        return 1  # one per part
-
     def _taken(self) -> list[tuple[int, memoryview]]:
         out, self._extents = self._extents, []
         return out

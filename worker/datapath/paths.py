@@ -188,10 +188,6 @@ class ShardPath(Protocol):
         where this path puts a push's (in the part's place: ``slice_places``), the chunks saying where."""
         ...
 
-    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
-        """How many PullResponses the shard answers with for a part of ``numel`` elements of ``itemsize``."""
-        ...
-
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         """A PullResponse's chunk as flat values (a view of the message or the segment: no copy)."""
         ...
@@ -257,9 +253,6 @@ class Pending:
 
     def slice_messages(self, frames: Frames, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
         raise self.unconnected()
-
-    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
-        return 1  # one per part, as on a connection
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         raise self.unconnected()
@@ -337,9 +330,6 @@ class ShmPath:
         except SegmentClosed:  # the shard failed over meanwhile: the bytes in the messages
             return inline_slices(frames(""), runs, chunk_bytes)
         return frames(self.link.push.name).shm_chunks(chunks, last=True)
-
-    def pull_messages(self, numel: int, itemsize: int, chunk_bytes: int) -> int:
-        return 1  # one per part
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         if chunk.shm_bytes:  # the bytes are in our pull segment

@@ -99,8 +99,6 @@ class PullInFlight:
         order = {n: k for k, n in enumerate(names)}
         self._owners: dict[int, list[str]] = {}
         self._missing: dict[str, int] = dict.fromkeys(names, 0)
-        self._messages: dict[int, int] = {}  # how many PullResponses each shard answers with
-        bare: dict[int, int] = {}  # the same in the messages' chunks alone: a shard asked for a slice (no segment)
         for p in client.shard_map.parts:
             if p.name not in order:
                 continue
@@ -110,17 +108,9 @@ class PullInFlight:
             if not runs:
                 continue
             self._missing[p.name] += sum(runs)
-            per = max(1, client.chunk_bytes // self._wire_itemsize[p.name])
-            bare[p.server] = bare.get(p.server, 0) + sum(-(-k // per) for k in runs)
-            if sl is None:
-                self._messages[p.server] = self._messages.get(p.server, 0) + client.paths[p.server].pull_messages(
-                    p.stop - p.start, self._wire_itemsize[p.name], client.chunk_bytes)
             got = self._owners.setdefault(p.server, [])
             if p.name not in got:
                 got.append(p.name)
-        for s, got in self._owners.items():
-            if any(n in self._slices for n in got):
-                self._messages[s] = bare[s]
         for got in self._owners.values():
             got.sort(key=order.__getitem__)
         self._lock = threading.Lock()
@@ -368,7 +358,7 @@ class PullInFlight:
         return ps_pb2.PullRequest(worker_id=client.worker_id, names=[n for n in asked if n not in self._slices],
                                   min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
                                   chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
-                                  shm="" if sliced else path.pull_segment, slices=sliced,
+                                  shm=path.pull_segment, slices=sliced,
                                   fence_epoch=client.transport.fence_epochs[shard])
 
     def _fetch(self, shard: int) -> int:
@@ -417,8 +407,8 @@ class PullInFlight:
     def _place(self, name: str, offset: int, wire_dtype: int, nbytes: int) -> torch.Tensor | None:
         """Where a part of ``name`` arriving on a data connection may land as it comes (worker/datapath/dataconn.py):
         its destination's own flat elements where the wire dtype is theirs, else None (read, then copied)."""
-        dst = self._staging.get(name)
-        if dst is None or name in self._slices or codec.to_torch_dtype(wire_dtype) != dst.dtype:
+        dst = self._staging.get(name)  # a slice's: the slice (its offsets are the slice's)
+        if dst is None or codec.to_torch_dtype(wire_dtype) != dst.dtype:
             return None
         n = nbytes // dst.element_size()
         if offset < 0 or offset + n > dst.numel() or n * dst.element_size() != nbytes:

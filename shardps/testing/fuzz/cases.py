@@ -298,11 +298,13 @@ class Case:
     malformed: bool = False  # some raw message is not a valid request message
     defects: tuple[str, ...] = ()  # deliberate faults, each enough for a refusal
     to_backup: bool = False  # sent to the backup of shard ``shard`` (--replicas 2), not to its primary
+    buffer_bytes: int = 0  # a framed Pull's pull buffer (where one naming the frame's segment is answered)
 
     def __repr__(self) -> str:
         where = f"the backup of shard {self.shard}" if self.to_backup else f"shard {self.shard}"
         head = (f"Case({self.kind}: {self.method} to {where}, timeout={self.timeout}, "
-                f"defects={list(self.defects)}, may_succeed={self.may_succeed}, malformed={self.malformed})")
+                f"defects={list(self.defects)}, may_succeed={self.may_succeed}, malformed={self.malformed}"
+                f"{f', buffer_bytes={self.buffer_bytes}' if self.buffer_bytes else ''})")
         lines = [head]
         if self.messages is not None:
             for m in self.messages:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shardps.protos.dataconn import FRAME_SEGMENT
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.syncspec import SyncSpec
 from shardps.testing.fuzz.bugs import avoiding
@@ -81,8 +82,13 @@ def gen_pull(src: Source, t: Target, avoid: bool) -> Case:
                                 wild_int(src, *INT64)])
     req.epoch = wild_int(src, *INT64) if src.integer(0, 5) == 0 else sh.epoch  # another epoch: ABORTED
     may_block = (req.min_version > sh.version or req.min_clock > sh.slowest_clock) and req.epoch == sh.epoch
+    # Now and then answered in the frame's pull buffer: none, too small, or room enough for most.
+    buffer_bytes = 0
+    if src.integer(0, 3) == 0:
+        req.shm = FRAME_SEGMENT
+        buffer_bytes = src.choice([0, src.integer(1, 4096), 1 << 20])
     return Case("pull", "Pull", sh.index, messages=[req], may_succeed=True, may_block=may_block,
-                timeout=SHORT_TIMEOUT if may_block else TIMEOUT)
+                timeout=SHORT_TIMEOUT if may_block else TIMEOUT, buffer_bytes=buffer_bytes)
 
 
 def gen_pull_state(src: Source, t: Target, avoid: bool) -> Case:

@@ -106,7 +106,7 @@ class Fuzzer:
             if case.method == "Push":
                 res: list[Any] = [stub.Push(msgs, timeout=case.timeout)]
             else:
-                res = stub.Pull(msgs[0] if msgs else b"", timeout=case.timeout)
+                res = stub.Pull(msgs[0] if msgs else b"", timeout=case.timeout, buffer_bytes=case.buffer_bytes)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
