@@ -60,7 +60,7 @@ from typing import Any
 import grpc
 import torch
 
-from shardps.protos import codec, framing, shm
+from shardps.protos import codec, framing
 from shardps.protos import dataconn as wire
 from shardps.protos.deadlines import Deadlines
 from shardps.protos.security import Security, keepalive_seconds
@@ -78,7 +78,7 @@ from shardps.worker.datapath.paths import (
 )
 from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.reach import StatusError
-from shardps.worker.datapath.shm import ShmLink
+from shardps.worker.datapath.shm import ShmLink, part_places
 from shardps.worker.layout import Layout
 
 log = logging.getLogger("shardps.worker")
@@ -633,14 +633,8 @@ class ConnPath(FrameCalls):
                  layouts: Mapping[str, Layout]) -> None:
         self.conn, self.route, self.shard = conn, route, shard
         self.calls: ConnPath | None = self
-        self.offsets: dict[tuple[str, int], int] = {}
-        at = pull = 0
-        for p in smap.parts_for(self.shard):  # as ShmLink lays out its segments
-            self.offsets[(p.name, p.start)] = at
-            at = shm.aligned(at + (p.stop - p.start) * codec.itemsize(layouts[p.name].push_dtype))
-            pull = shm.aligned(pull + (p.stop - p.start) * 4)
-        self.push_bytes, self.pull_bytes = at, pull
-        self._pull_buf = bytearray(max(1, pull))
+        self.offsets, self.push_bytes, self.pull_bytes = part_places(shard, smap, layouts)  # as ShmLink's segments
+        self._pull_buf = bytearray(max(1, self.pull_bytes))
         self._pulled = 0  # bytes of the latest pull's answer
         self._landed: dict[int, torch.Tensor] = {}  # its parts read into their destinations, by answer offset
         self._extents: list[tuple[int, memoryview]] = []

@@ -38,20 +38,29 @@ def shm_probe(worker_id: int) -> tuple[shm.Segment, bytes] | None:
         return None
 
 
+def part_places(shard: int, smap: ShardMap, layouts: Mapping[str, Layout]
+                ) -> tuple[dict[tuple[str, int], int], int, int]:
+    """Where a push puts each of ``shard``'s parts, in its push dtype, one after another on 64-byte boundaries
+    in shard-map order (by (name, start)); the bytes that takes, and those a pull of every part takes (room for
+    fp32, the widest dtype a pull may ask). One layout for both of a push's places: the shard's push segment
+    (``ShmLink``) and the frame's push buffer (worker/datapath/dataconn.py ``ConnPath``)."""
+    offsets: dict[tuple[str, int], int] = {}
+    at = pull = 0
+    for p in smap.parts_for(shard):
+        n = p.stop - p.start
+        offsets[(p.name, p.start)] = at
+        at = shm.aligned(at + n * codec.itemsize(layouts[p.name].push_dtype))
+        pull = shm.aligned(pull + n * 4)
+    return offsets, at, pull
+
+
 class ShmLink:
-    """One shard's segments and where each of its parts lies in the push segment."""
+    """One shard's segments and where each of its parts lies in the push segment (``part_places``)."""
 
     def __init__(self, worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> None:
-        self.offsets: dict[tuple[str, int], int] = {}
         self.parts = [(p.name, p.start, p.stop) for p in smap.parts_for(shard)]  # the shard's, in shard-map order
         self._layouts = layouts
-        at = 0
-        pull_bytes = 0
-        for p in smap.parts_for(shard):
-            n = p.stop - p.start
-            self.offsets[(p.name, p.start)] = at
-            at = shm.aligned(at + n * codec.itemsize(layouts[p.name].push_dtype))
-            pull_bytes = shm.aligned(pull_bytes + n * 4)  # room for fp32, the widest dtype a pull may ask
+        self.offsets, at, pull_bytes = part_places(shard, smap, layouts)
         self.push = shm.create(f"w{worker_id}-s{shard}-push", at)
         try:
             self.pull = shm.create(f"w{worker_id}-s{shard}-pull", pull_bytes)
