@@ -7,6 +7,7 @@ payload back into a 1-D tensor that shares the payload's memory.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import sys
 import warnings
@@ -83,6 +84,21 @@ def encode_range(
     for a in range(start, stop, step):
         b = min(stop, a + step)
         yield a, raw[a * size : b * size].numpy().tobytes()
+
+
+def tensor_memory(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a writable memoryview, without a copy (bf16 too) and without
+    ``Tensor.numpy()``, which marks the tensor's storage not resizable for good: a streamed worker frees
+    and reallocates its parameters' storage with ``resize_`` (worker/streaming/streamer.py), so a pull read
+    straight into a parameter must leave it as it was. The view keeps ``t`` alive."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"tensor_memory: a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return memoryview(b"")
+    raw = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    raw._tensor = t  # type: ignore[attr-defined]  # the memory lives as long as the view (which holds raw)
+    return memoryview(raw).cast("B")
 
 
 def decode(data: bytes | memoryview, wire_dtype: int) -> torch.Tensor:

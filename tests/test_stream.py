@@ -72,13 +72,15 @@ def batch(name: str, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 10, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
 
 
-def train(addresses, model_name: str, workers: int, sync: str, steps: int, stream=None, optimizer=None, **kw):
+def train(addresses, model_name: str, workers: int, sync: str, steps: int, stream=None, optimizer=None,
+          shm: bool = True, **kw):
     torch.manual_seed(0)
     base = MODELS[model_name]()
 
     def worker(k: int):
         model = copy.deepcopy(base)
-        client = shardps.connect(addresses, worker_id=k, num_workers=workers, part_bytes=512, chunk_bytes=1024)
+        client = shardps.connect(addresses, worker_id=k, num_workers=workers, part_bytes=512, chunk_bytes=1024,
+                                 shm=shm)
         try:
             opt = shardps.DistributedOptimizer(model, client, sync=sync, stream=stream,
                                                optimizer=optimizer or shardps.optim.Adam(lr=1e-2), **kw)
@@ -130,6 +132,19 @@ def test_streamed_equals_resident(make_cluster, model_name, sync, workers, opt_n
         # After the first step each unit's pull was started by the slot before it (the forward order recorded),
         # except the step's first: in registration order the prefetch would miss every unit.
         assert all(int(s["misses"]) == steps - 1 for s in streamed), [int(s["misses"]) for s in streamed]
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "frames"])
+def test_weights_freed_and_pulled_again_each_step_train_as_resident_on_either_path(make_cluster, shm):
+    """A budget of about one layer: every unit is freed (its storage resized to nothing) and pulled again each
+    step. On a data connection the pulls are read straight into the parameters' storage, which must stay
+    resizable (``Tensor.numpy()`` on it would mark it not, and the next free would fail)."""
+    resident = train(make_cluster(2).addresses, "mlp", 2, "bsp", 3)
+    streamed = train(make_cluster(2).addresses, "mlp", 2, "bsp", 3, stream=shardps.Stream((24 * 24 + 24) * 4),
+                     shm=shm)
+    for k in range(2):
+        for n, w in resident[k].items():
+            assert torch.equal(streamed[k][n], w), f"worker {k}, {n}"
 
 
 def test_live_bytes_stay_under_the_budget_at_every_boundary(cluster2):

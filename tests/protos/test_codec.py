@@ -132,3 +132,23 @@ def test_all_finite_sums_a_large_tensor_in_torchs_pool(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: called.append(self.numel()) or real(self, *a, **k))
     assert codec.all_finite(torch.ones(999)) and called == [999]
     assert codec.all_finite(torch.ones(1000)) and called == [999]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_a_tensors_memory_is_its_own_bytes_writable_and_its_storage_stays_resizable(dtype):
+    """What a pull is read into on a data connection: the parameter's own bytes, its storage left resizable (a
+    streamed worker frees it with resize_(0) and allocates it again; Tensor.numpy() would forbid that)."""
+    t = torch.arange(12).to(dtype)
+    view = codec.tensor_memory(t[4:10])
+    assert view.nbytes == 6 * t.element_size() and not view.readonly
+    assert bytes(view) == t[4:10].contiguous().view(torch.uint8).numpy().tobytes()
+    src = torch.full((6,), 7).to(dtype)
+    view[:] = codec.tensor_memory(src)
+    assert torch.equal(t[4:10], src) and torch.equal(t[:4], torch.arange(4).to(dtype))
+    u = torch.ones(5, dtype=dtype)
+    assert codec.tensor_memory(u).nbytes == 5 * u.element_size()  # a view made and gone
+    u.untyped_storage().resize_(0)  # resizable, as before
+    u.untyped_storage().resize_(5 * u.element_size())
+    assert codec.tensor_memory(torch.empty(0)).nbytes == 0
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        codec.tensor_memory(torch.arange(12.0).view(3, 4).t())

@@ -539,16 +539,9 @@ class DataConn:
 
 
 def _bytes(values: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, without a copy (bf16 too: numpy has no such dtype)."""
-    flat = values if values.dim() == 1 else values.reshape(-1)
-    if not flat.numel():
-        return memoryview(b"")
-    raw: Any
-    if flat.dtype == torch.float32:  # numpy's own dtype: no view to make first
-        raw = flat.numpy()
-        return memoryview(raw).cast("B")
-    raw = flat.view(torch.uint8).numpy()
-    return memoryview(raw)
+    """A contiguous CPU tensor's bytes, without a copy (bf16 too), its storage left resizable (a parameter a
+    pull lands in: ``codec.tensor_memory``)."""
+    return codec.tensor_memory(values)
 
 
 class _Framed:
