@@ -12,10 +12,12 @@ first.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import socket
 import threading
 import time
+import weakref
 
 import grpc
 import pytest
@@ -227,8 +229,18 @@ def test_no_thread_is_left_behind(make_cluster):
     assert [t.name for t in threading.enumerate() if t.name.startswith("shardps-data-")] == []
 
 
-def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(make_cluster):
+def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(make_cluster, monkeypatch):
+    """Read straight into ``out``'s own storage, and not held once read (a streamed worker frees it)."""
     cluster = make_cluster(2)
+    landed: list[torch.Tensor] = []
+    read = dataconn.ConnPath.read
+
+    def seen(self, chunk):  # type: ignore[no-untyped-def]
+        if chunk.shm_offset in self._landed:
+            landed.append(self._landed[chunk.shm_offset])
+        return read(self, chunk)
+
+    monkeypatch.setattr(dataconn.ConnPath, "read", seen)
     with shardps.connect(cluster.addresses, shm=False, part_bytes=1024) as client:
         w = torch.randn(40, 25)
         client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="bsp")
@@ -236,11 +248,13 @@ def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(mak
         client.pull(out={"w": out})
         assert torch.equal(out, w)
         lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * 4
-        landed = [t for p in client.paths for t in p._landed.values()]
         assert landed and all(lo <= t.data_ptr() < hi for t in landed)  # read into ``out``'s own storage
+        assert sum(t.numel() for t in landed) == 40 * 25
+        assert not any(p._landed for p in client.paths)  # nothing of it kept once read
+        landed.clear()
         half = torch.empty(40, 25, dtype=torch.bfloat16)  # another dtype than the wire's: read, then cast
         client.pull(out={"w": half})
-        assert torch.equal(half, w.to(torch.bfloat16)) and not any(p._landed for p in client.paths)
+        assert torch.equal(half, w.to(torch.bfloat16)) and not landed
 
 
 @pytest.mark.fault
@@ -1077,3 +1091,22 @@ def test_a_segment_closed_under_a_call_is_answered_unavailable_not_internal():
     status, text = error_answer(SegmentClosed("shared-memory segment shardps-1-w1-s0-pull-x was closed"))
     assert status == grpc.StatusCode.UNAVAILABLE.value[0]
     assert text.decode() == "shared-memory segment shardps-1-w1-s0-pull-x was closed while the call used it: ask again"
+
+
+@pytest.mark.parametrize("soon", [False, True], ids=["call", "frame-that-waits-for-nothing"])
+def test_a_pull_done_holds_no_reference_to_its_destinations(make_cluster, soon):
+    """A call answered early stays in its connection's deadlines until its deadline: it must not keep the
+    pull, and so the tensors it read into, alive (a streamed worker releases its weights after registering;
+    held, the whole model stayed in its memory)."""
+    cluster = make_cluster(2)
+    with shardps.connect(cluster.addresses, shm=False, part_bytes=1024) as client:
+        client.register({"w": torch.randn(40, 25)}, shardps.optim.SGD(lr=1.0), sync="bsp")
+        out = torch.empty(40, 25)
+        if soon:
+            client.pull_async(["w"], out={"w": out}).result()
+        else:
+            client.pull(out={"w": out})
+        gone = weakref.ref(out)
+        del out
+        gc.collect()
+        assert gone() is None

@@ -48,6 +48,7 @@ import fcntl
 import functools
 import itertools
 import logging
+import mmap
 import socket
 import struct
 import sys
@@ -130,7 +131,10 @@ class _Call:
         return self.then is None and self.waiter is None
 
     def end(self) -> None:
-        """The answer is in (or the connection ended: status -1): wake the waiter, or run ``then``."""
+        """The answer is in (or the connection ended: status -1): wake the waiter, or run ``then``. Its bytes
+        are read by now: where they went is not kept (a call done early stays in the connection's
+        ``Deadlines`` until its deadline, and ``place`` holds the pull and its destinations)."""
+        self.into = self.place = None
         if self.then is None:
             if self.waiter is not None:
                 self.waiter.set()
@@ -304,6 +308,7 @@ class DataConn:
                 if c is not None:
                     current = None
                     c.end()
+                    c = None  # not kept while the next answer is awaited (its parts' destinations with it)
         except wire.Torn as t:
             why = "" if self.closed else t.why
         except wire.ProtocolError as e:
@@ -627,7 +632,10 @@ class ConnPath(FrameCalls):
         self.conn, self.route, self.shard = conn, route, shard
         self.calls: ConnPath | None = self
         self.offsets, self.push_bytes, self.pull_bytes = part_places(shard, smap, layouts)  # as ShmLink's segments
-        self._pull_buf = bytearray(max(1, self.pull_bytes))
+        # Room for an answer of every part, mapped, not filled: a page is the worker's only once a pull's bytes
+        # are read into it (a part that does not land in its parameter), where a buffer of zeros would hold the
+        # model's size from the start, the streamed worker's too.
+        self._pull_buf = mmap.mmap(-1, max(1, self.pull_bytes))
         self._pulled = 0  # bytes of the latest pull's answer
         self._landed: dict[int, torch.Tensor] = {}  # its parts read into their destinations, by answer offset
         self._extents: list[tuple[int, memoryview]] = []
@@ -764,7 +772,7 @@ class ConnPath(FrameCalls):
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         if not chunk.shm_bytes:
             return codec.decode(chunk.data, chunk.dtype)
-        landed = self._landed.get(chunk.shm_offset)
+        landed = self._landed.pop(chunk.shm_offset, None)  # read once: the destination is not kept after
         if landed is not None:  # read straight into its destination: nothing left to copy
             return landed
         if chunk.shm_offset < 0 or chunk.shm_offset + chunk.shm_bytes > self._pulled:
