@@ -96,7 +96,8 @@ class PSClient(RowCalls):
         self.epoch = 0  # the job's rollback epoch this client is in
         self.heartbeats = Heartbeats(self.transport, worker_id)
         # The same-host fast path (worker/datapath/shm.py): asked for (argument, SHARDPS_SHM, on by default); each
-        # shard's path (worker/datapath/paths.py): shared memory if it read this worker's probe at Register, else gRPC.
+        # shard's path (worker/datapath/paths.py): shared memory if it read this worker's probe at Register, else the
+        # bytes in the data connection's frames.
         self.use_shm = env.pick_bool(shm, env.SHM, True)
         self.buffers = HostBuffers()  # pinned host memory and CUDA copy streams, kept across steps
         self.paths = ShardPaths(worker_id, len(self.addresses))

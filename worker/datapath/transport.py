@@ -36,10 +36,6 @@ log = logging.getLogger("shardps.worker")
 ROWS = "shardps.v1.Rows"  # row tables (worker/rows/client.py)
 WORKERS = "shardps.v1.Workers"  # the worker data path; the operator's calls go to shardps.v1.Operator
 SINGLE_THREADED_UNARY_STREAM = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
-# A client's channels make their own connections: by default gRPC shares one connection between the channels of
-# a process with the same target, so a client made after another one closed (a worker restarted in its process)
-# could go on on the old one's connection, dead behind a partition, and find it ready without connecting.
-OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
 T = TypeVar("T")
 
 
@@ -109,7 +105,7 @@ class Transport:
         # A stream's responses (PullRows) are read in the caller's thread: without this option gRPC starts a
         # thread to drive the channel for every call made while no other call is under way, and every
         # response crosses from that thread to the caller's.
-        return self.security.channel(address, role="worker", options=[SINGLE_THREADED_UNARY_STREAM, OWN_CONNECTIONS])
+        return self.security.channel(address, role="worker", options=[SINGLE_THREADED_UNARY_STREAM])
 
     def stub(self, shard: int) -> ps_pb2_grpc.WorkersStub:
         """The ``Workers`` stub that talks to ``shard`` now (after a fail-over: its backup)."""

@@ -9,6 +9,7 @@ While a Register is under way, each shard that answered it is beaten at once
 (``joined``): one shard slow to answer (a fail-over, tensors not yet created)
 must not let the lease run out on those that answered fast, or the worker's
 first push would meet an eviction there and lose its step.
+
 A heartbeat's answer also names the shard's backup when one was attached
 since registering (after a takeover, a spare): the transport learns it.
 """
