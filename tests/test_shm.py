@@ -161,7 +161,7 @@ def test_no_room_in_dev_shm_falls_back_to_the_calls(cluster2, monkeypatch, caplo
         assert [type(p).__name__ for p in client.paths] == ["ConnPath"] * 2
         model(torch.randn(4, 10)).sum().backward()
         opt.step()
-    assert "no shared memory here" in caplog.text and "tensor bytes go in the calls" in caplog.text
+    assert "no shared memory here" in caplog.text and "tensor bytes go in the data connection" in caplog.text
 
 
 def test_segments_of_a_dead_worker_are_removed_by_the_next(tmp_path):

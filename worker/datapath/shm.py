@@ -33,8 +33,8 @@ def shm_probe(worker_id: int) -> tuple[shm.Segment, bytes] | None:
             log.info("worker %d: removed %d shared-memory segments of dead workers", worker_id, len(gone))
         return shm.probe()
     except OSError as e:
-        log.warning("worker %d: no shared memory here (%s): tensor bytes go in the calls (the data connection's "
-                    "frames, else gRPC)", worker_id, e)
+        log.warning("worker %d: no shared memory here (%s): tensor bytes go in the data connection's "
+                    "frames", worker_id, e)
         return None
 
 
@@ -71,12 +71,12 @@ class ShmLink:
     @staticmethod
     def open(worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> ShmLink | None:
         """The link to ``shard`` (which read this worker's probe), or None (logged) when its segments cannot
-        be made: its bytes then go in its calls (frames on the data connection, or gRPC without one)."""
+        be made: its bytes then go in the frames on the data connection."""
         try:
             return ShmLink(worker_id, shard, smap, layouts)
         except OSError as e:
-            log.warning("worker %d: no shared memory for shard %d (%s): its bytes go in its calls (the data "
-                        "connection's frames, else gRPC)", worker_id, shard, e)
+            log.warning("worker %d: no shared memory for shard %d (%s): its bytes go in the data "
+                        "connection's frames", worker_id, shard, e)
             return None
 
     def write_push(self, name: str, dtype: int, flat: torch.Tensor, start: int, stop: int
