@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
+import grpc
 import pytest
 import torch
 from torch import nn
@@ -143,3 +145,42 @@ def test_an_expert_step_computed_before_a_rollback_applies_nothing(make_cluster,
         (out.pow(2).mean() + aux).backward()
         opt.step()  # the replay applies
         assert not torch.equal(client.pull_rows("experts", torch.arange(E), track=False), before)
+
+
+def test_a_row_pull_waiting_for_a_round_is_ended_by_a_rollback_aborted(make_cluster, tmp_path):
+    """A worker's PullRows that waits for its push's round (bsp, the other worker's push not in) when another
+    worker rolls the job back: the round will not come (the tables are the checkpoint's), so the wait ends at
+    once, ABORTED (the optimizer then rolls back: ``pull_failed``), not at its deadline. The pull says its
+    epoch; a pull that waits for nothing does not. Found by tests.stress: kill -9 of an MoE job's server, one
+    worker's forward waited 108.9 s for a round of the epoch before."""
+    cluster = make_cluster(2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=2, timeout=60.0) as client:
+        client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=0.1))
+        client.register_rows("t", 4)
+        for store in cluster.stores:
+            store.checkpoint_now()  # version 0: what the rollback below goes back to
+        keys = torch.arange(8)
+        client.push_rows("t", keys, torch.ones(8, 4), 0, num_workers=2, sync="bsp")  # worker 1's never comes
+        assert any(r for r, _ in client.rows.waits("t"))
+        stores = cluster.stores
+        failed: list[BaseException] = []
+
+        def pull() -> None:
+            try:
+                client.rows.pull("t", keys)
+            except BaseException as e:  # noqa: BLE001 - looked at below
+                failed.append(e)
+
+        t = threading.Thread(target=pull)
+        t0 = time.monotonic()
+        t.start()
+        for store in stores:  # both shards' pulls are waiting (the exact point), then the rollback
+            with store.rows.lock:
+                assert store.rows.lock.wait_for(lambda s=store: s.rows.waiting >= 1, timeout=60)
+        for store in stores:
+            store.rollback(store.job.version, client.epoch + 1)
+        t.join(60)
+        assert not t.is_alive() and failed and time.monotonic() - t0 < 30
+        e = failed[0]
+        assert isinstance(e, shardps.ShardError) and e.code == grpc.StatusCode.ABORTED, e
+        assert "rolled back" in e.details

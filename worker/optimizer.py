@@ -180,7 +180,8 @@ class DistributedOptimizer:
         # gradients pushed at each step() (docs/sparse.md).
         self.rows = RowModules.attach(params, client.rows, num_workers=client.num_workers, sync=str(self.sync),
                                       provides_values=client.worker_id == 0 if provides_values is None
-                                      else provides_values, clock=lambda: self.local_steps)
+                                      else provides_values, clock=lambda: self.local_steps,
+                                      pull_failed=self.pull_failed)
         if compress is not None:  # the registered layouts and shard map say where each part goes
             assert client.shard_map is not None
             self.compressor = Compressor(compress, self.params, client.layouts, client.shard_map, client.chunk_bytes)
@@ -258,8 +259,8 @@ class DistributedOptimizer:
                                       min_clock=min_clock, answered=answered, inline=inline, later=later)
 
     def pull_failed(self, e: ShardError) -> None:
-        """A streamed module's pull failed: roll back (raises RolledBack out of forward or backward), or
-        return to let ``e`` be raised."""
+        """A pull made in a forward or backward failed (a streamed module's, a row table's): roll back (raises
+        RolledBack out of it), or return to let ``e`` be raised."""
         if decide(e, During.PULL) is Action.ROLLBACK:
             raise self._recover() from None
 

@@ -182,9 +182,13 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         experts, counts, x, _ = decode(request, backward=False)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
-        # the rounds and the ssp clock the worker's step must see first, as its PullRows would
+        # the rounds and the ssp clock the worker's step must see first, as its PullRows would (and as it, ended
+        # ABORTED by a rollback while it waits, where the call says its epoch)
+        epoch = request.epoch if request.HasField("epoch") else None
+        if epoch is not None and epoch != self.epoch():
+            raise Aborted(f"the job was rolled back (epoch {self.epoch()}, the call in {epoch}): resync")
         rows, _ = self.rows.pull(request.table, request.dim, experts, min_round=request.min_round,
-                                 min_clock=request.min_clock, timeout=timeout)
+                                 min_clock=request.min_clock, timeout=timeout, epoch=epoch)
         if not len(experts):
             return experts_pb2.ExpertAnswer()
         return experts_pb2.ExpertAnswer(out=run_forward(program, rows, x, counts))

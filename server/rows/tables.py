@@ -44,7 +44,7 @@ import torch
 from shardps.protos.rows import ROW_ITEMSIZE, RowTableSpec, label
 from shardps.protos.stats import RowTableStats
 from shardps.protos.syncspec import SyncSpec
-from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, StoreError
 from shardps.server.experts.heldgrads import Held
 from shardps.server.optim import make_row_optimizer
 from shardps.server.rows import reshard as rowreshard
@@ -141,19 +141,25 @@ class RowTables:
         return t
 
     def pull(self, name: str, dim: int, keys: np.ndarray, *, min_round: int = 0, min_clock: int = 0,
-             timeout: float = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
+             timeout: float = 60.0, epoch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of distinct uint64 ``keys``, [len(keys), dim], created with their init where not held, and
         their versions; InvalidArgument for a key repeated (before anything changes). First waits (at most
         ``timeout``) until the table applied ``min_round`` rounds (the worker's own push is in) and every worker
-        of the table pushed ``min_clock`` steps (ssp); DeadlineExceeded names what it still waits for."""
+        of the table pushed ``min_clock`` steps (ssp); DeadlineExceeded names what it still waits for.
+        ``epoch``: the worker's rollback epoch (``check_epoch``, before and after the wait): a rollback while
+        it waits ends the wait, ABORTED (the rounds it waits for will not come; the tables were restored)."""
         ordered = np.sort(keys)
         repeated = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
         if repeated:
             raise InvalidArgument(f"row table {label(name)}: expected distinct keys in a PullRows, got {repeated} "
                                   "repeated")
         with self.lock:
+            if epoch is not None:
+                self.check_epoch(epoch)
             t = self.table(name, dim)
-            self._wait(t, min_round, min_clock, timeout)
+            self._wait(t, min_round, min_clock, timeout, epoch=epoch)
+            if epoch is not None:  # the lock was let go while it waited: a rollback may have come
+                self.check_epoch(epoch)
             return t.read(keys)
 
     def push(self, name: str, dim: int, keys: np.ndarray, grads: torch.Tensor, *, worker: int = 0, step: int = 0,
@@ -221,16 +227,26 @@ class RowTables:
         return min(clocks) if clocks else 0
 
     def _wait(self, t: RowTable, min_round: int, min_clock: int, timeout: float, n: int | None = None,
-              mode: str = "") -> None:
+              mode: str = "", epoch: int | None = None) -> None:
         """Under the lock: until ``t`` applied ``min_round`` rounds and its slowest worker has ``min_clock``
-        (of ``n`` workers under ``mode``: the push's; a pull's, the table's)."""
+        (of ``n`` workers under ``mode``: the push's; a pull's, the table's). ``epoch``: the waiter's, ended by a
+        rollback to another (the caller's ``check_epoch`` then says so)."""
         workers = n if n is not None else t.mode[1]
 
         def ready() -> bool:
             return t.rounds >= min_round and (min_clock <= 0 or self._slowest(t, workers) >= min_clock)
 
+        def rolled_back() -> bool:
+            if epoch is None:
+                return False
+            try:
+                self.check_epoch(epoch)
+            except StoreError:
+                return True
+            return False
+
         def done() -> bool:  # or the shard awaits a rollback: its tables are its checkpoint's, nothing owed comes
-            return ready() or self.halted()
+            return ready() or self.halted() or rolled_back()
 
         if ready():
             return

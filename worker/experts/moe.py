@@ -36,6 +36,7 @@ from torch.func import functional_call
 
 from shardps.protos.optim import OptimizerSpec
 from shardps.protos.shardps.v1 import experts_pb2
+from shardps.worker.errors import ShardError
 from shardps.worker.experts import auxloss
 from shardps.worker.experts import send as expertsend
 from shardps.worker.experts.placement import PLACES, AutoPlacement, CostModel
@@ -242,7 +243,15 @@ class MoE(nn.Module):
         s.tokens += h.shape[0]
         s.assignments += r.expert.numel()
         s.dropped += r.dropped
-        out = self._send(h, r) if self.choose(r) == "send" else self._pull(h, r)
+        if self.choose(r) == "send":
+            try:
+                out = self._send(h, r)
+            except ShardError as e:
+                if self.experts.pull_failed is not None:  # the optimizer's: a rollback met here raises RolledBack
+                    self.experts.pull_failed(e)
+                raise
+        else:
+            out = self._pull(h, r)  # a rollback met by its PullRows: as any row table's (_Rows._lookup)
         aux = self.aux_loss_coef * r.aux
         auxloss.add(aux)  # inside a pipeline stage: joins this micro-batch's loss (worker/experts/auxloss.py)
         return out.view(x.shape), aux, r.counts

@@ -161,7 +161,10 @@ class Send(torch.autograd.Function):
             req = experts_pb2.ExpertCall(table=experts.table, dim=experts.embedding_dim, d_model=d,
                                          experts=ex.tobytes(), counts=counts.tobytes(),
                                          tokens=xc[sl].numpy().tobytes(), min_round=waits[shard][0],
-                                         min_clock=waits[shard][1])
+                                         min_clock=waits[shard][1],
+                                         # a call that waits says its epoch: a rollback meanwhile ends it ABORTED
+                                         epoch=rows.epoch() if rows.epoch is not None and any(waits[shard])
+                                         else None)
             ans = _with_program(experts, shard, lambda: experts.endpoint(shard).Forward(_fits(experts.table, req),
                                                                                         timeout=t.timeout))
             stats.bytes_sent += 2 * len(req.tokens)

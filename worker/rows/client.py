@@ -174,17 +174,21 @@ class RowClient:
         t = self.transport
 
         waits = self.waits(name)
+        # A pull that waits for a round or clock says its epoch: a rollback while it waits ends it ABORTED (the
+        # rounds it waits for will not come), which the optimizer turns into its own rollback (RolledBack).
+        epoch = None if self.epoch is None else self.epoch()
 
         def pull_shard(shard: int) -> int:
             idx = s.of(shard)
             got = 0
             call = t.pull_rows(shard)
             min_round, min_clock = waits[shard]
+            said = {"epoch": epoch} if epoch is not None and (min_round or min_clock) else {}
             # a shard owed a wait is asked even with no keys of it (a pull that only waits)
             for lo in range(0, max(1, len(idx)) if min_round or min_clock else len(idx), MAX_PULL_KEYS):
                 part = idx[lo:lo + MAX_PULL_KEYS]
                 req = ps_pb2.PullRowsRequest(table=name, key_dtype="uint64", keys=s.unique[part].tobytes(), dim=dim,
-                                             min_round=min_round, min_clock=min_clock)
+                                             min_round=min_round, min_clock=min_clock, **said)
                 dest = s.where[part] if s.distinct else part
                 for buf in call(req, timeout=t.timeout):
                     first, data, vers = framing.read_pull_rows(buf)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardps.protos.optim import SGD, OptimizerSpec
+from shardps.worker.errors import ShardError
 from shardps.worker.rows.client import RowClient
 
 ROW_SYNCS = ("bsp", "asp")
@@ -47,6 +48,7 @@ class _Rows(nn.Module):
         self.job_sync = ""  # the job's mode as the optimizer last said (attach, then each step)
         self.worker: int | None = None  # the worker id its pushes carry (None: the client's)
         self.clock: Callable[[], int] | None = None  # the step the optimizer's next step() pushes
+        self.pull_failed: Callable[[ShardError], None] | None = None  # the optimizer's (a rollback: RolledBack)
         self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their rows: a leaf)
         # every:X: the (ids, gradient rows) of the local steps before the one that pushes, and how many steps
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -63,7 +65,12 @@ class _Rows(nn.Module):
                                                                  int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"row table {self.table!r}: ids out of range [0, {self.num_embeddings})")
         uniq, inverse = torch.unique(ids.to(torch.int64).cpu(), return_inverse=True)
-        rows = self.rows.pull(self.table, uniq, track=torch.is_grad_enabled()).to(ids.device)
+        try:
+            rows = self.rows.pull(self.table, uniq, track=torch.is_grad_enabled()).to(ids.device)
+        except ShardError as e:
+            if self.pull_failed is not None:  # the optimizer's: a rollback met here raises RolledBack
+                self.pull_failed(e)
+            raise
         if torch.is_grad_enabled():
             rows.requires_grad_()
             self._pulled.append((uniq, rows))
@@ -151,12 +158,14 @@ class RowModules:
     @classmethod
     def attach(cls, model: nn.Module | Iterable[object], rows: RowClient, *, num_workers: int,
                provides_values: bool, sync: str, clock: Callable[[], int] | None = None,
-               worker: int | None = None) -> RowModules:
+               worker: int | None = None,
+               pull_failed: Callable[[ShardError], None] | None = None) -> RowModules:
         """Find ``model``'s row modules, register their tables (named after their module path unless named)
         and write the rows of ``from_pretrained`` ones (``provides_values``). ``clock``: the step the next
         ``step()`` pushes (the optimizer's; for pushes made before it, as MoE's "send" backward).
         ``worker``: the worker id of their pushes, one of ``num_workers`` (default the client's: a pipeline
-        stage is one of the workers that hold its tables, its replica)."""
+        stage is one of the workers that hold its tables, its replica). ``pull_failed``: what a pull in a forward
+        that failed calls first (the optimizer's: a rollback raises RolledBack out of the forward)."""
         if not isinstance(model, nn.Module):
             return cls({})
         found = {path or "rows": m for path, m in model.named_modules() if isinstance(m, _Rows)}
@@ -164,6 +173,7 @@ class RowModules:
             m.table = m.table or path
             m.rows = rows
             m.clock = clock
+            m.pull_failed = pull_failed
             m.worker = worker
             m.num_workers = num_workers
             m.job_sync = sync

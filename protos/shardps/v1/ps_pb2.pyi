@@ -628,20 +628,22 @@ class RegisterRowsResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., backup: _Optional[str] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
-    __slots__ = ("table", "key_dtype", "keys", "dim", "min_round", "min_clock")
+    __slots__ = ("table", "key_dtype", "keys", "dim", "min_round", "min_clock", "epoch")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     table: str
     key_dtype: str
     keys: bytes
     dim: int
     min_round: int
     min_clock: int
-    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., dim: _Optional[int] = ..., min_round: _Optional[int] = ..., min_clock: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, table: _Optional[str] = ..., key_dtype: _Optional[str] = ..., keys: _Optional[bytes] = ..., dim: _Optional[int] = ..., min_round: _Optional[int] = ..., min_clock: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullRowsResponse(_message.Message):
     __slots__ = ("first", "rows", "versions")
