@@ -184,3 +184,40 @@ def test_a_row_pull_waiting_for_a_round_is_ended_by_a_rollback_aborted(make_clus
         e = failed[0]
         assert isinstance(e, shardps.ShardError) and e.code == grpc.StatusCode.ABORTED, e
         assert "rolled back" in e.details
+
+
+def test_a_row_push_waiting_for_its_last_round_is_ended_by_a_rollback_aborted(make_cluster, tmp_path):
+    """As a waiting pull: a push of step 1 waits (bsp) for the round of the worker's step 0, which the other
+    worker never completes; a rollback meanwhile ends it at once, ABORTED, and no row changes."""
+    cluster = make_cluster(2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    with shardps.connect(cluster.addresses, worker_id=0, num_workers=2, timeout=60.0) as client:
+        client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=0.1))
+        client.register_rows("t", 4)
+        for store in cluster.stores:
+            store.checkpoint_now()
+        keys = torch.arange(8)
+        before = client.pull_rows("t", keys, track=False)
+        client.push_rows("t", keys, torch.ones(8, 4), 0, num_workers=2, sync="bsp")  # worker 1's never comes
+        failed: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                client.push_rows("t", keys, torch.ones(8, 4), 1, num_workers=2, sync="bsp")
+            except BaseException as e:  # noqa: BLE001 - looked at below
+                failed.append(e)
+
+        t = threading.Thread(target=push)
+        t0 = time.monotonic()
+        t.start()
+        for store in cluster.stores:  # both shards' pushes are waiting (the exact point), then the rollback
+            with store.rows.lock:
+                assert store.rows.lock.wait_for(lambda s=store: s.rows.waiting >= 1, timeout=60)
+        for store in cluster.stores:
+            store.rollback(store.job.version, client.epoch + 1)
+        t.join(60)
+        assert not t.is_alive() and failed and time.monotonic() - t0 < 30
+        e = failed[0]
+        assert isinstance(e, shardps.ShardError) and e.code == grpc.StatusCode.ABORTED, e
+    with shardps.connect(cluster.addresses) as reader:  # owes no round: reads what the shards hold
+        reader.register_rows("t", 4)
+        assert torch.equal(reader.pull_rows("t", keys, track=False), before)  # the checkpoint's rows

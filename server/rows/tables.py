@@ -192,7 +192,8 @@ class RowTables:
                     raise FailedPrecondition(f"row table {label(name)}: worker {worker} is gone from the job "
                                              f"(evicted or left; barrier rounds go on without it): register again "
                                              f"to rejoin")
-                self._wait(t, min_round, spec.min_clock(step) if spec.bounded else 0, timeout, n, str(spec))
+                self._wait(t, min_round, spec.min_clock(step) if spec.bounded else 0, timeout, n, str(spec),
+                           epoch=epoch)
                 if epoch is not None:  # the lock was let go while it waited: a rollback may have come
                     self.check_epoch(epoch)
             if step <= t.pushed.get(worker, -1):  # a retry of a push taken in already: taken in once, answered again
