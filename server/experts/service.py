@@ -184,9 +184,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         # the rounds and the ssp clock the worker's step must see first, as its PullRows would (and as it, ended
         # ABORTED by a rollback while it waits, where the call says its epoch)
-        epoch = request.epoch if request.HasField("epoch") else None
-        if epoch is not None and epoch != self.epoch():
-            raise Aborted(f"the job was rolled back (epoch {self.epoch()}, the call in {epoch}): resync")
+        epoch = request.epoch if request.HasField("epoch") else None  # checked by the pull, before and after
         rows, _ = self.rows.pull(request.table, request.dim, experts, min_round=request.min_round,
                                  min_clock=request.min_clock, timeout=timeout, epoch=epoch)
         if not len(experts):

@@ -129,9 +129,7 @@ class RowsServicer(ps_pb2_grpc.RowsServicer):
         if len(keys) > MAX_PULL_KEYS:
             raise ResourceExhausted(f"row table {label(request.table)}: expected at most {MAX_PULL_KEYS} keys in one "
                                     f"PullRows, got {len(keys)}")
-        epoch = request.epoch if request.HasField("epoch") else None
-        if epoch is not None:
-            self.check_epoch(epoch)  # refused before any wait; checked again as the wait ends (tables.py)
+        epoch = request.epoch if request.HasField("epoch") else None  # checked before and after the wait (tables.py)
         remaining = context.time_remaining()
         timeout = self.max_wait_s if remaining is None else max(0.0, min(remaining * 0.9, self.max_wait_s))
         rows, versions = self.rows.pull(request.table, request.dim, keys, min_round=request.min_round,
