@@ -76,6 +76,21 @@ class Segment:
                 raise SegmentClosed(f"shared-memory segment {self.name} was closed") from None
             raise
 
+    def release(self, offset: int, nbytes: int) -> int:
+        """Give the pages wholly or partly in ``[offset, offset + nbytes)`` back to the system, from the first page
+        boundary at or after ``offset`` (``madvise(MADV_REMOVE)``: the file's backing pages are freed for every
+        process that maps it; the next write there faults in a zeroed page). Only for bytes nobody reads or
+        writes any more. The bytes given back (0 when the range holds no whole page)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"shared-memory segment {self.name}: bytes [{offset}, {offset + nbytes}) outside its "
+                             f"{self.size} bytes")
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = offset + nbytes
+        if end <= start or self.closed:
+            return 0
+        self._mm.madvise(mmap.MADV_REMOVE, start, end - start)
+        return end - start
+
     def close(self) -> None:
         """Unmap (and, for the worker that made it, remove the file). Idempotent."""
         if self.closed:

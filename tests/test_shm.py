@@ -8,6 +8,7 @@ gone when the client closes.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -72,6 +73,29 @@ def test_segments_are_removed_when_the_client_closes(cluster2):
     client.close()
     assert not any((Path("/dev/shm") / n).exists() for n in names)
     assert set(Path("/dev/shm").glob(mine)) <= before
+
+
+def test_release_gives_the_pages_of_a_range_back_and_keeps_the_rest():
+    page = mmap.PAGESIZE
+    seg = shm.create("release-test", 10 * page)
+    try:
+        path = Path("/dev/shm") / seg.name
+        seg.view(0, 10 * page)[:] = b"\xff" * (10 * page)
+        assert path.stat().st_blocks * 512 >= 10 * page
+        # from the first page boundary at or after the offset, to the end of the page holding the last byte
+        assert seg.release(100, 5 * page) == 4 * page + 100
+        assert path.stat().st_blocks * 512 <= 5 * page
+        data = bytes(seg.view(0, 10 * page))
+        assert data[:page] == b"\xff" * page and data[page : 6 * page] == bytes(5 * page)
+        assert data[6 * page :] == b"\xff" * (4 * page)
+        assert seg.release(page + 1, page - 2) == 0  # no page wholly inside, and none starts in it
+        with pytest.raises(ValueError, match="outside its"):
+            seg.release(9 * page, 2 * page)
+        seg.view(page, 4)[:] = b"abcd"  # written again: a fresh page
+        assert bytes(seg.view(page, 4)) == b"abcd"
+    finally:
+        seg.close()
+    assert seg.release(0, 0) == 0
 
 
 def test_the_probe_reads_only_the_token_it_was_given():

@@ -10,12 +10,16 @@ at every module boundary (``Streamer.trace``).
 from __future__ import annotations
 
 import copy
+import mmap
+import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import shardps
+from shardps.protos import shm
 from tests.helpers import run_workers
 
 BATCH = 8
@@ -170,6 +174,46 @@ def test_live_bytes_stay_under_the_budget_at_every_boundary(cluster2):
         assert st.peak_live_bytes < model_bytes / 2, (st.peak_live_bytes, model_bytes)
         st.reset_peak()
         assert st.peak_live_bytes == 0
+
+
+def _held(segment: shm.Segment) -> int:
+    """The bytes of a segment in memory (tmpfs counts the file's pages as they are written or given back)."""
+    return os.stat(Path("/dev/shm") / segment.name).st_blocks * 512
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine: the same-host path is off")
+def test_a_streamed_workers_pull_segments_keep_what_a_pull_needs_not_its_share_of_the_model(cluster2):
+    """A pull segment is as large as the worker's share of the model on its shard, and a whole pull (the
+    weights of the model, for a checkpoint) writes all of it. A streamed worker pulls a budget's worth at a
+    time: once a pull is read, the pages past that (``Streamer.pull_keep_bytes``) are given back. A resident
+    worker keeps them (every step writes them again)."""
+    torch.manual_seed(0)
+    model = Mlp(width=256, depth=10)
+    layer = (256 * 256 + 256) * 4
+    with shardps.connect(cluster2.addresses) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1),
+                                           stream=shardps.Stream(2 * layer))
+        st = opt.stream
+        assert st is not None
+        keep = st.pull_keep_bytes
+        links = [link for link in client.shm_links if link is not None]
+        assert len(links) == 2 and all(link.pull.size > keep + 4 * mmap.PAGESIZE for link in links)
+        for step in range(2):
+            x, y = batch("mlp", step, 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert [_held(link.pull) <= keep + mmap.PAGESIZE for link in links] == [True, True], step
+        whole = st.weights()  # one pull of the whole model: every pull segment written to its end
+        assert sum(w.numel() for w in whole.values()) == sum(p.numel() for p in model.parameters())
+        assert [_held(link.pull) <= keep + mmap.PAGESIZE for link in links] == [True, True]
+    torch.manual_seed(0)
+    model = Mlp(width=256, depth=10)
+    with shardps.connect(cluster2.addresses) as client:
+        opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.1))
+        x, y = batch("mlp", 0, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()  # its pull of every weight, through the segments
+        assert all(_held(link.pull) >= link.pull.size - mmap.PAGESIZE for link in client.shm_links if link)
 
 
 def test_named_units_and_an_evaluation_hold_nothing_after(cluster2):

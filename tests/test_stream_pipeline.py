@@ -20,6 +20,7 @@ from torch import nn
 
 import shardps
 from shardps.protos.syncspec import SyncSpec
+from shardps.worker.datapath.shardpaths import ShardPaths
 from shardps.worker.pipeline.partition import scatter, split_model
 from shardps.worker.pipeline.plan import StepPlan, plan_step
 from shardps.worker.pipeline.schedule import Kind
@@ -203,7 +204,7 @@ class _NoServers:
 
     def __init__(self, stage: nn.Module) -> None:
         self.params = dict(stage.named_parameters())
-        self.client = type("C", (), {"versions": [0]})()
+        self.client = type("C", (), {"versions": [0], "paths": ShardPaths(0, 0)})()
         self.sync = SyncSpec.parse("bsp")
 
 

@@ -782,6 +782,9 @@ class ConnPath(FrameCalls):
         out: torch.Tensor = codec.decode(memoryview(self._pull_buf)[at : at + chunk.shm_bytes], chunk.dtype)
         return out
 
+    def pulled(self) -> None:
+        pass
+
     def close(self) -> None:
         """This shard's calls go elsewhere from now on; the connection stays (ShardPaths closes it)."""
         self.closed = True

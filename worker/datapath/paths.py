@@ -192,6 +192,10 @@ class ShardPath(Protocol):
         """A PullResponse's chunk as flat values (a view of the message or the segment: no copy)."""
         ...
 
+    def pulled(self) -> None:
+        """A pull's answers are all read (``read``): what held them may be given back (``ShmLink.settle_pull``)."""
+        ...
+
     def close(self) -> None:
         """Release what the path holds (its segments); the shard's next calls take another path."""
         ...
@@ -256,6 +260,9 @@ class Pending:
 
     def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
         raise self.unconnected()
+
+    def pulled(self) -> None:
+        pass
 
     def unconnected(self) -> StatusError:
         return StatusError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: no data connection yet: asked again "
@@ -335,6 +342,9 @@ class ShmPath:
         if chunk.shm_bytes:  # the bytes are in our pull segment
             return codec.decode(self.link.read(chunk.shm_offset, chunk.shm_bytes), chunk.dtype)
         return codec.decode(chunk.data, chunk.dtype)
+
+    def pulled(self) -> None:
+        self.link.settle_pull()
 
     def close(self) -> None:
         self.link.close()

@@ -400,6 +400,7 @@ class PullInFlight:
                 self._missing[c.name] -= n
                 if self._missing[c.name] == 0 and c.name not in self._done:
                     done.append(c.name)
+        path.pulled()  # every answer read: nothing of it is read again
         for name in done:
             self._complete(name)
         return version

@@ -73,6 +73,7 @@ class ShardPaths(Sequence[ShardPath]):
         self._paths: list[ShardPath] = [Pending(i) for i in range(num_shards)]
         self._conns: dict[Key, dataconn.DataConn] = {}
         self._links: list[ShmLink | None] = [None] * num_shards  # each shard's segments, kept across connections
+        self._pull_keep: int | None = None  # keep_pull's
         self._lost: dict[int, tuple[float, float]] = {}  # shard -> (next attempt, back-off s)
         self._why: dict[int, str] = {}  # shard -> why its connection is not made (for the error that waits end with)
         self._tried: dict[int, int] = {}  # shard -> attempts to make its connection ended (``ready`` waits for one)
@@ -109,9 +110,23 @@ class ShardPaths(Sequence[ShardPath]):
             if not answer.data_port:
                 raise RuntimeError(f"shard {i} at {transport.addresses[i]} offered no data port: a server of "
                                    "another shardps version?")
-            self._links[i] = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None
+            link = self._links[i] = ShmLink.open(self._worker_id, i, smap, layouts) if readable[i] else None
+            if link is not None:
+                link.pull_keep = self._pull_keep
             host = transport.addresses[i].rsplit(":", 1)[0]
             self._place(i, (host, answer.data_port), answer.data_token, answer.data_route)
+
+    def keep_pull(self, nbytes: int | None) -> None:
+        """Keep at most the first ``nbytes`` of each shard's pull segment in memory once a pull is read
+        (``ShmLink.settle_pull``; None: every page, the default). A streamed worker's (worker/streaming) pulls
+        are a unit's weights at a time: its segments then hold what a pull in flight needs, not its share of the
+        model. For the segments made from now on too."""
+        with self._cv:
+            self._pull_keep = nbytes
+            links = list(self._links)
+        for link in links:
+            if link is not None:
+                link.pull_keep = nbytes
 
     def _place(self, shard: int, key: Key, token: bytes, route: int) -> bool:
         """Shard ``shard``'s calls on this worker's connection at ``key`` (made now if there is none); when it

@@ -58,9 +58,12 @@ class ShmLink:
     """One shard's segments and where each of its parts lies in the push segment (``part_places``)."""
 
     def __init__(self, worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> None:
+        self.shard = shard
         self.parts = [(p.name, p.start, p.stop) for p in smap.parts_for(shard)]  # the shard's, in shard-map order
         self._layouts = layouts
         self.offsets, at, pull_bytes = part_places(shard, smap, layouts)
+        self.pull_keep: int | None = None  # see settle_pull
+        self._pulled_to = 0  # the end of the furthest pull bytes read since the last settle_pull
         self.push = shm.create(f"w{worker_id}-s{shard}-push", at)
         try:
             self.pull = shm.create(f"w{worker_id}-s{shard}-pull", pull_bytes)
@@ -109,7 +112,24 @@ class ShmLink:
         return out
 
     def read(self, offset: int, nbytes: int) -> memoryview:
-        return self.pull.view(offset, nbytes)
+        view = self.pull.view(offset, nbytes)
+        self._pulled_to = max(self._pulled_to, offset + nbytes)
+        return view
+
+    def settle_pull(self) -> int:
+        """A pull's answers are read (nothing writes the pull segment until the next pull): its pages past the
+        first ``pull_keep`` bytes given back (``Segment.release``), so that what stays in memory is what a pull
+        in flight needs, not the model's share (a streamed worker's first, whole pull; None: keep every page,
+        the default: they are written again each step). The bytes given back."""
+        keep, end = self.pull_keep, self._pulled_to
+        if keep is None or end <= keep:
+            return 0
+        self._pulled_to = keep
+        try:
+            return self.pull.release(keep, end - keep)
+        except (ValueError, OSError) as e:  # closed meanwhile (a fail-over), or no MADV_REMOVE here: kept
+            log.debug("shard %d: pull segment pages past %d kept: %s", self.shard, keep, e)
+            return 0
 
     def close(self) -> None:
         self.push.close()

@@ -84,6 +84,10 @@ class Streamer:
         self.units = units(model, opt.params, spec.modules)
         self.largest_unit_bytes = max(u.nbytes for u in self.units)
         self.model_bytes = sum(p.numel() * p.element_size() for p in opt.params.values())
+        # A pull is the weights the budget lets live (one unit at least), each part on a 64-byte boundary: the
+        # pull segments keep that much in memory, not the model's share the first, whole pull wrote.
+        self.pull_keep_bytes = max(spec.max_live_bytes, self.largest_unit_bytes) + 64 * len(opt.params)
+        opt.client.paths.keep_pull(self.pull_keep_bytes)
         for n, p in opt.params.items():
             if not p.is_contiguous():
                 raise ValueError(f"Stream: parameter {n!r} is not contiguous: it cannot be pulled in place")
@@ -470,6 +474,7 @@ class Streamer:
             h.remove()
         self._handles = []
         self.reset()
+        self.opt.client.paths.keep_pull(None)
 
     def weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The weights the next forward would use, pulled into new CPU tensors (the whole model unless
