@@ -290,6 +290,31 @@ def test_a_streamed_push_cast_into_shared_memory_survives_a_fail_over(tmp_path):
     assert torch.equal(got, w - grad.bfloat16().float())
 
 
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_a_push_that_holds_no_gradient_is_sent_again_from_the_segments_after_a_fail_over(tmp_path):
+    """``hold_gradients=False`` (a streamed worker's push stream): a gradient is copied into its shards' segments
+    as it is handed in and the stream keeps no reference to it, so the caller may free or reuse it at once.
+    Here it is overwritten with nan. The primary of shard 1 is then killed before the stream ends: the stream
+    is retried on the backup, in the frames, from the values the closed segment still maps, and applied once,
+    with the gradient as it was handed in."""
+    w, grad = torch.randn(600), torch.randn(600)
+    with shardps.LocalCluster(2, processes=True, replicas=2) as c:
+        with shardps.connect(c.addresses, part_bytes=1024) as client:
+            client.register({"w": w}, shardps.optim.SGD(lr=1.0), sync="asp")
+            assert all(client.shm_links) and {p.server for p in client.shard_map.parts_of("w")} == {0, 1}
+            stream = client.push_bucketed(0, hold_gradients=False)
+            mine = grad.clone()
+            stream.add({"w": mine})  # written into both segments now
+            mine.fill_(float("nan"))  # the caller's memory, reused: the stream reads none of it again
+            c.kill(1)  # shard 1's primary: its stream has not ended, nothing of it was applied
+            res = stream.finish()
+            assert client.transport.failovers_total == 1 and [bool(link) for link in client.shm_links] == [True, False]
+            assert [r.version for r in res] == [1, 1] and all(r.applied for r in res)
+            got = client.pull(min_versions=1)["w"]
+    assert torch.equal(got, w - grad)
+
+
 def test_an_empty_tensor_beside_a_cast_one(cluster2):
     with shardps.connect(cluster2.addresses, part_bytes=1024) as client:
         client.register({"w": torch.zeros(600), "e": torch.zeros(0)}, shardps.optim.SGD(lr=1.0), sync="asp",

@@ -394,13 +394,15 @@ class PSClient(RowCalls):
                             answered=given, on_result=self.apply)
 
     def push_bucketed(self, step: int, base_versions: Sequence[int] | None = None, *,
-                    loss_scale: float = 0.0) -> BucketedPush:
+                      loss_scale: float = 0.0, hold_gradients: bool = True) -> BucketedPush:
         """A Push of step ``step`` opened on every shard now and fed bucket by bucket (``add``) while
         backward runs; ``finish()`` closes it and returns one result per shard, as ``push`` (the client ``apply``s
-        what they say)."""
+        what they say). ``hold_gradients=False``: a gradient whose shards share this machine is copied into
+        their push segments as it is handed in and not referenced after (the caller may free it: a streamed
+        worker does); a retry re-sends it from the segments."""
         self._require_layout(())
         return BucketedPush(self, step, list(self.versions if base_versions is None else base_versions),
-                          loss_scale, on_result=self.apply)
+                            loss_scale, on_result=self.apply, hold_gradients=hold_gradients)
 
     def export_state(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
         """Weights and optimizer state from every shard, as a state_dict-style mapping.

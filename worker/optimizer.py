@@ -458,9 +458,11 @@ class DistributedOptimizer:
         if self.metrics is not None:
             self.metrics.pull_seconds.observe(time.perf_counter() - t1)
 
-    def open_bucketed_push(self) -> BucketedPush:
-        """This step's push, opened on every shard from the versions pulled (the overlap hooks feed it)."""
-        return self.client.push_bucketed(self.round, list(self.client.versions), loss_scale=self.client.loss_scale)
+    def open_bucketed_push(self, *, hold_gradients: bool = True) -> BucketedPush:
+        """This step's push, opened on every shard from the versions pulled (the overlap hooks feed it; the
+        streamer, not holding the gradients: ``PSClient.push_bucketed``)."""
+        return self.client.push_bucketed(self.round, list(self.client.versions), loss_scale=self.client.loss_scale,
+                                         hold_gradients=hold_gradients)
 
     def synchronize(self) -> None:
         """With ``overlap``: wait until the weights of the last step are in every parameter (no-op

@@ -5,7 +5,9 @@ handed in (``add``), closed by ``finish(found_inf)`` with a last,
 chunk-less message carrying the step's inf/nan flag (the shard ORs it over
 the stream, server/datapath/wire.py). A retried shard (UNAVAILABLE) is sent the
 whole stream again from its start: the requests are generated from the
-buckets kept until ``finish``. Every message is framed by ``PushFramer``
+buckets kept until ``finish`` (with ``hold_gradients=False``, a streamed
+worker's: from what its shards' push segments hold, the gradients
+themselves freed as handed in). Every message is framed by ``PushFramer``
 (``worker/datapath/pushframes.py``), as the shard's path (``worker/datapath/paths.py``) has
 it: over gRPC or through the shard's push segment.
 
@@ -29,7 +31,7 @@ import torch
 from shardps.protos import codec
 from shardps.protos.results import PushResult
 from shardps.protos.shardps.v1 import ps_pb2
-from shardps.worker.datapath.paths import ShardPath
+from shardps.worker.datapath.paths import Flat, SegmentParts, ShardPath
 from shardps.worker.datapath.pushframes import PushFramer
 from shardps.worker.datapath.route import Route
 from shardps.worker.datapath.transport import gather
@@ -44,15 +46,18 @@ class BucketedPush:
     """One step's Push to every shard, fed bucket by bucket (see the module docstring)."""
 
     def __init__(self, client: Route, step: int, base_versions: Sequence[int], loss_scale: float = 0.0, *,
-                 on_result: Callable[[JobView], None] | None = None) -> None:
+                 on_result: Callable[[JobView], None] | None = None, hold_gradients: bool = True) -> None:
         assert client.shard_map is not None
         self._client = client
+        # False (a streamed worker's): a CPU gradient whose shards all read a push segment is copied into them
+        # in ``add`` and not held after (``SegmentParts``): the segments hold the step's bytes, once.
+        self._hold = hold_gradients
         self._on_result = on_result
         self._step = step
         self._bases = list(base_versions)
         self._loss_scale = loss_scale
         self._cond = threading.Condition()
-        self._ready: list[tuple[str, torch.Tensor]] = []  # (name, flat CPU tensor in its push dtype, see _written)
+        self._ready: list[tuple[str, Flat]] = []  # (name, flat CPU tensor in its push dtype, see _written)
         # Same host: CPU gradients that need a cast are cast as they are copied into every shard's push
         # segment, in ``add`` (its flat above is then the gradient as handed in); each shard's chunks here.
         self._written: dict[str, dict[int, list[ps_pb2.Chunk]]] = {}
@@ -73,7 +78,7 @@ class BucketedPush:
     def add(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Hand in finished gradients (any device, any dtype: cast to each tensor's push dtype here)."""
         client = self._client
-        flats = []
+        flats: list[tuple[str, Flat]] = []
         finite = True
         with self._cond:  # before anything is written into the segments
             if self._done or self._aborted:
@@ -89,9 +94,11 @@ class BucketedPush:
             self._names.add(name)
             dtype = codec.to_torch_dtype(lay.push_dtype)
             paths = [client.paths[i] for i in range(client.num_shards) if name in self._parts[i]]
+            flat: Flat
             if g.is_cuda:  # device-to-host on a side stream, into pinned memory: backward does not wait
                 flat = self._to_host(name, g, dtype)
-            elif (g.device.type == "cpu" and g.dtype != dtype and paths and all(p.writes_ahead for p in paths)
+            elif (g.device.type == "cpu" and (g.dtype != dtype or not self._hold) and paths
+                  and all(p.writes_ahead for p in paths)
                   and (direct := self._write_direct(name, g.detach().reshape(-1), paths)) is not None):
                 flat, ok = direct
                 finite = finite and ok
@@ -103,17 +110,20 @@ class BucketedPush:
             if self._done or self._aborted:
                 raise RuntimeError("this push stream has ended")
             self._ready.extend(flats)
-            host = [f for n, f in flats if n not in self._copies and n not in self._written]
+            host = [f for n, f in flats  # (those written ahead were checked as written)
+                    if n not in self._copies and n not in self._written and isinstance(f, torch.Tensor)]
             self._found_inf = self._found_inf or not finite or not all(codec.all_finite(f) for f in host)
             self._cond.notify_all()
 
     def _write_direct(self, name: str, flat: torch.Tensor, paths: Sequence[ShardPath]
-                      ) -> tuple[torch.Tensor, bool] | None:
+                      ) -> tuple[torch.Tensor | SegmentParts, bool] | None:
         """Cast ``flat`` into each of its shards' push segments as it is copied (``paths``: its shards', all
-        writing ahead); (``flat``, whether the bytes written are all finite: they are what the shards read,
-        and a cast can overflow). None when a segment was closed meanwhile (a fail-over): the caller casts
-        it into a buffer instead."""
+        writing ahead); (what the stream keeps of it, whether the bytes written are all finite: they are what
+        the shards read, and a cast can overflow). What it keeps: ``flat`` (a retry on a path without shared
+        memory casts it again), or, where the gradients are not held, the values written (``SegmentParts``).
+        None when a segment was closed meanwhile (a fail-over): the caller casts it into a buffer instead."""
         chunks: dict[int, list[ps_pb2.Chunk]] = {}
+        values: dict[int, torch.Tensor] = {}
         finite = True
         for path in paths:
             written = path.stage({name: flat}, [(name, start, stop) for start, stop in self._parts[path.shard][name]])
@@ -121,8 +131,9 @@ class BucketedPush:
                 return None
             chunks[path.shard] = [c for c, _ in written]
             finite = finite and all(codec.all_finite(v) for _, v in written)
+            values.update((c.offset, v) for c, v in written)
         self._written[name] = chunks
-        return flat, finite
+        return (flat if self._hold else SegmentParts(name, values)), finite
 
     def _to_host(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Start copying a CUDA gradient to a pinned host buffer (the client keeps one per tensor) on a
@@ -162,7 +173,8 @@ class BucketedPush:
         flats = dict(self._ready)
         for name in list(self._copies):
             self._host(name)
-            late = late or not codec.all_finite(flats[name])
+            flat = flats[name]
+            late = late or (isinstance(flat, torch.Tensor) and not codec.all_finite(flat))
         with self._cond:
             if found_inf is not None:
                 self._found_inf = self._found_inf or found_inf

@@ -69,6 +69,7 @@ from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.worker.datapath.paths import (
     ClientRoute,
+    Flat,
     Frames,
     ShmPath,
     SliceRun,
@@ -659,7 +660,7 @@ class ConnPath(FrameCalls):
                     route: ClientRoute) -> list[torch.Tensor]:
         return cast_values(self.shard, flats, cast, route)
 
-    def _part(self, name: str, flat: torch.Tensor, start: int, stop: int, route: ClientRoute,
+    def _part(self, name: str, flat: Flat, start: int, stop: int, route: ClientRoute,
               cast: bool, extents: list[tuple[int, memoryview]] | None = None) -> ps_pb2.Chunk:
         """One part as an extent of the call's frame (added to ``extents``, the call's own, else to this path's
         streamed push); the chunk that names it."""
@@ -686,7 +687,7 @@ class ConnPath(FrameCalls):
 
         return _Framed(messages)
 
-    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, Flat]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
                         ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
         chunks = [self._part(name, flat, start, stop, route, name in written)

@@ -55,6 +55,31 @@ Frames = Callable[[str], PushFramer]
 """A plain push's framer for one shard, given the push segment its messages name."""
 
 
+class SegmentParts:
+    """A gradient as its shards' push segments hold it (``BucketedPush(hold_gradients=False)``): each part's
+    values, in the push dtype, views of the segments that stay valid after a fail-over closes them (a view
+    keeps its mapping). Sliced by part, as a path re-sending the stream on another road does
+    (worker/datapath/dataconn.py ``ConnPath.bucket_messages``)."""
+
+    def __init__(self, name: str, parts: dict[int, torch.Tensor]) -> None:
+        self.name = name
+        self._parts = parts  # the part's first element -> its values
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        v = self._parts.get(key.start)
+        if v is None or key.stop - key.start != v.numel():
+            raise KeyError(f"gradient of {self.name!r}: [{key.start}, {key.stop}) is not one of its parts here")
+        return v
+
+    def numel(self) -> int:
+        return sum(v.numel() for v in self._parts.values())
+
+
+Flat = torch.Tensor | SegmentParts
+"""A gradient as a push stream keeps it until its shards answer: flat in its push dtype (uncast for the names
+written ahead with a cast), or the values its segments hold."""
+
+
 class SliceRun(NamedTuple):
     """One run of a tensor-parallel rank's slice in one of a shard's parts (``push_slices``): the part
     (``name``, ``part``: its first element in the whole tensor), the run's first element in the slice and its
@@ -175,7 +200,7 @@ class ShardPath(Protocol):
         or the shard's parts of ``flats`` carried in the messages when nothing was."""
         ...
 
-    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, Flat]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
                         ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
         """A streamed push's messages for one batch of gradients (none marked last). ``written``: per tensor,
@@ -250,7 +275,7 @@ class Pending:
                       cast: set[str], route: ClientRoute) -> Iterator[bytes]:
         raise self.unconnected()
 
-    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, Flat]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
                         ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
         raise self.unconnected()
@@ -314,13 +339,14 @@ class ShmPath:
             return framer.ending(inline_messages(self.shard, framer, flats, cast, route))
         return frames(self.link.push.name).shm_chunks([c for c, _ in staged], last=True)
 
-    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, torch.Tensor]],
+    def bucket_messages(self, frames: PushFramer, batch: Sequence[tuple[str, Flat]],
                         written: Mapping[str, Mapping[int, Sequence[ps_pb2.Chunk]]],
                         ranges: Mapping[str, Sequence[tuple[int, int]]], route: ClientRoute) -> Iterator[bytes]:
         chunks = [c for name, _ in batch if name in written for c in written[name].get(self.shard, ())]
         if chunks:  # cast into the segment in add()
             yield from frames.shm_chunks(chunks, last=False)
-        flats = {name: flat for name, flat in batch if name in ranges and name not in written}
+        flats = {name: flat for name, flat in batch  # (a name written ahead is not copied again: its chunks)
+                 if name in ranges and name not in written and isinstance(flat, torch.Tensor)}
         if flats:  # copied into it here
             staged = self.link.write(flats, [(n, a, b) for n in flats for a, b in ranges[n]])
             yield from frames.shm_chunks([c for c, _ in staged], last=False)

@@ -68,7 +68,7 @@ class Streamed(Protocol):
     accumulator: Accumulator
     pull_dtype: torch.dtype | None
 
-    def open_bucketed_push(self) -> BucketedPush: ...
+    def open_bucketed_push(self, *, hold_gradients: bool = True) -> BucketedPush: ...
 
     def pull_failed(self, e: ShardError) -> None: ...
 
@@ -400,7 +400,7 @@ class Streamer:
             raise RuntimeError(f"Stream: the gradient of {name!r} came twice {twice}")
         value = g if x == 1 else opt.accumulator.mean_with(name, g, x)
         if self._push is None:
-            self._push = opt.open_bucketed_push()
+            self._push = opt.open_bucketed_push(hold_gradients=False)  # freed as handed in (``_let_go``)
         self._push.add({name: value})
         self._handed.add(name)
 
