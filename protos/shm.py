@@ -88,7 +88,10 @@ class Segment:
         end = offset + nbytes
         if end <= start or self.closed:
             return 0
-        self._mm.madvise(mmap.MADV_REMOVE, start, end - start)
+        remove = getattr(mmap, "MADV_REMOVE", None)
+        if remove is None:
+            raise OSError("this system has no madvise(MADV_REMOVE): the pages stay")
+        self._mm.madvise(remove, start, end - start)
         return end - start
 
     def close(self) -> None:

@@ -235,10 +235,10 @@ def test_a_pull_lands_in_the_destination_itself_where_its_dtype_is_the_wires(mak
     landed: list[torch.Tensor] = []
     read = dataconn.ConnPath.read
 
-    def seen(self, chunk):  # type: ignore[no-untyped-def]
+    def seen(self, chunk, segment):  # type: ignore[no-untyped-def]
         if chunk.shm_offset in self._landed:
             landed.append(self._landed[chunk.shm_offset])
-        return read(self, chunk)
+        return read(self, chunk, segment)
 
     monkeypatch.setattr(dataconn.ConnPath, "read", seen)
     with shardps.connect(cluster.addresses, shm=False, part_bytes=1024) as client:
@@ -445,9 +445,9 @@ def test_a_pull_abandoned_is_not_asked_again_after_a_frame_of_it_fails(make_clus
             del pull._ended[0]  # as if its frame were out when the push failed
             if isinstance(error, NotMade):
                 pull._carried[0] = "pushed"
-                pull._answered_carried(0, client.paths[0], None, error)
+                pull._answered_carried(0, client.paths[0], "", None, error)
             else:
-                pull._answered_soon(0, client.paths[0], None, error)
+                pull._answered_soon(0, client.paths[0], "", None, error)
             assert pull._ended[0] is error and retried == []
     finally:
         client.close()

@@ -37,7 +37,7 @@ def test_a_push_during_a_pulls_framing_waits_for_it(make_cluster, monkeypatch):
 
     # The Pull names no segment: its bytes in its answer's messages, framed by frame_items (a tensor-parallel
     # rank's Pull is answered so).
-    monkeypatch.setattr(ConnPath, "pull_segment", property(lambda self: ""))
+    monkeypatch.setattr(ConnPath, "take_pull", lambda self, nbytes: "")
     cluster = make_cluster(1)
     st = cluster.stores[0]
     st.reader.frame_inline_bytes = 0

@@ -163,7 +163,7 @@ def test_a_pull_through_shared_memory_says_where_each_part_lies(one_shard):
     answers = list(stub.Pull(ps_pb2.PullRequest(worker_id=0, shm=link.pull.name), timeout=10))
     assert [(a.chunk.name, a.chunk.shm_offset, a.chunk.shm_bytes, a.chunk.data) for a in answers] == [
         ("w", 0, 80, b"")]
-    got = torch.frombuffer(bytearray(link.read(0, 80)), dtype=torch.float32)
+    got = torch.frombuffer(bytearray(link.read(link.pull.name, 0, 80)), dtype=torch.float32)
     assert torch.equal(got, store.reader.weights("w")[0].reshape(-1))
 
 

@@ -63,11 +63,42 @@ def test_a_shards_segments_are_made_and_removed(route):
     assert link is not None
     path = ShmPath(link, 0)
     assert path.writes_ahead
-    assert path.push_segment == link.push.name and path.pull_segment == link.pull.name
-    names = [path.push_segment, path.pull_segment]
+    assert path.push_segment == link.push.name and path.take_pull(link.pull.size) == link.pull.name
+    second = path.take_pull(100)  # the first is a Pull's until it is read: another Pull gets one of its own
+    assert second != link.pull.name and path.take_pull(100) not in (link.pull.name, second)
+    names = [path.push_segment, link.pull.name, second]
     assert all((Path("/dev/shm") / n).exists() for n in names)
     path.close()
     assert not any((Path("/dev/shm") / n).exists() for n in names)
+
+
+def test_each_pull_in_flight_has_a_segment_of_its_own_sized_by_it_and_a_given_up_one_is_never_reused(route):
+    """A Pull's segment is free again once its answer is read (``pulled``); a Pull takes the smallest free one
+    that holds it, else a new one of its size (not the model's share); one given up (``unpulled``: the shard may
+    still write its answer there) is removed, and the next Pull gets another."""
+    link = ShmLink.open(7, 0, route.shard_map, route.layouts)
+    assert link is not None
+    path = ShmPath(link, 0)
+    sizes = {}
+    try:
+        a, b = path.take_pull(link.pull.size), path.take_pull(1000)
+        sizes = {s.name: s.size for s in link.pull_segments}
+        assert a == link.pull.name and a != b and set(sizes) == {a, b} and sizes[b] == shm.aligned(1000)
+        path.pulled(a)
+        path.pulled(b)
+        assert path.take_pull(500) == b  # read: free, and the smallest that holds it
+        assert path.take_pull(500) == a  # the next smallest
+        path.unpulled(b)  # given up: never again
+        assert not (Path("/dev/shm") / b).exists() and b not in {s.name for s in link.pull_segments}
+        c = path.take_pull(2000)
+        assert c not in (a, b) and {s.name: s.size for s in link.pull_segments}[c] == shm.aligned(2000)
+        path.pulled(a)
+        path.unpulled(a)  # given up after it was given back (a failure after the read): out of the pool too
+        assert path.take_pull(10) not in (a, b, c)
+        with pytest.raises(ValueError, match="no pull segment"):
+            link.read(b, 0, 4)
+    finally:
+        path.close()
 
 
 def test_segments_that_cannot_be_made_are_none(route, monkeypatch):
@@ -144,9 +175,9 @@ def test_a_pull_is_read_from_the_segment_or_the_message(paths):
     values = torch.arange(8, dtype=torch.float32)
     path.link.pull.view(0, 32)[:] = values.numpy().tobytes()
     c = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, shm_offset=0, shm_bytes=32)
-    assert torch.equal(path.read(c), values)
+    assert torch.equal(path.read(c, path.link.pull.name), values)
     inline = ps_pb2.Chunk(name="w", offset=0, dtype=ps_pb2.FLOAT32, data=values.numpy().tobytes())
-    assert torch.equal(path.read(inline), values)
+    assert torch.equal(path.read(inline, ""), values)
 
 
 def _slice_runs(route: Plan, shard: int, values: torch.Tensor) -> list[SliceRun]:

@@ -648,8 +648,7 @@ class ConnPath(FrameCalls):
         self._extents = []
         return wire.FRAME_SEGMENT
 
-    @property
-    def pull_segment(self) -> str:
+    def take_pull(self, nbytes: int) -> str:
         return wire.FRAME_SEGMENT
 
     def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
@@ -770,7 +769,7 @@ class ConnPath(FrameCalls):
                                 functools.partial(self._pulled_soon, then), into=memoryview(self._pull_buf),
                                 place=place)
 
-    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
+    def read(self, chunk: ps_pb2.Chunk, segment: str) -> torch.Tensor:
         if not chunk.shm_bytes:
             return codec.decode(chunk.data, chunk.dtype)
         landed = self._landed.pop(chunk.shm_offset, None)  # read once: the destination is not kept after
@@ -783,7 +782,10 @@ class ConnPath(FrameCalls):
         out: torch.Tensor = codec.decode(memoryview(self._pull_buf)[at : at + chunk.shm_bytes], chunk.dtype)
         return out
 
-    def pulled(self) -> None:
+    def pulled(self, segment: str) -> None:
+        pass
+
+    def unpulled(self, segment: str) -> None:
         pass
 
     def close(self) -> None:

@@ -177,9 +177,10 @@ class ShardPath(Protocol):
         """The push segment a streamed push's messages name."""
         ...
 
-    @property
-    def pull_segment(self) -> str:
-        """The segment a PullRequest asks the shard to write into (the frame's own for a ``ConnPath``)."""
+    def take_pull(self, nbytes: int) -> str:
+        """The segment one PullRequest asks the shard to write into (room for ``nbytes``: what the Pull may
+        bring), that Pull's alone until ``pulled`` or ``unpulled`` names it (the frame's own for a ``ConnPath``,
+        read as its answer comes)."""
         ...
 
     def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
@@ -213,12 +214,19 @@ class ShardPath(Protocol):
         where this path puts a push's (in the part's place: ``slice_places``), the chunks saying where."""
         ...
 
-    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
-        """A PullResponse's chunk as flat values (a view of the message or the segment: no copy)."""
+    def read(self, chunk: ps_pb2.Chunk, segment: str) -> torch.Tensor:
+        """A PullResponse's chunk as flat values (a view of the message or of ``segment``, the Pull's
+        ``take_pull``: no copy)."""
         ...
 
-    def pulled(self) -> None:
-        """A pull's answers are all read (``read``): what held them may be given back (``ShmLink.settle_pull``)."""
+    def pulled(self, segment: str) -> None:
+        """A Pull's answers are all read (``read``): its segment is free for the next Pull, its pages past what
+        a pull needs given back (``ShmLink.give_pull``)."""
+        ...
+
+    def unpulled(self, segment: str) -> None:
+        """A Pull was given up before its answers were read (the shard may still write them): its segment is
+        never used again (``ShmLink.drop_pull``)."""
         ...
 
     def close(self) -> None:
@@ -257,7 +265,6 @@ class Pending:
 
     writes_ahead = False
     push_segment = ""
-    pull_segment = ""
     calls = None
 
     def __init__(self, shard: int) -> None:
@@ -283,10 +290,16 @@ class Pending:
     def slice_messages(self, frames: Frames, runs: Sequence[SliceRun], chunk_bytes: int) -> Iterator[bytes]:
         raise self.unconnected()
 
-    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
+    def read(self, chunk: ps_pb2.Chunk, segment: str) -> torch.Tensor:
         raise self.unconnected()
 
-    def pulled(self) -> None:
+    def take_pull(self, nbytes: int) -> str:
+        return ""
+
+    def pulled(self, segment: str) -> None:
+        pass
+
+    def unpulled(self, segment: str) -> None:
         pass
 
     def unconnected(self) -> StatusError:
@@ -311,9 +324,13 @@ class ShmPath:
     def push_segment(self) -> str:
         return self.link.push.name
 
-    @property
-    def pull_segment(self) -> str:
-        return self.link.pull.name
+    def take_pull(self, nbytes: int) -> str:
+        try:
+            return self.link.take_pull(nbytes)
+        except OSError as e:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"shard {self.shard}: no room in /dev/shm for another pull segment ({e}); "
+                              "fewer pulls at once (Stream(prefetch=)), or SHARDPS_SHM=0") from None
 
     def stage(self, flats: Mapping[str, torch.Tensor], parts: Sequence[tuple[str, int, int]] | None = None
               ) -> Staged | None:
@@ -364,13 +381,16 @@ class ShmPath:
             return inline_slices(frames(""), runs, chunk_bytes)
         return frames(self.link.push.name).shm_chunks(chunks, last=True)
 
-    def read(self, chunk: ps_pb2.Chunk) -> torch.Tensor:
-        if chunk.shm_bytes:  # the bytes are in our pull segment
-            return codec.decode(self.link.read(chunk.shm_offset, chunk.shm_bytes), chunk.dtype)
+    def read(self, chunk: ps_pb2.Chunk, segment: str) -> torch.Tensor:
+        if chunk.shm_bytes:  # the bytes are in the Pull's segment
+            return codec.decode(self.link.read(segment, chunk.shm_offset, chunk.shm_bytes), chunk.dtype)
         return codec.decode(chunk.data, chunk.dtype)
 
-    def pulled(self) -> None:
-        self.link.settle_pull()
+    def pulled(self, segment: str) -> None:
+        self.link.give_pull(segment)
+
+    def unpulled(self, segment: str) -> None:
+        self.link.drop_pull(segment)
 
     def close(self) -> None:
         self.link.close()

@@ -42,7 +42,7 @@ from typing import Any
 import grpc
 import torch
 
-from shardps.protos import codec, framing
+from shardps.protos import codec, framing, shm
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.protos.slices import TensorSlice
 from shardps.worker.datapath.dataconn import NotMade
@@ -130,7 +130,8 @@ class PullInFlight:
         self._carried: dict[int, str] = {}
         self._abandoned = False  # ``abandon``: nothing begins any more
         self._ended: dict[int, int | BaseException] = {}  # each shard's version, or why it failed
-        self._calls: dict[int, tuple[Any, int]] = {}  # shard -> (its connection, call) while a frame is out
+        # shard -> (its connection, call, its path, the pull segment it names) while a frame is out
+        self._calls: dict[int, tuple[Any, int, Any, str]] = {}
         self._versions: tuple[tuple[int, int], ...] = ()  # (shard, version) once every shard answered
         for n, m in self._missing.items():
             if m == 0:
@@ -192,13 +193,15 @@ class PullInFlight:
                 return None
             self._later.discard(shard)
             self._carried[shard] = "out"
-        return self._request(shard, path), self._place, functools.partial(self._answered_carried, shard, path)
+        segment = path.take_pull(self._room(shard, path))
+        return (self._request(shard, path, segment), self._place,
+                functools.partial(self._answered_carried, shard, path, segment))
 
     def carried(self, shard: int, conn: Any, key: int) -> None:
         """``shard``'s carried Pull is out on ``conn`` as call ``key`` (``abandon`` cancels it)."""
         with self._lock:
             if shard not in self._ended and shard in self._carried:
-                self._calls[shard] = (conn, key)
+                self._calls[shard] = (conn, key, None, "")  # (its segment: the frame's, ConnPath's)
 
     def uncarry(self, shard: int) -> None:
         """``shard``'s Push frame did not go out: its Pull begins as the Push answers (``begin``)."""
@@ -217,23 +220,25 @@ class PullInFlight:
                 return
         self._end(shard, error)
 
-    def _answered_carried(self, shard: int, path: Any, responses: list[Any] | None, error: Exception | None
-                          ) -> None:
+    def _answered_carried(self, shard: int, path: Any, segment: str, responses: list[Any] | None,
+                          error: Exception | None) -> None:
         """The connection's reading thread: ``shard``'s carried Pull answered (or failed). One its server did
         not make, or that failed before its Push answered, begins anew as the Push answers (``begin``)."""
         with self._lock:
             self._calls.pop(shard, None)
             state = self._carried.pop(shard, None)
         if error is not None and state != "pushed":
+            path.unpulled(segment)
             self._again_later(shard, error)
             return
         if isinstance(error, NotMade):  # its Push was refused, and taken in since (a retry): pulled anew
+            path.unpulled(segment)
             if self._given_up(shard, error):
                 return
             if not self._soon(shard):
                 self._threaded([shard])
             return
-        self._answered_soon(shard, path, responses, error)
+        self._answered_soon(shard, path, segment, responses, error)
 
     def _given_up(self, shard: int, error: BaseException) -> bool:
         """Whether the pull was abandoned (the step's push failed): ``shard`` then ends with ``error`` instead of
@@ -271,23 +276,30 @@ class PullInFlight:
         soon = getattr(path, "pull_soon", None)
         if soon is None or not self._client.paths.usable(shard) or self._slices or shard in self._answered:
             return False
-        req = self._request(shard, path)
+        try:
+            segment = path.take_pull(self._room(shard, path))
+        except grpc.RpcError:  # no room for another pull segment: through the transport, which says so
+            return False
+        req = self._request(shard, path, segment)
         t = self._client.transport
         try:
-            call = soon(req, t.timeout, self._place, functools.partial(self._answered_soon, shard, path))
+            call = soon(req, t.timeout, self._place, functools.partial(self._answered_soon, shard, path, segment))
         except grpc.RpcError:  # the connection ended meanwhile: through the transport's retries instead
+            path.unpulled(segment)
             return False
         with self._lock:
             if shard not in self._ended:
-                self._calls[shard] = (getattr(path, "conn"), call)  # noqa: B009 - a ConnPath (pull_soon)
+                self._calls[shard] = (getattr(path, "conn"), call, path, segment)  # noqa: B009 - pull_soon's
         return True
 
-    def _answered_soon(self, shard: int, path: Any, responses: list[Any] | None, error: Exception | None) -> None:
+    def _answered_soon(self, shard: int, path: Any, segment: str, responses: list[Any] | None,
+                       error: Exception | None) -> None:
         """The connection's reading thread: ``shard``'s framed Pull answered."""
         with self._lock:
             self._calls.pop(shard, None)
         t = self._client.transport
         if error is not None:
+            path.unpulled(segment)
             failure = t.failed_once(shard, error)
             if failure is None:  # UNAVAILABLE: asked again through the transport (its retries, a fail-over)
                 if not self._given_up(shard, error):
@@ -297,7 +309,7 @@ class PullInFlight:
             return
         assert responses is not None
         try:
-            version = self._take(shard, path, iter(responses), None)
+            version = self._take(shard, path, iter(responses), None, segment)
         except Exception as e:  # noqa: BLE001 - raised by result(), as the others' failures
             self._end(shard, e)
             return
@@ -312,8 +324,10 @@ class PullInFlight:
             calls, self._calls = dict(self._calls), {}
         for s in later:
             self._end(s, RuntimeError("the step's push failed before this shard's pull began"))
-        for s, (conn, call) in calls.items():
+        for s, (conn, call, path, segment) in calls.items():
             if conn.cancel(call):  # never answered: it ends here
+                if path is not None:
+                    path.unpulled(segment)
                 self._end(s, RuntimeError("the step's push failed: this shard's pull was given up"))
         deadline = time.monotonic() + self._wait_s
         with self._cv:
@@ -343,9 +357,19 @@ class PullInFlight:
             if self._tensor_waiters:  # a wake-up is a hand-over between threads: only for whoever waits
                 self._cv.notify_all()
 
-    def _request(self, shard: int, path: ShardPath) -> ps_pb2.PullRequest:
-        """``shard``'s PullRequest, for ``path``; a retry starts the shard over: what it sent before counts
-        no more."""
+    def _room(self, shard: int, path: ShardPath) -> int:
+        """The most bytes ``shard``'s answer may lay out in a shared-memory segment: its parts of the tensors
+        asked, in fp32 (the widest wire dtype), each on a 64-byte boundary (server/datapath/reader.py
+        ``_shm_layout``; a slice's runs lie in those parts). 0 for a path without one (not counted)."""
+        smap = self._client.shard_map
+        if smap is None or not path.writes_ahead:
+            return 0
+        asked = set(self._owners[shard])
+        return sum(shm.aligned((p.stop - p.start) * 4) for p in smap.parts_for(shard) if p.name in asked)
+
+    def _request(self, shard: int, path: ShardPath, segment: str) -> ps_pb2.PullRequest:
+        """``shard``'s PullRequest, for ``path``, into ``segment`` (``path.take_pull()``'s); a retry starts the
+        shard over: what it sent before counts no more."""
         client = self._client
         with self._lock:
             for n, k in self._received[shard].items():
@@ -358,23 +382,43 @@ class PullInFlight:
         return ps_pb2.PullRequest(worker_id=client.worker_id, names=[n for n in asked if n not in self._slices],
                                   min_version=self._mins[shard], dtype=self._wire,  # type: ignore[arg-type]
                                   chunk_bytes=client.chunk_bytes, min_clock=self._min_clock, epoch=client.epoch,
-                                  shm=path.pull_segment, slices=sliced,
+                                  shm=segment, slices=sliced,
                                   fence_epoch=client.transport.fence_epochs[shard])
 
     def _fetch(self, shard: int) -> int:
         client = self._client
         path = client.paths.ready(shard, client.transport.timeout)  # as the call starts: a retry takes it anew
-        req = self._request(shard, path)
         given = self._answered.pop(shard, None)  # the Push answered with them: no Pull (a retry asks anew)
-        responses = (map(framing.read_pull_response, given) if given is not None
-                     else client.transport.pull(shard, req, via=path, place=self._place))
-        return self._take(shard, path, responses, given)
+        segment = path.take_pull(self._room(shard, path)) if given is None else ""
+        try:
+            req = self._request(shard, path, segment)
+            responses = (map(framing.read_pull_response, given) if given is not None
+                         else client.transport.pull(shard, req, via=path, place=self._place))
+        except BaseException:
+            path.unpulled(segment)
+            raise
+        return self._take(shard, path, responses, given, segment)
 
-    def _take(self, shard: int, path: ShardPath, responses: Iterable[Any], given: Sequence[bytes] | None) -> int:
-        """``shard``'s answers into their destinations; its version (-1: none came)."""
+    def _take(self, shard: int, path: ShardPath, responses: Iterable[Any], given: Sequence[bytes] | None,
+              segment: str) -> int:
+        """``shard``'s answers into their destinations (read from ``segment``, the Pull's, which is free for the
+        next Pull once they are, and given up where reading them failed); its version (-1: none came)."""
         if torch.is_grad_enabled():  # (a data connection's reading thread has it off for good)
             with torch.no_grad():
-                return self._take(shard, path, responses, given)
+                return self._take(shard, path, responses, given, segment)
+        try:
+            version, done = self._read(shard, path, responses, given, segment)
+        except BaseException:
+            path.unpulled(segment)
+            raise
+        path.pulled(segment)  # every answer read: nothing of it is read again (free before anyone is woken)
+        for name in done:
+            self._complete(name)
+        return version
+
+    def _read(self, shard: int, path: ShardPath, responses: Iterable[Any], given: Sequence[bytes] | None,
+              segment: str) -> tuple[int, list[str]]:
+        """``_take``'s reading: the version and the tensors this completed."""
         client = self._client
         version = -1
         received = self._received[shard]
@@ -383,7 +427,7 @@ class PullInFlight:
         # copy_ is the one copy.
         for resp in responses:
             c = resp.chunk
-            values = path.read(c)
+            values = path.read(c, segment)
             dst = self._staging.get(c.name)
             if dst is None and given is not None and c.name not in client.layouts:
                 continue  # a Push is answered with every tensor of its shard: others' (pipeline stages')
@@ -400,10 +444,7 @@ class PullInFlight:
                 self._missing[c.name] -= n
                 if self._missing[c.name] == 0 and c.name not in self._done:
                     done.append(c.name)
-        path.pulled()  # every answer read: nothing of it is read again
-        for name in done:
-            self._complete(name)
-        return version
+        return version, done
 
     def _place(self, name: str, offset: int, wire_dtype: int, nbytes: int) -> torch.Tensor | None:
         """Where a part of ``name`` arriving on a data connection may land as it comes (worker/datapath/dataconn.py):

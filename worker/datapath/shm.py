@@ -3,15 +3,19 @@
 Made after Register for every shard that read the worker's probe (it
 shares this machine). ``write_push`` copies a gradient's part into the
 push segment, cast to its push dtype as it copies, and gives the control message that
-replaces the chunk; the shard reads it from there. The pull segment is
-the shard's to write during a Pull (one part after another: offsets come
-back in the answer's chunks). A shard's segments are rewritten only by the
-next push or pull of this client, after the previous one has ended.
+replaces the chunk; the shard reads it from there. The push segment is
+rewritten only by the next push of this client, after the previous one has
+ended. A pull segment is the shard's to write during one Pull (one part
+after another from offset 0: offsets come back in the answer's chunks), and
+each Pull in flight has one of its own (``take_pull``): a streamed worker
+prefetching asks a shard for several units at once, and the shard writes
+each answer as soon as it can, before the worker has read the one before.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from shardps.protos import codec, shm
 from shardps.protos.shardmap import ShardMap
 from shardps.protos.shardps.v1 import ps_pb2
+from shardps.protos.shm import SegmentClosed
 from shardps.worker.layout import Layout
 
 log = logging.getLogger("shardps.worker")
@@ -55,21 +60,26 @@ def part_places(shard: int, smap: ShardMap, layouts: Mapping[str, Layout]
 
 
 class ShmLink:
-    """One shard's segments and where each of its parts lies in the push segment (``part_places``)."""
+    """One shard's segments: a push segment, where each of its parts lies (``part_places``), and pull segments,
+    one for each Pull in flight (``take_pull``; the first, ``pull``, made with the link)."""
 
     def __init__(self, worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> None:
         self.shard = shard
         self.parts = [(p.name, p.start, p.stop) for p in smap.parts_for(shard)]  # the shard's, in shard-map order
         self._layouts = layouts
         self.offsets, at, pull_bytes = part_places(shard, smap, layouts)
+        self._tag = f"w{worker_id}-s{shard}"
         self.pull_keep: int | None = None  # see settle_pull
-        self._pulled_to = 0  # the end of the furthest pull bytes read since the last settle_pull
-        self.push = shm.create(f"w{worker_id}-s{shard}-push", at)
+        self.push = shm.create(f"{self._tag}-push", at)
         try:
-            self.pull = shm.create(f"w{worker_id}-s{shard}-pull", pull_bytes)
+            self.pull = shm.create(f"{self._tag}-pull", pull_bytes)  # room for a pull of every part
         except BaseException:
             self.push.close()
             raise
+        self._pull_mu = threading.Lock()
+        self._pulls: dict[str, shm.Segment] = {self.pull.name: self.pull}  # every pull segment not given up
+        self._free: list[shm.Segment] = [self.pull]  # those no Pull has now
+        self._pulled_to: dict[str, int] = {}  # per segment, the end of the furthest bytes read since settled
 
     @staticmethod
     def open(worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> ShmLink | None:
@@ -111,26 +121,80 @@ class ShmLink:
                 out.append((chunk, written))
         return out
 
-    def read(self, offset: int, nbytes: int) -> memoryview:
-        view = self.pull.view(offset, nbytes)
-        self._pulled_to = max(self._pulled_to, offset + nbytes)
+    def take_pull(self, nbytes: int) -> str:
+        """A pull segment of at least ``nbytes`` for one Pull, its own until ``give_pull`` (its answer read) or
+        ``drop_pull`` (given up: the shard may still write it): the smallest free one that holds it, else a new
+        one of ``nbytes``, so that the segments are sized by the pulls in flight, not the model (``OSError``
+        when /dev/shm has no room)."""
+        with self._pull_mu:
+            fits = [seg for seg in self._free if seg.size >= nbytes]
+            if fits:
+                seg = min(fits, key=lambda f: f.size)
+                self._free.remove(seg)
+                return seg.name
+            seg = shm.create(f"{self._tag}-pull{len(self._pulls)}", shm.aligned(max(1, nbytes)))
+            self._pulls[seg.name] = seg
+            return seg.name
+
+    def read(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        """Bytes a Pull's answer names in its pull segment (``take_pull``'s name)."""
+        seg = self._pulls.get(segment)
+        if seg is None:
+            if self.push.closed:  # the link closed meanwhile (a fail-over): as a closed segment's view says
+                raise SegmentClosed(f"shard {self.shard}: pull segment {segment!r} was closed")
+            raise ValueError(f"shard {self.shard}: no pull segment {segment!r} of this worker's is in use")
+        view = seg.view(offset, nbytes)
+        self._pulled_to[segment] = max(self._pulled_to.get(segment, 0), offset + nbytes)
         return view
 
-    def settle_pull(self) -> int:
-        """A pull's answers are read (nothing writes the pull segment until the next pull): its pages past the
-        first ``pull_keep`` bytes given back (``Segment.release``), so that what stays in memory is what a pull
-        in flight needs, not the model's share (a streamed worker's first, whole pull; None: keep every page,
-        the default: they are written again each step). The bytes given back."""
-        keep, end = self.pull_keep, self._pulled_to
-        if keep is None or end <= keep:
+    def give_pull(self, segment: str) -> None:
+        """The Pull that had ``segment`` is read: the segment is free for the next (``settle_pull`` first)."""
+        self.settle_pull(segment)
+        with self._pull_mu:
+            seg = self._pulls.get(segment)
+            if seg is not None and seg not in self._free:
+                self._free.append(seg)
+
+    def drop_pull(self, segment: str) -> None:
+        """The Pull that had ``segment`` was given up before its answer was read (cancelled, timed out,
+        failed): the shard may still write into it, so no other Pull gets it. Unmapped and removed here (the
+        shard's mapping goes when it forgets this worker's segments)."""
+        with self._pull_mu:
+            seg = self._pulls.pop(segment, None)
+            self._pulled_to.pop(segment, None)
+            if seg is not None and seg in self._free:  # (given back already: no Pull has it)
+                self._free.remove(seg)
+        if seg is not None:
+            seg.close()
+
+    def settle_pull(self, segment: str) -> int:
+        """A Pull's answers are read from ``segment``: its pages past the first ``pull_keep`` bytes given back
+        (``Segment.release``), so that what stays in memory is what a pull needs, not the model's share (a
+        streamed worker's first, whole pull; None: keep every page, the default: they are written again each
+        step). The bytes given back."""
+        if self.pull_keep is None:
             return 0
-        self._pulled_to = keep
+        keep = self.pull_keep + 64 * len(self.parts)  # the shard puts each part on a 64-byte boundary
+        end, seg = self._pulled_to.get(segment, 0), self._pulls.get(segment)
+        if end <= keep or seg is None:
+            return 0
+        self._pulled_to[segment] = keep
         try:
-            return self.pull.release(keep, end - keep)
+            return seg.release(keep, end - keep)
         except (ValueError, OSError) as e:  # closed meanwhile (a fail-over), or no MADV_REMOVE here: kept
             log.debug("shard %d: pull segment pages past %d kept: %s", self.shard, keep, e)
             return 0
 
+    @property
+    def pull_segments(self) -> list[shm.Segment]:
+        """Every pull segment not given up (a snapshot, for tests and diagnostics)."""
+        with self._pull_mu:
+            return list(self._pulls.values())
+
     def close(self) -> None:
         self.push.close()
-        self.pull.close()
+        with self._pull_mu:
+            pulls, self._pulls, self._free = list(self._pulls.values()), {}, []
+        for seg in pulls:
+            seg.close()
+        self.pull.close()  # (given up earlier, or among them: closing is idempotent)

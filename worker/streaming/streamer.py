@@ -84,10 +84,6 @@ class Streamer:
         self.units = units(model, opt.params, spec.modules)
         self.largest_unit_bytes = max(u.nbytes for u in self.units)
         self.model_bytes = sum(p.numel() * p.element_size() for p in opt.params.values())
-        # A pull is the weights the budget lets live (one unit at least), each part on a 64-byte boundary: the
-        # pull segments keep that much in memory, not the model's share the first, whole pull wrote.
-        self.pull_keep_bytes = max(spec.max_live_bytes, self.largest_unit_bytes) + 64 * len(opt.params)
-        opt.client.paths.keep_pull(self.pull_keep_bytes)
         for n, p in opt.params.items():
             if not p.is_contiguous():
                 raise ValueError(f"Stream: parameter {n!r} is not contiguous: it cannot be pulled in place")
@@ -96,6 +92,10 @@ class Streamer:
             p.data = torch.empty_like(p.data, memory_format=torch.contiguous_format)
             p.data.untyped_storage().resize_(0)
         trim()  # the weights just released, allocated before the heap's threshold was fixed (worker/streaming/heap.py)
+        # A pull is the weights the budget lets live (one unit at least): the pull segments keep that much in
+        # memory (and each part's alignment: ShmLink.settle_pull), not the model's share a whole pull wrote.
+        self.pull_keep_bytes = max(spec.max_live_bytes, self.largest_unit_bytes)
+        opt.client.paths.keep_pull(self.pull_keep_bytes)
         self._size = {n: p.numel() * p.element_size() for n, p in opt.params.items()}
         self._refs: dict[str, int] = dict.fromkeys(opt.params, 0)
         self._inflight: dict[str, PullInFlight] = {}
