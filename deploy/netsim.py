@@ -68,7 +68,7 @@ from shardps.deploy.netns import (
     sweep_stale,
     write_record,
 )
-from shardps.deploy.spawn import import_time_env, spawner
+from shardps.deploy.spawn import child_env, import_time_env, spawner
 
 IFNAME = "eth0"  # every host's interface (GLOO_SOCKET_IFNAME=eth0)
 BRIDGE = "br0"
@@ -359,7 +359,7 @@ class NetCluster:
             raise RuntimeError("the cluster is not up: call up() or use it in a with block")
         if self._lifeline is None:
             self._lifeline = Lifeline()  # shardps processes stop when this one dies, however it dies
-        full_env = dict(os.environ if env is None else env)
+        full_env = child_env(os.environ if env is None else env)  # as the fork server's (OpenMP's idle threads)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         proc: Any = self._forked(host, argv, full_env, stdin, stdout, stderr, cwd)
         if proc is None:

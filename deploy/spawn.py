@@ -59,6 +59,12 @@ MAX_MSG = 1 << 20
 TITLE_ROOM = 4096
 
 
+def child_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a process shardps starts gets: ``environ``, with OpenMP's idle threads asleep where it
+    says nothing of them (``protos/env.py`` ``openmp_defaults``), as the fork server's own."""
+    return {**environ, **env_names.openmp_defaults(environ)}
+
+
 def import_time_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``environ`` that a forked child could not change (IMPORT_TIME_PREFIXES)."""
     return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in RUN_TIME}
@@ -146,7 +152,7 @@ class Spawner:
     """The caller's side of one fork server (``spawner()`` gives this process's)."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        self.environ = dict(os.environ if environ is None else environ)
+        self.environ = child_env(os.environ if environ is None else environ)
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()  # one request at a time: replies come in order
@@ -327,16 +333,17 @@ def spawn(args: Sequence[str], *, env: Mapping[str, str], stdout: int | None = s
     """Start ``python -m shardps ARGS`` in a session of its own: forked by this process's fork server where it
     can be, else with subprocess.Popen. ``stdout``, ``stderr``: ``subprocess.PIPE`` or None (inherited);
     ``lifeline_fd``: the read end of the Lifeline the child watches (deploy/lifeline.py)."""
+    env = child_env(env)
     sp = spawner()
     if sp is not None and import_time_env(env) == import_time_env(sp.environ):
         try:
             return sp.popen(args, env=env, stdout=stdout, stderr=stderr, lifeline_fd=lifeline_fd)
         except RuntimeError as e:
             log.warning("fork server: %s; starting the process fresh", e)
-    child_env = dict(env)
+    fresh = dict(env)
     if lifeline_fd is not None:
         from shardps.deploy.lifeline import LIFELINE_FD
-        child_env[LIFELINE_FD] = str(lifeline_fd)
-    return subprocess.Popen([sys.executable, "-m", "shardps", *args], env=child_env, text=True, stdout=stdout,
+        fresh[LIFELINE_FD] = str(lifeline_fd)
+    return subprocess.Popen([sys.executable, "-m", "shardps", *args], env=fresh, text=True, stdout=stdout,
                             stderr=stderr, start_new_session=True,
                             pass_fds=() if lifeline_fd is None else (lifeline_fd,))

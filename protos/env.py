@@ -10,6 +10,7 @@ tests/test_docs.py checks that the list and this module agree.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 ADDRESSES = "SHARDPS_ADDRESSES"  # HOST:PORT,... of the shards, in shard order
 WORKER_ID = "SHARDPS_WORKER_ID"
@@ -55,6 +56,21 @@ ALL = (ADDRESSES, WORKER_ID, NUM_WORKERS, BACKUPS, TLS_CERT, TLS_KEY, TLS_CA, TL
        PEER_TOKEN_FILE, METRICS_PORT, METRICS_HOST, CHECKPOINT_DIR, CHECKPOINT_EVERY, LOG_LEVEL, HOST, PORT,
        SHARD_INDEX, NUM_SHARDS, LEASE_SECONDS, REPLICAS, REPLICA_PORT, REPLICA_TARGET, ADVERTISE_ADDRESS,
        SHM, FRAME_INLINE_BYTES, KEEPALIVE_S, FORK, COORDINATOR, JOB)
+
+
+#: How OpenMP's idle threads wait (read once, when torch loads): a variable of these in the environment is the
+#: user's choice and is left alone; where none is set, a shardps process starts with ``OPENMP_IDLE``.
+OPENMP_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+OPENMP_IDLE = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def openmp_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What to add to ``environ`` for a process that shardps starts (the ``shardps`` command, the fork server
+    and its children): ``OPENMP_IDLE`` where ``environ`` sets none of ``OPENMP_KNOBS``, else nothing. An idle
+    OpenMP thread otherwise spins for a while (libgomp: 300,000 turns) after each parallel region, taking a
+    core from the process's own I/O threads and from the processes beside it (docs/operations.md, "OpenMP's
+    idle threads"). A user's own process is never changed: set it there before torch is imported."""
+    return {} if any(k in environ for k in OPENMP_KNOBS) else dict(OPENMP_IDLE)
 
 
 def get(name: str) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 from typing import TypeVar
@@ -348,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "torch" not in sys.modules:  # OpenMP reads it as torch loads (a test calling main has torch already)
+        os.environ.update(env.openmp_defaults(os.environ))
     if argv[:1] == ["health"]:
         return health_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -12,6 +12,7 @@ import pytest
 from shardps.deploy import spawn as sp
 from shardps.deploy.lifeline import Lifeline
 from shardps.deploy.local import parse_ready, read_ready, stop_processes, wait_gone
+from shardps.protos import env
 from shardps.server.app import READY_PREFIX
 from tests.helpers import kill_left
 
@@ -123,6 +124,50 @@ def test_spawn_falls_back_to_a_fresh_process_where_a_fork_would_differ(monkeypat
     proc = sp.spawn(["server", "--port", "0"], env=_env())
     try:
         assert isinstance(proc, subprocess.Popen)
+    finally:
+        stop_processes([proc])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
+
+
+def test_shardps_processes_start_with_openmp_threads_that_sleep_when_idle_unless_the_user_says(monkeypatch):
+    """Where the environment says nothing of how OpenMP's idle threads wait, a process shardps starts (the fork
+    server, whose torch its children share; a fresh child; the ``shardps`` command itself) has
+    ``OMP_WAIT_POLICY=PASSIVE``; a user's setting is kept."""
+    clean = {k: v for k, v in _env().items() if k not in env.OPENMP_KNOBS}
+    assert env.openmp_defaults(clean) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert all(env.openmp_defaults({**clean, knob: "1"}) == {} for knob in env.OPENMP_KNOBS)
+    assert sp.Spawner(clean).environ["OMP_WAIT_POLICY"] == "PASSIVE"  # what the fork server starts with
+    mine = sp.Spawner({**clean, "GOMP_SPINCOUNT": "1000"}).environ
+    assert mine["GOMP_SPINCOUNT"] == "1000" and "OMP_WAIT_POLICY" not in mine
+    said = textwrap.dedent("""
+        import os
+        from shardps import cli
+        try:
+            cli.main(["health", "--help"])  # the command's start, torch not imported
+        except SystemExit:
+            pass
+        print("OMP=" + os.environ.get("OMP_WAIT_POLICY", "-"))
+    """)
+    for extra, want in (({}, "OMP=PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "OMP=ACTIVE"),
+                        ({"GOMP_SPINCOUNT": "1000"}, "OMP=-")):
+        out = subprocess.run([sys.executable, "-c", said], env={**clean, **extra}, capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        assert out.splitlines()[-1] == want, (extra, out)
+    proc = sp.spawn(["server", "--port", "0"], env=_env())  # the default does not keep children from a fork
+    try:
+        assert isinstance(proc, sp.ForkedProcess)
+    finally:
+        stop_processes([proc])
+    monkeypatch.setenv("SHARDPS_FORK", "0")
+    proc = sp.spawn(["server", "--port", "0"], env=clean)  # fresh: its own environment
+    try:
+        assert isinstance(proc, subprocess.Popen)
+        read_ready(proc, 60)
+        assert _environ(proc.pid).get("OMP_WAIT_POLICY") == "PASSIVE"
     finally:
         stop_processes([proc])
 
