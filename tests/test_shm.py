@@ -98,6 +98,29 @@ def test_release_gives_the_pages_of_a_range_back_and_keeps_the_rest():
     assert seg.release(0, 0) == 0
 
 
+def test_a_shard_unmaps_the_segments_a_worker_removed_before_it_maps_another():
+    """A pull segment the worker gave up (the shard may have written it) is removed by the worker; the shard's
+    mapping, which holds its pages, goes the next time that worker names a segment the shard has not mapped."""
+    from shardps.server.datapath.shm import SegmentCache
+
+    cache = SegmentCache()
+    kept, given_up, other, later = (shm.create(f"prune-{k}", 4096) for k in ("kept", "gone", "other", "later"))
+    try:
+        for seg in (kept, given_up):
+            cache.get(1, seg.name)
+        cache.get(2, other.name)
+        given_up.close()  # the worker's: the file is removed (the shard's mapping stays, for now)
+        other.close()  # another worker's: not this worker's to prune
+        assert cache.get(1, kept.name).name == kept.name  # a hit prunes nothing
+        assert len(cache._segments) == 3
+        cache.get(1, later.name)  # a miss: worker 1's removed segment is unmapped first
+        assert set(cache._segments) == {kept.name, other.name, later.name}
+    finally:
+        cache.close()
+        for seg in (kept, later):
+            seg.close()
+
+
 def test_the_probe_reads_only_the_token_it_was_given():
     seg, token = shm.probe()
     try:

@@ -39,6 +39,7 @@ class SegmentCache:
             if hit is not None:
                 self._segments.move_to_end(name)
                 return hit[0]
+        self._prune(worker_id)
         try:
             seg = shm.open_segment(name)
         except ValueError as e:
@@ -62,6 +63,15 @@ class SegmentCache:
             return self.get(worker_id, name).view(offset, nbytes)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
+
+    def _prune(self, worker_id: int) -> None:
+        """Unmap ``worker_id``'s segments whose files it removed (a pull segment it gave up, the shard may have
+        written it meanwhile: the pages go with the last mapping). Run on a miss, before mapping another."""
+        with self._lock:
+            gone = [n for n, (_, w) in self._segments.items() if w == worker_id and not (shm.SHM_DIR / n).exists()]
+            segs = [self._segments.pop(n)[0] for n in gone]
+        for seg in segs:
+            seg.close()
 
     def forget(self, worker_id: int) -> None:
         """Unmap the segments of a worker that left."""

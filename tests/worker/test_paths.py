@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -99,6 +100,9 @@ def test_each_pull_in_flight_has_a_segment_of_its_own_sized_by_it_and_a_given_up
             link.read(b, 0, 4)
     finally:
         path.close()
+    with pytest.raises(grpc.RpcError) as closed:  # a fail-over closed the link: asked again, no segment made
+        path.take_pull(10)
+    assert closed.value.code() == grpc.StatusCode.UNAVAILABLE and link.pull_segments == []
 
 
 def test_segments_that_cannot_be_made_are_none(route, monkeypatch):

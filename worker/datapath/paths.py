@@ -327,6 +327,9 @@ class ShmPath:
     def take_pull(self, nbytes: int) -> str:
         try:
             return self.link.take_pull(nbytes)
+        except SegmentClosed:  # a fail-over closed them meanwhile: asked again on the shard's new path
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard}: its shared-memory segments "
+                                                           "were closed (a fail-over): asked again") from None
         except OSError as e:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"shard {self.shard}: no room in /dev/shm for another pull segment ({e}); "

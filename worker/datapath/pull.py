@@ -280,13 +280,16 @@ class PullInFlight:
             segment = path.take_pull(self._room(shard, path))
         except grpc.RpcError:  # no room for another pull segment: through the transport, which says so
             return False
-        req = self._request(shard, path, segment)
         t = self._client.transport
         try:
+            req = self._request(shard, path, segment)
             call = soon(req, t.timeout, self._place, functools.partial(self._answered_soon, shard, path, segment))
         except grpc.RpcError:  # the connection ended meanwhile: through the transport's retries instead
             path.unpulled(segment)
             return False
+        except BaseException:
+            path.unpulled(segment)
+            raise
         with self._lock:
             if shard not in self._ended:
                 self._calls[shard] = (getattr(path, "conn"), call, path, segment)  # noqa: B009 - pull_soon's

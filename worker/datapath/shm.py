@@ -80,6 +80,7 @@ class ShmLink:
         self._pulls: dict[str, shm.Segment] = {self.pull.name: self.pull}  # every pull segment not given up
         self._free: list[shm.Segment] = [self.pull]  # those no Pull has now
         self._pulled_to: dict[str, int] = {}  # per segment, the end of the furthest bytes read since settled
+        self._closed = False
 
     @staticmethod
     def open(worker_id: int, shard: int, smap: ShardMap, layouts: dict[str, Layout]) -> ShmLink | None:
@@ -125,8 +126,10 @@ class ShmLink:
         """A pull segment of at least ``nbytes`` for one Pull, its own until ``give_pull`` (its answer read) or
         ``drop_pull`` (given up: the shard may still write it): the smallest free one that holds it, else a new
         one of ``nbytes``, so that the segments are sized by the pulls in flight, not the model (``OSError``
-        when /dev/shm has no room)."""
+        when /dev/shm has no room, ``SegmentClosed`` once the link is closed)."""
         with self._pull_mu:
+            if self._closed:  # closed meanwhile (a fail-over): no segment is made for a link gone
+                raise SegmentClosed(f"shard {self.shard}: its segments were closed")
             fits = [seg for seg in self._free if seg.size >= nbytes]
             if fits:
                 seg = min(fits, key=lambda f: f.size)
@@ -140,7 +143,7 @@ class ShmLink:
         """Bytes a Pull's answer names in its pull segment (``take_pull``'s name)."""
         seg = self._pulls.get(segment)
         if seg is None:
-            if self.push.closed:  # the link closed meanwhile (a fail-over): as a closed segment's view says
+            if self._closed:  # the link closed meanwhile (a fail-over): as a closed segment's view says
                 raise SegmentClosed(f"shard {self.shard}: pull segment {segment!r} was closed")
             raise ValueError(f"shard {self.shard}: no pull segment {segment!r} of this worker's is in use")
         view = seg.view(offset, nbytes)
@@ -194,6 +197,7 @@ class ShmLink:
     def close(self) -> None:
         self.push.close()
         with self._pull_mu:
+            self._closed = True
             pulls, self._pulls, self._free = list(self._pulls.values()), {}, []
         for seg in pulls:
             seg.close()
