@@ -3,10 +3,14 @@
 Regression for a setup error of the session's Ray cluster, seen once in a quiet run of the fault tests
 (at test_ray.py::test_kill_9_a_server_actor_its_backup_takes_over_and_the_result_is_exact): the job client's
 constructor already asks the dashboard, which may not listen yet when ``ray start`` returns, and a port
-chosen free may be taken before ``ray start`` binds it. Both are now retried.
+chosen free may be taken before ``ray start`` binds it. Both are now retried, and so is a node's start
+(``add_node``), which failed once in a full suite beside a stress run: Ray's deadline for the node's
+registration with the head.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +105,39 @@ def test_node_env_reaches_every_ray_start_and_cannot_override_the_auth_token(mon
     finally:
         rc.nodes = []
         rc.stop()
+
+
+def test_a_node_whose_start_fails_is_stopped_and_started_once_more_on_other_ports(monkeypatch, capsys):
+    """``add_node``'s first ``ray start`` fails (Ray's deadline for the node's registration, on a machine loaded
+    to the full): that node is stopped and forgotten, and one more start on fresh ports joins; a second failure
+    is raised with Ray's output."""
+    no_such_group = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process in it: nothing to stop
+    starts: list[list[str]] = []
+    fail: set[int] = {2}  # the head is start 1
+
+    class _Popen:
+        def __init__(self, cmd, **kw):
+            starts.append(cmd)
+            self.pid = no_such_group
+            self.returncode = 1 if len(starts) in fail else 0
+
+        def communicate(self, timeout=None):
+            return ("Failed to get node info b'RPC error: Deadline Exceeded'" if self.returncode else ""), None
+
+    monkeypatch.setattr(local.subprocess, "Popen", _Popen)
+    rc = local.RayLocalCluster()
+    try:
+        rc.start()
+        rc.add_node()
+        assert len(starts) == 3 and len(rc.nodes) == 2  # the head and the node that joined
+        first, second = starts[1], starts[2]
+        assert first[first.index("--node-manager-port") + 1] != second[second.index("--node-manager-port") + 1]
+        assert "trying again on other ports" in capsys.readouterr().err
+        fail.update({4, 5})
+        with pytest.raises(RuntimeError, match="Failed to get node info"):
+            rc.add_node()
+        assert len(starts) == 5 and len(rc.nodes) == 3  # the second failure is listed: stop() ends it
+    finally:
+        rc.nodes = []
+        rc.stop()
+

@@ -239,16 +239,28 @@ class RayLocalCluster:
         raise TimeoutError(f"the head did not accept jobs within {timeout:.0f}s: {last}")
 
     def add_node(self, num_cpus: int = 1, resources: dict[str, float] | None = None) -> None:
-        """Start one more node on this machine, joined to the head."""
-        # Its own directory: nodes that share one (their runtime_resources) delete each other's
-        # unpacked job files, a running job's working_dir among them.
-        node_dir = tempfile.mkdtemp(prefix="n", dir=self.temp_dir)
-        args = ["--address", self.address, "--num-cpus", str(num_cpus), "--disable-usage-stats",
-                "--object-store-memory", str(self.object_store_bytes), "--temp-dir", node_dir, *self._node_ports(),
-                *self._monitor_flag()]
-        if resources:
-            args += ["--resources", json.dumps(resources)]
-        self._ray_start(args)
+        """Start one more node on this machine, joined to the head. A start that fails (a port taken meanwhile,
+        as for the head; or, on a machine loaded to the full, Ray's own deadline for the node's registration
+        with the head, "Failed to get node info") is stopped and tried once more on fresh ports; a second
+        failure is raised with Ray's output."""
+        for attempt in (1, 2):
+            # Its own directory: nodes that share one (their runtime_resources) delete each other's
+            # unpacked job files, a running job's working_dir among them.
+            node_dir = tempfile.mkdtemp(prefix="n", dir=self.temp_dir)
+            args = ["--address", self.address, "--num-cpus", str(num_cpus), "--disable-usage-stats",
+                    "--object-store-memory", str(self.object_store_bytes), "--temp-dir", node_dir,
+                    *self._node_ports(), *self._monitor_flag()]
+            if resources:
+                args += ["--resources", json.dumps(resources)]
+            try:
+                self._ray_start(args)
+                return
+            except RuntimeError as e:
+                if attempt == 2:
+                    raise
+                print(f"shardps: ray start of a node failed, trying again on other ports: {str(e)[-500:]}",
+                      file=sys.stderr, flush=True)
+                self._stop_node(self.nodes.pop())  # the failed one (``_ray_start`` listed it last)
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """End every process of the nodes started here (SIGTERM, then SIGKILL after ``grace`` s), newest node
@@ -265,19 +277,24 @@ class RayLocalCluster:
 
     def _stop_nodes(self, grace: float = STOP_GRACE_S) -> None:
         for node in reversed(self.nodes):
-            members = _group_members(node.pgid)
-            if members:
+            self._stop_node(node, grace)
+        self.nodes = []
+
+    @staticmethod
+    def _stop_node(node: _Node, grace: float = STOP_GRACE_S) -> None:
+        """End ``node``'s process group: SIGTERM, then SIGKILL after ``grace`` s."""
+        members = _group_members(node.pgid)
+        if members:
+            try:
+                os.killpg(node.pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            if wait_gone(members, grace):
                 try:
-                    os.killpg(node.pgid, signal.SIGTERM)
+                    os.killpg(node.pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                if wait_gone(members, grace):
-                    try:
-                        os.killpg(node.pgid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    wait_gone(members, grace)
-        self.nodes = []
+                wait_gone(members, grace)
 
     def __enter__(self) -> RayLocalCluster:
         return self.start()
