@@ -1,4 +1,4 @@
-"""The worker's side of the same-host fast path (protos/shm.py): a push and a pull segment per shard.
+"""The worker's side of the same-host fast path (protos/shm.py): per shard a push segment, a pull segment per Pull.
 
 Made after Register for every shard that read the worker's probe (it
 shares this machine). ``write_push`` copies a gradient's part into the
