@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -193,24 +194,16 @@ class RayLocalCluster:
             os.environ[key] = value
         _reload_auth_config()
         try:
-            for attempt in (1, 2):
+            def head() -> list[str]:
                 self.port, self.dashboard_port, client_port = free_ports(3)
                 args = ["--head", "--port", str(self.port), "--dashboard-port", str(self.dashboard_port),
                         "--dashboard-host", "127.0.0.1", "--num-cpus", str(self.num_cpus),
                         "--temp-dir", self.temp_dir, "--disable-usage-stats",
                         "--object-store-memory", str(self.object_store_bytes), "--include-dashboard", "true",
                         "--ray-client-server-port", str(client_port), *self._node_ports(), *self._monitor_flag()]
-                if self.resources:
-                    args += ["--resources", json.dumps(self.resources)]
-                try:
-                    self._ray_start(args)
-                    break
-                except RuntimeError as e:
-                    if attempt == 2:
-                        raise
-                    print(f"shardps: ray start failed, trying again on other ports: {str(e)[-500:]}",
-                          file=sys.stderr, flush=True)
-                    self._stop_nodes()
+                return args + (["--resources", json.dumps(self.resources)] if self.resources else [])
+
+            self._start_twice(head, "ray start")
         except BaseException:
             self.stop()
             raise
@@ -243,24 +236,33 @@ class RayLocalCluster:
         as for the head; or, on a machine loaded to the full, Ray's own deadline for the node's registration
         with the head, "Failed to get node info") is stopped and tried once more on fresh ports; a second
         failure is raised with Ray's output."""
-        for attempt in (1, 2):
+        def node() -> list[str]:
             # Its own directory: nodes that share one (their runtime_resources) delete each other's
             # unpacked job files, a running job's working_dir among them.
             node_dir = tempfile.mkdtemp(prefix="n", dir=self.temp_dir)
             args = ["--address", self.address, "--num-cpus", str(num_cpus), "--disable-usage-stats",
                     "--object-store-memory", str(self.object_store_bytes), "--temp-dir", node_dir,
                     *self._node_ports(), *self._monitor_flag()]
-            if resources:
-                args += ["--resources", json.dumps(resources)]
+            return args + (["--resources", json.dumps(resources)] if resources else [])
+
+        self._start_twice(node, "ray start of a node")
+
+    def _start_twice(self, args: Callable[[], list[str]], what: str) -> None:
+        """``ray start`` with ``args()`` (fresh ports each call); where it fails, that node is stopped and
+        started once more; a second failure is raised with Ray's output."""
+        for attempt in (1, 2):
+            listed = len(self.nodes)
             try:
-                self._ray_start(args)
+                self._ray_start(args())
                 return
             except RuntimeError as e:
                 if attempt == 2:
                     raise
-                print(f"shardps: ray start of a node failed, trying again on other ports: {str(e)[-500:]}",
+                print(f"shardps: {what} failed, trying again on other ports: {str(e)[-500:]}",
                       file=sys.stderr, flush=True)
-                self._stop_node(self.nodes.pop())  # the failed one (``_ray_start`` listed it last)
+                failed, self.nodes = self.nodes[listed:], self.nodes[:listed]  # (``_ray_start`` lists it)
+                for n in failed:
+                    self._stop_node(n)
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """End every process of the nodes started here (SIGTERM, then SIGKILL after ``grace`` s), newest node

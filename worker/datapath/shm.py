@@ -161,7 +161,7 @@ class ShmLink:
     def drop_pull(self, segment: str) -> None:
         """The Pull that had ``segment`` was given up before its answer was read (cancelled, timed out,
         failed): the shard may still write into it, so no other Pull gets it. Unmapped and removed here (the
-        shard's mapping goes when it forgets this worker's segments)."""
+        shard unmaps it before it maps another of this worker's: server/datapath/shm.py ``SegmentCache``)."""
         with self._pull_mu:
             seg = self._pulls.pop(segment, None)
             self._pulled_to.pop(segment, None)
