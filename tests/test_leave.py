@@ -111,16 +111,30 @@ def test_a_clean_run_ends_with_goodbyes_not_evictions(make_cluster, caplog):
 
 
 class _CountHeartbeats(grpc.ServerInterceptor):
+    """Counts the Heartbeats a server has handled: ``times`` holds each one's arrival, appended once its
+    handler has returned (the lease renewed), so that a test reads the lease after the renewal, not between
+    a Heartbeat's arrival and its handling."""
+
     def __init__(self) -> None:
-        self.times: list[float] = []  # monotonic arrival times of Heartbeat RPCs
+        self.times: list[float] = []  # monotonic arrival times of handled Heartbeat RPCs
         self.cond = threading.Condition()
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
-        if handler_call_details.method.endswith("/Heartbeat"):
-            with self.cond:
-                self.times.append(time.monotonic())
-                self.cond.notify_all()
-        return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.endswith("/Heartbeat"):
+            return handler
+        arrived, inner = time.monotonic(), handler.unary_unary
+
+        def handled(request, context):  # type: ignore[no-untyped-def]
+            try:
+                return inner(request, context)
+            finally:
+                with self.cond:
+                    self.times.append(arrived)
+                    self.cond.notify_all()
+
+        return grpc.unary_unary_rpc_method_handler(handled, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
 
 
 @pytest.mark.fault
@@ -129,8 +143,10 @@ def test_a_client_driven_by_hand_keeps_its_lease_while_it_waits(make_cluster):
     """Found by a new user: without DistributedOptimizer no heartbeats ran, and a PSClient that
     registered and then waited (for data, for the other workers) was evicted.
 
-    Leases are checked here at explicit moments (the background check is stopped), so the outcome does
-    not depend on how promptly a loaded machine runs the heartbeat thread."""
+    Leases are checked here at explicit moments (the background check is stopped) and measured from the
+    lease's own renewal, so the outcome does not depend on how promptly a loaded machine runs the heartbeat
+    thread or a Heartbeat's handler (a check made between a Heartbeat's arrival and its handling read the
+    renewal before it, which, with the heartbeats late on a loaded machine, was over half a lease old)."""
     beats = _CountHeartbeats()
     cluster = make_cluster(1, lease_s=0.6, interceptors=[beats])
     store = cluster.stores[0]
@@ -139,9 +155,12 @@ def test_a_client_driven_by_hand_keeps_its_lease_while_it_waits(make_cluster):
         client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=0.1), sync="bsp")
         with beats.cond:  # heartbeats come without any Push or Pull
             assert beats.cond.wait_for(lambda: len(beats.times) >= 3, timeout=120)
-            last = beats.times[-1]
-        # Each heartbeat renewed the lease: half a lease after the last one, the worker is still live.
-        assert store.leases.evict_expired(now=last + 0.3) == [] and 0 in store.leases.live()
+            third = beats.times[2]
+        # Each heartbeat renewed the lease (nothing else reached the shard since Register): the renewal is the
+        # third one's or a later one's, and half a lease after it the worker is still live.
+        renewed = store.leases.membership.last_seen[0]
+        assert renewed >= third
+        assert store.leases.evict_expired(now=renewed + 0.3) == [] and 0 in store.leases.live()
         client.stop_heartbeats()  # now it falls silent: once its lease has run out it is evicted
         assert store.leases.evict_expired(now=time.monotonic() + 1.2) == [0]
         assert store.stats().evicted_workers == [0]
