@@ -124,6 +124,20 @@ def ready_field(rest: str, key: str) -> str | None:
     return words[words.index(key) + 1] if key in words[:-1] else None
 
 
+#: The variables of a `shardps server` that a LocalCluster decides itself, from its arguments, in process
+#: mode as in process: its server processes do not get them from its environment, where they would take effect
+#: for every setting it passes no flag for (a ``SHARDPS_COORDINATOR`` exported for a real job would have a
+#: local cluster's servers claim that job's shards in etcd, a ``SHARDPS_CHECKPOINT_DIR`` write checkpoints
+#: into its directory, a ``SHARDPS_METRICS_PORT`` have every server bind one port). Security is not among them:
+#: the cluster takes it from the same variables (``Security.from_env``) and passes it on.
+CLUSTER_DECIDES = frozenset((
+    env_names.HOST, env_names.PORT, env_names.SHARD_INDEX, env_names.NUM_SHARDS, env_names.LEASE_SECONDS,
+    env_names.REPLICAS, env_names.REPLICA_PORT, env_names.REPLICA_TARGET, env_names.ADVERTISE_ADDRESS,
+    env_names.COORDINATOR, env_names.JOB, env_names.CHECKPOINT_DIR, env_names.CHECKPOINT_EVERY,
+    env_names.METRICS_PORT, env_names.METRICS_HOST,
+))
+
+
 def attach_replicas(addresses: Sequence[str], replica_addresses: Sequence[str], security: Security,
                     timeout: float) -> None:
     """Point shard i's primary at the backup server i+1 holds; wait until every backup is in sync."""
@@ -257,7 +271,10 @@ class LocalCluster:
                     cmd += [flag, value]
             if self.checkpoint_dir:
                 cmd += ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every)]
-            env = dict(os.environ, PYTHONUNBUFFERED="1")  # (deploy/spawn.py: forked from the fork server)
+            # (deploy/spawn.py: forked from the fork server) Only this cluster's settings: none of the variables
+            # that configure a server where no flag is given (CLUSTER_DECIDES).
+            env = {k: v for k, v in os.environ.items() if k not in CLUSTER_DECIDES}
+            env["PYTHONUNBUFFERED"] = "1"
             for var, value in ((env_names.AUTH_TOKEN, sec.token), (env_names.WORKER_TOKEN, sec.worker_token),
                                (env_names.OPERATOR_TOKEN, sec.operator_token), (env_names.PEER_TOKEN, sec.peer_token)):
                 if value:

@@ -74,6 +74,16 @@ def _address_flag(p: argparse.ArgumentParser, help: str = "HOST:PORT,... in shar
                    required=default is None, help=f"{help} (env {env.ADDRESSES})")
 
 
+def worker_backups(shards: list[str], backups: list[str] | None) -> list[str] | None:
+    """``shardps worker``'s backups: ``--backups``, else ``SHARDPS_BACKUPS`` where the shards (``--addresses``)
+    are those of ``SHARDPS_ADDRESSES`` (the rule of ``connect``: the variable names the backups of those
+    shards, not of shards given on the command line)."""
+    from_env = env.get(env.ADDRESSES)
+    if backups is not None or not from_env or shards != addresses(from_env):
+        return backups
+    return env.get_list(env.BACKUPS)
+
+
 def _training_flags(p: argparse.ArgumentParser) -> None:
     """The job's flags that ``demo`` and ``sim`` share (their workers' command line: deploy/demo.py)."""
     from shardps.cliargs import compress_flags
@@ -241,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _address_flag(w)
     w.add_argument("--backups", type=addresses, default=None,
                    help="each shard's backup (--replicas 2), HOST:PORT,... in shard order; learnt when "
-                        f"registering otherwise (env {env.BACKUPS})")
+                        f"registering otherwise (env {env.BACKUPS}, where the addresses are {env.ADDRESSES}'s)")
     wid, nw = _env_int(env.WORKER_ID), _env_int(env.NUM_WORKERS)
     w.add_argument("--worker-id", type=int, default=wid, required=wid is None, help=f"(env {env.WORKER_ID})")
     w.add_argument("--num-workers", type=int, default=nw, required=nw is None, help=f"(env {env.NUM_WORKERS})")
@@ -421,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         from shardps.examples.digits import main_worker
 
+        args.backups = worker_backups(args.addresses, args.backups)
         return main_worker(args, security_from(args))
     if args.command == "health":  # after top-level flags (`shardps --log-level debug health`)
         from shardps.worker.datapath.reach import run_health

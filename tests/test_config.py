@@ -268,3 +268,45 @@ def test_the_backup_is_advertised_on_the_advertised_host():
     assert advertised_beside("server1:7000", "0.0.0.0", 7100) == "server1:7100"
     assert advertised_beside("[::1]:7000", "::", 7100) == "[::1]:7100"
     assert advertised_beside(None, "10.0.0.5", 7100) == "10.0.0.5:7100" == advertised("10.0.0.5", 7100)
+
+
+def test_shardps_worker_takes_the_backups_of_the_addresses_from_the_environment(clean_env):
+    from shardps.cli import worker_backups
+
+    clean_env.setenv(env.ADDRESSES, "h:1,h:2")
+    clean_env.setenv(env.BACKUPS, "b:1,b:2")
+    clean_env.setenv(env.WORKER_ID, "0")
+    clean_env.setenv(env.NUM_WORKERS, "1")
+    p = build_parser()
+    a = p.parse_args(["worker"])
+    assert worker_backups(a.addresses, a.backups) == ["b:1", "b:2"]
+    a = p.parse_args(["worker", "--backups", "c:1,c:2"])  # an argument wins
+    assert worker_backups(a.addresses, a.backups) == ["c:1", "c:2"]
+    # The variable names the backups of SHARDPS_ADDRESSES' shards, as for connect(): not of shards given here
+    a = p.parse_args(["worker", "--addresses", "x:3"])
+    assert worker_backups(a.addresses, a.backups) is None
+
+
+@pytest.mark.cluster
+def test_a_local_clusters_server_processes_take_its_settings_not_the_environments(clean_env, tmp_path):
+    """A LocalCluster decides its servers' settings from its arguments, in process mode as in process: the
+    variables that configure a `shardps server` where no flag is given do not reach its processes."""
+    import socket
+
+    held = socket.socket()  # a metrics port already taken: a server that took the variable would not start
+    held.bind(("127.0.0.1", 0))
+    try:
+        clean_env.setenv(env.METRICS_PORT, str(held.getsockname()[1]))
+        clean_env.setenv(env.CHECKPOINT_DIR, str(tmp_path))
+        clean_env.setenv(env.CHECKPOINT_EVERY, "1")
+        clean_env.setenv(env.COORDINATOR, "etcd://127.0.0.1:1")  # nothing listens there
+        clean_env.setenv(env.JOB, "someone-elses")
+        with shardps.LocalCluster(1, processes=True, startup_timeout=60) as cluster:
+            clean_env.delenv(env.METRICS_PORT)  # (a worker takes it too: this one serves none)
+            with shardps.connect(cluster.addresses, worker_id=0, num_workers=1) as client:
+                client.register({"w": torch.zeros(4)}, shardps.optim.SGD(lr=0.1), sync="bsp")
+                client.push({"w": torch.ones(4)}, step=0)
+                assert torch.allclose(client.pull(["w"])["w"], torch.full((4,), -0.1))
+        assert list(tmp_path.iterdir()) == []  # no checkpoint: the cluster was given no directory
+    finally:
+        held.close()
