@@ -8,6 +8,7 @@ bitwise equal with and without overlap.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 
 import pytest
@@ -88,9 +89,10 @@ def test_two_backwards_in_a_step_push_whole_and_stay_exact(make_cluster):
 
 def test_a_forward_waits_for_the_weights_of_its_step(cluster2):
     """bsp: worker 0's step() returns before worker 1 has pushed; its next forward must compute with the
-    weights of the completed step, not those it had. Worker 1 pushes only once worker 0's forward has
-    begun (a pre-hook registered before the optimizer's), so a forward that did not wait would see the
-    old weights."""
+    weights of the completed step, not those it had. Worker 1 pushes only once worker 0's second forward has
+    begun (a pre-hook registered before the optimizer's, counting forwards: set by the first, it let worker 1
+    push before worker 0's own push, whose answer then brought the weights, and the test could not fail), so
+    a forward that did not wait would see the old weights."""
     base = make_model()
     entered = threading.Event()
     seen: dict[str, torch.Tensor] = {}
@@ -101,7 +103,13 @@ def test_a_forward_waits_for_the_weights_of_its_step(cluster2):
         client = shardps.connect(cluster2.addresses, worker_id=k, num_workers=2, part_bytes=1024)
         try:
             if k == 0:
-                model.register_forward_pre_hook(lambda m, a: entered.set())
+                forwards = itertools.count(1)
+
+                def second_forward(m: nn.Module, a: tuple) -> None:  # (a pre-hook's value would replace the input)
+                    if next(forwards) == 2:
+                        entered.set()
+
+                model.register_forward_pre_hook(second_forward)
                 first = model[0]
                 first.register_forward_hook(lambda m, a, out: seen.update(w=m.weight.detach().clone()))
             opt = shardps.DistributedOptimizer(model, client, optimizer=shardps.optim.SGD(lr=0.5), sync="bsp",
