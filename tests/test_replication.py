@@ -129,6 +129,7 @@ def test_dc_asgd_and_evictions_are_replicated(make_cluster):
                 cl.push({"w": torch.randn(128, generator=torch.Generator().manual_seed(step))}, step)
         c1.stop_heartbeats()
         for st in c.stores:  # worker 1 falls silent
+            st.leases.stop_reaper()  # evicted by this check, not by the reaper between these two lines
             st.leases.membership.last_seen[1] = time.monotonic() - 120
             assert st.leases.evict_expired() == [1]
             st.replica.replicated()
