@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 from torch import nn
 
@@ -182,3 +183,38 @@ def stop_prometheus(proc: subprocess.Popen[str]) -> None:
 # where it can (root and apt-get). Elsewhere they skip, saying so; the rest of the suite does not need it.
 ETCD_MISSING = ("etcd is not installed: these tests need a real etcd server (Debian's etcd-server), which "
                 "`make tools`, run by `make test`, installs as root")
+
+
+def on_return(handler: Any, done: Callable[[Any], None], refused: Callable[[], None] | None = None) -> Any:
+    """A gRPC method ``handler`` (what a server interceptor's continuation gives) that calls ``done(request)``
+    (a streamed request: its iterator) once its behavior has returned, its last response sent included; a
+    test that waits for it reads the server's state after the handler's work, not at the call's arrival.
+    ``refused()``: called instead where a unary request does not parse (its behavior then never runs)."""
+    kind = f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
+    inner = getattr(handler, kind)
+
+    def returning(request, context):  # type: ignore[no-untyped-def]
+        try:
+            return inner(request, context)
+        finally:
+            done(request)
+
+    def yielding(request, context):  # type: ignore[no-untyped-def]
+        try:
+            yield from inner(request, context)
+        finally:
+            done(request)
+
+    parse = handler.request_deserializer
+    if refused is not None and not handler.request_streaming and parse is not None:
+        def parsed(data):  # type: ignore[no-untyped-def]
+            try:
+                return parse(data)
+            except Exception:
+                refused()
+                raise
+    else:
+        parsed = parse
+    return getattr(grpc, f"{kind}_rpc_method_handler")(yielding if handler.response_streaming else returning,
+                                                        request_deserializer=parsed,
+                                                        response_serializer=handler.response_serializer)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from shardps.protos.shardps.v1 import ps_pb2
 from shardps.testing import fuzz
+from tests.helpers import on_return
 
 EXAMPLES = 200  # per job shape below: 2,400 cases in all
 SHAPES = [(sync, n, r) for n, r in ((1, 1), (2, 1), (2, 2)) for sync in ("asp", "bsp", "every:2", "ssp:1")]
@@ -155,58 +156,7 @@ class _Handled(grpc.ServerInterceptor):
             return None
         with self.cond:
             self.running += 1
-        done = self._done
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if not handler.request_streaming and handler.request_deserializer is not None:
-            parse = handler.request_deserializer
-
-            def parsed(data):  # type: ignore[no-untyped-def]
-                try:
-                    return parse(data)
-                except Exception:
-                    done()  # refused before its handler: it will not run
-                    raise
-
-            kw["request_deserializer"] = parsed
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary_unary(request, context):  # type: ignore[no-untyped-def]
-                try:
-                    return inner(request, context)
-                finally:
-                    done()
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
-        if handler.stream_unary is not None:
-            inner = handler.stream_unary
-
-            def stream_unary(requests, context):  # type: ignore[no-untyped-def]
-                try:
-                    return inner(requests, context)
-                finally:
-                    done()
-
-            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
-        if handler.unary_stream is not None:
-            inner = handler.unary_stream
-
-            def unary_stream(request, context):  # type: ignore[no-untyped-def]
-                try:
-                    yield from inner(request, context)
-                finally:
-                    done()
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
-        inner = handler.stream_stream
-
-        def stream_stream(requests, context):  # type: ignore[no-untyped-def]
-            try:
-                yield from inner(requests, context)
-            finally:
-                done()
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+        return on_return(handler, lambda request: self._done(), refused=self._done)
 
 
 @pytest.mark.parametrize("bug", [

@@ -14,7 +14,7 @@ import torch
 import shardps
 from shardps.server.errors import FailedPrecondition
 from shardps.server.store import ShardStore
-from tests.helpers import run_workers
+from tests.helpers import on_return, run_workers
 from tests.test_leases import _store
 
 
@@ -112,16 +112,8 @@ def test_a_clean_run_ends_with_goodbyes_not_evictions(make_cluster, caplog):
 
 def _after_heartbeat(handler, done):  # type: ignore[no-untyped-def]
     """``handler`` (a Heartbeat's) calling ``done(request, arrived)`` once it has returned: the lease renewed."""
-    arrived, inner = time.monotonic(), handler.unary_unary
-
-    def handled(request, context):  # type: ignore[no-untyped-def]
-        try:
-            return inner(request, context)
-        finally:
-            done(request, arrived)
-
-    return grpc.unary_unary_rpc_method_handler(handled, request_deserializer=handler.request_deserializer,
-                                               response_serializer=handler.response_serializer)
+    arrived = time.monotonic()
+    return on_return(handler, lambda request: done(request, arrived))
 
 
 class _CountHeartbeats(grpc.ServerInterceptor):

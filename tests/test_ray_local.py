@@ -140,4 +140,3 @@ def test_a_node_whose_start_fails_is_stopped_and_started_once_more_on_other_port
     finally:
         rc.nodes = []
         rc.stop()
-
