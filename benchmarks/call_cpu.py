@@ -19,6 +19,12 @@ over their threads, from /proc/PID/task/*/status; a thread that ends in
 between takes its count with it). A switch is a thread that stopped and
 another that ran: in these processes mostly threads handing the
 interpreter's lock and their work to each other.
+
+``--systems shardps,raw-parts,raw-parts-c``: beside shardps, the same
+schedule on raw sockets (``baselines/raw_ps.py --parts``: nothing but the
+work, its per-part loop in Python) and ``raw-parts-c``, the same with that
+loop in C on both ends (``raw_ps.py --parts --native``, built with gcc by
+``baselines/native.py`` before the first run).
 """
 
 from __future__ import annotations
@@ -65,13 +71,14 @@ def one(per: int, steps: int, timeout: float, shm: bool = False, system: str = "
     servers: list[subprocess.Popen[str]] = []
     workers: list[subprocess.Popen[str]] = []
     try:
-        if system == "raw-parts":  # baselines/raw_ps.py --parts: the same schedule, nothing but the work
+        if system in ("raw-parts", "raw-parts-c"):  # baselines/raw_ps.py --parts: the schedule, nothing but the work
             flat = numel(DIMS)
+            native = ["--native"] if system == "raw-parts-c" else []
             for j in range(HOSTS):
                 servers.append(subprocess.Popen(
                     [sys.executable, str(HERE / "baselines" / "raw_ps.py"), "--host", "127.0.0.1", "--world",
                      str(WORKERS), "--lo", str(flat * j // HOSTS), "--hi", str(flat * (j + 1) // HOSTS),
-                     "--steps", str(steps + 2), "--timeout", str(timeout), "--parts", str(per)],
+                     "--steps", str(steps + 2), "--timeout", str(timeout), "--parts", str(per), *native],
                     env=env, stdout=subprocess.PIPE, text=True))
             addresses = []
             for proc in servers:
@@ -79,7 +86,7 @@ def one(per: int, steps: int, timeout: float, shm: bool = False, system: str = "
                 if not line.startswith("READY "):
                     raise RuntimeError(f"raw-parts: a server said {line!r} instead of READY")
                 addresses.append(line.split()[1])
-            argv = ["raw-ps", "--parts", str(per)]
+            argv = ["raw-ps", "--parts", str(per), *native]
         else:
             for j in range(HOSTS):
                 servers.append(subprocess.Popen(
@@ -133,11 +140,19 @@ def main() -> int:
     p.add_argument("--shm", action="store_true", help="the bytes through shared memory (one machine's path)")
     p.add_argument("--systems", default="shardps",
                    help="comma-separated: shardps, raw-parts (baselines/raw_ps.py --parts: the same schedule of "
-                        "parts in Python with nothing but the work, a floor to set shardps beside)")
+                        "parts in Python with nothing but the work, a floor to set shardps beside), raw-parts-c "
+                        "(the same, its per-part loop in C: --native)")
     a = p.parse_args()
     systems = [x.strip() for x in a.systems.split(",") if x.strip()]
-    if not systems or any(x not in ("shardps", "raw-parts") for x in systems):
-        p.error(f"--systems: expected shardps and/or raw-parts, got {a.systems!r}")
+    if not systems or any(x not in ("shardps", "raw-parts", "raw-parts-c") for x in systems):
+        p.error(f"--systems: expected some of shardps, raw-parts and raw-parts-c, got {a.systems!r}")
+    if "raw-parts-c" in systems:
+        from baselines.native import NativeUnavailable, build
+
+        try:
+            build()  # once, before any run starts its processes
+        except NativeUnavailable as e:
+            p.error(str(e))
     print(f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; {HOSTS} server processes, {WORKERS} workers, "
           f"{a.steps} timed steps after 2; bytes through {'shared memory' if a.shm else 'the data connection'}",
           file=sys.stderr)

@@ -55,7 +55,9 @@ to 16 pieces a shard of at least 256 KiB, each a frame, a message and a step of 
 the raw parameter server cut into the same parts (``baselines/raw_ps.py --parts``: each part a 4-byte number
 and its bytes, the same window of parts unanswered, the checks, the sum and the step; no control messages,
 versions or answers to pushes): what that granularity costs a parameter server in Python with nothing but the
-work, in the same run.
+work, in the same run. ``--native-parts``: the same rows with the per-part loop in C on both ends
+(``raw_ps.py --parts --native``, built with gcc by ``baselines/native.py`` before the first row): what the
+same granularity costs once that loop is out of the interpreter.
 
 ``--json``: one object per row (``system``, ``sync``, ``wire``, ``n``,
 ``k``, ``whole``, ``link_mbit``, ``model_mb``, ``step_s``, ``formula_s``, ``cpu_s``, ``compute_s`` (shardps rows;
@@ -109,6 +111,7 @@ class Config:
     window: int | None = None  # push_window
     compress: str = "none"  # shardps.compress spec (topk:0.01)
     whole: bool = True  # parts of a shard's size (connect(part_bytes=)): one piece of a tensor a shard
+    native: bool = False  # raw-ps: the per-part loop in C (raw_ps.py --native)
 
     @property
     def label(self) -> str:
@@ -116,6 +119,9 @@ class Config:
             return "DDP (gloo ring all-reduce)"
         if self.system == "ray-ps":
             return "Ray object-store PS (one actor, 1 server host)"
+        if self.system == "raw-ps" and self.native:
+            return (f"raw sockets PS in C, {self.k} server hosts, {self.per} parts a host, window {self.window} "
+                    f"(shardps's parts, their loop compiled)")
         if self.system == "raw-ps" and self.per > 1:
             return (f"raw sockets PS, {self.k} server hosts, {self.per} parts a host, window {self.window} "
                     f"(shardps's parts: their floor in Python)")
@@ -130,10 +136,13 @@ class Config:
 
 def configs(quick: bool, per: int, window: int, sweep: bool = False, ray_ps: bool = False,
             bf16: bool = False, grid: list[tuple[int, int, bool]] | None = None,
-            raw_parts: bool = False) -> list[Config]:
+            raw_parts: bool = False, native_parts: bool = False) -> list[Config]:
     out = _configs(quick, per, window, sweep, ray_ps, bf16, grid)
-    if raw_parts:  # the raw server with shardps's parts: at each shards-a-host/window setting of a shardps row
-        settings = dict.fromkeys((c.per, c.window) for c in out if c.system == "shardps" and c.k == 4 and c.window)
+    # the raw server with shardps's parts: at each shards-a-host/window setting of a shardps row
+    settings = dict.fromkeys((c.per, c.window) for c in out if c.system == "shardps" and c.k == 4 and c.window)
+    if native_parts:
+        out[1:1] = [Config("raw-ps", 4, 4, per=p, window=w, native=True) for p, w in settings]
+    if raw_parts:
         out[1:1] = [Config("raw-ps", 4, 4, per=p, window=w) for p, w in settings if p > 1]
     return out
 
@@ -240,7 +249,8 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                 servers.append(net.start(h, [sys.executable, str(HERE / "baselines" / "raw_ps.py"), "--host",
                                              net.host(h), "--world", str(c.n), "--lo", str(total * j // c.k),
                                              "--hi", str(total * (j + 1) // c.k), "--steps", str(steps + warmup),
-                                             "--timeout", str(a.timeout), "--parts", str(c.per)], env=env,
+                                             "--timeout", str(a.timeout), "--parts", str(c.per),
+                                             *(["--native"] if c.native else [])], env=env,
                                          stdout=subprocess.PIPE))
             for proc in servers:
                 line = proc.stdout.readline() if proc.stdout else ""
@@ -255,7 +265,8 @@ def measure(net: NetCluster, c: Config, a: argparse.Namespace, timeline: bool) -
                 argv += ["--master", f"{net.host(WORKER_HOSTS[0])}:29500"]
             elif c.system == "raw-ps":
                 argv += ["--addresses", ",".join(addresses), "--parts", str(c.per)]
-                argv += ["--window", str(c.window)] if c.window and c.per > 1 else []
+                argv += ["--window", str(c.window)] if c.window and (c.per > 1 or c.native) else []
+                argv += ["--native"] if c.native else []
             else:
                 argv += ["--addresses", ",".join(addresses), "--sync", c.sync, "--wire", c.wire]
                 argv += ["--window", str(c.window)] if c.window else []
@@ -352,6 +363,9 @@ def main() -> int:
                    help="shardps bsp fp32 (n = 4, k = 4) at each shards-a-host/window setting, beside DDP")
     p.add_argument("--ray-ps", action="store_true",
                    help="Ray's object-store parameter server (a Ray node in every host) beside DDP and shardps, n = 4")
+    p.add_argument("--native-parts", action="store_true",
+                   help="beside each shardps row with 4 server hosts and a window, the raw sockets PS in the same "
+                        "parts with its per-part loop in C on both ends (baselines/raw_ps.py --parts --native; gcc)")
     p.add_argument("--raw-parts", action="store_true",
                    help="beside each shardps row with 4 server hosts and a window, the raw sockets PS cut into the "
                         "same parts, pushed the same window at a time (baselines/raw_ps.py --parts): the "
@@ -364,11 +378,20 @@ def main() -> int:
     if missing:
         print(f"benchmarks/cluster.py: {missing}", file=sys.stderr)
         return 2
+    if a.native_parts:
+        from baselines.native import NativeUnavailable, build
+
+        try:
+            build()  # once, before any row starts its processes
+        except NativeUnavailable as e:
+            print(f"benchmarks/cluster.py: {e}", file=sys.stderr)
+            return 2
     links = a.links or (["200mbit"] if a.quick or a.grid else ["500mbit", "200mbit"])
     dims = _dims(a.dims)
     model_bytes = 4.0 * numel(dims)
     rows_ = [replace(c, whole=False) if a.library_parts else c
-             for c in configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16, a.grid, a.raw_parts)]
+             for c in configs(a.quick, a.shards_per_host, a.window, a.sweep, a.ray_ps, a.bf16, a.grid, a.raw_parts,
+                                 a.native_parts)]
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
     say(f"model {model_bytes / 1e6:.1f} MB ({a.dims}), batch {a.batch}, {a.steps} timed steps after {a.warmup}; "
         f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")

@@ -1,4 +1,5 @@
-"""benchmarks/baselines/raw_ps.py --parts: the Python floor call_cpu.py sets shardps beside takes the same step."""
+"""benchmarks/baselines/raw_ps.py --parts: the floors call_cpu.py and cluster.py set shardps beside (the per-part
+loop in Python, and in C with ``--native``) take the same step."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -15,15 +17,17 @@ sys.path.insert(0, str(BENCH))
 from baselines.raw_ps import Client  # noqa: E402
 
 
-def test_the_raw_parts_server_steps_every_part_once_all_workers_sent_it():
-    """Two workers, two parts a server, one step: each part's weights come back as w - 0.01/2 (g0 + g1)."""
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_the_raw_parts_server_steps_every_part_once_all_workers_sent_it(native):
+    """Two workers, two parts a server, two steps: each part's weights come back as w - 0.01/2 (g0 + g1) a step."""
     torch.manual_seed(0)
     models = [torch.nn.Linear(64, 8) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())  # (the servers take rank 0's weights either way)
     start = torch.cat([p.detach().reshape(-1).clone() for p in models[0].parameters()])
     server = subprocess.Popen([sys.executable, str(BENCH / "baselines" / "raw_ps.py"), "--host", "127.0.0.1",
-                               "--world", "2", "--lo", "0", "--hi", str(start.numel()), "--steps", "1",
-                               "--timeout", "30", "--parts", "2"], stdout=subprocess.PIPE, text=True)
+                               "--world", "2", "--lo", "0", "--hi", str(start.numel()), "--steps", "2",
+                               "--timeout", "30", "--parts", "2", *(["--native"] if native else [])],
+                              stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline() if server.stdout else ""
         assert line.startswith("READY "), line
@@ -31,23 +35,34 @@ def test_the_raw_parts_server_steps_every_part_once_all_workers_sent_it():
         clients: list[Client | None] = [None, None]
 
         def connect(rank: int) -> None:  # rank 0's initial weights are read before anyone's answer
-            clients[rank] = Client(models[rank], [address], rank, 30.0, parts=2, window=1)
+            clients[rank] = Client(models[rank], [address], rank, 30.0, parts=2, window=1, native=native)
 
         threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(30)
-        grads = [torch.randn(start.numel()), torch.randn(start.numel())]
-        for c, g in zip(clients, grads):
-            assert c is not None
-            c.grad.copy_(g)
-        steps = [threading.Thread(target=c.step) for c in clients if c is not None]
-        for t in steps:
-            t.start()
-        for t in steps:
-            t.join(30)
-        expected = start - 0.01 / 2 * (grads[0] + grads[1])
+        expected = start.clone()
+        for _ in range(2):
+            grads = [torch.randn(start.numel()), torch.randn(start.numel())]
+            for c, g in zip(clients, grads):
+                assert c is not None
+                c.grad.copy_(g)
+            failed: list[BaseException] = []
+
+            def step(c: Client) -> None:
+                try:
+                    c.step()
+                except BaseException as e:  # noqa: BLE001 - asserted below
+                    failed.append(e)
+
+            steps = [threading.Thread(target=step, args=(c,)) for c in clients if c is not None]
+            for t in steps:
+                t.start()
+            for t in steps:
+                t.join(30)
+            assert not failed and not any(t.is_alive() for t in steps), failed
+            expected -= 0.01 / 2 * (grads[0] + grads[1])
         for c in clients:
             assert c is not None
             assert torch.allclose(c.flat, expected, atol=1e-6)

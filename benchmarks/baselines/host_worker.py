@@ -150,7 +150,8 @@ def run_raw_ps(a: argparse.Namespace) -> dict[str, object]:
     from baselines.raw_ps import Client
 
     model = mlp(a.dims)
-    client = Client(model, a.addresses.split(","), a.rank, a.timeout, parts=a.parts, window=a.window)
+    client = Client(model, a.addresses.split(","), a.rank, a.timeout, parts=a.parts, window=a.window,
+                    native=a.native)
     try:
         return train(a, model, client)
     finally:
@@ -178,6 +179,8 @@ def main() -> int:
                    help="shardps: push_window; raw-ps --parts: parts unanswered at once (default: every one)")
     p.add_argument("--compress", default="none", help="shardps: none, topk:RATIO or powersgd:RANK")
     p.add_argument("--parts", type=int, default=1, help="raw-ps: parts a server, each a message (raw_ps.py --parts)")
+    p.add_argument("--native", action="store_true",
+                   help="raw-ps: each step's parts in C (raw_ps.py --native, baselines/raw_ps_native.c)")
     p.add_argument("--part-bytes", type=int, default=None,
                    help="shardps: connect(part_bytes=): the size the model is cut into (default: the library's)")
     a = p.parse_args()

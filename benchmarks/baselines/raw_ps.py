@@ -34,17 +34,25 @@ them into the parameters. What shardps does a part beyond this (protobuf
 control, versions and clocks, leases, the push's own answer, the objects and
 threads of a general path) is its overhead above a Python floor for the
 same schedule (benchmarks/call_cpu.py ``--systems``).
+
+``--native`` (both ends, with ``--parts``, 1 included): the same schedule and work with the per-part loop
+compiled (raw_ps_native.c, built by native.py: a C compiler is needed), Python setting up the sockets and
+the first weights, each step one call that lets the interpreter's lock go. Its sum and step are plain C
+loops, its check a test of each element's exponent bits, and the answer is copied as above: what that
+granularity costs a parameter server whose per-part loop is out of the interpreter, on both ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import signal
 import socket
 import struct
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,6 +124,8 @@ def serve(a: argparse.Namespace) -> int:
     grads = {r: torch.empty(n, dtype=torch.float32) for r in conns}
     total = torch.empty(n, dtype=torch.float32)
     lr = 0.01 / a.world
+    if a.native:
+        return _serve_native(a, conns, weights, grads, total, lr)
     if a.parts > 1:
         return _serve_parts(a, conns, weights, grads, total, lr)
 
@@ -152,6 +162,10 @@ def _run(a: argparse.Namespace, conns: dict[int, socket.socket], serve_worker: A
         t.start()
     for t in threads:
         t.join(a.timeout * (a.steps + 1))
+    return _finish(a, conns, failures)
+
+
+def _finish(a: argparse.Namespace, conns: dict[int, socket.socket], failures: list[BaseException]) -> int:
     if failures:
         for s in conns.values():
             s.close()
@@ -216,11 +230,30 @@ def _serve_parts(a: argparse.Namespace, conns: dict[int, socket.socket], weights
     return _run(a, conns, serve_worker, failures)
 
 
+def _serve_native(a: argparse.Namespace, conns: dict[int, socket.socket], weights: torch.Tensor,
+                  grads: dict[int, torch.Tensor], total: torch.Tensor, lr: float) -> int:
+    """``--native``: every step in raw_ps_native.c's ``rps_serve`` (module docstring)."""
+    from baselines import native
+
+    lib = native.library()
+    for sock in conns.values():
+        sock.sendall(_bytes(weights))  # the starting weights (each worker reads its servers in order)
+    world, pieces = a.world, cuts(0, weights.numel(), a.parts)
+    answer = weights.clone()
+    fds = (ctypes.c_int * world)(*(conns[r].fileno() for r in range(world)))
+    gptrs = (ctypes.c_void_p * world)(*(grads[r].data_ptr() for r in range(world)))
+    lo = (ctypes.c_long * a.parts)(*(p[0] for p in pieces))
+    hi = (ctypes.c_long * a.parts)(*(p[1] for p in pieces))
+    rc = lib.rps_serve(world, fds, weights.data_ptr(), answer.data_ptr(), total.data_ptr(), gptrs, a.parts, lo, hi,
+                       a.steps, lr, int(a.timeout * 1000))
+    return _finish(a, conns, [RuntimeError(f"native server: {native.error()}")] if rc else [])
+
+
 class Client:
     """A worker's side (``host_worker.py raw-ps``): flat parameters and gradients, one thread per server."""
 
     def __init__(self, model: torch.nn.Module, addresses: list[str], rank: int, timeout: float, parts: int = 1,
-                 window: int | None = None) -> None:
+                 window: int | None = None, native: bool = False) -> None:
         params = [p for p in model.parameters()]
         total = sum(p.numel() for p in params)
         self.flat = torch.empty(total, dtype=torch.float32)
@@ -251,8 +284,11 @@ class Client:
         self._done = threading.Barrier(k + 1, timeout=timeout)
         self._failures: list[BaseException] = []
         self._stop = False
-        self.parts, self.timeout = parts, timeout
-        if parts > 1:  # (module docstring) a reading thread per server; the caller's thread sends the parts
+        self.parts, self.timeout, self.native = parts, timeout, native
+        if native:  # (module docstring) each step one call into raw_ps_native.c
+            self._native_setup(rank, window)
+            self._threads = []
+        elif parts > 1:  # (module docstring) a reading thread per server; the caller's thread sends the parts
             self.pieces = [cuts(lo, hi, parts) for lo, hi in self.ranges]
             start = rank % k
             self.order = [(j, i) for i in range(parts) for j in [*range(start, k), *range(start)]]
@@ -264,6 +300,29 @@ class Client:
             self._threads = [threading.Thread(target=self._serve, args=(j,), daemon=True) for j in range(k)]
         for t in self._threads:
             t.start()
+
+    def _native_setup(self, rank: int, window: int | None) -> None:
+        from baselines import native
+
+        self._lib = native.library()
+        k, parts = len(self.socks), self.parts
+        pieces = [piece for lo, hi in self.ranges for piece in cuts(lo, hi, parts)]  # [j * parts + i]
+        start = rank % k
+        order = [(j, i) for i in range(parts) for j in [*range(start, k), *range(start)]]
+        self._c_fds = (ctypes.c_int * k)(*(s.fileno() for s in self.socks))
+        self._c_lo = (ctypes.c_long * len(pieces))(*(p[0] for p in pieces))
+        self._c_hi = (ctypes.c_long * len(pieces))(*(p[1] for p in pieces))
+        self._c_order = (ctypes.c_int * (2 * len(order)))(*(x for pair in order for x in pair))
+        self._c_window = window or len(order)
+
+    def _step_native(self) -> None:
+        from baselines import native
+
+        rc = self._lib.rps_step(len(self.socks), self._c_fds, self.grad.data_ptr(), self.flat.data_ptr(),
+                                self.grad.numel(), self.parts, self._c_lo, self._c_hi, self._c_order,
+                                self._c_window, int(self.timeout * 1000))
+        if rc:
+            raise RuntimeError(f"raw parameter server (native): {native.error()}")
 
     def _answers(self, j: int) -> None:
         """--parts: server ``j``'s answers, each part's weights read into the parameters."""
@@ -318,6 +377,9 @@ class Client:
 
     def step(self) -> None:
         """Push the gradient, pull the weights (into the parameters' own storage)."""
+        if self.native:
+            self._step_native()
+            return
         if self.parts > 1:
             self._step_parts()
             return
@@ -331,7 +393,9 @@ class Client:
 
     def close(self) -> None:
         self._stop = True
-        if self.parts > 1:
+        if self.native:
+            pass
+        elif self.parts > 1:
             for s in self.socks:
                 s.shutdown(socket.SHUT_RDWR)  # the reading threads end
         else:
@@ -354,6 +418,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True, help="steps to serve (warm-up and timed)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--parts", type=int, default=1, help="parts of this server's range, each a message (default 1)")
+    p.add_argument("--native", action="store_true", help="the per-part loop in C (raw_ps_native.c; needs gcc)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # baselines.native
     return serve(p.parse_args())
 
 
