@@ -24,7 +24,9 @@ interpreter's lock and their work to each other.
 schedule on raw sockets (``baselines/raw_ps.py --parts``: nothing but the
 work, its per-part loop in Python) and ``raw-parts-c``, the same with that
 loop in C on both ends (``raw_ps.py --parts --native``, built with gcc by
-``baselines/native.py`` before the first run).
+``baselines/native.py`` before the first run); ``raw-parts-c-pystep``, the
+same with each part's sum and step a call into Python on the server
+(``--py-step``: a compiled loop that keeps its optimizers in torch).
 """
 
 from __future__ import annotations
@@ -71,14 +73,15 @@ def one(per: int, steps: int, timeout: float, shm: bool = False, system: str = "
     servers: list[subprocess.Popen[str]] = []
     workers: list[subprocess.Popen[str]] = []
     try:
-        if system in ("raw-parts", "raw-parts-c"):  # baselines/raw_ps.py --parts: the schedule, nothing but the work
+        if system.startswith("raw-parts"):  # baselines/raw_ps.py --parts: the schedule, nothing but the work
             flat = numel(DIMS)
-            native = ["--native"] if system == "raw-parts-c" else []
+            native = ["--native"] if system.startswith("raw-parts-c") else []
+            pystep = ["--py-step"] if system == "raw-parts-c-pystep" else []
             for j in range(HOSTS):
                 servers.append(subprocess.Popen(
                     [sys.executable, str(HERE / "baselines" / "raw_ps.py"), "--host", "127.0.0.1", "--world",
                      str(WORKERS), "--lo", str(flat * j // HOSTS), "--hi", str(flat * (j + 1) // HOSTS),
-                     "--steps", str(steps + 2), "--timeout", str(timeout), "--parts", str(per), *native],
+                     "--steps", str(steps + 2), "--timeout", str(timeout), "--parts", str(per), *native, *pystep],
                     env=env, stdout=subprocess.PIPE, text=True))
             addresses = []
             for proc in servers:
@@ -141,12 +144,14 @@ def main() -> int:
     p.add_argument("--systems", default="shardps",
                    help="comma-separated: shardps, raw-parts (baselines/raw_ps.py --parts: the same schedule of "
                         "parts in Python with nothing but the work, a floor to set shardps beside), raw-parts-c "
-                        "(the same, its per-part loop in C: --native)")
+                        "(the same, its per-part loop in C: --native), raw-parts-c-pystep (that, each part's sum "
+                        "and step a call into Python)")
     a = p.parse_args()
     systems = [x.strip() for x in a.systems.split(",") if x.strip()]
-    if not systems or any(x not in ("shardps", "raw-parts", "raw-parts-c") for x in systems):
-        p.error(f"--systems: expected some of shardps, raw-parts and raw-parts-c, got {a.systems!r}")
-    if "raw-parts-c" in systems:
+    known = ("shardps", "raw-parts", "raw-parts-c", "raw-parts-c-pystep")
+    if not systems or any(x not in known for x in systems):
+        p.error(f"--systems: expected some of {', '.join(known)}, got {a.systems!r}")
+    if any(x.startswith("raw-parts-c") for x in systems):
         from baselines.native import NativeUnavailable, build
 
         try:

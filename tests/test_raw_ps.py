@@ -18,8 +18,9 @@ from baselines.native import NativeUnavailable, build  # noqa: E402
 from baselines.raw_ps import Client  # noqa: E402
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-def test_the_raw_parts_server_steps_every_part_once_all_workers_sent_it(native):
+@pytest.mark.parametrize("native,py_step", [(False, False), (True, False), (True, True)],
+                         ids=["python", "native", "native-py-step"])
+def test_the_raw_parts_server_steps_every_part_once_all_workers_sent_it(native, py_step):
     """Two workers, two parts a server, two steps: each part's weights come back as w - 0.01/2 (g0 + g1) a step."""
     if native:
         try:
@@ -32,7 +33,8 @@ def test_the_raw_parts_server_steps_every_part_once_all_workers_sent_it(native):
     start = torch.cat([p.detach().reshape(-1).clone() for p in models[0].parameters()])
     server = subprocess.Popen([sys.executable, str(BENCH / "baselines" / "raw_ps.py"), "--host", "127.0.0.1",
                                "--world", "2", "--lo", "0", "--hi", str(start.numel()), "--steps", "2",
-                               "--timeout", "30", "--parts", "2", *(["--native"] if native else [])],
+                               "--timeout", "30", "--parts", "2", *(["--native"] if native else []),
+                               *(["--py-step"] if py_step else [])],
                               stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline() if server.stdout else ""

@@ -20,6 +20,7 @@ SOURCE = Path(__file__).with_name("raw_ps_native.c")
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread"]
 
 _lib: ctypes.CDLL | None = None
+STEP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # rps_serve's per-part step in Python (or None: C's)
 
 
 class NativeUnavailable(RuntimeError):
@@ -56,7 +57,7 @@ def library() -> ctypes.CDLL:
     if _lib is None:
         lib = ctypes.CDLL(str(build()))
         p, i, n, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-        lib.rps_serve.argtypes = [i, p, p, p, p, p, i, p, p, n, f, i]
+        lib.rps_serve.argtypes = [i, p, p, p, p, p, i, p, p, n, f, i, STEP]
         lib.rps_serve.restype = i
         lib.rps_step.argtypes = [i, p, p, p, n, i, p, p, p, i, i]
         lib.rps_step.restype = i

@@ -40,6 +40,9 @@ compiled (raw_ps_native.c, built by native.py: a C compiler is needed), Python s
 the first weights, each step one call that lets the interpreter's lock go. Its sum and step are plain C
 loops, its check a test of each element's exponent bits, and the answer is copied as above: what that
 granularity costs a parameter server whose per-part loop is out of the interpreter, on both ends.
+``--py-step`` (a server with ``--native``): each complete part's sum, step and copy done by a call into
+Python, in torch as above, the rest in C: what a compiled data plane that keeps its optimizers in torch,
+one call into the interpreter a part, would cost.
 """
 
 from __future__ import annotations
@@ -244,9 +247,26 @@ def _serve_native(a: argparse.Namespace, conns: dict[int, socket.socket], weight
     gptrs = (ctypes.c_void_p * world)(*(grads[r].data_ptr() for r in range(world)))
     lo = (ctypes.c_long * a.parts)(*(p[0] for p in pieces))
     hi = (ctypes.c_long * a.parts)(*(p[1] for p in pieces))
+    failures: list[BaseException] = []
+
+    def step(part: int) -> int:  # --py-step: the Python floor's arrived(), but for the count and the sends
+        try:
+            lo, hi = pieces[part]
+            t = total[lo:hi]
+            t.copy_(grads[0][lo:hi])
+            for r in range(1, world):
+                t.add_(grads[r][lo:hi])
+            weights[lo:hi].add_(t, alpha=-lr)
+            answer[lo:hi].copy_(weights[lo:hi])
+            return 0
+        except BaseException as e:  # noqa: BLE001 - reported by _finish
+            failures.append(e)
+            return 1
+
+    callback = native.STEP(step) if a.py_step else native.STEP()
     rc = lib.rps_serve(world, fds, weights.data_ptr(), answer.data_ptr(), total.data_ptr(), gptrs, a.parts, lo, hi,
-                       a.steps, lr, int(a.timeout * 1000))
-    return _finish(a, conns, [RuntimeError(f"native server: {native.error()}")] if rc else [])
+                       a.steps, lr, int(a.timeout * 1000), callback)
+    return _finish(a, conns, failures + [RuntimeError(f"native server: {native.error()}")] if rc else [])
 
 
 class Client:
@@ -419,6 +439,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--parts", type=int, default=1, help="parts of this server's range, each a message (default 1)")
     p.add_argument("--native", action="store_true", help="the per-part loop in C (raw_ps_native.c; needs gcc)")
+    p.add_argument("--py-step", action="store_true", help="with --native: each part's sum and step in Python")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # baselines.native
     return serve(p.parse_args())
 

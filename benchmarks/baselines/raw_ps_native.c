@@ -9,6 +9,10 @@
  * answers straight into the parameters. Python sets up the sockets and the first weights; every step runs
  * here, without the interpreter's lock (ctypes lets it go for the call).
  *
+ * ``rps_serve``'s ``step``, where given: a function called (from the serving thread, taking the
+ * interpreter's lock through ctypes) with a part's number once every copy of it is in, to sum, step and copy
+ * that part itself in place of the C loops; it returns 0, or not 0 to fail. The answer is sent by C after.
+ *
  * Sockets are made blocking with the kernel's deadlines (SO_RCVTIMEO, SO_SNDTIMEO), so every wait is bounded
  * by ``timeout_ms``. A failure returns -1 with its reason in ``rps_error``.
  */
@@ -128,6 +132,7 @@ typedef struct {
     float *const *grads; /* a buffer a worker, each the server's whole range */
     const long *lo, *hi; /* each part's elements [lo, hi) of the range */
     float lr;
+    int (*step)(int part);
     int *counts;
     pthread_mutex_t lock;
     pthread_mutex_t *sending; /* one a worker's socket */
@@ -149,6 +154,10 @@ static int arrived(server_t *s, uint32_t part) {
     long lo = s->lo[part], hi = s->hi[part];
     float *t = s->total + lo, *w = s->weights + lo, *ans = s->answer + lo;
     long n = hi - lo;
+    if (s->step) {
+        if (s->step((int)part)) return fail("the step of part %u failed", part);
+        goto send;
+    }
     memcpy(t, s->grads[0] + lo, (size_t)n * sizeof(float));
     for (int r = 1; r < s->world; r++) {
         const float *g = s->grads[r] + lo;
@@ -157,6 +166,7 @@ static int arrived(server_t *s, uint32_t part) {
     const float lr = s->lr;
     for (long i = 0; i < n; i++) w[i] -= lr * t[i];
     memcpy(ans, w, (size_t)n * sizeof(float));
+send:
     for (int r = 0; r < s->world; r++) {
         pthread_mutex_lock(&s->sending[r]);
         int rc = send_part(s->fds[r], part, ans, (size_t)n * sizeof(float));
@@ -197,10 +207,12 @@ failed:
 }
 
 int rps_serve(int world, const int *fds, float *weights, float *answer, float *total, float *const *grads,
-              int parts, const long *lo, const long *hi, long rounds, float lr, int timeout_ms) {
+              int parts, const long *lo, const long *hi, long rounds, float lr, int timeout_ms,
+              int (*step)(int part)) {
     rps_error[0] = 0;
     server_t s = {.world = world, .parts = parts, .rounds = rounds, .fds = fds, .weights = weights,
-                  .answer = answer, .total = total, .grads = grads, .lo = lo, .hi = hi, .lr = lr};
+                  .answer = answer, .total = total, .grads = grads, .lo = lo, .hi = hi, .lr = lr,
+                  .step = step};
     s.counts = calloc((size_t)parts, sizeof(int));
     s.sending = calloc((size_t)world, sizeof(pthread_mutex_t));
     pthread_t *threads = calloc((size_t)world, sizeof(pthread_t));
