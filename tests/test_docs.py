@@ -67,8 +67,10 @@ def _commands() -> dict[str, set[str]]:
 
 
 def _benchmark_flags() -> dict[str, set[str]]:
-    return {p.stem: set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", p.read_text()))
-            for p in (ROOT / "benchmarks").glob("*.py")}
+    """Each benchmark's flags by its name; ``baselines/NAME``: the references the benchmarks run."""
+    scripts = [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks" / "baselines").glob("*.py")]
+    return {(p.stem if p.parent.name == "benchmarks" else f"baselines/{p.stem}"):
+            set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", p.read_text())) for p in scripts}
 
 
 def _example_flags() -> set[str]:
