@@ -157,11 +157,18 @@ def test_shardps_processes_start_with_openmp_threads_that_sleep_when_idle_unless
         out = subprocess.run([sys.executable, "-c", said], env={**clean, **extra}, capture_output=True, text=True,
                              timeout=60, check=True).stdout
         assert out.splitlines()[-1] == want, (extra, out)
-    proc = sp.spawn(["server", "--port", "0"], env=_env())  # the default does not keep children from a fork
+    # A fork server this test process started earlier may hold another environment (a test's variable, set
+    # then): its children would start fresh, rightly. This one starts its own, with this environment.
+    monkeypatch.setattr(sp, "_shared", None)
     try:
-        assert isinstance(proc, sp.ForkedProcess)
+        proc = sp.spawn(["server", "--port", "0"], env=_env())  # the default does not keep children from a fork
+        try:
+            assert isinstance(proc, sp.ForkedProcess)
+        finally:
+            stop_processes([proc])
     finally:
-        stop_processes([proc])
+        if sp._shared is not None:
+            sp._shared.close()
     monkeypatch.setenv("SHARDPS_FORK", "0")
     proc = sp.spawn(["server", "--port", "0"], env=clean)  # fresh: its own environment
     try:
