@@ -24,7 +24,11 @@ STEP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # rps_serve's per-part step
 
 
 class NativeUnavailable(RuntimeError):
-    """No C compiler here, or the build failed: the native rows cannot run."""
+    """The build failed: the native rows cannot run (a defect of the source or the flags)."""
+
+
+class NoCompiler(NativeUnavailable):
+    """No C compiler on this machine (gcc, cc or $CC): the native rows need one."""
 
 
 def build() -> Path:
@@ -36,7 +40,7 @@ def build() -> Path:
         return out
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise NativeUnavailable("the native raw parameter server needs a C compiler (gcc or $CC): none found")
+        raise NoCompiler("the native raw parameter server needs a C compiler (gcc, cc or $CC): none found")
     partial = out.with_suffix(f".{os.getpid()}.tmp")
     try:
         done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
