@@ -70,7 +70,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    # xdist hands out units by how many tests each holds (``--loadscope-reorder``, its default), which put the
+    # xdist hands out units by how many tests each holds (its option ``loadscopereorder``, on by default), which put the
     # Ray groups, the partition harness and the long modules in the middle of the run and its tail
     # (pytest_collection_modifyitems orders them first): the units go in collection order instead.
     config.option.loadscopereorder = False

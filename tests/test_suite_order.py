@@ -1,5 +1,5 @@
 """The order `make test` hands its units out in (tests/conftest.py): the Ray groups, then the long modules, then
-the rest, as collected. xdist's own default (``--loadscope-reorder``: the units with the most tests first) put
+the rest, as collected. xdist's own default (its option ``loadscopereorder``: the units with the most tests first) put
 the longest units in the middle and the tail of the run (docs/performance.md, "The test suite's time")."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def test_units_go_out_in_collection_order_grouped_by_ray_group_and_module():
     # As pytest_collection_modifyitems orders them: the Ray groups first, a long module, then a module with the
     # most tests (which xdist's own order would hand out first).
     collection = ["tests/test_ray.py::a", "tests/test_tp_ray.py::b", "tests/test_pipeline_ray.py::c",
-                  "tests/test_demo.py::d", "tests/test_many.py::e1", "tests/test_many.py::e2",
-                  "tests/test_many.py::e3", "tests/test_many.py::e4"]
+                  "tests/test_demo.py::d", "tests/server/test_adafactor.py::e1", "tests/server/test_adafactor.py::e2",
+                  "tests/server/test_adafactor.py::e3", "tests/server/test_adafactor.py::e4"]
     nodes = [_Node("gw0"), _Node("gw1")]
     for node in nodes:
         sched.add_node(node)
@@ -57,7 +57,7 @@ def test_units_go_out_in_collection_order_grouped_by_ray_group_and_module():
     # Each node starts with two units (xdist's rule); the first units are the Ray groups, in order.
     assert first[0][:2] == ["tests/test_ray.py::a", "tests/test_tp_ray.py::b"]  # ray-a: one unit
     assert first[1][0] == "tests/test_pipeline_ray.py::c"  # ray-b
-    assert "tests/test_many.py::e1" not in first[0][:2] + first[1][:1]
+    assert "tests/server/test_adafactor.py::e1" not in first[0][:2] + first[1][:1]
 
 
 def test_the_ray_modules_come_first_then_the_long_modules_longest_first():
