@@ -110,7 +110,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # Modules of the longest wall time under `make test` (seconds in a run of 616 s, 2026-12-07 21:47 UTC, three
-# processes on 2 cores): the partition harness 96, test_replication_kill 66, test_demo 69, test_ray_own_cluster
+# processes on 2 cores): the partition harness 96, test_demo 69, test_replication_kill 66, test_ray_own_cluster
 # 64, test_fuzz 62, test_partitions 59, test_deploy 41, test_netsim 38, test_spawn 36; with xdist's own order
 # (units with the most tests first) test_ray_own_cluster started at 539 s and ended the run at 616.
 LONG_MODULES = ("test_partition_harness.py", "test_demo.py", "test_replication_kill.py", "test_ray_own_cluster.py",
